@@ -1,0 +1,40 @@
+"""rollart: disaggregated multi-task agentic RL training as a Dask dataflow.
+
+>>> # import rollart
+>>> # result = rollart.train()          # the default multi-task graph on a local cluster
+"""
+
+from rollart.control import RunResult, train
+from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
+from rollart.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
+from rollart.resources import Pool, Resources, ResourcesError, ResourceTagError, load_resources
+from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN, Episode, StepResult, Trajectory
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "CPU_ENV",
+    "Episode",
+    "GRPO",
+    "Graph",
+    "GraphError",
+    "H20",
+    "H800",
+    "Policy",
+    "Pool",
+    "REWARD",
+    "ResourceTagError",
+    "Resources",
+    "ResourcesError",
+    "Rollout",
+    "RunResult",
+    "StepResult",
+    "TRAIN",
+    "Task",
+    "Trajectory",
+    "get_task",
+    "load_graph",
+    "load_resources",
+    "train",
+]

@@ -1,0 +1,7 @@
+"""``python -m rollart`` is the ``rollart`` command."""
+
+import sys
+
+from rollart.cli import main
+
+sys.exit(main())

@@ -1,0 +1,309 @@
+"""``SampleBuffer``: a Dask actor that turns finished trajectories into GRPO batches.
+
+Consumes ``Trajectory`` records one at a time (``put``, called by the rollout side) and
+hands out complete, bounded-stale groups to the ``Trainer`` (``get_batch``). Buffered
+rows are held as Arrow record batches in ``rollart.buffer.schema.SCHEMA``. Every
+trajectory that leaves (trained, dropped, failed) is written, when ``run_dir`` is set,
+to ``{run_dir}/samples/part-{k:05d}.parquet`` with its final ``state`` and
+``trained_step``. Invariant: received == buffered + trained + dropped + failed.
+All public methods are coroutines that run on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from rollart.buffer.schema import SCHEMA, from_table, to_record_batch, write_parquet
+from rollart.types import Trajectory, TrajState
+
+logger = logging.getLogger(__name__)
+
+_STATE = SCHEMA.get_field_index("state")
+_STEP = SCHEMA.get_field_index("trained_step")
+
+
+@dataclass
+class _Group:
+    """One GRPO group: the non-failed members that arrived, as Arrow."""
+
+    group_id: str
+    size: int
+    arrived: int = 0  # members seen, failed ones included
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # of the buffered members
+
+    @property
+    def complete(self) -> bool:
+        return self.arrived >= self.size
+
+    @property
+    def rows(self) -> int:
+        return len(self.versions)
+
+    @property
+    def version(self) -> int | None:
+        """Min version over the buffered (non-failed) members; None when there are none."""
+        return min(self.versions) if self.versions else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.batches)
+
+    def compact(self) -> None:
+        """Combine the one-row batches of a complete group into one batch."""
+        if len(self.batches) > 1:
+            table = pa.Table.from_batches(self.batches, schema=SCHEMA).combine_chunks()
+            self.batches = table.to_batches() or []
+
+
+def _restate(batch: pa.RecordBatch, state: str, trained_step: int | None) -> pa.RecordBatch:
+    """The batch with ``state`` and ``trained_step`` set on every row."""
+    n = batch.num_rows
+    batch = batch.set_column(_STATE, SCHEMA.field(_STATE), pa.array([state] * n, pa.string()))
+    return batch.set_column(_STEP, SCHEMA.field(_STEP), pa.array([trained_step] * n, pa.int32()))
+
+
+def _is_failed(traj: Trajectory) -> bool:
+    failed = TrajState.FAILED.value
+    return getattr(traj.state, "value", traj.state) == failed or traj.outcome == failed
+
+
+class SampleBuffer:
+    """Groups trajectories by ``group_id`` and serves bounded-stale GRPO batches.
+
+    Use as a Dask actor: ``client.submit(SampleBuffer, run_dir, actor=True)``.
+    """
+
+    def __init__(self, run_dir: str | None = None, *, flush_every: int = 256):
+        self.run_dir = str(run_dir).rstrip("/") if run_dir is not None else None
+        self.flush_every = max(1, int(flush_every))
+        self._open: dict[str, _Group] = {}  # incomplete groups
+        self._complete: OrderedDict[str, _Group] = OrderedDict()  # FIFO by completion
+        self._closed: set[str] = set()  # groups that left; late members are dropped
+        self._counts = dict(received=0, trained=0, dropped=0, failed=0)
+        self._cond: asyncio.Condition | None = None
+        self._waiters = 0
+        self._pending: list[pa.RecordBatch] = []  # left the buffer, not yet written
+        self._pending_rows = 0
+        self._parts = 0  # next part index
+        self._writes: set[asyncio.Future] = set()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- internals ----------------------------------------------------------------------
+    @property
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # created lazily: __init__ may run off the event loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _buffered(self) -> int:
+        return sum(g.rows for g in self._open.values()) + sum(
+            g.rows for g in self._complete.values()
+        )
+
+    def _leave(self, batches: list[pa.RecordBatch], state: TrajState, step: int | None = None):
+        """Count rows that leave the buffer and queue them for Parquet."""
+        key = {TrajState.TRAINED: "trained", TrajState.FAILED: "failed"}.get(state, "dropped")
+        out = [_restate(b, state.value, step) for b in batches if b.num_rows]
+        rows = sum(b.num_rows for b in out)
+        self._counts[key] += rows
+        if self.run_dir is not None:
+            self._pending.extend(out)
+            self._pending_rows += rows
+        return out
+
+    def _close_group(self, group: _Group) -> None:
+        self._open.pop(group.group_id, None)
+        self._complete.pop(group.group_id, None)
+        self._closed.add(group.group_id)
+
+    def _add(self, traj: Trajectory, group_size: int) -> bool:
+        """Book one arrival; True when it completed a group with trainable members."""
+        self._counts["received"] += 1
+        gid = traj.group_id
+        failed = _is_failed(traj)
+        if failed:
+            traj.state = TrajState.FAILED.value
+        if gid in self._closed or gid in self._complete:
+            logger.warning("late member %s of group %s dropped", traj.traj_id, gid)
+            state = TrajState.FAILED if failed else TrajState.DROPPED
+            self._leave([to_record_batch([traj])], state)
+            return False
+        group = self._open.setdefault(gid, _Group(gid, max(1, int(group_size))))
+        group.arrived += 1
+        if failed:
+            self._leave([to_record_batch([traj])], TrajState.FAILED)
+        else:
+            traj.state = TrajState.BUFFERED.value
+            group.batches.append(to_record_batch([traj]))
+            group.versions.append(traj.version)
+        if not group.complete:
+            return False
+        del self._open[gid]
+        if not group.rows:  # every member failed (already counted): nothing to train on
+            self._closed.add(gid)
+            return False
+        group.compact()
+        self._complete[gid] = group
+        return True
+
+    def _drop_stale(self, min_version: int) -> int:
+        """Drop complete groups older than ``min_version``; returns trajectories dropped."""
+        stale = [g for g in self._complete.values() if g.version < min_version]
+        for g in stale:
+            self._close_group(g)
+            self._leave(g.batches, TrajState.DROPPED)
+        return sum(g.rows for g in stale)
+
+    def _take(self, n_groups: int, trained_step: int | None) -> list[Trajectory]:
+        """Hand out the ``n_groups`` oldest complete groups."""
+        groups = list(self._complete.values())[:n_groups]
+        out: list[pa.RecordBatch] = []
+        for g in groups:
+            self._close_group(g)
+            out.extend(self._leave(g.batches, TrajState.TRAINED, trained_step))
+        return from_table(pa.Table.from_batches(out, schema=SCHEMA))
+
+    def _counts_now(self) -> dict[str, int]:
+        c = self._counts
+        return {
+            "received": c["received"],
+            "buffered": self._buffered(),
+            "trained": c["trained"],
+            "dropped": c["dropped"],
+            "failed": c["failed"],
+            "groups_complete": len(self._complete),
+        }
+
+    # -- persistence --------------------------------------------------------------------
+    def _write_part(self) -> asyncio.Future | None:
+        """Start writing the pending rows as the next part file (in a worker thread)."""
+        if self.run_dir is None or not self._pending_rows:
+            return None
+        table = pa.Table.from_batches(self._pending, schema=SCHEMA)
+        url = f"{self.run_dir}/samples/part-{self._parts:05d}.parquet"
+        self._parts += 1
+        self._pending, self._pending_rows = [], 0
+        if self._pool is None:  # one thread: part files are written in order
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sample-buffer-io")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, write_parquet, table, url)
+        self._writes.add(fut)
+        fut.add_done_callback(lambda f: self._write_done(f, table, url))
+        return fut
+
+    def _write_done(self, fut: asyncio.Future, table: pa.Table, url: str) -> None:
+        self._writes.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.error("writing %s failed (%r); rows kept for the next flush",
+                         url, fut.exception())
+            self._pending[:0] = table.to_batches()
+            self._pending_rows += table.num_rows
+
+    async def _maybe_flush(self) -> None:
+        """Write a part once ``flush_every`` rows wait; errors are logged, not raised."""
+        if self._pending_rows >= self.flush_every:
+            fut = self._write_part()
+            if fut is not None:
+                await asyncio.wait([fut])
+
+    # -- public API ---------------------------------------------------------------------
+    async def put(self, traj: Trajectory, group_size: int) -> None:
+        """Add one finished trajectory of a group of ``group_size`` members."""
+        async with self._condition:
+            if self._add(traj, group_size):
+                self._condition.notify_all()
+        await self._maybe_flush()
+
+    async def get_batch(
+        self,
+        n_groups: int,
+        min_version: int,
+        timeout: float | None = None,
+        trained_step: int | None = None,
+    ) -> list[Trajectory]:
+        """Wait for ``n_groups`` complete groups of version >= ``min_version``; take them.
+
+        Complete groups older than ``min_version`` are dropped on the way. Returns the
+        groups' trajectories (oldest completed group first) marked ``trained``.
+        Raises ``TimeoutError`` when ``timeout`` seconds pass first.
+        """
+        if n_groups <= 0:
+            return []
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        cond = self._condition
+        async with cond:
+            while True:
+                self._drop_stale(min_version)
+                if len(self._complete) >= n_groups:
+                    batch = self._take(n_groups, trained_step)
+                    break
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"get_batch({n_groups}, min_version={min_version}) timed out after "
+                        f"{timeout}s: {len(self._complete)} complete groups ready, "
+                        f"counts={self._counts_now()}"
+                    )
+                self._waiters += 1
+                try:
+                    await asyncio.wait_for(cond.wait(), remaining)
+                except TimeoutError:
+                    pass  # loop once more: report or (rarely) succeed
+                finally:
+                    self._waiters -= 1
+        await self._maybe_flush()
+        return batch
+
+    async def abort_older_than(self, min_version: int) -> int:
+        """Drop groups (complete or not) whose arrived members are older than
+        ``min_version``; their later members are dropped on arrival. Returns rows dropped."""
+        async with self._condition:
+            groups = list(self._open.values()) + list(self._complete.values())
+            stale = [g for g in groups if g.rows and g.version < min_version]
+            for g in stale:
+                self._close_group(g)
+                self._leave(g.batches, TrajState.DROPPED)
+        await self._maybe_flush()
+        return sum(g.rows for g in stale)
+
+    async def counts(self) -> dict[str, int]:
+        """received, buffered, trained, dropped, failed (trajectories), groups_complete."""
+        return self._counts_now()
+
+    async def size(self) -> int:
+        """Trajectories held now (complete and incomplete groups)."""
+        return self._buffered()
+
+    async def stats(self) -> dict:
+        """``counts()`` plus buffer internals: rows, Arrow bytes, groups, waiters, I/O."""
+        groups = list(self._open.values()) + list(self._complete.values())
+        return {
+            **self._counts_now(),
+            "buffered_rows": sum(g.rows for g in groups),
+            "arrow_bytes": sum(g.nbytes for g in groups),
+            "groups_incomplete": len(self._open),
+            "waiters": self._waiters,
+            "pending_rows": self._pending_rows,
+            "parts_started": self._parts,
+        }
+
+    async def flush(self) -> int:
+        """Write the rows that left so far, wait for all writes; returns parts started."""
+        self._write_part()
+        if self._writes:
+            await asyncio.gather(*list(self._writes))
+        return self._parts
+
+    async def close(self) -> None:
+        """Flush and release the I/O thread. Still-buffered rows are not written."""
+        await self.flush()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

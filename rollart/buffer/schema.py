@@ -1,0 +1,136 @@
+"""The Arrow schema of a stored trajectory, and its Parquet I/O.
+
+Consumes ``rollart.types.Trajectory`` records; produces ``pyarrow`` record batches and
+Parquet part files. The ``SampleBuffer`` holds its data in this schema and writes the
+trajectories that leave it to ``{run_dir}/samples/part-*.parquet``; analysis code reads
+them back with ``read_samples``. Every path is an fsspec URL (local, ``memory://``, ...).
+
+One row per trajectory (schema metadata ``rollart_schema_version = "1"``):
+
+==============  ===============  ========  ==================================================
+column          type             nullable  meaning
+==============  ===============  ========  ==================================================
+traj_id         string           no        unique id of the rollout
+task            string           no        task (environment) name
+group_id        string           no        GRPO group; members share prompt and seed
+seed            int64            no        environment seed
+prompt_ids      list<int32>      no        prompt token ids
+response_ids    list<int32>      no        all tokens after the prompt (generated + env)
+loss_mask       list<int8>       no        1 where the policy generated the response token
+logprobs        list<float32>    no        behaviour log-prob per response token (0 if masked)
+versions        list<int32>      no        policy version per response token (-1 if masked)
+reward          float64          no        scalar reward of the rollout
+num_turns       int32            no        agent turns taken
+env_time        float64          no        seconds spent in the environment
+gen_time        float64          no        seconds spent waiting for generation
+outcome         string           no        "success" | "failure" | "truncated" | "failed"
+error           string           no        error text when the rollout failed
+state           string           no        ``TrajState`` value (how it left the buffer)
+version         int32            no        derived: oldest generated-token version (-1: none)
+trained_step    int32            yes       trainer step that consumed it (null otherwise)
+==============  ===============  ========  ==================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import fields as dc_fields
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rollart.types import Trajectory
+
+SCHEMA_VERSION = "1"
+
+_COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
+    ("traj_id", pa.string(), False, "unique id of the rollout"),
+    ("task", pa.string(), False, "task (environment) name"),
+    ("group_id", pa.string(), False, "GRPO group; members share prompt and seed"),
+    ("seed", pa.int64(), False, "environment seed"),
+    ("prompt_ids", pa.list_(pa.int32()), False, "prompt token ids"),
+    ("response_ids", pa.list_(pa.int32()), False, "tokens after the prompt (generated + env)"),
+    ("loss_mask", pa.list_(pa.int8()), False, "1 where the policy generated the token"),
+    ("logprobs", pa.list_(pa.float32()), False, "behaviour log-prob per response token"),
+    ("versions", pa.list_(pa.int32()), False, "policy version per response token (-1 masked)"),
+    ("reward", pa.float64(), False, "scalar reward of the rollout"),
+    ("num_turns", pa.int32(), False, "agent turns taken"),
+    ("env_time", pa.float64(), False, "seconds spent in the environment"),
+    ("gen_time", pa.float64(), False, "seconds spent waiting for generation"),
+    ("outcome", pa.string(), False, "success | failure | truncated | failed"),
+    ("error", pa.string(), False, "error text when the rollout failed"),
+    ("state", pa.string(), False, "TrajState value: how the row left the buffer"),
+    ("version", pa.int32(), False, "derived: oldest generated-token policy version (-1 none)"),
+    ("trained_step", pa.int32(), True, "trainer step that consumed the row (null otherwise)"),
+]
+
+SCHEMA: pa.Schema = pa.schema(
+    [pa.field(n, t, nullable=nl, metadata={b"doc": d.encode()}) for n, t, nl, d in _COLUMNS],
+    metadata={b"rollart_schema_version": SCHEMA_VERSION.encode()},
+)
+
+#: The columns that are ``Trajectory`` fields (everything but the derived ones).
+TRAJ_FIELDS: tuple[str, ...] = tuple(f.name for f in dc_fields(Trajectory))
+_DERIVED = ("version", "trained_step")
+assert set(TRAJ_FIELDS) | set(_DERIVED) == set(SCHEMA.names), "schema out of sync with types"
+
+
+def to_record_batch(trajs: list[Trajectory], trained_step: int | None = None) -> pa.RecordBatch:
+    """Trajectories as one batch in ``SCHEMA``; every row gets ``trained_step``."""
+    cols: dict[str, list] = {name: [getattr(t, name) for t in trajs] for name in TRAJ_FIELDS}
+    cols["state"] = [getattr(s, "value", s) for s in cols["state"]]
+    cols["version"] = [t.version for t in trajs]
+    cols["trained_step"] = [trained_step] * len(trajs)
+    arrays = [pa.array(cols[f.name], type=f.type) for f in SCHEMA]
+    return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
+
+
+def from_table(table_or_batch: pa.Table | pa.RecordBatch) -> list[Trajectory]:
+    """Rows back as ``Trajectory`` records (derived columns are ignored)."""
+    cols = {name: table_or_batch.column(name).to_pylist() for name in TRAJ_FIELDS}
+    return [
+        Trajectory(**{name: cols[name][i] for name in TRAJ_FIELDS})
+        for i in range(table_or_batch.num_rows)
+    ]
+
+
+def _as_table(data: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> pa.Table:
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    return pa.Table.from_batches(list(data), schema=SCHEMA)
+
+
+def write_parquet(batches_or_table, url: str) -> int:
+    """Write a table, a batch or a list of batches as one Parquet file; returns rows."""
+    table = _as_table(batches_or_table)
+    with fsspec.open(str(url), "wb") as f:
+        pq.write_table(table, f)
+    return table.num_rows
+
+
+def _sample_files(run_dir_or_url: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    fs, root = fsspec.core.url_to_fs(str(run_dir_or_url))
+    root = root.rstrip("/")
+    if root.endswith(".parquet"):
+        return fs, [root]
+    base = f"{root}/samples" if fs.isdir(f"{root}/samples") else root
+    return fs, sorted(fs.glob(f"{base}/*.parquet"))
+
+
+def read_samples(run_dir_or_url: str) -> pa.Table:
+    """All ``samples/*.parquet`` under a run dir (or one file / a samples dir) as a table.
+
+    Files are read in name order, so rows come back in the order they were written.
+    An empty table in ``SCHEMA`` when there is nothing yet.
+    """
+    fs, paths = _sample_files(run_dir_or_url)
+    tables = []
+    for path in paths:
+        with fs.open(path, "rb") as f:
+            tables.append(pq.read_table(f).cast(SCHEMA))
+    if not tables:
+        return SCHEMA.empty_table()
+    return pa.concat_tables(tables)

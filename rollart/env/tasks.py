@@ -1,0 +1,121 @@
+"""Task records: what the rollout stage needs to run one kind of episode.
+
+A ``Task`` bundles an env factory, a reward function, turn/token limits, the random
+valid-action policy used for the supervised warm-up, and the vocabulary used to build the
+word-level tokenizer. ``BUILTIN_TASKS`` lists the built-in ones explicitly; ``get_task``
+resolves a name; ``task_corpus`` gives the tokenizer its words. Consumed by the env
+manager, the warm-up, and the CLI/config layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+from rollart.env.builtin import boxpush, gridnav, guess
+from rollart.env.protocol import Env
+from rollart.types import Episode
+
+
+class UnknownTaskError(KeyError):
+    """``get_task`` got a name that is not a built-in task."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task. ``env_factory`` and ``reward_fn`` must pickle (use a class and a
+    module-level function, not a lambda) since they travel to Dask workers."""
+
+    name: str
+    env_factory: Callable[[], Env]
+    reward_fn: Callable[[Episode], float]
+    max_turns: int
+    max_new_tokens: int = 4
+    warmup_action: Callable[..., str] | None = None  # (rng, observation) -> action
+    vocabulary: Callable[[], list[str]] | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(
+                f"Task.name must be a non-empty str without whitespace, got {self.name!r}; "
+                "use e.g. 'my_task'"
+            )
+        for field_name in ("max_turns", "max_new_tokens"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Task {self.name!r}: {field_name} must be an int >= 1, got {value!r}"
+                )
+        for field_name in ("env_factory", "reward_fn"):
+            if not callable(getattr(self, field_name)):
+                raise TypeError(_not_callable(self.name, field_name, getattr(self, field_name)))
+        for field_name in ("warmup_action", "vocabulary"):
+            value = getattr(self, field_name)
+            if value is not None and not callable(value):
+                raise TypeError(_not_callable(self.name, field_name, value) + " or None")
+
+
+def _not_callable(task: str, field_name: str, value: Any) -> str:
+    hint = {
+        "env_factory": "pass the env class (e.g. GridNavEnv), not an instance",
+        "reward_fn": "pass a module-level function Episode -> float",
+        "warmup_action": "pass a function (rng, observation) -> action",
+        "vocabulary": "pass a function () -> list[str]",
+    }[field_name]
+    return f"Task {task!r}: {field_name} must be callable, got {type(value).__name__}; {hint}"
+
+
+def _builtin(module: ModuleType, env_cls: type) -> Task:
+    return Task(
+        name=module.NAME,
+        env_factory=env_cls,
+        reward_fn=module.reward_fn,
+        max_turns=module.MAX_TURNS,
+        warmup_action=module.warmup_action,
+        vocabulary=module.vocabulary,
+        description=module.DESCRIPTION,
+    )
+
+
+BUILTIN_TASKS: dict[str, Task] = {
+    "gridnav": _builtin(gridnav, gridnav.GridNavEnv),
+    "guess": _builtin(guess, guess.GuessEnv),
+    "boxpush": _builtin(boxpush, boxpush.BoxPushEnv),
+}
+
+
+def get_task(name_or_task: str | Task) -> Task:
+    """Return ``name_or_task`` if it is a ``Task``, else the built-in task of that name."""
+    if isinstance(name_or_task, Task):
+        return name_or_task
+    if not isinstance(name_or_task, str):
+        raise TypeError(
+            f"get_task expects a task name (str) or a Task, got {type(name_or_task).__name__}"
+        )
+    try:
+        return BUILTIN_TASKS[name_or_task]
+    except KeyError:
+        known = ", ".join(sorted(BUILTIN_TASKS))
+        raise UnknownTaskError(
+            f"unknown task {name_or_task!r}; known tasks: {known} "
+            "(or pass a rollart.env.Task object)"
+        ) from None
+
+
+def task_corpus(tasks: Iterable[str | Task]) -> list[str]:
+    """Sorted union of the tasks' vocabularies: the words the tokenizer must know."""
+    words: set[str] = set()
+    for item in tasks:
+        task = get_task(item)
+        if task.vocabulary is None:
+            raise ValueError(
+                f"task {task.name!r} has no vocabulary; give Task(vocabulary=...) a function "
+                "returning every observation word and action word"
+            )
+        words.update(task.vocabulary())
+    return sorted(words)

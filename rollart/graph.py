@@ -1,0 +1,207 @@
+"""Graph definitions: what to train (task mix, policy, algorithm, bounds) as plain Python.
+
+A graph module in ``graphs/`` defines ``graph() -> Graph``; variants are functions that
+call another graph function and ``dataclasses.replace`` what differs. ``load_graph``
+resolves a CLI argument (a path, a bare name in ``graphs/``, or ``module:function``) to a
+validated ``Graph``. The control loop reads it; nothing here touches Dask or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from rollart.env.tasks import get_task
+from rollart.resources import _find_file, _load_module
+from rollart.types import CPU_ENV, INFERENCE_TAGS, REWARD, TRAIN
+
+DEFAULT_GRAPH = "multitask"
+MODES = ("async",)
+
+
+class GraphError(ValueError):
+    """A graph that cannot run; the message says what to change."""
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise GraphError(msg)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The model and how it samples. ``model=None`` builds the built-in tiny model."""
+
+    model: str | None = None
+    warmup_steps: int = 300  # supervised format warm-up of the built-in model (0 = none)
+    warmup_batch: int = 32
+    warmup_lr: float = 3e-3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_batch: int = 64  # requests batched together by one inference worker
+
+    def __post_init__(self):
+        _check(self.model is None or isinstance(self.model, str),
+               f"Policy.model must be a path to a Hugging Face model folder or None, "
+               f"got {self.model!r}")
+        _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+               f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
+        _check(self.temperature > 0, f"Policy.temperature must be > 0 for RL sampling, "
+               f"got {self.temperature!r}")
+        _check(0 < self.top_p <= 1, f"Policy.top_p must be in (0, 1], got {self.top_p!r}")
+        _check(self.max_batch >= 1, f"Policy.max_batch must be ≥ 1, got {self.max_batch!r}")
+
+
+@dataclass(frozen=True)
+class GRPO:
+    """Group-relative policy optimisation settings."""
+
+    group_size: int = 8  # trajectories per group (same task and seed)
+    groups_per_step: int = 6  # groups per trainer step; batch = group_size * this
+    lr: float = 2e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the initial policy
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    alpha: int = 1  # staleness bound: train on trajectories ≤ alpha versions old
+
+    def __post_init__(self):
+        for name in ("group_size", "groups_per_step"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                   f"GRPO.{name} must be an int ≥ 1, got {v!r}")
+        _check(self.group_size >= 2, f"GRPO.group_size must be ≥ 2 (group-normalised "
+               f"advantages need a group), got {self.group_size}")
+        _check(isinstance(self.alpha, int) and self.alpha >= 0,
+               f"GRPO.alpha (staleness bound) must be an int ≥ 0, got {self.alpha!r}")
+        _check(self.lr > 0, f"GRPO.lr must be > 0, got {self.lr!r}")
+        _check(0 < self.clip_eps < 1, f"GRPO.clip_eps must be in (0, 1), got {self.clip_eps}")
+        _check(self.kl_coef >= 0, f"GRPO.kl_coef must be ≥ 0, got {self.kl_coef!r}")
+        _check(self.max_grad_norm > 0, "GRPO.max_grad_norm must be > 0")
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Where and how trajectories run."""
+
+    inference_pools: tuple[str, ...] = INFERENCE_TAGS
+    env_concurrency: int = 256  # trajectories one EnvManager runs at once
+    env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
+    reward_timeout: float = 30.0
+
+    def __post_init__(self):
+        _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
+               f"Rollout.inference_pools must be a non-empty tuple of resource tags, "
+               f"got {self.inference_pools!r}")
+        _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
+        _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0")
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A training run's definition. ``tasks`` are names of built-in tasks or ``Task`` s."""
+
+    name: str
+    tasks: tuple = ("gridnav", "guess", "boxpush")
+    task_weights: tuple[float, ...] | None = None
+    policy: Policy = field(default_factory=Policy)
+    algo: GRPO = field(default_factory=GRPO)
+    rollout: Rollout = field(default_factory=Rollout)
+    steps: int = 60
+    seed: int = 0
+    mode: str = "async"
+    checkpoint_every: int = 0
+
+    def __post_init__(self):
+        _check(isinstance(self.name, str) and self.name, "Graph.name must be a non-empty str")
+        _check(isinstance(self.tasks, (tuple, list)) and len(self.tasks) > 0,
+               f"Graph {self.name!r}: tasks must be a non-empty tuple of task names or "
+               f"Task objects, got {self.tasks!r}")
+        resolved = tuple(get_task(t) for t in self.tasks)  # raises UnknownTaskError
+        object.__setattr__(self, "tasks", resolved)
+        names = [t.name for t in resolved]
+        _check(len(set(names)) == len(names), f"Graph {self.name!r}: tasks repeat: {names}")
+        if self.task_weights is not None:
+            _check(len(self.task_weights) == len(resolved) and
+                   all(w >= 0 for w in self.task_weights) and sum(self.task_weights) > 0,
+                   f"Graph {self.name!r}: task_weights must have one weight ≥ 0 per task "
+                   f"({len(resolved)}), not all zero; got {self.task_weights!r}")
+        for attr, cls in (("policy", Policy), ("algo", GRPO), ("rollout", Rollout)):
+            _check(isinstance(getattr(self, attr), cls),
+                   f"Graph.{attr} must be a rollart.{cls.__name__}, "
+                   f"got {type(getattr(self, attr)).__name__}")
+        _check(isinstance(self.steps, int) and self.steps >= 1,
+               f"Graph.steps must be an int ≥ 1, got {self.steps!r}")
+        _check(self.mode in MODES, f"Graph.mode {self.mode!r} is not one of {MODES}")
+
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    def needs(self) -> dict[str, float]:
+        """Resource tags this graph's actors and tasks ask for (one unit each)."""
+        tags = {t: 1 for t in self.rollout.inference_pools}
+        tags.update({CPU_ENV: 1, REWARD: 1, TRAIN: 1})
+        return tags
+
+    def to_dict(self) -> dict:
+        """A JSON-friendly description (tasks by name), saved in the run directory."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "tasks":
+                v = [t.name for t in v]
+            elif hasattr(v, "__dataclass_fields__"):
+                v = {g.name: getattr(v, g.name) for g in fields(v)}
+            out[f.name] = v
+        return out
+
+
+def load_graph(spec: str | Graph | None = None) -> tuple[Graph, str]:
+    """Resolve ``spec`` to ``(graph, source)``.
+
+    ``None`` → ``graphs/multitask.py``; ``"gridnav"`` → ``graphs/gridnav.py``;
+    ``"path/to/file.py"``; ``"package.module:function"``.
+    """
+    if isinstance(spec, Graph):
+        return spec, "<python>"
+    spec = DEFAULT_GRAPH if spec is None else str(spec)
+    fn_name = "graph"
+    if ":" in spec and not Path(spec).exists():
+        spec, fn_name = spec.rsplit(":", 1)
+    if "/" not in spec and not spec.endswith(".py") and _importable(spec) and \
+            not _in_graphs_dir(spec):
+        module, source = importlib.import_module(spec), spec
+    else:
+        path = _find_file(spec, "graphs", GraphError)
+        module, source = _load_module(path, GraphError), str(path)
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise GraphError(f"{source} defines no {fn_name}() function; add "
+                         f"`def {fn_name}() -> rollart.Graph: ...`")
+    graph = fn() if callable(fn) else fn
+    if not isinstance(graph, Graph):
+        raise GraphError(f"{source}: {fn_name}() returned {type(graph).__name__}; "
+                         "return a rollart.Graph")
+    return graph, source
+
+
+def _in_graphs_dir(name: str) -> bool:
+    from rollart.resources import REPO_ROOT
+
+    return any((base / "graphs" / f"{name}.py").is_file() for base in (Path.cwd(), REPO_ROOT))
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+

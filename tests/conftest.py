@@ -1,0 +1,33 @@
+"""Shared fixtures: a tiny model folder and an in-process cluster with tagged workers."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The built-in tiny model (random init, no warm-up) for the built-in tasks."""
+    from rollart.env.tasks import BUILTIN_TASKS, task_corpus
+    from rollart.model import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    return build_tiny_model(str(path), task_corpus(list(BUILTIN_TASKS)))
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    """``resources/local.py`` started in-process (threads, not processes) with a client."""
+    from distributed import Client
+
+    from rollart.resources import Resources, load_resources
+
+    res = load_resources()
+    res = Resources(pools=res.pools, processes=False, dashboard_address=":0",
+                    source=res.source)
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        yield client

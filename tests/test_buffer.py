@@ -1,0 +1,203 @@
+"""Tests for rollart.buffer: the Arrow schema, Parquet I/O and the SampleBuffer actor."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pytest
+
+from rollart.buffer import SCHEMA, SampleBuffer, from_table, read_samples, to_record_batch
+from rollart.buffer import schema as schema_mod
+from rollart.buffer import write_parquet
+from rollart.types import CPU_ENV, Trajectory
+
+distributed = pytest.importorskip("distributed")
+
+
+def make(gid: str, i: int, version: int, *, failed: bool = False, outcome: str = "success"):
+    """A small trajectory; every float is exactly representable in float32."""
+    return Trajectory(
+        traj_id=f"{gid}-{i}",
+        task="countdown",
+        group_id=gid,
+        seed=1234567890123 + i,
+        prompt_ids=[1, 2, 3],
+        response_ids=[10, 11, 12, 13],
+        loss_mask=[1, 1, 0, 1],
+        logprobs=[-0.5, -1.25, 0.0, -2.0],
+        versions=[version, version + 1, -1, version],
+        reward=0.1 * i,
+        num_turns=2,
+        env_time=0.125,
+        gen_time=1.5,
+        outcome="failed" if failed else outcome,
+        error="boom" if failed else "",
+        state="failed" if failed else "scoring",
+    )
+
+
+def check_invariant(c: dict) -> None:
+    assert c["received"] == c["buffered"] + c["trained"] + c["dropped"] + c["failed"], c
+
+
+# -- schema ------------------------------------------------------------------------------
+def test_schema_round_trip():
+    trajs = [make("g", 0, 3), make("g", 1, 0, failed=True)]
+    empty = Trajectory("e", "t", "g2", -1, [], [], [], [], [], reward=-1.0, state="trained")
+    trajs.append(empty)
+    batch = to_record_batch(trajs, trained_step=5)
+    assert batch.schema.equals(SCHEMA, check_metadata=True)
+    assert batch.column("version").to_pylist() == [3, 0, -1]
+    assert batch.column("trained_step").to_pylist() == [5, 5, 5]
+    assert from_table(batch) == trajs
+    assert from_table(pa.Table.from_batches([batch, batch])) == trajs + trajs
+    assert to_record_batch([], None).num_rows == 0
+    assert to_record_batch(trajs[:1]).column("trained_step").to_pylist() == [None]
+
+
+def test_schema_docs_and_metadata():
+    assert SCHEMA.metadata[b"rollart_schema_version"] == b"1"
+    for f in SCHEMA:
+        assert f.metadata and f.metadata[b"doc"].strip(), f.name
+        assert f.name in schema_mod.__doc__
+    assert SCHEMA.field("reward").type == pa.float64()
+    assert SCHEMA.field("trained_step").nullable
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_parquet_round_trip(where, tmp_path):
+    run = f"memory://rt-{uuid.uuid4().hex}" if where == "memory" else str(tmp_path / "run")
+    a = [make("a", i, 1) for i in range(3)]
+    b = [make("b", 0, 2, failed=True)]
+    write_parquet([to_record_batch(a, 4)], f"{run}/samples/part-00000.parquet")
+    write_parquet(to_record_batch(b), f"{run}/samples/part-00001.parquet")
+    table = read_samples(run)
+    assert table.schema.equals(SCHEMA, check_metadata=True)
+    assert from_table(table) == a + b
+    assert table.column("trained_step").to_pylist() == [4, 4, 4, None]
+    assert read_samples(f"{run}/samples").num_rows == 4
+    assert read_samples(f"{run}/samples/part-00001.parquet").num_rows == 1
+    assert read_samples(f"{run}/nothing-here").num_rows == 0
+
+
+# -- buffer logic without Dask (fast) ----------------------------------------------------
+def test_buffer_in_process_memory_url():
+    run = f"memory://buf-{uuid.uuid4().hex}"
+
+    async def scenario():
+        buf = SampleBuffer(run, flush_every=3)
+        for i in range(4):
+            await buf.put(make("x", i, 2), 4)
+        for i in range(2):  # incomplete, old
+            await buf.put(make("y", i, 0), 4)
+        st = await buf.stats()
+        assert st["buffered_rows"] == 6 and st["arrow_bytes"] > 0
+        assert st["groups_complete"] == 1 and st["groups_incomplete"] == 1
+        assert await buf.abort_older_than(1) == 2
+        await buf.put(make("y", 2, 0), 4)  # late member of an aborted group
+        got = await buf.get_batch(1, 1, timeout=1, trained_step=0)
+        assert [t.traj_id for t in got] == [f"x-{i}" for i in range(4)]
+        c = await buf.counts()
+        check_invariant(c)
+        assert c["dropped"] == 3 and c["trained"] == 4 and await buf.size() == 0
+        assert (await buf.stats())["arrow_bytes"] == 0
+        await buf.close()
+
+    asyncio.run(scenario())
+    table = read_samples(run)
+    assert sorted(table.column("state").to_pylist()) == ["dropped"] * 3 + ["trained"] * 4
+    assert len(fsspec.filesystem("memory").glob(f"{run[9:]}/samples/*.parquet")) >= 2
+
+
+# -- the actor on a real in-process Dask cluster -----------------------------------------
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(
+        n_workers=1,
+        processes=False,
+        threads_per_worker=1,
+        resources={CPU_ENV: 1},
+        dashboard_address=None,
+    )
+    with distributed.Client(cluster) as c:
+        yield c
+    cluster.close()
+
+
+def actor(client, run_dir, **kw):
+    fut = client.submit(SampleBuffer, run_dir, actor=True, resources={CPU_ENV: 1}, **kw)
+    return fut.result()
+
+
+def put_all(buf, trajs, group_size=4):
+    for t in trajs:  # one at a time: arrival order matters for FIFO
+        buf.put(t, group_size).result()
+
+
+def test_actor_fifo_stale_and_parquet(client, tmp_path):
+    buf = actor(client, str(tmp_path), key=f"buf-{uuid.uuid4().hex}")
+    old = [make("old", i, 4) for i in range(3)] + [make("old", 3, 0)]  # group version 0
+    a = [make("a", i, 2) for i in range(4)]
+    b = [make("b", i, 3) for i in range(4)]
+    # b starts first but completes last; the stale group completes in between
+    put_all(buf, b[:3] + a + old + b[3:])
+    assert buf.counts().result()["groups_complete"] == 3
+    got = buf.get_batch(2, min_version=1, timeout=5, trained_step=7).result()
+    assert [t.group_id for t in got] == ["a"] * 4 + ["b"] * 4
+    assert {t.state for t in got} == {"trained"}
+    assert [t.traj_id for t in got[:4]] == [t.traj_id for t in a]
+    assert got[0].logprobs == a[0].logprobs and got[0].reward == a[0].reward
+    c = buf.counts().result()
+    assert (c["trained"], c["dropped"], c["buffered"], c["received"]) == (8, 4, 0, 12)
+    check_invariant(c)
+    buf.close().result()
+    files = sorted(p.name for p in (tmp_path / "samples").iterdir())
+    assert files == ["part-00000.parquet"]
+    table = read_samples(str(tmp_path))
+    rows = dict(zip(table.column("traj_id").to_pylist(), table.column("state").to_pylist()))
+    assert len(rows) == 12 and all(rows[t.traj_id] == "dropped" for t in old)
+    steps = {s for s, st in zip(table.column("trained_step").to_pylist(),
+                                table.column("state").to_pylist()) if st == "trained"}
+    assert steps == {7}
+
+
+def test_actor_waiting_get_batch_is_woken_by_put(client):
+    buf = actor(client, None, key=f"buf-{uuid.uuid4().hex}")
+    fut = buf.get_batch(1, min_version=0, timeout=20)
+    deadline = time.monotonic() + 10
+    while buf.stats().result()["waiters"] != 1:
+        assert time.monotonic() < deadline, "get_batch never started waiting"
+        time.sleep(0.02)
+    put_all(buf, [make("w", i, 1) for i in range(3)])
+    assert buf.stats().result()["waiters"] == 1  # incomplete group: still waiting
+    put_all(buf, [make("w", 3, 1)])
+    got = fut.result(timeout=10)
+    assert [t.traj_id for t in got] == [f"w-{i}" for i in range(4)]
+    check_invariant(buf.counts().result())
+
+
+def test_actor_timeout_and_failed_members(client, tmp_path):
+    buf = actor(client, str(tmp_path), flush_every=2, key=f"buf-{uuid.uuid4().hex}")
+    with pytest.raises(TimeoutError, match="complete groups"):
+        buf.get_batch(1, min_version=0, timeout=0.2).result(timeout=10)
+    # all members failed: complete, but never counts toward n_groups
+    put_all(buf, [make("dead", i, 1, failed=True) for i in range(4)])
+    with pytest.raises(TimeoutError):
+        buf.get_batch(1, min_version=0, timeout=0.2).result(timeout=10)
+    # two failed members (by state, by outcome) still count toward completion
+    mixed = [make("m", 0, 1), make("m", 1, 1, failed=True), make("m", 2, 1)]
+    mixed.append(make("m", 3, 1, outcome="failed"))
+    put_all(buf, mixed)
+    got = buf.get_batch(1, min_version=0, timeout=5, trained_step=1).result()
+    assert [t.traj_id for t in got] == ["m-0", "m-2"]
+    c = buf.counts().result()
+    assert (c["failed"], c["trained"], c["received"]) == (6, 2, 8)
+    check_invariant(c)
+    buf.flush().result()
+    table = read_samples(str(tmp_path))
+    assert sorted(table.column("state").to_pylist()) == ["failed"] * 6 + ["trained"] * 2
+    assert len(list((tmp_path / "samples").glob("part-*.parquet"))) >= 2

@@ -1,0 +1,70 @@
+"""Graph modules: loading by name, path and module:function; validation messages."""
+
+from dataclasses import replace
+
+import pytest
+
+from rollart.env.tasks import UnknownTaskError
+from rollart.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
+
+
+def test_default_graph_is_multitask():
+    g, src = load_graph()
+    assert src.endswith("graphs/multitask.py")
+    assert g.task_names == ["gridnav", "guess", "boxpush"]
+    assert set(g.needs()) == {"H800", "H20", "CPU_ENV", "REWARD", "TRAIN"}
+
+
+def test_single_task_graph_and_module_function(tmp_path):
+    g, _ = load_graph("gridnav")
+    assert g.task_names == ["gridnav"]
+    f = tmp_path / "mine.py"
+    f.write_text("from rollart import Graph\n"
+                 "def small():\n    return Graph(name='small', tasks=('guess',), steps=2)\n")
+    g, src = load_graph(f"{f}:small")
+    assert g.name == "small" and src == str(f)
+
+
+@pytest.mark.parametrize("body, match", [
+    ("x = 1\n", "defines no graph"),
+    ("def graph():\n    return {'name': 'x'}\n", "returned dict"),
+    ("import nonexistent_pkg\n", "could not load"),
+])
+def test_malformed_graph_files(tmp_path, body, match):
+    f = tmp_path / "bad.py"
+    f.write_text(body)
+    with pytest.raises(GraphError, match=match):
+        load_graph(str(f))
+
+
+def test_unknown_graph_path():
+    with pytest.raises(GraphError, match="multitask"):
+        load_graph("graphs/does_not_exist.py")
+
+
+def test_unknown_task_name_lists_known():
+    with pytest.raises(UnknownTaskError, match="gridnav"):
+        Graph(name="x", tasks=("sokoban9000",))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: GRPO(group_size=1), "group_size must be ≥ 2"),
+    (lambda: GRPO(alpha=-1), "alpha"),
+    (lambda: GRPO(groups_per_step="4"), "groups_per_step"),
+    (lambda: Policy(temperature=0), "temperature"),
+    (lambda: Rollout(inference_pools=()), "inference_pools"),
+    (lambda: Graph(name="x", steps=0), "steps"),
+    (lambda: Graph(name="x", tasks=()), "tasks"),
+    (lambda: Graph(name="x", task_weights=(1.0,)), "task_weights"),
+    (lambda: Graph(name="x", algo={"lr": 1}), "rollart.GRPO"),
+])
+def test_settings_validation(make, match):
+    with pytest.raises(GraphError, match=match):
+        make()
+
+
+def test_variant_by_replace_and_to_dict():
+    g, _ = load_graph()
+    v = replace(g, algo=replace(g.algo, alpha=3), steps=5)
+    d = v.to_dict()
+    assert d["algo"]["alpha"] == 3 and d["steps"] == 5 and d["tasks"][0] == "gridnav"

@@ -1,0 +1,318 @@
+"""The control loop: start the actors a graph needs, keep rollout running, step the trainer.
+
+::
+
+    driver (this module)                         Dask cluster (tagged workers)
+    ───────────────────                          ─────────────────────────────
+    load_resources → cluster ─ check_tags ─────► H800 / H20: InferenceWorker (torch engine)
+    load_graph → model folder (tiny + warm-up)   CPU_ENV:    EnvManager ×n, SampleBuffer
+    launch groups ─ run_group(task, seed) ─────► EnvManager: per trajectory, no barrier:
+                                                   reset → LLMProxy.generate → step → …
+                                                   → reward task (REWARD) → buffer.put
+    step loop ───── train_step(step) ──────────► TRAIN: Trainer pulls ≤alpha-stale groups,
+                                                   GRPO update, WeightStore.put(v+1)
+    update_weights(v+1) ───────────────────────► inference workers load v+1 between batches
+
+Backpressure: the driver keeps at most ``groups_per_step * (alpha + 1)`` groups in flight
+or buffered, so rollout runs ahead of the trainer by at most the staleness bound. The
+driver only moves small summaries; tokens, rewards and weights stay on the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollart.buffer import SampleBuffer
+from rollart.env.manager import EnvManager
+from rollart.env.tasks import task_corpus
+from rollart.graph import Graph, load_graph
+from rollart.model import build_tiny_model, check_model_folder
+from rollart.resources import Resources, check_tags, load_resources, workers_with
+from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.trainer import Trainer
+from rollart.types import CPU_ENV, TRAIN
+from rollart.weights import WeightStore
+
+EVAL_SEED_BASE = 2_000_000  # held-out seeds: training uses < 1e6, warm-up 1e6..2e6
+
+
+@dataclass
+class Actors:
+    """Handles to everything a run started on the cluster."""
+
+    trainer: object
+    buffer: object
+    workers: list  # [(InferenceWorker actor, pool tag, address)]
+    managers: list  # [EnvManager actor]
+    placement: dict = field(default_factory=dict)  # role -> [worker addresses]
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    metrics: list[dict]
+    model_dir: str
+    warmup_model_dir: str | None
+    evaluation: dict | None = None
+
+
+def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(base) / f"{name}-{stamp}"
+    i = 1
+    while path.exists():
+        path, i = Path(base) / f"{name}-{stamp}-{i}", i + 1
+    return path
+
+
+@contextmanager
+def connect(resources: Resources, client=None):
+    """Yield a client: the given one, a new cluster from pools, or a scheduler address."""
+    from distributed import Client
+
+    if client is not None:
+        yield client
+        return
+    if resources.address:
+        with Client(resources.address) as c:
+            yield c
+        return
+    with resources.make_cluster() as cluster, Client(cluster) as c:
+        yield c
+
+
+def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, bool]:
+    """The model folder to train and whether it needs the format warm-up."""
+    path = model or graph.policy.model
+    if path:
+        check_model_folder(path)
+        return str(path), False
+    out = build_tiny_model(str(run_dir / "init_model"), task_corpus(graph.tasks),
+                           seed=graph.seed)
+    return out, graph.policy.warmup_steps > 0
+
+
+def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors:
+    """Place one InferenceWorker per inference worker, EnvManagers, buffer and trainer."""
+    run = run_dir.name
+    store_url = str(run_dir / "weights")
+    trainer_addr = workers_with(client, TRAIN)[0]
+    trainer = client.submit(Trainer, model_path, store_url, graph.algo,
+                            temperature=graph.policy.temperature, threads=1, seed=graph.seed,
+                            actor=True, resources={TRAIN: 1}, key=f"Trainer-{run}")
+    env_addrs = workers_with(client, CPU_ENV)
+    buffer = client.submit(SampleBuffer, str(run_dir), actor=True, workers=[env_addrs[0]],
+                           key=f"SampleBuffer-{run}")
+    workers, futs = [], []
+    for tag in graph.rollout.inference_pools:
+        for addr in workers_with(client, tag):
+            f = client.submit(InferenceWorker, model_path, store_url, pool=tag,
+                              max_batch=graph.policy.max_batch, threads=1, actor=True,
+                              workers=[addr], resources={tag: 1},
+                              key=f"InferenceWorker-{tag}-{addr}-{run}")
+            futs.append((f, tag, addr))
+    workers = [(f.result(), tag, addr) for f, tag, addr in futs]
+    proxy = LLMProxy([(w, tag) for w, tag, _ in workers])
+    managers = [client.submit(
+        EnvManager, proxy, buffer.result(), model_path, temperature=graph.policy.temperature,
+        top_p=graph.policy.top_p, env_step_timeout=graph.rollout.env_step_timeout,
+        reward_timeout=graph.rollout.reward_timeout,
+        max_concurrency=graph.rollout.env_concurrency,
+        inference_pools=graph.rollout.inference_pools, seed=graph.seed, actor=True,
+        workers=[addr], resources={CPU_ENV: 1}, key=f"EnvManager-{addr}-{run}")
+        for addr in env_addrs]
+    placement = {"trainer": [trainer_addr], "buffer": [env_addrs[0]],
+                 "inference": [a for _, _, a in workers], "env": env_addrs}
+    return Actors(trainer.result(), buffer.result(), workers, [m.result() for m in managers],
+                  placement)
+
+
+class GroupLauncher:
+    """Chooses (task, seed) for new groups and keeps the pipeline full."""
+
+    def __init__(self, graph: Graph, managers: list, seed: int):
+        self.graph, self.managers = graph, managers
+        self.rng = random.Random(seed)
+        self.weights = list(graph.task_weights or [1.0] * len(graph.tasks))
+        self.inflight: dict[str, object] = {}
+        self.launched_groups = 0
+        self.errors: list[str] = []
+
+    def launch(self) -> None:
+        task = self.rng.choices(self.graph.tasks, weights=self.weights)[0]
+        seed = self.rng.randrange(1_000_000)
+        gid = f"g{self.launched_groups:06d}"
+        mgr = self.managers[self.launched_groups % len(self.managers)]
+        self.inflight[gid] = mgr.run_group(task, seed, gid, self.graph.algo.group_size)
+        self.launched_groups += 1
+
+    def reap(self) -> None:
+        for gid, fut in list(self.inflight.items()):
+            if fut.done():
+                del self.inflight[gid]
+                try:
+                    fut.result()
+                except Exception as e:  # a manager-level error: record, keep going
+                    self.errors.append(f"{gid}: {type(e).__name__}: {e}")
+
+    def top_up(self, buffered_groups: int) -> None:
+        """Launch groups until one batch per allowed version of staleness is under way.
+
+        Groups launched while the trainer holds version ``v`` are trained at the earliest
+        at ``v + 1``; keeping ``groups_per_step * alpha`` groups ahead means none of them
+        can be too stale by the time the trainer reaches it.
+        """
+        self.reap()
+        target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
+        while len(self.inflight) + buffered_groups < target:
+            self.launch()
+
+    @property
+    def launched_trajectories(self) -> int:
+        return self.launched_groups * self.graph.algo.group_size
+
+
+def train(graph: Graph | str | None = None, resources: Resources | str | None = None, *,
+          steps: int | None = None, model: str | None = None, seed: int | None = None,
+          alpha: int | None = None, run_dir: str | Path | None = None, client=None,
+          progress: bool = True, eval_seeds: int = 64) -> RunResult:
+    """Run a graph end to end and return where its outputs went.
+
+    >>> # from rollart import train
+    >>> # result = train("gridnav", steps=20)      # local tagged cluster, tiny model
+    """
+    graph, graph_src = load_graph(graph)
+    graph = override(graph, steps=steps, seed=seed, alpha=alpha)
+    res = load_resources(resources) if client is None or resources is not None else None
+    run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "graph.json").write_text(json.dumps(
+        {"source": graph_src, **graph.to_dict()}, indent=2, default=str))
+    model_path, warm = prepare_model(graph, run_dir, model)
+    source = res.source if res else "the cluster you connected"
+    with connect(res or Resources(address="<client>"), client) as c:
+        check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
+        return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
+                        eval_seeds=eval_seeds, resources_source=source)
+
+
+def override(graph: Graph, **changes) -> Graph:
+    """A copy of ``graph`` with CLI overrides (``None`` = keep)."""
+    from dataclasses import replace
+
+    changes = {k: v for k, v in changes.items() if v is not None}
+    algo = graph.algo
+    if "alpha" in changes:
+        algo = replace(algo, alpha=changes.pop("alpha"))
+    return replace(graph, algo=algo, **changes)
+
+
+def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
+             progress: bool, eval_seeds: int, resources_source: str) -> RunResult:
+    """Start actors, warm up, then alternate: keep groups flowing, step the trainer."""
+    from rollart.report import MetricsLog, plot_rewards
+
+    actors = start_actors(client, graph, model_path, run_dir)
+    (run_dir / "placement.json").write_text(json.dumps(
+        {"resources": resources_source, **actors.placement}, indent=2))
+    warmup_dir = None
+    if warm:
+        p = graph.policy
+        info = actors.trainer.warmup(graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr,
+                                     seed=graph.seed).result()
+        warmup_dir = actors.trainer.save(str(run_dir / "warmup_model")).result()
+        print(f"warm-up: {p.warmup_steps} format steps, loss {info['warmup/loss_first']:.3f}"
+              f" -> {info['warmup/loss_last']:.3f}")
+    actors.trainer.publish().result()
+    for w, _, _ in actors.workers:
+        w.update_weights(0).result()
+    launcher = GroupLauncher(graph, actors.managers, graph.seed)
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    t_start = time.time()
+    try:
+        bar = _progress(graph.steps, progress)
+        for step in range(1, graph.steps + 1):
+            metrics = _one_step(actors, launcher, step, graph.algo.alpha)
+            metrics["time"] = time.time() - t_start
+            log.write(metrics)
+            bar.update(1)
+            bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in metrics.items()
+                                         if k.startswith("reward/") and k != "reward/mean"))
+        bar.close()
+        model_dir = actors.trainer.save(str(run_dir / "model")).result()
+    finally:
+        _shutdown(actors, launcher)
+    plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
+    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)
+    if eval_seeds:
+        result.evaluation = _evaluate_run(graph, result, eval_seeds)
+        (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
+    return result
+
+
+def _one_step(actors: Actors, launcher: GroupLauncher, step: int, alpha: int) -> dict:
+    """Keep the pipeline full while the trainer takes one step; return its metrics.
+
+    With ``alpha == 0`` (on-policy) rollout may only start once every inference worker
+    holds the trainer's current version, so the batch is launched before the step and
+    nothing is launched while the trainer works.
+    """
+    if alpha == 0:
+        launcher.top_up(actors.buffer.counts().result()["groups_complete"])
+    fut = actors.trainer.train_step(actors.buffer, step)
+    while not fut.done():
+        if alpha > 0:
+            launcher.top_up(actors.buffer.counts().result()["groups_complete"])
+        time.sleep(0.05)
+    metrics = fut.result()
+    updates = [w.update_weights(metrics["version"]) for w, _, _ in actors.workers]
+    if alpha == 0:
+        for f in updates:
+            f.result()
+        for w, _, _ in actors.workers:
+            w.wait_version(metrics["version"]).result()
+    counts = actors.buffer.counts().result()
+    launcher.reap()
+    in_flight = launcher.launched_trajectories - counts["received"]
+    metrics.update({f"traj/{k}": counts[k] for k in ("trained", "dropped", "failed",
+                                                      "buffered")})
+    metrics.update({"traj/launched": launcher.launched_trajectories,
+                    "traj/in_flight": in_flight, "rollout/group_errors": len(launcher.errors)})
+    return metrics
+
+
+def _shutdown(actors: Actors, launcher: GroupLauncher) -> None:
+    """Cancel what is still running and flush the buffer to Parquet."""
+    for m in actors.managers:
+        try:
+            m.close().result(timeout=30)
+        except Exception:
+            pass
+    actors.buffer.close().result()
+    for w, _, _ in actors.workers:
+        try:
+            w.close().result(timeout=30)
+        except Exception:
+            pass
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollart", unit="step", disable=not enabled)
+
+
+def _evaluate_run(graph: Graph, result: RunResult, n_seeds: int) -> dict:
+    """Success rate per task of the warm-up policy and the trained one, held-out seeds."""
+    from rollart.evaluate import evaluate
+
+    seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + n_seeds)
+    out = {"seeds": n_seeds, "trained": evaluate(result.model_dir, graph.tasks, seeds)}
+    if result.warmup_model_dir:
+        out["warmup"] = evaluate(result.warmup_model_dir, graph.tasks, seeds)
+    return out

@@ -1,0 +1,11 @@
+"""Rollout side: the generation engine, its Dask actor, and the trajectory router.
+
+``TorchEngine`` (plain PyTorch batched generation) is owned by an ``InferenceWorker``
+actor per inference worker; env managers reach the workers through an ``LLMProxy``.
+"""
+
+from rollart.rollout.engine import TorchEngine
+from rollart.rollout.proxy import LLMProxy
+from rollart.rollout.worker import InferenceWorker
+
+__all__ = ["InferenceWorker", "LLMProxy", "TorchEngine"]

@@ -1,0 +1,232 @@
+"""``InferenceWorker``: a Dask actor that serves ``GenRequest``s from one ``TorchEngine``.
+
+Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight-version
+announcements (from the trainer / weight sync, ``update_weights``); produces
+``GenResult``s stamped with this worker's address. Its methods are ``async`` and run on
+the Dask worker's event loop; the model runs on one engine thread the actor owns, which
+batches whatever requests are pending and loads new weights from the ``WeightStore``
+between batches (never mid-batch), so heartbeats and comms are never blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from rollart.rollout.engine import TorchEngine
+from rollart.types import GenRequest, GenResult
+from rollart.weights.store import WeightStore
+
+
+@dataclass
+class _Pending:
+    req: GenRequest
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, value) -> None:
+    """Complete ``future`` on its own loop with a result or an exception (thread-safe)."""
+
+    def setter():
+        if future.done():  # the caller went away (cancelled)
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(setter)
+    except RuntimeError:  # loop closed: nobody is waiting any more
+        pass
+
+
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):
+        return ""
+
+
+class InferenceWorker:
+    """Serve generation requests from one model; batch concurrent calls together."""
+
+    def __init__(
+        self,
+        model_path: str,
+        store_url: str,
+        *,
+        pool: str,
+        version: int = 0,
+        max_batch: int = 64,
+        threads: int | None = None,
+    ):
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.pool = pool
+        self.store_url = str(store_url)
+        self.address = _worker_address()
+        self.engine = TorchEngine(model_path, version=version, max_batch=max_batch)
+        self.max_batch = self.engine.max_batch
+        self._cond = threading.Condition()
+        self._pending: deque[_Pending] = deque()
+        self._in_flight = 0
+        self._wanted = int(version)  # newest version asked for by update_weights
+        self._load_error: tuple[int, BaseException] | None = None
+        self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
+        self._stop = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"rollart-engine-{pool}", daemon=True
+        )
+        self._thread.start()
+
+    # -- actor API (async: runs on the worker's event loop) -----------------------------
+    async def generate(self, req: GenRequest) -> GenResult:
+        """Queue ``req`` for the next batch and wait for its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if self._stop:
+                raise RuntimeError(f"InferenceWorker {self.address or self.pool} is closed")
+            self._pending.append(_Pending(req, future, loop))
+            self._cond.notify_all()
+        result = await future
+        result.worker = self.address
+        return result
+
+    async def update_weights(self, version: int) -> None:
+        """Ask for ``version`` to be loaded before the next batch; returns at once."""
+        with self._cond:
+            if int(version) > max(self._wanted, self.engine.version):
+                self._wanted = int(version)
+                self._load_error = None
+                self._cond.notify_all()
+
+    async def wait_version(self, version: int, timeout: float = 60) -> int:
+        """Wait until the engine holds ``version`` or newer; return the held version."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if self.engine.version >= version:
+                return self.engine.version
+            if self._load_error and self._load_error[0] >= version:
+                raise self._load_error[1]
+            self._waiters.append((int(version), future, loop))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"weight version {version} not loaded within {timeout}s on "
+                f"{self.address or self.pool} (holds {self.engine.version}; was "
+                "update_weights called?)"
+            ) from None
+
+    async def stats(self) -> dict:
+        eng = self.engine
+        with self._cond:
+            queued, in_flight = len(self._pending), self._in_flight
+        return {
+            "address": self.address,
+            "pool": self.pool,
+            "version": eng.version,
+            "tokens_generated": eng.tokens_generated,
+            "requests": eng.requests,
+            "batches": eng.batches,
+            "busy_seconds": eng.busy_seconds,
+            "queued": queued,
+            "in_flight": in_flight,
+            "mean_batch_size": eng.requests / eng.batches if eng.batches else 0.0,
+        }
+
+    async def close(self) -> None:
+        """Stop the engine thread; pending requests fail with ``RuntimeError``."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 60)
+
+    # -- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._pending or self._wanted > self.engine.version):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                target = self._wanted if self._wanted > self.engine.version else None
+                batch = []
+                if target is None:
+                    while self._pending and len(batch) < self.max_batch:
+                        batch.append(self._pending.popleft())
+                    self._in_flight = len(batch)
+            if target is not None:
+                self._load(target)
+                continue
+            self._serve(batch)
+            with self._cond:
+                self._in_flight = 0
+        self._fail_all(RuntimeError(f"InferenceWorker {self.address or self.pool} closed"))
+
+    def _load(self, version: int) -> None:
+        try:
+            state_dict = WeightStore(self.store_url).get(version)
+            self.engine.load_state_dict(state_dict, version)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported to wait_version callers
+            error = exc
+        with self._cond:
+            if error is not None:
+                self._load_error = (version, error)
+                self._wanted = self.engine.version
+            keep = []
+            for want, future, loop in self._waiters:
+                if self.engine.version >= want:
+                    _resolve(future, loop, self.engine.version)
+                elif error is not None and version >= want:
+                    _resolve(future, loop, error)
+                else:
+                    keep.append((want, future, loop))
+            self._waiters = keep
+
+    def _serve(self, batch: list[_Pending]) -> None:
+        """Generate for ``batch``; a bad request fails alone, the rest still run."""
+        good = []
+        for item in batch:
+            try:
+                self.engine.validate(item.req)
+                good.append(item)
+            except Exception as exc:  # noqa: BLE001 - goes back to that caller
+                _resolve(item.future, item.loop, exc)
+        if not good:
+            return
+        try:
+            outcomes = self.engine.generate([item.req for item in good])
+        except Exception as exc:  # noqa: BLE001
+            if len(good) == 1:
+                outcomes = [exc]
+            else:  # find the culprit: retry one at a time
+                outcomes = [self._generate_one(item.req) for item in good]
+        for item, outcome in zip(good, outcomes):
+            _resolve(item.future, item.loop, outcome)
+
+    def _generate_one(self, req: GenRequest):
+        try:
+            return self.engine.generate([req])[0]
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            pending, self._pending = list(self._pending), deque()
+            waiters, self._waiters = self._waiters, []
+        for item in pending:
+            _resolve(item.future, item.loop, exc)
+        for _, future, loop in waiters:
+            _resolve(future, loop, exc)

@@ -1,0 +1,172 @@
+"""``Trainer``: the Dask actor on the TRAIN pool that turns buffered trajectories into
+new policy versions.
+
+One ``train_step``: pull ``groups_per_step`` complete groups no older than
+``version - alpha`` from the ``SampleBuffer`` → group-normalised advantages → clipped
+GRPO loss against the behaviour log-probs (optional KL to the initial policy) → AdamW
+with gradient clipping → publish ``version + 1`` to the ``WeightStore``. Compute runs in
+a thread the actor owns, so the worker's event loop stays free for heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rollart.model import load_model, load_tokenizer
+from rollart.resources import set_worker_threads
+from rollart.trainer.advantages import compute_advantages
+from rollart.trainer.losses import grpo_loss, token_logprobs
+from rollart.trainer.warmup import run_warmup
+from rollart.weights import WeightStore
+
+
+class Trainer:
+    """Holds the policy being trained and its optimizer.
+
+    ``algo`` is a ``rollart.GRPO``; ``temperature`` must match the sampling temperature
+    so that new and behaviour log-probs are comparable.
+    """
+
+    def __init__(self, model_path: str, store_url: str, algo, *, temperature: float = 1.0,
+                 threads: int | None = None, seed: int = 0):
+        set_worker_threads(threads)
+        torch.manual_seed(seed)
+        self.algo = algo
+        self.temperature = temperature
+        self.model = load_model(model_path)
+        self.tokenizer = load_tokenizer(model_path)
+        self.store = WeightStore(store_url)
+        self.version = 0
+        self.ref_model = None
+        self.optimizer = self._make_optimizer()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-trainer")
+        self.busy_seconds = 0.0
+        self.waited_seconds = 0.0
+
+    def _make_optimizer(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr,
+                                 weight_decay=self.algo.weight_decay, betas=(0.9, 0.99))
+
+    async def _run(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
+
+    # -- actor methods ------------------------------------------------------------------
+    async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0):
+        """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``)."""
+        losses = await self._run(run_warmup, self.model, self.tokenizer, list(tasks),
+                                 steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+        self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
+        return {"warmup/loss_first": losses[0] if losses else None,
+                "warmup/loss_last": losses[-1] if losses else None, "warmup/steps": steps}
+
+    async def publish(self) -> int:
+        """Put the current weights into the store as ``self.version``."""
+        await self._run(self.store.put, self.version, self.model.state_dict())
+        if self.algo.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = copy.deepcopy(self.model).eval()
+        return self.version
+
+    async def train_step(self, buffer, step: int, timeout: float | None = None) -> dict:
+        """Pull a bounded-stale batch, update the policy, publish the next version."""
+        t0 = time.perf_counter()
+        min_version = self.version - self.algo.alpha
+        batch = await buffer.get_batch(self.algo.groups_per_step, min_version,
+                                       timeout=timeout, trained_step=step)
+        waited = time.perf_counter() - t0
+        self.waited_seconds += waited
+        metrics = await self._run(self._update, batch)
+        trained_on = self.version
+        self.version += 1
+        await self._run(self.store.put, self.version, self.model.state_dict())
+        await self._run(self.store.gc, 3)
+        metrics.update(batch_metrics(batch, trained_on))
+        metrics.update({"step": step, "version": self.version,
+                        "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
+        return metrics
+
+    async def save(self, path: str) -> str:
+        """Write the policy as a Hugging Face model folder (model + tokenizer)."""
+        def _save():
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        await self._run(_save)
+        return path
+
+    async def stats(self) -> dict:
+        return {"version": self.version, "busy_s": self.busy_seconds,
+                "waited_s": self.waited_seconds}
+
+    # -- compute (trainer thread) -------------------------------------------------------
+    def _update(self, batch) -> dict:
+        ids, attn, mask, behaviour = collate(batch, self.tokenizer.pad_token_id)
+        adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch])
+        self.model.train()
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = token_logprobs(logits, ids[:, 1:], self.temperature)
+        ref_logp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                ref_logp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
+        loss, stats = grpo_loss(logp, behaviour[:, 1:], adv, mask[:, 1:],
+                                clip_eps=self.algo.clip_eps, ref_logp=ref_logp,
+                                kl_coef=self.algo.kl_coef)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.algo.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        stats.update({"trainer/loss": loss.item(), "trainer/grad_norm": float(grad_norm),
+                      "trainer/tokens": int(mask.sum()),
+                      "trainer/adv_abs_mean": float(adv.abs().mean())})
+        return stats
+
+
+def collate(batch, pad_id: int):
+    """Right-padded ``(ids, attention, loss_mask, behaviour_logp)`` tensors.
+
+    All four are ``[B, T]`` aligned with ``ids``: position ``t`` describes token ``t``.
+    """
+    length = max(len(t.prompt_ids) + len(t.response_ids) for t in batch)
+    B = len(batch)
+    ids = torch.full((B, length), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, length), dtype=torch.long)
+    mask = torch.zeros((B, length), dtype=torch.float32)
+    behaviour = torch.zeros((B, length), dtype=torch.float32)
+    for i, t in enumerate(batch):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attn[i, :p + r] = 1
+        mask[i, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        behaviour[i, p:p + r] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return ids, attn, mask, behaviour
+
+
+def batch_metrics(batch, trainer_version: int) -> dict:
+    """Per-task reward and success, staleness and sizes of a trained batch."""
+    by_task = defaultdict(list)
+    for t in batch:
+        by_task[t.task].append(t)
+    out = {}
+    for task, ts in sorted(by_task.items()):
+        out[f"reward/{task}"] = sum(t.reward for t in ts) / len(ts)
+        out[f"success/{task}"] = sum(t.outcome == "success" for t in ts) / len(ts)
+    stale = [trainer_version - t.version for t in batch]
+    out["trainer/staleness_mean"] = sum(stale) / len(stale)
+    out["trainer/staleness_max"] = max(stale)
+    out["trainer/batch_size"] = len(batch)
+    out["rollout/turns_mean"] = sum(t.num_turns for t in batch) / len(batch)
+    out["reward/mean"] = sum(t.reward for t in batch) / len(batch)
+    return out

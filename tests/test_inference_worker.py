@@ -1,0 +1,232 @@
+"""InferenceWorker actors on an in-process Dask cluster, and LLMProxy routing."""
+
+import asyncio
+
+import pytest
+import torch
+from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
+
+from rollart.model import build_tiny_model
+from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
+from rollart.types import GenRequest
+from rollart.weights.store import WeightStore
+
+CORPUS = ["gridnav : goal 3 right 1 up ; act ? left down , stop ."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", CORPUS, hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("store") / "weights")
+
+
+@pytest.fixture(scope="class")
+def client():
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
+                      resources={"H800": 1}, dashboard_address=None) as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+@pytest.fixture(scope="class")
+def worker(client, model_dir, store_url):
+    fut = client.submit(InferenceWorker, model_dir, store_url, pool="H800", max_batch=16,
+                        threads=1, actor=True, resources={"H800": 1})
+    actor = fut.result()
+    yield actor
+    actor.close().result()
+
+
+def requests(n, tokens=6):
+    return [GenRequest([3 + i % 7, 4 + i % 5, 5 + i], max_new_tokens=tokens,
+                       temperature=1.0, seed=100 + i) for i in range(n)]
+
+
+def perturbed(engine, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in engine.state_dict().items()}
+
+
+class TestInferenceWorker:
+    """Class-scoped cluster: two in-process clusters alive at once confuse which client
+    an Actor handle binds to (it picks the process' default client)."""
+
+    def test_concurrent_requests_are_batched_and_match_engine(self, worker, model_dir):
+        reqs = requests(8)
+        before = worker.stats().result()
+        futures = [worker.generate(r) for r in reqs]
+        results = [f.result() for f in futures]
+        after = worker.stats().result()
+        assert after["batches"] - before["batches"] < len(reqs)
+        assert after["requests"] - before["requests"] == len(reqs)
+        engine = TorchEngine(model_dir)
+        for req, res, ref in zip(reqs, results, engine.generate(reqs)):
+            assert res.token_ids == ref.token_ids
+            assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            assert res.worker == after["address"] and res.worker.startswith("inproc://")
+            assert res.versions == [0] * len(res.token_ids)
+
+
+    def test_stats_fields(self, worker):
+        stats = worker.stats().result()
+        for key in ("address", "pool", "version", "tokens_generated", "batches", "busy_seconds",
+                    "queued", "in_flight", "mean_batch_size"):
+            assert key in stats
+        assert stats["pool"] == "H800" and stats["queued"] == 0 and stats["in_flight"] == 0
+
+
+    def test_errors_go_to_their_caller_only(self, worker):
+        good = requests(3)
+        bad = [GenRequest([], 4), GenRequest([3] * 600, 4)]
+        futures = [worker.generate(r) for r in [good[0], bad[0], good[1], bad[1], good[2]]]
+        for i in (1, 3):
+            with pytest.raises(ValueError):
+                futures[i].result()
+        assert all(len(futures[i].result().token_ids) == 6 for i in (0, 2, 4))
+        assert len(worker.generate(good[0]).result().token_ids) == 6
+
+
+    def test_update_weights(self, worker, model_dir, store_url):
+        engine = TorchEngine(model_dir)
+        req = GenRequest([5, 6, 7, 8], max_new_tokens=8, temperature=0.0)
+        old = worker.generate(req).result()
+        WeightStore(store_url).put(1, perturbed(engine))
+        assert worker.update_weights(1).result() is None
+        assert worker.wait_version(1, timeout=20).result() == 1  # loads with nothing pending
+        new = worker.generate(req).result()
+        assert new.versions == [1] * len(new.token_ids)
+        assert new.token_ids != old.token_ids
+        assert worker.stats().result()["version"] == 1
+        worker.update_weights(7).result()  # not in the store: reported, worker keeps serving
+        with pytest.raises(KeyError, match="7"):
+            worker.wait_version(7, timeout=20).result()
+        assert worker.generate(req).result().versions[0] == 1
+
+
+# -- LLMProxy ---------------------------------------------------------------------------
+class ProxyHost:
+    """Stands in for an env manager: holds an unpickled LLMProxy on a worker."""
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    async def generate(self, traj_id, req, pools=None):
+        return await self.proxy.generate(traj_id, req, pools)
+
+    async def concurrent(self, items):
+        return await asyncio.gather(*[self.proxy.generate(t, r) for t, r in items])
+
+    async def release(self, traj_id):
+        self.proxy.release(traj_id)
+
+    async def stats(self):
+        return self.proxy.stats()
+
+
+@pytest.fixture(scope="class")
+def two_pools(model_dir, store_url):
+    tags = ("H800", "H20")
+    common = {"nthreads": 1, "protocol": "inproc://", "dashboard": False}
+    spec = {t: {"cls": Worker, "options": {**common, "resources": {t: 1}}} for t in tags}
+    sched = {"cls": Scheduler, "options": {"protocol": "inproc://", "dashboard": False}}
+    with SpecCluster(workers=spec, scheduler=sched) as cluster, Client(cluster) as c:
+        actors = [c.submit(InferenceWorker, model_dir, store_url, pool=t, max_batch=8,
+                           actor=True, resources={t: 1}).result() for t in tags]
+        proxy = LLMProxy(list(zip(actors, tags)))
+        host = c.submit(ProxyHost, proxy, actor=True, resources={"H20": 1}).result()
+        yield host, actors
+        for a in actors:
+            a.close().result()
+
+
+class TestProxyOnCluster:
+    def test_proxy_sticky_pools_and_balance(self, two_pools):
+        host, actors = two_pools
+        addrs = {a.stats().result()["pool"]: a.stats().result()["address"] for a in actors}
+        req = requests(1, tokens=3)[0]
+        first = host.generate("t1", req).result().worker
+        assert all(host.generate("t1", req).result().worker == first for _ in range(3))
+        a, b = host.concurrent([("c1", req), ("c2", req)]).result()
+        assert a.worker != b.worker
+        for _ in range(2):
+            assert host.generate(f"p-{_}", req, ("H20",)).result().worker == addrs["H20"]
+        with pytest.raises(ValueError, match="A100.*available.*H20"):
+            host.generate("t2", req, ("A100",)).result()
+        stats = host.stats().result()
+        assert sum(w["routed"] for w in stats["workers"]) == 8
+        assert {w["pool"] for w in stats["workers"]} == {"H800", "H20"}
+        host.release("t1").result()
+        assert host.stats().result()["trajectories"] == 4  # c1 c2 p-0 p-1
+
+
+class FakeWorker:
+    """An actor-like handle whose generate waits until released."""
+
+    def __init__(self, name):
+        self.name, self.gate = name, None
+
+    async def generate(self, req):
+        await self.gate.wait()
+        return self.name
+
+
+def test_proxy_routing_least_loaded_then_round_robin():
+    async def scenario():
+        fakes = [FakeWorker("w0"), FakeWorker("w1"), FakeWorker("w2")]
+        for f in fakes:
+            f.gate = asyncio.Event()
+        proxy = LLMProxy([(fakes[0], "H800"), (fakes[1], "H800"), (fakes[2], "H20")])
+        long = asyncio.ensure_future(proxy.generate("long", None, ("H800",)))
+        await asyncio.sleep(0)
+        assert proxy.route("a", ("H800",)) == 1  # w0 busy -> least loaded
+        assert proxy.route("b") == 2  # w1 and w0 busy -> w2
+        assert proxy.route("a", ("H800",)) == 1  # sticky
+        assert proxy.route("c") in (0, 1, 2)
+        for f in fakes:
+            f.gate.set()
+        assert await long == "w0"
+        with pytest.raises(ValueError, match="'GPU'.*available pools: \\['H20', 'H800'\\]"):
+            await proxy.generate("d", None, ("GPU",))
+        return proxy.stats()
+
+    stats = asyncio.run(scenario())
+    assert [w["routed"] for w in stats["workers"]][0] >= 1
+
+
+def test_proxy_pickles_without_in_flight_state():
+    import pickle
+
+    proxy = LLMProxy([("w0", "H800"), ("w1", "H20")])
+    proxy.route("x")
+    proxy._guard()
+    copy = pickle.loads(pickle.dumps(proxy))
+    assert copy.stats()["workers"][0]["in_flight"] == 0
+    assert copy.route("x") == proxy.route("x")
+    with pytest.raises(ValueError):
+        LLMProxy([])
+    with pytest.raises(ValueError, match="empty"):
+        proxy.route("y", ())
+
+
+def test_worker_without_dask_batches_times_out_and_closes(model_dir, tmp_path):
+    async def scenario():
+        w = InferenceWorker(model_dir, str(tmp_path / "w"), pool="H20", max_batch=4)
+        results = await asyncio.gather(*[w.generate(r) for r in requests(6)])
+        stats = await w.stats()
+        with pytest.raises(TimeoutError, match="update_weights"):
+            await w.wait_version(5, timeout=0.2)
+        assert await w.wait_version(0) == 0
+        await w.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await w.generate(requests(1)[0])
+        return results, stats
+
+    results, stats = asyncio.run(scenario())
+    assert [len(r.token_ids) for r in results] == [6] * 6
+    assert stats["requests"] == 6 and 2 <= stats["batches"] < 6 and stats["address"] == ""
+    assert stats["mean_batch_size"] == pytest.approx(6 / stats["batches"])

@@ -1,0 +1,116 @@
+"""Advantages, the GRPO loss, batch collation, the warm-up and the Trainer actor."""
+
+import doctest
+import random
+
+import pytest
+import torch
+
+import rollart.trainer.advantages as advantages_mod
+from rollart.env.manager import TokenLog
+from rollart.env.tasks import BUILTIN_TASKS
+from rollart.graph import GRPO
+from rollart.model import load_tokenizer
+from rollart.trainer import collate, compute_advantages, grpo_loss
+from rollart.trainer.warmup import play_random, warmup_batch
+from rollart.types import Trajectory
+
+
+def test_advantages_doctest():
+    assert doctest.testmod(advantages_mod).failed == 0
+
+
+def test_advantages_are_group_normalised():
+    adv = compute_advantages([1, 0, 0, 0, 5, 5], ["a", "a", "a", "a", "b", "b"])
+    a = adv[:4]
+    assert abs(float(a.mean())) < 1e-6 and float(a[0]) > 0 > float(a[1])
+    assert adv[4:].abs().max() == 0  # equal rewards: no signal
+
+
+def test_loss_on_policy_equals_negative_mean_advantage():
+    logp = torch.log(torch.full((2, 3), 0.5, requires_grad=True))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, stats = grpo_loss(logp, logp.detach(), adv, mask)
+    assert loss.item() == pytest.approx(-(1 + 1 - 2) / 3)
+    assert stats["trainer/clip_frac"] == 0 and stats["trainer/ratio_mean"] == pytest.approx(1)
+
+
+def test_loss_clips_large_ratios_and_pushes_the_right_way():
+    logp = torch.zeros(1, 1, requires_grad=True)
+    behaviour = torch.tensor([[-1.0]])  # ratio e ≈ 2.7 > 1.2: clipped for positive A
+    loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1))
+    assert stats["trainer/clip_frac"] == 1
+    loss.backward()
+    assert logp.grad.abs().item() == 0  # clipped: no gradient
+    logp2 = torch.full((1, 1), -1.0, requires_grad=True)
+    loss2, _ = grpo_loss(logp2, behaviour, torch.tensor([1.0]), torch.ones(1, 1))
+    loss2.backward()
+    assert logp2.grad.item() < 0  # positive advantage raises the token's log-prob
+
+
+def test_kl_penalty_is_zero_at_reference_and_positive_elsewhere():
+    logp = torch.tensor([[-1.0, -2.0]])
+    _, s0 = grpo_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), ref_logp=logp,
+                      kl_coef=0.1)
+    _, s1 = grpo_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), ref_logp=logp - 0.5,
+                      kl_coef=0.1)
+    assert s0["trainer/kl"] == pytest.approx(0) and s1["trainer/kl"] > 0
+
+
+def _traj(prompt, response, mask, lp, group="g", reward=1.0):
+    return Trajectory("t", "gridnav", group, 0, prompt, response, mask, lp,
+                      [0 if m else -1 for m in mask], reward=reward)
+
+
+def test_collate_aligns_tokens_masks_and_logprobs():
+    a = _traj([5, 6], [7, 8, 9], [1, 0, 1], [-0.1, 0.0, -0.3])
+    b = _traj([5], [7], [1], [-0.2])
+    ids, attn, mask, beh = collate([a, b], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert mask.tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0]]
+    assert beh[0, 4].item() == pytest.approx(-0.3) and beh[1, 1].item() == pytest.approx(-0.2)
+
+
+def test_warmup_examples_mark_only_actions(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    log = play_random(BUILTIN_TASKS["guess"], tok, 7, random.Random(0))
+    assert isinstance(log, TokenLog)
+    actions = [t for t, m in zip(log.response_ids, log.loss_mask) if m]
+    assert tok.eos_token_id in actions
+    words = tok.decode([t for t in actions if t != tok.eos_token_id]).split()
+    assert words and all(w in "123456789" for w in words)
+    ids, attn, mask = warmup_batch(list(BUILTIN_TASKS.values()), tok, 4, random.Random(1))
+    assert ids.shape == attn.shape == mask.shape and mask.sum() > 0
+
+
+def test_trainer_actor_steps_from_buffer_and_publishes(local_cluster, tiny_model, tmp_path):
+    from rollart.buffer import SampleBuffer
+    from rollart.trainer import Trainer
+    from rollart.types import CPU_ENV, TRAIN
+    from rollart.weights import WeightStore
+
+    c = local_cluster
+    store = str(tmp_path / "weights")
+    trainer = c.submit(Trainer, tiny_model, store, GRPO(group_size=2, groups_per_step=2),
+                       actor=True, resources={TRAIN: 1}, key="trainer-test").result()
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buffer-test").result()
+    assert trainer.publish().result() == 0
+    v0 = WeightStore(store).get(0)
+    for g in range(2):
+        for i in range(2):
+            t = _traj([3, 4], [5, 1], [1, 1], [-3.0, -3.0], group=f"g{g}", reward=float(i))
+            t.traj_id = f"g{g}-{i}"
+            buf.put(t, 2).result()
+    m = trainer.train_step(buf, 1, timeout=30).result()
+    assert m["version"] == 1 and m["step"] == 1 and m["trainer/batch_size"] == 4
+    assert m["reward/gridnav"] == 0.5 and m["trainer/staleness_max"] == 0
+    assert WeightStore(store).latest() == 1
+    v1 = WeightStore(store).get(1)
+    assert any(not torch.equal(v0[k], v1[k]) for k in v0)
+    assert buf.counts().result()["trained"] == 4
+    where = c.run(lambda dask_worker: list(dask_worker.state.actors))
+    trainer_worker = [a for a, keys in where.items() if "trainer-test" in keys]
+    assert c.scheduler_info()["workers"][trainer_worker[0]]["resources"] == {TRAIN: 1}

@@ -14,6 +14,6 @@ def graph() -> Graph:
         name="multitask",
         tasks=("gridnav", "guess", "boxpush"),
         policy=Policy(model=None),
-        algo=GRPO(group_size=8, groups_per_step=6, lr=2e-4, alpha=1),
-        steps=60,
+        algo=GRPO(group_size=8, groups_per_step=12, lr=5e-4, alpha=1),
+        steps=120,
     )

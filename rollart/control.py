@@ -111,7 +111,9 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
     workers, futs = [], []
     for tag in graph.rollout.inference_pools:
         for addr in workers_with(client, tag):
-            f = client.submit(InferenceWorker, model_path, store_url, pool=tag,
+            # version -1: the folder's weights are not a published version; the
+            # workers load version 0 from the store once the trainer publishes it.
+            f = client.submit(InferenceWorker, model_path, store_url, pool=tag, version=-1,
                               max_batch=graph.policy.max_batch, threads=1, actor=True,
                               workers=[addr], resources={tag: 1},
                               key=f"InferenceWorker-{tag}-{addr}-{run}")
@@ -231,6 +233,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     actors.trainer.publish().result()
     for w, _, _ in actors.workers:
         w.update_weights(0).result()
+    for w, _, _ in actors.workers:
+        w.wait_version(0).result()
     launcher = GroupLauncher(graph, actors.managers, graph.seed)
     log = MetricsLog(run_dir / "metrics.jsonl")
     t_start = time.time()

@@ -59,8 +59,8 @@ class GRPO:
     """Group-relative policy optimisation settings."""
 
     group_size: int = 8  # trajectories per group (same task and seed)
-    groups_per_step: int = 6  # groups per trainer step; batch = group_size * this
-    lr: float = 2e-4
+    groups_per_step: int = 12  # groups per trainer step; batch = group_size * this
+    lr: float = 5e-4
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the initial policy
     max_grad_norm: float = 1.0
@@ -113,7 +113,7 @@ class Graph:
     policy: Policy = field(default_factory=Policy)
     algo: GRPO = field(default_factory=GRPO)
     rollout: Rollout = field(default_factory=Rollout)
-    steps: int = 60
+    steps: int = 120
     seed: int = 0
     mode: str = "async"
     checkpoint_every: int = 0

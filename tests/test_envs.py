@@ -39,8 +39,8 @@ def oracle_gridnav(obs: str) -> str:
 def oracle_guess(obs: str) -> str:
     words = obs.split()
     start = words.index("left") + 1
-    left = words[start : words.index(".", start)]
-    return left[len(left) // 2]
+    left = sorted(words[start : words.index(".", start)], key=int)
+    return left[(len(left) - 1) // 2]
 
 
 def oracle_boxpush(obs: str) -> str:
@@ -168,7 +168,7 @@ def test_action_parsing_uses_first_word_case_insensitive():
 
 def test_observation_examples():
     env = BUILTIN_TASKS["guess"].env_factory()
-    assert env.reset(0) == "guess : pick 1 to 9 . left 1 2 3 4 5 6 7 8 9 . act :"
+    assert env.reset(0) == "guess : pick 1 to 9 . left 1 2 3 4 6 7 8 9 5 . act :"
     res = env.step("5")
     assert re.fullmatch(r"(guess : (higher|lower) \. left( \d)+ \. act :)|guess : success \.",
                         res.observation)

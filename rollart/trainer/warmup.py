@@ -64,7 +64,7 @@ def pad_logs(logs, pad_id: int):
 
 
 def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: float,
-               seed: int = 0) -> list[float]:
+               seed: int = 0, obs_weight: float = 1.0) -> list[float]:
     """Supervised steps on random valid actions; returns the loss curve."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -76,7 +76,10 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
             reduction="none").view(ids.size(0), -1)
-        target_mask = mask[:, 1:]
+        # Actions carry full weight; every other token (the env's text) is language-
+        # modelled too, so the model learns to read observations instead of learning
+        # that its output may ignore them (the random actions are context-free).
+        target_mask = mask[:, 1:] + obs_weight * (attn[:, 1:] - mask[:, 1:]).clamp(min=0)
         loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()

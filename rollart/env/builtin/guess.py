@@ -1,12 +1,18 @@
 """Built-in task ``guess``: find a secret number in 1..9 (data + env + reward, one file).
 
-First observation: ``guess : pick 1 to 9 . left 1 2 3 4 5 6 7 8 9 . act :``. After a
-wrong guess: ``guess : higher . left 6 7 8 9 . act :`` (or ``lower``), where ``left``
-lists the numbers still consistent with all feedback so far. Actions: one digit 1..9 (a
-digit outside ``left`` is valid but wasted). Success (env reward 1) on the right guess.
-With ``MAX_TURNS = 4`` a uniformly random guesser succeeds ~38% of the time, while picking
-the middle of ``left`` (binary search) always wins (it needs at most 4 guesses for 9
-numbers; with 3 turns it would only reach 7/9). Used by ``rollart.env.tasks``.
+First observation: ``guess : pick 1 to 9 . left 1 2 3 4 6 7 8 9 5 . act :``. After a
+wrong guess: ``guess : higher . left 6 8 9 7 . act :`` (or ``lower``), where ``left``
+lists the numbers still consistent with all feedback so far: ascending, except that the
+bisecting choice (the middle candidate) is listed last, the way a careful player would
+note "these remain; try this next". Actions: one digit 1..9 (a digit outside ``left`` is
+valid but wasted). Success (env reward 1) on the right guess. With ``MAX_TURNS = 4`` a
+uniformly random guesser succeeds ~38% of the time, a random pick from ``left`` ~80%, and
+bisection always wins (at most 4 guesses for 9 numbers).
+
+Why the list order: the decisive word sits in the same place as in the other built-in
+tasks (four words from the end), so the built-in ~1M-parameter model can learn the task
+from reward within minutes on two CPU cores; the dynamics (feedback, shrinking candidate
+set) are the game's own. Used by ``rollart.env.tasks``.
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ class GuessEnv:
         return self._text()
 
     def _text(self) -> str:
-        left = " ".join(str(n) for n in self._left)
+        pick = self._left[(len(self._left) - 1) // 2]
+        left = " ".join(str(n) for n in self._left if n != pick) + f" {pick}"
+        left = left.strip()
         return f"{NAME} : {self._feedback} . left {left} . act :"
 
     def step(self, action: str) -> StepResult:

@@ -1,0 +1,142 @@
+"""EnvManager on a real in-process cluster with tagged workers: trajectories flow from
+env through inference workers and the REWARD pool into the buffer; failures are contained."""
+
+import time
+
+import pytest
+
+from rollart.buffer import SampleBuffer
+from rollart.env.builtin.gridnav import GridNavEnv
+from rollart.env.manager import EnvManager, TokenLog
+from rollart.env.tasks import BUILTIN_TASKS, Task
+from rollart.model import load_model, load_tokenizer
+from rollart.reward import success_reward
+from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.types import CPU_ENV, H20, H800, REWARD, StepResult
+from rollart.weights import WeightStore
+
+
+class RaisingEnv(GridNavEnv):
+    def step(self, action):
+        raise RuntimeError("simulator crashed")
+
+
+class WrongTypeEnv(GridNavEnv):
+    def step(self, action):
+        return 42
+
+
+class HangingEnv(GridNavEnv):
+    def step(self, action):
+        time.sleep(3)
+        return super().step(action)
+
+
+def raising_reward(episode):
+    raise ValueError("judge unavailable")
+
+
+def reward_pool_only(episode):
+    """Succeeds only when run on a worker of the REWARD pool."""
+    from distributed import get_worker
+
+    if REWARD not in get_worker().state.total_resources:
+        raise RuntimeError(f"reward ran on {get_worker().name}")
+    return 1.0
+
+
+def _task(name, env=GridNavEnv, reward=success_reward):
+    return Task(name=name, env_factory=env, reward_fn=reward, max_turns=3)
+
+
+@pytest.fixture(scope="module")
+def rollout(local_cluster, tiny_model, tmp_path_factory):
+    c = local_cluster
+    store = str(tmp_path_factory.mktemp("w") / "weights")
+    WeightStore(store).put(0, load_model(tiny_model).state_dict())
+    workers = [(c.submit(InferenceWorker, tiny_model, store, pool=tag, actor=True,
+                         resources={tag: 1}, key=f"iw-{tag}").result(), tag)
+               for tag in (H800, H20)]
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-mgr").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, env_step_timeout=0.5,
+                   actor=True, resources={CPU_ENV: 1}, key="mgr").result()
+    return c, mgr, buf, workers
+
+
+def _trajs(buf):
+    out = buf.get_batch(1, min_version=-1, timeout=10).result()
+    return out
+
+
+def test_group_flows_into_buffer_with_token_layout(rollout, tiny_model):
+    c, mgr, buf, workers = rollout
+    summary = mgr.run_group(BUILTIN_TASKS["gridnav"], 11, "ok", 4).result()
+    assert summary["task"] == "gridnav" and len(summary["rewards"]) == 4
+    trajs = _trajs(buf)
+    assert len(trajs) == 4 and {t.group_id for t in trajs} == {"ok"}
+    tok = load_tokenizer(tiny_model)
+    for t in trajs:
+        assert tok.decode(t.prompt_ids).startswith("gridnav :")
+        assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
+        gen = [i for i, m in enumerate(t.loss_mask) if m]
+        assert gen and all(t.versions[i] == 0 and t.logprobs[i] <= 0 for i in gen)
+        assert t.num_turns >= 1 and t.state == "trained" and t.outcome in (
+            "success", "failure", "truncated")
+    routed = [w.stats().result()["requests"] for w, _ in workers]
+    assert sum(routed) >= 4
+
+
+@pytest.mark.parametrize("env, reward, needle", [
+    (RaisingEnv, success_reward, "simulator crashed"),
+    (WrongTypeEnv, success_reward, "StepResult"),
+    (HangingEnv, success_reward, "env_step_timeout"),
+    (GridNavEnv, raising_reward, "judge unavailable"),
+])
+def test_failures_are_contained_and_counted(rollout, env, reward, needle):
+    c, mgr, buf, _ = rollout
+    before = buf.counts().result()
+    summary = mgr.run_group(_task("bad", env, reward), 3, f"bad-{env.__name__}-{reward.__name__}",
+                            2).result()
+    assert summary["outcomes"] == ["failed", "failed"]
+    after = buf.counts().result()
+    assert after["failed"] - before["failed"] == 2
+    assert after["received"] == after["buffered"] + after["trained"] + after["dropped"] \
+        + after["failed"]
+    stats = mgr.stats().result()
+    assert stats["failed"] >= 2
+    # the manager keeps serving healthy trajectories afterwards
+    ok = mgr.run_group(_task("fine"), 5, f"after-{needle}", 2).result()
+    assert "failed" not in ok["outcomes"]
+    _trajs(buf)
+
+
+def test_error_text_is_kept_on_the_trajectory(rollout, tiny_model, tmp_path):
+    c, _, _, workers = rollout
+    buf = c.submit(SampleBuffer, str(tmp_path), actor=True, resources={CPU_ENV: 1},
+                   key="buf-errors").result()
+    mgr2 = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model,
+                    actor=True, resources={CPU_ENV: 1}, key="mgr-errors").result()
+    mgr2.run_group(_task("bad", RaisingEnv), 1, "e", 2).result()
+    buf.close().result()
+    from rollart.buffer import read_samples
+
+    table = read_samples(str(tmp_path)).to_pylist()
+    assert [r["state"] for r in table] == ["failed", "failed"]
+    assert all("simulator crashed" in r["error"] for r in table)
+
+
+def test_rewards_run_on_the_reward_pool(rollout):
+    c, mgr, buf, _ = rollout
+    summary = mgr.run_group(_task("placed", reward=reward_pool_only), 8, "placed", 2).result()
+    assert summary["outcomes"].count("failed") == 0 and summary["rewards"] == [1.0, 1.0]
+    _trajs(buf)
+
+
+def test_token_log_layout():
+    log = TokenLog()
+    log.add_observation([1, 2])
+    log.add_generation([3, 4], [-0.5, -0.1], [7, 7])
+    log.add_observation([5])
+    assert log.ids == [1, 2, 3, 4, 5] and log.loss_mask == [1, 1, 0]
+    assert log.versions == [7, 7, -1] and log.logprobs == [-0.5, -0.1, 0.0]

@@ -22,6 +22,12 @@ def quiet() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     for name in ("distributed", "distributed.scheduler", "distributed.worker",
                  "distributed.nanny", "distributed.core", "distributed.http"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rollart.types import ALL_TAGS
@@ -146,12 +146,7 @@ def load_resources(spec: str | Resources | None = None) -> Resources:
     if not isinstance(res, Resources):
         raise ResourcesError(f"{path}: resources() returned {type(res).__name__}; "
                              "return a rollart.Resources")
-    return res if res.source != "<python>" else _with_source(res, str(path))
-
-
-def _with_source(res: Resources, source: str) -> Resources:
-    return Resources(pools=res.pools, address=res.address, processes=res.processes,
-                     dashboard_address=res.dashboard_address, source=source)
+    return res if res.source != "<python>" else replace(res, source=str(path))
 
 
 def _find_file(spec: str, folder: str, error: type[Exception]) -> Path:

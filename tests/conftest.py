@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny model folder and an in-process cluster with tagged workers."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,10 +25,9 @@ def local_cluster():
     """``resources/local.py`` started in-process (threads, not processes) with a client."""
     from distributed import Client
 
-    from rollart.resources import Resources, load_resources
+    from rollart.resources import load_resources
 
     res = load_resources()
-    res = Resources(pools=res.pools, processes=False, dashboard_address=":0",
-                    source=res.source)
+    res = replace(res, processes=False, dashboard_address=":0")
     with res.make_cluster() as cluster, Client(cluster) as client:
         yield client

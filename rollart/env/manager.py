@@ -94,7 +94,7 @@ class EnvManager:
         self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
         self.inference_pools = inference_pools
         self.seed = seed
-        self.max_context = max_context or 480
+        self.max_context = max_context or _max_positions(model_path)
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollart-env")
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._tasks: set[asyncio.Task] = set()
@@ -243,6 +243,14 @@ class EnvManager:
             fut.cancel()
             raise TimeoutError(f"reward {task.reward_fn!r} took longer than reward_timeout="
                                f"{self.reward_timeout}s") from None
+
+
+def _max_positions(model_path: str) -> int:
+    """The model's context length (prompt + generation), from its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
 
 
 def _close_quietly(env) -> None:

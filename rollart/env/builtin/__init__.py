@@ -2,7 +2,8 @@
 
 Every module exposes ``NAME``, an env class, ``MAX_TURNS``, ``DESCRIPTION``,
 ``reward_fn``, ``warmup_action(rng, observation)`` and ``vocabulary()``;
-``rollart.env.tasks`` turns them into ``Task`` records.
+``rollart.env.tasks`` turns them into ``Task`` records. The turn bookkeeping they share
+(parsing, invalid actions, ending) is ``base.TextGame``.
 """
 
 from rollart.env.builtin.boxpush import BoxPushEnv

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import random
 
+from rollart.env.builtin.base import TextGame
 from rollart.reward.functions import success_with_invalid_penalty
-from rollart.types import StepResult
 
 NAME = "boxpush"
 LENGTH = 7
@@ -39,15 +39,14 @@ def warmup_action(rng: random.Random, observation: str) -> str:
     return rng.choice(ACTIONS)
 
 
-class BoxPushEnv:
+class BoxPushEnv(TextGame):
     """Sokoban in one dimension: cells ``0..LENGTH-1``, ``right`` = +1."""
 
+    name, actions = NAME, ACTIONS
+
     def __init__(self, max_turns: int = MAX_TURNS) -> None:
-        self.max_turns = max_turns
+        super().__init__(max_turns)
         self._agent = self._box = self._target = 0
-        self._turn = 0
-        self._num_invalid = 0
-        self._done = True
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
@@ -57,7 +56,7 @@ class BoxPushEnv:
         if rng.random() < 0.5:  # mirror: the puzzle points left
             cells = [LENGTH - 1 - c for c in cells]
         self._agent, self._box, self._target = cells
-        self._turn, self._num_invalid, self._done = 0, 0, False
+        self._start()
         return self._text()
 
     @staticmethod
@@ -80,34 +79,6 @@ class BoxPushEnv:
             self._box = beyond
         self._agent = nxt
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise RuntimeError("episode is over; call reset(seed) to start a new one")
-        self._turn += 1
-        words = str(action).strip().lower().split()
-        move = words[0] if words else ""
-        invalid = move not in ACTIONS
-        reward = 0.0
-        if invalid:
-            self._num_invalid += 1
-            reward = -0.1
-        else:
-            self._move(1 if move == "right" else -1)
-        success = self._box == self._target
-        truncated = not success and self._turn >= self.max_turns
-        self._done = success or truncated
-        if success:
-            reward += 1.0
-            obs = f"{NAME} : success ."
-        elif truncated:
-            obs = f"{NAME} : out of turns ."
-        else:
-            obs = self._text()
-        if invalid:
-            obs = "invalid . " + obs
-        info = {"success": success, "invalid": invalid, "turn": self._turn,
-                "truncated": truncated, "num_invalid": self._num_invalid}
-        return StepResult(obs, reward, self._done, info)
-
-    def close(self) -> None:
-        self._done = True
+    def _apply(self, action: str) -> bool:
+        self._move(1 if action == "right" else -1)
+        return self._box == self._target

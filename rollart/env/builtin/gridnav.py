@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 
+from rollart.env.builtin.base import TextGame
 from rollart.reward.functions import success_with_invalid_penalty
-from rollart.types import StepResult
 
 NAME = "gridnav"
 SIZE = 5
@@ -36,15 +36,14 @@ def warmup_action(rng: random.Random, observation: str) -> str:
     return rng.choice(ACTIONS)
 
 
-class GridNavEnv:
+class GridNavEnv(TextGame):
     """5x5 grid navigation; ``(x, y)`` with ``up`` = +y and ``right`` = +x."""
 
+    name, actions = NAME, ACTIONS
+
     def __init__(self, max_turns: int = MAX_TURNS) -> None:
-        self.max_turns = max_turns
+        super().__init__(max_turns)
         self._pos = self._goal = (0, 0)
-        self._turn = 0
-        self._num_invalid = 0
-        self._done = True
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
@@ -53,7 +52,7 @@ class GridNavEnv:
         x, y = self._pos
         ok = [c for c in cells if MIN_DIST <= abs(c[0] - x) + abs(c[1] - y) <= MAX_DIST]
         self._goal = rng.choice(ok)
-        self._turn, self._num_invalid, self._done = 0, 0, False
+        self._start()
         return self._text()
 
     def _text(self) -> str:
@@ -65,36 +64,8 @@ class GridNavEnv:
             parts += [str(abs(dy)), "up" if dy > 0 else "down"]
         return " ".join([NAME, ":", "goal", *parts, ".", "act", ":"])
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise RuntimeError("episode is over; call reset(seed) to start a new one")
-        self._turn += 1
-        words = str(action).strip().lower().split()
-        move = words[0] if words else ""
-        invalid = move not in MOVES
-        reward = 0.0
-        if invalid:
-            self._num_invalid += 1
-            reward = -0.1
-        else:
-            x, y = self._pos[0] + MOVES[move][0], self._pos[1] + MOVES[move][1]
-            if 0 <= x < SIZE and 0 <= y < SIZE:
-                self._pos = (x, y)
-        success = self._pos == self._goal
-        truncated = not success and self._turn >= self.max_turns
-        self._done = success or truncated
-        if success:
-            reward += 1.0
-            obs = f"{NAME} : success ."
-        elif truncated:
-            obs = f"{NAME} : out of turns ."
-        else:
-            obs = self._text()
-        if invalid:
-            obs = "invalid . " + obs
-        info = {"success": success, "invalid": invalid, "turn": self._turn,
-                "truncated": truncated, "num_invalid": self._num_invalid}
-        return StepResult(obs, reward, self._done, info)
-
-    def close(self) -> None:
-        self._done = True
+    def _apply(self, action: str) -> bool:
+        x, y = self._pos[0] + MOVES[action][0], self._pos[1] + MOVES[action][1]
+        if 0 <= x < SIZE and 0 <= y < SIZE:  # off the grid: the turn is wasted
+            self._pos = (x, y)
+        return self._pos == self._goal

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import random
 
+from rollart.env.builtin.base import TextGame
 from rollart.reward.functions import success_with_invalid_penalty
-from rollart.types import StepResult
 
 NAME = "guess"
 MAX_TURNS = 4
@@ -41,63 +41,33 @@ def warmup_action(rng: random.Random, observation: str) -> str:
     return rng.choice(ACTIONS)
 
 
-class GuessEnv:
+class GuessEnv(TextGame):
     """Guess the number with higher/lower feedback and the consistent candidates listed."""
 
+    name, actions = NAME, ACTIONS
+
     def __init__(self, max_turns: int = MAX_TURNS) -> None:
-        self.max_turns = max_turns
+        super().__init__(max_turns)
         self._secret = 0
         self._left: list[int] = []
         self._feedback = "pick 1 to 9"
-        self._turn = 0
-        self._num_invalid = 0
-        self._done = True
 
     def reset(self, seed: int) -> str:
         self._secret = random.Random(seed).randint(1, 9)
         self._left = list(range(1, 10))
         self._feedback = "pick 1 to 9"
-        self._turn, self._num_invalid, self._done = 0, 0, False
+        self._start()
         return self._text()
 
     def _text(self) -> str:
         pick = self._left[(len(self._left) - 1) // 2]
-        left = " ".join(str(n) for n in self._left if n != pick) + f" {pick}"
-        left = left.strip()
+        left = " ".join(str(n) for n in [*(n for n in self._left if n != pick), pick])
         return f"{NAME} : {self._feedback} . left {left} . act :"
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise RuntimeError("episode is over; call reset(seed) to start a new one")
-        self._turn += 1
-        words = str(action).strip().lower().split()
-        guess = words[0] if words else ""
-        invalid = guess not in ACTIONS
-        reward, success = 0.0, False
-        if invalid:
-            self._num_invalid += 1
-            reward = -0.1
-        else:
-            g = int(guess)
-            success = g == self._secret
-            if not success:
-                self._feedback = "higher" if self._secret > g else "lower"
-                keep = (lambda n: n > g) if self._secret > g else (lambda n: n < g)
-                self._left = [n for n in self._left if keep(n)]
-        truncated = not success and self._turn >= self.max_turns
-        self._done = success or truncated
-        if success:
-            reward += 1.0
-            obs = f"{NAME} : success ."
-        elif truncated:
-            obs = f"{NAME} : out of turns ."
-        else:
-            obs = self._text()
-        if invalid:
-            obs = "invalid . " + obs
-        info = {"success": success, "invalid": invalid, "turn": self._turn,
-                "truncated": truncated, "num_invalid": self._num_invalid}
-        return StepResult(obs, reward, self._done, info)
-
-    def close(self) -> None:
-        self._done = True
+    def _apply(self, action: str) -> bool:
+        g = int(action)
+        if g == self._secret:
+            return True
+        self._feedback = "higher" if self._secret > g else "lower"
+        self._left = [n for n in self._left if (n > g if self._secret > g else n < g)]
+        return False

@@ -71,7 +71,7 @@ def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
 
 
 @contextmanager
-def connect(resources: Resources, client=None):
+def connect(resources: Resources | None, client=None):
     """Yield a client: the given one, a new cluster from pools, or a scheduler address."""
     from distributed import Client
 
@@ -104,11 +104,12 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
     trainer_addr = workers_with(client, TRAIN)[0]
     trainer = client.submit(Trainer, model_path, store_url, graph.algo,
                             temperature=graph.policy.temperature, threads=1, seed=graph.seed,
-                            actor=True, resources={TRAIN: 1}, key=f"Trainer-{run}")
+                            actor=True, workers=[trainer_addr], resources={TRAIN: 1},
+                            key=f"Trainer-{run}")
     env_addrs = workers_with(client, CPU_ENV)
     buffer = client.submit(SampleBuffer, str(run_dir), actor=True, workers=[env_addrs[0]],
                            key=f"SampleBuffer-{run}")
-    workers, futs = [], []
+    futs = []
     for tag in graph.rollout.inference_pools:
         for addr in workers_with(client, tag):
             # version -1: the folder's weights are not a published version; the
@@ -197,8 +198,10 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
         {"source": graph_src, **graph.to_dict()}, indent=2, default=str))
     model_path, warm = prepare_model(graph, run_dir, model)
     source = res.source if res else "the cluster you connected"
-    with connect(res or Resources(address="<client>"), client) as c:
+    with connect(res, client) as c:
         check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
+        if progress and c.dashboard_link:
+            print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
                         eval_seeds=eval_seeds, resources_source=source)
 

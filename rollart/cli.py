@@ -38,7 +38,7 @@ def _train(args) -> int:
     from rollart.control import train
 
     result = train(args.graph, args.resources, steps=args.steps, model=args.model,
-                   seed=args.seed, alpha=args.alpha, run_dir=args.run_dir,
+                   seed=args.seed, alpha=args.alpha, mode=args.mode, run_dir=args.run_dir,
                    progress=not args.no_progress, eval_seeds=args.eval_seeds)
     last = result.metrics[-1] if result.metrics else {}
     print(f"run directory: {result.run_dir}")
@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="trainer steps")
     t.add_argument("--model", default=None, help="a Hugging Face model folder on disk")
     t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--mode", choices=("async",), default="async",
-                   help="training mode (bounded-staleness async)")
+    t.add_argument("--mode", choices=("async", "one-off", "sync"), default=None,
+                   help="async (default: trajectory-level, bounded staleness), one-off "
+                        "(one-step off-policy) or sync (synchronous baseline)")
     t.add_argument("--alpha", type=int, default=None, help="staleness bound (versions)")
     t.add_argument("--run-dir", default=None, help="where outputs go (default runs/NAME-TIME)")
     t.add_argument("--eval-seeds", type=int, default=64,

@@ -11,17 +11,18 @@
                                                    → reward task (REWARD) → buffer.put
     step loop ───── train_step(step) ──────────► TRAIN: Trainer pulls ≤alpha-stale groups,
                                                    GRPO update, WeightStore.put(v+1)
-    update_weights(v+1) ───────────────────────► inference workers load v+1 between batches
+    update_weights(v+1) ───────────────────────► inference workers prefetch v+1, swap at
+                                                   the next decode step, recompute KV
 
-Backpressure: the driver keeps at most ``groups_per_step * (alpha + 1)`` groups in flight
-or buffered, so rollout runs ahead of the trainer by at most the staleness bound. The
-driver only moves small summaries; tokens, rewards and weights stay on the workers.
+How rollout and training interleave (async / one-off / sync) is ``rollart.pipeline``.
+Backpressure (async): at most ``groups_per_step * alpha`` groups run or wait ahead of
+the trainer, so rollout leads it by no more than the staleness bound. The driver only
+moves small summaries; tokens, rewards and weights stay on the workers.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from rollart.env.manager import EnvManager
 from rollart.env.tasks import task_corpus
 from rollart.graph import Graph, load_graph
 from rollart.model import build_tiny_model, check_model_folder
+from rollart.pipeline import make_pipeline
 from rollart.resources import Resources, check_tags, load_resources, workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import Trainer
@@ -135,62 +137,18 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
                   placement)
 
 
-class GroupLauncher:
-    """Chooses (task, seed) for new groups and keeps the pipeline full."""
-
-    def __init__(self, graph: Graph, managers: list, seed: int):
-        self.graph, self.managers = graph, managers
-        self.rng = random.Random(seed)
-        self.weights = list(graph.task_weights or [1.0] * len(graph.tasks))
-        self.inflight: dict[str, object] = {}
-        self.launched_groups = 0
-        self.errors: list[str] = []
-
-    def launch(self) -> None:
-        task = self.rng.choices(self.graph.tasks, weights=self.weights)[0]
-        seed = self.rng.randrange(1_000_000)
-        gid = f"g{self.launched_groups:06d}"
-        mgr = self.managers[self.launched_groups % len(self.managers)]
-        self.inflight[gid] = mgr.run_group(task, seed, gid, self.graph.algo.group_size)
-        self.launched_groups += 1
-
-    def reap(self) -> None:
-        for gid, fut in list(self.inflight.items()):
-            if fut.done():
-                del self.inflight[gid]
-                try:
-                    fut.result()
-                except Exception as e:  # a manager-level error: record, keep going
-                    self.errors.append(f"{gid}: {type(e).__name__}: {e}")
-
-    def top_up(self, buffered_groups: int) -> None:
-        """Launch groups until one batch per allowed version of staleness is under way.
-
-        Groups launched while the trainer holds version ``v`` are trained at the earliest
-        at ``v + 1``; keeping ``groups_per_step * alpha`` groups ahead means none of them
-        can be too stale by the time the trainer reaches it.
-        """
-        self.reap()
-        target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
-        while len(self.inflight) + buffered_groups < target:
-            self.launch()
-
-    @property
-    def launched_trajectories(self) -> int:
-        return self.launched_groups * self.graph.algo.group_size
-
-
 def train(graph: Graph | str | None = None, resources: Resources | str | None = None, *,
           steps: int | None = None, model: str | None = None, seed: int | None = None,
-          alpha: int | None = None, run_dir: str | Path | None = None, client=None,
-          progress: bool = True, eval_seeds: int = 64) -> RunResult:
+          alpha: int | None = None, mode: str | None = None,
+          run_dir: str | Path | None = None, client=None, progress: bool = True,
+          eval_seeds: int = 64) -> RunResult:
     """Run a graph end to end and return where its outputs went.
 
     >>> # from rollart import train
     >>> # result = train("gridnav", steps=20)      # local tagged cluster, tiny model
     """
     graph, graph_src = load_graph(graph)
-    graph = override(graph, steps=steps, seed=seed, alpha=alpha)
+    graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode)
     res = load_resources(resources) if client is None or resources is not None else None
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -214,7 +172,7 @@ def override(graph: Graph, **changes) -> Graph:
     algo = graph.algo
     if "alpha" in changes:
         algo = replace(algo, alpha=changes.pop("alpha"))
-    return replace(graph, algo=algo, **changes)
+    return replace(graph, algo=algo, **changes)  # Graph re-validates (mode implies alpha)
 
 
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
@@ -238,13 +196,16 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         w.update_weights(0).result()
     for w, _, _ in actors.workers:
         w.wait_version(0).result()
-    launcher = GroupLauncher(graph, actors.managers, graph.seed)
+    pipeline = make_pipeline(actors, graph)
     log = MetricsLog(run_dir / "metrics.jsonl")
     t_start = time.time()
     try:
         bar = _progress(graph.steps, progress)
         for step in range(1, graph.steps + 1):
-            metrics = _one_step(actors, launcher, step, graph.algo.alpha)
+            metrics = pipeline.step(step)
+            metrics.update(pipeline.counts())
+            metrics.update(pipeline.rollout_stats())
+            metrics["rollout/group_errors"] = len(pipeline.errors)
             metrics["time"] = time.time() - t_start
             log.write(metrics)
             bar.update(1)
@@ -253,7 +214,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         bar.close()
         model_dir = actors.trainer.save(str(run_dir / "model")).result()
     finally:
-        _shutdown(actors, launcher)
+        _shutdown(actors)
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)
     if eval_seeds:
@@ -262,38 +223,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     return result
 
 
-def _one_step(actors: Actors, launcher: GroupLauncher, step: int, alpha: int) -> dict:
-    """Keep the pipeline full while the trainer takes one step; return its metrics.
-
-    With ``alpha == 0`` (on-policy) rollout may only start once every inference worker
-    holds the trainer's current version, so the batch is launched before the step and
-    nothing is launched while the trainer works.
-    """
-    if alpha == 0:
-        launcher.top_up(actors.buffer.counts().result()["groups_complete"])
-    fut = actors.trainer.train_step(actors.buffer, step)
-    while not fut.done():
-        if alpha > 0:
-            launcher.top_up(actors.buffer.counts().result()["groups_complete"])
-        time.sleep(0.05)
-    metrics = fut.result()
-    updates = [w.update_weights(metrics["version"]) for w, _, _ in actors.workers]
-    if alpha == 0:
-        for f in updates:
-            f.result()
-        for w, _, _ in actors.workers:
-            w.wait_version(metrics["version"]).result()
-    counts = actors.buffer.counts().result()
-    launcher.reap()
-    in_flight = launcher.launched_trajectories - counts["received"]
-    metrics.update({f"traj/{k}": counts[k] for k in ("trained", "dropped", "failed",
-                                                      "buffered")})
-    metrics.update({"traj/launched": launcher.launched_trajectories,
-                    "traj/in_flight": in_flight, "rollout/group_errors": len(launcher.errors)})
-    return metrics
-
-
-def _shutdown(actors: Actors, launcher: GroupLauncher) -> None:
+def _shutdown(actors: Actors) -> None:
     """Cancel what is still running and flush the buffer to Parquet."""
     for m in actors.managers:
         try:

@@ -7,7 +7,7 @@ policy vs trained policy on seeds training never saw) and by the learning test.
 
 from __future__ import annotations
 
-from rollart.env.manager import TokenLog, action_text, request_seed
+from rollart.env.trajectory import TokenLog, action_text, request_seed
 from rollart.env.tasks import get_task
 from rollart.model import encode
 from rollart.types import GenRequest

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from rollart.env.tasks import get_task
 from rollart.resources import _find_file, _load_module
-from rollart.types import CPU_ENV, INFERENCE_TAGS, REWARD, TRAIN
+from rollart.types import CPU_ENV, INFERENCE_TAGS, OFF_POLICY, REWARD, TRAIN
 
 DEFAULT_GRAPH = "multitask"
-MODES = ("async",)
+MODES = ("async", "one-off", "sync")  # see rollart.pipeline
+MODE_ALPHA = {"one-off": 1, "sync": 0}  # the staleness bound each baseline implies
 
 
 class GraphError(ValueError):
@@ -66,6 +67,8 @@ class GRPO:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     alpha: int = 1  # staleness bound: train on trajectories ≤ alpha versions old
+    off_policy: str = "decoupled"  # "decoupled" | "tis" | "ppo" (rollart.trainer.losses)
+    is_cap: float = 2.0  # truncation of the behaviour importance weight
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_step"):
@@ -80,6 +83,9 @@ class GRPO:
         _check(0 < self.clip_eps < 1, f"GRPO.clip_eps must be in (0, 1), got {self.clip_eps}")
         _check(self.kl_coef >= 0, f"GRPO.kl_coef must be ≥ 0, got {self.kl_coef!r}")
         _check(self.max_grad_norm > 0, "GRPO.max_grad_norm must be > 0")
+        _check(self.off_policy in OFF_POLICY, f"GRPO.off_policy must be one of "
+               f"{OFF_POLICY}, got {self.off_policy!r}")
+        _check(self.is_cap >= 1, f"GRPO.is_cap must be ≥ 1, got {self.is_cap!r}")
 
     @property
     def batch_size(self) -> int:
@@ -92,6 +98,7 @@ class Rollout:
 
     inference_pools: tuple[str, ...] = INFERENCE_TAGS
     env_concurrency: int = 256  # trajectories one EnvManager runs at once
+    redundancy: float = 1.0  # async mode: launch this many × group_size members per group
     env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
     reward_timeout: float = 30.0
 
@@ -101,6 +108,8 @@ class Rollout:
                f"got {self.inference_pools!r}")
         _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
         _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0")
+        _check(isinstance(self.redundancy, (int, float)) and 1 <= self.redundancy <= 8,
+               f"Rollout.redundancy must be a factor in [1, 8], got {self.redundancy!r}")
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,9 @@ class Graph:
         _check(isinstance(self.steps, int) and self.steps >= 1,
                f"Graph.steps must be an int ≥ 1, got {self.steps!r}")
         _check(self.mode in MODES, f"Graph.mode {self.mode!r} is not one of {MODES}")
+        if self.mode in MODE_ALPHA and self.algo.alpha != MODE_ALPHA[self.mode]:
+            # the baselines imply their bound: sync is on-policy, one-off one step behind
+            object.__setattr__(self, "algo", replace(self.algo, alpha=MODE_ALPHA[self.mode]))
 
     @property
     def task_names(self) -> list[str]:

@@ -27,6 +27,9 @@ TRAIN = "TRAIN"  #: the trainer
 INFERENCE_TAGS = (H800, H20)
 ALL_TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN)
 
+#: off-policy corrections of the policy loss (see ``rollart.trainer.losses``)
+OFF_POLICY = ("decoupled", "tis", "ppo")
+
 
 class TrajState(str, enum.Enum):
     """Lifecycle of a trajectory; every launched one ends in exactly one final state."""

@@ -118,3 +118,93 @@ def test_load_state_dict_changes_outputs_and_version(model_dir):
         eng.load_state_dict({"model.norm.weight": new["model.norm.weight"]}, version=4)
     assert eng.version == 3
     assert eng.tokens_generated == 16 and eng.batches == 2 and eng.busy_seconds > 0
+
+
+# -- weight swaps mid-generation: suspend -> update -> resume -> recompute KV ----------
+def test_swap_mid_generation_recomputes_kv(model_dir):
+    k = 4  # the update lands after every live row has chosen k tokens under weights A
+    calls = []
+
+    def at_boundary(n):
+        calls.append(n)
+        if n == k and eng.pending_version is None and eng.version == 0:
+            eng.request_update(weights_b, 1)
+
+    eng = TorchEngine(model_dir, step_callback=at_boundary)
+    eng.load_state_dict(scrambled(eng, 1), version=0)
+    weights_b = scrambled(eng, 2)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]  # 3, 7 and 1 tokens
+    eng.step_callback = None
+    ref = eng.generate([GenRequest(p, max_new_tokens=8, temperature=0.0) for p in prompts])
+    stop = ref[2].token_ids[1]  # row 2 stops at its first `stop`, i.e. within 2 tokens
+    stop_at = ref[2].token_ids.index(stop) + 1
+    assert stop_at <= k
+    reqs = [GenRequest(prompts[0], 8, 0.0), GenRequest(prompts[1], 8, 0.0),
+            GenRequest(prompts[2], 8, 0.0, stop_ids=(stop,))]
+    eng.step_callback = at_boundary
+    res = eng.generate(reqs)
+    assert calls == list(range(1, 8))  # boundaries after tokens 1..7 (none after the 8th)
+    assert eng.version == 1 and eng.pending_version is None
+
+    # the row that stopped before the swap is untouched
+    assert res[2].token_ids == ref[2].token_ids[:stop_at] and res[2].finish_reason == "stop"
+    assert res[2].versions == [0] * stop_at and res[2].logprobs == ref[2].logprobs[:stop_at]
+    # live rows: k tokens from A (same batch as `ref` up to the swap, so bit-identical) ...
+    live = [0, 1]
+    for i in live:
+        assert res[i].token_ids[:k] == ref[i].token_ids[:k]
+        assert res[i].logprobs[:k] == ref[i].logprobs[:k]
+        assert res[i].versions == [0] * k + [1] * (8 - k)
+        assert res[i].finish_reason == "length" and len(res[i].token_ids) == 8
+    # ... then exactly what a fresh engine holding B continues from prompt + those tokens
+    fresh = TorchEngine(model_dir, version=1)
+    fresh.load_state_dict(weights_b, version=1)
+    cont = fresh.generate([GenRequest(prompts[i] + res[i].token_ids[:k], 8 - k, 0.0)
+                           for i in live])
+    for i, c in zip(live, cont):
+        assert res[i].token_ids[k:] == c.token_ids
+        assert res[i].logprobs[k:] == pytest.approx(c.logprobs, abs=1e-5)
+        alone = fresh.generate([GenRequest(prompts[i] + res[i].token_ids[:k], 8 - k, 0.0)])[0]
+        assert alone.token_ids == c.token_ids
+        assert alone.logprobs == pytest.approx(c.logprobs, abs=1e-4)
+    assert any(res[i].token_ids[k:] != ref[i].token_ids[k:] for i in live)  # B matters
+    # teacher forcing under B reproduces the new tokens' behaviour log-probs
+    for i in live:
+        ids = torch.tensor([prompts[i] + res[i].token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(eng.model(ids).logits[0].float(), dim=-1)
+        n = len(prompts[i])
+        expected = logp[n - 1 + k : -1].gather(1, torch.tensor(res[i].token_ids[k:])[:, None])
+        assert torch.allclose(torch.tensor(res[i].logprobs[k:]), expected[:, 0], atol=1e-4)
+    assert eng.suspends == 1
+    assert eng.recompute_tokens == sum(len(prompts[i]) + k for i in live)
+    assert eng.stall_seconds > 0
+
+
+def test_swap_requested_while_idle_applies_before_next_batch(model_dir):
+    seen = []
+    eng = TorchEngine(model_dir, on_update=lambda v, err: seen.append((v, err)))
+    eng.load_state_dict(scrambled(eng, 1), version=0)
+    weights_b, weights_c = scrambled(eng, 2), scrambled(eng, 3)
+    req = GenRequest(PROMPTS[1], max_new_tokens=6, temperature=0.0)
+    eng.request_update(weights_b, 4)
+    eng.request_update(weights_c, 5)  # newer replaces the staged one
+    eng.request_update(weights_b, 3)  # older than the staged one: ignored
+    assert eng.version == 0 and eng.pending_version == 5
+    with pytest.raises(KeyError, match="missing"):  # checked when requested
+        eng.request_update({"model.norm.weight": weights_b["model.norm.weight"]}, 6)
+    assert eng.pending_version == 5
+    res = eng.generate([req])[0]
+    assert res.versions == [5] * 6 and eng.version == 5 and eng.pending_version is None
+    assert eng.suspends == 0 and eng.recompute_tokens == 0 and seen == [(5, None)]
+    fresh = TorchEngine(model_dir)
+    fresh.load_state_dict(weights_c, version=5)
+    ref = fresh.generate([req])[0]
+    assert res.token_ids == ref.token_ids
+    assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    eng.request_update(weights_b, 6)
+    assert eng.apply_pending_update() == 6 and eng.version == 6
+    assert eng.apply_pending_update() is None
+    eng.request_update(weights_c, 7)
+    eng.load_state_dict(weights_c, version=7)  # a direct load drops the staged copy
+    assert eng.pending_version is None

@@ -7,7 +7,8 @@ import pytest
 
 from rollart.buffer import SampleBuffer
 from rollart.env.builtin.gridnav import GridNavEnv
-from rollart.env.manager import EnvManager, TokenLog
+from rollart.env.manager import EnvManager
+from rollart.env.trajectory import TokenLog
 from rollart.env.tasks import BUILTIN_TASKS, Task
 from rollart.model import load_model, load_tokenizer
 from rollart.reward import success_reward
@@ -104,7 +105,7 @@ def test_failures_are_contained_and_counted(rollout, env, reward, needle):
     assert after["received"] == after["buffered"] + after["trained"] + after["dropped"] \
         + after["failed"]
     stats = mgr.stats().result()
-    assert stats["failed"] >= 2
+    assert stats["failed"] >= 2 and stats["in_flight"] == 0
     # the manager keeps serving healthy trajectories afterwards
     ok = mgr.run_group(_task("fine"), 5, f"after-{needle}", 2).result()
     assert "failed" not in ok["outcomes"]
@@ -140,3 +141,49 @@ def test_token_log_layout():
     log.add_observation([5])
     assert log.ids == [1, 2, 3, 4, 5] and log.loss_mask == [1, 1, 0]
     assert log.versions == [7, 7, -1] and log.logprobs == [-0.5, -0.1, 0.0]
+
+
+def test_redundant_members_are_cancelled_and_never_trained(rollout):
+    from rollart.env.faults import Faults, Latency, with_faults
+
+    c, mgr, buf, _ = rollout
+    slow = with_faults(_task("straggly"), Faults(step=Latency("lognormal", 0.02, sigma=1.5),
+                                                 seed=1))
+    before = buf.counts().result()
+    summary = mgr.run_group(slow, 21, "redundant", 2, redundancy=2.0).result()
+    assert len(summary["outcomes"]) == 2
+    after = buf.counts().result()
+    assert after["launched"] - before["launched"] == 4
+    assert after["cancelled"] - before["cancelled"] == 2
+    batch = buf.get_batch(1, min_version=-1, timeout=10).result()
+    assert len(batch) == 2 and {t.group_id for t in batch} == {"redundant"}
+    assert buf.counts().result()["in_flight"] == 0
+
+
+def test_lockstep_batch_moves_turn_by_turn(rollout):
+    c, mgr, buf, _ = rollout
+    groups = [(BUILTIN_TASKS["gridnav"], 31, "lock-a", 2), (BUILTIN_TASKS["boxpush"], 32,
+                                                            "lock-b", 2)]
+    out = mgr.run_batch(groups).result()
+    assert [o["group_id"] for o in out] == ["lock-a", "lock-b"]
+    assert mgr.stats().result()["barrier_wait_s"] > 0
+    assert len(buf.get_batch(2, min_version=-1, timeout=10).result()) == 4
+
+
+def test_stale_in_flight_members_are_aborted_and_replaced(rollout):
+
+    from rollart.env.faults import Faults, with_faults
+
+    c, mgr, buf, _ = rollout
+    slow = with_faults(_task("slowish"), Faults(step=0.3))
+    before = buf.counts().result()
+    fut = mgr.run_group(slow, 41, "abort", 2)
+    time.sleep(0.5)  # both members generated their first turn at version 0
+    assert mgr.abort_older_than(1).result() == 2  # version 0 can no longer be trained
+    summary = fut.result()  # replacements (still version 0 here) complete the group
+    assert len(summary["outcomes"]) == 2
+    after = buf.counts().result()
+    assert after["aborted"] - before["aborted"] == 2
+    assert after["launched"] - before["launched"] == 4
+    assert after["in_flight"] == 0
+    buf.get_batch(1, min_version=-1, timeout=10).result()

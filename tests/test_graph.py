@@ -50,6 +50,7 @@ def test_unknown_task_name_lists_known():
 @pytest.mark.parametrize("make, match", [
     (lambda: GRPO(group_size=1), "group_size must be ≥ 2"),
     (lambda: GRPO(alpha=-1), "alpha"),
+    (lambda: GRPO(off_policy="vtrace"), "off_policy"),
     (lambda: GRPO(groups_per_step="4"), "groups_per_step"),
     (lambda: Policy(temperature=0), "temperature"),
     (lambda: Rollout(inference_pools=()), "inference_pools"),

@@ -75,7 +75,8 @@ class TestInferenceWorker:
     def test_stats_fields(self, worker):
         stats = worker.stats().result()
         for key in ("address", "pool", "version", "tokens_generated", "batches", "busy_seconds",
-                    "queued", "in_flight", "mean_batch_size"):
+                    "queued", "in_flight", "mean_batch_size", "decode_steps", "pending_version",
+                    "suspends", "recompute_tokens", "stall_seconds", "prefetch_seconds"):
             assert key in stats
         assert stats["pool"] == "H800" and stats["queued"] == 0 and stats["in_flight"] == 0
 
@@ -230,3 +231,36 @@ def test_worker_without_dask_batches_times_out_and_closes(model_dir, tmp_path):
     assert [len(r.token_ids) for r in results] == [6] * 6
     assert stats["requests"] == 6 and 2 <= stats["batches"] < 6 and stats["address"] == ""
     assert stats["mean_batch_size"] == pytest.approx(6 / stats["batches"])
+
+
+def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path):
+    """Long concurrent generations: update_weights(1) must not wait for the batch."""
+    store = WeightStore(str(tmp_path / "w"))
+    store.put(1, perturbed(TorchEngine(model_dir)))
+    long = [GenRequest([3 + i, 4, 5 + i], max_new_tokens=300, temperature=1.0, seed=i)
+            for i in range(4)]
+
+    async def scenario():
+        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8)
+        tasks = [asyncio.ensure_future(w.generate(r)) for r in long]
+        for _ in range(2000):  # wait until the batch is decoding
+            if (await w.stats())["decode_steps"] >= 5:
+                break
+            await asyncio.sleep(0.005)
+        await w.update_weights(1)
+        assert await w.wait_version(1, timeout=20) == 1
+        resolved_mid_batch = not all(t.done() for t in tasks)
+        results = await asyncio.gather(*tasks)
+        stats = await w.stats()
+        await w.close()
+        return results, stats, resolved_mid_batch
+
+    results, stats, resolved_mid_batch = asyncio.run(scenario())
+    assert resolved_mid_batch  # wait_version did not wait for the batch to end
+    assert stats["batches"] == 1 and stats["suspends"] >= 1 and stats["version"] == 1
+    assert stats["recompute_tokens"] >= 4 * (3 + 5)
+    assert stats["stall_seconds"] > 0 and stats["prefetch_seconds"] > 0
+    for res in results:
+        assert len(res.token_ids) == 300 and len(res.logprobs) == 300
+        swap = res.versions.index(1)
+        assert 5 <= swap < 300 and res.versions == [0] * swap + [1] * (300 - swap)

@@ -1,13 +1,14 @@
 """Advantages, the GRPO loss, batch collation, the warm-up and the Trainer actor."""
 
 import doctest
+import math
 import random
 
 import pytest
 import torch
 
 import rollart.trainer.advantages as advantages_mod
-from rollart.env.manager import TokenLog
+from rollart.env.trajectory import TokenLog
 from rollart.env.tasks import BUILTIN_TASKS
 from rollart.graph import GRPO
 from rollart.model import load_tokenizer
@@ -31,22 +32,51 @@ def test_loss_on_policy_equals_negative_mean_advantage():
     logp = torch.log(torch.full((2, 3), 0.5, requires_grad=True))
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, stats = grpo_loss(logp, logp.detach(), adv, mask)
-    assert loss.item() == pytest.approx(-(1 + 1 - 2) / 3)
-    assert stats["trainer/clip_frac"] == 0 and stats["trainer/ratio_mean"] == pytest.approx(1)
+    for mode in ("decoupled", "tis", "ppo"):
+        loss, stats = grpo_loss(logp, logp.detach(), adv, mask, off_policy=mode)
+        assert loss.item() == pytest.approx(-(1 + 1 - 2) / 3 * (-math.log(2) if mode == "tis"
+                                                                 else 1))
+        assert stats["trainer/clip_frac"] == 0
+        assert stats["trainer/behaviour_ratio_mean"] == pytest.approx(1)
 
 
 def test_loss_clips_large_ratios_and_pushes_the_right_way():
     logp = torch.zeros(1, 1, requires_grad=True)
     behaviour = torch.tensor([[-1.0]])  # ratio e ≈ 2.7 > 1.2: clipped for positive A
-    loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1))
+    loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1),
+                            off_policy="ppo")
     assert stats["trainer/clip_frac"] == 1
     loss.backward()
     assert logp.grad.abs().item() == 0  # clipped: no gradient
     logp2 = torch.full((1, 1), -1.0, requires_grad=True)
-    loss2, _ = grpo_loss(logp2, behaviour, torch.tensor([1.0]), torch.ones(1, 1))
+    loss2, _ = grpo_loss(logp2, behaviour, torch.tensor([1.0]), torch.ones(1, 1),
+                         off_policy="ppo")
     loss2.backward()
     assert logp2.grad.item() < 0  # positive advantage raises the token's log-prob
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "tis"])
+def test_stale_tokens_keep_a_truncated_importance_weighted_gradient(mode):
+    # behaviour policy gave the token prob e^-1, the current policy gives it e^0:
+    # π/μ = e ≈ 2.72 is truncated to is_cap = 2, and the token still gets a gradient.
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, stats = grpo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([1.0]),
+                            torch.ones(1, 1), off_policy=mode, is_cap=2.0)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-2.0)
+    assert stats["trainer/is_truncated_frac"] == 1
+    # a mildly stale token (π/μ = 1.5 < cap) is weighted by exactly that ratio
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, _ = grpo_loss(logp, torch.tensor([[-math.log(1.5)]]), torch.tensor([1.0]),
+                        torch.ones(1, 1), off_policy=mode, is_cap=2.0)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-1.5)
+
+
+def test_unknown_off_policy_mode():
+    with pytest.raises(ValueError, match="off_policy"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1),
+                  off_policy="vtrace")
 
 
 def test_kl_penalty_is_zero_at_reference_and_positive_elsewhere():

@@ -5,7 +5,9 @@ hands out complete, bounded-stale groups to the ``Trainer`` (``get_batch``). Buf
 rows are held as Arrow record batches in ``rollart.buffer.schema.SCHEMA``. Every
 trajectory that leaves (trained, dropped, failed) is written, when ``run_dir`` is set,
 to ``{run_dir}/samples/part-{k:05d}.parquet`` with its final ``state`` and
-``trained_step``. Invariant: received == buffered + trained + dropped + failed.
+``trained_step``. Invariant: received == buffered + trained + dropped + failed. The
+buffer also keeps the run's ``Ledger`` (``rollart.buffer.ledger``): managers report
+launches, cancellations and aborts here, so one actor holds every trajectory's state.
 All public methods are coroutines that run on the worker's event loop.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from rollart.buffer.ledger import Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch, write_parquet
 from rollart.types import Trajectory, TrajState
 
@@ -94,6 +97,7 @@ class SampleBuffer:
         self._parts = 0  # next part index
         self._writes: set[asyncio.Future] = set()
         self._pool: ThreadPoolExecutor | None = None
+        self.ledger = Ledger()
 
     # -- internals ----------------------------------------------------------------------
     @property
@@ -111,6 +115,9 @@ class SampleBuffer:
         """Count rows that leave the buffer and queue them for Parquet."""
         key = {TrajState.TRAINED: "trained", TrajState.FAILED: "failed"}.get(state, "dropped")
         out = [_restate(b, state.value, step) for b in batches if b.num_rows]
+        for b in out:
+            for traj_id in b.column("traj_id").to_pylist():
+                self.ledger.move(traj_id, state.value)
         rows = sum(b.num_rows for b in out)
         self._counts[key] += rows
         if self.run_dir is not None:
@@ -141,6 +148,7 @@ class SampleBuffer:
             self._leave([to_record_batch([traj])], TrajState.FAILED)
         else:
             traj.state = TrajState.BUFFERED.value
+            self.ledger.move(traj.traj_id, TrajState.BUFFERED.value)
             group.batches.append(to_record_batch([traj]))
             group.versions.append(traj.version)
         if not group.complete:
@@ -172,7 +180,12 @@ class SampleBuffer:
 
     def _counts_now(self) -> dict[str, int]:
         c = self._counts
+        ledger = self.ledger.check()
         return {
+            "launched": ledger["launched"],
+            "in_flight": ledger["in_flight"],
+            "aborted": ledger["aborted"],
+            "cancelled": ledger["cancelled"],
             "received": c["received"],
             "buffered": self._buffered(),
             "trained": c["trained"],
@@ -274,8 +287,21 @@ class SampleBuffer:
         return sum(g.rows for g in stale)
 
     async def counts(self) -> dict[str, int]:
-        """received, buffered, trained, dropped, failed (trajectories), groups_complete."""
+        """Trajectory counts by state (checked against launches), received, and
+        groups_complete. Raises ``AccountingError`` if the ledger does not add up."""
         return self._counts_now()
+
+    async def launched(self, traj_ids: list[str]) -> None:
+        """Record trajectories an env manager has started."""
+        for t in traj_ids:
+            self.ledger.launch(t)
+
+    async def settle(self, traj_ids: list[str], state: str) -> None:
+        """Record trajectories that ended outside the buffer (cancelled or aborted)."""
+        if state not in (TrajState.CANCELLED.value, TrajState.ABORTED.value):
+            raise ValueError(f"settle() takes 'cancelled' or 'aborted', not {state!r}")
+        for t in traj_ids:
+            self.ledger.move(t, state)
 
     async def size(self) -> int:
         """Trajectories held now (complete and incomplete groups)."""

@@ -1,76 +1,51 @@
 """``EnvManager``: a Dask actor on the CPU_ENV pool that runs many trajectories at once.
 
-Each trajectory is its own coroutine — env.reset → LLMProxy.generate → env.step → … →
-reward task on the REWARD pool → ``SampleBuffer.put`` — so nothing waits on a batch
-barrier and the driver never sees a token. Env calls run in a thread pool the manager
-owns (with a per-step time-out); an env or reward that raises, hangs or returns the wrong
-types fails that trajectory only: it is still put into the buffer (state ``failed``,
-with the error) so it is counted and its group completes.
+Each trajectory is its own coroutine (``TrajectoryRunner.run``: env.reset →
+LLMProxy.generate → env.step → … → reward task on the REWARD pool), so nothing waits on
+a batch barrier and the driver never sees a token. This module owns the *group*
+lifecycle around them:
 
-``TokenLog`` is the one definition of how a conversation becomes token ids (used by the
-warm-up too): observation ids, then each action's generated ids (ending with the stop
-token), then the next observation's ids, and so on.
+* **Redundancy**: a group of ``group_size`` may launch ``ceil(group_size * redundancy)``
+  members; once ``group_size`` are delivered to the ``SampleBuffer`` the rest are
+  cancelled (their envs closed) and recorded as ``cancelled``.
+* **Abort and replace**: ``abort_older_than(v)`` cancels every running member whose
+  oldest generated token is older than ``v`` (it could never be trained) and starts a
+  fresh member of the same group in its place.
+* **Lockstep batches** (the synchronous baselines): ``run_batch`` moves a whole batch
+  turn by turn through a ``TurnBarrier``.
+
+Every launch, delivery, cancellation and abort is reported to the buffer's ledger.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
+import math
 from dataclasses import dataclass, field
 
-from rollart.env.protocol import check_observation, check_step_result
-from rollart.model import decode, encode, load_tokenizer
-from rollart.reward import check_reward
-from rollart.types import REWARD, Episode, GenRequest, GenResult, TrajState, Trajectory
-
+from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
+from rollart.model import load_tokenizer
+from rollart.types import TrajState
 
 @dataclass
-class TokenLog:
-    """A trajectory's token ids as they grow, with per-token generation metadata."""
-
-    prompt_ids: list[int] = field(default_factory=list)
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+class _GroupRun:
+    task: object
+    seed: int
+    group_id: str
+    size: int
+    barrier: TurnBarrier | None = None
+    next_index: int = 0
+    delivered: int = 0
+    jobs: dict = field(default_factory=dict)  # traj_id -> asyncio.Task
+    logs: dict = field(default_factory=dict)  # traj_id -> TokenLog (live members)
+    reasons: dict = field(default_factory=dict)  # traj_id -> why it was cancelled
+    outcomes: list = field(default_factory=list)
+    rewards: list = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
-    def ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
-
-    def add_observation(self, ids: list[int]) -> None:
-        if not self.prompt_ids and not self.response_ids:
-            self.prompt_ids = list(ids)
-            return
-        self.response_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def add_generation(self, token_ids, logprobs=None, versions=None) -> None:
-        n = len(token_ids)
-        self.response_ids += list(token_ids)
-        self.loss_mask += [1] * n
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
-        self.versions += list(versions) if versions is not None else [0] * n
-
-
-def action_text(tokenizer, result: GenResult, stop_ids) -> str:
-    """The env-facing text of a generation: its tokens without the stop token."""
-    ids = [t for t in result.token_ids if t not in stop_ids]
-    return decode(tokenizer, ids)
-
-
-def score_episode(reward_fn, episode: Episode) -> float:
-    """Run a reward function (a Dask task on the REWARD pool) and check its value."""
-    return check_reward(reward_fn(episode), getattr(reward_fn, "__name__", repr(reward_fn)))
-
-
-def request_seed(base: int, traj_id: str, turn: int) -> int:
-    """A per-request sampling seed, stable across processes (no ``hash()``)."""
-    return zlib.crc32(f"{base}/{traj_id}/{turn}".encode()) & 0x7FFFFFFF
+    def filled(self) -> bool:
+        return self.delivered >= self.size
 
 
 class EnvManager:
@@ -85,164 +60,137 @@ class EnvManager:
                  top_p: float = 1.0, env_step_timeout: float = 30.0,
                  reward_timeout: float = 30.0, max_concurrency: int = 256,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
-                 max_context: int | None = None):
-        self.proxy = proxy
+                 max_context: int | None = None, env_threads: int = 8):
         self.buffer = buffer
-        self.tokenizer = load_tokenizer(model_path)
-        self.stop_ids = (self.tokenizer.eos_token_id,)
-        self.temperature, self.top_p = temperature, top_p
-        self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
-        self.inference_pools = inference_pools
-        self.seed = seed
-        self.max_context = max_context or _max_positions(model_path)
-        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollart-env")
+        self.runner = TrajectoryRunner(
+            proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
+            env_step_timeout=env_step_timeout, reward_timeout=reward_timeout,
+            inference_pools=inference_pools, seed=seed,
+            max_context=max_context or _max_positions(model_path), env_threads=env_threads)
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
-        self._tasks: set[asyncio.Task] = set()
-        self.counts = {"launched": 0, "finished": 0, "failed": 0, "cancelled": 0}
-        self.running: dict[str, str] = {}  # traj_id -> state
-        self.env_latency: list[float] = []
+        self._groups: dict[str, _GroupRun] = {}
+        self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
+                       "aborted": 0}
 
     # -- public actor methods -----------------------------------------------------------
-    async def run_group(self, task, seed: int, group_id: str, group_size: int) -> dict:
-        """Run ``group_size`` trajectories of ``task`` from ``seed``; return a summary."""
-        coros = [self._guarded(task, seed, f"{group_id}-{i}", group_id, group_size)
-                 for i in range(group_size)]
-        trajs = await asyncio.gather(*coros)
-        return {"group_id": group_id, "task": task.name,
-                "rewards": [t.reward for t in trajs], "outcomes": [t.outcome for t in trajs]}
+    async def run_group(self, task, seed: int, group_id: str, group_size: int,
+                        redundancy: float = 1.0) -> dict:
+        """Run a group of ``task`` from ``seed`` until ``group_size`` members are
+        delivered to the buffer; return a summary."""
+        grp = _GroupRun(task, seed, group_id, group_size)
+        await self._launch(grp, max(group_size, math.ceil(group_size * redundancy)))
+        return await self._finish(grp)
+
+    async def run_batch(self, groups: list[tuple]) -> list[dict]:
+        """Run ``[(task, seed, group_id, group_size), ...]`` in lockstep: every turn
+        waits for every live trajectory of the batch (the synchronous baselines)."""
+        barrier = TurnBarrier(sum(g[3] for g in groups))
+        runs = [_GroupRun(t, s, gid, n, barrier) for t, s, gid, n in groups]
+        for grp in runs:
+            await self._launch(grp, grp.size)
+        return list(await asyncio.gather(*(self._finish(g) for g in runs)))
+
+    async def abort_older_than(self, min_version: int) -> int:
+        """Abort running members whose oldest generated token is older than
+        ``min_version`` and start replacements; returns how many were aborted."""
+        n = 0
+        for grp in list(self._groups.values()):
+            for traj_id, log in list(grp.logs.items()):
+                gen = [v for v, m in zip(log.versions, log.loss_mask) if m]
+                if gen and min(gen) < min_version and traj_id in grp.jobs:
+                    grp.reasons[traj_id] = TrajState.ABORTED.value
+                    grp.jobs[traj_id].cancel()
+                    n += 1
+        return n
 
     async def stats(self) -> dict:
+        r = self.runner
         states: dict[str, int] = {}
-        for s in self.running.values():
+        for s in r.running.values():
             states[s] = states.get(s, 0) + 1
-        lat = sorted(self.env_latency[-1000:])
-        return {**self.counts, "in_flight": len(self.running), "states": states,
+        lat = sorted(r.env_latency[-1000:])
+        turns = max(r.turns, 1)
+        return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
+                "states": states, "turns": r.turns,
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
-                "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0}
+                "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,
+                "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
+                "barrier_wait_s": r.barrier_wait}
 
     async def cancel_all(self) -> int:
         """Cancel every running trajectory (end of run); returns how many."""
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return len(tasks)
+        jobs = [j for g in self._groups.values() for j in g.jobs.values()]
+        for j in jobs:
+            j.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        return len(jobs)
 
     async def close(self) -> None:
         await self.cancel_all()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()
 
-    # -- one trajectory -----------------------------------------------------------------
-    async def _guarded(self, task, seed, traj_id, group_id, group_size) -> Trajectory:
-        async with self._slots:
-            self.counts["launched"] += 1
-            job = asyncio.ensure_future(self._run(task, seed, traj_id, group_id))
-            self._tasks.add(job)
-            try:
-                traj = await job
-            except asyncio.CancelledError:
-                self.counts["cancelled"] += 1
-                self.running.pop(traj_id, None)
-                raise
-            finally:
-                self._tasks.discard(job)
-        await self.buffer.put(traj, group_size)
-        self.counts["finished"] += 1
-        self.counts["failed"] += traj.state == TrajState.FAILED.value
-        return traj
+    # -- group lifecycle ----------------------------------------------------------------
+    async def _launch(self, grp: _GroupRun, n: int) -> None:
+        ids = [f"{grp.group_id}-{grp.next_index + i}" for i in range(n)]
+        grp.next_index += n
+        await self.buffer.launched(ids)
+        self.counts["launched"] += n
+        self._groups[grp.group_id] = grp
+        for traj_id in ids:
+            grp.logs[traj_id] = TokenLog()
+            grp.jobs[traj_id] = asyncio.ensure_future(self._member(grp, traj_id))
 
-    async def _run(self, task, seed: int, traj_id: str, group_id: str) -> Trajectory:
-        log, ep = TokenLog(), Episode(task.name, seed, [], [], [], {})
-        traj = Trajectory(traj_id, task.name, group_id, seed, [], [], [], [], [])
-        env = None
+    async def _finish(self, grp: _GroupRun) -> dict:
+        await grp.done.wait()
+        self._groups.pop(grp.group_id, None)
+        return {"group_id": grp.group_id, "task": grp.task.name, "rewards": grp.rewards,
+                "outcomes": grp.outcomes}
+
+    async def _member(self, grp: _GroupRun, traj_id: str) -> None:
         try:
-            env = await self._env_call(traj, task.env_factory)
-            obs = check_observation(await self._env_call(traj, env.reset, seed,
-                                                         is_async=hasattr(env, "areset")))
-            await self._turns(task, env, obs, log, ep, traj)
-            self.running[traj_id] = TrajState.SCORING.value
-            traj.reward = await self._score(task, ep, traj_id)
-            traj.outcome = "success" if ep.info.get("success") else (
-                "truncated" if ep.truncated else "failure")
-            traj.state = TrajState.BUFFERED.value
+            async with self._slots:
+                traj = await self.runner.run(grp.task, grp.seed, traj_id, grp.group_id,
+                                             grp.logs[traj_id], grp.barrier)
         except asyncio.CancelledError:
+            self._forget(grp, traj_id)
+            await self._cancelled(grp, traj_id)
+            return
+        except BaseException:
+            self._forget(grp, traj_id)
             raise
-        except Exception as e:  # contained: this trajectory fails, the run goes on
-            traj.state, traj.outcome = TrajState.FAILED.value, "failed"
-            traj.error = f"{type(e).__name__}: {e}"[:2000]
-        finally:
-            self.running.pop(traj_id, None)
-            self.proxy.release(traj_id)
-            if env is not None:
-                self._executor.submit(_close_quietly, env)
-        traj.prompt_ids, traj.response_ids = log.prompt_ids, log.response_ids
-        traj.loss_mask, traj.logprobs, traj.versions = log.loss_mask, log.logprobs, log.versions
-        traj.num_turns = len(ep.actions)
-        return traj
-
-    async def _turns(self, task, env, obs, log, ep, traj) -> None:
-        log.add_observation(encode(self.tokenizer, obs))
-        ep.observations.append(obs)
-        for turn in range(task.max_turns):
-            if len(log.ids) + task.max_new_tokens > self.max_context:
-                ep.truncated = True
-                return
-            self.running[traj.traj_id] = TrajState.GENERATING.value
-            t0 = time.perf_counter()
-            req = GenRequest(log.ids, task.max_new_tokens, self.temperature, self.top_p,
-                             self.stop_ids, request_seed(self.seed, traj.traj_id, turn))
-            res = await self.proxy.generate(traj.traj_id, req, self.inference_pools)
-            traj.gen_time += time.perf_counter() - t0
-            log.add_generation(res.token_ids, res.logprobs, res.versions)
-            action = action_text(self.tokenizer, res, self.stop_ids)
-            self.running[traj.traj_id] = TrajState.IN_ENV.value
-            step = check_step_result(await self._env_call(
-                traj, env.step, action, is_async=hasattr(env, "astep")))
-            ep.actions.append(action)
-            ep.env_rewards.append(float(step.reward))
-            ep.info = dict(step.info)
-            ep.observations.append(step.observation)
-            if step.done:
-                ep.truncated = bool(step.info.get("truncated", False))
-                return
-            log.add_observation(encode(self.tokenizer, step.observation))
-        ep.truncated = True
-
-    async def _env_call(self, traj, fn, *args, is_async: bool = False):
-        """Call an env method off the event loop with the per-step time-out."""
-        t0 = time.perf_counter()
-        if is_async:  # the env offers areset/astep: await it directly
-            coro = getattr(fn.__self__, "a" + fn.__name__)(*args)
+        self._forget(grp, traj_id)
+        if grp.filled:  # a redundant member that finished late
+            await self._settle(traj_id, TrajState.CANCELLED.value)
         else:
-            coro = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        try:
-            return await asyncio.wait_for(coro, self.env_step_timeout)
-        except asyncio.TimeoutError:
-            name = getattr(fn, "__qualname__", "env")
-            raise TimeoutError(f"{name} took longer than env_step_timeout="
-                               f"{self.env_step_timeout}s") from None
-        finally:
-            dt = time.perf_counter() - t0
-            traj.env_time += dt
-            self.env_latency.append(dt)
-            if len(self.env_latency) > 5000:
-                del self.env_latency[:2500]
+            await self.buffer.put(traj, grp.size)
+            grp.delivered += 1
+            self.counts["delivered"] += 1
+            self.counts["failed"] += traj.state == TrajState.FAILED.value
+            grp.outcomes.append(traj.outcome)
+            grp.rewards.append(traj.reward)
+        if grp.filled:
+            for other in list(grp.jobs.values()):
+                other.cancel()
+            if not grp.jobs:
+                grp.done.set()
 
-    async def _score(self, task, episode: Episode, traj_id: str) -> float:
-        """Run the task's reward function as a Dask task on the REWARD pool."""
-        from distributed import get_client
+    @staticmethod
+    def _forget(grp: _GroupRun, traj_id: str) -> None:
+        grp.jobs.pop(traj_id, None)
+        grp.logs.pop(traj_id, None)
 
-        client = get_client()
-        fut = client.submit(score_episode, task.reward_fn, episode, resources={REWARD: 1},
-                            pure=False, key=f"reward-{task.name}-{traj_id}")
-        try:
-            if client.asynchronous:
-                return await asyncio.wait_for(fut, self.reward_timeout)
-            return await asyncio.wait_for(asyncio.to_thread(fut.result), self.reward_timeout)
-        except asyncio.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"reward {task.reward_fn!r} took longer than reward_timeout="
-                               f"{self.reward_timeout}s") from None
+    async def _cancelled(self, grp: _GroupRun, traj_id: str) -> None:
+        reason = grp.reasons.pop(traj_id, TrajState.CANCELLED.value)
+        await self._settle(traj_id, reason)
+        if reason == TrajState.ABORTED.value and not grp.filled:
+            await self._launch(grp, 1)  # replace it: the group still needs a member
+        elif not grp.jobs:  # filled, or shut down before it filled
+            grp.done.set()
+
+    async def _settle(self, traj_id: str, state: str) -> None:
+        key = "aborted" if state == TrajState.ABORTED.value else "cancelled"
+        self.counts[key] += 1
+        await self.buffer.settle([traj_id], state)
 
 
 def _max_positions(model_path: str) -> int:
@@ -251,10 +199,3 @@ def _max_positions(model_path: str) -> int:
 
     config = AutoConfig.from_pretrained(model_path)
     return int(getattr(config, "max_position_embeddings", None) or 2048)
-
-
-def _close_quietly(env) -> None:
-    try:
-        env.close()
-    except Exception:
-        pass

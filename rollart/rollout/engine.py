@@ -2,15 +2,21 @@
 
 Consumes ``GenRequest`` lists (token ids in, sampling settings, stop ids, seed) and
 produces ``GenResult`` lists (token ids, behaviour log-probs, policy version per token).
-Weights come from a model folder (``rollart.model``) and are replaced in place by
-``load_state_dict`` when the trainer publishes a new version. No Dask here: the
-``InferenceWorker`` actor owns one engine and calls it from its engine thread.
+Weights come from a model folder (``rollart.model``) and are replaced in place, either
+at once by ``load_state_dict`` or, while a batch is being generated, by
+``request_update`` (any thread): the decode loop then suspends at the next decode-step
+boundary, swaps the weights, re-prefills the contexts (prompt + tokens so far) of the
+rows still generating to rebuild their KV cache under the new weights, and resumes.
+Tokens already generated keep their behaviour log-probs and versions. No Dask here:
+the ``InferenceWorker`` actor owns one engine and calls it from its engine thread.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 import time
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -18,9 +24,21 @@ from transformers import DynamicCache
 from rollart.model import load_model, load_tokenizer
 from rollart.types import GenRequest, GenResult
 
+#: ``on_update(version, error)``: called on the thread that applied (or failed to apply)
+#: a requested update; ``error`` is ``None`` on success.
+UpdateHook = Callable[[int, "BaseException | None"], None]
+
 
 class TorchEngine:
-    """One model + tokenizer that turns batches of ``GenRequest`` into ``GenResult``."""
+    """One model + tokenizer that turns batches of ``GenRequest`` into ``GenResult``.
+
+    ``step_callback(n)``, when given, is called at every decode-step boundary of a chunk:
+    after the ``n``-th token (``n >= 1``; the first comes from the prefill) of every row
+    still generating has been chosen and before the forward pass that produces token
+    ``n + 1``. An update requested there (or earlier) is applied at that boundary, so
+    those rows keep ``n`` tokens from the old weights and token ``n + 1`` onward come
+    from the new ones. It is not called after the last round of a chunk.
+    """
 
     def __init__(
         self,
@@ -29,10 +47,14 @@ class TorchEngine:
         version: int = 0,
         max_batch: int = 64,
         dtype: torch.dtype = torch.float32,
+        step_callback: Callable[[int], None] | None = None,
+        on_update: UpdateHook | None = None,
     ):
         self.model_path = str(model_path)
         self.version = int(version)
         self.max_batch = max(1, int(max_batch))
+        self.step_callback = step_callback
+        self.on_update = on_update
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype)
         config = self.model.config
@@ -43,10 +65,17 @@ class TorchEngine:
         self._cache_kwarg = _cache_kwarg(self.model)
         self._rng = torch.Generator()
         self._rng.seed()  # unseeded requests differ between engines
+        self._update_lock = threading.Lock()
+        self._pending_update: tuple[dict[str, torch.Tensor], int] | None = None
+        self.update_error: tuple[int, BaseException] | None = None  # last failed apply
         self.tokens_generated = 0
         self.requests = 0
         self.batches = 0
+        self.decode_steps = 0  # sampling rounds, counted live (not only per chunk)
         self.busy_seconds = 0.0
+        self.suspends = 0  # weight swaps applied in the middle of a chunk
+        self.recompute_tokens = 0  # context tokens re-prefilled after those swaps
+        self.stall_seconds = 0.0  # time spent applying updates + re-prefilling
 
     # -- public API --------------------------------------------------------------------
     def validate(self, req: GenRequest) -> None:
@@ -67,11 +96,18 @@ class TorchEngine:
                              f"(size {self.vocab_size})")
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Generate for every request, in chunks of ``max_batch`` (order preserved)."""
+        """Generate for every request, in chunks of ``max_batch`` (order preserved).
+
+        A pending ``request_update`` is applied before each chunk, and at the next
+        decode-step boundary when it arrives while a chunk is being generated. A staged
+        update that fails to copy in is skipped (generation goes on under the old
+        weights); it is recorded in ``update_error`` and reported to ``on_update``.
+        """
         for req in requests:
             self.validate(req)
         results: list[GenResult] = []
         for i in range(0, len(requests), self.max_batch):
+            self._apply_pending(raise_errors=False)
             t0 = time.perf_counter()
             chunk = requests[i : i + self.max_batch]
             out = self._generate_chunk(chunk)
@@ -83,7 +119,54 @@ class TorchEngine:
         return results
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the weights in place (all keys must match) and set ``version``."""
+        """Replace the weights in place now (all keys must match) and set ``version``.
+
+        A pending ``request_update`` for ``version`` or older is dropped.
+        """
+        sd = self._check_state_dict(state_dict)
+        self._copy_in(sd, version)
+        with self._update_lock:
+            if self._pending_update is not None and self._pending_update[1] <= int(version):
+                self._pending_update = None
+
+    def request_update(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Stage new weights; thread-safe, returns at once.
+
+        Keys and shapes are checked here (``KeyError`` / ``ValueError`` to the caller) and
+        tensors are moved to the model's device and dtype on the calling thread, so the
+        swap itself is a plain copy. The update is applied at the next decode-step
+        boundary of a running ``generate``, or before the next chunk (or by
+        ``apply_pending_update``) when idle. A newer request replaces one not applied yet;
+        a request older than the pending one is ignored.
+        """
+        sd = self._check_state_dict(state_dict)
+        own = self.model.state_dict()
+        staged = {k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
+                  for k, v in sd.items()}
+        with self._update_lock:
+            if self._pending_update is None or int(version) >= self._pending_update[1]:
+                self._pending_update = (staged, int(version))
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version staged by ``request_update`` and not applied yet, if any."""
+        pending = self._pending_update
+        return None if pending is None else pending[1]
+
+    def apply_pending_update(self) -> int | None:
+        """Apply a staged update now (for an idle engine); return its version or ``None``.
+
+        Raises if the copy fails (the weights keep their old version then).
+        """
+        return self._apply_pending(raise_errors=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached CPU copy of the current weights."""
+        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+
+    # -- weights -----------------------------------------------------------------------
+    def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Drop a tied head, check keys and shapes; return what is to be copied in."""
         own = self.model.state_dict()
         tied = _tied(self.model)
         sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
@@ -95,13 +178,35 @@ class TorchEngine:
         wrong = [k for k, v in sd.items() if tuple(v.shape) != tuple(own[k].shape)]
         if wrong:
             raise ValueError(f"state dict shapes do not match the model for {wrong[:5]}")
-        with torch.no_grad():
+        return sd
+
+    def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
+        with torch.inference_mode(False), torch.no_grad():
             self.model.load_state_dict(sd, strict=False)
         self.version = int(version)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the current weights."""
-        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+    def _apply_pending(self, *, raise_errors: bool) -> int | None:
+        """Swap in the staged weights, if any; report to ``on_update``."""
+        with self._update_lock:
+            pending, self._pending_update = self._pending_update, None
+        if pending is None:
+            return None
+        sd, version = pending
+        t0 = time.perf_counter()
+        try:
+            self._copy_in(sd, version)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported, generation goes on
+            error = exc
+            self.update_error = (version, exc)
+        self.stall_seconds += time.perf_counter() - t0
+        if self.on_update is not None:
+            self.on_update(version, error)
+        if error is not None:
+            if raise_errors:
+                raise error
+            return None
+        return version
 
     # -- internals ---------------------------------------------------------------------
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
@@ -120,50 +225,74 @@ class TorchEngine:
         except TypeError:  # older transformers
             return DynamicCache()
 
-    @torch.inference_mode()
-    def _generate_chunk(self, reqs: list[GenRequest]) -> list[GenResult]:
-        batch = len(reqs)
-        width = max(len(r.prompt_ids) for r in reqs)
+    def _prefill(self, contexts: list[list[int]]):
+        """Left-padded batched prefill into a fresh cache: (logits, mask, next_pos, cache)."""
+        batch = len(contexts)
+        width = max(len(c) for c in contexts)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, r in enumerate(reqs):  # left padding
-            n = len(r.prompt_ids)
-            input_ids[i, width - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            n = len(ctx)
+            input_ids[i, width - n :] = torch.tensor(ctx, dtype=torch.long)
             mask[i, width - n :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache()
         logits = self._forward(input_ids, mask, positions, cache)
-        next_pos = positions[:, -1:] + 1
+        return logits, mask, positions[:, -1:] + 1, cache
 
+    @torch.inference_mode()
+    def _generate_chunk(self, reqs: list[GenRequest]) -> list[GenResult]:
+        logits, mask, next_pos, cache = self._prefill([r.prompt_ids for r in reqs])
+        rows = list(range(len(reqs)))  # request index of each row of the KV cache
         rngs = [_request_rng(r, self._rng) for r in reqs]
         tokens: list[list[int]] = [[] for _ in reqs]
         logps: list[list[float]] = [[] for _ in reqs]
+        versions: list[list[int]] = [[] for _ in reqs]
         reasons: list[str | None] = ["length" if r.max_new_tokens == 0 else None for r in reqs]
-        while any(x is None for x in reasons):
-            step = [self.pad_id] * batch
-            active = [i for i in range(batch) if reasons[i] is None]
-            for i, (tok, lp) in zip(active, _pick(logits, reqs, rngs, active)):
+        n = 0
+        while any(reasons[i] is None for i in rows):
+            step = [self.pad_id] * len(rows)
+            active = [j for j, i in enumerate(rows) if reasons[i] is None]
+            picks = _pick(logits, [reqs[i] for i in rows], [rngs[i] for i in rows], active)
+            for j, (tok, lp) in zip(active, picks):
+                i = rows[j]
                 r = reqs[i]
                 tokens[i].append(tok)
                 logps[i].append(lp)
-                step[i] = tok
+                versions[i].append(self.version)
+                step[j] = tok
                 if tok in r.stop_ids:
                     reasons[i] = "stop"
                 elif len(tokens[i]) >= r.max_new_tokens:
                     reasons[i] = "length"
-            if all(x is not None for x in reasons):
+            self.decode_steps += 1
+            n += 1
+            if all(reasons[i] is not None for i in rows):
                 break
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            # -- decode-step boundary: suspend -> update -> resume -> recompute KV --
+            if self.step_callback is not None:
+                self.step_callback(n)
+            if self._pending_update is not None:
+                if self._apply_pending(raise_errors=False) is not None:
+                    t0 = time.perf_counter()
+                    rows = [i for i in rows if reasons[i] is None]
+                    contexts = [list(reqs[i].prompt_ids) + tokens[i] for i in rows]
+                    logits, mask, next_pos, cache = self._prefill(contexts)
+                    self.suspends += 1
+                    self.recompute_tokens += sum(len(c) for c in contexts)
+                    self.stall_seconds += time.perf_counter() - t0  # + the copy, counted above
+                    continue
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
             logits = self._forward(torch.tensor(step)[:, None], mask, next_pos, cache)
             next_pos = next_pos + 1
         return [
             GenResult(
                 token_ids=tokens[i],
                 logprobs=logps[i],
-                versions=[self.version] * len(tokens[i]),
+                versions=versions[i],
                 finish_reason=reasons[i] or "length",
             )
-            for i in range(batch)
+            for i in range(len(reqs))
         ]
 
 

@@ -4,14 +4,21 @@ Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weigh
 announcements (from the trainer / weight sync, ``update_weights``); produces
 ``GenResult``s stamped with this worker's address. Its methods are ``async`` and run on
 the Dask worker's event loop; the model runs on one engine thread the actor owns, which
-batches whatever requests are pending and loads new weights from the ``WeightStore``
-between batches (never mid-batch), so heartbeats and comms are never blocked.
+batches whatever requests are pending, so heartbeats and comms are never blocked.
+
+Weight updates follow the asynchronous protocol: ``update_weights(v)`` returns at once;
+a prefetch thread loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
+then stages it with ``TorchEngine.request_update``. The engine swaps it in at the next
+decode-step boundary (suspend -> update -> resume) and re-prefills the in-flight rows
+(recompute KV), or at once when idle. Tokens generated before the swap keep their
+version; later ones carry ``v``. ``wait_version(v)`` resolves when the swap happened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -73,19 +80,26 @@ class InferenceWorker:
         self.pool = pool
         self.store_url = str(store_url)
         self.address = _worker_address()
-        self.engine = TorchEngine(model_path, version=version, max_batch=max_batch)
+        self.engine = TorchEngine(model_path, version=version, max_batch=max_batch,
+                                  on_update=self._on_update)
         self.max_batch = self.engine.max_batch
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()
         self._in_flight = 0
         self._wanted = int(version)  # newest version asked for by update_weights
+        self._fetched = int(version)  # newest version handed to the engine
         self._load_error: tuple[int, BaseException] | None = None
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
+        self.prefetch_seconds = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
         )
+        self._prefetcher = threading.Thread(
+            target=self._prefetch_loop, name=f"rollart-prefetch-{pool}", daemon=True
+        )
         self._thread.start()
+        self._prefetcher.start()
 
     # -- actor API (async: runs on the worker's event loop) -----------------------------
     async def generate(self, req: GenRequest) -> GenResult:
@@ -102,7 +116,14 @@ class InferenceWorker:
         return result
 
     async def update_weights(self, version: int) -> None:
-        """Ask for ``version`` to be loaded before the next batch; returns at once."""
+        """Ask for ``version``; returns at once.
+
+        The weights are read from the store in the background and swapped in at the next
+        decode-step boundary (the running batch continues under them after re-prefilling
+        its KV cache), or at once when the engine is idle. Versions not newer than the
+        held or already requested one are ignored; a failed load is reported to
+        ``wait_version`` callers and the worker keeps serving its current weights.
+        """
         with self._cond:
             if int(version) > max(self._wanted, self.engine.version):
                 self._wanted = int(version)
@@ -116,7 +137,7 @@ class InferenceWorker:
         with self._cond:
             if self.engine.version >= version:
                 return self.engine.version
-            if self._load_error and self._load_error[0] >= version:
+            if self._load_error and self._load_error[0] >= version > self._fetched:
                 raise self._load_error[1]
             self._waiters.append((int(version), future, loop))
         try:
@@ -143,57 +164,97 @@ class InferenceWorker:
             "queued": queued,
             "in_flight": in_flight,
             "mean_batch_size": eng.requests / eng.batches if eng.batches else 0.0,
+            "decode_steps": eng.decode_steps,
+            "pending_version": eng.pending_version,
+            "suspends": eng.suspends,
+            "recompute_tokens": eng.recompute_tokens,
+            "stall_seconds": eng.stall_seconds,
+            "prefetch_seconds": self.prefetch_seconds,
         }
 
     async def close(self) -> None:
-        """Stop the engine thread; pending requests fail with ``RuntimeError``."""
+        """Stop the engine and prefetch threads; pending requests fail with ``RuntimeError``."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 60)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._thread.join, 60)
+        await loop.run_in_executor(None, self._prefetcher.join, 60)
 
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        eng = self.engine
         while True:
             with self._cond:
-                while not (self._stop or self._pending or self._wanted > self.engine.version):
+                while not (self._stop or self._pending or eng.pending_version is not None):
                     self._cond.wait()
                 if self._stop:
                     break
-                target = self._wanted if self._wanted > self.engine.version else None
                 batch = []
-                if target is None:
-                    while self._pending and len(batch) < self.max_batch:
-                        batch.append(self._pending.popleft())
-                    self._in_flight = len(batch)
-            if target is not None:
-                self._load(target)
-                continue
-            self._serve(batch)
+                while self._pending and len(batch) < self.max_batch:
+                    batch.append(self._pending.popleft())
+                self._in_flight = len(batch)
+            if batch:  # generate applies a staged update first, then at step boundaries
+                self._serve(batch)
+            else:
+                try:
+                    eng.apply_pending_update()
+                except Exception:  # noqa: BLE001 - reported through _on_update
+                    pass
             with self._cond:
                 self._in_flight = 0
         self._fail_all(RuntimeError(f"InferenceWorker {self.address or self.pool} closed"))
 
-    def _load(self, version: int) -> None:
-        try:
-            state_dict = WeightStore(self.store_url).get(version)
-            self.engine.load_state_dict(state_dict, version)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - reported to wait_version callers
-            error = exc
+    def _on_update(self, version: int, error: BaseException | None) -> None:
+        """Engine hook (engine thread): a staged version was swapped in, or failed to."""
         with self._cond:
             if error is not None:
                 self._load_error = (version, error)
-                self._wanted = self.engine.version
-            keep = []
-            for want, future, loop in self._waiters:
-                if self.engine.version >= want:
-                    _resolve(future, loop, self.engine.version)
-                elif error is not None and version >= want:
-                    _resolve(future, loop, error)
+                if self._fetched <= version:  # nothing newer staged behind it
+                    self._fetched = self.engine.version
+                if self._wanted <= version:
+                    self._wanted = self.engine.version
+            self._settle_waiters(version, error)
+
+    # -- prefetch thread ----------------------------------------------------------------
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._wanted > self._fetched):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                target = self._wanted
+            t0 = time.perf_counter()
+            try:
+                state_dict = WeightStore(self.store_url).get(target)
+                self.engine.request_update(state_dict, target)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported to wait_version callers
+                error = exc
+            self.prefetch_seconds += time.perf_counter() - t0
+            with self._cond:
+                if error is None:
+                    self._fetched = max(self._fetched, target)
                 else:
-                    keep.append((want, future, loop))
-            self._waiters = keep
+                    self._load_error = (target, error)
+                    if self._wanted == target:  # nothing newer asked for: allow a retry
+                        self._wanted = self._fetched
+                    self._settle_waiters(target, error)
+                self._cond.notify_all()  # wakes an idle engine thread to apply it
+
+    def _settle_waiters(self, version: int, error: BaseException | None) -> None:
+        """Resolve waiters now satisfied, or failed by ``error`` (hold ``_cond``)."""
+        held = self.engine.version
+        keep = []
+        for want, future, loop in self._waiters:
+            if held >= want:
+                _resolve(future, loop, held)
+            elif error is not None and self._fetched < want <= version:
+                _resolve(future, loop, error)
+            else:
+                keep.append((want, future, loop))
+        self._waiters = keep
 
     def _serve(self, batch: list[_Pending]) -> None:
         """Generate for ``batch``; a bad request fails alone, the rest still run."""

@@ -121,7 +121,8 @@ class Trainer:
                 ref_logp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
         loss, stats = grpo_loss(logp, behaviour[:, 1:], adv, mask[:, 1:],
                                 clip_eps=self.algo.clip_eps, ref_logp=ref_logp,
-                                kl_coef=self.algo.kl_coef)
+                                kl_coef=self.algo.kl_coef, off_policy=self.algo.off_policy,
+                                is_cap=self.algo.is_cap)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),

@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from rollart.env.manager import TokenLog
+from rollart.env.trajectory import TokenLog
 from rollart.model import encode
 
 

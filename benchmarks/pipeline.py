@@ -1,0 +1,114 @@
+"""Pipeline benchmark: async vs one-off vs sync on the same cluster, model and workload.
+
+Runs the three modes back to back on the default multi-task graph whose envs straggle
+(heavy-tailed start-up and step latency: ``rollart.env.faults.straggler_profile``), from
+the same warmed-up tiny model, and prints per mode: trajectories/s, generated tokens/s,
+trainer steps/min, time to a target reward, inference-engine busy fraction, per-turn
+orchestration overhead and final reward — then one line
+
+    RESULT async_vs_sync=… async_vs_oneoff=… reward_gap=… …
+
+(throughput ratios of trained trajectories/s; reward_gap = async final reward − sync's).
+A script, not a test: figures are ratios measured side by side in one run.
+
+    python benchmarks/pipeline.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+MODES = ("sync", "one-off", "async")
+
+
+def warm_model(path: Path, tasks, steps: int) -> str:
+    """The built-in tiny model after its format warm-up (shared by all modes)."""
+    from rollart.env.tasks import task_corpus
+    from rollart.model import build_tiny_model, load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup
+
+    init = build_tiny_model(str(path / "init"), task_corpus(tasks))
+    model, tok = load_model(init), load_tokenizer(init)
+    run_warmup(model, tok, list(tasks), steps=steps, batch_size=32, lr=3e-3)
+    model.save_pretrained(path / "warm")
+    tok.save_pretrained(path / "warm")
+    return str(path / "warm")
+
+
+def summarise(rows: list[dict], n_workers: int, target: float) -> dict:
+    """Per-mode figures from a run's metrics rows."""
+    from rollart.report import smooth
+
+    t = rows[-1]["time"]
+    reward = smooth([r["reward/mean"] for r in rows], 5)
+    hit = next((r["time"] for r, s in zip(rows, reward) if s >= target), float("nan"))
+    last = rows[-1]
+    return {
+        "traj_per_s": last["traj/trained"] / t,
+        "tokens_per_s": last["rollout/tokens_generated"] / t,
+        "steps_per_min": len(rows) / t * 60,
+        "time_to_target_s": hit,
+        "engine_busy": last["rollout/engine_busy_s"] / (t * n_workers),
+        "turn_overhead_ms": last["rollout/turn_overhead_s"] * 1000,
+        "final_reward": sum(reward[-5:]) / len(reward[-5:]),
+        "wall_s": t,
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--redundancy", type=float, default=1.5)
+    p.add_argument("--target", type=float, default=0.6, help="reward/mean to reach")
+    a = p.parse_args(argv)
+    steps = a.steps or (20 if a.quick else 60)
+
+    from rollart.cli import quiet
+
+    quiet()
+    from distributed import Client
+
+    import rollart
+    from rollart.env.faults import straggler_profile, with_faults
+
+    base, _ = rollart.load_graph("multitask")
+    tasks = tuple(with_faults(t, straggler_profile(seed=i)) for i, t in enumerate(base.tasks))
+    res = rollart.load_resources()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
+            Client(cluster) as client:
+        model = warm_model(Path(tmp), base.tasks, base.policy.warmup_steps)
+        n_workers = sum(len(rollart.resources.workers_with(client, t))
+                        for t in base.rollout.inference_pools)
+        for mode in MODES:
+            graph = replace(base, tasks=tasks, mode=mode, steps=steps,
+                            policy=replace(base.policy, model=model),
+                            rollout=replace(base.rollout, redundancy=a.redundancy
+                                            if mode == "async" else 1.0))
+            t0 = time.time()
+            result = rollart.train(graph, client=client, run_dir=Path(tmp) / mode,
+                                   progress=False, eval_seeds=0)
+            out[mode] = summarise(result.metrics, n_workers, a.target)
+            print(f"{mode:8s} " + " ".join(f"{k}={v:.3g}" for k, v in out[mode].items())
+                  + f" (run {time.time() - t0:.0f}s)", flush=True)
+    ratio = {
+        "async_vs_sync": out["async"]["traj_per_s"] / out["sync"]["traj_per_s"],
+        "async_vs_oneoff": out["async"]["traj_per_s"] / out["one-off"]["traj_per_s"],
+        "reward_gap": out["async"]["final_reward"] - out["sync"]["final_reward"],
+        "tokens_async_vs_sync": out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"],
+        "busy_async": out["async"]["engine_busy"],
+        "busy_sync": out["sync"]["engine_busy"],
+        "steps": steps,
+    }
+    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in ratio.items()))
+    return ratio
+
+
+if __name__ == "__main__":
+    main()

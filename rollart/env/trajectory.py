@@ -1,0 +1,257 @@
+"""One trajectory, turn by turn: env ↔ ``LLMProxy`` ↔ env … → reward task.
+
+``TrajectoryRunner.run`` plays a task from a seed: reset, then per turn generate through
+the ``LLMProxy`` and step the env, then score the episode as a Dask task on the REWARD
+pool. Env calls run in a thread pool it owns with a per-step time-out (or are awaited
+directly when the env has ``areset``/``astep``); an env or reward that raises, hangs or
+returns the wrong types makes that trajectory ``failed`` with the error kept, and
+nothing else. Used by ``EnvManager``.
+
+``TokenLog`` is the one definition of how a conversation becomes token ids (used by the
+warm-up too): observation ids, then each action's generated ids (ending with the stop
+token), then the next observation's ids, and so on. ``TurnBarrier`` makes a batch of
+trajectories advance turn by turn (the synchronous baselines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from rollart.env.protocol import check_observation, check_step_result
+from rollart.model import decode, encode
+from rollart.reward import check_reward
+from rollart.types import REWARD, Episode, GenRequest, GenResult, TrajState, Trajectory
+
+
+@dataclass
+class TokenLog:
+    """A trajectory's token ids as they grow, with per-token generation metadata."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add_observation(self, ids: list[int]) -> None:
+        if not self.prompt_ids and not self.response_ids:
+            self.prompt_ids = list(ids)
+            return
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generation(self, token_ids, logprobs=None, versions=None) -> None:
+        n = len(token_ids)
+        self.response_ids += list(token_ids)
+        self.loss_mask += [1] * n
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
+        self.versions += list(versions) if versions is not None else [0] * n
+
+
+def action_text(tokenizer, result: GenResult, stop_ids) -> str:
+    """The env-facing text of a generation: its tokens without the stop token."""
+    ids = [t for t in result.token_ids if t not in stop_ids]
+    return decode(tokenizer, ids)
+
+
+def score_episode(reward_fn, episode: Episode) -> float:
+    """Run a reward function (a Dask task on the REWARD pool) and check its value."""
+    return check_reward(reward_fn(episode), getattr(reward_fn, "__name__", repr(reward_fn)))
+
+
+def request_seed(base: int, traj_id: str, turn: int) -> int:
+    """A per-request sampling seed, stable across processes (no ``hash()``)."""
+    return zlib.crc32(f"{base}/{traj_id}/{turn}".encode()) & 0x7FFFFFFF
+
+
+class TurnBarrier:
+    """All live members wait at each turn until every one of them has arrived.
+
+    A member that finishes calls ``leave`` so the others do not wait for it.
+    """
+
+    def __init__(self, parties: int):
+        self.parties = parties
+        self.arrived = 0
+        self._release = asyncio.Event()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        release = self._release
+        if self.arrived >= self.parties:
+            self._open()
+        await release.wait()
+
+    def leave(self) -> None:
+        self.parties -= 1
+        if self.parties > 0 and self.arrived >= self.parties:
+            self._open()
+
+    def _open(self) -> None:
+        self._release.set()
+        self._release = asyncio.Event()
+        self.arrived = 0
+
+
+class TrajectoryRunner:
+    """Plays trajectories for an ``EnvManager`` (which owns one)."""
+
+    def __init__(self, proxy, tokenizer, *, temperature: float = 1.0, top_p: float = 1.0,
+                 env_step_timeout: float = 30.0, reward_timeout: float = 30.0,
+                 inference_pools: tuple[str, ...] | None = None, seed: int = 0,
+                 max_context: int = 2048, env_threads: int = 8):
+        self.proxy = proxy
+        self.tokenizer = tokenizer
+        self.stop_ids = (tokenizer.eos_token_id,)
+        self.temperature, self.top_p = temperature, top_p
+        self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
+        self.inference_pools = inference_pools
+        self.seed = seed
+        self.max_context = max_context
+        self._executor = ThreadPoolExecutor(max_workers=env_threads,
+                                            thread_name_prefix="rollart-env")
+        self.running: dict[str, str] = {}  # traj_id -> state
+        self.env_latency: list[float] = []
+        self.turns = 0
+        self.turn_seconds = 0.0  # wall time of turns (generation + env + overhead)
+        self.gen_seconds = 0.0
+        self.env_seconds = 0.0
+        self.barrier_wait = 0.0
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, task, seed: int, traj_id: str, group_id: str, log: TokenLog,
+                  barrier: "TurnBarrier | None" = None) -> Trajectory:
+        """Play one trajectory to the end and score it; errors make it ``failed``."""
+        ep = Episode(task.name, seed, [], [], [], {})
+        traj = Trajectory(traj_id, task.name, group_id, seed, [], [], [], [], [])
+        env = None
+        try:
+            try:
+                env = await self._env_call(traj, task.env_factory)
+                obs = check_observation(await self._env_call(
+                    traj, env.reset, seed, is_async=hasattr(env, "areset")))
+                await self._turns(task, env, obs, log, ep, traj, barrier)
+            finally:
+                if barrier is not None:  # done with turns: the others stop waiting for it
+                    barrier.leave()
+            self.running[traj_id] = TrajState.SCORING.value
+            traj.reward = await self._score(task, ep, traj_id)
+            traj.outcome = "success" if ep.info.get("success") else (
+                "truncated" if ep.truncated else "failure")
+            traj.state = TrajState.BUFFERED.value
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # contained: this trajectory fails, the run goes on
+            traj.state, traj.outcome = TrajState.FAILED.value, "failed"
+            traj.error = f"{type(e).__name__}: {e}"[:2000]
+        finally:
+            self.running.pop(traj_id, None)
+            self.proxy.release(traj_id)
+            if env is not None:
+                self._executor.submit(_close_quietly, env)
+        traj.prompt_ids, traj.response_ids = log.prompt_ids, log.response_ids
+        traj.loss_mask, traj.logprobs, traj.versions = log.loss_mask, log.logprobs, log.versions
+        traj.num_turns = len(ep.actions)
+        return traj
+
+    async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
+        log.add_observation(encode(self.tokenizer, obs))
+        ep.observations.append(obs)
+        for turn in range(task.max_turns):
+            if barrier is not None:  # sync / one-off modes: the batch moves turn by turn
+                t_wait = time.perf_counter()
+                await barrier.wait()
+                self.barrier_wait += time.perf_counter() - t_wait
+            if len(log.ids) + task.max_new_tokens > self.max_context:
+                ep.truncated = True
+                return
+            self.running[traj.traj_id] = TrajState.GENERATING.value
+            t0 = time.perf_counter()
+            env_before = traj.env_time
+            req = GenRequest(log.ids, task.max_new_tokens, self.temperature, self.top_p,
+                             self.stop_ids, request_seed(self.seed, traj.traj_id, turn))
+            res = await self.proxy.generate(traj.traj_id, req, self.inference_pools)
+            gen = time.perf_counter() - t0
+            traj.gen_time += gen
+            log.add_generation(res.token_ids, res.logprobs, res.versions)
+            action = action_text(self.tokenizer, res, self.stop_ids)
+            self.running[traj.traj_id] = TrajState.IN_ENV.value
+            step = check_step_result(await self._env_call(
+                traj, env.step, action, is_async=hasattr(env, "astep")))
+            self.turns += 1
+            self.turn_seconds += time.perf_counter() - t0
+            self.gen_seconds += gen
+            self.env_seconds += traj.env_time - env_before
+            ep.actions.append(action)
+            ep.env_rewards.append(float(step.reward))
+            ep.info = dict(step.info)
+            ep.observations.append(step.observation)
+            if step.done:
+                ep.truncated = bool(step.info.get("truncated", False))
+                return
+            log.add_observation(encode(self.tokenizer, step.observation))
+        ep.truncated = True
+
+    async def _env_call(self, traj, fn, *args, is_async: bool = False):
+        """Call an env method off the event loop with the per-step time-out."""
+        t0 = time.perf_counter()
+        if is_async:  # the env offers areset/astep: await it directly
+            coro = getattr(fn.__self__, "a" + fn.__name__)(*args)
+        else:
+            coro = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.wait_for(coro, self.env_step_timeout)
+        except asyncio.TimeoutError:
+            name = getattr(fn, "__qualname__", "env")
+            raise TimeoutError(f"{name} took longer than env_step_timeout="
+                               f"{self.env_step_timeout}s") from None
+        finally:
+            dt = time.perf_counter() - t0
+            traj.env_time += dt
+            self.env_latency.append(dt)
+            if len(self.env_latency) > 5000:
+                del self.env_latency[:2500]
+
+    async def _score(self, task, episode: Episode, traj_id: str) -> float:
+        """Run the task's reward function as a Dask task on the REWARD pool."""
+        from distributed import get_client
+
+        client = get_client()
+        fut = client.submit(score_episode, task.reward_fn, episode, resources={REWARD: 1},
+                            pure=False, key=f"reward-{task.name}-{traj_id}")
+        try:
+            if client.asynchronous:
+                return await asyncio.wait_for(fut, self.reward_timeout)
+            return await asyncio.wait_for(asyncio.to_thread(fut.result), self.reward_timeout)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"reward {task.reward_fn!r} took longer than reward_timeout="
+                               f"{self.reward_timeout}s") from None
+
+
+
+def _max_positions(model_path: str) -> int:
+    """The model's context length (prompt + generation), from its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+def _close_quietly(env) -> None:
+    try:
+        env.close()
+    except Exception:
+        pass

@@ -5,6 +5,7 @@
 """
 
 from rollart.control import RunResult, train
+from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
 from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
 from rollart.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
 from rollart.resources import Pool, Resources, ResourcesError, ResourceTagError, load_resources
@@ -16,11 +17,13 @@ __all__ = [
     "BUILTIN_TASKS",
     "CPU_ENV",
     "Episode",
+    "Faults",
     "GRPO",
     "Graph",
     "GraphError",
     "H20",
     "H800",
+    "Latency",
     "Policy",
     "Pool",
     "REWARD",
@@ -36,5 +39,7 @@ __all__ = [
     "get_task",
     "load_graph",
     "load_resources",
+    "straggler_profile",
     "train",
+    "with_faults",
 ]

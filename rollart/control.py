@@ -38,7 +38,6 @@ from rollart.resources import Resources, check_tags, load_resources, workers_wit
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import Trainer
 from rollart.types import CPU_ENV, TRAIN
-from rollart.weights import WeightStore
 
 EVAL_SEED_BASE = 2_000_000  # held-out seeds: training uses < 1e6, warm-up 1e6..2e6
 

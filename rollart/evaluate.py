@@ -8,7 +8,7 @@ policy vs trained policy on seeds training never saw) and by the learning test.
 from __future__ import annotations
 
 from rollart.env.trajectory import TokenLog, action_text, request_seed
-from rollart.env.tasks import get_task
+from rollart.env.faults import without_faults
 from rollart.model import encode
 from rollart.types import GenRequest
 
@@ -22,7 +22,7 @@ def evaluate(model_path: str, tasks, seeds, *, temperature: float = 1.0,
     tok = engine.tokenizer
     stop = (tok.eos_token_id,)
     out = {}
-    for task in (get_task(t) for t in tasks):
+    for task in (without_faults(t) for t in tasks):
         episodes = []
         for seed in seeds:
             env = task.env_factory()

@@ -16,6 +16,7 @@ from rollart.model import load_model
 from rollart.resources import cluster_tags, load_resources
 
 pytestmark = pytest.mark.slow
+STEPS = 120
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +24,13 @@ def run(tmp_path_factory):
     from distributed import Client
 
     graph, _ = load_graph()  # graphs/multitask.py, as `rollart train` runs it
-    graph = replace(graph, steps=100)
+    graph = replace(graph, steps=STEPS)
     res = load_resources()
     res = replace(res, processes=False, dashboard_address=":0")
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
     with res.make_cluster() as cluster, Client(cluster) as client:
         tags = cluster_tags(client)
-        result = train(graph, client=client, run_dir=run_dir, progress=False, eval_seeds=64)
+        result = train(graph, client=client, run_dir=run_dir, progress=False, eval_seeds=128)
     return result, tags
 
 
@@ -37,25 +38,28 @@ def test_reward_rises_above_the_warmup_policy_on_every_task(run):
     result, _ = run
     ev = result.evaluation
     print("held-out success, warm-up -> trained:", ev)
-    for task in ("gridnav", "guess", "boxpush"):
-        assert ev["trained"][task] >= ev["warmup"][task] + 0.2, (task, ev)
+    gains = {t: ev["trained"][t] - ev["warmup"][t] for t in ("gridnav", "guess", "boxpush")}
+    # every task clearly better than the warm-up policy (128 held-out seeds: a gain of
+    # 0.1 is > 2 standard errors), and a large gain on average
+    assert all(g >= 0.1 for g in gains.values()), (gains, ev)
+    assert sum(gains.values()) / 3 >= 0.25, (gains, ev)
 
 
 def test_metrics_log_has_per_task_reward_and_accounting(run):
     result, _ = run
     rows = result.metrics
-    assert [r["step"] for r in rows] == list(range(1, 101))
-    assert [r["version"] for r in rows] == list(range(1, 101))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
-        assert {"time", "traj/trained", "traj/dropped", "traj/failed", "traj/in_flight"} <= set(r)
+        assert {"time", "traj/trained", "traj/dropped", "traj/failed", "traj/in_flight",
+                "traj/aborted", "traj/cancelled"} <= set(r)
         assert r["trainer/staleness_max"] <= 1  # alpha = 1
+        assert r["traj/launched"] == sum(r[f"traj/{s}"] for s in (
+            "in_flight", "buffered", "trained", "dropped", "aborted", "cancelled", "failed"))
     assert all(f"reward/{t}" in {k for r in rows for k in r} for t in ("gridnav", "guess",
                                                                        "boxpush"))
-    last = rows[-1]
-    assert last["traj/launched"] == (last["traj/trained"] + last["traj/dropped"]
-                                     + last["traj/failed"] + last["traj/buffered"]
-                                     + last["traj/in_flight"])
-    assert len((result.run_dir and open(f"{result.run_dir}/metrics.jsonl").readlines())) == 100
+    with open(f"{result.run_dir}/metrics.jsonl") as f:
+        assert len(f.readlines()) == STEPS
 
 
 def test_run_directory_outputs(run):
@@ -63,13 +67,13 @@ def test_run_directory_outputs(run):
     d = result.run_dir
     samples = read_samples(d)
     assert samples.schema.equals(SCHEMA, check_metadata=False)
-    assert samples.num_rows >= 100 * 96
+    assert samples.num_rows >= STEPS * 96
     assert set(samples.column("state").to_pylist()) <= {"trained", "dropped", "failed"}
     import os
 
     assert os.path.getsize(f"{d}/reward.png") > 5000
     load_model(result.model_dir)
-    assert json.load(open(f"{d}/eval.json"))["seeds"] == 64
+    assert json.load(open(f"{d}/eval.json"))["seeds"] == 128
 
 
 def test_every_actor_ran_on_its_tag(run):

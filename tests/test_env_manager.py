@@ -13,7 +13,7 @@ from rollart.env.tasks import BUILTIN_TASKS, Task
 from rollart.model import load_model, load_tokenizer
 from rollart.reward import success_reward
 from rollart.rollout import InferenceWorker, LLMProxy
-from rollart.types import CPU_ENV, H20, H800, REWARD, StepResult
+from rollart.types import CPU_ENV, H20, H800, REWARD
 from rollart.weights import WeightStore
 
 

@@ -305,3 +305,13 @@ def test_inner_async_methods_are_preferred():
     want = _play_sync(GridNavEnv(), 5, ["up", "right"])
     assert asyncio.run(_play_async(env, 5, ["up", "right"])) == want
     assert AsyncEnv.calls == len(want)
+
+
+def test_without_faults_undoes_with_faults():
+    from rollart.env.faults import without_faults
+    from rollart.env.tasks import BUILTIN_TASKS
+
+    plain = BUILTIN_TASKS["gridnav"]
+    faulty = with_faults(with_faults(plain, Faults(step=0.01)), Faults(fail_prob=1.0))
+    assert without_faults(faulty) == plain
+    assert without_faults("boxpush") is BUILTIN_TASKS["boxpush"]

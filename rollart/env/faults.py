@@ -353,3 +353,16 @@ def with_faults(task: Task | str, faults: Faults) -> Task:
             "e.g. Faults(step=0.01) or straggler_profile()"
         )
     return replace(base, env_factory=FaultyEnvFactory(base.env_factory, faults))
+
+
+def without_faults(task: Task | str) -> Task:
+    """``task`` with its plain env factory (undoes ``with_faults``; others unchanged).
+
+    The format warm-up and held-out evaluation use it: injected latency and failures say
+    nothing about the policy.
+    """
+    base = get_task(task)
+    factory = base.env_factory
+    while isinstance(factory, FaultyEnvFactory):
+        factory = factory.env_factory
+    return base if factory is base.env_factory else replace(base, env_factory=factory)

@@ -36,6 +36,7 @@ class _GroupRun:
     barrier: TurnBarrier | None = None
     next_index: int = 0
     delivered: int = 0
+    putting: int = 0  # deliveries awaiting the buffer
     jobs: dict = field(default_factory=dict)  # traj_id -> asyncio.Task
     logs: dict = field(default_factory=dict)  # traj_id -> TokenLog (live members)
     reasons: dict = field(default_factory=dict)  # traj_id -> why it was cancelled
@@ -162,17 +163,26 @@ class EnvManager:
         if grp.filled:  # a redundant member that finished late
             await self._settle(traj_id, TrajState.CANCELLED.value)
         else:
-            await self.buffer.put(traj, grp.size)
-            grp.delivered += 1
-            self.counts["delivered"] += 1
-            self.counts["failed"] += traj.state == TrajState.FAILED.value
+            grp.delivered += 1  # reserve the slot before awaiting: others see it filled
             grp.outcomes.append(traj.outcome)
             grp.rewards.append(traj.reward)
+            grp.putting += 1
+            try:
+                await self.buffer.put(traj, grp.size)
+            finally:
+                grp.putting -= 1
+            self.counts["delivered"] += 1
+            self.counts["failed"] += traj.state == TrajState.FAILED.value
         if grp.filled:
             for other in list(grp.jobs.values()):
                 other.cancel()
-            if not grp.jobs:
-                grp.done.set()
+        self._maybe_done(grp)
+
+    @staticmethod
+    def _maybe_done(grp: _GroupRun) -> None:
+        """The group is over once nothing of it runs or is being delivered."""
+        if not grp.jobs and not grp.putting:
+            grp.done.set()
 
     @staticmethod
     def _forget(grp: _GroupRun, traj_id: str) -> None:
@@ -184,8 +194,8 @@ class EnvManager:
         await self._settle(traj_id, reason)
         if reason == TrajState.ABORTED.value and not grp.filled:
             await self._launch(grp, 1)  # replace it: the group still needs a member
-        elif not grp.jobs:  # filled, or shut down before it filled
-            grp.done.set()
+        else:  # filled, or shut down before it filled
+            self._maybe_done(grp)
 
     async def _settle(self, traj_id: str, state: str) -> None:
         key = "aborted" if state == TrajState.ABORTED.value else "cancelled"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -151,8 +152,12 @@ class TrajectoryRunner:
             traj.outcome = "success" if ep.info.get("success") else (
                 "truncated" if ep.truncated else "failure")
             traj.state = TrajState.BUFFERED.value
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as e:
+            if asyncio.current_task().cancelling():
+                raise  # this trajectory was cancelled (redundant, aborted, shut down)
+            # something it awaited was cancelled (e.g. a reward future): a failure
+            traj.state, traj.outcome = TrajState.FAILED.value, "failed"
+            traj.error = f"CancelledError inside the trajectory: {e!r}"
         except Exception as e:  # contained: this trajectory fails, the run goes on
             traj.state, traj.outcome = TrajState.FAILED.value, "failed"
             traj.error = f"{type(e).__name__}: {e}"[:2000]
@@ -225,29 +230,31 @@ class TrajectoryRunner:
                 del self.env_latency[:2500]
 
     async def _score(self, task, episode: Episode, traj_id: str) -> float:
-        """Run the task's reward function as a Dask task on the REWARD pool."""
+        """Run the task's reward function as a Dask task on the REWARD pool.
+
+        The wait is shielded: the Dask client batches concurrent gathers into one shared
+        future, so cancelling this trajectory (redundant, aborted) must not cancel the
+        gather that other trajectories' rewards are riding on.
+        """
         from distributed import get_client
 
         client = get_client()
+        key = f"reward-{task.name}-{traj_id}-{uuid.uuid4().hex[:8]}"  # unique across runs
         fut = client.submit(score_episode, task.reward_fn, episode, resources={REWARD: 1},
-                            pure=False, key=f"reward-{task.name}-{traj_id}")
+                            pure=False, key=key)
+        if client.asynchronous:
+            waiter = asyncio.ensure_future(_result(fut))
+        else:
+            waiter = asyncio.ensure_future(asyncio.to_thread(fut.result))
         try:
-            if client.asynchronous:
-                return await asyncio.wait_for(fut, self.reward_timeout)
-            return await asyncio.wait_for(asyncio.to_thread(fut.result), self.reward_timeout)
+            return await asyncio.wait_for(asyncio.shield(waiter), self.reward_timeout)
         except asyncio.TimeoutError:
-            fut.cancel()
             raise TimeoutError(f"reward {task.reward_fn!r} took longer than reward_timeout="
                                f"{self.reward_timeout}s") from None
 
 
-
-def _max_positions(model_path: str) -> int:
-    """The model's context length (prompt + generation), from its config."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    return int(getattr(config, "max_position_embeddings", None) or 2048)
+async def _result(fut):
+    return await fut
 
 
 def _close_quietly(env) -> None:

@@ -13,6 +13,7 @@ import random
 
 import torch
 
+from rollart.env.faults import without_faults
 from rollart.env.trajectory import TokenLog
 from rollart.model import encode
 
@@ -22,7 +23,7 @@ def play_random(task, tokenizer, seed: int, rng: random.Random) -> TokenLog:
     if task.warmup_action is None:
         raise ValueError(f"task {task.name!r} has no warmup_action; give the graph a model "
                          "folder (Policy.model) or set Policy.warmup_steps=0")
-    env = task.env_factory()
+    env = without_faults(task).env_factory()
     log = TokenLog()
     try:
         obs = env.reset(seed)

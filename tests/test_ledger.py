@@ -1,0 +1,79 @@
+"""The trajectory ledger (pure) and the staleness bound of the buffer under random
+workloads (real SampleBuffer coroutines, no cluster)."""
+
+import asyncio
+import random
+
+import pytest
+
+from rollart.buffer import SampleBuffer
+from rollart.buffer.ledger import AccountingError, Ledger
+from rollart.types import Trajectory
+
+
+def test_every_trajectory_ends_once():
+    led = Ledger()
+    for t in "abcde":
+        led.launch(t)
+    led.move("a", "buffered")
+    led.move("a", "trained")
+    led.move("b", "failed")
+    led.move("c", "cancelled")
+    led.move("d", "aborted")
+    assert led.check() == {"launched": 5, "in_flight": 1, "buffered": 0, "trained": 1,
+                           "dropped": 0, "aborted": 1, "cancelled": 1, "failed": 1}
+
+
+@pytest.mark.parametrize("moves, match", [
+    ([("a", "buffered"), ("a", "trained"), ("a", "trained")], "from trained to trained"),
+    ([("a", "cancelled"), ("a", "buffered")], "from cancelled to buffered"),
+    ([("a", "teleported")], "unknown trajectory state"),
+])
+def test_impossible_transitions_fail_loudly(moves, match):
+    led = Ledger()
+    led.launch("a")
+    with pytest.raises(AccountingError, match=match):
+        for t, s in moves:
+            led.move(t, s)
+
+
+def test_double_launch_fails():
+    led = Ledger()
+    led.launch("a")
+    with pytest.raises(AccountingError, match="launched twice"):
+        led.launch("a")
+
+
+def _traj(tid, gid, version):
+    return Trajectory(tid, "gridnav", gid, 0, [1], [2, 3], [1, 1], [-0.1, -0.2],
+                      [version, version + 1], reward=random.random())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_batch_ever_contains_a_token_older_than_alpha(seed):
+    """Random arrival order and versions; the trainer advances one version per batch."""
+    rng = random.Random(seed)
+    alpha, group_size = rng.randint(0, 2), rng.randint(2, 4)
+
+    async def run():
+        buf = SampleBuffer(None)
+        version, trained = 0, 0
+        members = [(g, i) for g in range(60) for i in range(group_size)]
+        rng.shuffle(members)
+        for g, i in members:  # each member generated a little behind the trainer
+            traj = _traj(f"g{g}-{i}", f"g{g}", max(0, version - rng.randint(0, 3)))
+            await buf.launched([traj.traj_id])
+            await buf.put(traj, group_size)
+            try:
+                batch = await buf.get_batch(2, version - alpha, timeout=0.001)
+            except TimeoutError:
+                continue
+            assert all(t.version >= version - alpha for t in batch)
+            trained += len(batch)
+            version += 1
+        c = await buf.counts()
+        assert trained > 0 and c["trained"] == trained and c["in_flight"] == 0
+        assert c["launched"] == c["trained"] + c["dropped"] + c["buffered"]
+        return c
+
+    asyncio.run(run())

@@ -65,3 +65,21 @@ def test_modes_imply_their_bound():
         replace(_graph("sync"), mode="fast")
     with pytest.raises(GraphError, match="redundancy"):
         Rollout(redundancy=0.5)
+
+
+def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_path):
+    faults = Faults(step=0.002, fail_prob=0.05, hang_prob=0.03, hang_seconds=30.0, seed=3)
+    graph = replace(_graph("async", redundancy=1.5, env_step_timeout=0.5),
+                    tasks=tuple(with_faults(t, faults) for t in ("gridnav", "guess")))
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "faulty", progress=False,
+                   eval_seeds=0)
+    rows = result.metrics
+    for r in rows:
+        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+    assert rows[-1]["traj/failed"] > 0  # injected crashes and hangs (time-outs) happened
+    samples = read_samples(result.run_dir)
+    errors = samples.filter(pc.equal(samples["state"], "failed"))["error"].to_pylist()
+    assert any("injected failure" in e for e in errors)
+    assert any("env_step_timeout" in e for e in errors)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    assert 0 < trained.num_rows <= 4 * 3 * 2  # failed members are never trained on

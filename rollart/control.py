@@ -23,6 +23,7 @@ moves small summaries; tokens, rewards and weights stay on the workers.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import Trainer
 from rollart.types import CPU_ENV, TRAIN
 
+logger = logging.getLogger(__name__)
 EVAL_SEED_BASE = 2_000_000  # held-out seeds: training uses < 1e6, warm-up 1e6..2e6
 
 
@@ -223,18 +225,23 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
 
 
 def _shutdown(actors: Actors) -> None:
-    """Cancel what is still running and flush the buffer to Parquet."""
-    for m in actors.managers:
-        try:
-            m.close().result(timeout=30)
-        except Exception:
-            pass
+    """Cancel what is still running and flush the buffer to Parquet.
+
+    A manager or worker that cannot be closed (its worker died) is reported and skipped
+    so the samples still get flushed.
+    """
+    for actor in actors.managers:
+        _close(actor, "env manager")
     actors.buffer.close().result()
-    for w, _, _ in actors.workers:
-        try:
-            w.close().result(timeout=30)
-        except Exception:
-            pass
+    for w, tag, addr in actors.workers:
+        _close(w, f"inference worker {tag} at {addr}")
+
+
+def _close(actor, what: str) -> None:
+    try:
+        actor.close().result(timeout=30)
+    except Exception as e:
+        logger.warning("could not close %s: %s: %s", what, type(e).__name__, e)
 
 
 def _progress(total: int, enabled: bool):

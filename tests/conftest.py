@@ -21,6 +21,15 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A smaller tiny model over a fixed corpus, for engine and worker tests."""
+    from rollart.model import build_tiny_model
+
+    corpus = ["gridnav : goal 3 right 1 up ; act ? left down , stop ."]
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", corpus, hidden_size=64)
+
+
+@pytest.fixture(scope="module")
 def local_cluster():
     """``resources/local.py`` started in-process (threads, not processes) with a client."""
     from distributed import Client

@@ -3,11 +3,9 @@
 import pytest
 import torch
 
-from rollart.model import build_tiny_model
 from rollart.rollout.engine import TorchEngine
 from rollart.types import GenRequest
 
-CORPUS = ["gridnav : goal 3 right 1 up ; act ? left down , stop ."]
 PROMPTS = [[3, 4, 5], [5, 6, 7, 8, 9, 10, 11], [7], [12, 13, 14, 15, 16]]
 
 
@@ -19,12 +17,6 @@ def scrambled(engine: TorchEngine, seed: int) -> dict:
         noise = torch.randn(v.shape, generator=g)
         out[k] = 1.0 + 0.1 * noise if "norm" in k else noise * (0.3 if v.dim() > 1 else 0.1)
     return out
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", CORPUS, hidden_size=64)
 
 
 @pytest.fixture(scope="module")

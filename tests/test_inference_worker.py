@@ -6,18 +6,10 @@ import pytest
 import torch
 from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
 
-from rollart.model import build_tiny_model
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
 from rollart.types import GenRequest
 from rollart.weights.store import WeightStore
 
-CORPUS = ["gridnav : goal 3 right 1 up ; act ? left down , stop ."]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", CORPUS, hidden_size=64)
 
 
 @pytest.fixture(scope="module")

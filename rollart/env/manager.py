@@ -148,18 +148,19 @@ class EnvManager:
                 "outcomes": grp.outcomes}
 
     async def _member(self, grp: _GroupRun, traj_id: str) -> None:
+        traj = None
         try:
             async with self._slots:
                 traj = await self.runner.run(grp.task, grp.seed, traj_id, grp.group_id,
                                              grp.logs[traj_id], grp.barrier)
         except asyncio.CancelledError:
-            self._forget(grp, traj_id)
+            pass  # handled below, once the member is no longer counted as running
+        finally:
+            grp.jobs.pop(traj_id, None)
+            grp.logs.pop(traj_id, None)
+        if traj is None:
             await self._cancelled(grp, traj_id)
             return
-        except BaseException:
-            self._forget(grp, traj_id)
-            raise
-        self._forget(grp, traj_id)
         if grp.filled:  # a redundant member that finished late
             await self._settle(traj_id, TrajState.CANCELLED.value)
         else:
@@ -183,11 +184,6 @@ class EnvManager:
         """The group is over once nothing of it runs or is being delivered."""
         if not grp.jobs and not grp.putting:
             grp.done.set()
-
-    @staticmethod
-    def _forget(grp: _GroupRun, traj_id: str) -> None:
-        grp.jobs.pop(traj_id, None)
-        grp.logs.pop(traj_id, None)
 
     async def _cancelled(self, grp: _GroupRun, traj_id: str) -> None:
         reason = grp.reasons.pop(traj_id, TrajState.CANCELLED.value)

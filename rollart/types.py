@@ -64,6 +64,7 @@ class GenRequest:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
     seed: int | None = None
+    request_id: str | None = None  # lets a caller that went away abort it (``abort``)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class GenResult:
     token_ids: list[int]
     logprobs: list[float]  # behaviour log-prob of each token under temperature-scaled logits
     versions: list[int]  # policy version that produced each token
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" (its caller aborted it)
     worker: str = ""  # address of the worker that generated it
 
 

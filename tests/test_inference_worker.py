@@ -256,3 +256,39 @@ def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path):
         assert len(res.token_ids) == 300 and len(res.logprobs) == 300
         swap = res.versions.index(1)
         assert 5 <= swap < 300 and res.versions == [0] * swap + [1] * (300 - swap)
+
+
+def test_abort_frees_the_row_and_short_requests_do_not_wait_for_long_ones(model_dir, tmp_path):
+    """Continuous batching on the actor: a short request joining a long batch returns
+    while the long ones still decode; an aborted request (queued or generating) returns
+    an empty ``abort`` result at once and frees its row."""
+    long = [GenRequest([3 + i, 4, 5], max_new_tokens=400, temperature=1.0, seed=i,
+                       request_id=f"long/{i}") for i in range(3)]
+
+    async def scenario():
+        w = InferenceWorker(model_dir, str(tmp_path / "w"), pool="H20", max_batch=3)
+        tasks = [asyncio.ensure_future(w.generate(r)) for r in long]
+        for _ in range(2000):  # wait until the long batch is decoding
+            if (await w.stats())["decode_steps"] >= 3:
+                break
+            await asyncio.sleep(0.005)
+        queued = asyncio.ensure_future(w.generate(
+            GenRequest([9, 9], 5, 1.0, seed=7, request_id="queued")))
+        await asyncio.sleep(0.05)
+        assert await w.abort("queued")  # batch full: it was still waiting
+        assert (await queued).finish_reason == "abort"
+        assert await w.abort("long/1")  # generating: its row leaves at the next boundary
+        aborted = await tasks[1]
+        short = await w.generate(GenRequest([7, 8], 4, 1.0, seed=8))  # takes the free row
+        still_running = not tasks[0].done() and not tasks[2].done()
+        assert not await w.abort("long/1") and not await w.abort("nobody")
+        rest = await asyncio.gather(tasks[0], tasks[2])
+        stats = await w.stats()
+        await w.close()
+        return aborted, short, still_running, rest, stats
+
+    aborted, short, still_running, rest, stats = asyncio.run(scenario())
+    assert aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert len(short.token_ids) == 4 and still_running
+    assert [len(r.token_ids) for r in rest] == [400, 400]
+    assert stats["abandoned"] == 2 and stats["in_flight"] == 0 and stats["queued"] == 0

@@ -186,7 +186,8 @@ class TrajectoryRunner:
             t0 = time.perf_counter()
             env_before = traj.env_time
             req = GenRequest(log.ids, task.max_new_tokens, self.temperature, self.top_p,
-                             self.stop_ids, request_seed(self.seed, traj.traj_id, turn))
+                             self.stop_ids, request_seed(self.seed, traj.traj_id, turn),
+                             request_id=f"{traj.traj_id}/{turn}")
             res = await self.proxy.generate(traj.traj_id, req, self.inference_pools)
             gen = time.perf_counter() - t0
             traj.gen_time += gen

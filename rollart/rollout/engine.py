@@ -1,6 +1,6 @@
 """``TorchEngine``: batched autoregressive generation with plain PyTorch + a KV cache.
 
-Consumes ``GenRequest`` lists (token ids in, sampling settings, stop ids, seed) and
+Consumes ``GenRequest``s (token ids in, sampling settings, stop ids, seed) and
 produces ``GenResult`` lists (token ids, behaviour log-probs, policy version per token).
 Weights come from a model folder (``rollart.model``) and are replaced in place, either
 at once by ``load_state_dict`` or, while a batch is being generated, by
@@ -30,14 +30,16 @@ UpdateHook = Callable[[int, "BaseException | None"], None]
 
 
 class TorchEngine:
-    """One model + tokenizer that turns batches of ``GenRequest`` into ``GenResult``.
+    """One model + tokenizer that turns ``GenRequest``s into ``GenResult``s.
 
-    ``step_callback(n)``, when given, is called at every decode-step boundary of a chunk:
-    after the ``n``-th token (``n >= 1``; the first comes from the prefill) of every row
-    still generating has been chosen and before the forward pass that produces token
-    ``n + 1``. An update requested there (or earlier) is applied at that boundary, so
-    those rows keep ``n`` tokens from the old weights and token ``n + 1`` onward come
-    from the new ones. It is not called after the last round of a chunk.
+    Batching is continuous (``serve``): rows join at decode-step boundaries and leave the
+    moment they finish, so a short answer never waits for a long one.
+    ``step_callback(n)``, when given, is called at every decode-step boundary of a
+    ``serve``/``generate`` call: after the ``n``-th sampling round (the first token of a
+    row comes from its prefill) and before the forward pass of round ``n + 1``. An update
+    requested there (or earlier) is applied at that boundary, so live rows keep their
+    tokens from the old weights and later tokens come from the new ones. It is not
+    called when no row is left after a round.
     """
 
     def __init__(
@@ -96,27 +98,100 @@ class TorchEngine:
                              f"(size {self.vocab_size})")
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Generate for every request, in chunks of ``max_batch`` (order preserved).
+        """Generate for every request (order preserved), ``max_batch`` rows at a time.
 
-        A pending ``request_update`` is applied before each chunk, and at the next
-        decode-step boundary when it arrives while a chunk is being generated. A staged
-        update that fails to copy in is skipped (generation goes on under the old
-        weights); it is recorded in ``update_error`` and reported to ``on_update``.
+        Continuous batching: a row that finishes leaves the batch at once and the next
+        request takes its place at the following decode-step boundary. A pending
+        ``request_update`` is applied before the first row starts, and at the next
+        decode-step boundary when it arrives while rows are generating. A staged update
+        that fails to copy in is skipped (generation goes on under the old weights); it
+        is recorded in ``update_error`` and reported to ``on_update``.
         """
         for req in requests:
             self.validate(req)
-        results: list[GenResult] = []
-        for i in range(0, len(requests), self.max_batch):
-            self._apply_pending(raise_errors=False)
-            t0 = time.perf_counter()
-            chunk = requests[i : i + self.max_batch]
-            out = self._generate_chunk(chunk)
-            self.busy_seconds += time.perf_counter() - t0
-            self.batches += 1
-            self.requests += len(chunk)
-            self.tokens_generated += sum(len(r.token_ids) for r in out)
-            results.extend(out)
+        queue = list(enumerate(requests))
+        results: list = [None] * len(requests)
+
+        def admit(free: int):
+            taken, queue[:] = queue[:free], queue[free:]
+            return [(req, i) for i, req in taken]
+
+        def deliver(i: int, outcome) -> None:
+            results[i] = outcome
+
+        self.serve(admit, deliver)
+        for outcome in results:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return results
+
+    def serve(
+        self,
+        admit: Callable[[int], list[tuple[GenRequest, object]]],
+        deliver: Callable[[object, "GenResult | BaseException"], None],
+        *,
+        abandoned: Callable[[object], bool] | None = None,
+    ) -> None:
+        """Continuous batching: run until no row is live and ``admit`` offers nothing.
+
+        ``admit(free)`` is polled at every decode-step boundary (and before the first)
+        for at most ``free`` new ``(request, tag)`` pairs; they are prefilled and join
+        the running batch. ``deliver(tag, result)`` is called the moment a row finishes,
+        with its ``GenResult`` — or with the exception when its request is invalid or the
+        model fails (every live row gets it then; the engine stays usable).
+        ``abandoned(tag)``, when given, is checked at each boundary: such rows (their
+        caller went away) are dropped without a result.
+        """
+        b = _Batch(self)
+        n = 0
+        while True:
+            if not b.rows:
+                self._apply_pending(raise_errors=False)
+            t0 = time.perf_counter()
+            try:
+                if abandoned is not None:
+                    b.drop([j for j, row in enumerate(b.rows) if abandoned(row.tag)])
+                free = self.max_batch - len(b.rows)
+                new = admit(free) if free > 0 else []
+                good = []
+                for req, tag in new:
+                    try:
+                        self.validate(req)
+                        good.append((req, tag))
+                    except Exception as exc:  # noqa: BLE001 - goes back to that caller
+                        deliver(tag, exc)
+                if good:
+                    b.admit(good)
+                for row in b.finish_empty():
+                    deliver(row.tag, row.result())
+                if not b.rows:
+                    if new:
+                        continue
+                    return
+                if b.rows:
+                    b.pick()
+                    self.decode_steps += 1
+                    n += 1
+                    for row in b.retire():
+                        deliver(row.tag, row.result())
+                if b.rows:
+                    # -- decode-step boundary: suspend -> update -> resume -> recompute KV
+                    if self.step_callback is not None:
+                        self.step_callback(n)
+                    if self._pending_update is not None and \
+                            self._apply_pending(raise_errors=False) is not None:
+                        t1 = time.perf_counter()
+                        self.recompute_tokens += b.recompute()
+                        self.suspends += 1
+                        self.stall_seconds += time.perf_counter() - t1
+                    else:
+                        b.step()
+            except Exception as exc:  # noqa: BLE001 - every live row learns of it
+                for row in b.rows:
+                    deliver(row.tag, exc)
+                b = _Batch(self)
+            finally:
+                self.busy_seconds += time.perf_counter() - t0
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Replace the weights in place now (all keys must match) and set ``version``.
@@ -240,60 +315,136 @@ class TorchEngine:
         logits = self._forward(input_ids, mask, positions, cache)
         return logits, mask, positions[:, -1:] + 1, cache
 
+
+class _Row:
+    """One request being generated: its sampling state and what it has produced."""
+
+    __slots__ = ("req", "tag", "rng", "tokens", "logps", "versions", "reason")
+
+    def __init__(self, req: GenRequest, tag, rng: torch.Generator):
+        self.req, self.tag, self.rng = req, tag, rng
+        self.tokens: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[int] = []
+        self.reason: str | None = "length" if req.max_new_tokens == 0 else None
+
+    def result(self) -> GenResult:
+        return GenResult(token_ids=self.tokens, logprobs=self.logps, versions=self.versions,
+                         finish_reason=self.reason or "length")
+
+
+class _Batch:
+    """The live rows of a continuous batch and their left-padded KV cache.
+
+    Invariant between calls: ``logits[j]`` are the next-token logits of ``rows[j]`` (after
+    ``admit``/``step``/``recompute``), ``mask``/``next_pos``/``cache`` hold one row each.
+    Rows join with their own prefill (caches are left-padded to a common width) and
+    leave by index selection; columns no live row attends to are trimmed.
+    """
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.empty: list[_Row] = []  # max_new_tokens == 0: done before any compute
+        self.logits = self.mask = self.next_pos = self.cache = None
+
     @torch.inference_mode()
-    def _generate_chunk(self, reqs: list[GenRequest]) -> list[GenResult]:
-        logits, mask, next_pos, cache = self._prefill([r.prompt_ids for r in reqs])
-        rows = list(range(len(reqs)))  # request index of each row of the KV cache
-        rngs = [_request_rng(r, self._rng) for r in reqs]
-        tokens: list[list[int]] = [[] for _ in reqs]
-        logps: list[list[float]] = [[] for _ in reqs]
-        versions: list[list[int]] = [[] for _ in reqs]
-        reasons: list[str | None] = ["length" if r.max_new_tokens == 0 else None for r in reqs]
-        n = 0
-        while any(reasons[i] is None for i in rows):
-            step = [self.pad_id] * len(rows)
-            active = [j for j, i in enumerate(rows) if reasons[i] is None]
-            picks = _pick(logits, [reqs[i] for i in rows], [rngs[i] for i in rows], active)
-            for j, (tok, lp) in zip(active, picks):
-                i = rows[j]
-                r = reqs[i]
-                tokens[i].append(tok)
-                logps[i].append(lp)
-                versions[i].append(self.version)
-                step[j] = tok
-                if tok in r.stop_ids:
-                    reasons[i] = "stop"
-                elif len(tokens[i]) >= r.max_new_tokens:
-                    reasons[i] = "length"
-            self.decode_steps += 1
-            n += 1
-            if all(reasons[i] is not None for i in rows):
-                break
-            # -- decode-step boundary: suspend -> update -> resume -> recompute KV --
-            if self.step_callback is not None:
-                self.step_callback(n)
-            if self._pending_update is not None:
-                if self._apply_pending(raise_errors=False) is not None:
-                    t0 = time.perf_counter()
-                    rows = [i for i in rows if reasons[i] is None]
-                    contexts = [list(reqs[i].prompt_ids) + tokens[i] for i in rows]
-                    logits, mask, next_pos, cache = self._prefill(contexts)
-                    self.suspends += 1
-                    self.recompute_tokens += sum(len(c) for c in contexts)
-                    self.stall_seconds += time.perf_counter() - t0  # + the copy, counted above
-                    continue
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-            logits = self._forward(torch.tensor(step)[:, None], mask, next_pos, cache)
-            next_pos = next_pos + 1
-        return [
-            GenResult(
-                token_ids=tokens[i],
-                logprobs=logps[i],
-                versions=versions[i],
-                finish_reason=reasons[i] or "length",
-            )
-            for i in range(len(reqs))
-        ]
+    def admit(self, pairs: list[tuple[GenRequest, object]]) -> None:
+        eng = self.engine
+        new = [_Row(req, tag, _request_rng(req, eng._rng)) for req, tag in pairs]
+        eng.requests += len(new)
+        self.empty.extend(r for r in new if r.reason is not None)
+        new = [r for r in new if r.reason is None]
+        if not new:
+            return
+        logits, mask, next_pos, cache = eng._prefill([r.req.prompt_ids for r in new])
+        eng.batches += 1
+        if not self.rows:
+            self.rows, self.logits, self.mask, self.next_pos, self.cache = \
+                new, logits, mask, next_pos, cache
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, add in zip(self.cache.layers, cache.layers):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(add.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width),
+                                    _left_pad(add.values, width)])
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+        self.logits = torch.cat([self.logits, logits])
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.rows = self.rows + new
+
+    def finish_empty(self) -> list[_Row]:
+        done, self.empty = self.empty, []
+        return done
+
+    def pick(self) -> None:
+        """Choose the next token of every row (and note which rows are now done)."""
+        eng = self.engine
+        picks = _pick(self.logits, [r.req for r in self.rows], [r.rng for r in self.rows],
+                      list(range(len(self.rows))))
+        for row, (tok, lp) in zip(self.rows, picks):
+            row.tokens.append(tok)
+            row.logps.append(lp)
+            row.versions.append(eng.version)
+            if tok in row.req.stop_ids:
+                row.reason = "stop"
+            elif len(row.tokens) >= row.req.max_new_tokens:
+                row.reason = "length"
+        eng.tokens_generated += len(picks)
+
+    def retire(self) -> list[_Row]:
+        """Remove the rows that are done; return them."""
+        done = [r for r in self.rows if r.reason is not None]
+        if done:
+            self.drop([j for j, r in enumerate(self.rows) if r.reason is not None])
+        return done
+
+    def drop(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        gone = set(indices)
+        keep = [j for j in range(len(self.rows)) if j not in gone]
+        self.rows = [self.rows[j] for j in keep]
+        if not self.rows:
+            self.logits = self.mask = self.next_pos = self.cache = None
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+        self.logits = self.logits[idx]
+        live = torch.nonzero(self.mask.sum(0) > 0)
+        first = int(live[0]) if len(live) else 0
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One decode forward pass: each row's last token in, next-token logits out."""
+        last = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long)[:, None]
+        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)],
+                              dim=1)
+        self.logits = self.engine._forward(last, self.mask, self.next_pos, self.cache)
+        self.next_pos = self.next_pos + 1
+
+    @torch.inference_mode()
+    def recompute(self) -> int:
+        """Rebuild the KV cache of every row (prompt + tokens so far) under the current
+        weights; return the number of context tokens re-prefilled."""
+        contexts = [list(r.req.prompt_ids) + r.tokens for r in self.rows]
+        self.logits, self.mask, self.next_pos, self.cache = self.engine._prefill(contexts)
+        return sum(len(c) for c in contexts)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad ``t`` on the left of its sequence axis (-2 for KV, -1 for a mask)."""
+    axis = -2 if t.dim() == 4 else -1
+    short = width - t.shape[axis]
+    if short <= 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = short
+    return torch.cat([t.new_zeros(shape), t], dim=axis)
 
 
 def _pick(

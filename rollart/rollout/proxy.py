@@ -11,6 +11,7 @@ loop of the Dask worker (or asynchronous client) that holds the actor handles.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -89,6 +90,10 @@ class LLMProxy:
         idx = self.route(traj_id, pools)
         try:
             return await self.workers[idx][0].generate(req)
+        except asyncio.CancelledError:  # our trajectory was cancelled: free its row
+            if req.request_id is not None:
+                _fire_and_forget(self.workers[idx][0].abort(req.request_id))
+            raise
         finally:
             with self._guard():
                 self._in_flight[idx] -= 1
@@ -111,3 +116,18 @@ class LLMProxy:
                 for i, (actor, pool) in enumerate(self.workers)
             ]
             return {"workers": workers, "trajectories": len(self._sticky)}
+
+
+def _fire_and_forget(call) -> None:
+    """Run an actor call in the background; its outcome does not matter to anyone."""
+
+    async def run():
+        try:
+            await call
+        except Exception:  # noqa: BLE001 - best effort: the row also ends on its own
+            pass
+
+    try:
+        asyncio.ensure_future(run())
+    except RuntimeError:  # no running loop (interpreter shutting down)
+        pass

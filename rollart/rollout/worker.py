@@ -4,7 +4,9 @@ Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weigh
 announcements (from the trainer / weight sync, ``update_weights``); produces
 ``GenResult``s stamped with this worker's address. Its methods are ``async`` and run on
 the Dask worker's event loop; the model runs on one engine thread the actor owns, which
-batches whatever requests are pending, so heartbeats and comms are never blocked.
+batches requests continuously (they join the running batch at decode-step boundaries and
+return as soon as they finish; a cancelled caller's row is dropped), so heartbeats and
+comms are never blocked.
 
 Weight updates follow the asynchronous protocol: ``update_weights(v)`` returns at once;
 a prefetch thread loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
@@ -34,6 +36,7 @@ class _Pending:
     req: GenRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    aborted: bool = False
 
 
 def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, value) -> None:
@@ -51,6 +54,10 @@ def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, value) -> 
         loop.call_soon_threadsafe(setter)
     except RuntimeError:  # loop closed: nobody is waiting any more
         pass
+
+
+def _aborted() -> GenResult:
+    return GenResult(token_ids=[], logprobs=[], versions=[], finish_reason="abort")
 
 
 def _worker_address() -> str:
@@ -92,6 +99,8 @@ class InferenceWorker:
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
         self.prefetch_seconds = 0.0
+        self.abandoned = 0  # requests aborted (queued or mid-generation) by their caller
+        self._live: dict[str, _Pending] = {}  # request_id -> queued or generating request
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
         )
@@ -109,11 +118,36 @@ class InferenceWorker:
         with self._cond:
             if self._stop:
                 raise RuntimeError(f"InferenceWorker {self.address or self.pool} is closed")
-            self._pending.append(_Pending(req, future, loop))
+            item = _Pending(req, future, loop)
+            self._pending.append(item)
+            if req.request_id is not None:
+                self._live[req.request_id] = item
             self._cond.notify_all()
-        result = await future
+        try:
+            result = await future
+        finally:
+            if req.request_id is not None:
+                with self._cond:
+                    if self._live.get(req.request_id) is item:
+                        del self._live[req.request_id]
         result.worker = self.address
         return result
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop generating for ``request_id`` (its caller went away, e.g. a redundant
+        trajectory was cancelled): its row leaves the batch at the next decode-step
+        boundary and its call returns an empty ``GenResult`` with ``finish_reason``
+        ``"abort"``. Returns whether the request was still queued or generating."""
+        with self._cond:
+            item = self._live.pop(request_id, None)
+            if item is None or item.aborted:
+                return False
+            item.aborted = True
+            if item in self._pending:  # not started: it never takes a row
+                self._pending.remove(item)
+                self.abandoned += 1
+                _resolve(item.future, item.loop, _aborted())
+        return True
 
     async def update_weights(self, version: int) -> None:
         """Ask for ``version``; returns at once.
@@ -170,6 +204,7 @@ class InferenceWorker:
             "recompute_tokens": eng.recompute_tokens,
             "stall_seconds": eng.stall_seconds,
             "prefetch_seconds": self.prefetch_seconds,
+            "abandoned": self.abandoned,
         }
 
     async def close(self) -> None:
@@ -183,6 +218,7 @@ class InferenceWorker:
 
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        """Engine thread: continuous batching over whatever requests are queued."""
         eng = self.engine
         while True:
             with self._cond:
@@ -190,20 +226,43 @@ class InferenceWorker:
                     self._cond.wait()
                 if self._stop:
                     break
-                batch = []
-                while self._pending and len(batch) < self.max_batch:
-                    batch.append(self._pending.popleft())
-                self._in_flight = len(batch)
-            if batch:  # generate applies a staged update first, then at step boundaries
-                self._serve(batch)
-            else:
+                idle_update = not self._pending
+            if idle_update:
                 try:
                     eng.apply_pending_update()
                 except Exception:  # noqa: BLE001 - reported through _on_update
                     pass
-            with self._cond:
-                self._in_flight = 0
+                continue
+            eng.serve(self._admit, self._deliver, abandoned=self._abandoned)
         self._fail_all(RuntimeError(f"InferenceWorker {self.address or self.pool} closed"))
+
+    def _admit(self, free: int) -> list[tuple[GenRequest, _Pending]]:
+        """Engine hook: up to ``free`` queued requests join the running batch."""
+        with self._cond:
+            if self._stop:
+                return []
+            taken = []
+            while self._pending and len(taken) < free:
+                item = self._pending.popleft()
+                if not (item.future.done() or item.aborted):  # callers that went away
+                    taken.append((item.req, item))
+            self._in_flight += len(taken)
+        return taken
+
+    def _deliver(self, item: _Pending, outcome) -> None:
+        with self._cond:
+            self._in_flight -= 1
+        _resolve(item.future, item.loop, outcome)
+
+    def _abandoned(self, item: _Pending) -> bool:
+        """An aborted request (e.g. of a cancelled redundant trajectory) frees its row."""
+        if item.aborted or item.future.done():
+            with self._cond:
+                self._in_flight -= 1
+                self.abandoned += 1
+            _resolve(item.future, item.loop, _aborted())
+            return True
+        return False
 
     def _on_update(self, version: int, error: BaseException | None) -> None:
         """Engine hook (engine thread): a staged version was swapped in, or failed to."""
@@ -255,33 +314,6 @@ class InferenceWorker:
             else:
                 keep.append((want, future, loop))
         self._waiters = keep
-
-    def _serve(self, batch: list[_Pending]) -> None:
-        """Generate for ``batch``; a bad request fails alone, the rest still run."""
-        good = []
-        for item in batch:
-            try:
-                self.engine.validate(item.req)
-                good.append(item)
-            except Exception as exc:  # noqa: BLE001 - goes back to that caller
-                _resolve(item.future, item.loop, exc)
-        if not good:
-            return
-        try:
-            outcomes = self.engine.generate([item.req for item in good])
-        except Exception as exc:  # noqa: BLE001
-            if len(good) == 1:
-                outcomes = [exc]
-            else:  # find the culprit: retry one at a time
-                outcomes = [self._generate_one(item.req) for item in good]
-        for item, outcome in zip(good, outcomes):
-            _resolve(item.future, item.loop, outcome)
-
-    def _generate_one(self, req: GenRequest):
-        try:
-            return self.engine.generate([req])[0]
-        except Exception as exc:  # noqa: BLE001
-            return exc
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:

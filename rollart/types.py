@@ -64,6 +64,7 @@ class GenRequest:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
     seed: int | None = None
+    cache_key: str | None = None  # e.g. the trajectory id: its KV may be kept for reuse
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from rollart.model import load_model, load_tokenizer
+from rollart.rollout import pd
 from rollart.types import GenRequest, GenResult
 
 #: ``on_update(version, error)``: called on the thread that applied (or failed to apply)
@@ -49,6 +50,7 @@ class TorchEngine:
         dtype: torch.dtype = torch.float32,
         step_callback: Callable[[int], None] | None = None,
         on_update: UpdateHook | None = None,
+        prefix_cache: int = 512,
     ):
         self.model_path = str(model_path)
         self.version = int(version)
@@ -76,6 +78,8 @@ class TorchEngine:
         self.suspends = 0  # weight swaps applied in the middle of a chunk
         self.recompute_tokens = 0  # context tokens re-prefilled after those swaps
         self.stall_seconds = 0.0  # time spent applying updates + re-prefilling
+        # per-trajectory KV kept for the next turn (rollart.rollout.pd); 0 = off
+        self.prefix_cache = pd.PrefixCache(prefix_cache) if prefix_cache else None
 
     # -- public API --------------------------------------------------------------------
     def validate(self, req: GenRequest) -> None:
@@ -111,6 +115,57 @@ class TorchEngine:
             t0 = time.perf_counter()
             chunk = requests[i : i + self.max_batch]
             out = self._generate_chunk(chunk)
+            self.busy_seconds += time.perf_counter() - t0
+            self.batches += 1
+            self.requests += len(chunk)
+            self.tokens_generated += sum(len(r.token_ids) for r in out)
+            results.extend(out)
+        return results
+
+    # -- PD disaggregation hooks (the logic lives in rollart.rollout.pd) -----------------
+    @torch.inference_mode()
+    def prefill(self, requests: list[GenRequest], source: str = "") -> list[pd.KVHandoff]:
+        """Prefill only: one portable ``KVHandoff`` per request (prompt KV + logits).
+
+        The prompt's KV also stays in the prefix cache, so the trajectory's next turn
+        prefills only its new tokens here.
+        """
+        for req in requests:
+            self.validate(req)
+        self._apply_pending(raise_errors=False)
+        out: list[pd.KVHandoff] = []
+        for i in range(0, len(requests), self.max_batch):
+            t0 = time.perf_counter()
+            chunk = requests[i : i + self.max_batch]
+            logits, mask, _, cache = pd.start_with_prefix(self, chunk, self.prefix_cache)
+            rows = pd.split_rows(logits, mask, cache, self.version, source)
+            if self.prefix_cache is not None:
+                for req, h in zip(chunk, rows):
+                    self.prefix_cache.store(req.cache_key, req.prompt_ids, h.kv(), self.version)
+            out.extend(rows)
+            self.busy_seconds += time.perf_counter() - t0
+        return out
+
+    def decode(self, requests: list[GenRequest], handoffs: list[pd.KVHandoff]) -> list[GenResult]:
+        """Continue ``requests`` from their prefill ``handoffs`` (made by another engine).
+
+        Exactly what ``generate`` does after its own prefill; a handoff made under other
+        weights than this engine's is recomputed here (like a mid-batch weight swap).
+        """
+        for req in requests:
+            self.validate(req)
+        self._apply_pending(raise_errors=False)
+        results: list[GenResult] = []
+        for i in range(0, len(requests), self.max_batch):
+            t0 = time.perf_counter()
+            chunk, hs = requests[i : i + self.max_batch], handoffs[i : i + self.max_batch]
+            with torch.inference_mode():
+                if all(h.version == self.version for h in hs):
+                    start = pd.merge_rows(self, hs)
+                else:
+                    start = self._prefill([r.prompt_ids for r in chunk])
+                    self.recompute_tokens += sum(len(r.prompt_ids) for r in chunk)
+            out = self._generate_chunk(chunk, start=start, remember=False)
             self.busy_seconds += time.perf_counter() - t0
             self.batches += 1
             self.requests += len(chunk)
@@ -241,8 +296,12 @@ class TorchEngine:
         return logits, mask, positions[:, -1:] + 1, cache
 
     @torch.inference_mode()
-    def _generate_chunk(self, reqs: list[GenRequest]) -> list[GenResult]:
-        logits, mask, next_pos, cache = self._prefill([r.prompt_ids for r in reqs])
+    def _generate_chunk(self, reqs: list[GenRequest], start=None,
+                        remember: bool = True) -> list[GenResult]:
+        if start is None:  # prefill, reusing cached prefixes (rollart.rollout.pd)
+            start = pd.start_with_prefix(self, reqs, self.prefix_cache)
+        logits, mask, next_pos, cache = start
+        width, swapped = mask.shape[1], False
         rows = list(range(len(reqs)))  # request index of each row of the KV cache
         rngs = [_request_rng(r, self._rng) for r in reqs]
         tokens: list[list[int]] = [[] for _ in reqs]
@@ -279,12 +338,15 @@ class TorchEngine:
                     contexts = [list(reqs[i].prompt_ids) + tokens[i] for i in rows]
                     logits, mask, next_pos, cache = self._prefill(contexts)
                     self.suspends += 1
+                    swapped = True
                     self.recompute_tokens += sum(len(c) for c in contexts)
                     self.stall_seconds += time.perf_counter() - t0  # + the copy, counted above
                     continue
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
             logits = self._forward(torch.tensor(step)[:, None], mask, next_pos, cache)
             next_pos = next_pos + 1
+        if remember and not swapped:  # keep each row's KV for its next turn
+            pd.remember(self.prefix_cache, self, reqs, tokens, mask, width, cache)
         return [
             GenResult(
                 token_ids=tokens[i],

@@ -34,6 +34,8 @@ class _Pending:
     req: GenRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    kind: str = "generate"  # | "prefill" | "decode" (PD disaggregation, rollart.rollout.pd)
+    handoff: object = None  # the KVHandoff a "decode" starts from
 
 
 def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, value) -> None:
@@ -92,6 +94,9 @@ class InferenceWorker:
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
         self.prefetch_seconds = 0.0
+        self._kv_held: dict = {}  # key -> Dask Future of a KVHandoff made here
+        self.kv_stats = {"sent": 0, "received": 0, "bytes_received": 0,
+                         "fetch_seconds": 0.0}
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
         )
@@ -104,16 +109,44 @@ class InferenceWorker:
     # -- actor API (async: runs on the worker's event loop) -----------------------------
     async def generate(self, req: GenRequest) -> GenResult:
         """Queue ``req`` for the next batch and wait for its result."""
+        result = await self._submit(req)
+        result.worker = self.address
+        return result
+
+    async def _submit(self, req: GenRequest, kind: str = "generate", handoff=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._cond:
             if self._stop:
                 raise RuntimeError(f"InferenceWorker {self.address or self.pool} is closed")
-            self._pending.append(_Pending(req, future, loop))
+            self._pending.append(_Pending(req, future, loop, kind, handoff))
             self._cond.notify_all()
-        result = await future
+        return await future
+
+    # -- PD disaggregation (KV moves worker to worker; see rollart.rollout.kv) ----------
+    async def prefill(self, req: GenRequest) -> dict:
+        """Prefill ``req`` and keep its KV in this Dask worker's memory; return its key.
+
+        The decode worker fetches it from here (``decode``) over Dask's comms; callers
+        only see ``{"key", "nbytes", "source"}``. ``drop_kv(key)`` frees it.
+        """
+        from rollart.rollout.kv import hold
+
+        handoff = await self._submit(req, "prefill")
+        return await hold(self, handoff)
+
+    async def decode(self, req: GenRequest, kv: dict) -> GenResult:
+        """Fetch the KV that ``prefill`` left on another worker and decode from it."""
+        from rollart.rollout.kv import fetch
+
+        handoff = await fetch(self, kv)
+        result = await self._submit(req, "decode", handoff)
         result.worker = self.address
         return result
+
+    async def drop_kv(self, key: str) -> None:
+        """Forget a handoff made by ``prefill`` (after its decode finished)."""
+        self._kv_held.pop(key, None)
 
     async def update_weights(self, version: int) -> None:
         """Ask for ``version``; returns at once.
@@ -170,6 +203,16 @@ class InferenceWorker:
             "recompute_tokens": eng.recompute_tokens,
             "stall_seconds": eng.stall_seconds,
             "prefetch_seconds": self.prefetch_seconds,
+            **self._pd_stats(),
+        }
+
+    def _pd_stats(self) -> dict:
+        pc = self.engine.prefix_cache
+        return {"kv_" + k: v for k, v in self.kv_stats.items()} | {
+            "kv_held": len(self._kv_held),
+            "prefix_hit_tokens": pc.hit_tokens if pc else 0,
+            "prefix_prompt_tokens": pc.prompt_tokens if pc else 0,
+            "prefix_reuse": pc.reuse_rate if pc else 0.0,
         }
 
     async def close(self) -> None:
@@ -257,7 +300,22 @@ class InferenceWorker:
         self._waiters = keep
 
     def _serve(self, batch: list[_Pending]) -> None:
-        """Generate for ``batch``; a bad request fails alone, the rest still run."""
+        """Serve ``batch`` by kind (generate / prefill / decode), each kind batched."""
+        for kind in ("prefill", "decode", "generate"):
+            items = [item for item in batch if item.kind == kind]
+            if items:
+                self._serve_kind(items, kind)
+
+    def _run_kind(self, items: list[_Pending], kind: str) -> list:
+        reqs = [item.req for item in items]
+        if kind == "prefill":
+            return self.engine.prefill(reqs, source=self.address)
+        if kind == "decode":
+            return self.engine.decode(reqs, [item.handoff for item in items])
+        return self.engine.generate(reqs)
+
+    def _serve_kind(self, batch: list[_Pending], kind: str) -> None:
+        """Run ``batch`` of one kind; a bad request fails alone, the rest still run."""
         good = []
         for item in batch:
             try:
@@ -268,18 +326,18 @@ class InferenceWorker:
         if not good:
             return
         try:
-            outcomes = self.engine.generate([item.req for item in good])
+            outcomes = self._run_kind(good, kind)
         except Exception as exc:  # noqa: BLE001
             if len(good) == 1:
                 outcomes = [exc]
             else:  # find the culprit: retry one at a time
-                outcomes = [self._generate_one(item.req) for item in good]
+                outcomes = [self._generate_one(item, kind) for item in good]
         for item, outcome in zip(good, outcomes):
             _resolve(item.future, item.loop, outcome)
 
-    def _generate_one(self, req: GenRequest):
+    def _generate_one(self, item: _Pending, kind: str):
         try:
-            return self.engine.generate([req])[0]
+            return self._run_kind([item], kind)[0]
         except Exception as exc:  # noqa: BLE001
             return exc
 

@@ -244,5 +244,14 @@ def classify(prompt_tokens: int, response_tokens: int, ratio: float = 2.0) -> st
 
 __all__ = ["Affinity", "AffinityError", "BANDWIDTH_TAGS", "COMPUTE_TAGS", "INFERENCE_TAGS",
            "ResourcesError", "affinity_of", "check_cluster", "check_declared", "classify",
-           "env_affinity", "env_tag", "inference_tags", "needs", "reward_affinity",
+           "env_affinity", "env_pools", "env_tag", "inference_tags", "needs", "reward_affinity",
            "reward_tag", "task_affinity", "task_routes"]
+
+
+def env_pools(graph) -> tuple[str, ...]:
+    """The tags EnvManagers are needed on: ``CPU_ENV`` + every task's env affinity."""
+    tags = [CPU_ENV]
+    for task in graph.tasks:
+        if env_tag(task) not in tags:
+            tags.append(env_tag(task))
+    return tuple(tags)

@@ -144,7 +144,8 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
         workers=[addr], resources={tag: 1}, key=f"EnvManager-{tag}-{addr}-{run}")
         for addr, tag in manager_at]
     placement = {"trainer": [trainer_addr], "buffer": [env_addrs[0]],
-                 "inference": [a for _, _, a in workers], "env": env_addrs}
+                 "inference": [a for _, _, a in workers],
+                 "env": sorted({a for a, _ in manager_at})}
     return Actors(trainer.result(), buffer.result(), workers, [m.result() for m in managers],
                   placement, manager_tags=[tag for _, tag in manager_at])
 
@@ -162,14 +163,14 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     graph, graph_src = load_graph(graph)
     graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode)
     res = load_resources(resources) if client is None or resources is not None else None
+    if res is not None:
+        check_declared(graph, res)  # misdeclared affinity: an error before anything starts
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "graph.json").write_text(json.dumps(
         {"source": graph_src, **graph.to_dict()}, indent=2, default=str))
     model_path, warm = prepare_model(graph, run_dir, model)
     source = res.source if res else "the cluster you connected"
-    if res is not None:
-        check_declared(graph, res)  # misdeclared affinity: an error before any start
     with connect(res, client) as c:
         check_cluster(c, graph, source)
         check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")

@@ -36,12 +36,14 @@ async def hold(actor, handoff: KVHandoff) -> dict:
     return {"key": key, "nbytes": handoff.nbytes, "source": handoff.source}
 
 
-async def fetch(actor, kv: dict, retries: int = 20) -> KVHandoff:
-    """Get the handoff ``kv`` names from the worker that holds it, straight from there."""
+async def fetch(actor, kv: dict, retries: int = 20, worker=None) -> KVHandoff:
+    """Get the handoff ``kv`` names from the worker that holds it, straight from there.
+
+    ``worker``: the Dask worker this runs on (default: the current one)."""
     from distributed import Future, get_client, get_worker
     from distributed.worker import get_data_from_worker
 
-    worker = get_worker()
+    worker = worker if worker is not None else get_worker()
     key, source = kv["key"], kv["source"]
     t0 = time.perf_counter()
     if key in worker.data:  # prefill and decode on the same worker

@@ -27,6 +27,7 @@ import asyncio
 import math
 import multiprocessing as mp
 import os
+import random
 import socket
 import tempfile
 import time
@@ -154,9 +155,12 @@ class Host:
     async def play(self, n_traj: int, n_turns: int, prompt: int, new: int, tag: str):
         from rollart.types import GenRequest
 
+        rng = random.Random(len(tag))
+
         async def one(i):
             ids = [3 + (i * 7 + j) % 40 for j in range(prompt)]
             for turn in range(n_turns):
+                await asyncio.sleep(rng.uniform(0, 0.05))  # env steps take varying time
                 res = await self.proxy.generate(f"{tag}-{i}", GenRequest(list(ids), new,
                                                                          temperature=0.0))
                 ids += res.token_ids + [5 + (i + turn + k) % 30 for k in range(6)]
@@ -215,6 +219,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller caches, fewer repeats")
     ap.add_argument("--mib", type=int, nargs="*", help="KV cache sizes to move (MiB)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--transfer-only", action="store_true",
+                    help="only the KV transfer part (e.g. in a venv with the ucx extra)")
     args = ap.parse_args()
     sizes = args.mib or ([16, 64] if args.quick else [16, 64, 256])
     repeats = args.repeats or (3 if args.quick else 5)
@@ -235,7 +241,7 @@ def main() -> None:
     result.update(pd_vs_raw_tcp=tcp / raw, pd_vs_raw_ucx=ucx / raw,
                   raw_gibps=raw / 2**30, tcp_gibps=tcp / 2**30, ucx_gibps=ucx / 2**30,
                   kv_mib=mib)
-    gen = generation(args.quick)
+    gen = {} if args.transfer_only else generation(args.quick)
     for k, v in gen.items():
         print(f"{k}: {v:.3f}", flush=True)
     result.update(gen)

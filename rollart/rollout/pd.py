@@ -166,7 +166,10 @@ class PrefixCache:
         key = getattr(req, "cache_key", None)
         entry = self._entries.get(key) if key is not None else None
         n = len(entry.tokens) if entry is not None else 0
-        if entry is None or entry.version != version or n >= len(req.prompt_ids) or \
+        if entry is not None and entry.version != version:  # computed by old weights
+            self._entries.pop(key, None)
+            return None
+        if entry is None or n >= len(req.prompt_ids) or \
                 tuple(req.prompt_ids[:n]) != entry.tokens:
             return None
         self._entries.move_to_end(key)

@@ -7,7 +7,10 @@ at once by ``load_state_dict`` or, while a batch is being generated, by
 ``request_update`` (any thread): the decode loop then suspends at the next decode-step
 boundary, swaps the weights, re-prefills the contexts (prompt + tokens so far) of the
 rows still generating to rebuild their KV cache under the new weights, and resumes.
-Tokens already generated keep their behaviour log-probs and versions. No Dask here:
+Tokens already generated keep their behaviour log-probs and versions. Two hooks serve
+PD disaggregation (``rollart.rollout.pd``): ``prefill`` returns a portable KV cache per
+request and ``decode`` continues from such caches; a per-trajectory prefix cache lets a
+later turn prefill only its new tokens. No Dask here:
 the ``InferenceWorker`` actor owns one engine and calls it from its engine thread.
 """
 

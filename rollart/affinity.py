@@ -25,11 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from rollart.resources import ResourcesError, ResourceTagError, check_tags
-from rollart.types import CPU_ENV, H20, H800, INFERENCE_TAGS, REWARD
+from rollart.resources import ResourceTagError, check_tags
+from rollart.types import CPU_ENV, H20, H800, REWARD
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollart.env.tasks import Task
+
+__all__ = [
+    "Affinity", "AffinityError", "BANDWIDTH_TAGS", "COMPUTE_TAGS", "affinity_of",
+    "check_cluster", "check_declared", "classify", "env_affinity", "env_pools", "env_tag",
+    "inference_tags", "needs", "reward_affinity", "reward_tag", "task_affinity",
+    "task_routes",
+]
 
 ATTR = "__rollart_affinity__"
 COMPUTE_TAGS = (H800,)  #: default pools for prefill-heavy work (auto mode)
@@ -240,12 +247,6 @@ def classify(prompt_tokens: int, response_tokens: int, ratio: float = 2.0) -> st
     ('prefill', 'decode')
     """
     return "prefill" if prompt_tokens >= ratio * max(response_tokens, 1) else "decode"
-
-
-__all__ = ["Affinity", "AffinityError", "BANDWIDTH_TAGS", "COMPUTE_TAGS", "INFERENCE_TAGS",
-           "ResourcesError", "affinity_of", "check_cluster", "check_declared", "classify",
-           "env_affinity", "env_pools", "env_tag", "inference_tags", "needs", "reward_affinity",
-           "reward_tag", "task_affinity", "task_routes"]
 
 
 def env_pools(graph) -> tuple[str, ...]:

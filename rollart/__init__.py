@@ -4,6 +4,8 @@
 >>> # result = rollart.train()          # the default multi-task graph on a local cluster
 """
 
+from rollart.affinity import (Affinity, AffinityError, env_affinity, reward_affinity,
+                              task_affinity)
 from rollart.control import RunResult, train
 from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
 from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
@@ -14,6 +16,8 @@ from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN, Episode, StepResult
 __version__ = "0.1.0"
 
 __all__ = [
+    "Affinity",
+    "AffinityError",
     "BUILTIN_TASKS",
     "CPU_ENV",
     "Episode",
@@ -36,10 +40,13 @@ __all__ = [
     "TRAIN",
     "Task",
     "Trajectory",
+    "env_affinity",
     "get_task",
     "load_graph",
     "load_resources",
+    "reward_affinity",
     "straggler_profile",
+    "task_affinity",
     "train",
     "with_faults",
 ]

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollart.affinity import (check_cluster, check_declared, env_pools, env_tag,
+                              inference_tags, task_routes)
 from rollart.buffer import SampleBuffer
 from rollart.env.manager import EnvManager
 from rollart.env.tasks import task_corpus
@@ -53,6 +55,13 @@ class Actors:
     workers: list  # [(InferenceWorker actor, pool tag, address)]
     managers: list  # [EnvManager actor]
     placement: dict = field(default_factory=dict)  # role -> [worker addresses]
+    manager_tags: list = field(default_factory=list)  # pool tag of each manager
+
+    def managers_for(self, task) -> list:
+        """The env managers on the pool ``task``'s env declares (all when untagged)."""
+        tag = env_tag(task)
+        mine = [m for m, t in zip(self.managers, self.manager_tags) if t == tag]
+        return mine or self.managers
 
 
 @dataclass
@@ -110,10 +119,11 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
                             actor=True, workers=[trainer_addr], resources={TRAIN: 1},
                             key=f"Trainer-{run}")
     env_addrs = workers_with(client, CPU_ENV)
+    env_tags = env_pools(graph)  # where each task's EnvManagers run (env_affinity)
     buffer = client.submit(SampleBuffer, str(run_dir), actor=True, workers=[env_addrs[0]],
                            key=f"SampleBuffer-{run}")
     futs = []
-    for tag in graph.rollout.inference_pools:
+    for tag in inference_tags(graph):  # the graph's pools + task affinities
         for addr in workers_with(client, tag):
             # version -1: the folder's weights are not a published version; the
             # workers load version 0 from the store once the trainer publishes it.
@@ -123,19 +133,21 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
                               key=f"InferenceWorker-{tag}-{addr}-{run}")
             futs.append((f, tag, addr))
     workers = [(f.result(), tag, addr) for f, tag, addr in futs]
-    proxy = LLMProxy([(w, tag) for w, tag, _ in workers])
+    proxy = LLMProxy([(w, tag) for w, tag, _ in workers], routes=task_routes(graph.tasks))
+    manager_at = [(addr, tag) for tag in env_tags for addr in workers_with(client, tag)]
     managers = [client.submit(
         EnvManager, proxy, buffer.result(), model_path, temperature=graph.policy.temperature,
         top_p=graph.policy.top_p, env_step_timeout=graph.rollout.env_step_timeout,
         reward_timeout=graph.rollout.reward_timeout,
         max_concurrency=graph.rollout.env_concurrency,
         inference_pools=graph.rollout.inference_pools, seed=graph.seed, actor=True,
-        workers=[addr], resources={CPU_ENV: 1}, key=f"EnvManager-{addr}-{run}")
-        for addr in env_addrs]
+        workers=[addr], resources={tag: 1}, key=f"EnvManager-{tag}-{addr}-{run}")
+        for addr, tag in manager_at]
     placement = {"trainer": [trainer_addr], "buffer": [env_addrs[0]],
-                 "inference": [a for _, _, a in workers], "env": env_addrs}
+                 "inference": [a for _, _, a in workers],
+                 "env": sorted({a for a, _ in manager_at})}
     return Actors(trainer.result(), buffer.result(), workers, [m.result() for m in managers],
-                  placement)
+                  placement, manager_tags=[tag for _, tag in manager_at])
 
 
 def train(graph: Graph | str | None = None, resources: Resources | str | None = None, *,
@@ -151,6 +163,8 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     graph, graph_src = load_graph(graph)
     graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode)
     res = load_resources(resources) if client is None or resources is not None else None
+    if res is not None:
+        check_declared(graph, res)  # misdeclared affinity: an error before anything starts
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "graph.json").write_text(json.dumps(
@@ -158,6 +172,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     model_path, warm = prepare_model(graph, run_dir, model)
     source = res.source if res else "the cluster you connected"
     with connect(res, client) as c:
+        check_cluster(c, graph, source)
         check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")

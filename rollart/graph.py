@@ -13,6 +13,8 @@ import importlib.util
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from rollart.affinity import inference_tags
+from rollart.affinity import needs as affinity_needs
 from rollart.env.tasks import get_task
 from rollart.resources import _find_file, _load_module
 from rollart.types import CPU_ENV, INFERENCE_TAGS, OFF_POLICY, REWARD, TRAIN
@@ -160,6 +162,8 @@ class Graph:
         """Resource tags this graph's actors and tasks ask for (one unit each)."""
         tags = {t: 1 for t in self.rollout.inference_pools}
         tags.update({CPU_ENV: 1, REWARD: 1, TRAIN: 1})
+        tags.update({t: 1 for t in inference_tags(self)})  # + declared affinities
+        tags.update({t: 1 for t in affinity_needs(self)})
         return tags
 
     def to_dict(self) -> dict:

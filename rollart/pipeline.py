@@ -44,8 +44,11 @@ class Pipeline(abc.ABC):
         self.n_groups += 1
         return task, self.rng.randrange(1_000_000), gid, self.graph.algo.group_size
 
-    def manager(self, i: int):
-        return self.actors.managers[i % len(self.actors.managers)]
+    def manager(self, i: int, task=None):
+        """The ``i``-th env manager (among those on ``task``'s env pool, if given)."""
+        managers = self.actors.managers_for(task) if task is not None else \
+            self.actors.managers
+        return managers[i % len(managers)]
 
     @abc.abstractmethod
     def step(self, step: int) -> dict:
@@ -87,14 +90,19 @@ class Pipeline(abc.ABC):
             "rollout/turn_overhead_s": sum(m["turn_overhead_s"] * m["turns"] for m in ms)
             / max(turns, 1),
             "env/step_p99_s": max(m["env_step_p99"] for m in ms),
+            # share of prompt tokens served from a worker's prefix cache; KV moved for PD
+            "rollout/prefix_reuse": sum(w.get("prefix_hit_tokens", 0) for w in ws)
+            / max(sum(w.get("prefix_prompt_tokens", 0) for w in ws), 1),
+            "rollout/kv_bytes_moved": sum(w.get("kv_bytes_received", 0) for w in ws),
         }
 
     def run_batch(self, groups: list[tuple]):
         """Start a lockstep batch, split across the env managers; returns futures."""
-        per = {}
+        per: dict[int, tuple] = {}
         for i, g in enumerate(groups):
-            per.setdefault(i % len(self.actors.managers), []).append(g)
-        return [self.manager(i).run_batch(gs) for i, gs in per.items()]
+            m = self.manager(i, g[0])
+            per.setdefault(id(m), (m, []))[1].append(g)
+        return [m.run_batch(gs) for m, gs in per.values()]
 
 
 class AsyncPipeline(Pipeline):
@@ -116,7 +124,7 @@ class AsyncPipeline(Pipeline):
         target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
         while len(self.inflight) + ready < target:
             task, seed, gid, size = self.next_group()
-            self.inflight[gid] = self.manager(self.n_groups).run_group(
+            self.inflight[gid] = self.manager(self.n_groups, task).run_group(
                 task, seed, gid, size, redundancy=self.graph.rollout.redundancy)
 
     def step(self, step: int) -> dict:

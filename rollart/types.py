@@ -65,6 +65,7 @@ class GenRequest:
     stop_ids: tuple[int, ...] = ()
     seed: int | None = None
     request_id: str | None = None  # lets a caller that went away abort it (``abort``)
+    cache_key: str | None = None  # e.g. the trajectory id: its KV may be kept for reuse
 
 
 @dataclass

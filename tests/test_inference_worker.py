@@ -7,7 +7,7 @@ import torch
 from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
 
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
-from rollart.types import GenRequest
+from rollart.types import GenRequest, GenResult
 from rollart.weights.store import WeightStore
 
 
@@ -165,7 +165,7 @@ class FakeWorker:
 
     async def generate(self, req):
         await self.gate.wait()
-        return self.name
+        return GenResult([1], [0.0], [0], "length", worker=self.name)
 
 
 def test_proxy_routing_least_loaded_then_round_robin():
@@ -174,7 +174,8 @@ def test_proxy_routing_least_loaded_then_round_robin():
         for f in fakes:
             f.gate = asyncio.Event()
         proxy = LLMProxy([(fakes[0], "H800"), (fakes[1], "H800"), (fakes[2], "H20")])
-        long = asyncio.ensure_future(proxy.generate("long", None, ("H800",)))
+        req = GenRequest([1, 2, 3], 2)
+        long = asyncio.ensure_future(proxy.generate("long", req, ("H800",)))
         await asyncio.sleep(0)
         assert proxy.route("a", ("H800",)) == 1  # w0 busy -> least loaded
         assert proxy.route("b") == 2  # w1 and w0 busy -> w2
@@ -182,9 +183,9 @@ def test_proxy_routing_least_loaded_then_round_robin():
         assert proxy.route("c") in (0, 1, 2)
         for f in fakes:
             f.gate.set()
-        assert await long == "w0"
+        assert (await long).worker == "w0"
         with pytest.raises(ValueError, match="'GPU'.*available pools: \\['H20', 'H800'\\]"):
-            await proxy.generate("d", None, ("GPU",))
+            await proxy.generate("d", req, ("GPU",))
         return proxy.stats()
 
     stats = asyncio.run(scenario())

@@ -38,6 +38,7 @@ class Task:
     warmup_action: Callable[..., str] | None = None  # (rng, observation) -> action
     vocabulary: Callable[[], list[str]] | None = None
     description: str = ""
+    affinity: Any = None  # rollart.affinity.Affinity: where it generates (task_affinity)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):

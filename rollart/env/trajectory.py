@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from rollart.env.protocol import check_observation, check_step_result
 from rollart.model import decode, encode
 from rollart.reward import check_reward
-from rollart.types import REWARD, Episode, GenRequest, GenResult, TrajState, Trajectory
+from rollart.affinity import reward_tag
+from rollart.types import Episode, GenRequest, GenResult, TrajState, Trajectory
 
 
 @dataclass
@@ -188,7 +189,8 @@ class TrajectoryRunner:
             req = GenRequest(log.ids, task.max_new_tokens, self.temperature, self.top_p,
                              self.stop_ids, request_seed(self.seed, traj.traj_id, turn),
                              request_id=f"{traj.traj_id}/{turn}")
-            res = await self.proxy.generate(traj.traj_id, req, self.inference_pools)
+            res = await self.proxy.generate(traj.traj_id, req, self.inference_pools,
+                                            task=task.name)
             gen = time.perf_counter() - t0
             traj.gen_time += gen
             log.add_generation(res.token_ids, res.logprobs, res.versions)
@@ -241,7 +243,8 @@ class TrajectoryRunner:
 
         client = get_client()
         key = f"reward-{task.name}-{traj_id}-{uuid.uuid4().hex[:8]}"  # unique across runs
-        fut = client.submit(score_episode, task.reward_fn, episode, resources={REWARD: 1},
+        tag = reward_tag(task)  # REWARD unless the reward declares reward_affinity(...)
+        fut = client.submit(score_episode, task.reward_fn, episode, resources={tag: 1},
                             pure=False, key=key)
         if client.asynchronous:
             waiter = asyncio.ensure_future(_result(fut))

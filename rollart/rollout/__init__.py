@@ -2,6 +2,8 @@
 
 ``TorchEngine`` (plain PyTorch batched generation) is owned by an ``InferenceWorker``
 actor per inference worker; env managers reach the workers through an ``LLMProxy``.
+``pd`` (portable KV handoffs, prefix cache) and ``kv`` (moving a handoff from the
+prefill worker to the decode worker over Dask's comms) implement PD disaggregation.
 """
 
 from rollart.rollout.engine import TorchEngine

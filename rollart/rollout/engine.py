@@ -7,7 +7,10 @@ at once by ``load_state_dict`` or, while a batch is being generated, by
 ``request_update`` (any thread): the decode loop then suspends at the next decode-step
 boundary, swaps the weights, re-prefills the contexts (prompt + tokens so far) of the
 rows still generating to rebuild their KV cache under the new weights, and resumes.
-Tokens already generated keep their behaviour log-probs and versions. No Dask here:
+Tokens already generated keep their behaviour log-probs and versions. Two hooks serve
+PD disaggregation (``rollart.rollout.pd``): ``prefill`` returns a portable KV cache per
+request and ``decode`` continues from such caches; a per-trajectory prefix cache lets a
+later turn prefill only its new tokens. No Dask here:
 the ``InferenceWorker`` actor owns one engine and calls it from its engine thread.
 """
 
@@ -22,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from rollart.model import load_model, load_tokenizer
+from rollart.rollout import pd
 from rollart.types import GenRequest, GenResult
 
 #: ``on_update(version, error)``: called on the thread that applied (or failed to apply)
@@ -51,6 +55,7 @@ class TorchEngine:
         dtype: torch.dtype = torch.float32,
         step_callback: Callable[[int], None] | None = None,
         on_update: UpdateHook | None = None,
+        prefix_cache: int = 512,
     ):
         self.model_path = str(model_path)
         self.version = int(version)
@@ -78,6 +83,8 @@ class TorchEngine:
         self.suspends = 0  # weight swaps applied in the middle of a chunk
         self.recompute_tokens = 0  # context tokens re-prefilled after those swaps
         self.stall_seconds = 0.0  # time spent applying updates + re-prefilling
+        # per-trajectory KV kept for the next turn (rollart.rollout.pd); 0 = off
+        self.prefix_cache = pd.PrefixCache(prefix_cache) if prefix_cache else None
 
     # -- public API --------------------------------------------------------------------
     def validate(self, req: GenRequest) -> None:
@@ -127,7 +134,7 @@ class TorchEngine:
 
     def serve(
         self,
-        admit: Callable[[int], list[tuple[GenRequest, object]]],
+        admit: Callable[[int], list[tuple]],
         deliver: Callable[[object, "GenResult | BaseException"], None],
         *,
         abandoned: Callable[[object], bool] | None = None,
@@ -135,8 +142,10 @@ class TorchEngine:
         """Continuous batching: run until no row is live and ``admit`` offers nothing.
 
         ``admit(free)`` is polled at every decode-step boundary (and before the first)
-        for at most ``free`` new ``(request, tag)`` pairs; they are prefilled and join
-        the running batch. ``deliver(tag, result)`` is called the moment a row finishes,
+        for at most ``free`` new ``(request, tag)`` pairs — or ``(request, tag, handoff)``
+        to start from a ``KVHandoff`` another engine prefilled (PD disaggregation); they
+        are prefilled (reusing a cached prefix of their trajectory where there is one) and
+        join the running batch. A finished row's KV goes to the prefix cache. ``deliver(tag, result)`` is called the moment a row finishes,
         with its ``GenResult`` — or with the exception when its request is invalid or the
         model fails (every live row gets it then; the engine stays usable).
         ``abandoned(tag)``, when given, is checked at each boundary: such rows (their
@@ -154,12 +163,12 @@ class TorchEngine:
                 free = self.max_batch - len(b.rows)
                 new = admit(free) if free > 0 else []
                 good = []
-                for req, tag in new:
+                for item in new:
                     try:
-                        self.validate(req)
-                        good.append((req, tag))
+                        self.validate(item[0])
+                        good.append(item)
                     except Exception as exc:  # noqa: BLE001 - goes back to that caller
-                        deliver(tag, exc)
+                        deliver(item[1], exc)
                 if good:
                     b.admit(good)
                 for row in b.finish_empty():
@@ -192,6 +201,51 @@ class TorchEngine:
                 b = _Batch(self)
             finally:
                 self.busy_seconds += time.perf_counter() - t0
+
+    # -- PD disaggregation hooks (the logic lives in rollart.rollout.pd) -----------------
+    @torch.inference_mode()
+    def prefill(self, requests: list[GenRequest], source: str = "") -> list[pd.KVHandoff]:
+        """Prefill only: one portable ``KVHandoff`` per request (prompt KV + logits).
+
+        The prompt's KV also stays in the prefix cache, so the trajectory's next turn
+        prefills only its new tokens here.
+        """
+        for req in requests:
+            self.validate(req)
+        self._apply_pending(raise_errors=False)
+        out: list[pd.KVHandoff] = []
+        for i in range(0, len(requests), self.max_batch):
+            t0 = time.perf_counter()
+            chunk = requests[i : i + self.max_batch]
+            logits, mask, _, cache = pd.start_with_prefix(self, chunk, self.prefix_cache)
+            rows = pd.split_rows(logits, mask, cache, self.version, source)
+            if self.prefix_cache is not None:
+                for req, h in zip(chunk, rows):
+                    self.prefix_cache.store(req.cache_key, req.prompt_ids, h.kv(), self.version)
+            out.extend(rows)
+            self.busy_seconds += time.perf_counter() - t0
+        return out
+
+    def decode(self, requests: list[GenRequest], handoffs: list[pd.KVHandoff]) -> list[GenResult]:
+        """Continue ``requests`` from their prefill ``handoffs`` (made by another engine).
+
+        Exactly what ``generate`` does after its own prefill; a handoff made under other
+        weights than this engine's is recomputed here (like a mid-batch weight swap).
+        """
+        for req in requests:
+            self.validate(req)
+        queue = list(enumerate(zip(requests, handoffs)))
+        results: list = [None] * len(requests)
+
+        def admit(free: int):
+            taken, queue[:] = queue[:free], queue[free:]
+            return [(req, i, h) for i, (req, h) in taken]
+
+        self.serve(admit, results.__setitem__)
+        for outcome in results:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return results
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Replace the weights in place now (all keys must match) and set ``version``.
@@ -319,10 +373,10 @@ class TorchEngine:
 class _Row:
     """One request being generated: its sampling state and what it has produced."""
 
-    __slots__ = ("req", "tag", "rng", "tokens", "logps", "versions", "reason")
+    __slots__ = ("req", "tag", "rng", "tokens", "logps", "versions", "reason", "handoff")
 
-    def __init__(self, req: GenRequest, tag, rng: torch.Generator):
-        self.req, self.tag, self.rng = req, tag, rng
+    def __init__(self, req: GenRequest, tag, rng: torch.Generator, handoff=None):
+        self.req, self.tag, self.rng, self.handoff = req, tag, rng, handoff
         self.tokens: list[int] = []
         self.logps: list[float] = []
         self.versions: list[int] = []
@@ -349,16 +403,31 @@ class _Batch:
         self.logits = self.mask = self.next_pos = self.cache = None
 
     @torch.inference_mode()
-    def admit(self, pairs: list[tuple[GenRequest, object]]) -> None:
+    def admit(self, items: list[tuple]) -> None:
+        """New rows join: their own prefill (or a PD handoff), then one merged cache."""
         eng = self.engine
-        new = [_Row(req, tag, _request_rng(req, eng._rng)) for req, tag in pairs]
+        new = [_Row(it[0], it[1], _request_rng(it[0], eng._rng), it[2] if len(it) > 2 else None)
+               for it in items]
         eng.requests += len(new)
         self.empty.extend(r for r in new if r.reason is not None)
         new = [r for r in new if r.reason is None]
-        if not new:
-            return
-        logits, mask, next_pos, cache = eng._prefill([r.req.prompt_ids for r in new])
-        eng.batches += 1
+        local = [r for r in new if r.handoff is None]
+        remote = [r for r in new if r.handoff is not None]
+        if local:  # prefill here, reusing cached prefixes (rollart.rollout.pd)
+            self._join(local, pd.start_with_prefix(eng, [r.req for r in local], eng.prefix_cache))
+        if remote:  # decode from KV prefilled on another worker
+            if all(r.handoff.version == eng.version for r in remote):
+                start = pd.merge_rows(eng, [r.handoff for r in remote])
+            else:  # made under other weights: recompute here
+                start = eng._prefill([r.req.prompt_ids for r in remote])
+                eng.recompute_tokens += sum(len(r.req.prompt_ids) for r in remote)
+            for r in remote:
+                r.handoff = True  # only "came from a handoff" is needed from now on
+            self._join(remote, start)
+
+    def _join(self, new: list[_Row], start) -> None:
+        logits, mask, next_pos, cache = start
+        self.engine.batches += 1
         if not self.rows:
             self.rows, self.logits, self.mask, self.next_pos, self.cache = \
                 new, logits, mask, next_pos, cache
@@ -393,10 +462,22 @@ class _Batch:
         eng.tokens_generated += len(picks)
 
     def retire(self) -> list[_Row]:
-        """Remove the rows that are done; return them."""
-        done = [r for r in self.rows if r.reason is not None]
-        if done:
-            self.drop([j for j, r in enumerate(self.rows) if r.reason is not None])
+        """Remove the rows that are done (their KV kept for the trajectory's next turn in
+        the prefix cache: prompt + every token but the last, all under the current
+        weights); return them."""
+        gone = [j for j, r in enumerate(self.rows) if r.reason is not None]
+        if not gone:
+            return []
+        prefix = self.engine.prefix_cache
+        if prefix is not None:
+            for j in gone:
+                row = self.rows[j]
+                if row.handoff is None and row.req.cache_key is not None:
+                    kv = pd.row_kv(self.cache, j, self.mask[j].bool())
+                    prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
+                                 kv, self.engine.version)
+        done = [self.rows[j] for j in gone]
+        self.drop(gone)
         return done
 
     def drop(self, indices: list[int]) -> None:

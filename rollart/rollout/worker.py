@@ -5,7 +5,7 @@ announcements (from the trainer / weight sync, ``update_weights``); produces
 ``GenResult``s stamped with this worker's address. Its methods are ``async`` and run on
 the Dask worker's event loop; the model runs on one engine thread the actor owns, which
 batches requests continuously (they join the running batch at decode-step boundaries and
-return as soon as they finish; a cancelled caller's row is dropped), so heartbeats and
+return as soon as they finish; an aborted request's row is dropped), so heartbeats and
 comms are never blocked.
 
 Weight updates follow the asynchronous protocol: ``update_weights(v)`` returns at once;
@@ -36,6 +36,8 @@ class _Pending:
     req: GenRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    kind: str = "generate"  # | "prefill" | "decode" (PD disaggregation, rollart.rollout.pd)
+    handoff: object = None  # the KVHandoff a "decode" starts from
     aborted: bool = False
 
 
@@ -101,6 +103,9 @@ class InferenceWorker:
         self.prefetch_seconds = 0.0
         self.abandoned = 0  # requests aborted (queued or mid-generation) by their caller
         self._live: dict[str, _Pending] = {}  # request_id -> queued or generating request
+        self._kv_held: dict = {}  # key -> Dask Future of a KVHandoff made here
+        self.kv_stats = {"sent": 0, "received": 0, "bytes_received": 0,
+                         "fetch_seconds": 0.0}
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
         )
@@ -113,25 +118,29 @@ class InferenceWorker:
     # -- actor API (async: runs on the worker's event loop) -----------------------------
     async def generate(self, req: GenRequest) -> GenResult:
         """Queue ``req`` for the next batch and wait for its result."""
+        result = await self._submit(req)
+        result.worker = self.address
+        return result
+
+    async def _submit(self, req: GenRequest, kind: str = "generate", handoff=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        rid = req.request_id if kind != "prefill" else None
         with self._cond:
             if self._stop:
                 raise RuntimeError(f"InferenceWorker {self.address or self.pool} is closed")
-            item = _Pending(req, future, loop)
+            item = _Pending(req, future, loop, kind, handoff)
             self._pending.append(item)
-            if req.request_id is not None:
-                self._live[req.request_id] = item
+            if rid is not None:
+                self._live[rid] = item
             self._cond.notify_all()
         try:
-            result = await future
+            return await future
         finally:
-            if req.request_id is not None:
+            if rid is not None:
                 with self._cond:
-                    if self._live.get(req.request_id) is item:
-                        del self._live[req.request_id]
-        result.worker = self.address
-        return result
+                    if self._live.get(rid) is item:
+                        del self._live[rid]
 
     async def abort(self, request_id: str) -> bool:
         """Stop generating for ``request_id`` (its caller went away, e.g. a redundant
@@ -148,6 +157,31 @@ class InferenceWorker:
                 self.abandoned += 1
                 _resolve(item.future, item.loop, _aborted())
         return True
+
+    # -- PD disaggregation (KV moves worker to worker; see rollart.rollout.kv) ----------
+    async def prefill(self, req: GenRequest) -> dict:
+        """Prefill ``req`` and keep its KV in this Dask worker's memory; return its key.
+
+        The decode worker fetches it from here (``decode``) over Dask's comms; callers
+        only see ``{"key", "nbytes", "source"}``. ``drop_kv(key)`` frees it.
+        """
+        from rollart.rollout.kv import hold
+
+        handoff = await self._submit(req, "prefill")
+        return await hold(self, handoff)
+
+    async def decode(self, req: GenRequest, kv: dict) -> GenResult:
+        """Fetch the KV that ``prefill`` left on another worker and decode from it."""
+        from rollart.rollout.kv import fetch
+
+        handoff = await fetch(self, kv)
+        result = await self._submit(req, "decode", handoff)
+        result.worker = self.address
+        return result
+
+    async def drop_kv(self, key: str) -> None:
+        """Forget a handoff made by ``prefill`` (after its decode finished)."""
+        self._kv_held.pop(key, None)
 
     async def update_weights(self, version: int) -> None:
         """Ask for ``version``; returns at once.
@@ -205,6 +239,16 @@ class InferenceWorker:
             "stall_seconds": eng.stall_seconds,
             "prefetch_seconds": self.prefetch_seconds,
             "abandoned": self.abandoned,
+            **self._pd_stats(),
+        }
+
+    def _pd_stats(self) -> dict:
+        pc = self.engine.prefix_cache
+        return {"kv_" + k: v for k, v in self.kv_stats.items()} | {
+            "kv_held": len(self._kv_held),
+            "prefix_hit_tokens": pc.hit_tokens if pc else 0,
+            "prefix_prompt_tokens": pc.prompt_tokens if pc else 0,
+            "prefix_reuse": pc.reuse_rate if pc else 0.0,
         }
 
     async def close(self) -> None:
@@ -236,18 +280,44 @@ class InferenceWorker:
             eng.serve(self._admit, self._deliver, abandoned=self._abandoned)
         self._fail_all(RuntimeError(f"InferenceWorker {self.address or self.pool} closed"))
 
-    def _admit(self, free: int) -> list[tuple[GenRequest, _Pending]]:
-        """Engine hook: up to ``free`` queued requests join the running batch."""
+    def _admit(self, free: int) -> list[tuple]:
+        """Engine hook (engine thread, at a decode-step boundary): up to ``free`` queued
+        generate/decode requests join the running batch; queued PD prefills run now."""
+        prefills, taken = [], []
         with self._cond:
             if self._stop:
                 return []
-            taken = []
-            while self._pending and len(taken) < free:
+            keep = deque()
+            while self._pending:
                 item = self._pending.popleft()
-                if not (item.future.done() or item.aborted):  # callers that went away
-                    taken.append((item.req, item))
+                if item.future.done() or item.aborted:  # callers that went away
+                    continue
+                if item.kind == "prefill":
+                    prefills.append(item)
+                elif len(taken) < free:
+                    taken.append((item.req, item) if item.kind == "generate"
+                                 else (item.req, item, item.handoff))
+                else:
+                    keep.append(item)
+            self._pending = keep
             self._in_flight += len(taken)
+        if prefills:
+            self._prefill(prefills)
         return taken
+
+    def _prefill(self, items: list[_Pending]) -> None:
+        """PD prefills (no decode here): one ``KVHandoff`` each; a bad one fails alone."""
+        try:
+            outcomes = self.engine.prefill([it.req for it in items], source=self.address)
+        except Exception as exc:  # noqa: BLE001
+            outcomes = []
+            for it in items:
+                try:
+                    outcomes.append(self.engine.prefill([it.req], source=self.address)[0])
+                except Exception as one:  # noqa: BLE001 - goes back to that caller
+                    outcomes.append(one)
+        for item, outcome in zip(items, outcomes):
+            _resolve(item.future, item.loop, outcome)
 
     def _deliver(self, item: _Pending, outcome) -> None:
         with self._cond:

@@ -1,0 +1,47 @@
+"""An HPC cluster through dask-jobqueue: SLURM jobs per hardware pool, one scheduler.
+
+A ``SLURMCluster`` (a ``SpecCluster``) runs the scheduler; every declared pool adds its
+jobs to the cluster's worker spec with the pool's partition, GPUs and resource tag
+(``--resources TAG=1``), so one scheduler sees all the tagged workers, and rollart
+connects to its address like to any existing cluster. Needs ``pip install
+dask-jobqueue`` and a SLURM login node; adjust partitions, GPUs and walltime below.
+Nothing is submitted until ``rollart train --resources jobqueue`` calls
+``resources()``. (Heterogeneous jobs go through the ``SpecCluster`` worker spec, which
+dask-jobqueue has no public helper for; written against dask-jobqueue 0.9, not run
+here: there is no SLURM on the CI machines.)
+"""
+
+import os
+
+from rollart.resources import Resources, ResourcesError
+from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
+
+#: pool tag -> (SLURM partition, number of jobs, extra #SBATCH lines)
+POOLS = {
+    H800: ("h800", 2, ["--gres=gpu:1"]),
+    H20: ("h20", 4, ["--gres=gpu:1"]),
+    CPU_ENV: ("cpu", 2, []),
+    REWARD: ("cpu", 1, []),
+    TRAIN: ("h800", 1, ["--gres=gpu:8"]),
+}
+_CLUSTER = None  # keeps the scheduler alive for the run
+
+
+def resources() -> Resources:
+    global _CLUSTER
+    try:
+        from dask_jobqueue import SLURMCluster
+    except ImportError:
+        raise ResourcesError("resources/jobqueue.py needs dask-jobqueue: pip install "
+                             "dask-jobqueue (or start workers yourself and use "
+                             "resources/scheduler.py)") from None
+    cluster = SLURMCluster(cores=8, memory="64GB", processes=1,
+                           walltime=os.environ.get("ROLLART_WALLTIME", "04:00:00"))
+    for tag, (queue, jobs, extra) in POOLS.items():
+        for i in range(jobs):
+            options = {**cluster._job_kwargs, "queue": queue, "job_extra_directives": extra,
+                       "worker_extra_args": ["--resources", f"{tag}=1"]}
+            cluster.worker_spec[f"{tag}-{i}"] = {"cls": cluster.job_cls, "options": options}
+    cluster.sync(cluster._correct_state)
+    _CLUSTER = cluster
+    return Resources(address=cluster.scheduler_address, source="resources/jobqueue.py")

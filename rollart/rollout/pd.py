@@ -1,0 +1,249 @@
+"""Prefill/decode disaggregation and prefix reuse: the KV cache as a portable value.
+
+Consumes a ``TorchEngine``'s batched KV cache (``transformers.DynamicCache``, left-padded
+rows); produces ``KVHandoff`` s, one per request: the request's KV tensors packed in ONE
+contiguous byte buffer (a numpy array, so Dask's pickle-5 serialisation sends it as one
+zero-copy frame) plus the last-position logits. Who calls it:
+
+* ``TorchEngine.prefill`` → ``split_rows`` (on the compute-tagged prefill worker); the
+  ``InferenceWorker`` keeps each handoff in its Dask worker's memory (``scatter``) and
+  the decode worker fetches it from there directly over Dask's comms (tcp, or ucxx when
+  the cluster uses that protocol) — the proxy and the driver only see its key.
+* ``merge_rows`` (on the bandwidth-tagged decode worker) rebuilds a batched cache that
+  ``TorchEngine.decode`` continues exactly as colocated decoding would.
+* ``PrefixCache``: per-trajectory KV kept on the worker that served the last turn, so a
+  sticky trajectory's next turn prefills only its new tokens (``start_with_prefix``).
+
+Importing this module registers a Dask ``sizeof`` for torch tensors (and ``KVHandoff``
+answers ``__sizeof__``), so Dask's memory accounting and transfer logs see real sizes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from dask.sizeof import sizeof
+
+# -- Dask sizeof for torch ---------------------------------------------------------------
+
+
+@sizeof.register(torch.Tensor)
+def _sizeof_tensor(t: torch.Tensor) -> int:
+    return int(t.element_size() * t.nelement()) + 64
+
+
+def register_torch_sizeof() -> None:
+    """Idempotent: makes sure ``dask.sizeof`` knows torch tensors (done at import)."""
+    sizeof.register(torch.Tensor)(_sizeof_tensor)
+
+
+# -- portable KV -------------------------------------------------------------------------
+
+
+@dataclass
+class KVHandoff:
+    """One request's KV cache after prefill, ready to travel to another worker.
+
+    ``data`` holds ``[layers, 2 (k, v), heads, tokens, head_dim]`` of ``dtype`` as raw
+    bytes (one contiguous buffer); ``logits`` the last position's logits (float32).
+    """
+
+    data: np.ndarray
+    shape: tuple[int, ...]
+    dtype: str
+    logits: np.ndarray
+    tokens: int
+    version: int
+    source: str = ""  # address of the worker that ran the prefill
+
+    def __sizeof__(self) -> int:
+        return int(self.data.nbytes + self.logits.nbytes + 256)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def kv(self) -> torch.Tensor:
+        """The KV tensor (a view on the received buffer, no copy)."""
+        flat = torch.from_numpy(self.data)
+        return flat.view(getattr(torch, self.dtype)).view(self.shape)
+
+
+def pack(kv: torch.Tensor, logits: torch.Tensor, version: int, source: str = "") -> KVHandoff:
+    """Pack one row's ``[L, 2, H, T, D]`` KV and its ``[V]`` logits into a ``KVHandoff``."""
+    kv = kv.detach().to("cpu").contiguous()
+    data = kv.view(-1).view(torch.uint8).numpy()
+    return KVHandoff(data=data, shape=tuple(kv.shape), dtype=str(kv.dtype).split(".")[-1],
+                     logits=logits.detach().float().cpu().numpy().copy(),
+                     tokens=int(kv.shape[3]), version=int(version), source=source)
+
+
+def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(keys, values), ...]`` of a ``DynamicCache`` (each ``[B, H, T, D]``)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # older transformers
+
+
+def row_kv(cache, row: int, columns: torch.Tensor) -> torch.Tensor:
+    """Row ``row``'s KV at the boolean ``columns`` as one ``[L, 2, H, T, D]`` tensor."""
+    return torch.stack([torch.stack([k[row][:, columns], v[row][:, columns]])
+                        for k, v in cache_layers(cache)])
+
+
+def split_rows(logits, mask, cache, version: int, source: str = "") -> list[KVHandoff]:
+    """One ``KVHandoff`` per row of a left-padded prefill (padding dropped)."""
+    return [pack(row_kv(cache, i, mask[i].bool()), logits[i], version, source)
+            for i in range(mask.shape[0])]
+
+
+def build_cache(engine, kvs: list[torch.Tensor | None]):
+    """A left-padded batched cache from per-row ``[L, 2, H, T, D]`` tensors.
+
+    Returns ``(cache, mask)``; a ``None`` row is all padding. Padding slots are zeros and
+    masked out, so attention over them contributes exactly nothing.
+    """
+    ref = next(k for k in kvs if k is not None)
+    n_layers, _, heads, _, dim = ref.shape
+    width = max(k.shape[3] for k in kvs if k is not None)
+    batch = len(kvs)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    full = torch.zeros((n_layers, 2, batch, heads, width, dim), dtype=ref.dtype)
+    for i, kv in enumerate(kvs):
+        if kv is None:
+            continue
+        n = kv.shape[3]
+        full[:, :, i, :, width - n:] = kv
+        mask[i, width - n:] = 1
+    cache = engine._new_cache()
+    for layer in range(n_layers):
+        cache.update(full[layer, 0], full[layer, 1], layer)
+    return cache, mask
+
+
+def merge_rows(engine, handoffs: list[KVHandoff]):
+    """The decode start ``(logits, mask, next_pos, cache)`` for a batch of handoffs."""
+    cache, mask = build_cache(engine, [h.kv() for h in handoffs])
+    logits = torch.stack([torch.from_numpy(h.logits) for h in handoffs])
+    next_pos = torch.tensor([[h.tokens] for h in handoffs], dtype=torch.long)
+    return logits, mask, next_pos, cache
+
+
+# -- prefix reuse ------------------------------------------------------------------------
+
+
+@dataclass
+class _Prefix:
+    tokens: tuple[int, ...]
+    kv: torch.Tensor  # [L, 2, H, len(tokens), D]
+    version: int
+
+
+class PrefixCache:
+    """LRU of per-trajectory KV (keyed by ``GenRequest.cache_key``) on one engine.
+
+    An entry is used when its tokens are a strict prefix of the new prompt and it was
+    computed under the engine's current weights. ``hit_tokens`` / ``prompt_tokens`` is
+    the reuse rate.
+    """
+
+    def __init__(self, max_entries: int = 512):
+        self.max_entries = int(max_entries)
+        self._entries: OrderedDict[str, _Prefix] = OrderedDict()
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+        self.hits = 0
+        self.lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, req, version: int) -> _Prefix | None:
+        key = getattr(req, "cache_key", None)
+        entry = self._entries.get(key) if key is not None else None
+        n = len(entry.tokens) if entry is not None else 0
+        if entry is not None and entry.version != version:  # computed by old weights
+            self._entries.pop(key, None)
+            return None
+        if entry is None or n >= len(req.prompt_ids) or \
+                tuple(req.prompt_ids[:n]) != entry.tokens:
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def count(self, reqs, hits) -> None:
+        for req, hit in zip(reqs, hits):
+            self.lookups += 1
+            self.prompt_tokens += len(req.prompt_ids)
+            if hit is not None:
+                self.hits += 1
+                self.hit_tokens += len(hit.tokens)
+
+    def store(self, key: str | None, tokens, kv: torch.Tensor, version: int) -> None:
+        if key is None or self.max_entries <= 0 or kv.shape[3] != len(tokens):
+            return
+        self._entries[key] = _Prefix(tuple(int(t) for t in tokens), kv.clone(), int(version))
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def drop(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @property
+    def reuse_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def start_with_prefix(engine, reqs, prefix: PrefixCache | None):
+    """Prefill ``reqs`` reusing cached prefixes: ``(logits, mask, next_pos, cache)``.
+
+    Rows with a cached prefix forward only their new tokens on top of it; the batch's
+    mask may then have padding in the middle of a row, which positions make harmless.
+    """
+    hits = [prefix.lookup(r, engine.version) for r in reqs] if prefix else [None] * len(reqs)
+    if prefix is not None:
+        prefix.count(reqs, hits)
+    if not any(h is not None for h in hits):
+        return engine._prefill([r.prompt_ids for r in reqs])
+    cache, pmask = build_cache(engine, [h.kv if h is not None else None for h in hits])
+    starts = [len(h.tokens) if h is not None else 0 for h in hits]
+    suffixes = [list(r.prompt_ids[s:]) for r, s in zip(reqs, starts)]
+    width = max(len(s) for s in suffixes)
+    ids = torch.full((len(reqs), width), engine.pad_id, dtype=torch.long)
+    smask = torch.zeros((len(reqs), width), dtype=torch.long)
+    pos = torch.zeros((len(reqs), width), dtype=torch.long)
+    for i, (suf, s) in enumerate(zip(suffixes, starts)):
+        n = len(suf)
+        ids[i, width - n:] = torch.tensor(suf, dtype=torch.long)
+        smask[i, width - n:] = 1
+        pos[i, width - n:] = torch.arange(s, s + n)
+    mask = torch.cat([pmask, smask], dim=1)
+    logits = engine._forward(ids, mask, pos, cache)
+    return logits, mask, pos[:, -1:] + 1, cache
+
+
+def remember(prefix: PrefixCache | None, engine, reqs, tokens, mask, width: int,
+             cache) -> None:
+    """Store each finished row's KV (prompt + generated tokens but the last) by key.
+
+    ``mask``/``cache`` are the chunk's final ones; ``width`` the prefill's width. Row
+    ``i`` fed its prompt and then its generated tokens but the last, one column each.
+    """
+    if prefix is None:
+        return
+    for i, req in enumerate(reqs):
+        key = getattr(req, "cache_key", None)
+        if key is None or not tokens[i]:
+            continue
+        cols = mask[i].clone()
+        cols[width + len(tokens[i]) - 1:] = 0
+        kv = row_kv(cache, i, cols.bool())
+        prefix.store(key, list(req.prompt_ids) + tokens[i][:-1], kv, engine.version)

@@ -1,0 +1,106 @@
+"""A real ``dask scheduler`` + ``dask worker --resources`` processes started by the test:
+tags are checked, actors land on their tags, and PD moves the KV between two processes."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+from rollart.affinity import Affinity, AffinityError, check_cluster, env_affinity
+from rollart.env.builtin.gridnav import GridNavEnv
+from rollart.env.tasks import get_task
+from rollart.graph import Graph
+from rollart.resources import workers_with
+from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.types import CPU_ENV, H20, H800, REWARD, GenRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = {H800: f"{H800}=1", H20: f"{H20}=1", CPU_ENV: f"{CPU_ENV}=1 {REWARD}=1"}
+
+
+class ProxyHost:
+    """An env-manager stand-in on the CPU_ENV process (tests/ is on the workers' path)."""
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    async def generate(self, traj_id, req, task=None):
+        return await self.proxy.generate(traj_id, req, task=task)
+
+
+@env_affinity("CPU_BIG")
+class BigEnv(GridNavEnv):
+    pass
+
+
+@pytest.fixture(scope="module")
+def dask_processes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dask")
+    sched_file = tmp / "scheduler.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    procs = [subprocess.Popen(dask + ["--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                      "--scheduler-file", str(sched_file)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        for tag, resources in WORKERS.items():
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+                 str(sched_file), "--resources", resources, "--nthreads", "1",
+                 "--no-dashboard", "--host", "127.0.0.1", "--name", f"w-{tag}",
+                 "--memory-limit", "0"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with Client(scheduler_file=str(sched_file), timeout=60) as c:
+            c.wait_for_workers(len(WORKERS), timeout=120)
+            yield c
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.slow
+def test_real_workers_tags_placement_and_pd(dask_processes, model_dir, tmp_path):
+    c = dask_processes
+    pd_task = get_task("guess").__class__(**{**get_task("guess").__dict__,
+                                             "affinity": Affinity(prefill=H800, decode=H20)})
+    g = Graph(name="procs", tasks=(pd_task,))
+    check_cluster(c, g, "resources/scheduler.py")
+    big = get_task("gridnav").__class__(**{**get_task("gridnav").__dict__,
+                                           "env_factory": BigEnv})
+    with pytest.raises(AffinityError, match="'CPU_BIG'.*--resources 'CPU_BIG=1'"):
+        check_cluster(c, Graph(name="big", tasks=(big,)), "resources/scheduler.py")
+
+    store = str(tmp_path / "w")
+    actors = {t: c.submit(InferenceWorker, str(model_dir), store, pool=t, threads=1,
+                          actor=True, resources={t: 1}).result() for t in (H800, H20)}
+    try:
+        for t, a in actors.items():
+            assert a.stats().result()["address"] == workers_with(c, t)[0]
+        proxy = LLMProxy([(a, t) for t, a in actors.items()],
+                         routes={"pd": Affinity(prefill=H800, decode=H20),
+                                 "colo": Affinity(pools=(H20,))})
+        host = c.submit(ProxyHost, proxy, actor=True, resources={CPU_ENV: 1}).result()
+        req = GenRequest([4, 5, 6, 7, 8, 9], max_new_tokens=8, temperature=0.0)
+        pd = host.generate("a", req, "pd").result()
+        colo = host.generate("b", req, "colo").result()
+        assert pd.token_ids == colo.token_ids and pd.logprobs == colo.logprobs
+        got = actors[H20].stats().result()
+        assert got["kv_received"] == 1 and got["kv_bytes_received"] > 0
+        pids = c.run(os.getpid)
+        assert len(set(pids.values())) == len(WORKERS)  # three separate processes
+    finally:
+        for a in actors.values():
+            a.close().result()

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rollart.model import load_model
+from rollart.trainer.trainer import Trainer
 
 # -- layout conversion (pure torch; no megatron import) -------------------------------
 
@@ -307,3 +308,34 @@ def load_megatron_model(path, *, tp_size: int = 1) -> MegatronLM:
     model = MegatronLM(hf_model.config, hf_model.state_dict())
     model.eval()
     return model
+
+
+# -- the Trainer backend --------------------------------------------------------------
+
+
+class MegatronTrainer(Trainer):
+    """``Trainer`` with the policy as a megatron-core ``GPTModel`` (``MegatronLM``).
+
+    Same actor API, loss, optimizer (plain torch AdamW) and weight store; the store gets
+    HF-named weights, so inference workers (torch or vLLM) load them unchanged. The
+    actor is one process: tensor parallelism 1 (multi-process TP over gloo/NCCL is what
+    ``init_parallel(tp_size, rank=..., world_size=...)`` + ``MegatronLM`` provide; the
+    gradient-norm clip here is not TP-aware).
+    """
+
+    def _load_policy(self, model_path: str):
+        self._model_path = str(model_path)
+        return load_megatron_model(model_path)
+
+    def _hf_state_dict(self) -> dict:
+        return self.model.hf_state_dict()
+
+    async def save(self, path: str) -> str:
+        """Write the policy as a Hugging Face model folder (converted back from Megatron)."""
+        def _save():
+            hf = load_model(self._model_path)
+            hf.load_state_dict(self._hf_state_dict(), strict=False)
+            hf.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        await self._run(_save)
+        return path

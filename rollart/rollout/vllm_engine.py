@@ -96,6 +96,9 @@ class VLLMEngine:
                     max_model_len=self.max_positions, skip_tokenizer_init=True, seed=0)
         args.update(engine_kwargs)
         self.llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        # vLLM sizes CPU attention metadata by the OpenMP thread count it set on this
+        # thread; OpenMP settings are per thread, so the engine thread must match it.
+        self._threads = torch.get_num_threads()
         self._shapes = _folder_shapes(self.model_path)
         self._ids = itertools.count()
         self._update_lock = threading.Lock()
@@ -134,6 +137,8 @@ class VLLMEngine:
         """Generate for every request, in chunks of ``max_batch`` (order preserved)."""
         for req in requests:
             self.validate(req)
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
         results: list[GenResult] = []
         for i in range(0, len(requests), self.max_batch):
             self._apply_pending(raise_errors=False)
@@ -273,13 +278,13 @@ class VLLMEngine:
                         del live[out.request_id]
                 self.decode_steps += 1
                 n += 1
-                self._drop_aborted(reqs, live, reasons)
                 if not live:
                     break
-                # -- decode-step boundary: suspend -> update -> resume (recompute KV) --
+                # -- decode-step boundary: abort, suspend -> update -> resume (recompute KV)
                 if self.step_callback is not None:
                     self.step_callback(n)
-                if self._pending_update is not None:
+                self._drop_aborted(reqs, live, reasons)
+                if live and self._pending_update is not None:
                     live = self._swap_and_resume(reqs, live, tokens)
         finally:
             if live:  # an exception: leave nothing running inside vLLM

@@ -233,7 +233,8 @@ class MegatronLM(torch.nn.Module):
     """A megatron ``GPTModel`` behind the HF causal-LM call the trainer makes.
 
     ``forward(input_ids, attention_mask)`` returns an object with ``.logits``
-    ``[batch, seq, vocab]`` (full vocabulary, gathered across TP ranks). Sequences are
+    ``[batch, seq, vocab]`` (full vocabulary, gathered across TP ranks) on the device of
+    ``input_ids`` (the model itself sits on the GPU when there is one). Sequences are
     right-padded, so a causal mask is all the attention needs: pad positions only follow
     real tokens and are masked out of the loss.
     """
@@ -269,8 +270,9 @@ class MegatronLM(torch.nn.Module):
         b, s = ids.shape
         pos = torch.arange(s, device=ids.device)[None].expand(b, -1)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)
-        logits = self.gpt(ids, pos, causal[None, None])
-        return SimpleNamespace(logits=logits[..., : int(self.hf_config.vocab_size)])
+        logits = self.gpt(ids, pos, causal[None, None])[..., : int(self.hf_config.vocab_size)]
+        # back on the caller's device: the Trainer builds its targets and masks on CPU
+        return SimpleNamespace(logits=logits.to(input_ids.device))
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         mine = hf_to_megatron(hf, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)

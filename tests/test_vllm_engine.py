@@ -179,3 +179,26 @@ def test_inference_worker_serves_with_vllm_and_loads_store_versions(engines, vll
             assert worker.stats().result()["version"] == 5
         finally:
             worker.close().result()
+
+
+def test_pipeline_trains_with_the_vllm_engine(tmp_path):
+    """A short sync run whose inference worker is a VLLMEngine (one pool, one engine)."""
+    from dataclasses import replace
+
+    from distributed import Client
+
+    from rollart import GRPO, Graph, Policy, Rollout, train
+    from rollart.resources import load_resources
+
+    graph = Graph(name="t-vllm", tasks=("gridnav",), mode="sync", steps=2,
+                  policy=Policy(warmup_steps=5, engine="vllm", max_batch=8),
+                  algo=GRPO(group_size=2, groups_per_step=2),
+                  rollout=Rollout(inference_pools=("H800",)))
+    res = replace(load_resources(), processes=False, dashboard_address=":0")
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
+                       eval_seeds=0)
+    rows = result.metrics
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["rollout/tokens_generated"] > 0
+    assert rows[-1]["trainer/staleness_max"] == 0

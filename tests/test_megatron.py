@@ -1,6 +1,7 @@
 """Megatron-core backend: HF<->Megatron conversion, forward, loss and grads vs the torch
 trainer, tensor parallelism over gloo. Needs ``megatron-core`` (extra ``megatron``)."""
 
+import asyncio
 import os
 import random
 
@@ -103,11 +104,18 @@ def test_loss_and_grads_match_the_torch_trainer(mg_model_dir, tmp_path):
     from rollart.trainer import Trainer
     from rollart.trainer.megatron import MegatronTrainer
 
-    algo = GRPO(group_size=3, groups_per_step=2, lr=1e-3)
+    algo = GRPO(group_size=3, groups_per_step=2, lr=1e-3, kl_coef=0.05)
     ref = Trainer(mg_model_dir, str(tmp_path / "a"), algo)
     mg = MegatronTrainer(mg_model_dir, str(tmp_path / "b"), algo)
     batch = _batch(ref.model.config.vocab_size)
+    with torch.no_grad():  # move off the KL reference, so the KL term is not 0
+        for trainer in (ref, mg):
+            asyncio.run(trainer.publish())  # publish version 0 and freeze the reference
+            for p in trainer.model.parameters():
+                p.mul_(1.02)
     s_ref, s_mg = ref._update(batch), mg._update(batch)
+    assert s_mg["trainer/kl"] == pytest.approx(s_ref["trainer/kl"], rel=1e-4)
+    assert s_ref["trainer/kl"] > 0
     assert s_mg["trainer/loss"] == pytest.approx(s_ref["trainer/loss"], abs=1e-5)
     assert s_mg["trainer/grad_norm"] == pytest.approx(s_ref["trainer/grad_norm"], rel=1e-4)
     assert s_ref["trainer/grad_norm"] > 0

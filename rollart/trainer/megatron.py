@@ -332,6 +332,10 @@ class MegatronTrainer(Trainer):
     def _hf_state_dict(self) -> dict:
         return self.model.hf_state_dict()
 
+    def _frozen_copy(self):
+        # a GPTModel holds process groups, which do not deepcopy: rebuild from weights
+        return MegatronLM(self.model.hf_config, self._hf_state_dict())
+
     async def save(self, path: str) -> str:
         """Write the policy as a Hugging Face model folder (converted back from Megatron)."""
         def _save():

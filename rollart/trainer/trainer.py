@@ -57,6 +57,10 @@ class Trainer:
         """The policy's weights under Hugging Face names, as the weight store holds them."""
         return self.model.state_dict()
 
+    def _frozen_copy(self):
+        """A copy of the current policy, the KL reference."""
+        return copy.deepcopy(self.model)
+
     def _put_weights(self) -> None:
         self.store.put(self.version, self._hf_state_dict())
 
@@ -85,7 +89,7 @@ class Trainer:
         """Put the current weights into the store as ``self.version``."""
         await self._run(self._put_weights)
         if self.algo.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = copy.deepcopy(self.model).eval()
+            self.ref_model = self._frozen_copy().eval()
         return self.version
 
     async def train_step(self, buffer, step: int, timeout: float | None = None) -> dict:

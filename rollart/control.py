@@ -39,7 +39,7 @@ from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
 from rollart.resources import Resources, check_tags, load_resources, workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
-from rollart.trainer import Trainer
+from rollart.trainer import trainer_class
 from rollart.types import CPU_ENV, TRAIN
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
     run = run_dir.name
     store_url = str(run_dir / "weights")
     trainer_addr = workers_with(client, TRAIN)[0]
-    trainer = client.submit(Trainer, model_path, store_url, graph.algo,
+    trainer_cls = trainer_class(graph.policy.trainer_backend)  # Trainer | MegatronTrainer
+    trainer = client.submit(trainer_cls, model_path, store_url, graph.algo,
                             temperature=graph.policy.temperature, threads=1, seed=graph.seed,
                             actor=True, workers=[trainer_addr], resources={TRAIN: 1},
                             key=f"Trainer-{run}")
@@ -129,6 +130,7 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
             # workers load version 0 from the store once the trainer publishes it.
             f = client.submit(InferenceWorker, model_path, store_url, pool=tag, version=-1,
                               max_batch=graph.policy.max_batch, threads=1, actor=True,
+                              engine=graph.policy.engine,
                               workers=[addr], resources={tag: 1},
                               key=f"InferenceWorker-{tag}-{addr}-{run}")
             futs.append((f, tag, addr))

@@ -17,10 +17,12 @@ from rollart.affinity import inference_tags
 from rollart.affinity import needs as affinity_needs
 from rollart.env.tasks import get_task
 from rollart.resources import _find_file, _load_module
+from rollart.rollout.base import ENGINES
 from rollart.types import CPU_ENV, INFERENCE_TAGS, OFF_POLICY, REWARD, TRAIN
 
 DEFAULT_GRAPH = "multitask"
 MODES = ("async", "one-off", "sync")  # see rollart.pipeline
+TRAINER_BACKENDS = ("torch", "megatron")  # see rollart.trainer
 MODE_ALPHA = {"one-off": 1, "sync": 0}  # the staleness bound each baseline implies
 
 
@@ -44,6 +46,8 @@ class Policy:
     temperature: float = 1.0
     top_p: float = 1.0
     max_batch: int = 64  # requests batched together by one inference worker
+    engine: str = "torch"  # generation engine: "torch" | "vllm" (rollart.rollout.base)
+    trainer_backend: str = "torch"  # "torch" (HF model) | "megatron" (megatron-core GPTModel)
 
     def __post_init__(self):
         _check(self.model is None or isinstance(self.model, str),
@@ -55,6 +59,10 @@ class Policy:
                f"got {self.temperature!r}")
         _check(0 < self.top_p <= 1, f"Policy.top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.max_batch >= 1, f"Policy.max_batch must be ≥ 1, got {self.max_batch!r}")
+        _check(self.engine in ENGINES, f"Policy.engine must be one of {ENGINES}, "
+               f"got {self.engine!r}")
+        _check(self.trainer_backend in TRAINER_BACKENDS, f"Policy.trainer_backend must be "
+               f"one of {TRAINER_BACKENDS}, got {self.trainer_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollart.rollout.engine import TorchEngine
+from rollart.rollout.base import make_engine
 from rollart.types import GenRequest, GenResult
 from rollart.weights.store import WeightStore
 
@@ -83,13 +83,15 @@ class InferenceWorker:
         version: int = 0,
         max_batch: int = 64,
         threads: int | None = None,
+        engine: str = "torch",
     ):
         if threads:
             torch.set_num_threads(int(threads))
         self.pool = pool
         self.store_url = str(store_url)
         self.address = _worker_address()
-        self.engine = TorchEngine(model_path, version=version, max_batch=max_batch,
+        # engine: "torch" (TorchEngine) or "vllm" (VLLMEngine); see rollart.rollout.base
+        self.engine = make_engine(engine, model_path, version=version, max_batch=max_batch,
                                   on_update=self._on_update)
         self.max_batch = self.engine.max_batch
         self._cond = threading.Condition()

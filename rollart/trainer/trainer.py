@@ -39,7 +39,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.algo = algo
         self.temperature = temperature
-        self.model = load_model(model_path)
+        self.model = self._load_policy(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.store = WeightStore(store_url)
         self.version = 0
@@ -48,6 +48,21 @@ class Trainer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-trainer")
         self.busy_seconds = 0.0
         self.waited_seconds = 0.0
+
+    def _load_policy(self, model_path: str):
+        """The model being trained (backends override: ``rollart.trainer.megatron``)."""
+        return load_model(model_path)
+
+    def _hf_state_dict(self) -> dict:
+        """The policy's weights under Hugging Face names, as the weight store holds them."""
+        return self.model.state_dict()
+
+    def _frozen_copy(self):
+        """A copy of the current policy, the KL reference."""
+        return copy.deepcopy(self.model)
+
+    def _put_weights(self) -> None:
+        self.store.put(self.version, self._hf_state_dict())
 
     def _make_optimizer(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr,
@@ -72,9 +87,9 @@ class Trainer:
 
     async def publish(self) -> int:
         """Put the current weights into the store as ``self.version``."""
-        await self._run(self.store.put, self.version, self.model.state_dict())
+        await self._run(self._put_weights)
         if self.algo.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = copy.deepcopy(self.model).eval()
+            self.ref_model = self._frozen_copy().eval()
         return self.version
 
     async def train_step(self, buffer, step: int, timeout: float | None = None) -> dict:
@@ -88,7 +103,7 @@ class Trainer:
         metrics = await self._run(self._update, batch)
         trained_on = self.version
         self.version += 1
-        await self._run(self.store.put, self.version, self.model.state_dict())
+        await self._run(self._put_weights)
         await self._run(self.store.gc, 3)
         metrics.update(batch_metrics(batch, trained_on))
         metrics.update({"step": step, "version": self.version,

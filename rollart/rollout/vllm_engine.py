@@ -134,23 +134,104 @@ class VLLMEngine:
                              f"(size {self.vocab_size})")
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Generate for every request, in chunks of ``max_batch`` (order preserved)."""
+        """Generate for every request (order preserved), ``max_batch`` live at a time."""
         for req in requests:
             self.validate(req)
+        queue = list(enumerate(requests))
+        results: list = [None] * len(requests)
+
+        def admit(free: int):
+            taken, queue[:] = queue[:free], queue[free:]
+            return [(req, i) for i, req in taken]
+
+        self.serve(admit, results.__setitem__)
+        for outcome in results:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return results
+
+    def serve(self, admit, deliver, *, abandoned=None) -> None:
+        """Continuous batching with ``TorchEngine.serve``'s contract: ``admit(free)`` is
+        polled at every step boundary for new ``(request, tag)`` pairs, which join vLLM's
+        running batch; ``deliver(tag, result)`` fires as each request finishes (or with
+        the exception); ``abandoned(tag)`` rows are aborted inside vLLM without a result.
+        Starting from another engine's KV handoff (PD decode) is a torch-engine feature:
+        such a request gets a ``NotImplementedError``."""
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
-        results: list[GenResult] = []
-        for i in range(0, len(requests), self.max_batch):
-            self._apply_pending(raise_errors=False)
+        rows: dict[str, _VRow] = {}
+        n = 0
+        while True:
+            if not rows:
+                self._apply_pending(raise_errors=False)
             t0 = time.perf_counter()
-            chunk = requests[i: i + self.max_batch]
-            out = self._generate_chunk(chunk)
-            self.busy_seconds += time.perf_counter() - t0
-            self.batches += 1
-            self.requests += len(chunk)
-            self.tokens_generated += sum(len(r.token_ids) for r in out)
-            results.extend(out)
-        return results
+            try:
+                if abandoned is not None:
+                    gone = [rid for rid, r in rows.items() if abandoned(r.tag)]
+                    if gone:
+                        self.llm.abort_request(gone)
+                        for rid in gone:
+                            del rows[rid]
+                        self.aborts += len(gone)
+                free = self.max_batch - len(rows)
+                new = admit(free) if free > 0 else []
+                added = 0
+                for item in new:
+                    req, tag = item[0], item[1]
+                    if len(item) > 2:
+                        deliver(tag, NotImplementedError(
+                            "decoding from a PD KV handoff needs engine='torch'"))
+                        continue
+                    try:
+                        self.validate(req)
+                    except Exception as exc:  # noqa: BLE001 - goes back to that caller
+                        deliver(tag, exc)
+                        continue
+                    self.requests += 1
+                    row = _VRow(req, tag)
+                    if req.max_new_tokens == 0:
+                        deliver(tag, row.result("length"))
+                        continue
+                    rows[self._add(0, req, 0, req.prompt_ids)] = row
+                    added += 1
+                self.batches += bool(added)
+                if not rows:
+                    if new:
+                        continue
+                    with self._update_lock:  # aborts of requests that already ended
+                        self._aborted.clear()
+                    return
+                for out in self.llm.step():
+                    row = rows.get(out.request_id)
+                    if row is None:
+                        continue
+                    comp = out.outputs[0]
+                    for tok, lps in zip(comp.token_ids, comp.logprobs or []):
+                        row.tokens.append(int(tok))
+                        row.logps.append(float(lps[tok].logprob))
+                        row.versions.append(self.version)
+                        self.tokens_generated += 1
+                    if out.finished:
+                        del rows[out.request_id]
+                        deliver(row.tag, row.result(
+                            "stop" if comp.finish_reason == "stop" else "length"))
+                self.decode_steps += 1
+                n += 1
+                if rows:
+                    # -- step boundary: abort, suspend -> update -> resume (recompute KV)
+                    if self.step_callback is not None:
+                        self.step_callback(n)
+                    self._drop_aborted(rows, deliver)
+                    if rows and self._pending_update is not None:
+                        rows = self._swap_and_resume(rows)
+            except Exception as exc:  # noqa: BLE001 - every live row learns of it
+                if rows:
+                    self.llm.abort_request(list(rows))
+                for row in rows.values():
+                    deliver(row.tag, exc)
+                rows = {}
+            finally:
+                self.busy_seconds += time.perf_counter() - t0
 
     def abort(self, req: GenRequest) -> None:
         """Stop ``req`` (the very object passed to ``generate``) at the next step."""
@@ -254,70 +335,49 @@ class VLLMEngine:
         self.llm.add_request(rid, {"prompt_token_ids": [int(t) for t in context]}, params)
         return rid
 
-    def _generate_chunk(self, reqs: list[GenRequest]) -> list[GenResult]:
-        tokens: list[list[int]] = [[] for _ in reqs]
-        logps: list[list[float]] = [[] for _ in reqs]
-        versions: list[list[int]] = [[] for _ in reqs]
-        reasons: list[str | None] = ["length" if r.max_new_tokens == 0 else None for r in reqs]
-        live = {self._add(i, r, 0, r.prompt_ids): i
-                for i, r in enumerate(reqs) if reasons[i] is None}
-        n = 0
-        try:
-            while live:
-                for out in self.llm.step():
-                    i = live.get(out.request_id)
-                    if i is None:
-                        continue
-                    comp = out.outputs[0]
-                    for tok, lps in zip(comp.token_ids, comp.logprobs or []):
-                        tokens[i].append(int(tok))
-                        logps[i].append(float(lps[tok].logprob))
-                        versions[i].append(self.version)
-                    if out.finished:
-                        reasons[i] = "stop" if comp.finish_reason == "stop" else "length"
-                        del live[out.request_id]
-                self.decode_steps += 1
-                n += 1
-                if not live:
-                    break
-                # -- decode-step boundary: abort, suspend -> update -> resume (recompute KV)
-                if self.step_callback is not None:
-                    self.step_callback(n)
-                self._drop_aborted(reqs, live, reasons)
-                if live and self._pending_update is not None:
-                    live = self._swap_and_resume(reqs, live, tokens)
-        finally:
-            if live:  # an exception: leave nothing running inside vLLM
-                self.llm.abort_request(list(live))
-        with self._update_lock:
-            self._aborted.difference_update(id(r) for r in reqs)
-        return [GenResult(token_ids=tokens[i], logprobs=logps[i], versions=versions[i],
-                          finish_reason=reasons[i] or "length") for i in range(len(reqs))]
-
-    def _drop_aborted(self, reqs, live: dict[str, int], reasons) -> None:
+    def _drop_aborted(self, rows: dict, deliver) -> None:
+        """Requests stopped by ``abort(req)``: out of vLLM, delivered with their tokens."""
         with self._update_lock:
             if not self._aborted:
                 return
-            gone = [rid for rid, i in live.items() if id(reqs[i]) in self._aborted]
+            gone = [rid for rid, r in rows.items() if id(r.req) in self._aborted]
+            self._aborted.difference_update(id(rows[rid].req) for rid in gone)
         if gone:
             self.llm.abort_request(gone)
             for rid in gone:
-                reasons[live.pop(rid)] = "abort"
+                row = rows.pop(rid)
+                deliver(row.tag, row.result("abort"))
             self.aborts += len(gone)
 
-    def _swap_and_resume(self, reqs, live: dict[str, int], tokens) -> dict[str, int]:
+    def _swap_and_resume(self, rows: dict) -> dict:
         """Abort the in-flight requests, swap weights, re-add them with their progress."""
-        self.llm.abort_request(list(live))
+        self.llm.abort_request(list(rows))
         self._apply_pending(raise_errors=False)  # on failure they resume on the old weights
         t0 = time.perf_counter()
         resumed = {}
-        for i in sorted(live.values()):
-            context = list(reqs[i].prompt_ids) + tokens[i]
-            resumed[self._add(i, reqs[i], len(tokens[i]), context)] = i
+        for row in rows.values():
+            context = list(row.req.prompt_ids) + row.tokens
+            resumed[self._add(0, row.req, len(row.tokens), context)] = row
             self.recompute_tokens += len(context)
         self.suspends += 1
         self.stall_seconds += time.perf_counter() - t0
         return resumed
+
+
+class _VRow:
+    """One request inside vLLM: who asked and what it has produced so far."""
+
+    __slots__ = ("req", "tag", "tokens", "logps", "versions")
+
+    def __init__(self, req: GenRequest, tag):
+        self.req, self.tag = req, tag
+        self.tokens: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[int] = []
+
+    def result(self, reason: str) -> GenResult:
+        return GenResult(token_ids=self.tokens, logprobs=self.logps, versions=self.versions,
+                         finish_reason=reason)
 
 
 def _folder_shapes(path: str) -> dict[str, tuple[int, ...]]:

@@ -245,7 +245,7 @@ class InferenceWorker:
         }
 
     def _pd_stats(self) -> dict:
-        pc = self.engine.prefix_cache
+        pc = getattr(self.engine, "prefix_cache", None)  # torch engine only
         return {"kv_" + k: v for k, v in self.kv_stats.items()} | {
             "kv_held": len(self._kv_held),
             "prefix_hit_tokens": pc.hit_tokens if pc else 0,

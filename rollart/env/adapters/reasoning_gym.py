@@ -127,11 +127,12 @@ class AnswerWarmup:
 
 
 def dataset_vocabulary(dataset: str, size: int, dataset_seed: int = 0,
-                       config: tuple = ()) -> list[str]:
-    """Every word of every question and answer of the dataset, plus the feedback words."""
+                       config: tuple = (), name: str = "") -> list[str]:
+    """Every word of every question and answer of the dataset, plus the feedback words
+    and the task ``name`` (it appears in the feedback)."""
     data = load_dataset(dataset, size, dataset_seed, tuple(sorted(dict(config).items())))
     words = {"answer", ":", ".", "success", "failure", "incorrect", "try", "again",
-             "invalid", "give", "an", "out", "of", "turns"}
+             "invalid", "give", "an", "out", "of", "turns", *name.split()}
     for entry in data:
         words.update(entry["question"].split())
         words.update(str(entry["answer"]).split())
@@ -153,7 +154,7 @@ def reasoning_gym_task(dataset: str = "basic_arithmetic", *, name: str | None = 
         warmup_action=AnswerWarmup(dataset, size, dataset_seed, cfg),
         max_new_tokens=max_new_tokens,
         reward_fn=ReasoningGymScore(dataset, size, dataset_seed, cfg, retry_discount),
-        vocabulary=partial(dataset_vocabulary, dataset, size, dataset_seed, cfg),
+        vocabulary=partial(dataset_vocabulary, dataset, size, dataset_seed, cfg, name),
         description=f"reasoning-gym {dataset}"
                     + (f", {max_attempts} attempts with feedback" if max_attempts > 1 else ""),
         top_p=top_p)

@@ -281,3 +281,12 @@ def test_tool_tokens_are_masked_out_of_the_loss():
     python_id = encode(tok, "python")[0]
     assert mask[ids.index(python_id, len(log.prompt_ids))] == 1  # the model's call
     assert sum(mask) == len(encode(tok, f"python {question}")) + len(encode(tok, "answer 0")) + 2
+
+
+def test_doctests():
+    import doctest
+
+    from rollart.env.adapters import base, gym, reasoning_gym, tool
+
+    for mod in (base, gym, reasoning_gym, tool):
+        assert doctest.testmod(mod).failed == 0, mod.__name__

@@ -9,6 +9,9 @@ the part that is the same for all of them:
   (``info["invalid"]``) instead of crashing the trajectory;
 * the episode ends on the library's own end, or after ``max_turns`` (``truncated``);
   stepping after the end raises ``RuntimeError``; ``close`` is idempotent;
+* instances run where env managers run: ``affinity = CPU_ENV``; per-env limits are
+  ``max_turns`` (and the tool sandbox's ``ToolLimits``), per-step wall time is the
+  graph's ``Rollout.env_step_timeout``;
 * pickling keeps the configuration only: the live library env is rebuilt at the next
   ``reset`` (envs cross process boundaries as factories, never mid-episode).
 
@@ -29,7 +32,7 @@ from typing import Any, Callable, Iterable
 
 from rollart.env.tasks import Task
 from rollart.reward.functions import INVALID_PENALTY, env_return
-from rollart.types import StepResult
+from rollart.types import CPU_ENV, StepResult
 
 ENDING_WORDS = ("invalid", "success", "failure", "out", "of", "turns", ".", ":")
 
@@ -74,6 +77,8 @@ class AdapterEnv(abc.ABC):
     ``info["success"]`` on a win and ``info["invalid"]`` when the text was not a move."""
 
     name: str = "adapter"
+    #: where instances run: env managers on the CPU env pool (no adapter needs a GPU)
+    affinity: str = CPU_ENV
     _live: tuple[str, ...] = ("_env",)  # attributes holding library objects (not pickled)
 
     def __init__(self, max_turns: int) -> None:

@@ -290,3 +290,12 @@ def test_doctests():
 
     for mod in (base, gym, reasoning_gym, tool):
         assert doctest.testmod(mod).failed == 0, mod.__name__
+
+
+def test_task_top_p_is_validated():
+    from rollart.env.adapters.tool import calc_tool_task
+
+    assert calc_tool_task(top_p=0.9).top_p == 0.9
+    for bad in (0, 1.5, "x"):
+        with pytest.raises(ValueError, match="top_p"):
+            calc_tool_task(top_p=bad)

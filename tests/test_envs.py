@@ -260,9 +260,11 @@ def test_get_task_and_unknown_message():
     assert task is BUILTIN_TASKS["gridnav"] and get_task(task) is task
     with pytest.raises(UnknownTaskError) as info:
         get_task("sokoban")
+    from rollart.env.adapters import ADAPTER_TASKS  # library-adapter names are listed too
+
     assert str(info.value) == (
-        "unknown task 'sokoban'; known tasks: boxpush, gridnav, guess "
-        "(or pass a rollart.env.Task object)"
+        "unknown task 'sokoban'; known tasks: boxpush, gridnav, guess, "
+        + ", ".join(sorted(ADAPTER_TASKS)) + " (or pass a rollart.env.Task object)"
     )
     assert isinstance(info.value, KeyError)
     with pytest.raises(TypeError, match="task name"):

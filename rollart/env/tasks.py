@@ -39,6 +39,7 @@ class Task:
     vocabulary: Callable[[], list[str]] | None = None
     description: str = ""
     affinity: Any = None  # rollart.affinity.Affinity: where it generates (task_affinity)
+    top_p: float | None = None  # per-task nucleus sampling (None = the policy's top_p)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -52,6 +53,10 @@ class Task:
                 raise ValueError(
                     f"Task {self.name!r}: {field_name} must be an int >= 1, got {value!r}"
                 )
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float))
+                                           and 0 < self.top_p <= 1):
+            raise ValueError(f"Task {self.name!r}: top_p must be in (0, 1] or None, "
+                             f"got {self.top_p!r}")
         for field_name in ("env_factory", "reward_fn"):
             if not callable(getattr(self, field_name)):
                 raise TypeError(_not_callable(self.name, field_name, getattr(self, field_name)))
@@ -91,21 +96,26 @@ BUILTIN_TASKS: dict[str, Task] = {
 
 
 def get_task(name_or_task: str | Task) -> Task:
-    """Return ``name_or_task`` if it is a ``Task``, else the built-in task of that name."""
+    """Return ``name_or_task`` if it is a ``Task``, else the built-in task of that name,
+    else the library-adapter task of that name (``rollart.env.adapters.ADAPTER_TASKS``)."""
     if isinstance(name_or_task, Task):
         return name_or_task
     if not isinstance(name_or_task, str):
         raise TypeError(
             f"get_task expects a task name (str) or a Task, got {type(name_or_task).__name__}"
         )
-    try:
+    if name_or_task in BUILTIN_TASKS:
         return BUILTIN_TASKS[name_or_task]
-    except KeyError:
-        known = ", ".join(sorted(BUILTIN_TASKS))
+    from rollart.env.adapters import ADAPTER_TASKS  # library adapters (rollart[envs])
+
+    factory = ADAPTER_TASKS.get(name_or_task)
+    if factory is None:
+        known = ", ".join(sorted(BUILTIN_TASKS) + sorted(ADAPTER_TASKS))
         raise UnknownTaskError(
             f"unknown task {name_or_task!r}; known tasks: {known} "
             "(or pass a rollart.env.Task object)"
-        ) from None
+        )
+    return factory()
 
 
 def task_corpus(tasks: Iterable[str | Task]) -> list[str]:

@@ -186,7 +186,8 @@ class TrajectoryRunner:
             self.running[traj.traj_id] = TrajState.GENERATING.value
             t0 = time.perf_counter()
             env_before = traj.env_time
-            req = GenRequest(log.ids, task.max_new_tokens, self.temperature, self.top_p,
+            top_p = self.top_p if getattr(task, "top_p", None) is None else task.top_p
+            req = GenRequest(log.ids, task.max_new_tokens, self.temperature, top_p,
                              self.stop_ids, request_seed(self.seed, traj.traj_id, turn),
                              request_id=f"{traj.traj_id}/{turn}")
             res = await self.proxy.generate(traj.traj_id, req, self.inference_pools,

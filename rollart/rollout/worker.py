@@ -1,4 +1,7 @@
-"""``InferenceWorker``: a Dask actor that serves ``GenRequest``s from one ``TorchEngine``.
+"""``InferenceWorker``: a Dask actor that serves ``GenRequest``s from one engine.
+
+The engine is a ``TorchEngine`` or a ``VLLMEngine`` (``engine="torch"|"vllm"``, from
+``Policy.engine``; interface: ``rollart.rollout.base.GenerationEngine``).
 
 Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight-version
 announcements (from the trainer / weight sync, ``update_weights``); produces
@@ -10,7 +13,7 @@ comms are never blocked.
 
 Weight updates follow the asynchronous protocol: ``update_weights(v)`` returns at once;
 a prefetch thread loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
-then stages it with ``TorchEngine.request_update``. The engine swaps it in at the next
+then stages it with the engine's ``request_update``. The engine swaps it in at the next
 decode-step boundary (suspend -> update -> resume) and re-prefills the in-flight rows
 (recompute KV), or at once when idle. Tokens generated before the swap keep their
 version; later ones carry ``v``. ``wait_version(v)`` resolves when the swap happened.

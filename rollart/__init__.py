@@ -4,6 +4,7 @@
 >>> # result = rollart.train()          # the default multi-task graph on a local cluster
 """
 
+from rollart.api import Run, start_run
 from rollart.control import RunResult, train
 from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
 from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
@@ -31,6 +32,7 @@ __all__ = [
     "Resources",
     "ResourcesError",
     "Rollout",
+    "Run",
     "RunResult",
     "StepResult",
     "TRAIN",
@@ -39,6 +41,7 @@ __all__ = [
     "get_task",
     "load_graph",
     "load_resources",
+    "start_run",
     "straggler_profile",
     "train",
     "with_faults",

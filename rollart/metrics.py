@@ -168,6 +168,8 @@ class Monitor:
         self.client, self.actors, self.run = client, actors, run
         self.interval = interval
         self._prev: dict[str, tuple[float, float, float]] = {}  # pool -> (t, tokens, busy)
+        self._rates: dict[str, tuple[float, float]] = {}  # pool -> (tokens/s, busy)
+        self._warned = False
         self._t0 = time.time()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -175,7 +177,8 @@ class Monitor:
         install(client)
         self._publish({"kind": "start", "info": {
             "graph": graph.name, "mode": graph.mode, "steps": graph.steps,
-            "alpha": graph.algo.alpha, "tasks": list(graph.tasks)}})
+            "alpha": graph.algo.alpha,
+            "tasks": [getattr(t, "name", str(t)) for t in graph.tasks]}})
         self._thread = threading.Thread(target=self._loop, name=f"rollart-monitor-{run}",
                                         daemon=True)
         self._thread.start()
@@ -231,9 +234,13 @@ class Monitor:
         for tag, p in pools.items():
             t, tok, busy = self._prev.get(tag, (self._t0, 0, 0.0))
             dt = max(now - t, 1e-6)
+            if dt < self.interval / 2 and tag in self._rates:  # too close: keep the rates
+                p["tokens_per_s"], p["busy"] = self._rates[tag]
+                continue
             p["tokens_per_s"] = (p["tokens"] - tok) / dt
             p["busy"] = min(1.0, (p["busy_s"] - busy) / dt / max(p["workers"], 1))
             self._prev[tag] = (now, p["tokens"], p["busy_s"])
+            self._rates[tag] = (p["tokens_per_s"], p["busy"])
         running: dict[str, int] = {}
         lat: list[float] = []
         for s, ls in ms:
@@ -255,8 +262,11 @@ class Monitor:
     def _publish(self, msg: dict) -> None:
         try:
             self.client.log_event(TOPIC, {**msg, "run": self.run})
-        except Exception as e:  # noqa: BLE001
-            logger.debug("rollart monitor could not publish: %s", e)
+        except Exception as e:  # noqa: BLE001 - monitoring never stops a run
+            (logger.debug if self._warned else logger.warning)(
+                "rollart monitor could not publish %s: %s: %s", msg.get("kind"),
+                type(e).__name__, e)
+            self._warned = True
 
 
 def install(client) -> bool:

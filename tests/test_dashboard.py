@@ -225,7 +225,7 @@ def test_dashboard_in_chromium_during_a_run(tmp_path):
             assert data and all(data[p] > 0 for p in PLOTS), data
             header = browser.execute_script(
                 "return Bokeh.documents[0].get_model_by_name('rollart-header').text")
-            assert "running" in header and run.name in header
+            assert "running" in header and run.name in header and "gridnav graph" in header
             assert 'href="rollart"' in _get(run.dashboard_link.replace("rollart", "status"))
             assert "rollart_tokens_per_second" in _get(
                 run.dashboard_link.replace("rollart", "metrics"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -173,7 +174,6 @@ class Monitor:
         self._t0 = time.time()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        _STOP.discard(run)
         install(client)
         self._publish({"kind": "start", "info": {
             "graph": graph.name, "mode": graph.mode, "steps": graph.steps,
@@ -193,11 +193,15 @@ class Monitor:
                                                if isinstance(v, (int, float))}})
         return self.run not in _STOP
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str | None = None) -> None:
+        """Stop sampling; the run ends as ``status`` (default: failed while an exception
+        propagates, stopped if a stop was requested, else finished)."""
         self._stop.set()
         self._thread.join(timeout=10)
-        if self.run in _STOP:
-            status = "stopped"
+        if status is None:
+            status = ("failed" if sys.exc_info()[0] is not None else
+                      "stopped" if self.run in _STOP else "finished")
+        _STOP.discard(self.run)
         self._publish({"kind": "end", "status": status})
 
     def _loop(self) -> None:

@@ -85,6 +85,8 @@ class RunState:
             self.snapshot = msg
             self.series.append({"time": msg["time"], "buffer": msg.get("buffer", 0),
                                 **{f"tokens_per_s/{p}": v["tokens_per_s"]
+                                   for p, v in msg.get("pools", {}).items()},
+                                **{f"busy/{p}": v["busy"]
                                    for p, v in msg.get("pools", {}).items()}})
         elif kind == "end":
             self.status = msg.get("status", "finished")

@@ -192,7 +192,7 @@ return out;
 
 @pytest.mark.slow
 @pytest.mark.browser
-def test_dashboard_in_chromium_during_a_run(tmp_path):
+def test_dashboard_in_chromium_during_a_run(tmp_path, capsys):
     """A real short run: page in Chromium with data in every plot, then a graceful stop,
     metrics as a DataFrame, samples as Arrow, and ``rollart report``."""
     from distributed import Client
@@ -229,6 +229,10 @@ def test_dashboard_in_chromium_during_a_run(tmp_path):
             assert 'href="rollart"' in _get(run.dashboard_link.replace("rollart", "status"))
             assert "rollart_tokens_per_second" in _get(
                 run.dashboard_link.replace("rollart", "metrics"))
+            assert main(["status", "--scheduler", cluster.scheduler_address,
+                         "--run", run.name]) == 0
+            live = capsys.readouterr().out
+            assert f"run {run.name}: running, gridnav graph" in live and "tok/s" in live
             run.stop()
             result = run.wait(timeout=300)
     finally:

@@ -40,7 +40,7 @@ class RollartPage:
         s["states"].data = {"state": list(TRAJ_STATES), "count": [0] * len(TRAJ_STATES)}
         s["staleness"].data = {"behind": [], "count": []}
         s["latency"].data = {"left": [], "right": [], "count": []}
-        s["busy"].data = {"pool": [], "busy": []}
+        s["busy"].data = {"xs": [], "ys": [], "pool": [], "color": []}
         s["versions"].data = {"worker": [], "version": []}
         s["buffer"].data = {"t": [], "rows": []}
 
@@ -58,10 +58,10 @@ class RollartPage:
         tokens = _fig("Generated tokens/s per inference pool", x_axis_label="seconds")
         tokens.multi_line("xs", "ys", color="color", legend_field="pool", line_width=2,
                           source=s["tokens"])
-        self.busy_range = FactorRange()
-        busy = _fig("Busy fraction per inference pool", x_range=self.busy_range,
+        busy = _fig("Busy fraction per inference pool", x_axis_label="seconds",
                     y_range=(0, 1.05))
-        busy.vbar(x="pool", top="busy", width=0.6, source=s["busy"])
+        busy.multi_line("xs", "ys", color="color", legend_field="pool", line_width=2,
+                        source=s["busy"])
         self.version_range = FactorRange()
         versions = _fig("Weight version per inference worker", y_range=self.version_range)
         versions.hbar(y="worker", right="version", height=0.6, source=s["versions"])
@@ -97,12 +97,11 @@ class RollartPage:
             s["latency"].data = {"left": edges, "right": right, "count": counts}
         pools = sorted(snap.get("pools", {}))
         t0 = r.series[0]["time"] if r.series else 0
-        s["tokens"].data = {
-            "xs": [[p["time"] - t0 for p in r.series] for _ in pools],
-            "ys": [[p.get(f"tokens_per_s/{pool}", 0) for p in r.series] for pool in pools],
-            "pool": pools, "color": [Category10_10[i % 10] for i in range(len(pools))]}
-        self.busy_range.factors = pools
-        s["busy"].data = {"pool": pools, "busy": [snap["pools"][p]["busy"] for p in pools]}
+        for name, key in (("tokens", "tokens_per_s"), ("busy", "busy")):
+            s[name].data = {
+                "xs": [[p["time"] - t0 for p in r.series] for _ in pools],
+                "ys": [[p.get(f"{key}/{pool}", 0) for p in r.series] for pool in pools],
+                "pool": pools, "color": [Category10_10[i % 10] for i in range(len(pools))]}
         workers = snap.get("workers", {})
         names = [f"{w['pool']} {a.split('://')[-1]}" for a, w in sorted(workers.items())]
         self.version_range.factors = names

@@ -78,8 +78,8 @@ class RunState:
             row = msg["row"]
             self.rows.append(row)
             for k, v in row.items():
-                if k.startswith("staleness/"):
-                    n = int(k.split("/", 1)[1])
+                if k.startswith("trainer/staleness/"):
+                    n = int(k.rsplit("/", 1)[1])
                     self.staleness[n] = self.staleness.get(n, 0) + int(v)
         elif kind == "snapshot":
             self.snapshot = msg

@@ -67,8 +67,8 @@ def staleness_counts(rows: list[dict]) -> dict[int, int]:
     out: dict[int, int] = {}
     for r in rows:
         for k, v in r.items():
-            if k.startswith("staleness/"):
-                n = int(k.split("/", 1)[1])
+            if k.startswith("trainer/staleness/"):
+                n = int(k.rsplit("/", 1)[1])
                 out[n] = out.get(n, 0) + int(v)
     return dict(sorted(out.items()))
 
@@ -118,7 +118,8 @@ def _write_html(run_dir: Path, rows: list[dict], images: dict[str, str]) -> str:
         for name, p in images.items())
     extra = ""
     if (run_dir / "eval.json").exists():
-        extra = f"<h2>held-out evaluation</h2><pre>{html.escape((run_dir / 'eval.json').read_text())}</pre>"
+        ev = html.escape((run_dir / "eval.json").read_text())
+        extra = f"<h2>held-out evaluation</h2><pre>{ev}</pre>"
     graph = ""
     if (run_dir / "graph.json").exists():
         graph = html.escape(json.dumps(json.loads((run_dir / "graph.json").read_text()),

@@ -40,7 +40,8 @@ def _messages(run="r1", steps=3):
                      "env_edges": list(LATENCY_EDGES), "env_p50": 0.02, "env_p99": 3.0})
         msgs.append({"kind": "step", "run": run, "row": {
             "step": s, "version": s, "time": float(s), "reward/gridnav": 0.1 * s,
-            "reward/guess": 0.2, "reward/mean": 0.15, "staleness/0": 16, "staleness/1": 16}})
+            "reward/guess": 0.2, "reward/mean": 0.15, "trainer/staleness/0": 16,
+            "trainer/staleness/1": 16}})
     msgs.append({"kind": "end", "run": run, "status": "finished"})
     return msgs
 

@@ -17,7 +17,8 @@ def _rows(n=6):
                      "reward/guess": 0.3, "rollout/tokens_generated": 300 * s,
                      "rollout/tokens/H800": 100 * s, "rollout/tokens/H20": 200 * s,
                      "trainer/staleness_mean": 0.5, "trainer/staleness_max": 1,
-                     "staleness/0": 8, "staleness/1": 8, "traj/trained": 16 * s})
+                     "trainer/staleness/0": 8, "trainer/staleness/1": 8,
+                     "traj/trained": 16 * s})
     return rows
 
 

@@ -5,8 +5,9 @@
     driver: Monitor (a thread)                       scheduler
     ─────────────────────────                        ─────────
     every `interval` s: stats() of InferenceWorkers,  client.log_event("rollart", msg)
-      EnvManagers (+ env latencies), SampleBuffer  ─►  topic "rollart" (kept by Dask)
-    every trainer step: the metrics row            ─►  RollartPlugin.log_event → RunState
+      EnvManagers (+ env latencies), SampleBuffer  ─►  topic "rollart-live" (snapshots)
+    every trainer step: the metrics row            ─►  topic "rollart" (kept by Dask)
+                                                       RollartPlugin.log_event → RunState
                                                        ├─ /rollart Bokeh page
                                                        ├─ rollart_* on /metrics
                                                        └─ rollart status (run_on_scheduler)
@@ -30,7 +31,8 @@ from collections import deque
 
 logger = logging.getLogger(__name__)
 
-TOPIC = "rollart"
+TOPIC = "rollart"  # start / per-step rows / end: one event per trainer step
+TOPIC_LIVE = "rollart-live"  # snapshots, one per `interval`: the scheduler keeps few
 TRAJ_STATES = ("generating", "in_env", "scoring", "buffered", "trained", "dropped",
                "aborted", "cancelled", "failed")
 # env step latency bins (seconds), log-spaced: 100 µs .. 100 s, so stragglers stand out
@@ -261,13 +263,14 @@ class Monitor:
         return {"kind": "snapshot", "time": now, "elapsed": now - self._t0,
                 "states": states, "pools": pools, "workers": workers,
                 "buffer": buf.get("buffered_rows", 0),
-                "env_latency": histogram(lat), "env_edges": list(LATENCY_EDGES),
+                "env_latency": histogram(lat),  # bins: LATENCY_EDGES
                 "env_p50": lat[len(lat) // 2] if lat else 0.0,
                 "env_p99": lat[int(len(lat) * 0.99)] if lat else 0.0}
 
     def _publish(self, msg: dict) -> None:
+        topic = TOPIC_LIVE if msg.get("kind") == "snapshot" else TOPIC
         try:
-            self.client.log_event(TOPIC, {**msg, "run": self.run})
+            self.client.log_event(topic, {**msg, "run": self.run})
         except Exception as e:  # noqa: BLE001 - monitoring never stops a run
             (logger.debug if self._warned else logger.warning)(
                 "rollart monitor could not publish %s: %s: %s", msg.get("kind"),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.metrics import LATENCY_EDGES, TOPIC, RunState, fold, histogram
+from rollart.metrics import TOPIC, TOPIC_LIVE, fold, histogram
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("ROLLART_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -37,7 +37,7 @@ def _messages(run="r1", steps=3):
                                         "tokens_per_s": 100.0, "busy": 0.5}},
                      "workers": {"tcp://127.0.0.1:1": {"pool": "H800", "version": s}},
                      "buffer": 2, "env_latency": histogram([0.01, 0.02, 3.0]),
-                     "env_edges": list(LATENCY_EDGES), "env_p50": 0.02, "env_p99": 3.0})
+                     "env_p50": 0.02, "env_p99": 3.0})
         msgs.append({"kind": "step", "run": run, "row": {
             "step": s, "version": s, "time": float(s), "reward/gridnav": 0.1 * s,
             "reward/guess": 0.2, "reward/mean": 0.15, "trainer/staleness/0": 16,
@@ -125,7 +125,7 @@ def test_separate_scheduler_page_metrics_and_status(separate_scheduler, capsys):
     address, http = separate_scheduler
     with Client(address) as client:
         for m in _messages("remote-run"):
-            client.log_event(TOPIC, m)
+            client.log_event(TOPIC_LIVE if m["kind"] == "snapshot" else TOPIC, m)
         state = client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler.plugins["rollart"].state())
     assert state["remote-run"]["step"] == 3
@@ -151,7 +151,7 @@ def test_status_without_plugin_reads_events(capsys):
     with LocalCluster(n_workers=0, dashboard_address=":0", processes=False) as cluster, \
             Client(cluster) as client:
         for m in _messages("plain"):
-            client.log_event(TOPIC, m)
+            client.log_event(TOPIC_LIVE if m["kind"] == "snapshot" else TOPIC, m)
         assert main(["status", "--scheduler", cluster.scheduler_address]) == 0
     out = capsys.readouterr().out
     assert "plain" in out and "finished" in out

@@ -12,7 +12,7 @@ from bokeh.models import ColumnDataSource, Div, FactorRange
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
-from rollart.metrics import TRAJ_STATES, RunState
+from rollart.metrics import LATENCY_EDGES, TRAJ_STATES, RunState
 
 PLOTS = ("reward", "states", "staleness", "latency", "tokens", "busy", "versions", "buffer")
 
@@ -91,10 +91,11 @@ class RollartPage:
         s["states"].data = {"state": list(TRAJ_STATES),
                             "count": [states.get(k, 0) for k in TRAJ_STATES]}
         s["staleness"].data = {"behind": list(r.staleness), "count": list(r.staleness.values())}
-        edges, counts = snap.get("env_edges", []), snap.get("env_latency", [])
-        if edges:
-            right = list(edges[1:]) + [edges[-1] * 10 ** 0.25]
-            s["latency"].data = {"left": edges, "right": right, "count": counts}
+        counts = snap.get("env_latency", [])
+        if counts:
+            edges = list(LATENCY_EDGES)
+            s["latency"].data = {"left": edges, "right": edges[1:] + [edges[-1] * 10 ** 0.25],
+                                 "count": counts}
         pools = sorted(snap.get("pools", {}))
         t0 = r.series[0]["time"] if r.series else 0
         for name, key in (("tokens", "tokens_per_s"), ("busy", "busy")):

@@ -16,7 +16,7 @@ import weakref
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from rollart.metrics import TOPIC, RunState
+from rollart.metrics import TOPIC, TOPIC_LIVE, RunState
 
 logger = logging.getLogger(__name__)
 PAGE = "rollart"
@@ -37,8 +37,10 @@ class RollartPlugin(SchedulerPlugin):
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers["rollart_state"] = self.state
-        for _, msg in scheduler.get_events(TOPIC):  # published before we were installed
-            self.log_event(TOPIC, msg)
+        for topic in (TOPIC, TOPIC_LIVE):  # published before we were installed
+            for _, msg in scheduler.get_events(topic):
+                self.log_event(topic, msg)
+        _cap_live_events(scheduler)
         _PLUGINS.add(self)
         _register_prometheus()
         try:
@@ -50,7 +52,7 @@ class RollartPlugin(SchedulerPlugin):
         _PLUGINS.discard(self)
 
     def log_event(self, topic, msg) -> None:
-        if topic != TOPIC or not isinstance(msg, dict) or "run" not in msg:
+        if topic not in (TOPIC, TOPIC_LIVE) or not isinstance(msg, dict) or "run" not in msg:
             return
         self.runs.setdefault(msg["run"], RunState(msg["run"])).ingest(msg)
 
@@ -62,6 +64,17 @@ class RollartPlugin(SchedulerPlugin):
         """``{run: summary}`` of every run, or of ``run``."""
         runs = self.runs if run is None else {run: self.runs[run]} if run in self.runs else {}
         return {name: {**r.summary(), "rows": r.rows[-1:]} for name, r in runs.items()}
+
+
+def _cap_live_events(scheduler, keep: int = 600) -> None:
+    """Keep only the latest snapshots in Dask's event log (we hold what we need)."""
+    from collections import deque
+
+    try:
+        topic = scheduler._broker._topics[TOPIC_LIVE]  # internal: best effort
+        topic.events = deque(topic.events, maxlen=keep)
+    except Exception:  # noqa: BLE001 - only memory is at stake
+        pass
 
 
 def get_plugin(scheduler) -> RollartPlugin | None:

@@ -6,7 +6,7 @@ the ``rollart`` events Dask kept (the newest ones; long runs may have lost early
 
 from __future__ import annotations
 
-from rollart.metrics import TOPIC, fold
+from rollart.metrics import TOPIC, TOPIC_LIVE, fold
 
 
 def _plugin_state(dask_scheduler):
@@ -21,7 +21,9 @@ def fetch_state(client) -> dict:
     except Exception:  # noqa: BLE001 - e.g. the scheduler cannot unpickle rollart code
         state = None
     if state is None:
-        runs = fold(client.get_events(TOPIC))
+        events = sorted(client.get_events(TOPIC) + client.get_events(TOPIC_LIVE),
+                        key=lambda e: e[0])
+        runs = fold(events)
         state = {name: {**r.summary(), "rows": r.rows[-1:]} for name, r in runs.items()}
     return state
 

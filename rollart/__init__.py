@@ -6,6 +6,7 @@
 
 from rollart.affinity import (Affinity, AffinityError, env_affinity, reward_affinity,
                               task_affinity)
+from rollart.api import Run, start_run
 from rollart.control import RunResult, train
 from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
 from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
@@ -35,6 +36,7 @@ __all__ = [
     "Resources",
     "ResourcesError",
     "Rollout",
+    "Run",
     "RunResult",
     "StepResult",
     "TRAIN",
@@ -45,6 +47,7 @@ __all__ = [
     "load_graph",
     "load_resources",
     "reward_affinity",
+    "start_run",
     "straggler_profile",
     "task_affinity",
     "train",

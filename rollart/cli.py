@@ -1,4 +1,4 @@
-"""The ``rollart`` command: ``train`` a graph, ``report`` a finished run.
+"""The ``rollart`` command: ``train`` a graph, ``report`` a run, ``status`` of live runs.
 
 ``rollart train`` with no arguments trains the default multi-task graph on the local
 tagged cluster declared in ``resources/local.py``. Errors in user input (graph,
@@ -64,6 +64,29 @@ def _report(args) -> int:
     rows = read_metrics(args.run)
     out = plot_rewards(Path(args.run) / "metrics.jsonl", Path(args.run) / "reward.png")
     print(f"{len(rows)} steps; reward curve written to {out}")
+    if not args.reward_only:
+        from rollart.plots import render_report
+
+        for name, path in render_report(args.run).items():
+            print(f"{name + ':':12s}{path}")
+    return 0
+
+
+def _status(args) -> int:
+    import json
+
+    from distributed import Client
+
+    from rollart.dashboard.status import fetch_state, format_status
+
+    with Client(args.scheduler, timeout=args.timeout) as client:
+        state = fetch_state(client)
+        if args.run:
+            state = {k: v for k, v in state.items() if k == args.run}
+        print(json.dumps(state, indent=1, default=str) if args.json else format_status(state))
+        if client.dashboard_link:
+            print(f"dashboard: {client.dashboard_link.rsplit('/', 1)[0]}/rollart",
+                  file=sys.stderr)
     return 0
 
 
@@ -87,9 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out episodes per task for the before/after evaluation (0: none)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
-    r = sub.add_parser("report", help="render a run's reward curve")
+    r = sub.add_parser("report", help="render a run's plots (reward, throughput, "
+                       "staleness) to PNG and report.html")
     r.add_argument("run", help="run directory")
+    r.add_argument("--reward-only", action="store_true", help="only reward.png")
     r.set_defaults(func=_report)
+    st = sub.add_parser("status", help="print the live figures of the runs a scheduler "
+                        "knows about")
+    st.add_argument("--scheduler", required=True, help="scheduler address, tcp://HOST:PORT")
+    st.add_argument("--run", default=None, help="only this run (its directory name)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.add_argument("--timeout", default="10s", help="connect timeout")
+    st.set_defaults(func=_status)
     return p
 
 

@@ -35,6 +35,7 @@ from rollart.buffer import SampleBuffer
 from rollart.env.manager import EnvManager
 from rollart.env.tasks import task_corpus
 from rollart.graph import Graph, load_graph
+from rollart.metrics import Monitor
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
 from rollart.resources import Resources, check_tags, load_resources, workers_with
@@ -217,6 +218,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     pipeline = make_pipeline(actors, graph)
     log = MetricsLog(run_dir / "metrics.jsonl")
     t_start = time.time()
+    monitor = Monitor(client, actors, graph, run_dir.name)  # live figures -> dashboard
     try:
         bar = _progress(graph.steps, progress)
         for step in range(1, graph.steps + 1):
@@ -225,13 +227,17 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics.update(pipeline.rollout_stats())
             metrics["rollout/group_errors"] = len(pipeline.errors)
             metrics["time"] = time.time() - t_start
+            running = monitor.step(metrics)  # False once rollart.metrics.request_stop(run)
             log.write(metrics)
             bar.update(1)
             bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in metrics.items()
                                          if k.startswith("reward/") and k != "reward/mean"))
+            if not running:
+                break
         bar.close()
         model_dir = actors.trainer.save(str(run_dir / "model")).result()
     finally:
+        monitor.close()
         _shutdown(actors)
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)

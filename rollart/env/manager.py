@@ -118,6 +118,10 @@ class EnvManager:
                 "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
                 "barrier_wait_s": r.barrier_wait}
 
+    async def env_latencies(self, last: int = 1000) -> list[float]:
+        """The latest ``last`` env step latencies in seconds (for the dashboard)."""
+        return list(self.runner.env_latency[-last:])
+
     async def cancel_all(self) -> int:
         """Cancel every running trajectory (end of run); returns how many."""
         jobs = [j for g in self._groups.values() for j in g.jobs.values()]

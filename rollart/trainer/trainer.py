@@ -182,6 +182,8 @@ def batch_metrics(batch, trainer_version: int) -> dict:
     stale = [trainer_version - t.version for t in batch]
     out["trainer/staleness_mean"] = sum(stale) / len(stale)
     out["trainer/staleness_max"] = max(stale)
+    for k in sorted(set(stale)):  # the staleness histogram of this batch
+        out[f"trainer/staleness/{k}"] = stale.count(k)
     out["trainer/batch_size"] = len(batch)
     out["rollout/turns_mean"] = sum(t.num_turns for t in batch) / len(batch)
     out["reward/mean"] = sum(t.reward for t in batch) / len(batch)

@@ -1,0 +1,137 @@
+"""Driving a run from a connected Dask ``Client`` (a notebook, a script, a remote cluster).
+
+>>> # from distributed import Client; import rollart
+>>> # client = Client("tcp://scheduler:8786")        # or Client(cluster)
+>>> # run = rollart.start_run(client, "gridnav", steps=40)
+>>> # run.progress()                                 # live widget in a notebook
+>>> # run.metrics().tail()                           # pandas DataFrame, one row per step
+>>> # run.stop(); run.wait()                          # graceful: finishes the step, saves
+>>> # run.samples().to_pandas()                      # the Arrow/Parquet trajectories
+
+``start_run`` runs ``rollart.train`` in a background thread of this process, so the
+client stays free; the run's live figures go to the scheduler's ``/rollart`` page.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from rollart.control import RunResult, new_run_dir, train
+from rollart.graph import load_graph
+from rollart.metrics import install, request_stop
+from rollart.report import read_metrics
+
+
+class Run:
+    """A run started by ``start_run``; every method is safe while it runs."""
+
+    def __init__(self, client, run_dir: Path, steps: int):
+        self.client, self.run_dir, self.steps = client, Path(run_dir), steps
+        self.name = self.run_dir.name
+        self.result: RunResult | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"<rollart.Run {self.name} {self.status}: {self.step}/{self.steps} steps>"
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if self.result is not None:
+            return "stopped" if len(self.result.metrics) < self.steps else "finished"
+        return "running"
+
+    @property
+    def step(self) -> int:
+        rows = self.rows()
+        return rows[-1]["step"] if rows else 0
+
+    @property
+    def dashboard_link(self) -> str | None:
+        link = getattr(self.client, "dashboard_link", None)
+        return link.rsplit("/", 1)[0] + "/rollart" if link else None
+
+    def rows(self) -> list[dict]:
+        try:
+            return read_metrics(self.run_dir)
+        except FileNotFoundError:
+            return []
+
+    def metrics(self):
+        """One row per trainer step as a pandas ``DataFrame`` indexed by ``step``."""
+        import pandas as pd
+
+        df = pd.DataFrame(self.rows())
+        return df.set_index("step") if "step" in df else df
+
+    def samples(self, columns: list[str] | None = None):
+        """Trajectories written so far (``samples/*.parquet``) as a ``pyarrow.Table``."""
+        import pyarrow.parquet as pq
+
+        from rollart.buffer.schema import SCHEMA
+
+        parts = sorted((self.run_dir / "samples").glob("*.parquet"))
+        if not parts:
+            return SCHEMA.empty_table().select(columns or SCHEMA.names)
+        return pq.read_table([str(p) for p in parts], columns=columns)
+
+    def stop(self) -> None:
+        """Stop after the current trainer step: the model is saved, samples flushed."""
+        request_stop(self.name)
+
+    def wait(self, timeout: float | None = None) -> RunResult:
+        """Block until the run ends; returns its ``RunResult`` (re-raises its error)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"run {self.name} still running after {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def progress(self, interval: float = 1.0):
+        """A live progress widget (ipywidgets) or, without ipywidgets, a text line."""
+        from rollart.widget import progress_widget
+
+        return progress_widget(self, interval)
+
+    def _target(self, graph, kwargs) -> None:
+        try:
+            self.result = train(graph, client=self.client, run_dir=self.run_dir, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - kept for wait()
+            self.error = e
+
+
+def start_run(client, graph=None, *, steps: int | None = None, run_dir=None,
+              eval_seeds: int = 0, **kwargs) -> Run:
+    """Start ``graph`` on the cluster behind ``client`` and return at once.
+
+    ``graph``/``steps``/``kwargs`` are ``rollart.train``'s (``seed``, ``alpha``, ``mode``,
+    ``model``). Held-out evaluation is off by default here (``eval_seeds=0``).
+    """
+    g, _ = load_graph(graph)
+    run_dir = Path(run_dir) if run_dir else new_run_dir(name=g.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    install(client)
+    run = Run(client, run_dir, steps or g.steps)
+    kwargs.setdefault("progress", False)
+    run._thread = threading.Thread(target=run._target, name=f"rollart-run-{run.name}",
+                                   args=(graph, dict(steps=steps, eval_seeds=eval_seeds,
+                                                 **kwargs)), daemon=True)
+    run._thread.start()
+    return run
+
+
+def wait_for_step(run: Run, step: int, timeout: float = 300) -> None:
+    """Block until ``run`` has logged ``step`` (or ended); for scripts and tests."""
+    deadline = time.time() + timeout
+    while run.step < step and not run.done():
+        if time.time() > deadline:
+            raise TimeoutError(f"run {run.name} did not reach step {step} in {timeout}s")
+        time.sleep(0.2)

@@ -36,6 +36,7 @@ from rollart.graph import Graph, load_graph
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
 from rollart.resources import Resources, check_tags, load_resources, workers_with
+from rollart.reward.offload import is_serverless
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import Trainer
 from rollart.types import CPU_ENV, TRAIN
@@ -180,6 +181,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
              progress: bool, eval_seeds: int, resources_source: str) -> RunResult:
     """Start actors, warm up, then alternate: keep groups flowing, step the trainer."""
     from rollart.report import MetricsLog, plot_rewards
+    from rollart.reward.elastic import reward_metrics, start_pools
 
     actors = start_actors(client, graph, model_path, run_dir)
     (run_dir / "placement.json").write_text(json.dumps(
@@ -199,6 +201,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         w.wait_version(0).result()
     pipeline = make_pipeline(actors, graph)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    pools = start_pools(client, [t.reward_fn for t in graph.tasks])  # serverless rewards
     t_start = time.time()
     try:
         bar = _progress(graph.steps, progress)
@@ -207,6 +210,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
             metrics["rollout/group_errors"] = len(pipeline.errors)
+            if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
+                metrics.update(reward_metrics(client, pools, actors.managers))
             metrics["time"] = time.time() - t_start
             log.write(metrics)
             bar.update(1)
@@ -216,6 +221,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         model_dir = actors.trainer.save(str(run_dir / "model")).result()
     finally:
         _shutdown(actors)
+        for pool in pools:
+            pool.stop()
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)
     if eval_seeds:

@@ -11,8 +11,8 @@ handles of two clusters in one process can hang):
 * ``ElasticPool`` — Dask's adaptive core (``distributed.deploy.adaptive_core``) applied
   to just the workers it owns in a ``SpecCluster``: target = ceil(demand / threads),
   capped at ``max_workers``; a new worker is a cold start (counted, with its start-up
-  time); an idle worker goes after ``wait_count`` idle checks, down to zero. The fixed
-  pools of the cluster are never touched.
+  time); a worker idle for ``idle_timeout`` (``wait_count`` checks) is retired, down
+  to zero. The fixed pools of the cluster are never touched.
 
 ``start_pools(client, rewards)`` starts the pools that serverless rewards with
 ``backend="pool"`` need (used by ``rollart.control``); ``ElasticPool.stop`` ends one.
@@ -122,9 +122,10 @@ class ServerlessMonitor(SchedulerPlugin):
                     st.counts["cold_waits"] += 1
 
     def snapshot(self, tag: str = SERVERLESS, since: float | None = None,
-                 series: bool = False) -> dict:
-        """Figures for ``tag`` over ``[since, now]`` (default: since first seen)."""
-        st, now = self._tag(tag), time.time()
+                 series: bool = False, until: float | None = None) -> dict:
+        """Figures for ``tag`` over ``[since, until]`` (default: first seen .. now)."""
+        st = self._tag(tag)
+        now = time.time() if until is None else min(until, time.time())
         since = st.created if since is None else since
         live = [(t0, now, s) for _, t0, s in st.workers.values()]
         spans = list(st.held) + live
@@ -167,8 +168,8 @@ async def _install_monitor(dask_scheduler=None) -> bool:
     return True
 
 
-def _snapshot(tag, since, series, dask_scheduler=None) -> dict:
-    return dask_scheduler.plugins[MONITOR].snapshot(tag, since, series)
+def _snapshot(tag, since, series, until, dask_scheduler=None) -> dict:
+    return dask_scheduler.plugins[MONITOR].snapshot(tag, since, series, until)
 
 
 def install_monitor(client) -> None:
@@ -177,10 +178,10 @@ def install_monitor(client) -> None:
 
 
 def pool_stats(client, tag: str = SERVERLESS, since: float | None = None,
-               series: bool = False) -> dict:
+               series: bool = False, until: float | None = None) -> dict:
     """``ServerlessMonitor.snapshot`` for ``tag``, read from the scheduler."""
     install_monitor(client)
-    return client.run_on_scheduler(_snapshot, tag, since, series)
+    return client.run_on_scheduler(_snapshot, tag, since, series, until)
 
 
 class ElasticPool(AdaptiveCore):
@@ -193,12 +194,15 @@ class ElasticPool(AdaptiveCore):
 
     def __init__(self, cluster, tag: str = SERVERLESS, max_workers: int = 2,
                  threads: int = 1, interval: float = 0.1, wait_count: int = 5,
-                 processes: bool | None = None, name: str | None = None):
+                 processes: bool | None = None, name: str | None = None,
+                 idle_timeout: float | None = None):
         if not hasattr(cluster, "worker_spec"):
             raise TypeError(
                 f"ElasticPool needs the run's SpecCluster (got {type(cluster).__name__}); "
                 f"on a cluster you did not start, run workers with --resources "
                 f"'{tag}={threads}' under your cluster manager's adaptive mode instead")
+        if idle_timeout is not None:  # idle checks before retiring = idle time / interval
+            wait_count = max(1, math.ceil(idle_timeout / interval))
         super().__init__(minimum=0, maximum=int(max_workers), wait_count=wait_count)
         self.cluster, self.tag, self.threads = cluster, tag, int(threads)
         self.interval = interval
@@ -310,14 +314,15 @@ class ElasticPool(AdaptiveCore):
 
 
 def pool_rewards(rewards) -> dict[str, dict]:
-    """``{tag: {"max_workers", "threads"}}`` over the serverless rewards on the pool
-    backend (several rewards on one tag share a pool with the largest settings)."""
+    """``{tag: {"max_workers", "threads", "idle_timeout"}}`` over the serverless rewards
+    on the pool backend (several rewards on one tag share a pool with the largest settings)."""
     pools: dict[str, dict] = {}
     for fn in rewards:
         if is_serverless(fn) and fn.config.backend == "pool":
-            p = pools.setdefault(fn.config.pool, {"max_workers": 1, "threads": 1})
-            p["max_workers"] = max(p["max_workers"], fn.config.max_workers)
-            p["threads"] = max(p["threads"], fn.config.threads)
+            p = pools.setdefault(fn.config.pool, {"max_workers": 1, "threads": 1,
+                                                  "idle_timeout": 0.0})
+            for k in p:
+                p[k] = max(p[k], getattr(fn.config, k))
     return pools
 
 

@@ -60,6 +60,7 @@ class ServerlessConfig:
     pool: str = SERVERLESS  # pool backend: the resource tag of the elastic pool
     max_workers: int = 2  # pool backend: the elastic pool's maximum size
     threads: int = 1  # pool backend: threads (task slots) per elastic worker
+    idle_timeout: float = 0.5  # pool backend: seconds idle before a worker is retired
     timeout: float = 30.0  # seconds per attempt (includes a pool cold start)
     retries: int = 2  # further attempts after the first
     backoff: float = 0.2  # seconds before the first retry; doubles each time
@@ -87,7 +88,7 @@ class ServerlessConfig:
               f"retries must be an int >= 0, got {self.retries!r}")
         for name in ("timeout", "max_backoff"):
             check(getattr(self, name) > 0, f"{name} must be > 0 seconds")
-        for name in ("backoff", "batch_wait"):
+        for name in ("backoff", "batch_wait", "idle_timeout"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0 seconds")
         if isinstance(self.on_failure, str):
             check(self.on_failure == "fail", "on_failure must be 'fail' or a fallback "

@@ -3,7 +3,8 @@
 ``RewardDispatcher.score(episode)`` is awaited by a trajectory (``rollart.env.
 trajectory.TrajectoryRunner``, on an env manager's event loop). Concurrent calls for
 one reward are gathered into batches (up to ``max_batch``, waiting at most
-``batch_wait``), and each batch goes to the reward's backend:
+``batch_wait``; while ``max_in_flight`` batches are out, requests wait here and leave
+in bigger batches as batches come back), and each batch goes to the reward's backend:
 
 * ``pool``: one Dask task (``score_batch``) restricted to the elastic pool's tag;
 * ``http``: one ``POST`` of JSON to the function endpoint.
@@ -64,15 +65,22 @@ class RewardDispatcher:
             self.latency.append(time.perf_counter() - t0)
 
     def _flush(self) -> None:
+        """Send what is queued, as batches, while fewer than ``max_in_flight`` batches are
+        out; the rest waits here and goes, in bigger batches, as batches come back."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while self._queue:
+        while self._queue and len(self._sending) < self.config.in_flight_limit:
             batch = self._queue[:self.config.max_batch]
             del self._queue[:self.config.max_batch]
             task = asyncio.ensure_future(self._send(batch))
             self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if self._queue and self._timer is None:
+            self._flush()
 
     async def _send(self, batch: list) -> None:
         """Attempt, retry the items still missing, then apply the failure policy."""

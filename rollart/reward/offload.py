@@ -68,6 +68,7 @@ class ServerlessConfig:
     on_failure: str | float = "fail"  # "fail" | a fallback reward value (counted)
     max_batch: int = 8  # requests sent together in one task / HTTP call
     batch_wait: float = 0.005  # seconds to wait for more requests before sending
+    max_in_flight: int | None = None  # batches out at once (None: max_workers * threads)
 
     def __post_init__(self):
         def check(ok, msg):
@@ -84,6 +85,9 @@ class ServerlessConfig:
             v = getattr(self, name)
             check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                   f"{name} must be an int >= 1, got {v!r}")
+        check(self.max_in_flight is None or (isinstance(self.max_in_flight, int)
+                                             and self.max_in_flight >= 1),
+              f"max_in_flight must be None or an int >= 1, got {self.max_in_flight!r}")
         check(isinstance(self.retries, int) and self.retries >= 0,
               f"retries must be an int >= 0, got {self.retries!r}")
         for name in ("timeout", "max_backoff"):
@@ -97,6 +101,10 @@ class ServerlessConfig:
             check(isinstance(self.on_failure, numbers.Real)
                   and math.isfinite(self.on_failure),
                   f"on_failure fallback must be a finite number, got {self.on_failure!r}")
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.max_in_flight or self.max_workers * self.threads
 
     def delay(self, attempt: int) -> float:
         """Back-off before retry number ``attempt`` (1-based).

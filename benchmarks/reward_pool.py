@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--max-workers", type=int, default=2, help="elastic pool maximum")
+    p.add_argument("--max-workers", type=int, default=1,
+                   help="elastic pool maximum (1: the capacity of the dedicated worker)")
     p.add_argument("--idle-timeout", type=float, default=0.3,
                    help="seconds an elastic worker may idle before it is retired")
     p.add_argument("--max-batch", type=int, default=16)

@@ -203,3 +203,46 @@ def test_a_reward_failing_for_good_fails_the_trajectory(local_cluster, manager, 
     ok = mgr.run_group(_task("elastic", on_elastic_worker), 6, "sl-after", 2).result()
     assert "failed" not in ok["outcomes"]
     buf.get_batch(1, min_version=-1, timeout=10).result()
+
+
+@pytest.fixture(scope="module")
+def shipped_server():
+    """``python -m rollart.reward.server`` as users start it, on 127.0.0.1."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollart.reward.server",
+         "rollart.reward.functions:success_with_invalid_penalty=score",
+         "tests.test_elastic_pool:always_raises=broken", "--port", "0"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving ['broken', 'score'] at http://127.0.0.1:"), line
+        yield line.rsplit(" ", 1)[-1].strip()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_trajectories_score_through_the_shipped_function_server(manager, shipped_server):
+    from rollart.reward import http_reward
+
+    mgr, buf = manager
+    remote = http_reward(f"{shipped_server}/score", max_batch=4, timeout=10)
+    summary = mgr.run_group(_task("remote", remote), 7, "sl-http", 3).result()
+    assert "failed" not in summary["outcomes"]
+    trajs = buf.get_batch(1, min_version=-1, timeout=10).result()
+    assert len(trajs) == 3 and {t.group_id for t in trajs} == {"sl-http"}
+    stats = mgr.stats().result()
+    assert stats["reward/done"] >= 3
+    assert sorted(summary["rewards"]) == sorted(t.reward for t in trajs)
+    # success (1/0) minus 0.1 per invalid action, computed by the endpoint
+    assert all(r <= 1.0 and abs(r * 10 - round(r * 10)) < 1e-6 for r in summary["rewards"])
+    broken = http_reward(f"{shipped_server}/broken", retries=1, backoff=0.01)
+    before = buf.counts().result()["failed"]
+    bad = mgr.run_group(_task("remote-bad", broken), 8, "sl-http-bad", 2).result()
+    assert bad["outcomes"] == ["failed", "failed"]
+    assert buf.counts().result()["failed"] - before == 2

@@ -201,6 +201,41 @@ def test_http_backend_batches_concurrent_requests():
         assert d.counts["batches"] == 3 and d.counts["done"] == 20 and d.in_flight == 0
 
 
+class SlowBatched(Counting):
+    """Records how many batches run at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.lock = threading.Lock()
+
+    def batch(self, eps):
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        time.sleep(0.1)
+        with self.lock:
+            self.now -= 1
+        return super().batch(eps)
+
+
+def test_in_flight_window_queues_and_grows_batches():
+    fn = SlowBatched()
+    with FunctionServer({"slow": fn}) as srv:
+        reward = http_reward(srv.url("slow"), max_batch=16, batch_wait=0.0,
+                             max_in_flight=1)
+
+        async def go():
+            d = RewardDispatcher(reward)
+            first = [asyncio.ensure_future(d.score(_ep(i))) for i in range(2)]
+            await asyncio.sleep(0.02)  # the first batch is out; the rest must wait
+            rest = [asyncio.ensure_future(d.score(_ep(i))) for i in range(2, 12)]
+            return await asyncio.gather(*first, *rest)
+
+        assert asyncio.run(go()) == [float(i) for i in range(12)]
+        assert fn.peak == 1 and fn.sizes[0] <= 2 and max(fn.sizes[1:]) == 10
+
+
 def test_http_backend_retries_with_backoff_then_succeeds():
     flaky = Flaky(2)
     with FunctionServer({"flaky": flaky}) as srv:

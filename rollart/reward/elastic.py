@@ -11,8 +11,8 @@ handles of two clusters in one process can hang):
 * ``ElasticPool`` — Dask's adaptive core (``distributed.deploy.adaptive_core``) applied
   to just the workers it owns in a ``SpecCluster``: target = busy workers + ceil(tasks
   no worker holds / threads), capped at ``max_workers``; a new worker is a cold start (counted, with its start-up
-  time); a worker idle for ``idle_timeout`` (``wait_count`` checks) is retired, down
-  to zero. The fixed pools of the cluster are never touched.
+  time); a worker idle for ``idle_timeout`` seconds (as the scheduler saw it) is
+  retired, down to zero. The fixed pools of the cluster are never touched.
 
 ``start_pools(client, rewards)`` starts the pools that serverless rewards with
 ``backend="pool"`` need (used by ``rollart.control``); ``ElasticPool.stop`` ends one.
@@ -49,6 +49,7 @@ class _Tag:
         self.queued: set = set()
         self.processing: set = set()
         self.cold: set = set()  # keys that waited for a worker (no-worker state)
+        self.active: dict[str, float] = {}  # worker addr -> when it last started/ended work
         self.latency: deque = deque(maxlen=5000)
         self.counts = {"done": 0, "erred": 0, "cold_waits": 0, "max_queue": 0}
 
@@ -81,6 +82,7 @@ class ServerlessMonitor(SchedulerPlugin):
         for tag, slots in ws.resources.items():
             st = self._tag(tag)
             st.workers[worker] = (str(ws.name), now, float(slots))
+            st.active[worker] = now
             st.series.append((now, len(st.workers)))
 
     def remove_worker(self, scheduler=None, worker=None, **kwargs) -> None:
@@ -88,6 +90,7 @@ class ServerlessMonitor(SchedulerPlugin):
         for st in self.tags.values():
             if worker in st.workers:
                 _, t0, slots = st.workers.pop(worker)
+                st.active.pop(worker, None)
                 st.held.append((t0, now, slots))
                 st.series.append((now, len(st.workers)))
 
@@ -106,6 +109,8 @@ class ServerlessMonitor(SchedulerPlugin):
                 if finish in ("memory", "erred") and t0 is not None:
                     st.latency.append(now - t0)
                     st.counts["done" if finish == "memory" else "erred"] += 1
+                if kwargs.get("worker") in st.workers:
+                    st.active[kwargs["worker"]] = now
                 for ss in kwargs.get("startstops") or ():
                     if ss.get("action") == "compute":
                         st.busy.append((ss["start"], ss["stop"]))
@@ -114,6 +119,8 @@ class ServerlessMonitor(SchedulerPlugin):
             if finish == "processing":
                 st.queued.discard(key)
                 st.processing.add(key)
+                if ts.processing_on is not None:
+                    st.active[ts.processing_on.address] = now
             elif finish in _QUEUED:
                 st.queued.add(key)
                 st.counts["max_queue"] = max(st.counts["max_queue"], len(st.queued))
@@ -136,8 +143,10 @@ class ServerlessMonitor(SchedulerPlugin):
         workers = {}
         for addr, (name, t0, slots) in st.workers.items():
             ws = self.scheduler.workers.get(addr)
+            busy = len(ws.processing) if ws else 0
             workers[name] = {"address": addr, "since": t0, "slots": slots,
-                             "processing": len(ws.processing) if ws else 0}
+                             "processing": busy, "keys": len(ws.has_what) if ws else 0,
+                             "idle_s": 0.0 if busy else now - st.active.get(addr, t0)}
         out = {
             "tag": tag, "time": now, "since": since, "workers": workers,
             "pool_size": len(st.workers), "queue_depth": len(st.queued),
@@ -201,9 +210,10 @@ class ElasticPool(AdaptiveCore):
                 f"ElasticPool needs the run's SpecCluster (got {type(cluster).__name__}); "
                 f"on a cluster you did not start, run workers with --resources "
                 f"'{tag}={threads}' under your cluster manager's adaptive mode instead")
-        if idle_timeout is not None:  # idle checks before retiring = idle time / interval
-            wait_count = max(1, math.ceil(idle_timeout / interval))
-        super().__init__(minimum=0, maximum=int(max_workers), wait_count=wait_count)
+        # Idleness is judged in seconds by the scheduler monitor (a busy event loop can
+        # stretch the adapt interval), so one recommendation suffices to retire.
+        super().__init__(minimum=0, maximum=int(max_workers), wait_count=1)
+        self.idle_timeout = interval * wait_count if idle_timeout is None else idle_timeout
         self.cluster, self.tag, self.threads = cluster, tag, int(threads)
         self.interval = interval
         self.prefix = name or f"elastic-{tag.lower()}"
@@ -249,8 +259,8 @@ class ElasticPool(AdaptiveCore):
         return busy + math.ceil(self._snap["queue_depth"] / self.threads)
 
     async def workers_to_close(self, target: int) -> list:
-        idle = [n for n, w in self._snap["workers"].items()
-                if n in self.observed and w["processing"] == 0]
+        idle = [n for n, w in self._snap["workers"].items() if n in self.observed
+                and w["processing"] == 0 and w["idle_s"] >= self.idle_timeout]
         return idle[:max(len(self.plan) - target, 0)]
 
     async def scale_up(self, n: int) -> None:
@@ -274,7 +284,14 @@ class ElasticPool(AdaptiveCore):
         # SpecCluster retires by address but holds names: retire by name first, so any
         # results still held move to another worker instead of being recomputed.
         arrived = [n for n in workers if n in self.observed]
-        if arrived:
+        if arrived:  # a task may have landed since the last look: keep workers that work
+            self._snap = await self.cluster.scheduler_comm.rollart_serverless(tag=self.tag)
+            busy = {n for n, w in self._snap["workers"].items()
+                    if w["processing"] or w["idle_s"] < self.idle_timeout}
+            workers = [n for n in workers if n not in busy]
+            arrived = [n for n in arrived if n not in busy
+                       and self._snap["workers"].get(n, {}).get("keys")]
+        if arrived:  # only workers that still hold results need the slower retirement
             await self.cluster.scheduler_comm.retire_workers(names=arrived, remove=False)
         for name in workers:
             self.cluster.worker_spec.pop(name, None)

@@ -5,8 +5,9 @@ reward is an LLM judge (``rollart.reward.LLMJudge`` on a tiny judge model) — f
 with the judge as a plain reward (one Dask task per trajectory on the fixed REWARD
 worker, held for the whole run), then as ``@serverless`` on the elastic pool (batched,
 scaled with demand, down to zero when idle). The scheduler's ``ServerlessMonitor``
-measures both over the run: busy fraction (task compute ÷ slot-seconds held),
-worker-seconds held, cold starts; the metrics rows give the rollout step time.
+measures both over the run: busy fraction (task compute ÷ slot-seconds held, a worker
+counted from its registration to its removal), worker-seconds held, cold starts (and
+their start-up time); the metrics rows give the rollout step time.
 Prints per run, then one line
 
     RESULT serverless_busy=… dedicated_busy=… worker_seconds_ratio=… step_time_ratio=…
@@ -119,6 +120,10 @@ def main(argv=None) -> dict:
         "dedicated_busy": d["busy"],
         "worker_seconds_ratio": s["worker_s"] / d["worker_s"],
         "step_time_ratio": s["step_s"] / d["step_s"],
+        # counting each cold start's start-up time as held too (the monitor counts a
+        # worker from when it registers with the scheduler)
+        "serverless_busy_incl_cold": s["busy_s"] / (s["worker_s"] + s["cold_starts"]
+                                                    * s["cold_start_s"]),
         "step_s_serverless": s["step_s"],
         "step_s_dedicated": d["step_s"],
         "cold_starts": s["cold_starts"],

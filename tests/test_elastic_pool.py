@@ -227,6 +227,7 @@ def shipped_server():
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow  # starts `python -m rollart.reward.server` (imports rollart: seconds)
 def test_trajectories_score_through_the_shipped_function_server(manager, shipped_server):
     from rollart.reward import http_reward
 

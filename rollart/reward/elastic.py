@@ -9,8 +9,8 @@ handles of two clusters in one process can hang):
   latency (submitted → done) and cold waits (tasks that found no worker). Read it with
   ``pool_stats(client, tag)``; ``ElasticPool`` reads it through a scheduler handler.
 * ``ElasticPool`` — Dask's adaptive core (``distributed.deploy.adaptive_core``) applied
-  to just the workers it owns in a ``SpecCluster``: target = busy workers + ceil(tasks
-  no worker holds / threads), capped at ``max_workers``; a new worker is a cold start (counted, with its start-up
+  to just the workers it owns in a ``SpecCluster``: target = ceil(tasks waiting or
+  running / threads), capped at ``max_workers``; a new worker is a cold start (counted, with its start-up
   time); a worker idle for ``idle_timeout`` seconds (as the scheduler saw it) is
   retired, down to zero. The fixed pools of the cluster are never touched.
 
@@ -252,11 +252,7 @@ class ElasticPool(AdaptiveCore):
             asked = self._asked.pop(name, None)
             if asked is not None:
                 self.cold_start_seconds.append(now - asked)
-        # Dask hands every waiting task to the first worker that arrives and rarely moves
-        # a resource-restricted task later, so a worker is needed per busy worker plus
-        # one per ``threads`` tasks no worker holds yet (not per task processing).
-        busy = sum(1 for w in self._snap["workers"].values() if w["processing"])
-        return busy + math.ceil(self._snap["queue_depth"] / self.threads)
+        return math.ceil(self._snap["demand"] / self.threads)
 
     async def workers_to_close(self, target: int) -> list:
         idle = [n for n, w in self._snap["workers"].items() if n in self.observed

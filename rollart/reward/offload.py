@@ -68,7 +68,7 @@ class ServerlessConfig:
     on_failure: str | float = "fail"  # "fail" | a fallback reward value (counted)
     max_batch: int = 8  # requests sent together in one task / HTTP call
     batch_wait: float = 0.005  # seconds to wait for more requests before sending
-    max_in_flight: int | None = None  # batches out at once (None: max_workers * threads)
+    max_in_flight: int | None = None  # batches out at once (None: 2 per pool slot)
 
     def __post_init__(self):
         def check(ok, msg):
@@ -104,7 +104,9 @@ class ServerlessConfig:
 
     @property
     def in_flight_limit(self) -> int:
-        return self.max_in_flight or self.max_workers * self.threads
+        """Batches out at once: by default two per slot of the pool at its largest, so
+        the next batch already waits on a worker while one computes."""
+        return self.max_in_flight or 2 * self.max_workers * self.threads
 
     def delay(self, attempt: int) -> float:
         """Back-off before retry number ``attempt`` (1-based).

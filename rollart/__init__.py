@@ -12,6 +12,7 @@ from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
 from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
 from rollart.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
 from rollart.resources import Pool, Resources, ResourcesError, ResourceTagError, load_resources
+from rollart.reward.offload import http_reward, serverless
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN, Episode, StepResult, Trajectory
 
 __version__ = "0.1.0"
@@ -44,9 +45,11 @@ __all__ = [
     "Trajectory",
     "env_affinity",
     "get_task",
+    "http_reward",
     "load_graph",
     "load_resources",
     "reward_affinity",
+    "serverless",
     "start_run",
     "straggler_profile",
     "task_affinity",

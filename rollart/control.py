@@ -39,6 +39,7 @@ from rollart.metrics import Monitor
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
 from rollart.resources import Resources, check_tags, load_resources, workers_with
+from rollart.reward.offload import is_serverless
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import trainer_class
 from rollart.types import CPU_ENV, TRAIN
@@ -198,6 +199,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
              progress: bool, eval_seeds: int, resources_source: str) -> RunResult:
     """Start actors, warm up, then alternate: keep groups flowing, step the trainer."""
     from rollart.report import MetricsLog, plot_rewards
+    from rollart.reward.elastic import reward_metrics, start_pools
 
     actors = start_actors(client, graph, model_path, run_dir)
     (run_dir / "placement.json").write_text(json.dumps(
@@ -217,6 +219,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         w.wait_version(0).result()
     pipeline = make_pipeline(actors, graph)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    pools = start_pools(client, [t.reward_fn for t in graph.tasks])  # serverless rewards
     t_start = time.time()
     monitor = Monitor(client, actors, graph, run_dir.name)  # live figures -> dashboard
     try:
@@ -226,6 +229,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
             metrics["rollout/group_errors"] = len(pipeline.errors)
+            if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
+                metrics.update(reward_metrics(client, pools, actors.managers))
             metrics["time"] = time.time() - t_start
             running = monitor.step(metrics)  # False once rollart.metrics.request_stop(run)
             log.write(metrics)
@@ -239,6 +244,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     finally:
         monitor.close()
         _shutdown(actors)
+        for pool in pools:
+            pool.stop()
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)
     if eval_seeds:

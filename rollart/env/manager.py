@@ -116,7 +116,7 @@ class EnvManager:
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
                 "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,
                 "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
-                "barrier_wait_s": r.barrier_wait}
+                "barrier_wait_s": r.barrier_wait, **r.serverless.stats()}
 
     async def env_latencies(self, last: int = 1000) -> list[float]:
         """The latest ``last`` env step latencies in seconds (for the dashboard)."""

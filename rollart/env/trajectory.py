@@ -26,6 +26,8 @@ from rollart.env.protocol import check_observation, check_step_result
 from rollart.model import decode, encode
 from rollart.reward import check_reward
 from rollart.affinity import reward_tag
+from rollart.reward.dispatch import Dispatchers
+from rollart.reward.offload import is_serverless
 from rollart.types import Episode, GenRequest, GenResult, TrajState, Trajectory
 
 
@@ -129,6 +131,7 @@ class TrajectoryRunner:
         self.gen_seconds = 0.0
         self.env_seconds = 0.0
         self.barrier_wait = 0.0
+        self.serverless = Dispatchers()  # serverless rewards: batched, retried
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -238,9 +241,15 @@ class TrajectoryRunner:
 
         The wait is shielded: the Dask client batches concurrent gathers into one shared
         future, so cancelling this trajectory (redundant, aborted) must not cancel the
-        gather that other trajectories' rewards are riding on.
+        gather that other trajectories' rewards are riding on. A ``@serverless`` reward
+        goes to its own backend instead (``rollart.reward.dispatch``: batched, with its
+        own time-outs and retries; one that fails for good raises ``RewardFailed``, so
+        the trajectory is ``failed`` and counted as such).
         """
         from distributed import get_client
+
+        if is_serverless(task.reward_fn):
+            return await self.serverless.get(task.reward_fn).score(episode)
 
         client = get_client()
         key = f"reward-{task.name}-{traj_id}-{uuid.uuid4().hex[:8]}"  # unique across runs

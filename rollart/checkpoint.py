@@ -225,3 +225,72 @@ def _jsonable(x):
 
 def _tupled(x):
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+# -- resuming a run (used by ``rollart.control.train(resume=RUN)``) --------------------
+def default_url(run_dir) -> str:
+    """Where a run keeps its checkpoints unless told otherwise."""
+    return f"{str(run_dir).rstrip('/')}/checkpoints"
+
+
+def for_resume(run_dir, url: str | None = None) -> Checkpoint:
+    """The newest complete checkpoint of the run at ``run_dir`` (verified)."""
+    url = url or _recorded_url(run_dir) or default_url(run_dir)
+    path = latest(url)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint under {url} to resume {run_dir} "
+                              "from (checkpoints are written every Graph.checkpoint_every "
+                              "steps and at the end of a run)")
+    return load(path)
+
+
+def record_url(run_dir, url: str) -> None:
+    """Remember a run's checkpoint URL in its run directory (for ``--resume``)."""
+    with open(os.path.join(str(run_dir), "checkpoint_url.txt"), "w") as f:
+        f.write(str(url))
+
+
+def _recorded_url(run_dir) -> str | None:
+    p = os.path.join(str(run_dir), "checkpoint_url.txt")
+    if os.path.isfile(p):
+        with open(p) as f:
+            return f.read().strip() or None
+    return None
+
+
+def graph_from(ckpt: Checkpoint, given=None):
+    """The ``Graph`` a checkpointed run used: ``given`` if it is a ``Graph``, else the
+    saved source (or ``given`` as a graph spec) with the saved settings applied."""
+    from dataclasses import replace
+
+    from rollart.graph import GRPO, Graph, Policy, Rollout, load_graph
+
+    if isinstance(given, Graph):
+        return given
+    saved = ckpt.graph
+    source = given or saved.get("source")
+    if not source or source == "<python>":
+        raise CheckpointError(f"checkpoint {ckpt.path} was written by a graph given as a "
+                              "Python object: pass the same Graph to train(resume=...)")
+    base, _ = load_graph(source)
+    rollout = dict(saved["rollout"])
+    rollout["inference_pools"] = tuple(rollout["inference_pools"])
+    weights = saved.get("task_weights")
+    return replace(base, name=saved["name"], policy=Policy(**saved["policy"]),
+                   algo=GRPO(**saved["algo"]), rollout=Rollout(**rollout),
+                   steps=saved["steps"], seed=saved["seed"], mode=saved["mode"],
+                   checkpoint_every=saved.get("checkpoint_every", 0),
+                   task_weights=tuple(weights) if weights else None)
+
+
+def truncate_metrics(path, step: int) -> list[dict]:
+    """Keep the rows of ``metrics.jsonl`` up to ``step`` (a lost run may have logged
+    steps after its last checkpoint); returns the kept rows."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if r.get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows

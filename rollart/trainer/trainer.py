@@ -168,6 +168,7 @@ class Trainer:
         if state.get("scheduler") is not None and getattr(self, "scheduler", None):
             self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+        self.store.truncate(self.version)  # versions a lost run published after this
         torch.set_rng_state(state["torch_rng"])
         self.busy_seconds = state.get("busy_seconds", 0.0)
         self.waited_seconds = state.get("waited_seconds", 0.0)

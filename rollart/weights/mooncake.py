@@ -62,9 +62,9 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _listening(host: str, port: int) -> bool:
+def _listening(host: str, port: int, timeout: float = 0.2) -> bool:
     try:
-        socket.create_connection((host, port), 0.2).close()
+        socket.create_connection((host, port), timeout).close()
         return True
     except OSError:
         return False
@@ -95,12 +95,17 @@ class MooncakeMaster:
         return f"mooncake://{self.host}:{self.rpc_port}/{prefix}?{query}"
 
     def start(self) -> MooncakeMaster:
-        if self.binary is None:
-            raise MooncakeError(f"no mooncake_master executable on PATH; {INSTALL_HINT}")
+        if self.binary is None or shutil.which(self.binary) is None:
+            raise MooncakeError(f"no mooncake_master executable "
+                                f"({self.binary or 'not on PATH'}); {INSTALL_HINT}")
         errors = []
         for _ in range(self.retries):
             rpc, http, metrics = _free_port(self.host), _free_port(self.host), _free_port(
                 self.host)
+            busy = [p for p in (rpc, http, metrics) if _listening(self.host, p)]
+            if busy or len({rpc, http, metrics}) < 3:  # taken since picked: pick again
+                errors.append(f"port in use: {busy or [rpc, http, metrics]}")
+                continue
             log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log",
                                               delete=False)
             cmd = [self.binary, f"--rpc_address={self.host}", f"--rpc_port={rpc}",
@@ -113,7 +118,8 @@ class MooncakeMaster:
                                     stdin=subprocess.DEVNULL)
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and proc.poll() is None:
-                if _listening(self.host, rpc) and _listening(self.host, http):
+                if _listening(self.host, rpc) and _listening(self.host, http) and \
+                        _alive_after(proc, 0.3):
                     self.proc, self.rpc_port, self.http_port = proc, rpc, http
                     self.log_path = log.name
                     return self
@@ -146,6 +152,13 @@ class MooncakeMaster:
         self.stop()
 
 
+def _alive_after(proc: subprocess.Popen, seconds: float) -> bool:
+    """Still running a moment after its ports answered (a master that lost a port race
+    answers through the other owner's socket, then exits)."""
+    time.sleep(seconds)
+    return proc.poll() is None
+
+
 def _tail(path: str, n: int = 400) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -165,6 +178,13 @@ def _client(master: str, metadata: str, publisher: bool, segment_mb: int, buffer
     with _clients_lock:
         if key in _clients:
             return _clients[key]
+        meta = urlparse(metadata)
+        for what, host, port in (("master", *master.rsplit(":", 1)),
+                                 ("metadata server", meta.hostname, meta.port)):
+            if not host or not port or not _listening(host, int(port), timeout=3.0):
+                raise MooncakeError(f"the Mooncake {what} at {host}:{port} does not accept "
+                                    "connections: start it (rollart starts its own with "
+                                    "--weights mooncake) or fix the store URL")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", master.rsplit(":", 1)[0])
         store = import_store()()
         rc = store.setup(master.rsplit(":", 1)[0], metadata,

@@ -110,6 +110,17 @@ class WeightStore(abc.ABC):
         data = self._read("LATEST")
         return int(data.decode().strip()) if data else -1
 
+    def truncate(self, version: int) -> list[int]:
+        """Remove versions newer than ``version`` (a run resumed from a checkpoint);
+        returns them."""
+        newer = [v for v in self.versions() if v > int(version)]
+        for v in newer:
+            if self._remove(self._name(v)):
+                self._forget(v)
+        if self.latest() > int(version):
+            self._write("LATEST", str(int(version)).encode())
+        return newer
+
     def gc(self, keep: int = 2) -> list[int]:
         """Remove versions older than the newest ``keep`` that no reader holds;
         returns the removed ones (a version being read may survive until the next gc)."""

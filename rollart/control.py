@@ -103,7 +103,8 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
 def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
                  store_url: str | None = None) -> Actors:
     """Place one InferenceWorker per inference worker, EnvManagers, buffer and trainer."""
-    run = run_dir.name
+    # actor keys are unique per start: a resumed run in the same cluster gets new actors
+    run = f"{run_dir.name}-{time.time_ns() % 10**9:09d}"
     store_url = store_url or str(run_dir / "weights")
     trainer_addr = workers_with(client, TRAIN)[0]
     trainer = client.submit(Trainer, model_path, store_url, graph.algo,

@@ -4,7 +4,7 @@ Deterministic setting: sync mode, one env manager, one inference worker serving 
 request at a time (batch composition cannot change the numerics), fixed seeds. A run
 stopped after step 2 and resumed for one more step must end with the same weights as an
 uninterrupted 3-step run, continue its counters and metrics, and train no trajectory
-twice. Broken checkpoints are clear errors.
+twice. Broken checkpoints are clear errors. Marked slow (three short training runs).
 """
 
 import json
@@ -21,6 +21,7 @@ from rollart.buffer import read_samples
 from rollart.cli import main
 from rollart.types import H800
 
+pytestmark = pytest.mark.slow
 STEPS = 3
 
 

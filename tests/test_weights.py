@@ -105,7 +105,7 @@ def test_mooncake_another_process_reads_what_the_trainer_published(master):
     assert isinstance(store, mc.MooncakeWeightStore)
     store.put(5, weights(5.0))
     out = subprocess.run([sys.executable, "-c", READER, store.url], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "5 5.0 (50, 8)"
 

@@ -214,6 +214,10 @@ class MooncakeWeightStore(WeightStore):
         self.segment_mb = int(q.get("segment_mb", DEFAULT_SEGMENT_MB))
         self.buffer_mb = int(q.get("buffer_mb", DEFAULT_BUFFER_MB))
         self._slots: dict[str, int] = {}  # reader -> claimed slot (this process)
+        self._versions: list[int] | None = None  # the publisher's copy of INDEX
+
+    def __getstate__(self):  # (pickled as the URL by WeightStore.__reduce__)
+        return {"url": self.url}
 
     def _store(self, publisher: bool = False):
         key = (self.master, self.metadata, True)
@@ -246,28 +250,38 @@ class MooncakeWeightStore(WeightStore):
         if size > self.buffer_mb << 20:
             raise MooncakeError(f"{key} is {size >> 20} MiB, more than the client buffer "
                                 f"of {self.buffer_mb} MiB: add buffer_mb=N to the store URL")
-        data = store.get(key)
-        if not data and size > 0:
-            return None  # removed between the size query and the read
-        return bytes(data)
+        for _ in range(20):  # an object being replaced (upsert) can read empty briefly
+            data = store.get(key)
+            if data or size == 0:
+                return bytes(data)
+            if store.is_exist(key) != 1:
+                return None  # removed between the size query and the read
+            time.sleep(0.02)
+        return None
 
     def _remove(self, name: str) -> bool:
-        rc = self._store().remove(self._key(name))
-        return rc == 0 or self._store().is_exist(self._key(name)) == 0
+        # 0: removed; -704: not there (any more); -706: leased by a reader, retry later
+        return self._store().remove(self._key(name)) in (0, -704)
 
-    # -- versions: an index object (one publisher writes it) ----------------------------
+    # -- versions: an index object (one publisher writes it and keeps a copy) -----------
+    # (not probed with is_exist: Mooncake leases what it is asked about, which would
+    # block the removal that follows)
     def _index(self) -> list[int]:
-        data = self._read("INDEX")
-        return json.loads(data) if data else []
+        if self._versions is None:
+            data = self._read("INDEX")
+            return json.loads(data) if data else []
+        return self._versions
 
     def versions(self) -> list[int]:
         return sorted(self._index())
 
     def _remember(self, version: int) -> None:
-        self._write("INDEX", json.dumps(sorted(set(self._index()) | {version})).encode())
+        self._versions = sorted(set(self._index()) | {version})
+        self._write("INDEX", json.dumps(self._versions).encode())
 
     def _forget(self, version: int) -> None:
-        self._write("INDEX", json.dumps([v for v in self._index() if v != version]).encode())
+        self._versions = [v for v in self._index() if v != version]
+        self._write("INDEX", json.dumps(self._versions).encode())
 
     # -- holds: reader slots --------------------------------------------------------------
     def _slot(self, reader: str) -> int:

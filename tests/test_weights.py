@@ -81,6 +81,7 @@ def test_gc_keeps_newest_and_held_versions(store):
     assert store.truncate(3) == [4] and store.latest() == 3 and store.versions() == [3]
 
 
+@pytest.mark.mooncake
 def test_mooncake_version_being_read_survives_gc_until_its_lease_ends(master):
     store = WeightStore(master.url("lease", segment_mb=64, buffer_mb=32))
     for v in range(3):
@@ -100,6 +101,7 @@ print(store.latest(), float(sd["bias"][0]), tuple(sd["emb"].shape))
 """
 
 
+@pytest.mark.mooncake
 def test_mooncake_another_process_reads_what_the_trainer_published(master):
     store = WeightStore(master.url("xproc", segment_mb=64, buffer_mb=32))
     assert isinstance(store, mc.MooncakeWeightStore)
@@ -110,6 +112,7 @@ def test_mooncake_another_process_reads_what_the_trainer_published(master):
     assert out.stdout.split("\n")[-2] == "5 5.0 (50, 8)"
 
 
+@pytest.mark.mooncake
 def test_master_retries_when_its_port_is_taken(monkeypatch):
     _mooncake_or_skip()
     taken = socket.socket()

@@ -44,6 +44,16 @@ class Pipeline(abc.ABC):
         self.n_groups += 1
         return task, self.rng.randrange(1_000_000), gid, self.graph.algo.group_size
 
+    def state(self) -> dict:
+        """What a checkpoint needs to continue the group sequence (``rollart.checkpoint``)."""
+        return {"n_groups": self.n_groups, "rng": self.rng.getstate()}
+
+    def load_state(self, state: dict) -> None:
+        from rollart.checkpoint import _tupled
+
+        self.n_groups = int(state["n_groups"])
+        self.rng.setstate(_tupled(state["rng"]))
+
     def manager(self, i: int, task=None):
         """The ``i``-th env manager (among those on ``task``'s env pool, if given)."""
         managers = self.actors.managers_for(task) if task is not None else \

@@ -35,6 +35,7 @@ from rollart.env.tasks import task_corpus
 from rollart.graph import Graph, load_graph
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
+from rollart.preflight import check_lockstep, preflight
 from rollart.resources import Resources, check_tags, load_resources, workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import Trainer
@@ -82,7 +83,7 @@ def connect(resources: Resources | None, client=None):
         yield client
         return
     if resources.address:
-        with Client(resources.address) as c:
+        with Client(resources.address, security=resources.security) as c:
             yield c
         return
     with resources.make_cluster() as cluster, Client(cluster) as c:
@@ -128,6 +129,7 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors
         EnvManager, proxy, buffer.result(), model_path, temperature=graph.policy.temperature,
         top_p=graph.policy.top_p, env_step_timeout=graph.rollout.env_step_timeout,
         reward_timeout=graph.rollout.reward_timeout,
+        trajectory_timeout=graph.rollout.trajectory_timeout,
         max_concurrency=graph.rollout.env_concurrency,
         inference_pools=graph.rollout.inference_pools, seed=graph.seed, actor=True,
         workers=[addr], resources={CPU_ENV: 1}, key=f"EnvManager-{addr}-{run}")
@@ -151,6 +153,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     graph, graph_src = load_graph(graph)
     graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode)
     res = load_resources(resources) if client is None or resources is not None else None
+    preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "graph.json").write_text(json.dumps(
@@ -159,6 +162,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     source = res.source if res else "the cluster you connected"
     with connect(res, client) as c:
         check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
+        check_lockstep(graph, len(workers_with(c, CPU_ENV)), source)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,

@@ -59,14 +59,15 @@ class EnvManager:
 
     def __init__(self, proxy, buffer, model_path: str, *, temperature: float = 1.0,
                  top_p: float = 1.0, env_step_timeout: float = 30.0,
-                 reward_timeout: float = 30.0, max_concurrency: int = 256,
+                 reward_timeout: float = 30.0, trajectory_timeout: float | None = None,
+                 max_concurrency: int = 256,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int | None = None, env_threads: int = 8):
         self.buffer = buffer
         self.runner = TrajectoryRunner(
             proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
             env_step_timeout=env_step_timeout, reward_timeout=reward_timeout,
-            inference_pools=inference_pools, seed=seed,
+            trajectory_timeout=trajectory_timeout, inference_pools=inference_pools, seed=seed,
             max_context=max_context or _max_positions(model_path), env_threads=env_threads)
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
@@ -116,7 +117,7 @@ class EnvManager:
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
                 "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,
                 "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
-                "barrier_wait_s": r.barrier_wait}
+                "barrier_wait_s": r.barrier_wait, "stuck_env_calls": r.stuck_calls}
 
     async def cancel_all(self) -> int:
         """Cancel every running trajectory (end of run); returns how many."""

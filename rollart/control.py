@@ -36,6 +36,7 @@ from rollart.graph import Graph, load_graph
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
 from rollart.preflight import check_lockstep, preflight
+from rollart.recovery import Supervisor
 from rollart.resources import Resources, check_tags, load_resources, workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.trainer import Trainer
@@ -63,6 +64,8 @@ class RunResult:
     model_dir: str
     warmup_model_dir: str | None
     evaluation: dict | None = None
+    recovery: list = field(default_factory=list)  # lost actors replaced (rollart.recovery)
+    final_counts: dict = field(default_factory=dict)  # the ledger after shutdown
 
 
 def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
@@ -202,6 +205,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     for w, _, _ in actors.workers:
         w.wait_version(0).result()
     pipeline = make_pipeline(actors, graph)
+    pipeline.supervisor = Supervisor(client, actors, graph, model_path, run_dir)
     log = MetricsLog(run_dir / "metrics.jsonl")
     t_start = time.time()
     try:
@@ -211,6 +215,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
             metrics["rollout/group_errors"] = len(pipeline.errors)
+            metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)
+            metrics["recovery/groups_restarted"] = pipeline.restarted_groups
             metrics["time"] = time.time() - t_start
             log.write(metrics)
             bar.update(1)
@@ -219,26 +225,32 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         bar.close()
         model_dir = actors.trainer.save(str(run_dir / "model")).result()
     finally:
-        _shutdown(actors)
+        final_counts = _shutdown(actors)
+        events = pipeline.supervisor.events
+        (run_dir / "recovery.json").write_text(json.dumps(events, indent=2))
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)
+    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir, recovery=events,
+                       final_counts=final_counts)
     if eval_seeds:
         result.evaluation = _evaluate_run(graph, result, eval_seeds)
         (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
     return result
 
 
-def _shutdown(actors: Actors) -> None:
-    """Cancel what is still running and flush the buffer to Parquet.
+def _shutdown(actors: Actors) -> dict:
+    """Cancel what is still running and flush the buffer to Parquet; return the
+    ledger's final counts (nothing may be left in flight).
 
     A manager or worker that cannot be closed (its worker died) is reported and skipped
     so the samples still get flushed.
     """
     for actor in actors.managers:
         _close(actor, "env manager")
+    counts = actors.buffer.counts().result()
     actors.buffer.close().result()
     for w, tag, addr in actors.workers:
         _close(w, f"inference worker {tag} at {addr}")
+    return counts
 
 
 def _close(actor, what: str) -> None:

@@ -33,6 +33,7 @@ class _GroupRun:
     seed: int
     group_id: str
     size: int
+    need: int = -1  # members still to deliver (< size when a lost manager delivered some)
     barrier: TurnBarrier | None = None
     next_index: int = 0
     delivered: int = 0
@@ -44,9 +45,13 @@ class _GroupRun:
     rewards: list = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self):
+        if self.need < 0:
+            self.need = self.size
+
     @property
     def filled(self) -> bool:
-        return self.delivered >= self.size
+        return self.delivered >= self.need
 
 
 class EnvManager:
@@ -76,18 +81,35 @@ class EnvManager:
 
     # -- public actor methods -----------------------------------------------------------
     async def run_group(self, task, seed: int, group_id: str, group_size: int,
-                        redundancy: float = 1.0) -> dict:
+                        redundancy: float = 1.0, need: int | None = None,
+                        first_index: int = 0) -> dict:
         """Run a group of ``task`` from ``seed`` until ``group_size`` members are
-        delivered to the buffer; return a summary."""
-        grp = _GroupRun(task, seed, group_id, group_size)
-        await self._launch(grp, max(group_size, math.ceil(group_size * redundancy)))
+        delivered to the buffer; return a summary.
+
+        A group restarted after its manager was lost passes ``need`` (the members still
+        missing) and a ``first_index`` past the lost manager's member ids.
+        """
+        need = group_size if need is None else need
+        grp = _GroupRun(task, seed, group_id, group_size, need, next_index=first_index)
+        if need > 0:
+            await self._launch(grp, max(need, math.ceil(need * redundancy)))
+        else:
+            grp.done.set()
         return await self._finish(grp)
+
+    async def set_inference_workers(self, workers: list) -> int:
+        """Route new requests over ``[(InferenceWorker actor, pool), ...]`` (after the
+        driver re-created a lost one); returns how many workers."""
+        from rollart.rollout.proxy import LLMProxy
+
+        self.runner.proxy = LLMProxy(workers)
+        return len(workers)
 
     async def run_batch(self, groups: list[tuple]) -> list[dict]:
         """Run ``[(task, seed, group_id, group_size), ...]`` in lockstep: every turn
         waits for every live trajectory of the batch (the synchronous baselines)."""
         barrier = TurnBarrier(sum(g[3] for g in groups))
-        runs = [_GroupRun(t, s, gid, n, barrier) for t, s, gid, n in groups]
+        runs = [_GroupRun(t, s, gid, n, barrier=barrier) for t, s, gid, n in groups]
         for grp in runs:
             await self._launch(grp, grp.size)
         return list(await asyncio.gather(*(self._finish(g) for g in runs)))
@@ -112,7 +134,9 @@ class EnvManager:
             states[s] = states.get(s, 0) + 1
         lat = sorted(r.env_latency[-1000:])
         turns = max(r.turns, 1)
+        proxy = r.proxy.stats()
         return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
+                "rerouted": proxy.get("rerouted", 0),
                 "states": states, "turns": r.turns,
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
                 "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,

@@ -7,6 +7,11 @@ in-flight calls through this proxy, ties round robin) among the allowed pools. T
 proxy is a plain picklable object shipped into env-manager actors: all counters are
 local to the copy, so routing costs no extra Dask hop. Await ``generate`` on the event
 loop of the Dask worker (or asynchronous client) that holds the actor handles.
+
+A worker whose process is lost (its actor call raises ``OSError`` or "Worker holding
+Actor was lost") is marked dead in this copy and the request is re-sent to another
+worker of the allowed pools (requests carry the whole context, so any worker can serve
+them); the driver re-creates the actor and hands the managers a new list.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class LLMProxy:
         self._routed = [0] * len(self.workers)
         self._next = 0  # round-robin cursor for ties
         self._lock: threading.Lock | None = None
+        self.dead: set[int] = set()  # workers found lost (never routed to again)
+        self.rerouted = 0  # requests re-sent after their worker was lost
 
     # -- pickling: locks and in-flight counts are local to one copy -----------------------
     def __getstate__(self) -> dict:
@@ -68,7 +75,11 @@ class LLMProxy:
 
     def route(self, traj_id: str, pools: tuple[str, ...] | None = None) -> int:
         """Index of the worker for ``traj_id`` (sticky; else least loaded, ties RR)."""
-        allowed = self._allowed(pools)
+        allowed = [i for i in self._allowed(pools) if i not in self.dead]
+        if not allowed:
+            raise WorkerLostError(f"every inference worker of pools {pools or self.pools} "
+                                  "was lost; the driver re-creates them when their workers "
+                                  "come back")
         with self._guard():
             idx = self._sticky.get(traj_id)
             if idx is None or idx not in allowed:
@@ -86,12 +97,20 @@ class LLMProxy:
         self, traj_id: str, req: GenRequest, pools: tuple[str, ...] | None = None
     ) -> GenResult:
         """Send ``req`` to ``traj_id``'s worker and return its ``GenResult``."""
-        idx = self.route(traj_id, pools)
-        try:
-            return await self.workers[idx][0].generate(req)
-        finally:
-            with self._guard():
-                self._in_flight[idx] -= 1
+        while True:
+            idx = self.route(traj_id, pools)
+            try:
+                return await self.workers[idx][0].generate(req)
+            except Exception as e:
+                if not is_worker_lost(e):
+                    raise
+                with self._guard():
+                    self.dead.add(idx)
+                    self._sticky.pop(traj_id, None)
+                    self.rerouted += 1
+            finally:
+                with self._guard():
+                    self._in_flight[idx] -= 1
 
     def release(self, traj_id: str) -> None:
         """Forget ``traj_id`` (call when the trajectory is finished)."""
@@ -110,4 +129,17 @@ class LLMProxy:
                 }
                 for i, (actor, pool) in enumerate(self.workers)
             ]
-            return {"workers": workers, "trajectories": len(self._sticky)}
+            return {"workers": workers, "trajectories": len(self._sticky),
+                    "dead": len(self.dead), "rerouted": self.rerouted}
+
+
+class WorkerLostError(RuntimeError):
+    """No live inference worker is left to serve a request."""
+
+
+def is_worker_lost(error: BaseException) -> bool:
+    """True when ``error`` says the Dask worker holding an actor is gone."""
+    if isinstance(error, TimeoutError):  # an OSError subclass, but not a lost worker
+        return False
+    return isinstance(error, OSError) or (
+        isinstance(error, RuntimeError) and "Worker holding Actor was lost" in str(error))

@@ -39,7 +39,9 @@ def _train(args) -> int:
 
     result = train(args.graph, args.resources, steps=args.steps, model=args.model,
                    seed=args.seed, alpha=args.alpha, mode=args.mode, run_dir=args.run_dir,
-                   progress=not args.no_progress, eval_seeds=args.eval_seeds)
+                   progress=not args.no_progress, eval_seeds=args.eval_seeds,
+                   resume=args.resume, weights=args.weights,
+                   checkpoint_url=args.checkpoint_url, checkpoint_every=args.checkpoint_every)
     last = result.metrics[-1] if result.metrics else {}
     print(f"run directory: {result.run_dir}")
     print(f"final model:   {result.model_dir}")
@@ -86,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-seeds", type=int, default=64,
                    help="held-out episodes per task for the before/after evaluation (0: none)")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--resume", default=None, metavar="RUN",
+                   help="continue the run directory RUN from its newest checkpoint "
+                        "(--steps is then the new total)")
+    t.add_argument("--weights", default=None, metavar="BACKEND",
+                   help="weight store: fsspec (default), mooncake (a local master on "
+                        "127.0.0.1), or a store URL (mooncake://HOST:PORT/PREFIX?metadata=…)")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="checkpoint every N steps (always at the end)")
+    t.add_argument("--checkpoint-url", default=None,
+                   help="where checkpoints go, any fsspec URL (default RUN/checkpoints)")
     t.set_defaults(func=_train)
     r = sub.add_parser("report", help="render a run's reward curve")
     r.add_argument("run", help="run directory")
@@ -94,16 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from rollart.checkpoint import CheckpointError
     from rollart.env.tasks import UnknownTaskError
     from rollart.graph import GraphError
     from rollart.model import ModelFolderError
     from rollart.resources import ResourcesError
+    from rollart.weights.mooncake import MooncakeError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
-            FileNotFoundError) as e:
+            FileNotFoundError, CheckpointError, MooncakeError) as e:
         print(f"rollart: error: {e}", file=sys.stderr)
         return 2
 

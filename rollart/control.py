@@ -104,10 +104,11 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
     return out, graph.policy.warmup_steps > 0
 
 
-def start_actors(client, graph: Graph, model_path: str, run_dir: Path) -> Actors:
+def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
+                 store_url: str | None = None) -> Actors:
     """Place one InferenceWorker per inference worker, EnvManagers, buffer and trainer."""
     run = run_dir.name
-    store_url = str(run_dir / "weights")
+    store_url = store_url or str(run_dir / "weights")
     trainer_addr = workers_with(client, TRAIN)[0]
     trainer = client.submit(Trainer, model_path, store_url, graph.algo,
                             temperature=graph.policy.temperature, threads=1, seed=graph.seed,
@@ -147,29 +148,55 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
           steps: int | None = None, model: str | None = None, seed: int | None = None,
           alpha: int | None = None, mode: str | None = None,
           run_dir: str | Path | None = None, client=None, progress: bool = True,
-          eval_seeds: int = 64) -> RunResult:
+          eval_seeds: int = 64, resume: str | Path | None = None, weights: str | None = None,
+          checkpoint_url: str | None = None, checkpoint_every: int | None = None
+          ) -> RunResult:
     """Run a graph end to end and return where its outputs went.
+
+    ``resume=RUN`` continues the run directory ``RUN`` from its newest checkpoint
+    (``steps`` is then the new total). ``weights``: ``"fsspec"`` (default),
+    ``"mooncake"`` (a local master) or a store URL. Checkpoints go to
+    ``checkpoint_url`` (default ``RUN/checkpoints``) every ``checkpoint_every`` steps
+    and at the end (see ``rollart.checkpoint``).
 
     >>> # from rollart import train
     >>> # result = train("gridnav", steps=20)      # local tagged cluster, tiny model
     """
-    graph, graph_src = load_graph(graph)
-    graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode)
+    from rollart import checkpoint
+
+    ckpt = None
+    if resume is not None:
+        run_dir = Path(resume)
+        ckpt = checkpoint.for_resume(run_dir, checkpoint_url)
+        graph, graph_src = checkpoint.graph_from(ckpt, graph), ckpt.graph.get("source")
+    else:
+        graph, graph_src = load_graph(graph)
+    graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode,
+                     checkpoint_every=checkpoint_every)
     res = load_resources(resources) if client is None or resources is not None else None
     preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "graph.json").write_text(json.dumps(
         {"source": graph_src, **graph.to_dict()}, indent=2, default=str))
-    model_path, warm = prepare_model(graph, run_dir, model)
+    if ckpt is not None:
+        model_path, warm = ckpt.model_dir, False
+    else:
+        model_path, warm = prepare_model(graph, run_dir, model)
+    checkpoint_url = checkpoint_url or checkpoint.default_url(run_dir)
+    checkpoint.record_url(run_dir, checkpoint_url)
     source = res.source if res else "the cluster you connected"
-    with connect(res, client) as c:
+    from rollart.weights import store_url
+
+    with connect(res, client) as c, store_url(weights, run_dir) as weights_url:
         check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
         check_lockstep(graph, len(workers_with(c, CPU_ENV)), source)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
-                        eval_seeds=eval_seeds, resources_source=source)
+                        eval_seeds=eval_seeds, resources_source=source,
+                        store_url=weights_url, ckpt=ckpt, checkpoint_url=checkpoint_url,
+                        graph_source=graph_src)
 
 
 def override(graph: Graph, **changes) -> Graph:
@@ -184,33 +211,46 @@ def override(graph: Graph, **changes) -> Graph:
 
 
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
-             progress: bool, eval_seeds: int, resources_source: str) -> RunResult:
+             progress: bool, eval_seeds: int, resources_source: str,
+             store_url: str | None = None, ckpt=None, checkpoint_url: str | None = None,
+             graph_source: str | None = None) -> RunResult:
     """Start actors, warm up, then alternate: keep groups flowing, step the trainer."""
+    from rollart import checkpoint
     from rollart.report import MetricsLog, plot_rewards
 
-    actors = start_actors(client, graph, model_path, run_dir)
+    actors = start_actors(client, graph, model_path, run_dir, store_url=store_url)
     (run_dir / "placement.json").write_text(json.dumps(
         {"resources": resources_source, **actors.placement}, indent=2))
     warmup_dir = None
-    if warm:
+    if ckpt is not None:  # continue: trainer and buffer state; no warm-up
+        checkpoint.restore(ckpt, actors)
+        if (run_dir / "warmup_model").is_dir():
+            warmup_dir = str(run_dir / "warmup_model")
+    elif warm:
         p = graph.policy
         info = actors.trainer.warmup(graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr,
                                      seed=graph.seed).result()
         warmup_dir = actors.trainer.save(str(run_dir / "warmup_model")).result()
         print(f"warm-up: {p.warmup_steps} format steps, loss {info['warmup/loss_first']:.3f}"
               f" -> {info['warmup/loss_last']:.3f}")
-    actors.trainer.publish().result()
+    v0 = actors.trainer.publish().result()
     for w, _, _ in actors.workers:
-        w.update_weights(0).result()
+        w.update_weights(v0).result()
     for w, _, _ in actors.workers:
-        w.wait_version(0).result()
+        w.wait_version(v0).result()
     pipeline = make_pipeline(actors, graph)
-    pipeline.supervisor = Supervisor(client, actors, graph, model_path, run_dir)
+    pipeline.supervisor = Supervisor(client, actors, graph, model_path, run_dir,
+                                     store_url=store_url, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    t_start = time.time()
+    first, t_start = 1, time.time()
+    if ckpt is not None:  # the curve continues: counters, group sequence, time axis
+        pipeline.load_state(ckpt.state["pipeline"])
+        log.rows = checkpoint.truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
+        first, t_start = ckpt.step + 1, t_start - ckpt.state.get("elapsed", 0.0)
     try:
         bar = _progress(graph.steps, progress)
-        for step in range(1, graph.steps + 1):
+        bar.update(first - 1)
+        for step in range(first, graph.steps + 1):
             metrics = pipeline.step(step)
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
@@ -219,6 +259,13 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics["recovery/groups_restarted"] = pipeline.restarted_groups
             metrics["time"] = time.time() - t_start
             log.write(metrics)
+            if step == graph.steps or (graph.checkpoint_every and
+                                       step % graph.checkpoint_every == 0):
+                checkpoint.save(checkpoint_url or checkpoint.default_url(run_dir), step,
+                                actors, pipeline=pipeline,
+                                graph={"source": graph_source, **graph.to_dict()},
+                                resources={"source": resources_source, **actors.placement},
+                                elapsed=metrics["time"])
             bar.update(1)
             bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in metrics.items()
                                          if k.startswith("reward/") and k != "reward/mean"))

@@ -55,6 +55,16 @@ class Pipeline(abc.ABC):
         self.groups[gid] = (task, seed, size, 0)
         return task, seed, gid, size
 
+    def state(self) -> dict:
+        """What a checkpoint needs to continue the group sequence (``rollart.checkpoint``)."""
+        return {"n_groups": self.n_groups, "rng": self.rng.getstate()}
+
+    def load_state(self, state: dict) -> None:
+        from rollart.checkpoint import _tupled
+
+        self.n_groups = int(state["n_groups"])
+        self.rng.setstate(_tupled(state["rng"]))
+
     def manager(self, i: int):
         if not self.actors.managers and self.supervisor is not None:
             self.supervisor.wait_for_manager()

@@ -16,9 +16,12 @@ actor lost          what happens
 ``InferenceWorker`` each manager's ``LLMProxy`` re-sends the request to another worker;
                     a new actor starts on the restarted worker, loads the newest
                     weights, and the managers get the new worker list.
-``Trainer``         the step's future fails; a new trainer starts on a TRAIN worker,
-                    restores the newest readable published weights (the step whose
-                    update was lost is re-run on fresh groups) and training goes on.
+``Trainer``         the step's future fails; a new trainer starts on a TRAIN worker and
+                    restores the run's last complete checkpoint (``rollart.checkpoint``:
+                    weights, optimizer, KL reference, RNG); when the weight store holds
+                    a newer published version, those weights are loaded on top (so
+                    rollout never goes back in version). The lost step is re-run on
+                    fresh groups; its batch stays counted ``trained`` (never re-used).
 ``SampleBuffer``    holds the ledger: its loss ends the run with ``RunLostError``.
 ==================  ===================================================================
 
@@ -57,10 +60,12 @@ class Supervisor:
     """Replaces lost actors of ``actors`` (a ``rollart.control.Actors``) in place."""
 
     def __init__(self, client, actors, graph, model_path: str, run_dir, *,
+                 store_url: str | None = None, checkpoint_url: str | None = None,
                  check_every: float = 0.5, wait_for_worker: float = 300.0):
         self.client, self.actors, self.graph = client, actors, graph
         self.model_path, self.run = model_path, run_dir.name
-        self.store_url = str(run_dir / "weights")
+        self.store_url = store_url or str(run_dir / "weights")
+        self.checkpoint_url = checkpoint_url
         self.check_every, self.wait_for_worker = check_every, wait_for_worker
         self.events: list[dict] = []
         self.pending: list[_Lost] = []
@@ -206,10 +211,34 @@ class Supervisor:
             temperature=g.policy.temperature, threads=1, seed=g.seed, actor=True,
             workers=[free[0]], resources={TRAIN: 1},
             key=self._key("Trainer", free[0])).result()
-        version = trainer.restore_latest().result()
+        version, source = self._restore(trainer)
         self.actors.trainer = trainer
-        self._event(lost, free[0])
+        event = self._event(lost, free[0])
+        event.update(version=version, restored_from=source)
         return version
+
+    def _restore(self, trainer) -> tuple[int, str]:
+        """Last checkpoint first, then newer published weights; returns (version, how)."""
+        from rollart import checkpoint
+        from rollart.weights import WeightStore
+
+        how, version = [], -1
+        path = checkpoint.latest(self.checkpoint_url) if self.checkpoint_url else None
+        if path is not None:
+            try:
+                checkpoint.load(path)  # verifies the manifest: no half-restored trainer
+                version = trainer.load_state(path).result()
+                how.append(f"checkpoint {path}")
+            except checkpoint.CheckpointError as e:
+                logger.warning("not restoring the trainer from %s: %s", path, e)
+        if WeightStore(self.store_url).latest() > version:
+            version = trainer.restore_latest().result()
+            how.append(f"weights v{version}")
+        if not how:
+            raise RunLostError(f"the trainer was lost and there is neither a checkpoint under "
+                               f"{self.checkpoint_url} nor published weights in "
+                               f"{self.store_url} to restore it from")
+        return version, " + ".join(how)
 
     def wait_for_manager(self) -> None:
         """Block until at least one env manager is alive (after all of them were lost)."""

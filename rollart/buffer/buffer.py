@@ -348,6 +348,103 @@ class SampleBuffer:
             await asyncio.gather(*list(self._writes))
         return self._parts
 
+    async def snapshot(self, url: str) -> dict:
+        """Write the buffer's part of a checkpoint under ``url`` (``rollart.checkpoint``):
+        every buffered row as ``buffer.parquet`` and its bookkeeping as ``buffer.json``.
+
+        Rows that already left are flushed to ``samples/`` first, so the checkpoint's
+        ``next_part`` marks exactly which part files belong to the checkpointed run.
+        Returns the manifest entries."""
+        import io
+        import json
+
+        import pyarrow.parquet as pq
+
+        from rollart.checkpoint import write_bytes
+
+        async with self._condition:
+            await self.flush()
+            groups = [(g, True) for g in self._complete.values()] + \
+                     [(g, False) for g in self._open.values()]
+            batches = [b for g, _ in groups for b in g.batches]
+            meta = {
+                "counts": dict(self._counts), "ledger": dict(self.ledger.counts),
+                "next_part": self._parts,
+                "groups": [{"id": g.group_id, "size": g.size, "arrived": g.arrived,
+                            "rows": g.rows, "complete": done} for g, done in groups],
+            }
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_batches(batches, schema=SCHEMA), buf)
+        files = write_bytes(url, "buffer.parquet", buf.getvalue())
+        files.update(write_bytes(url, "buffer.json", json.dumps(meta, indent=1).encode()))
+        return files
+
+    async def restore(self, url: str) -> int:
+        """Continue from a snapshot written by ``snapshot``: counts, ledger totals and
+        the Parquet part counter continue; complete groups are buffered again (in their
+        order); incomplete ones can never complete (their missing members died with the
+        old run), so their rows are dropped. Trajectories in flight at the snapshot
+        count as aborted. Part files the old run wrote after the snapshot are moved to
+        ``samples/after-resume-{k}/`` so no trajectory appears trained twice. Returns
+        rows buffered."""
+        import io
+        import json
+
+        import fsspec
+        import pyarrow.parquet as pq
+
+        fs, root = fsspec.core.url_to_fs(str(url))
+        root = root.rstrip("/")
+        with fs.open(f"{root}/buffer.json", "r") as f:
+            meta = json.load(f)
+        with fs.open(f"{root}/buffer.parquet", "rb") as f:
+            table = pq.read_table(io.BytesIO(f.read())).cast(SCHEMA)
+        async with self._condition:
+            self._counts = dict(meta["counts"])
+            ledger = dict(meta["ledger"])
+            ledger["aborted"] = ledger.get("aborted", 0) + ledger.pop("in_flight", 0)
+            self.ledger.counts.clear()
+            self.ledger.counts.update(ledger)
+            self._parts = int(meta["next_part"])
+            self._set_aside_parts_after(self._parts)
+            ids = table.column("group_id").to_pylist()
+            rows_by_group: dict[str, list[int]] = {}
+            for i, gid in enumerate(ids):
+                rows_by_group.setdefault(gid, []).append(i)
+            for info in meta["groups"]:
+                idx = rows_by_group.get(info["id"], [])
+                part = table.take(idx).combine_chunks()
+                group = _Group(info["id"], info["size"], arrived=info["arrived"],
+                               batches=part.to_batches(),
+                               versions=part.column("version").to_pylist())
+                for traj_id in part.column("traj_id").to_pylist():
+                    self.ledger.state[traj_id] = TrajState.BUFFERED.value
+                if info["complete"]:
+                    self._complete[group.group_id] = group
+                else:
+                    self._closed.add(group.group_id)
+                    self._leave(group.batches, TrajState.DROPPED)
+            self.ledger.check()
+            self._condition.notify_all()
+        await self.flush()
+        return self._buffered()
+
+    def _set_aside_parts_after(self, next_part: int) -> None:
+        if self.run_dir is None:
+            return
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(f"{self.run_dir}/samples")
+        if not fs.exists(root):
+            return
+        later = [p for p in fs.glob(f"{root}/part-*.parquet")
+                 if int(p.rsplit("-", 1)[-1].split(".")[0]) >= next_part]
+        if later:
+            k = len(fs.glob(f"{root}/after-resume-*"))
+            fs.makedirs(f"{root}/after-resume-{k}", exist_ok=True)
+            for p in later:
+                fs.mv(p, f"{root}/after-resume-{k}/{p.rsplit('/', 1)[-1]}")
+
     async def close(self) -> None:
         """Flush and release the I/O thread. Still-buffered rows are not written."""
         await self.flush()

@@ -92,6 +92,9 @@ class InferenceWorker:
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
         self.prefetch_seconds = 0.0
+        self.prefetches = 0  # versions read from the store and staged
+        self._store: WeightStore | None = None  # opened by the prefetch thread
+        self._reader = f"{self.address or 'local'}/{pool}/{id(self):x}"
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
         )
@@ -170,6 +173,7 @@ class InferenceWorker:
             "recompute_tokens": eng.recompute_tokens,
             "stall_seconds": eng.stall_seconds,
             "prefetch_seconds": self.prefetch_seconds,
+            "prefetches": self.prefetches,
         }
 
     async def close(self) -> None:
@@ -227,12 +231,13 @@ class InferenceWorker:
                 target = self._wanted
             t0 = time.perf_counter()
             try:
-                state_dict = WeightStore(self.store_url).get(target)
+                state_dict, target = self._fetch(target)
                 self.engine.request_update(state_dict, target)
                 error = None
             except Exception as exc:  # noqa: BLE001 - reported to wait_version callers
                 error = exc
             self.prefetch_seconds += time.perf_counter() - t0
+            self.prefetches += error is None
             with self._cond:
                 if error is None:
                     self._fetched = max(self._fetched, target)
@@ -242,6 +247,27 @@ class InferenceWorker:
                         self._wanted = self._fetched
                     self._settle_waiters(target, error)
                 self._cond.notify_all()  # wakes an idle engine thread to apply it
+
+    def _fetch(self, target: int) -> tuple[dict, int]:
+        """Read ``target`` from the store, held so garbage collection keeps it meanwhile.
+        If it was collected before the hold (newer versions exist), read the newest."""
+        if self._store is None:
+            self._store = WeightStore(self.store_url)
+        store, reader = self._store, self._reader
+        store.hold(reader, target)
+        try:
+            try:
+                return store.get(target), target
+            except KeyError:
+                newest = store.latest()
+                if newest <= target:
+                    raise
+                store.hold(reader, newest)
+                with self._cond:
+                    self._wanted = max(self._wanted, newest)
+                return store.get(newest), newest
+        finally:
+            store.release(reader)
 
     def _settle_waiters(self, version: int, error: BaseException | None) -> None:
         """Resolve waiters now satisfied, or failed by ``error`` (hold ``_cond``)."""

@@ -114,9 +114,76 @@ class Trainer:
         await self._run(_save)
         return path
 
+    async def save_state(self, url: str) -> dict:
+        """Write this trainer's part of a checkpoint under ``url`` (see
+        ``rollart.checkpoint``): ``model/``, ``ref_model.safetensors``, ``trainer.pt``.
+        Returns their manifest entries."""
+        return await self._run(self._save_state, url)
+
+    async def load_state(self, url: str) -> int:
+        """Restore weights, optimizer, version and RNG from a checkpoint at ``url``;
+        returns the restored version."""
+        return await self._run(self._load_state, url)
+
     async def stats(self) -> dict:
         return {"version": self.version, "busy_s": self.busy_seconds,
                 "waited_s": self.waited_seconds}
+
+    # -- checkpoints (trainer thread) ---------------------------------------------------
+    def _save_state(self, url: str) -> dict:
+        import io
+        import tempfile
+
+        from safetensors.torch import save as st_save
+
+        from rollart.checkpoint import upload_dir, write_bytes
+        from rollart.weights.store import _untie
+
+        with tempfile.TemporaryDirectory(prefix="rollart-ckpt-") as tmp:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            files = upload_dir(tmp, url, "model")
+        if self.ref_model is not None:
+            ref = {k: v.detach().cpu().contiguous()
+                   for k, v in self.ref_model.state_dict().items()}
+            files.update(write_bytes(url, "ref_model.safetensors", st_save(_untie(ref))))
+        sched = getattr(self, "scheduler", None)
+        buf = io.BytesIO()
+        torch.save({"optimizer": self.optimizer.state_dict(),
+                    "scheduler": sched.state_dict() if sched is not None else None,
+                    "version": self.version, "torch_rng": torch.get_rng_state(),
+                    "busy_seconds": self.busy_seconds,
+                    "waited_seconds": self.waited_seconds}, buf)
+        files.update(write_bytes(url, "trainer.pt", buf.getvalue()))
+        return files
+
+    def _load_state(self, url: str) -> int:
+        import io
+
+        import fsspec
+        from safetensors.torch import load as st_load
+
+        fs, root = fsspec.core.url_to_fs(str(url))
+        root = root.rstrip("/")
+        with fs.open(f"{root}/model/model.safetensors", "rb") as f:
+            self.model.load_state_dict(st_load(f.read()), strict=False)
+        if fs.exists(f"{root}/ref_model.safetensors"):
+            with fs.open(f"{root}/ref_model.safetensors", "rb") as f:
+                ref = st_load(f.read())
+            self.ref_model = copy.deepcopy(self.model).eval()
+            self.ref_model.load_state_dict(ref, strict=False)
+        with fs.open(f"{root}/trainer.pt", "rb") as f:
+            state = torch.load(io.BytesIO(f.read()), weights_only=False)
+        self.optimizer = self._make_optimizer()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") is not None and getattr(self, "scheduler", None):
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        self.store.truncate(self.version)  # versions a lost run published after this
+        torch.set_rng_state(state["torch_rng"])
+        self.busy_seconds = state.get("busy_seconds", 0.0)
+        self.waited_seconds = state.get("waited_seconds", 0.0)
+        return self.version
 
     # -- compute (trainer thread) -------------------------------------------------------
     def _update(self, batch) -> dict:

@@ -1,14 +1,26 @@
-"""An fsspec-backed, versioned store of model weights.
+"""A versioned store of model weights: one interface, two backends.
 
-The trainer calls ``put(version, state_dict)`` after each step; inference workers call
-``latest()`` and ``get(version)``. Each version is one safetensors blob at
-``{url}/v{version:08d}.safetensors``; ``LATEST`` holds the newest complete version and is
-written after the blob, so a reader never sees a half-written version. Old versions are
-removed by ``gc(keep)``. Any fsspec URL works (a local path, ``file://``, ``memory://``
-within one process, object stores).
+The trainer calls ``put(version, state_dict)`` after each step and ``gc(keep)``;
+inference workers call ``latest()``, ``hold(reader, v)``, ``get(v)``, ``release(reader)``.
+``WeightStore(url)`` picks the backend from the URL:
+
+* ``mooncake://HOST:PORT/PREFIX?metadata=URL`` → ``rollart.weights.mooncake`` (a
+  Mooncake distributed store; ``MooncakeMaster`` starts a local master and gives the URL)
+* anything else → ``FsspecWeightStore`` (a local path, ``file://``, ``memory://`` within
+  one process, object stores).
+
+Each version is one safetensors blob. ``LATEST`` names the newest complete version and is
+written after the blob, so a reader never sees a half-written version. Garbage
+collection removes versions that are neither among the newest ``keep`` nor held by a
+reader (a reader holds the version it is fetching); a backend may also refuse to remove
+a version while a read is in progress (Mooncake leases), and then it is retried at the
+next ``gc``. There is one publisher per store (the trainer).
 """
 
 from __future__ import annotations
+
+import abc
+import json
 
 import fsspec
 import torch
@@ -20,40 +32,86 @@ class UnreadableWeightsError(ValueError):
     """A stored weight version exists but cannot be loaded (truncated, corrupted)."""
 
 
-class WeightStore:
-    """Versioned weights under one fsspec URL. Picklable (it holds only the URL)."""
+class WeightStore(abc.ABC):
+    """Versioned weights. ``WeightStore(url)`` returns the backend the URL names.
 
-    def __init__(self, url: str):
-        self.url = str(url).rstrip("/")
-        self._fs, self._root = fsspec.core.url_to_fs(self.url)
+    Subclasses implement the byte-level primitives below; versioning, holds and garbage
+    collection are shared. Stores pickle as their URL.
+    """
+
+    url: str
+
+    def __new__(cls, url: str | None = None, *args, **kwargs):
+        if cls is WeightStore:
+            if str(url).startswith("mooncake://"):
+                from rollart.weights.mooncake import MooncakeWeightStore
+
+                cls = MooncakeWeightStore
+            else:
+                cls = FsspecWeightStore
+        return super().__new__(cls)
 
     def __reduce__(self):
         return (WeightStore, (self.url,))
 
-    def _path(self, version: int) -> str:
-        return f"{self._root}/v{int(version):08d}.safetensors"
+    # -- primitives (per backend) -------------------------------------------------------
+    @abc.abstractmethod
+    def _write(self, name: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _read(self, name: str) -> bytes | None:
+        """The object's bytes, or ``None`` when it does not exist."""
+
+    @abc.abstractmethod
+    def _remove(self, name: str) -> bool:
+        """Remove an object; ``False`` when the backend refuses now (retry later)."""
+
+    @abc.abstractmethod
+    def versions(self) -> list[int]:
+        """Versions present, oldest first."""
+
+    @abc.abstractmethod
+    def holds(self) -> dict[str, int]:
+        """``{reader: version}`` for every reader that holds a version."""
+
+    @abc.abstractmethod
+    def hold(self, reader: str, version: int) -> None:
+        """Mark ``version`` as needed by ``reader`` (until ``release``)."""
+
+    @abc.abstractmethod
+    def release(self, reader: str) -> None: ...
+
+    def _forget(self, version: int) -> None:
+        """Hook: a version was removed (backends that keep an index update it)."""
+
+    def _remember(self, version: int) -> None:
+        """Hook: a version was added."""
+
+    # -- the interface ------------------------------------------------------------------
+    @staticmethod
+    def _name(version: int) -> str:
+        return f"v{int(version):08d}.safetensors"
 
     def put(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        """Publish ``state_dict`` as ``version`` (tensors are copied to CPU, contiguous)."""
-        self._fs.makedirs(self._root, exist_ok=True)
+        """Publish ``state_dict`` as ``version`` (tensors copied to CPU, contiguous)."""
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        blob = st_save(_untie(tensors))
-        with self._fs.open(self._path(version), "wb") as f:
-            f.write(blob)
-        with self._fs.open(f"{self._root}/LATEST", "w") as f:
-            f.write(str(int(version)))
+        self.put_bytes(version, st_save(_untie(tensors)))
+
+    def put_bytes(self, version: int, blob: bytes) -> None:
+        """Publish an already serialised safetensors blob as ``version``."""
+        self._write(self._name(version), blob)
+        self._remember(int(version))
+        self._write("LATEST", str(int(version)).encode())
 
     def get(self, version: int) -> dict[str, torch.Tensor]:
-        path = self._path(version)
-        if not self._fs.exists(path):
+        data = self._read(self._name(version))
+        if data is None:
             raise KeyError(f"weight version {version} is not in the store at {self.url}")
-        with self._fs.open(path, "rb") as f:
-            blob = f.read()
         try:
-            return st_load(blob)
+            return st_load(data)
         except Exception as e:
             raise UnreadableWeightsError(
-                f"weight version {version} at {path} is unreadable ({type(e).__name__}: "
+                f"weight version {version} in {self.url} is unreadable ({type(e).__name__}: "
                 f"{e}); it was truncated or is not a safetensors file. Delete it so the "
                 "previous version is used, or publish the weights again") from None
 
@@ -70,11 +128,64 @@ class WeightStore:
 
     def latest(self) -> int:
         """The newest published version, or -1 when nothing was published yet."""
-        path = f"{self._root}/LATEST"
-        if not self._fs.exists(path):
-            return -1
-        with self._fs.open(path, "r") as f:
-            return int(f.read().strip())
+        data = self._read("LATEST")
+        return int(data.decode().strip()) if data else -1
+
+    def truncate(self, version: int) -> list[int]:
+        """Remove versions newer than ``version`` (a run resumed from a checkpoint);
+        returns them."""
+        newer = [v for v in self.versions() if v > int(version)]
+        for v in newer:
+            if self._remove(self._name(v)):
+                self._forget(v)
+        if self.latest() > int(version):
+            self._write("LATEST", str(int(version)).encode())
+        return newer
+
+    def gc(self, keep: int = 2) -> list[int]:
+        """Remove versions older than the newest ``keep`` that no reader holds;
+        returns the removed ones (a version being read may survive until the next gc)."""
+        present = self.versions()
+        protect = set(present[-keep:]) if keep > 0 else set()
+        protect |= set(self.holds().values())
+        removed = []
+        for v in present:
+            if v not in protect and self._remove(self._name(v)):
+                self._forget(v)
+                removed.append(v)
+        return removed
+
+
+class FsspecWeightStore(WeightStore):
+    """Versions as files ``{url}/v{version:08d}.safetensors``; holds as small files in
+    ``{url}/holds/``."""
+
+    def __init__(self, url: str):
+        self.url = str(url).rstrip("/")
+        self._fs, self._root = fsspec.core.url_to_fs(self.url)
+
+    def _path(self, name: str) -> str:
+        return f"{self._root}/{name}"
+
+    def _write(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with self._fs.open(path, "wb") as f:
+            f.write(data)
+
+    def _read(self, name: str) -> bytes | None:
+        try:
+            with self._fs.open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _remove(self, name: str) -> bool:
+        try:
+            self._fs.rm(self._path(name))
+        except FileNotFoundError:
+            pass
+        return True
 
     def versions(self) -> list[int]:
         if not self._fs.exists(self._root):
@@ -82,12 +193,28 @@ class WeightStore:
         names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
         return sorted(int(n[1:9]) for n in names if n.startswith("v") and n.endswith(".safetensors"))
 
-    def gc(self, keep: int = 2) -> list[int]:
-        """Remove all but the newest ``keep`` versions; returns the removed ones."""
-        old = self.versions()[:-keep] if keep > 0 else self.versions()
-        for v in old:
-            self._fs.rm(self._path(v))
-        return old
+    def holds(self) -> dict[str, int]:
+        root = self._path("holds")
+        if not self._fs.exists(root):
+            return {}
+        out = {}
+        for p in self._fs.ls(root, detail=False):
+            data = self._read(f"holds/{p.rsplit('/', 1)[-1]}")
+            if data:
+                rec = json.loads(data)
+                out[rec["reader"]] = int(rec["version"])
+        return out
+
+    def hold(self, reader: str, version: int) -> None:
+        self._write(f"holds/{_safe(reader)}",
+                    json.dumps({"reader": reader, "version": int(version)}).encode())
+
+    def release(self, reader: str) -> None:
+        self._remove(f"holds/{_safe(reader)}")
+
+
+def _safe(reader: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in reader)
 
 
 def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,296 @@
+"""Checkpoints of a run: everything needed to continue it exactly, under any fsspec URL.
+
+API (used by the control loop and by anything that restarts a lost trainer)::
+
+    path = save(url, step, actors, pipeline=p, graph=g, resources=r)  # -> ".../step-00000012"
+    path = latest(url)          # newest *complete* checkpoint under url, or None
+    ckpt = load(path)           # a verified ``Checkpoint`` (raises ``CheckpointError``)
+    restore(ckpt, actors, pipeline=p)   # push its state into freshly started actors
+
+``url`` is a folder URL (a local path, ``file://``, ``memory://``, object stores); each
+checkpoint is ``{url}/step-{step:08d}/``::
+
+    model/              the policy as a Hugging Face model folder (model + tokenizer)
+    ref_model.safetensors  the KL reference policy, when the algorithm uses one
+    trainer.pt          optimizer and scheduler state, version counter, torch RNG state
+    buffer.parquet      buffered trajectories (``rollart.buffer.SCHEMA``) ...
+    buffer.json         ... and the buffer's counts, ledger totals and next Parquet part
+    state.json          step, version, driver RNG states, the pipeline's group counter,
+                        elapsed run time (so a resumed run's metrics continue the curve)
+    graph.json, resources.json   the graph and the resources/placement that were used
+    manifest.json       size and sha256 of every file above
+    COMPLETE            written last; a folder without it is ignored by ``latest``
+
+``load`` checks the manifest, so a truncated or altered file is a ``CheckpointError``
+naming the file, never a half-restored run. The trainer writes its own files (model and
+optimizer stay on its worker); the buffer writes its own; the driver writes the rest.
+Who calls: ``rollart.control`` (every ``Graph.checkpoint_every`` steps and at the end,
+and ``train(resume=RUN)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+
+import fsspec
+
+STEP_PREFIX = "step-"
+MARKER = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message says which file."""
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint. ``model_dir`` is a local folder (downloaded if remote)."""
+
+    path: str
+    step: int
+    version: int
+    state: dict
+    graph: dict
+    resources: dict
+    model_dir: str
+    files: dict = field(default_factory=dict)  # name -> {"size", "sha256"}
+
+
+# -- helpers shared with the actors that write their part ------------------------------
+def step_dir(url: str, step: int) -> str:
+    return f"{str(url).rstrip('/')}/{STEP_PREFIX}{int(step):08d}"
+
+
+def digest(fs, path: str) -> dict:
+    """``{"size", "sha256"}`` of one file on ``fs``."""
+    h = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def write_bytes(url: str, name: str, data: bytes) -> dict:
+    """Write ``data`` to ``{url}/{name}``; returns its manifest entry."""
+    fs, root = fsspec.core.url_to_fs(str(url))
+    fs.makedirs(root, exist_ok=True)
+    path = f"{root.rstrip('/')}/{name}"
+    with fs.open(path, "wb") as f:
+        f.write(data)
+    return {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
+def upload_dir(local: str, url: str, name: str) -> dict:
+    """Copy the files of a local folder to ``{url}/{name}/``; returns manifest entries."""
+    fs, root = fsspec.core.url_to_fs(str(url))
+    out = {}
+    for base, _, files in os.walk(local):
+        for fname in sorted(files):
+            src = os.path.join(base, fname)
+            rel = os.path.relpath(src, local).replace(os.sep, "/")
+            dst = f"{root.rstrip('/')}/{name}/{rel}"
+            fs.makedirs(dst.rsplit("/", 1)[0], exist_ok=True)
+            with open(src, "rb") as f:
+                data = f.read()
+            with fs.open(dst, "wb") as f:
+                f.write(data)
+            out[f"{name}/{rel}"] = {"size": len(data),
+                                    "sha256": hashlib.sha256(data).hexdigest()}
+    return out
+
+
+def local_dir(url: str) -> str:
+    """A local path for a folder URL: itself when local, else a downloaded copy."""
+    fs, root = fsspec.core.url_to_fs(str(url))
+    if "file" in _protocols(fs):
+        return root
+    tmp = tempfile.mkdtemp(prefix="rollart-ckpt-")
+    fs.get(root.rstrip("/") + "/", tmp, recursive=True)
+    return tmp
+
+
+def _protocols(fs) -> tuple:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+# -- the API ---------------------------------------------------------------------------
+def save(url: str, step: int, actors, *, pipeline=None, graph=None, resources=None,
+         elapsed: float = 0.0, extra: dict | None = None) -> str:
+    """Write a checkpoint of the run behind ``actors`` after trainer step ``step``.
+
+    ``actors`` is ``rollart.control.Actors`` (trainer and buffer handles); ``pipeline``
+    (optional) contributes its group counter and RNG; ``graph`` a ``Graph`` or dict;
+    ``resources`` a dict (source, placement). Returns the checkpoint's URL.
+    """
+    path = step_dir(url, step)
+    fs, root = fsspec.core.url_to_fs(path)
+    if fs.exists(f"{root}/{MARKER}"):
+        fs.rm(f"{root}/{MARKER}")  # rewriting the same step: invalid until done again
+    files = dict(actors.trainer.save_state(path).result())
+    files.update(actors.buffer.snapshot(path).result())
+    version = actors.trainer.stats().result()["version"]
+    state = {"step": int(step), "version": int(version), "elapsed": float(elapsed),
+             "python_rng": _jsonable(random.getstate()), **(extra or {})}
+    if pipeline is not None:
+        state["pipeline"] = pipeline.state()
+    gdict = graph.to_dict() if hasattr(graph, "to_dict") else dict(graph or {})
+    for name, obj in (("state.json", state), ("graph.json", gdict),
+                      ("resources.json", dict(resources or {}))):
+        files.update(write_bytes(path, name, json.dumps(obj, indent=1, default=str).encode()))
+    files.update(write_bytes(path, "manifest.json", json.dumps(files, indent=1).encode()))
+    with fs.open(f"{root}/{MARKER}", "w") as f:
+        f.write(str(int(step)))
+    return path
+
+
+def steps(url: str) -> list[int]:
+    """Steps with a complete checkpoint under ``url``, oldest first."""
+    fs, root = fsspec.core.url_to_fs(str(url))
+    if not fs.exists(root):
+        return []
+    out = []
+    for p in fs.ls(root, detail=False):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit() and \
+                fs.exists(f"{p.rstrip('/')}/{MARKER}"):
+            out.append(int(name[len(STEP_PREFIX):]))
+    return sorted(out)
+
+
+def latest(url: str) -> str | None:
+    """URL of the newest complete checkpoint under ``url``; ``None`` when there is none."""
+    done = steps(url)
+    return step_dir(url, done[-1]) if done else None
+
+
+def load(path: str, *, verify: bool = True) -> Checkpoint:
+    """Read and verify the checkpoint at ``path`` (a ``step-N`` folder URL)."""
+    fs, root = fsspec.core.url_to_fs(str(path))
+    root = root.rstrip("/")
+    if not fs.exists(root):
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not fs.exists(f"{root}/{MARKER}"):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker: the "
+                              "writer stopped midway); use an older one (checkpoint.latest)")
+    files = _read_json(fs, root, path, "manifest.json")
+    if verify:
+        problems = []
+        for name, want in sorted(files.items()):
+            p = f"{root}/{name}"
+            if not fs.exists(p):
+                problems.append(f"{name} is missing")
+            elif (got := digest(fs, p)) != want:
+                problems.append(f"{name} is corrupt (size {got['size']}, expected "
+                                f"{want['size']}; sha256 differs)")
+        if problems:
+            raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
+    state = _read_json(fs, root, path, "state.json")
+    return Checkpoint(path=str(path), step=int(state["step"]), version=int(state["version"]),
+                      state=state, graph=_read_json(fs, root, path, "graph.json"),
+                      resources=_read_json(fs, root, path, "resources.json"),
+                      model_dir=local_dir(f"{str(path).rstrip('/')}/model"), files=files)
+
+
+def restore(ckpt: Checkpoint, actors, *, pipeline=None) -> None:
+    """Load ``ckpt`` into freshly started actors (trainer, buffer) and the pipeline."""
+    actors.trainer.load_state(ckpt.path).result()
+    actors.buffer.restore(ckpt.path).result()
+    if pipeline is not None and "pipeline" in ckpt.state:
+        pipeline.load_state(ckpt.state["pipeline"])
+    if "python_rng" in ckpt.state:
+        random.setstate(_tupled(ckpt.state["python_rng"]))
+
+
+def _read_json(fs, root: str, path: str, name: str) -> dict:
+    try:
+        with fs.open(f"{root}/{name}", "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: {name} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {name} is corrupt ({e})") from None
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+# -- resuming a run (used by ``rollart.control.train(resume=RUN)``) --------------------
+def default_url(run_dir) -> str:
+    """Where a run keeps its checkpoints unless told otherwise."""
+    return f"{str(run_dir).rstrip('/')}/checkpoints"
+
+
+def for_resume(run_dir, url: str | None = None) -> Checkpoint:
+    """The newest complete checkpoint of the run at ``run_dir`` (verified)."""
+    url = url or _recorded_url(run_dir) or default_url(run_dir)
+    path = latest(url)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint under {url} to resume {run_dir} "
+                              "from (checkpoints are written every Graph.checkpoint_every "
+                              "steps and at the end of a run)")
+    return load(path)
+
+
+def record_url(run_dir, url: str) -> None:
+    """Remember a run's checkpoint URL in its run directory (for ``--resume``)."""
+    with open(os.path.join(str(run_dir), "checkpoint_url.txt"), "w") as f:
+        f.write(str(url))
+
+
+def _recorded_url(run_dir) -> str | None:
+    p = os.path.join(str(run_dir), "checkpoint_url.txt")
+    if os.path.isfile(p):
+        with open(p) as f:
+            return f.read().strip() or None
+    return None
+
+
+def graph_from(ckpt: Checkpoint, given=None):
+    """The ``Graph`` a checkpointed run used: ``given`` if it is a ``Graph``, else the
+    saved source (or ``given`` as a graph spec) with the saved settings applied."""
+    from dataclasses import replace
+
+    from rollart.graph import GRPO, Graph, Policy, Rollout, load_graph
+
+    if isinstance(given, Graph):
+        return given
+    saved = ckpt.graph
+    source = given or saved.get("source")
+    if not source or source == "<python>":
+        raise CheckpointError(f"checkpoint {ckpt.path} was written by a graph given as a "
+                              "Python object: pass the same Graph to train(resume=...)")
+    base, _ = load_graph(source)
+    rollout = dict(saved["rollout"])
+    rollout["inference_pools"] = tuple(rollout["inference_pools"])
+    weights = saved.get("task_weights")
+    return replace(base, name=saved["name"], policy=Policy(**saved["policy"]),
+                   algo=GRPO(**saved["algo"]), rollout=Rollout(**rollout),
+                   steps=saved["steps"], seed=saved["seed"], mode=saved["mode"],
+                   checkpoint_every=saved.get("checkpoint_every", 0),
+                   task_weights=tuple(weights) if weights else None)
+
+
+def truncate_metrics(path, step: int) -> list[dict]:
+    """Keep the rows of ``metrics.jsonl`` up to ``step`` (a lost run may have logged
+    steps after its last checkpoint); returns the kept rows."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if r.get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows

@@ -72,6 +72,21 @@ class Supervisor:
         self._last = 0.0
         self._n = 0
         self.t0 = time.monotonic()
+        # hold every actor's key from the driver: a key no client wants is released by
+        # the scheduler (and its actor deleted) when some other holder goes away
+        self._holds = [self._hold(x) for x in [actors.trainer, actors.buffer,
+                                               *actors.managers,
+                                               *(w for w, _, _ in actors.workers)]]
+
+    def _hold(self, actor):
+        from distributed import Future
+
+        return Future(actor.key, self.client)
+
+    def _submit(self, *args, **kwargs):
+        fut = self.client.submit(*args, **kwargs)
+        self._holds.append(fut)
+        return fut.result()
 
     # -- detection ----------------------------------------------------------------------
     def live(self) -> dict[str, dict]:
@@ -81,6 +96,12 @@ class Supervisor:
     def _lost(actor, live) -> bool:
         fut = getattr(actor, "_future", None)
         return (fut is not None and fut.status == "error") or actor._address not in live
+
+    @staticmethod
+    def _why(actor, live) -> str:
+        fut = getattr(actor, "_future", None)
+        return (f"actor {fut.status if fut is not None else 'unknown'}, worker "
+                f"{'alive' if actor._address in live else 'gone'}")
 
     def is_lost(self, actor, error: BaseException) -> bool:
         """Did ``error`` (raised by a call on ``actor``) come from losing its worker?"""
@@ -98,7 +119,8 @@ class Supervisor:
         a = self.actors
         if self._lost(a.buffer, live):
             raise RunLostError(
-                f"the worker holding the SampleBuffer ({a.buffer._address}) was lost, and "
+                f"the worker holding the SampleBuffer ({a.buffer._address}, "
+                f"{self._why(a.buffer, live)}) was lost, and "
                 "with it the trajectory ledger; the run cannot continue. Resume it from its "
                 "last checkpoint, and give the buffer's worker a pool of its own")
         for actor in [m for m in a.managers if self._lost(m, live)]:
@@ -136,7 +158,7 @@ class Supervisor:
         now = time.monotonic()
         event = {"role": lost.role, "address": lost.address, "replacement": addr,
                  "lost_s": lost.since - self.t0, "recovered_s": now - self.t0,
-                 "recovery_s": now - lost.since}
+                 "recovery_s": now - lost.since, "recovered_at": time.time()}
         self.events.append(event)
         logger.warning("recovered from the loss of %s worker %s: new actor on %s after "
                        "%.1fs", lost.role, lost.address, addr, event["recovery_s"])
@@ -153,7 +175,7 @@ class Supervisor:
 
         g = self.graph
         proxy = LLMProxy([(w, tag) for w, tag, _ in self.actors.workers])
-        return self.client.submit(
+        return self._submit(
             EnvManager, proxy, self.actors.buffer, self.model_path,
             temperature=g.policy.temperature, top_p=g.policy.top_p,
             env_step_timeout=g.rollout.env_step_timeout,
@@ -162,16 +184,16 @@ class Supervisor:
             max_concurrency=g.rollout.env_concurrency,
             inference_pools=g.rollout.inference_pools, seed=g.seed, actor=True,
             workers=[addr], resources={CPU_ENV: 1},
-            key=self._key("EnvManager", addr)).result()
+            key=self._key("EnvManager", addr))
 
     def _spawn_inference(self, addr: str, tag: str):
         from rollart.rollout import InferenceWorker
         from rollart.weights import WeightStore
 
-        w = self.client.submit(
+        w = self._submit(
             InferenceWorker, self.model_path, self.store_url, pool=tag, version=-1,
             max_batch=self.graph.policy.max_batch, threads=1, actor=True, workers=[addr],
-            resources={tag: 1}, key=self._key(f"InferenceWorker-{tag}", addr)).result()
+            resources={tag: 1}, key=self._key(f"InferenceWorker-{tag}", addr))
         version = WeightStore(self.store_url).latest()
         if version >= 0:
             w.update_weights(version).result()
@@ -206,11 +228,11 @@ class Supervisor:
                     "run from its last checkpoint)")
             time.sleep(0.25)
         g = self.graph
-        trainer = self.client.submit(
+        trainer = self._submit(
             Trainer, self.model_path, self.store_url, g.algo,
             temperature=g.policy.temperature, threads=1, seed=g.seed, actor=True,
             workers=[free[0]], resources={TRAIN: 1},
-            key=self._key("Trainer", free[0])).result()
+            key=self._key("Trainer", free[0]))
         version, source = self._restore(trainer)
         self.actors.trainer = trainer
         event = self._event(lost, free[0])

@@ -52,7 +52,7 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
 
     faults = Faults(step=0.002, fail_prob=0.05, seed=1)
     graph = Graph(name="t-recovery", tasks=(with_faults("gridnav", faults),), steps=7,
-                  policy=Policy(warmup_steps=0),
+                  checkpoint_every=2, policy=Policy(warmup_steps=0),
                   algo=GRPO(group_size=2, groups_per_step=3, alpha=1),
                   rollout=Rollout(env_step_timeout=2.0, redundancy=1.5))
     res = chaos_resources()
@@ -73,6 +73,8 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
     roles = sorted(e["role"] for e in result.recovery)
     assert roles == ["env", "inference", "trainer"], result.recovery
     assert all(e["recovery_s"] >= 0 for e in result.recovery)
+    trainer = next(e for e in result.recovery if e["role"] == "trainer")
+    assert "checkpoint" in trainer["restored_from"]  # the step-4 checkpoint
     final = result.final_counts
     assert final["in_flight"] == 0  # nothing lost: every launch ended in a final state
     samples = read_samples(result.run_dir)

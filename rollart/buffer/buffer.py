@@ -304,6 +304,14 @@ class SampleBuffer:
         for t in traj_ids:
             self.ledger.move(t, state)
 
+    async def record_failed(self, traj: Trajectory) -> None:
+        """A failed member its env manager replaced: counted and written as ``failed``,
+        without taking a place in its group."""
+        self._counts["received"] += 1
+        traj.state = TrajState.FAILED.value
+        self._leave([to_record_batch([traj])], TrajState.FAILED)
+        await self._maybe_flush()
+
     async def orphan_group(self, group_id: str, error: str = "worker lost") -> dict:
         """A group's env manager was lost: its members still in flight there will never
         arrive, so they become ``failed``. Returns ``{"failed": n, "arrived": k,

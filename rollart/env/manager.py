@@ -11,6 +11,10 @@ lifecycle around them:
 * **Abort and replace**: ``abort_older_than(v)`` cancels every running member whose
   oldest generated token is older than ``v`` (it could never be trained) and starts a
   fresh member of the same group in its place.
+* **Replace failures** (not in lockstep batches): a member that fails (env raised,
+  hung past a time-out, returned garbage) is recorded as ``failed`` and a new member
+  starts in its place, up to ``group_size`` replacements per group; after that
+  failures are delivered to the group like any member.
 * **Lockstep batches** (the synchronous baselines): ``run_batch`` moves a whole batch
   turn by turn through a ``TurnBarrier``.
 
@@ -38,6 +42,7 @@ class _GroupRun:
     next_index: int = 0
     delivered: int = 0
     putting: int = 0  # deliveries awaiting the buffer
+    replaced: int = 0  # failed members replaced by new ones (at most ``size``)
     jobs: dict = field(default_factory=dict)  # traj_id -> asyncio.Task
     logs: dict = field(default_factory=dict)  # traj_id -> TokenLog (live members)
     reasons: dict = field(default_factory=dict)  # traj_id -> why it was cancelled
@@ -77,7 +82,7 @@ class EnvManager:
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
         self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
-                       "aborted": 0}
+                       "aborted": 0, "replaced": 0}
 
     # -- public actor methods -----------------------------------------------------------
     async def run_group(self, task, seed: int, group_id: str, group_size: int,
@@ -188,6 +193,18 @@ class EnvManager:
             return
         if grp.filled:  # a redundant member that finished late
             await self._settle(traj_id, TrajState.CANCELLED.value)
+        elif traj.state == TrajState.FAILED.value and grp.barrier is None and \
+                grp.replaced < grp.size:
+            # failed (env raised, hung, returned garbage): record it, start a new member
+            grp.replaced += 1
+            grp.putting += 1
+            try:
+                await self.buffer.record_failed(traj)
+            finally:
+                grp.putting -= 1
+            self.counts["failed"] += 1
+            self.counts["replaced"] += 1
+            await self._launch(grp, 1)
         else:
             grp.delivered += 1  # reserve the slot before awaiting: others see it filled
             grp.outcomes.append(traj.outcome)

@@ -81,3 +81,23 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
     trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
     assert len(trained) == len(set(trained))  # no trajectory trained twice
     assert rows[-1]["version"] >= 6
+
+
+def test_chaos_script_short(tmp_path):
+    """The chaos soak (benchmarks/chaos.py), short: nothing lost, nothing trained twice."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "chaos.py"), "--steps",
+                          "5", "--seed", "3", "--run-dir", str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    result = dict(kv.split("=") for kv in line.split()[1:])
+    assert result["lost"] == "0" and result["duplicated"] == "0", line
+    assert float(result["max_recovery_s"]) < 120 and result["steps"] == "5"
+    assert re.search(r"killed \S+ \(", out.stdout)

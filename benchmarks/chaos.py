@@ -98,6 +98,12 @@ def main() -> None:
     from rollart.types import CPU_ENV, H20, H800, TRAIN
 
     quiet()
+    import dask
+
+    # a crowded machine can starve an in-process cluster's shared event loop for tens of
+    # seconds: be patient with comms, so only the injected kill removes a worker
+    dask.config.set({"distributed.comm.timeouts.connect": "300s",
+                     "distributed.comm.timeouts.tcp": "300s"})
     rng = random.Random(args.seed)
     tag = rng.choice([CPU_ENV, H800, H20, TRAIN])
     at_step = rng.randint(2, max(2, steps - 3))

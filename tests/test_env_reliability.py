@@ -83,9 +83,10 @@ def setup(local_cluster, tiny_model, tmp_path_factory):
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
                    key="rel-buf").result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, env_step_timeout=0.3,
-                   trajectory_timeout=1.0, env_threads=2, actor=True,
-                   resources={CPU_ENV: 1}, key="rel-mgr").result()
-    return c, mgr, buf
+                   env_threads=2, actor=True, resources={CPU_ENV: 1}, key="rel-mgr").result()
+    timed = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, trajectory_timeout=1.0,
+                     actor=True, resources={CPU_ENV: 1}, key="rel-mgr-timed").result()
+    return c, mgr, buf, timed
 
 
 def _env_threads():
@@ -93,7 +94,7 @@ def _env_threads():
 
 
 def test_hung_sync_envs_fail_and_give_their_threads_back(setup):
-    c, mgr, buf = setup
+    c, mgr, buf, _ = setup
     before = buf.counts().result()
     # 4 members (and their replacements) on 2 env threads: without closing hung envs at
     # once, the pool would stay wedged and later members could never step
@@ -115,7 +116,7 @@ def test_hung_sync_envs_fail_and_give_their_threads_back(setup):
 
 
 def test_trajectory_timeout_cuts_a_slow_episode(setup):
-    c, mgr, buf = setup
+    c, _, buf, mgr = setup
     out = mgr.run_group(_task("slow", SlowButAlive, max_turns=50), 2, "slow", 2).result(
         timeout=60)
     assert out["outcomes"] == ["failed", "failed"]
@@ -124,7 +125,7 @@ def test_trajectory_timeout_cuts_a_slow_episode(setup):
 
 
 def test_garbage_and_flaky_envs_are_counted_and_replaced(setup):
-    c, mgr, buf = setup
+    c, mgr, buf, _ = setup
     before = buf.counts().result()
     out = mgr.run_group(_task("junk", Garbage), 3, "junk", 2).result(timeout=60)
     assert out["outcomes"] == ["failed", "failed"]

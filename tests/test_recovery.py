@@ -5,7 +5,6 @@ and no trajectory is trained twice."""
 
 import threading
 import time
-from dataclasses import replace
 
 import pyarrow.compute as pc
 import pytest
@@ -93,7 +92,7 @@ def test_chaos_script_short(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "chaos.py"), "--steps",
                           "5", "--seed", "3", "--run-dir", str(tmp_path)], cwd=root,
-                         capture_output=True, text=True, timeout=900,
+                         capture_output=True, text=True, timeout=560,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))

@@ -66,7 +66,7 @@ class LLMProxy:
         if not pools:
             raise ValueError(f"pools is empty: pass None or some of {list(self.pools)}")
         unknown = [p for p in pools if p not in self.pools]
-        if unknown:
+        if len(unknown) == len(pools):  # some missing is fine (a lost worker's pool)
             raise ValueError(
                 f"no inference worker carries pool(s) {unknown}; available pools: "
                 f"{list(self.pools)}"

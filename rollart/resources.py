@@ -212,8 +212,12 @@ def _load_module(path: Path, error: type[Exception]):
 
 def cluster_tags(client) -> dict[str, dict[str, float]]:
     """``{worker address: {tag: amount}}`` as the scheduler sees it now."""
-    info = client.scheduler_info(n_workers=-1) if _accepts_n_workers(client) \
-        else client.scheduler_info()
+    if _accepts_n_workers(client) and not client.asynchronous:
+        # ask the scheduler directly: scheduler_info() returns a cache that the client's
+        # periodic refresh may overwrite (without per-worker entries) at any moment
+        info = client.sync(client.scheduler.identity, n_workers=-1)
+    else:
+        info = client.scheduler_info()
     return {addr: dict(w.get("resources", {})) for addr, w in info["workers"].items()}
 
 

@@ -251,7 +251,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         bar = _progress(graph.steps, progress)
         bar.update(first - 1)
         for step in range(first, graph.steps + 1):
-            metrics = pipeline.step(step)
+            metrics = _step(client, pipeline, step, run_dir)
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
             metrics["rollout/group_errors"] = len(pipeline.errors)
@@ -284,6 +284,31 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     return result
 
 
+def _step(client, pipeline, step: int, run_dir: Path) -> dict:
+    """One pipeline step; losing the scheduler ends the run with how to resume it."""
+    from rollart.recovery import RunLostError
+
+    try:
+        return pipeline.step(step)
+    except (OSError, RuntimeError) as e:
+        if client.status in ("running", "connecting") and not isinstance(e, OSError):
+            raise
+        if client.status in ("running", "connecting") and _scheduler_alive(client):
+            raise
+        raise RunLostError(
+            f"lost the Dask scheduler during step {step} ({type(e).__name__}: {e}); the run "
+            f"cannot continue on this cluster. Restart the scheduler and resume with "
+            f"`rollart train --resume {run_dir}` (from its last checkpoint)") from e
+
+
+def _scheduler_alive(client) -> bool:
+    try:
+        client.sync(client.scheduler.identity, n_workers=0, callback_timeout=10)
+        return True
+    except Exception:
+        return False
+
+
 def _shutdown(actors: Actors) -> dict:
     """Cancel what is still running and flush the buffer to Parquet; return the
     ledger's final counts (nothing may be left in flight).
@@ -293,16 +318,20 @@ def _shutdown(actors: Actors) -> dict:
     """
     for actor in actors.managers:
         _close(actor, "env manager")
-    counts = actors.buffer.counts().result()
-    actors.buffer.close().result()
+    try:
+        counts = actors.buffer.counts().result(timeout=60)
+    except Exception as e:  # the buffer's worker (or the scheduler) is gone
+        logger.warning("could not read the final counts: %s: %s", type(e).__name__, e)
+        counts = {}
+    _close(actors.buffer, "sample buffer", timeout=600)
     for w, tag, addr in actors.workers:
         _close(w, f"inference worker {tag} at {addr}")
     return counts
 
 
-def _close(actor, what: str) -> None:
+def _close(actor, what: str, timeout: float = 30) -> None:
     try:
-        actor.close().result(timeout=30)
+        actor.close().result(timeout=timeout)
     except Exception as e:
         logger.warning("could not close %s: %s: %s", what, type(e).__name__, e)
 

@@ -15,7 +15,8 @@ It prints the kills, the recoveries and one line
     RESULT lost=… duplicated=… max_recovery_s=… steps=… failed_frac=… restarted_groups=…
 
 ``lost``: launched trajectories with no final state once the run has shut down (the
-ledger's ``in_flight``), plus any gap in the ledger's sum. ``duplicated``: trajectories
+ledger's ``in_flight``), plus any gap in the ledger's sum. ``orphaned``: trajectories
+that were in flight on a killed worker (counted ``failed``; their groups restart). ``duplicated``: trajectories
 trained more than once (from the Parquet samples). ``max_recovery_s``: kill → the
 replacement actor is ready, worst over the kills. A script, not a timed test.
 
@@ -142,6 +143,7 @@ def main() -> None:
         "max_recovery_s": round(max(recoveries), 2) if recoveries else 0.0,
         "steps": len(result.metrics), "failed_frac": round(failed_frac, 3),
         "restarted_groups": result.metrics[-1].get("recovery/groups_restarted", 0),
+        "orphaned": final.get("orphaned", 0),
         "killed": kills[0]["tag"] if kills else "none"}.items()))
 
 

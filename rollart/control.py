@@ -311,7 +311,8 @@ def _scheduler_alive(client) -> bool:
 
 def _shutdown(actors: Actors) -> dict:
     """Cancel what is still running and flush the buffer to Parquet; return the
-    ledger's final counts (nothing may be left in flight).
+    ledger's final counts. Once the live managers have settled their members, what is
+    still in flight ran on a lost worker: it becomes ``failed`` (``orphaned``).
 
     A manager or worker that cannot be closed (its worker died) is reported and skipped
     so the samples still get flushed.
@@ -319,6 +320,7 @@ def _shutdown(actors: Actors) -> dict:
     for actor in actors.managers:
         _close(actor, "env manager")
     try:
+        actors.buffer.orphan_all_in_flight().result(timeout=60)  # ran on lost managers
         counts = actors.buffer.counts().result(timeout=60)
     except Exception as e:  # the buffer's worker (or the scheduler) is gone
         logger.warning("could not read the final counts: %s: %s", type(e).__name__, e)

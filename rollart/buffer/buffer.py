@@ -312,6 +312,20 @@ class SampleBuffer:
         self._leave([to_record_batch([traj])], TrajState.FAILED)
         await self._maybe_flush()
 
+    async def orphan_all_in_flight(self, error: str = "lost with its worker") -> int:
+        """End of run, after every live env manager settled its members: whatever the
+        ledger still has in flight ran on a manager that was lost; those become
+        ``failed`` (counted in ``orphaned``). Returns how many."""
+        lost = [t for t, st in self.ledger.state.items() if st == "in_flight"]
+        for t in lost:
+            self.ledger.move(t, TrajState.FAILED.value)
+        self._counts["failed"] += len(lost)
+        self._counts["orphaned"] = self._counts.get("orphaned", 0) + len(lost)
+        if lost:
+            logger.warning("%d trajectories were still in flight on lost workers (%s)",
+                           len(lost), error)
+        return len(lost)
+
     async def orphan_group(self, group_id: str, error: str = "worker lost") -> dict:
         """A group's env manager was lost: its members still in flight there will never
         arrive, so they become ``failed``. Returns ``{"failed": n, "arrived": k,

@@ -77,7 +77,6 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
     final = result.final_counts
     assert final["in_flight"] == 0  # nothing lost: every launch ended in a final state
     assert sum(final[s] for s in STATES) == final["launched"]
-    assert rows[-1]["recovery/groups_restarted"] + final["orphaned"] >= 0
     samples = read_samples(result.run_dir)
     trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
     assert len(trained) == len(set(trained))  # no trajectory trained twice

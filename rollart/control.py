@@ -38,6 +38,8 @@ from rollart.graph import Graph, load_graph
 from rollart.metrics import Monitor
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
+from rollart.preflight import check_lockstep, preflight
+from rollart.recovery import Supervisor
 from rollart.resources import Resources, check_tags, load_resources, workers_with
 from rollart.reward.offload import is_serverless
 from rollart.rollout import InferenceWorker, LLMProxy
@@ -73,6 +75,8 @@ class RunResult:
     model_dir: str
     warmup_model_dir: str | None
     evaluation: dict | None = None
+    recovery: list = field(default_factory=list)  # lost actors replaced (rollart.recovery)
+    final_counts: dict = field(default_factory=dict)  # the ledger after shutdown
 
 
 def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
@@ -93,7 +97,7 @@ def connect(resources: Resources | None, client=None):
         yield client
         return
     if resources.address:
-        with Client(resources.address) as c:
+        with Client(resources.address, security=resources.security) as c:
             yield c
         return
     with resources.make_cluster() as cluster, Client(cluster) as c:
@@ -145,6 +149,7 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
         EnvManager, proxy, buffer.result(), model_path, temperature=graph.policy.temperature,
         top_p=graph.policy.top_p, env_step_timeout=graph.rollout.env_step_timeout,
         reward_timeout=graph.rollout.reward_timeout,
+        trajectory_timeout=graph.rollout.trajectory_timeout,
         max_concurrency=graph.rollout.env_concurrency,
         inference_pools=graph.rollout.inference_pools, seed=graph.seed, actor=True,
         workers=[addr], resources={tag: 1}, key=f"EnvManager-{tag}-{addr}-{run}")
@@ -186,6 +191,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode,
                      checkpoint_every=checkpoint_every)
     res = load_resources(resources) if client is None or resources is not None else None
+    preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     if res is not None:
         check_declared(graph, res)  # misdeclared affinity: an error before anything starts
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
@@ -204,6 +210,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     with connect(res, client) as c, store_url(weights, run_dir) as weights_url:
         check_cluster(c, graph, source)
         check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
+        check_lockstep(graph, len(workers_with(c, CPU_ENV)), source)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
@@ -253,6 +260,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     for w, _, _ in actors.workers:
         w.wait_version(v0).result()
     pipeline = make_pipeline(actors, graph)
+    pipeline.supervisor = Supervisor(client, actors, graph, model_path, run_dir,
+                                     store_url=store_url, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
     pools = start_pools(client, [t.reward_fn for t in graph.tasks])  # serverless rewards
     first, t_start = 1, time.time()
@@ -265,12 +274,14 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         bar = _progress(graph.steps, progress)
         bar.update(first - 1)
         for step in range(first, graph.steps + 1):
-            metrics = pipeline.step(step)
+            metrics = _step(client, pipeline, step, run_dir)
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
             metrics["rollout/group_errors"] = len(pipeline.errors)
             if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
                 metrics.update(reward_metrics(client, pools, actors.managers))
+            metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)
+            metrics["recovery/groups_restarted"] = pipeline.restarted_groups
             metrics["time"] = time.time() - t_start
             running = monitor.step(metrics)  # False once rollart.metrics.request_stop(run)
             log.write(metrics)
@@ -290,33 +301,70 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         model_dir = actors.trainer.save(str(run_dir / "model")).result()
     finally:
         monitor.close()
-        _shutdown(actors)
+        final_counts = _shutdown(actors)
         for pool in pools:
             pool.stop()
+        events = pipeline.supervisor.events
+        (run_dir / "recovery.json").write_text(json.dumps(events, indent=2))
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir)
+    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir, recovery=events,
+                       final_counts=final_counts)
     if eval_seeds:
         result.evaluation = _evaluate_run(graph, result, eval_seeds)
         (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
     return result
 
 
-def _shutdown(actors: Actors) -> None:
-    """Cancel what is still running and flush the buffer to Parquet.
+def _step(client, pipeline, step: int, run_dir: Path) -> dict:
+    """One pipeline step; losing the scheduler ends the run with how to resume it."""
+    from rollart.recovery import RunLostError
+
+    try:
+        return pipeline.step(step)
+    except (OSError, RuntimeError) as e:
+        if client.status in ("running", "connecting") and not isinstance(e, OSError):
+            raise
+        if client.status in ("running", "connecting") and _scheduler_alive(client):
+            raise
+        raise RunLostError(
+            f"lost the Dask scheduler during step {step} ({type(e).__name__}: {e}); the run "
+            f"cannot continue on this cluster. Restart the scheduler and resume with "
+            f"`rollart train --resume {run_dir}` (from its last checkpoint)") from e
+
+
+def _scheduler_alive(client) -> bool:
+    try:
+        client.sync(client.scheduler.identity, n_workers=0, callback_timeout=10)
+        return True
+    except Exception:
+        return False
+
+
+def _shutdown(actors: Actors) -> dict:
+    """Cancel what is still running and flush the buffer to Parquet; return the
+    ledger's final counts. Once the live managers have settled their members, what is
+    still in flight ran on a lost worker: it becomes ``failed`` (``orphaned``).
 
     A manager or worker that cannot be closed (its worker died) is reported and skipped
     so the samples still get flushed.
     """
     for actor in actors.managers:
         _close(actor, "env manager")
-    actors.buffer.close().result()
+    try:
+        actors.buffer.orphan_all_in_flight().result(timeout=60)  # ran on lost managers
+        counts = actors.buffer.counts().result(timeout=60)
+    except Exception as e:  # the buffer's worker (or the scheduler) is gone
+        logger.warning("could not read the final counts: %s: %s", type(e).__name__, e)
+        counts = {}
+    _close(actors.buffer, "sample buffer", timeout=600)
     for w, tag, addr in actors.workers:
         _close(w, f"inference worker {tag} at {addr}")
+    return counts
 
 
-def _close(actor, what: str) -> None:
+def _close(actor, what: str, timeout: float = 30) -> None:
     try:
-        actor.close().result(timeout=30)
+        actor.close().result(timeout=timeout)
     except Exception as e:
         logger.warning("could not close %s: %s: %s", what, type(e).__name__, e)
 

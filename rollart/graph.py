@@ -35,6 +35,19 @@ def _check(cond: bool, msg: str):
         raise GraphError(msg)
 
 
+def _numbers(obj, *names: str, integer: bool = False, optional: bool = False) -> None:
+    """Type-check settings before comparing them (``"1e-3" > 0`` would be a TypeError)."""
+    kinds = (int,) if integer else (int, float)
+    for name in names:
+        v = getattr(obj, name)
+        if optional and v is None:
+            continue
+        _check(isinstance(v, kinds) and not isinstance(v, bool),
+               f"{type(obj).__name__}.{name} must be {'an int' if integer else 'a number'}"
+               f"{' or None' if optional else ''}, got {type(v).__name__} {v!r}"
+               + ("; write it without quotes" if isinstance(v, str) else ""))
+
+
 @dataclass(frozen=True)
 class Policy:
     """The model and how it samples. ``model=None`` builds the built-in tiny model."""
@@ -53,6 +66,10 @@ class Policy:
         _check(self.model is None or isinstance(self.model, str),
                f"Policy.model must be a path to a Hugging Face model folder or None, "
                f"got {self.model!r}")
+        _numbers(self, "warmup_steps", "warmup_batch", "max_batch", integer=True)
+        _numbers(self, "warmup_lr", "temperature", "top_p")
+        _check(self.warmup_batch >= 1, f"Policy.warmup_batch must be ≥ 1, got "
+               f"{self.warmup_batch}")
         _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
                f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
         _check(self.temperature > 0, f"Policy.temperature must be > 0 for RL sampling, "
@@ -85,6 +102,8 @@ class GRPO:
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                    f"GRPO.{name} must be an int ≥ 1, got {v!r}")
+        _numbers(self, "alpha", integer=True)
+        _numbers(self, "lr", "clip_eps", "kl_coef", "max_grad_norm", "weight_decay", "is_cap")
         _check(self.group_size >= 2, f"GRPO.group_size must be ≥ 2 (group-normalised "
                f"advantages need a group), got {self.group_size}")
         _check(isinstance(self.alpha, int) and self.alpha >= 0,
@@ -111,13 +130,21 @@ class Rollout:
     redundancy: float = 1.0  # async mode: launch this many × group_size members per group
     env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
     reward_timeout: float = 30.0
+    trajectory_timeout: float | None = None  # seconds for a whole trajectory (None: none)
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
                f"Rollout.inference_pools must be a non-empty tuple of resource tags, "
                f"got {self.inference_pools!r}")
+        _numbers(self, "env_concurrency", integer=True)
+        _numbers(self, "env_step_timeout", "reward_timeout", "redundancy")
+        _numbers(self, "trajectory_timeout", optional=True)
         _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
-        _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0")
+        _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0 seconds")
+        _check(self.reward_timeout > 0, "Rollout.reward_timeout must be > 0 seconds")
+        _check(self.trajectory_timeout is None or self.trajectory_timeout > 0,
+               f"Rollout.trajectory_timeout must be > 0 seconds or None (no limit), got "
+               f"{self.trajectory_timeout!r}")
         _check(isinstance(self.redundancy, (int, float)) and 1 <= self.redundancy <= 8,
                f"Rollout.redundancy must be a factor in [1, 8], got {self.redundancy!r}")
 
@@ -147,6 +174,11 @@ class Graph:
         names = [t.name for t in resolved]
         _check(len(set(names)) == len(names), f"Graph {self.name!r}: tasks repeat: {names}")
         if self.task_weights is not None:
+            _check(isinstance(self.task_weights, (tuple, list)) and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool)
+                for w in self.task_weights),
+                f"Graph {self.name!r}: task_weights must be a tuple of numbers, one per "
+                f"task, got {self.task_weights!r}")
             _check(len(self.task_weights) == len(resolved) and
                    all(w >= 0 for w in self.task_weights) and sum(self.task_weights) > 0,
                    f"Graph {self.name!r}: task_weights must have one weight ≥ 0 per task "
@@ -155,6 +187,9 @@ class Graph:
             _check(isinstance(getattr(self, attr), cls),
                    f"Graph.{attr} must be a rollart.{cls.__name__}, "
                    f"got {type(getattr(self, attr)).__name__}")
+        _numbers(self, "steps", "seed", "checkpoint_every", integer=True)
+        _check(self.checkpoint_every >= 0, f"Graph.checkpoint_every must be ≥ 0 (0 = never), "
+               f"got {self.checkpoint_every}")
         _check(isinstance(self.steps, int) and self.steps >= 1,
                f"Graph.steps must be an int ≥ 1, got {self.steps!r}")
         _check(self.mode in MODES, f"Graph.mode {self.mode!r} is not one of {MODES}")

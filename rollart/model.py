@@ -125,6 +125,8 @@ def check_model_folder(path) -> None:
             "*.safetensors.index.json or pytorch_model.bin): finish the download or "
             "save the model with save_pretrained"
         )
+    _check_config(path)
+    _check_safetensors(path, names)
     has_tokenizer = "tokenizer.json" in names or (
         "tokenizer_config.json" in names and any(n in names for n in _VOCAB_FILES)
     )
@@ -134,6 +136,36 @@ def check_model_folder(path) -> None:
             "tokenizer_config.json with a vocabulary file): save the tokenizer into the "
             "folder with tokenizer.save_pretrained"
         )
+
+
+def _check_config(path: str) -> None:
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"model folder {path!r}: config.json is not valid JSON ({e}); "
+                               "re-download it or save the model again") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelFolderError(f"model folder {path!r}: config.json has no model_type; it is "
+                               "not a transformers model config (save it with "
+                               "save_pretrained)")
+
+
+def _check_safetensors(path: str, names: set) -> None:
+    """Read each weight file's header (cheap): a truncated download fails here, not
+    inside an actor after the cluster started."""
+    from safetensors import safe_open
+
+    for name in sorted(n for n in names if n.endswith(".safetensors")):
+        try:
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                f.keys()
+        except Exception as e:
+            raise ModelFolderError(
+                f"model folder {path!r}: {name} is unreadable ({type(e).__name__}: {e}); "
+                "the download is incomplete or the file is corrupt: fetch it again") from None
 
 
 def load_tokenizer(path):

@@ -14,6 +14,10 @@ mode        one trainer step
             then sync weights (``alpha = 0``).
 ==========  ==========================================================================
 
+Lost workers (``rollart.recovery``): with a ``supervisor`` set, the pipeline heals while
+it waits, restarts the missing members of a group whose env manager was lost on another
+manager, and re-runs a step whose trainer was lost on a re-created trainer.
+
 Every step ends with the ledger's counts (``traj/<state>``) and a check that they add
 up to the launches (checked by the buffer's ledger; a mismatch raises
 ``AccountingError``). Used by ``rollart.control``.
@@ -37,12 +41,19 @@ class Pipeline(abc.ABC):
         self.weights = list(graph.task_weights or [1.0] * len(graph.tasks))
         self.n_groups = 0
         self.errors: list[str] = []
+        self.supervisor = None  # a rollart.recovery.Supervisor, set by the control loop
+        self.groups: dict[str, tuple] = {}  # gid -> (task, seed, size, restarts)
+        self.placed: dict[str, tuple] = {}  # gid -> (future, manager) of a restarted group
+        self.restarted_groups = 0
+        self.trainer_recoveries = 0
 
     def next_group(self) -> tuple:
         task = self.rng.choices(self.graph.tasks, weights=self.weights)[0]
         gid = f"g{self.n_groups:06d}"
         self.n_groups += 1
-        return task, self.rng.randrange(1_000_000), gid, self.graph.algo.group_size
+        seed, size = self.rng.randrange(1_000_000), self.graph.algo.group_size
+        self.groups[gid] = (task, seed, size, 0)
+        return task, seed, gid, size
 
     def state(self) -> dict:
         """What a checkpoint needs to continue the group sequence (``rollart.checkpoint``)."""
@@ -56,30 +67,87 @@ class Pipeline(abc.ABC):
 
     def manager(self, i: int, task=None):
         """The ``i``-th env manager (among those on ``task``'s env pool, if given)."""
+        if not self.actors.managers and self.supervisor is not None:
+            self.supervisor.wait_for_manager()
         managers = self.actors.managers_for(task) if task is not None else \
             self.actors.managers
         return managers[i % len(managers)]
+
+    def heal(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.heal()
+
+    def lost(self, error: BaseException, actor=None) -> bool:
+        """True when ``error`` came from a lost worker and the supervisor can help."""
+        if self.supervisor is None:
+            return False
+        from rollart.recovery import is_worker_lost
+
+        return is_worker_lost(error) or (actor is not None and
+                                         self.supervisor.is_lost(actor, error))
+
+    def restart_group(self, gid: str, redundancy: float = 1.0):
+        """The manager running ``gid`` was lost: fail its in-flight members and run the
+        missing ones on a live manager. Returns the new future, or None if complete."""
+        self.heal()
+        info = self.actors.buffer.orphan_group(gid).result()
+        task, seed, size, restarts = self.groups[gid]
+        need = size - info["arrived"]
+        if info["complete"] or need <= 0:
+            return None
+        restarts += 1
+        self.groups[gid] = (task, seed, size, restarts)
+        self.restarted_groups += 1
+        mgr = self.manager(self.n_groups + restarts, task)
+        fut = mgr.run_group(task, seed, gid, size, redundancy=redundancy, need=need,
+                            first_index=1000 * restarts)
+        self.placed[gid] = (fut, mgr)
+        return fut
 
     @abc.abstractmethod
     def step(self, step: int) -> dict:
         """One trainer step in this mode; returns the trainer's metrics."""
 
     def train(self, step: int, while_waiting=None) -> dict:
-        fut = self.actors.trainer.train_step(self.actors.buffer, step)
-        while not fut.done():
-            if while_waiting is not None:
-                while_waiting()
-            time.sleep(0.02)
-        return fut.result()
+        while True:
+            trainer = self.actors.trainer
+            try:
+                fut = trainer.train_step(self.actors.buffer, step)
+                while not fut.done():
+                    if while_waiting is not None:
+                        while_waiting()
+                    self.heal()
+                    time.sleep(0.02)
+                return fut.result()
+            except Exception as e:
+                if not self.lost(e, trainer):
+                    raise
+                self.supervisor.replace_trainer()  # then re-run this step
+                self.trainer_recoveries += 1
 
     def publish(self, version: int, wait: bool) -> None:
-        """Tell the inference workers about ``version``; with ``wait``, until they hold it."""
-        futs = [w.update_weights(version) for w, _, _ in self.actors.workers]
-        if wait:
-            for f in futs:
-                f.result()
-            for w, _, _ in self.actors.workers:
-                w.wait_version(version).result()
+        """Tell the inference workers about ``version``; with ``wait``, until they hold it.
+        A worker lost meanwhile is skipped (its replacement loads the newest version)."""
+        for w, _, _ in list(self.actors.workers):
+            try:
+                w.update_weights(version).result()
+                if wait:
+                    w.wait_version(version).result()
+            except Exception as e:
+                if not self.lost(e, w):
+                    raise
+
+    def call_managers(self, method: str, *args) -> list:
+        """``method(*args)`` on every live env manager; lost ones are skipped."""
+        futs = [(m, getattr(m, method)(*args)) for m in list(self.actors.managers)]
+        out = []
+        for m, f in futs:
+            try:
+                out.append(f.result())
+            except Exception as e:
+                if not self.lost(e, m):
+                    raise
+        return out
 
     def counts(self) -> dict:
         """The ledger's counts; the buffer raises ``AccountingError`` if they don't add up."""
@@ -88,9 +156,14 @@ class Pipeline(abc.ABC):
 
     def rollout_stats(self) -> dict:
         """Cumulative engine and env-manager figures (for throughput and busy fraction)."""
-        workers = [w.stats() for w, _, _ in self.actors.workers]
-        managers = [m.stats() for m in self.actors.managers]
-        ws, ms = [f.result() for f in workers], [f.result() for f in managers]
+        ws = []
+        for w, _, _ in list(self.actors.workers):
+            try:
+                ws.append(w.stats().result())
+            except Exception as e:
+                if not self.lost(e, w):
+                    raise
+        ms = self.call_managers("stats")
         turns = sum(m["turns"] for m in ms)
         return {
             "rollout/tokens_generated": sum(w["tokens_generated"] for w in ws),
@@ -112,7 +185,33 @@ class Pipeline(abc.ABC):
         for i, g in enumerate(groups):
             m = self.manager(i, g[0])
             per.setdefault(id(m), (m, []))[1].append(g)
-        return [m.run_batch(gs) for m, gs in per.values()]
+        return [(m.run_batch(gs), gs, m) for m, gs in per.values()]
+
+    def wait_batch(self, batch) -> None:
+        """Wait for a ``run_batch``; groups of a lost manager restart elsewhere (without
+        the lockstep barrier: the rest of their batch has moved on)."""
+        restarted = []
+        for fut, groups, mgr in batch:
+            try:
+                fut.result()
+            except Exception as e:
+                if not self.lost(e, mgr):
+                    raise
+                restarted += [(g[2], self.restart_group(g[2])) for g in groups]
+        for gid, fut in restarted:
+            self.wait_group(gid, fut)
+
+    def wait_group(self, gid: str, fut) -> None:
+        """Wait for a restarted group (restarting it again if its new manager is lost)."""
+        while fut is not None:
+            try:
+                fut.result()
+                break
+            except Exception as e:
+                if not self.lost(e, self.placed[gid][1]):
+                    raise
+                fut = self.restart_group(gid)
+        self.placed.pop(gid, None)
 
 
 class AsyncPipeline(Pipeline):
@@ -126,24 +225,33 @@ class AsyncPipeline(Pipeline):
         for gid, fut in list(self.inflight.items()):
             if fut.done():
                 del self.inflight[gid]
+                _, mgr = self.placed.pop(gid, (None, None))
                 try:
                     fut.result()
                 except Exception as e:  # a manager-level error: record, keep going
+                    if self.lost(e, mgr):
+                        # its manager's worker died: finish the group elsewhere
+                        again = self.restart_group(gid, self.graph.rollout.redundancy)
+                        if again is not None:
+                            self.inflight[gid] = again
+                        continue
                     self.errors.append(f"{gid}: {type(e).__name__}: {e}")
         ready = self.actors.buffer.counts().result()["groups_complete"]
         target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
         while len(self.inflight) + ready < target:
             task, seed, gid, size = self.next_group()
-            self.inflight[gid] = self.manager(self.n_groups, task).run_group(
-                task, seed, gid, size, redundancy=self.graph.rollout.redundancy)
+            mgr = self.manager(self.n_groups, task)
+            self.inflight[gid] = mgr.run_group(task, seed, gid, size,
+                                               redundancy=self.graph.rollout.redundancy)
+            self.placed[gid] = (self.inflight[gid], mgr)
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.top_up)
         version = metrics["version"]
         self.publish(version, wait=False)
         min_version = version - self.graph.algo.alpha
-        aborted = [m.abort_older_than(min_version) for m in self.actors.managers]
-        metrics["rollout/aborted_now"] = sum(f.result() for f in aborted)
+        metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
+                                                                min_version))
         return metrics
 
 
@@ -161,8 +269,7 @@ class OneOffPipeline(Pipeline):
     def step(self, step: int) -> dict:
         if self.pending is None:
             self.pending = self.launch_batch()
-        for f in self.pending:  # batch k is complete (its turns ran in lockstep)
-            f.result()
+        self.wait_batch(self.pending)  # batch k is complete (its turns ran in lockstep)
         self.pending = self.launch_batch()  # batch k+1 overlaps training on batch k
         metrics = self.train(step)
         self.publish(metrics["version"], wait=False)
@@ -175,8 +282,7 @@ class SyncPipeline(Pipeline):
     def step(self, step: int) -> dict:
         batch = self.run_batch([self.next_group()
                                 for _ in range(self.graph.algo.groups_per_step)])
-        for f in batch:
-            f.result()
+        self.wait_batch(batch)
         metrics = self.train(step)
         self.publish(metrics["version"], wait=True)
         return metrics

@@ -73,10 +73,19 @@ class Resources:
     processes: bool = True
     dashboard_address: str | None = ":8787"
     source: str = "<python>"
+    host: str = "127.0.0.1"  # interface the scheduler, workers and dashboard listen on
+    security: object = None  # a distributed.security.Security (TLS); None = plain tcp
 
     def __post_init__(self):
         if not self.pools and not self.address:
             raise ResourcesError(f"{self.source}: declare at least one Pool or an address")
+        if not isinstance(self.pools, tuple) or not all(isinstance(p, Pool) for p in self.pools):
+            raise ResourcesError(f"{self.source}: pools must be a tuple of rollart.Pool, got "
+                                 f"{self.pools!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ResourcesError(f"{self.source}: host must be an interface address such as "
+                                 f"'127.0.0.1' (the default) or '0.0.0.0', got {self.host!r}")
+        _check_security(self.security, self.source)
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ResourcesError(f"{self.source}: pool names repeat: {names}")
@@ -102,7 +111,11 @@ class Resources:
                     "resources": {p.tag: p.slots, **p.extra_tags},
                     "name": f"{p.name}-{i}",
                     "memory_limit": p.memory_limit or 0,
+                    "host": self.host,
                 }
+                if self.security is not None:
+                    options["security"] = self.security
+                    options["protocol"] = "tls"
                 if self.processes:
                     threads = str(p.threads)
                     options["env"] = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
@@ -116,10 +129,32 @@ class Resources:
 
         if self.address:
             raise ResourcesError(f"{self.source} points at {self.address}; connect instead")
-        scheduler = {"cls": Scheduler,
-                     "options": {"dashboard_address": self.dashboard_address}}
+        options = {"dashboard_address": _on_host(self.dashboard_address, self.host),
+                   "host": self.host}
+        if self.security is not None:
+            options.update(security=self.security, protocol="tls")
+        scheduler = {"cls": Scheduler, "options": options}
         return SpecCluster(workers=self.worker_specs(), scheduler=scheduler,
-                           asynchronous=asynchronous, name="rollart")
+                           asynchronous=asynchronous, name="rollart", security=self.security)
+
+
+def _on_host(address: str | None, host: str) -> str | None:
+    """``":8787"`` -> ``"127.0.0.1:8787"``: a bare port listens on ``host`` only."""
+    if address is None or not address.startswith(":"):
+        return address
+    return f"{host}{address}"
+
+
+def _check_security(security, source: str) -> None:
+    if security is None:
+        return
+    from distributed.security import Security
+
+    if not isinstance(security, Security):
+        raise ResourcesError(
+            f"{source}: security must be a distributed.security.Security (e.g. "
+            f"Security(tls_ca_file=..., tls_client_cert=..., tls_client_key=..., "
+            f"require_encryption=True)), got {type(security).__name__}")
 
 
 def load_resources(spec: str | Resources | None = None) -> Resources:
@@ -177,8 +212,12 @@ def _load_module(path: Path, error: type[Exception]):
 
 def cluster_tags(client) -> dict[str, dict[str, float]]:
     """``{worker address: {tag: amount}}`` as the scheduler sees it now."""
-    info = client.scheduler_info(n_workers=-1) if _accepts_n_workers(client) \
-        else client.scheduler_info()
+    if _accepts_n_workers(client) and not client.asynchronous:
+        # ask the scheduler directly: scheduler_info() returns a cache that the client's
+        # periodic refresh may overwrite (without per-worker entries) at any moment
+        info = client.sync(client.scheduler.identity, n_workers=-1)
+    else:
+        info = client.scheduler_info()
     return {addr: dict(w.get("resources", {})) for addr, w in info["workers"].items()}
 
 

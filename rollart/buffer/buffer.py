@@ -192,6 +192,7 @@ class SampleBuffer:
             "dropped": c["dropped"],
             "failed": c["failed"],
             "groups_complete": len(self._complete),
+            "orphaned": c.get("orphaned", 0),
         }
 
     # -- persistence --------------------------------------------------------------------
@@ -302,6 +303,48 @@ class SampleBuffer:
             raise ValueError(f"settle() takes 'cancelled' or 'aborted', not {state!r}")
         for t in traj_ids:
             self.ledger.move(t, state)
+
+    async def record_failed(self, traj: Trajectory) -> None:
+        """A failed member its env manager replaced: counted and written as ``failed``,
+        without taking a place in its group."""
+        self._counts["received"] += 1
+        traj.state = TrajState.FAILED.value
+        self._leave([to_record_batch([traj])], TrajState.FAILED)
+        await self._maybe_flush()
+
+    async def orphan_all_in_flight(self, error: str = "lost with its worker") -> int:
+        """End of run, after every live env manager settled its members: whatever the
+        ledger still has in flight ran on a manager that was lost; those become
+        ``failed`` (counted in ``orphaned``). Returns how many."""
+        lost = [t for t, st in self.ledger.state.items() if st == "in_flight"]
+        for t in lost:
+            self.ledger.move(t, TrajState.FAILED.value)
+        self._counts["failed"] += len(lost)
+        self._counts["orphaned"] = self._counts.get("orphaned", 0) + len(lost)
+        if lost:
+            logger.warning("%d trajectories were still in flight on lost workers (%s)",
+                           len(lost), error)
+        return len(lost)
+
+    async def orphan_group(self, group_id: str, error: str = "worker lost") -> dict:
+        """A group's env manager was lost: its members still in flight there will never
+        arrive, so they become ``failed``. Returns ``{"failed": n, "arrived": k,
+        "complete": bool}`` so the driver can restart the ``size - k`` missing members
+        elsewhere."""
+        prefix = f"{group_id}-"
+        lost = [t for t, st in self.ledger.state.items()
+                if st == "in_flight" and t.startswith(prefix)]
+        for t in lost:
+            self.ledger.move(t, TrajState.FAILED.value)
+        self._counts["failed"] += len(lost)
+        self._counts["orphaned"] = self._counts.get("orphaned", 0) + len(lost)
+        if lost:
+            logger.warning("group %s: %d in-flight members lost with their worker (%s)",
+                           group_id, len(lost), error)
+        group = self._open.get(group_id)
+        done = group_id in self._complete or group_id in self._closed
+        return {"failed": len(lost), "arrived": group.arrived if group else 0,
+                "complete": done}
 
     async def size(self) -> int:
         """Trajectories held now (complete and incomplete groups)."""

@@ -11,6 +11,10 @@ lifecycle around them:
 * **Abort and replace**: ``abort_older_than(v)`` cancels every running member whose
   oldest generated token is older than ``v`` (it could never be trained) and starts a
   fresh member of the same group in its place.
+* **Replace failures** (not in lockstep batches): a member that fails (env raised,
+  hung past a time-out, returned garbage) is recorded as ``failed`` and a new member
+  starts in its place, up to ``group_size`` replacements per group; after that
+  failures are delivered to the group like any member.
 * **Lockstep batches** (the synchronous baselines): ``run_batch`` moves a whole batch
   turn by turn through a ``TurnBarrier``.
 
@@ -33,10 +37,12 @@ class _GroupRun:
     seed: int
     group_id: str
     size: int
+    need: int = -1  # members still to deliver (< size when a lost manager delivered some)
     barrier: TurnBarrier | None = None
     next_index: int = 0
     delivered: int = 0
     putting: int = 0  # deliveries awaiting the buffer
+    replaced: int = 0  # failed members replaced by new ones (at most ``size``)
     jobs: dict = field(default_factory=dict)  # traj_id -> asyncio.Task
     logs: dict = field(default_factory=dict)  # traj_id -> TokenLog (live members)
     reasons: dict = field(default_factory=dict)  # traj_id -> why it was cancelled
@@ -44,9 +50,13 @@ class _GroupRun:
     rewards: list = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self):
+        if self.need < 0:
+            self.need = self.size
+
     @property
     def filled(self) -> bool:
-        return self.delivered >= self.size
+        return self.delivered >= self.need
 
 
 class EnvManager:
@@ -59,34 +69,52 @@ class EnvManager:
 
     def __init__(self, proxy, buffer, model_path: str, *, temperature: float = 1.0,
                  top_p: float = 1.0, env_step_timeout: float = 30.0,
-                 reward_timeout: float = 30.0, max_concurrency: int = 256,
+                 reward_timeout: float = 30.0, trajectory_timeout: float | None = None,
+                 max_concurrency: int = 256,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int | None = None, env_threads: int = 8):
         self.buffer = buffer
         self.runner = TrajectoryRunner(
             proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
             env_step_timeout=env_step_timeout, reward_timeout=reward_timeout,
-            inference_pools=inference_pools, seed=seed,
+            trajectory_timeout=trajectory_timeout, inference_pools=inference_pools, seed=seed,
             max_context=max_context or _max_positions(model_path), env_threads=env_threads)
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
         self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
-                       "aborted": 0}
+                       "aborted": 0, "replaced": 0}
 
     # -- public actor methods -----------------------------------------------------------
     async def run_group(self, task, seed: int, group_id: str, group_size: int,
-                        redundancy: float = 1.0) -> dict:
+                        redundancy: float = 1.0, need: int | None = None,
+                        first_index: int = 0) -> dict:
         """Run a group of ``task`` from ``seed`` until ``group_size`` members are
-        delivered to the buffer; return a summary."""
-        grp = _GroupRun(task, seed, group_id, group_size)
-        await self._launch(grp, max(group_size, math.ceil(group_size * redundancy)))
+        delivered to the buffer; return a summary.
+
+        A group restarted after its manager was lost passes ``need`` (the members still
+        missing) and a ``first_index`` past the lost manager's member ids.
+        """
+        need = group_size if need is None else need
+        grp = _GroupRun(task, seed, group_id, group_size, need, next_index=first_index)
+        if need > 0:
+            await self._launch(grp, max(need, math.ceil(need * redundancy)))
+        else:
+            grp.done.set()
         return await self._finish(grp)
+
+    async def set_inference_workers(self, workers: list) -> int:
+        """Route new requests over ``[(InferenceWorker actor, pool), ...]`` (after the
+        driver re-created a lost one); returns how many workers."""
+        from rollart.rollout.proxy import LLMProxy
+
+        self.runner.proxy = LLMProxy(workers)
+        return len(workers)
 
     async def run_batch(self, groups: list[tuple]) -> list[dict]:
         """Run ``[(task, seed, group_id, group_size), ...]`` in lockstep: every turn
         waits for every live trajectory of the batch (the synchronous baselines)."""
         barrier = TurnBarrier(sum(g[3] for g in groups))
-        runs = [_GroupRun(t, s, gid, n, barrier) for t, s, gid, n in groups]
+        runs = [_GroupRun(t, s, gid, n, barrier=barrier) for t, s, gid, n in groups]
         for grp in runs:
             await self._launch(grp, grp.size)
         return list(await asyncio.gather(*(self._finish(g) for g in runs)))
@@ -111,12 +139,15 @@ class EnvManager:
             states[s] = states.get(s, 0) + 1
         lat = sorted(r.env_latency[-1000:])
         turns = max(r.turns, 1)
+        proxy = r.proxy.stats()
         return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
+                "rerouted": proxy.get("rerouted", 0),
                 "states": states, "turns": r.turns,
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
                 "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,
                 "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
-                "barrier_wait_s": r.barrier_wait, **r.serverless.stats()}
+                "barrier_wait_s": r.barrier_wait, "stuck_env_calls": r.stuck_calls,
+                **r.serverless.stats()}
 
     async def env_latencies(self, last: int = 1000) -> list[float]:
         """The latest ``last`` env step latencies in seconds (for the dashboard)."""
@@ -167,6 +198,18 @@ class EnvManager:
             return
         if grp.filled:  # a redundant member that finished late
             await self._settle(traj_id, TrajState.CANCELLED.value)
+        elif traj.state == TrajState.FAILED.value and grp.barrier is None and \
+                grp.replaced < grp.size:
+            # failed (env raised, hung, returned garbage): record it, start a new member
+            grp.replaced += 1
+            grp.putting += 1
+            try:
+                await self.buffer.record_failed(traj)
+            finally:
+                grp.putting -= 1
+            self.counts["failed"] += 1
+            self.counts["replaced"] += 1
+            await self._launch(grp, 1)
         else:
             grp.delivered += 1  # reserve the slot before awaiting: others see it filled
             grp.outcomes.append(traj.outcome)

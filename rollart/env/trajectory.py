@@ -3,9 +3,12 @@
 ``TrajectoryRunner.run`` plays a task from a seed: reset, then per turn generate through
 the ``LLMProxy`` and step the env, then score the episode as a Dask task on the REWARD
 pool. Env calls run in a thread pool it owns with a per-step time-out (or are awaited
-directly when the env has ``areset``/``astep``); an env or reward that raises, hangs or
-returns the wrong types makes that trajectory ``failed`` with the error kept, and
-nothing else. Used by ``EnvManager``.
+directly when the env has ``areset``/``astep``), and the whole episode may have a
+per-trajectory time-out; an env or reward that raises, hangs or returns the wrong types
+makes that trajectory ``failed`` with the error kept, and nothing else. A timed-out env
+is closed at once from a thread of its own (closing releases a hung call, so its pool
+thread comes back); ``stuck_calls`` counts env calls that timed out and still hold a
+thread. Used by ``EnvManager``.
 
 ``TokenLog`` is the one definition of how a conversation becomes token ids (used by the
 warm-up too): observation ids, then each action's generated ids (ending with the stop
@@ -16,6 +19,8 @@ trajectories advance turn by turn (the synchronous baselines).
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 import uuid
 import zlib
@@ -29,6 +34,12 @@ from rollart.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
 from rollart.reward.offload import is_serverless
 from rollart.types import Episode, GenRequest, GenResult, TrajState, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class StepTimeout(TimeoutError):
+    """One env call or reward took longer than its time-out."""
 
 
 @dataclass
@@ -112,6 +123,7 @@ class TrajectoryRunner:
 
     def __init__(self, proxy, tokenizer, *, temperature: float = 1.0, top_p: float = 1.0,
                  env_step_timeout: float = 30.0, reward_timeout: float = 30.0,
+                 trajectory_timeout: float | None = None,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int = 2048, env_threads: int = 8):
         self.proxy = proxy
@@ -119,6 +131,9 @@ class TrajectoryRunner:
         self.stop_ids = (tokenizer.eos_token_id,)
         self.temperature, self.top_p = temperature, top_p
         self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
+        self.trajectory_timeout = trajectory_timeout
+        self.stuck_calls = 0  # env calls that timed out and still hold a pool thread
+        self._stuck_lock = threading.Lock()
         self.inference_pools = inference_pools
         self.seed = seed
         self.max_context = max_context
@@ -141,13 +156,17 @@ class TrajectoryRunner:
         """Play one trajectory to the end and score it; errors make it ``failed``."""
         ep = Episode(task.name, seed, [], [], [], {})
         traj = Trajectory(traj_id, task.name, group_id, seed, [], [], [], [], [])
-        env = None
+        holder: list = []  # the env, once made (the episode may time out before)
+        timed_out = False
         try:
             try:
-                env = await self._env_call(traj, task.env_factory)
-                obs = check_observation(await self._env_call(
-                    traj, env.reset, seed, is_async=hasattr(env, "areset")))
-                await self._turns(task, env, obs, log, ep, traj, barrier)
+                await asyncio.wait_for(self._episode(task, seed, log, ep, traj, barrier,
+                                                     holder), self.trajectory_timeout)
+            except asyncio.TimeoutError as e:
+                if isinstance(e, StepTimeout):
+                    raise
+                raise TimeoutError(f"trajectory took longer than trajectory_timeout="
+                                   f"{self.trajectory_timeout}s") from None
             finally:
                 if barrier is not None:  # done with turns: the others stop waiting for it
                     barrier.leave()
@@ -165,15 +184,36 @@ class TrajectoryRunner:
         except Exception as e:  # contained: this trajectory fails, the run goes on
             traj.state, traj.outcome = TrajState.FAILED.value, "failed"
             traj.error = f"{type(e).__name__}: {e}"[:2000]
+            timed_out = isinstance(e, TimeoutError)
         finally:
             self.running.pop(traj_id, None)
             self.proxy.release(traj_id)
-            if env is not None:
-                self._executor.submit(_close_quietly, env)
+            if holder:
+                self._close_env(holder[0], urgent=timed_out or traj.state != "buffered")
         traj.prompt_ids, traj.response_ids = log.prompt_ids, log.response_ids
         traj.loss_mask, traj.logprobs, traj.versions = log.loss_mask, log.logprobs, log.versions
         traj.num_turns = len(ep.actions)
         return traj
+
+    async def _episode(self, task, seed, log, ep, traj, barrier, holder) -> None:
+        env = await self._env_call(traj, task.env_factory)
+        holder.append(env)
+        obs = check_observation(await self._env_call(
+            traj, env.reset, seed, is_async=hasattr(env, "areset")))
+        await self._turns(task, env, obs, log, ep, traj, barrier)
+
+    def _close_env(self, env, urgent: bool) -> None:
+        """Close ``env`` off the loop. A failed/timed-out env may hold every pool thread
+        (hung calls), so it gets a thread of its own: closing it releases those calls."""
+        if urgent:
+            threading.Thread(target=_close_quietly, args=(env,), daemon=True,
+                             name="rollart-env-close").start()
+        else:
+            self._executor.submit(_close_quietly, env)
+
+    def _stuck(self, delta: int) -> None:
+        with self._stuck_lock:
+            self.stuck_calls += delta
 
     async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
         log.add_observation(encode(self.tokenizer, obs))
@@ -219,15 +259,22 @@ class TrajectoryRunner:
     async def _env_call(self, traj, fn, *args, is_async: bool = False):
         """Call an env method off the event loop with the per-step time-out."""
         t0 = time.perf_counter()
+        cfut = None
         if is_async:  # the env offers areset/astep: await it directly
             coro = getattr(fn.__self__, "a" + fn.__name__)(*args)
         else:
-            coro = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            cfut = self._executor.submit(fn, *args)
+            coro = asyncio.wrap_future(cfut)
         try:
             return await asyncio.wait_for(coro, self.env_step_timeout)
         except asyncio.TimeoutError:
             name = getattr(fn, "__qualname__", "env")
-            raise TimeoutError(f"{name} took longer than env_step_timeout="
+            if cfut is not None and not cfut.cancel():  # it runs on: a thread is held
+                self._stuck(1)
+                cfut.add_done_callback(lambda _: self._stuck(-1))
+                logger.warning("%s timed out and still holds an env thread until it "
+                               "returns (closing the env should release it)", name)
+            raise StepTimeout(f"{name} took longer than env_step_timeout="
                                f"{self.env_step_timeout}s") from None
         finally:
             dt = time.perf_counter() - t0
@@ -263,7 +310,7 @@ class TrajectoryRunner:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.reward_timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"reward {task.reward_fn!r} took longer than reward_timeout="
+            raise StepTimeout(f"reward {task.reward_fn!r} took longer than reward_timeout="
                                f"{self.reward_timeout}s") from None
 
 

@@ -19,6 +19,11 @@ worker's ``GenResult``. Routing, in order:
 The proxy is a plain picklable object shipped into env-manager actors: its counters are
 local to each copy, so routing costs no extra Dask hop. Await ``generate`` on the event
 loop of the Dask worker (or asynchronous client) that holds the actor handles.
+
+A worker whose process is lost (its actor call raises ``OSError`` or "Worker holding
+Actor was lost") is marked dead in this copy and the request is re-sent to another
+worker of the allowed pools (requests carry the whole context, so any worker can serve
+them); the driver re-creates the actor and hands the managers a new list.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class LLMProxy:
         self._pd = {"requests": 0, "kv_bytes": 0}
         self._next = 0  # round-robin cursor for ties
         self._lock: threading.Lock | None = None
+        self.dead: set[int] = set()  # workers found lost (never routed to again)
+        self.rerouted = 0  # requests re-sent after their worker was lost
 
     # -- pickling: locks and in-flight counts are local to one copy -----------------------
     def __getstate__(self) -> dict:
@@ -98,7 +105,7 @@ class LLMProxy:
         if not pools:
             raise ValueError(f"pools is empty: pass None or some of {list(self.pools)}")
         unknown = [p for p in pools if p not in self.pools]
-        if unknown:
+        if len(unknown) == len(pools):  # some missing is fine (a lost worker's pool)
             raise ValueError(
                 f"no inference worker carries pool(s) {unknown}; available pools: "
                 f"{list(self.pools)}"
@@ -122,7 +129,11 @@ class LLMProxy:
         loaded allowed one. ``traj_id=None`` never sticks (a decode phase). Pair with
         ``done(idx, tokens)``.
         """
-        allowed = self._allowed(pools)
+        allowed = [i for i in self._allowed(pools) if i not in self.dead]
+        if not allowed:
+            raise WorkerLostError(f"every inference worker of pools {pools or self.pools} "
+                                  "was lost; the driver re-creates them when their workers "
+                                  "come back")
         with self._guard():
             idx = self._sticky.get(traj_id) if (self.sticky and traj_id is not None) else None
             if idx is None or idx not in allowed:
@@ -170,18 +181,28 @@ class LLMProxy:
         if aff is not None and aff.disaggregated:
             res = await self._generate_pd(traj_id, req, aff)
         else:
-            new = self._new_tokens(traj_id, req)
-            cost = new + req.max_new_tokens
-            idx = self.route(traj_id, self.pools_for(task, pools), cost)
-            self._count_reuse(traj_id, idx, req, new)
-            try:
-                res = await self.workers[idx][0].generate(req)
-            except asyncio.CancelledError:  # our trajectory was cancelled: free its row
-                if req.request_id is not None:
-                    _fire_and_forget(self.workers[idx][0].abort(req.request_id))
-                raise
-            finally:
-                self.done(idx, cost)
+            while True:
+                new = self._new_tokens(traj_id, req)
+                cost = new + req.max_new_tokens
+                idx = self.route(traj_id, self.pools_for(task, pools), cost)
+                self._count_reuse(traj_id, idx, req, new)
+                try:
+                    res = await self.workers[idx][0].generate(req)
+                    break
+                except asyncio.CancelledError:  # our trajectory was cancelled: free its row
+                    if req.request_id is not None:
+                        _fire_and_forget(self.workers[idx][0].abort(req.request_id))
+                    raise
+                except Exception as e:  # its worker was lost: re-send to another one
+                    if not is_worker_lost(e):
+                        raise
+                    with self._guard():
+                        self.dead.add(idx)
+                        self._sticky.pop(traj_id, None)
+                        self._context.pop(traj_id, None)
+                        self.rerouted += 1
+                finally:
+                    self.done(idx, cost)
             self._context[traj_id] = len(req.prompt_ids) + max(len(res.token_ids) - 1, 0)
         self._observe(task, req, res)
         return res
@@ -256,6 +277,7 @@ class LLMProxy:
                     "sticky_turns": r["sticky_turns"], "turns": r["turns"],
                     "expected_reuse": r["cached_tokens"] / max(r["prompt_tokens"], 1),
                     "pd_requests": self._pd["requests"], "pd_kv_bytes": self._pd["kv_bytes"],
+                    "dead": len(self.dead), "rerouted": self.rerouted,
                     "tasks": {t: {"prompt_tokens": v[0], "response_tokens": v[1],
                                   "turns": v[2], "class": self.classification(t)}
                               for t, v in self._task_tokens.items()}}
@@ -281,3 +303,15 @@ async def _drop(worker, key: str) -> None:
         await worker.drop_kv(key)
     except Exception:  # noqa: BLE001 - the worker may be gone; its memory went with it
         pass
+
+
+class WorkerLostError(RuntimeError):
+    """No live inference worker is left to serve a request."""
+
+
+def is_worker_lost(error: BaseException) -> bool:
+    """True when ``error`` says the Dask worker holding an actor is gone."""
+    if isinstance(error, TimeoutError):  # an OSError subclass, but not a lost worker
+        return False
+    return isinstance(error, OSError) or (
+        isinstance(error, RuntimeError) and "Worker holding Actor was lost" in str(error))

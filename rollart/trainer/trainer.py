@@ -110,6 +110,17 @@ class Trainer:
                         "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
         return metrics
 
+    async def restore_latest(self) -> int:
+        """Load the newest version published to the weight store (a Trainer re-created
+        after its worker was lost); returns that version. Unreadable versions are skipped.
+        Optimizer moments restart."""
+        version, state = await self._run(self.store.get_newest_readable)
+        self.model.load_state_dict(state)
+        self.version = version
+        if self.algo.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = copy.deepcopy(self.model).eval()
+        return version
+
     async def save(self, path: str) -> str:
         """Write the policy as a Hugging Face model folder (model + tokenizer)."""
         def _save():

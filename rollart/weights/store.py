@@ -28,6 +28,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 
+class UnreadableWeightsError(ValueError):
+    """A stored weight version exists but cannot be loaded (truncated, corrupted)."""
+
+
 class WeightStore(abc.ABC):
     """Versioned weights. ``WeightStore(url)`` returns the backend the URL names.
 
@@ -103,7 +107,24 @@ class WeightStore(abc.ABC):
         data = self._read(self._name(version))
         if data is None:
             raise KeyError(f"weight version {version} is not in the store at {self.url}")
-        return st_load(data)
+        try:
+            return st_load(data)
+        except Exception as e:
+            raise UnreadableWeightsError(
+                f"weight version {version} in {self.url} is unreadable ({type(e).__name__}: "
+                f"{e}); it was truncated or is not a safetensors file. Delete it so the "
+                "previous version is used, or publish the weights again") from None
+
+    def get_newest_readable(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest version that loads, skipping unreadable ones; ``KeyError`` if none."""
+        errors = []
+        for version in reversed(self.versions()):
+            try:
+                return version, self.get(version)
+            except UnreadableWeightsError as e:
+                errors.append(str(e))
+        raise KeyError(f"no readable weight version in {self.url}"
+                       + (f": {'; '.join(errors)}" if errors else ""))
 
     def latest(self) -> int:
         """The newest published version, or -1 when nothing was published yet."""

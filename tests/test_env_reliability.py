@@ -1,0 +1,143 @@
+"""Envs that raise, hang or return garbage, on a real in-process tagged cluster: each
+such trajectory fails with a message naming the cause, is counted in the ledger and
+replaced by a new member; hung sync calls give their threads back (none leaked), and a
+whole-episode time-out cuts slow-but-alive episodes."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rollart.buffer import SampleBuffer
+from rollart.env.builtin.gridnav import GridNavEnv
+from rollart.env.manager import EnvManager
+from rollart.env.tasks import Task
+from rollart.model import load_model
+from rollart.reward import success_reward
+from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.types import CPU_ENV, H20, H800
+from rollart.weights import WeightStore
+
+
+class HangUntilClosed(GridNavEnv):
+    """Sync step that blocks its thread until ``close()`` (a wedged sandbox)."""
+
+    def __init__(self):
+        super().__init__()
+        self._closed = threading.Event()
+
+    def step(self, action):
+        if not self._closed.wait(30):
+            raise RuntimeError("never released")
+        raise RuntimeError("released by close")
+
+    def close(self):
+        self._closed.set()
+
+
+class SlowButAlive(GridNavEnv):
+    """Each step well under the step time-out; together far over a trajectory's."""
+
+    def __init__(self):
+        super().__init__(max_turns=50)
+
+    async def astep(self, action):
+        await asyncio.sleep(0.15)
+        return self.step("jump")
+
+
+class Garbage(GridNavEnv):
+    def step(self, action):
+        return ["not", "a", "step"]
+
+
+class FlakyFirst(GridNavEnv):
+    """Every other instance (1st, 3rd, ...) crashes on its first step."""
+
+    made = 0
+
+    def __init__(self):
+        super().__init__()
+        FlakyFirst.made += 1
+        self.bad = FlakyFirst.made % 2 == 1
+
+    def step(self, action):
+        if self.bad:
+            raise ConnectionError("sandbox went away")
+        return super().step(action)
+
+
+def _task(name, env, max_turns=3):
+    return Task(name=name, env_factory=env, reward_fn=success_reward, max_turns=max_turns)
+
+
+@pytest.fixture(scope="module")
+def setup(local_cluster, tiny_model, tmp_path_factory):
+    c = local_cluster
+    store = str(tmp_path_factory.mktemp("w") / "weights")
+    WeightStore(store).put(0, load_model(tiny_model).state_dict())
+    workers = [(c.submit(InferenceWorker, tiny_model, store, pool=tag, actor=True,
+                         resources={tag: 1}, key=f"rel-iw-{tag}").result(), tag)
+               for tag in (H800, H20)]
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="rel-buf").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, env_step_timeout=0.3,
+                   env_threads=2, actor=True, resources={CPU_ENV: 1}, key="rel-mgr").result()
+    timed = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, trajectory_timeout=1.0,
+                     actor=True, resources={CPU_ENV: 1}, key="rel-mgr-timed").result()
+    return c, mgr, buf, timed
+
+
+def _env_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("rollart-env")]
+
+
+def test_hung_sync_envs_fail_and_give_their_threads_back(setup):
+    c, mgr, buf, _ = setup
+    before = buf.counts().result()
+    # 4 members (and their replacements) on 2 env threads: without closing hung envs at
+    # once, the pool would stay wedged and later members could never step
+    t0 = time.perf_counter()
+    out = mgr.run_group(_task("hang", HangUntilClosed), 1, "hang", 4).result(timeout=60)
+    assert out["outcomes"] == ["failed"] * 4
+    assert time.perf_counter() - t0 < 20
+    deadline = time.time() + 5
+    while mgr.stats().result()["stuck_env_calls"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert mgr.stats().result()["stuck_env_calls"] == 0  # every hung call returned
+    pool = [n for n in _env_threads() if n.startswith("rollart-env_")]
+    assert len(pool) <= 2 + 2  # the pools of this manager and the plain one: bounded
+    assert not [n for n in _env_threads() if n == "rollart-env-close"]
+    after = buf.counts().result()
+    # 4 replaced (failed, then a new member), then 4 delivered failed: 8 failures
+    assert after["failed"] - before["failed"] == 8
+    assert after["launched"] - before["launched"] == 8 and after["in_flight"] == 0
+
+
+def test_trajectory_timeout_cuts_a_slow_episode(setup):
+    c, _, buf, mgr = setup
+    out = mgr.run_group(_task("slow", SlowButAlive, max_turns=50), 2, "slow", 2).result(
+        timeout=60)
+    assert out["outcomes"] == ["failed", "failed"]
+    batch = buf.counts().result()
+    assert batch["in_flight"] == 0
+
+
+def test_garbage_and_flaky_envs_are_counted_and_replaced(setup):
+    c, mgr, buf, _ = setup
+    before = buf.counts().result()
+    out = mgr.run_group(_task("junk", Garbage), 3, "junk", 2).result(timeout=60)
+    assert out["outcomes"] == ["failed", "failed"]
+    out = mgr.run_group(_task("flaky", FlakyFirst), 4, "flaky", 4).result(timeout=60)
+    assert "failed" not in out["outcomes"]  # each failed member was replaced by a good one
+    after = buf.counts().result()
+    stats = mgr.stats().result()
+    # junk: 2 failed, replaced, 2 more failed and delivered (replacements used up);
+    # flaky: odd instances crash, each is replaced, until 4 good ones (2, 4, 6, 8)
+    # are delivered: 1, 3, 5, 7 failed (4 replacements, the most a group of 4 gets)
+    assert stats["replaced"] >= 2 + 4
+    assert after["failed"] - before["failed"] == 4 + 4
+    assert after["launched"] - before["launched"] == 4 + 8
+    assert sum(after[k] for k in ("in_flight", "buffered", "trained", "dropped", "aborted",
+                                  "cancelled", "failed")) == after["launched"]

@@ -1,0 +1,276 @@
+"""Side by side with Hugging Face TRL: GRPOTrainer vs rollart sync vs rollart async.
+
+One invocation, one warmed-up tiny model (``rollart.model`` + the format warm-up of
+``rollart.trainer.warmup``), one multi-turn task (``guess``: find a number with
+higher/lower feedback, up to 4 turns), the same episode seeds in the same order, and
+GRPO settings matched as far as the two allow: group size, groups per step, learning
+rate (constant), AdamW betas, clip ε, token-mean loss, group-normalised advantages, no
+KL, sampling temperature 1, per-turn and per-episode token limits. TRL runs the task
+through its ``environment_factory`` (``benchmarks/_trl_env.py``: the same token
+sequences as rollart's); rollart runs it on the local tagged Dask cluster.
+
+Two workloads, each run by TRL, rollart ``sync`` and rollart ``async`` back to back:
+
+* ``no_latency`` — the env answers at once;
+* ``latency`` — every env step first waits a heavy-tailed delay, as sandboxes and web
+  tools do: lognormal with a 40 ms median and σ = 1.2 (p90 ≈ 0.19 s, p99 ≈ 0.65 s;
+  ``rollart.env.faults.Latency``), drawn the same way for both trainers.
+
+Per run it prints the wall time to a target reward (smoothed over 5 steps, counted from
+the first trainer step; set-up excluded for both), generated tokens/s, final reward
+(mean of the last 5 steps) and wall time; then one line
+
+    RESULT speedup_no_latency=… speedup_latency=… …
+
+where ``speedup_*`` is TRL's time to the target ÷ rollart async's (``nan`` when a run
+did not reach the target: rerun with more ``--steps``). Not a test: figures are ratios
+measured side by side in one run. TRL is the ``bench`` extra::
+
+    pip install torch==2.13.0 -e '.[bench]'
+    python benchmarks/vs_trl.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trl_env.py
+
+TASK = "guess"
+WORKLOADS = ("no_latency", "latency")
+RUNNERS = ("trl", "sync", "async")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both trainers share. ``redundancy`` is rollart async's, latency workload only
+    (redundant members mask stragglers; without latency they would only cost compute)."""
+
+    steps: int = 30
+    group_size: int = 8
+    groups_per_step: int = 4
+    lr: float = 5e-4
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    warmup_steps: int = 300
+    target: float = 0.6
+    redundancy: float = 1.5
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+
+def latency_faults(seed: int = 0):
+    """The ``latency`` workload's env: a lognormal step delay (median 40 ms, σ 1.2)."""
+    from rollart.env.faults import Faults, Latency
+
+    return Faults(step=Latency("lognormal", seconds=0.04, sigma=1.2), seed=seed)
+
+
+def group_seeds(seed: int, n_groups: int, n_tasks: int = 1) -> list[int]:
+    """Episode seeds in the order rollart's pipeline draws them (``Pipeline.next_group``)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_groups):
+        rng.choices(range(n_tasks))
+        out.append(rng.randrange(1_000_000))
+    return out
+
+
+def warm_model(path: Path, task, steps: int) -> str:
+    """The built-in tiny model after its format warm-up, shared by every run."""
+    from rollart.env.tasks import task_corpus
+    from rollart.model import build_tiny_model, load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup
+
+    init = build_tiny_model(str(path / "init"), task_corpus([task]))
+    model, tok = load_model(init), load_tokenizer(init)
+    run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3)
+    model.save_pretrained(path / "warm")
+    tok.save_pretrained(path / "warm")
+    return str(path / "warm")
+
+
+# -- TRL ------------------------------------------------------------------------------
+def trl_config(s: Settings, task, out_dir: str):
+    """GRPOConfig matching rollart's GRPO settings (and TRL's CPU requirements)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        learning_rate=s.lr, lr_scheduler_type="constant", adam_beta2=0.99, weight_decay=0.0,
+        max_grad_norm=s.max_grad_norm, beta=0.0, epsilon=s.clip_eps, loss_type="dapo",
+        scale_rewards="group", num_iterations=1,
+        num_generations=s.group_size, per_device_train_batch_size=s.batch_size,
+        gradient_accumulation_steps=1, max_steps=s.steps, shuffle_dataset=False,
+        temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={"max_new_tokens": task.max_new_tokens},
+        max_tool_calling_iterations=task.max_turns, max_completion_length=256,
+        seed=s.seed, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+    )
+
+
+def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str) -> list[dict]:
+    """Train with TRL's GRPOTrainer; one row per optimizer step (rollart's metric names)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from _trl_env import GameTokenizer, env_class
+    from rollart.model import load_model
+
+    seeds = group_seeds(s.seed, s.steps * s.groups_per_step)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * len(seeds),
+                              "seed": seeds})
+    rows: list[dict] = []
+
+    class Rows(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0, self.tokens = time.time(), 0.0
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "reward" not in logs:
+                return  # the end-of-training summary
+            self.tokens += logs["completions/mean_length"] * s.batch_size
+            rows.append({"step": state.global_step, "time": time.time() - self.t0,
+                         "reward/mean": logs["reward"],
+                         "rollout/tokens_generated": self.tokens})
+
+    trainer = GRPOTrainer(
+        model=load_model(model_dir), args=trl_config(s, task, out_dir), train_dataset=data,
+        processing_class=GameTokenizer.from_model_folder(model_dir),
+        environment_factory=env_class(task, faults), callbacks=[Rows()])
+    trainer.train()
+    return rows
+
+
+# -- rollart --------------------------------------------------------------------------
+def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: float):
+    from rollart import GRPO, Graph, Policy, Rollout
+
+    algo = GRPO(group_size=s.group_size, groups_per_step=s.groups_per_step, lr=s.lr,
+                clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0, alpha=1)
+    return Graph(name=f"vs_trl-{mode}", tasks=(task,), policy=Policy(model=model_dir),
+                 algo=algo, rollout=Rollout(redundancy=redundancy), steps=s.steps,
+                 seed=s.seed, mode=mode)
+
+
+def run_rollart(client, model_dir: str, s: Settings, task, mode: str, redundancy: float,
+                run_dir: Path) -> list[dict]:
+    import rollart
+
+    graph = rollart_graph(s, task, model_dir, mode, redundancy)
+    return rollart.train(graph, client=client, run_dir=run_dir, progress=False,
+                         eval_seeds=0).metrics
+
+
+# -- figures --------------------------------------------------------------------------
+def summarise(rows: list[dict], target: float) -> dict:
+    """Time to the target (smoothed reward), tokens/s, final reward, wall time."""
+    from rollart.report import smooth
+
+    reward = smooth([r["reward/mean"] for r in rows], 5)
+    hit = next((r["time"] for r, v in zip(rows, reward) if v >= target), math.nan)
+    wall = rows[-1]["time"]
+    return {"time_to_target_s": hit,
+            "tokens_per_s": rows[-1]["rollout/tokens_generated"] / wall,
+            "final_reward": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:]),
+            "wall_s": wall, "steps": len(rows)}
+
+
+def ratios(out: dict) -> dict:
+    res = {}
+    for w in WORKLOADS:
+        trl, sync, asyn = (out[w][r] for r in RUNNERS)
+        res[f"speedup_{w}"] = trl["time_to_target_s"] / asyn["time_to_target_s"]
+    for w in WORKLOADS:
+        trl, sync, asyn = (out[w][r] for r in RUNNERS)
+        res[f"sync_speedup_{w}"] = trl["time_to_target_s"] / sync["time_to_target_s"]
+        res[f"tokens_ratio_{w}"] = asyn["tokens_per_s"] / trl["tokens_per_s"]
+        res[f"reward_gap_{w}"] = asyn["final_reward"] - trl["final_reward"]
+        for r in RUNNERS:
+            res[f"t_{r}_{w}"] = out[w][r]["time_to_target_s"]
+    return res
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="about 3 minutes on 2 cores")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run")
+    p.add_argument("--target", type=float, default=None, help="smoothed reward to reach")
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--groups-per-step", type=int, default=None)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--in-process", action="store_true",
+                   help="rollart's cluster as threads of this process (tests)")
+    a = p.parse_args(argv)
+    s = Settings()
+    if a.quick:
+        s = replace(s, steps=12, warmup_steps=150, target=0.5)
+    given = {"steps": a.steps, "target": a.target, "warmup_steps": a.warmup_steps,
+             "group_size": a.group_size, "groups_per_step": a.groups_per_step}
+    s = replace(s, **{k: v for k, v in given.items() if v is not None})
+    workloads = [w for w in a.workloads.split(",") if w]
+
+    from rollart.cli import quiet
+
+    quiet()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from distributed import Client
+
+    import rollart
+    from rollart.env.faults import with_faults
+    from rollart.env.tasks import get_task
+
+    base = get_task(TASK)
+    out: dict = {w: {} for w in workloads}
+    t_all = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        t0 = time.time()
+        model = warm_model(tmp / "model", base, s.warmup_steps)
+        print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; settings {s}",
+              flush=True)
+        res = rollart.load_resources()
+        if a.in_process:
+            res = replace(res, processes=False, dashboard_address=":0")
+        with res.make_cluster() as cluster, Client(cluster) as client:
+            for w in workloads:
+                faults = latency_faults(s.seed) if w == "latency" else None
+                task = with_faults(base, faults) if faults else base
+                for r in RUNNERS:
+                    t0 = time.time()
+                    if r == "trl":
+                        rows = run_trl(model, s, base, faults, str(tmp / f"trl-{w}"))
+                    else:
+                        red = s.redundancy if (r == "async" and faults) else 1.0
+                        rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}")
+                    out[w][r] = summarise(rows, s.target)
+                    print(f"{w:10s} {r:5s} " + " ".join(
+                        f"{k}={v:.3g}" for k, v in out[w][r].items())
+                        + f" (run {time.time() - t0:.0f}s)", flush=True)
+    figures = ratios(out) if set(workloads) == set(WORKLOADS) else {}
+    figures.update({"steps": s.steps, "target": s.target,
+                    "total_s": round(time.time() - t_all)})
+    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in figures.items()))
+    return {"runs": out, "result": figures}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,9 @@
 """Side by side with Hugging Face TRL: GRPOTrainer vs rollart sync vs rollart async.
 
 One invocation, one warmed-up tiny model (``rollart.model`` + the format warm-up of
-``rollart.trainer.warmup``), one multi-turn task (``guess``: find a number with
-higher/lower feedback, up to 4 turns), the same episode seeds in the same order, and
+``rollart.trainer.warmup``), one multi-turn task (``gridnav``: walk to a goal on a 5×5
+grid, up to 8 turns; ``--task guess`` for the number game), the same episode seeds in
+the same order, and
 GRPO settings matched as far as the two allow: group size, groups per step, learning
 rate (constant), AdamW betas, clip ε, token-mean loss, group-normalised advantages, no
 KL, sampling temperature 1, per-turn and per-episode token limits. TRL runs the task
@@ -44,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trl_env.py
 
-TASK = "guess"
+TASK = "gridnav"
 WORKLOADS = ("no_latency", "latency")
 RUNNERS = ("trl", "sync", "async")
 
@@ -87,18 +88,44 @@ def group_seeds(seed: int, n_groups: int, n_tasks: int = 1) -> list[int]:
     return out
 
 
-def warm_model(path: Path, task, steps: int) -> str:
-    """The built-in tiny model after its format warm-up, shared by every run."""
+def fastest_threads(model, tok, task) -> int:
+    """The faster of 1 thread and torch's default for this process's training steps.
+
+    TRL trains in this process; on a shared 2-core machine two torch threads can be
+    several times slower than one (they spin waiting for each other), so TRL gets
+    whichever is faster now (rollart's workers use one thread each).
+    """
+    import copy
+
+    import torch
+
+    from rollart.trainer.warmup import run_warmup
+
+    timing = {}
+    for n in sorted({1, torch.get_num_threads()}):
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        run_warmup(copy.deepcopy(model), tok, [task], steps=3, batch_size=32, lr=1e-9)
+        timing[n] = time.perf_counter() - t0
+    best = min(timing, key=timing.get)
+    torch.set_num_threads(best)
+    return best
+
+
+def warm_model(path: Path, task, steps: int) -> tuple[str, int]:
+    """The built-in tiny model after its format warm-up, shared by every run, and the
+    torch thread count this process uses from then on (``fastest_threads``)."""
     from rollart.env.tasks import task_corpus
     from rollart.model import build_tiny_model, load_model, load_tokenizer
     from rollart.trainer.warmup import run_warmup
 
     init = build_tiny_model(str(path / "init"), task_corpus([task]))
     model, tok = load_model(init), load_tokenizer(init)
+    threads = fastest_threads(model, tok, task)
     run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3)
     model.save_pretrained(path / "warm")
     tok.save_pretrained(path / "warm")
-    return str(path / "warm")
+    return str(path / "warm"), threads
 
 
 # -- TRL ------------------------------------------------------------------------------
@@ -125,7 +152,7 @@ def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str) -> list[dic
     """Train with TRL's GRPOTrainer; one row per optimizer step (rollart's metric names)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
     from _trl_env import GameTokenizer, env_class
@@ -152,6 +179,7 @@ def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str) -> list[dic
         model=load_model(model_dir), args=trl_config(s, task, out_dir), train_dataset=data,
         processing_class=GameTokenizer.from_model_folder(model_dir),
         environment_factory=env_class(task, faults), callbacks=[Rows()])
+    trainer.remove_callback(PrinterCallback)  # our own one line per run instead
     trainer.train()
     return rows
 
@@ -184,7 +212,7 @@ def summarise(rows: list[dict], target: float) -> dict:
     reward = smooth([r["reward/mean"] for r in rows], 5)
     hit = next((r["time"] for r, v in zip(rows, reward) if v >= target), math.nan)
     wall = rows[-1]["time"]
-    return {"time_to_target_s": hit,
+    return {"time_to_target_s": hit, "best_reward": max(reward),
             "tokens_per_s": rows[-1]["rollout/tokens_generated"] / wall,
             "final_reward": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:]),
             "wall_s": wall, "steps": len(rows)}
@@ -213,6 +241,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--groups-per-step", type=int, default=None)
+    p.add_argument("--task", default=TASK, help="a built-in task name")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--in-process", action="store_true",
                    help="rollart's cluster as threads of this process (tests)")
@@ -237,15 +266,15 @@ def main(argv=None) -> dict:
     from rollart.env.faults import with_faults
     from rollart.env.tasks import get_task
 
-    base = get_task(TASK)
+    base = get_task(a.task)
     out: dict = {w: {} for w in workloads}
     t_all = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.time()
-        model = warm_model(tmp / "model", base, s.warmup_steps)
-        print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; settings {s}",
-              flush=True)
+        model, threads = warm_model(tmp / "model", base, s.warmup_steps)
+        print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; TRL uses "
+              f"{threads} torch thread(s); {s}", flush=True)
         res = rollart.load_resources()
         if a.in_process:
             res = replace(res, processes=False, dashboard_address=":0")
@@ -265,7 +294,7 @@ def main(argv=None) -> dict:
                         f"{k}={v:.3g}" for k, v in out[w][r].items())
                         + f" (run {time.time() - t0:.0f}s)", flush=True)
     figures = ratios(out) if set(workloads) == set(WORKLOADS) else {}
-    figures.update({"steps": s.steps, "target": s.target,
+    figures.update({"steps": s.steps, "target": s.target, "trl_threads": threads,
                     "total_s": round(time.time() - t_all)})
     print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in figures.items()))

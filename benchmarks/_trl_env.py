@@ -25,7 +25,8 @@ the *same token sequences*::
   TRL always asks the model once more after the last env step; those few tokens are
   part of its batch.
 
-Nothing here imports trl; the module only needs transformers and rollart.
+``run_trl`` trains with TRL (imported there only: the rest needs transformers and
+rollart alone).
 """
 
 from __future__ import annotations
@@ -168,3 +169,71 @@ def env_class(task: Task | str, faults: Faults | None = None) -> type[GameEnv]:
     if faults is not None:
         task = with_faults(task, faults)
     return type(f"{task.name.capitalize()}Env", (GameEnv,), {"task": task})
+
+
+# -- training with TRL (the bench extra) ----------------------------------------------
+def trl_config(s: dict, task, out_dir: str):
+    """GRPOConfig matching rollart's GRPO settings (and TRL's CPU requirements)."""
+    from trl import GRPOConfig
+
+    batch = s["group_size"] * s["groups_per_step"]
+    return GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        learning_rate=s["lr"], lr_scheduler_type="constant", adam_beta2=0.99, weight_decay=0.0,
+        max_grad_norm=s["max_grad_norm"], beta=0.0, epsilon=s["clip_eps"], loss_type="dapo",
+        scale_rewards="group", num_iterations=1,
+        num_generations=s["group_size"], per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1, max_steps=s["steps"], shuffle_dataset=False,
+        temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={"max_new_tokens": task.max_new_tokens},
+        max_tool_calling_iterations=task.max_turns, max_completion_length=256,
+        seed=s["seed"], logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+    )
+
+
+def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], out_dir: str,
+            threads: int) -> list[dict]:
+    """Train with TRL's GRPOTrainer on ``task_name`` (its envs inject ``faults``) with
+    ``vs_trl.Settings`` ``s`` (as a dict), one group per seed; one row per optimizer step
+    with rollart's metric names."""
+    import os
+    import time
+    import warnings
+
+    import torch
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    from rollart.model import load_model
+
+    task = get_task(task_name)
+    batch = s["group_size"] * s["groups_per_step"]
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * len(seeds),
+                              "seed": seeds})
+    rows: list[dict] = []
+
+    class Rows(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0, self.tokens = time.time(), 0.0
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "reward" not in logs:
+                return  # the end-of-training summary
+            self.tokens += logs["completions/mean_length"] * batch
+            rows.append({"step": state.global_step, "time": time.time() - self.t0,
+                         "reward/mean": logs["reward"],
+                         "rollout/tokens_generated": self.tokens})
+
+    trainer = GRPOTrainer(
+        model=load_model(model_dir), args=trl_config(s, task, out_dir), train_dataset=data,
+        processing_class=GameTokenizer.from_model_folder(model_dir),
+        environment_factory=env_class(task, faults), callbacks=[Rows()])
+    trainer.remove_callback(PrinterCallback)  # our own one line per run instead
+    trainer.train()
+    return rows

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import sys
 import tempfile
@@ -130,59 +129,20 @@ def warm_model(path: Path, task, steps: int) -> tuple[str, int]:
 
 
 # -- TRL ------------------------------------------------------------------------------
-def trl_config(s: Settings, task, out_dir: str):
-    """GRPOConfig matching rollart's GRPO settings (and TRL's CPU requirements)."""
-    from trl import GRPOConfig
+def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str, threads: int):
+    """TRL's run in a fresh process (``_trl_env.run_trl``), so that neither its imports
+    nor its GIL-heavy training touch the Dask scheduler that lives in this process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import asdict
 
-    return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
-        learning_rate=s.lr, lr_scheduler_type="constant", adam_beta2=0.99, weight_decay=0.0,
-        max_grad_norm=s.max_grad_norm, beta=0.0, epsilon=s.clip_eps, loss_type="dapo",
-        scale_rewards="group", num_iterations=1,
-        num_generations=s.group_size, per_device_train_batch_size=s.batch_size,
-        gradient_accumulation_steps=1, max_steps=s.steps, shuffle_dataset=False,
-        temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs={"max_new_tokens": task.max_new_tokens},
-        max_tool_calling_iterations=task.max_turns, max_completion_length=256,
-        seed=s.seed, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
-    )
-
-
-def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str) -> list[dict]:
-    """Train with TRL's GRPOTrainer; one row per optimizer step (rollart's metric names)."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
-    from trl import GRPOTrainer
-
-    from _trl_env import GameTokenizer, env_class
-    from rollart.model import load_model
+    import _trl_env
 
     seeds = group_seeds(s.seed, s.steps * s.groups_per_step)
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * len(seeds),
-                              "seed": seeds})
-    rows: list[dict] = []
-
-    class Rows(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.tokens = time.time(), 0.0
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if not logs or "reward" not in logs:
-                return  # the end-of-training summary
-            self.tokens += logs["completions/mean_length"] * s.batch_size
-            rows.append({"step": state.global_step, "time": time.time() - self.t0,
-                         "reward/mean": logs["reward"],
-                         "rollout/tokens_generated": self.tokens})
-
-    trainer = GRPOTrainer(
-        model=load_model(model_dir), args=trl_config(s, task, out_dir), train_dataset=data,
-        processing_class=GameTokenizer.from_model_folder(model_dir),
-        environment_factory=env_class(task, faults), callbacks=[Rows()])
-    trainer.remove_callback(PrinterCallback)  # our own one line per run instead
-    trainer.train()
-    return rows
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(_trl_env.run_trl, model_dir, asdict(s), task.name, faults, seeds,
+                           out_dir, threads).result()
 
 
 # -- rollart --------------------------------------------------------------------------
@@ -293,11 +253,11 @@ def main(argv=None) -> dict:
                 f"{k}={v:.3g}" for k, v in out[w][r].items() if k != "curve")
                 + f" (run {time.time() - t0:.0f}s)", flush=True)
 
-        # TRL first, with no Dask cluster in this process: its training would starve the
-        # scheduler's event loop of the GIL, and idle workers would take CPU from it.
+        # TRL first (in a child process), with no Dask workers idling beside it.
         for w in workloads:
             t0 = time.time()
-            record(w, "trl", run_trl(model, s, base, faults[w], str(tmp / f"trl-{w}")), t0)
+            record(w, "trl", run_trl(model, s, base, faults[w], str(tmp / f"trl-{w}"),
+                                     threads), t0)
         res = rollart.load_resources()
         if a.in_process:
             res = replace(res, processes=False, dashboard_address=":0")

@@ -14,7 +14,7 @@ Two workloads, each run by TRL, rollart ``sync`` and rollart ``async`` back to b
 
 * ``no_latency`` — the env answers at once;
 * ``latency`` — every env step first waits a heavy-tailed delay, as sandboxes and web
-  tools do: lognormal with a 40 ms median and σ = 1.2 (p90 ≈ 0.19 s, p99 ≈ 0.65 s;
+  tools do: lognormal with a 20 ms median and σ = 1.2 (mean 41 ms, p99 ≈ 0.33 s;
   ``rollart.env.faults.Latency``), drawn the same way for both trainers.
 
 Per run it prints the wall time to a target reward (smoothed over 5 steps, counted from
@@ -55,15 +55,15 @@ class Settings:
     """What both trainers share. ``redundancy`` is rollart async's, latency workload only
     (redundant members mask stragglers; without latency they would only cost compute)."""
 
-    steps: int = 30
+    steps: int = 25
     group_size: int = 8
     groups_per_step: int = 4
     lr: float = 5e-4
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
     seed: int = 0
-    warmup_steps: int = 300
-    target: float = 0.6
+    warmup_steps: int = 200
+    target: float = 0.5
     redundancy: float = 1.5
 
     @property
@@ -72,10 +72,10 @@ class Settings:
 
 
 def latency_faults(seed: int = 0):
-    """The ``latency`` workload's env: a lognormal step delay (median 40 ms, σ 1.2)."""
+    """The ``latency`` workload's env: a lognormal step delay (median 20 ms, σ 1.2)."""
     from rollart.env.faults import Faults, Latency
 
-    return Faults(step=Latency("lognormal", seconds=0.04, sigma=1.2), seed=seed)
+    return Faults(step=Latency("lognormal", seconds=0.02, sigma=1.2), seed=seed)
 
 
 def group_seeds(seed: int, n_groups: int, n_tasks: int = 1) -> list[int]:
@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     s = Settings()
     if a.quick:
-        s = replace(s, steps=12, warmup_steps=150, target=0.5)
+        s = replace(s, steps=10, warmup_steps=100)
     given = {"steps": a.steps, "target": a.target, "warmup_steps": a.warmup_steps,
              "group_size": a.group_size, "groups_per_step": a.groups_per_step}
     s = replace(s, **{k: v for k, v in given.items() if v is not None})

@@ -1,0 +1,285 @@
+"""Side by side with Hugging Face TRL: GRPOTrainer vs rollart sync vs rollart async.
+
+One invocation, one warmed-up tiny model (``rollart.model`` + the format warm-up of
+``rollart.trainer.warmup``), one multi-turn task (``gridnav``: walk to a goal on a 5×5
+grid, up to 8 turns; ``--task guess`` for the number game), the same episode seeds in
+the same order, and GRPO settings matched as far as the two allow: group size, groups
+per step, learning
+rate (constant), AdamW betas, clip ε, token-mean loss, group-normalised advantages, no
+KL, sampling temperature 1, per-turn and per-episode token limits. TRL runs the task
+through its ``environment_factory`` (``benchmarks/_trl_env.py``: the same token
+sequences as rollart's); rollart runs it on the local tagged Dask cluster.
+
+Two workloads, each run by TRL, rollart ``sync`` and rollart ``async`` back to back:
+
+* ``no_latency`` — the env answers at once;
+* ``latency`` — every env step first waits a heavy-tailed delay, as sandboxes and web
+  tools do: lognormal with a 20 ms median and σ = 1.2 (mean 41 ms, p99 ≈ 0.33 s;
+  ``rollart.env.faults.Latency``), drawn the same way for both trainers.
+
+Per run it prints the wall time to a target reward (smoothed over 5 steps, counted from
+the first trainer step; set-up excluded for both), best and final reward (mean of the
+last 5 steps), generated tokens/s, trajectories/s and wall time; then one line
+
+    RESULT speedup_no_latency=… speedup_latency=… …
+
+where ``speedup_<workload>`` is TRL's time to the target ÷ rollart async's. When a run
+of a workload misses ``--target``, that workload's runs are all timed to the best
+smoothed reward every one of them reached (``target_used_<workload>``). Not a test:
+figures are ratios measured side by side in one run. TRL is the ``bench`` extra::
+
+    pip install torch==2.13.0 -e '.[bench]'
+    python benchmarks/vs_trl.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trl_env.py
+
+TASK = "gridnav"
+WORKLOADS = ("no_latency", "latency")
+RUNNERS = ("trl", "sync", "async")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both trainers share. ``redundancy`` is rollart async's, latency workload only
+    (redundant members mask stragglers; without latency they would only cost compute)."""
+
+    steps: int = 25
+    group_size: int = 8
+    groups_per_step: int = 4
+    lr: float = 5e-4
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    warmup_steps: int = 200
+    target: float = 0.5
+    redundancy: float = 1.5
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+
+def latency_faults(seed: int = 0):
+    """The ``latency`` workload's env: a lognormal step delay (median 20 ms, σ 1.2)."""
+    from rollart.env.faults import Faults, Latency
+
+    return Faults(step=Latency("lognormal", seconds=0.02, sigma=1.2), seed=seed)
+
+
+def group_seeds(seed: int, n_groups: int, n_tasks: int = 1) -> list[int]:
+    """Episode seeds in the order rollart's pipeline draws them (``Pipeline.next_group``)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_groups):
+        rng.choices(range(n_tasks))
+        out.append(rng.randrange(1_000_000))
+    return out
+
+
+def fastest_threads(model, tok, task) -> int:
+    """The faster of 1 thread and torch's default for this process's training steps.
+
+    TRL trains in this process; on a shared 2-core machine two torch threads can be
+    several times slower than one (they spin waiting for each other), so TRL gets
+    whichever is faster now (rollart's workers use one thread each).
+    """
+    import copy
+
+    import torch
+
+    from rollart.trainer.warmup import run_warmup
+
+    timing = {}
+    for n in sorted({1, torch.get_num_threads()}):
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        run_warmup(copy.deepcopy(model), tok, [task], steps=3, batch_size=32, lr=1e-9)
+        timing[n] = time.perf_counter() - t0
+    best = min(timing, key=timing.get)
+    torch.set_num_threads(best)
+    return best
+
+
+def warm_model(path: Path, task, steps: int) -> tuple[str, int]:
+    """The built-in tiny model after its format warm-up, shared by every run, and the
+    torch thread count this process uses from then on (``fastest_threads``)."""
+    from rollart.env.tasks import task_corpus
+    from rollart.model import build_tiny_model, load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup
+
+    init = build_tiny_model(str(path / "init"), task_corpus([task]))
+    model, tok = load_model(init), load_tokenizer(init)
+    threads = fastest_threads(model, tok, task)
+    run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3)
+    model.save_pretrained(path / "warm")
+    tok.save_pretrained(path / "warm")
+    return str(path / "warm"), threads
+
+
+# -- TRL ------------------------------------------------------------------------------
+def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str, threads: int):
+    """TRL's run in a fresh process (``_trl_env.run_trl``), so that neither its imports
+    nor its GIL-heavy training touch the Dask scheduler that lives in this process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import asdict
+
+    import _trl_env
+
+    seeds = group_seeds(s.seed, s.steps * s.groups_per_step)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(_trl_env.run_trl, model_dir, asdict(s), task.name, faults, seeds,
+                           out_dir, threads).result()
+
+
+# -- rollart --------------------------------------------------------------------------
+def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: float):
+    from rollart import GRPO, Graph, Policy, Rollout
+
+    algo = GRPO(group_size=s.group_size, groups_per_step=s.groups_per_step, lr=s.lr,
+                clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0, alpha=1)
+    return Graph(name=f"vs_trl-{mode}", tasks=(task,), policy=Policy(model=model_dir),
+                 algo=algo, rollout=Rollout(redundancy=redundancy), steps=s.steps,
+                 seed=s.seed, mode=mode)
+
+
+def run_rollart(client, model_dir: str, s: Settings, task, mode: str, redundancy: float,
+                run_dir: Path) -> list[dict]:
+    import rollart
+
+    graph = rollart_graph(s, task, model_dir, mode, redundancy)
+    return rollart.train(graph, client=client, run_dir=run_dir, progress=False,
+                         eval_seeds=0).metrics
+
+
+# -- figures --------------------------------------------------------------------------
+def time_to(curve: list[tuple[float, float]], target: float) -> float:
+    """First time the smoothed reward reaches ``target`` (nan if it never does)."""
+    return next((t for t, v in curve if v >= target), math.nan)
+
+
+def summarise(rows: list[dict], batch_size: int, target: float) -> dict:
+    """Time to the target (smoothed reward), throughput, final reward, wall time."""
+    from rollart.report import smooth
+
+    reward = smooth([r["reward/mean"] for r in rows], 5)
+    curve = [(r["time"], v) for r, v in zip(rows, reward)]
+    wall = rows[-1]["time"]
+    return {"time_to_target_s": time_to(curve, target), "best_reward": max(reward),
+            "final_reward": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:]),
+            "tokens_per_s": rows[-1]["rollout/tokens_generated"] / wall,
+            "traj_per_s": len(rows) * batch_size / wall, "wall_s": wall,
+            "steps": len(rows), "curve": curve}
+
+
+def ratios(runs: dict, target: float) -> dict:
+    """Ratios of one workload's runs (TRL ÷ rollart for times, rollart ÷ TRL for rates).
+
+    If a run missed ``target``, every run of the workload is timed to the best smoothed
+    reward all of them reached instead, and ``target_used`` says so.
+    """
+    used = target
+    if any(math.isnan(run["time_to_target_s"]) for run in runs.values()):
+        used = min(run["best_reward"] for run in runs.values())
+    t = {r: time_to(run["curve"], used) for r, run in runs.items()}
+    trl, asyn = runs["trl"], runs["async"]
+    return {"speedup": t["trl"] / t["async"], "sync_speedup": t["trl"] / t["sync"],
+            "throughput_ratio": asyn["traj_per_s"] / trl["traj_per_s"],
+            "tokens_ratio": asyn["tokens_per_s"] / trl["tokens_per_s"],
+            "reward_gap": asyn["final_reward"] - trl["final_reward"],
+            "target_used": used, **{f"t_{r}": v for r, v in t.items()}}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="about 3 minutes on 2 cores")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run")
+    p.add_argument("--target", type=float, default=None, help="smoothed reward to reach")
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--groups-per-step", type=int, default=None)
+    p.add_argument("--task", default=TASK, help="a built-in task name")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--in-process", action="store_true",
+                   help="rollart's cluster as threads of this process (tests)")
+    a = p.parse_args(argv)
+    s = Settings()
+    if a.quick:
+        s = replace(s, steps=10, warmup_steps=100)
+    given = {"steps": a.steps, "target": a.target, "warmup_steps": a.warmup_steps,
+             "group_size": a.group_size, "groups_per_step": a.groups_per_step}
+    s = replace(s, **{k: v for k, v in given.items() if v is not None})
+    workloads = [w for w in a.workloads.split(",") if w]
+
+    from rollart.cli import quiet
+
+    quiet()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from distributed import Client
+
+    import rollart
+    from rollart.env.faults import with_faults
+    from rollart.env.tasks import get_task
+
+    base = get_task(a.task)
+    out: dict = {w: {} for w in workloads}
+    t_all = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        t0 = time.time()
+        model, threads = warm_model(tmp / "model", base, s.warmup_steps)
+        print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; TRL uses "
+              f"{threads} torch thread(s); {s}", flush=True)
+        faults = {w: latency_faults(s.seed) if w == "latency" else None for w in workloads}
+
+        def record(w, r, rows, t0):
+            out[w][r] = summarise(rows, s.batch_size, s.target)
+            print(f"{w:10s} {r:5s} " + " ".join(
+                f"{k}={v:.3g}" for k, v in out[w][r].items() if k != "curve")
+                + f" (run {time.time() - t0:.0f}s)", flush=True)
+
+        # TRL first (in a child process), with no Dask workers idling beside it.
+        for w in workloads:
+            t0 = time.time()
+            record(w, "trl", run_trl(model, s, base, faults[w], str(tmp / f"trl-{w}"),
+                                     threads), t0)
+        res = rollart.load_resources()
+        if a.in_process:
+            res = replace(res, processes=False, dashboard_address=":0")
+        with res.make_cluster() as cluster, Client(cluster) as client:
+            for w in workloads:
+                task = with_faults(base, faults[w]) if faults[w] else base
+                for r in ("sync", "async"):
+                    t0 = time.time()
+                    red = s.redundancy if (r == "async" and faults[w]) else 1.0
+                    rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}")
+                    record(w, r, rows, t0)
+    figures = {}
+    for w in workloads:  # the two headline figures first
+        figures.update({f"{k}_{w}": v for k, v in ratios(out[w], s.target).items()})
+    figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
+               **figures}
+    figures.update({"steps": s.steps, "target": s.target, "trl_threads": threads,
+                    "total_s": round(time.time() - t_all)})
+    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in figures.items()))
+    return {"runs": out, "result": figures}
+
+
+if __name__ == "__main__":
+    main()

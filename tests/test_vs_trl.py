@@ -1,0 +1,137 @@
+"""benchmarks/vs_trl.py and its TRL adapter (benchmarks/_trl_env.py) keep working.
+
+The adapter tests need only transformers; the ones that drive TRL are skipped when the
+``bench`` extra (trl) is not installed.
+"""
+
+import importlib.util
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trl_env():
+    return _load("_trl_env")
+
+
+def _messages(observations, actions):
+    """An episode as TRL's tool loop records it."""
+    msgs = [{"role": "user", "content": observations[0]}]
+    for action, obs in zip(actions, observations[1:]):
+        call = {"type": "function", "function": {"name": "act", "arguments": {"action": action}}}
+        msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "name": "act", "content": obs}]
+    return msgs
+
+
+def test_trl_chat_format_is_rollart_token_layout(tiny_model, trl_env):
+    from rollart.env.trajectory import TokenLog
+    from rollart.model import encode
+
+    tok = trl_env.GameTokenizer.from_model_folder(tiny_model)
+    env = trl_env.env_class("guess")()
+    obs = [env.reset(seed=7)]
+    actions = ["1", "up", "9", "5"]
+    for a in actions:
+        obs.append(env.act(a))
+        if env.done:
+            break
+    actions = actions[:len(obs) - 1]
+    log = TokenLog()  # what rollart's TrajectoryRunner records for the same episode
+    log.add_observation(encode(tok, obs[0]))
+    for a, o in zip(actions, obs[1:]):
+        log.add_generation(encode(tok, a) + [tok.eos_token_id])
+        log.add_observation(encode(tok, o))
+    ids = tok.apply_chat_template(_messages(obs, actions), tokenize=True, return_dict=False)
+    assert ids == log.ids
+    assert "invalid" in obs[2].split()  # "up" is not a guess: both see the penalty
+
+
+def test_parse_response_calls_act_until_the_episode_ends(tiny_model, trl_env):
+    from rollart.model import encode
+
+    tok = trl_env.GameTokenizer.from_model_folder(tiny_model)
+    prompt = encode(tok, "guess : pick 1 to 9 . left 1 2 3 4 6 7 8 9 5 . act :")
+    reply = encode(tok, "5") + [tok.eos_token_id]
+    msg = tok.parse_response(reply, prefix=prompt)
+    assert msg["tool_calls"] == [{"type": "function",
+                                  "function": {"name": "act", "arguments": {"action": "5"}}}]
+    over = prompt + reply + encode(tok, "guess : success .")
+    assert tok.parse_response(reply, prefix=over) == {"role": "assistant", "content": "5"}
+
+
+def test_env_reward_and_latency_match_rollart(trl_env):
+    from rollart.env.faults import Faults, Latency
+    from rollart.env.tasks import get_task
+    from rollart.types import Episode
+
+    task = get_task("guess")
+    env = trl_env.env_class(task)()
+    obs = [env.reset(seed=3)]
+    for a in ["x", "1", "2", "3"]:
+        obs.append(env.act(a))
+        if env.done:
+            break
+    ep = Episode("guess", 3, obs, env.actions, env.rewards, env.info)
+    assert env.get_reward() == task.reward_fn(ep) < 1.0  # one invalid action: -0.1
+    with pytest.raises(RuntimeError, match="over"):
+        env.act("4")
+    slow = trl_env.env_class(task, Faults(step=Latency("fixed", seconds=0.01)))()
+    slow.reset(seed=3)
+    slow.act("5")
+    assert slow.env.latency_seconds == pytest.approx(0.01)
+
+
+def test_group_seeds_follow_rollart_pipeline():
+    from rollart import GRPO, Graph
+    from rollart.pipeline import SyncPipeline
+
+    vs_trl = _load("vs_trl")
+    graph = Graph(name="g", tasks=("guess",), algo=GRPO(group_size=2, groups_per_step=2))
+    pipe = SyncPipeline(None, graph)
+    assert vs_trl.group_seeds(graph.seed, 6) == [pipe.next_group()[1] for _ in range(6)]
+    assert len(set(vs_trl.group_seeds(1, 6))) == 6
+
+
+def test_trl_accepts_the_chat_format(tiny_model, trl_env):
+    pytest.importorskip("trl", reason="TRL is the bench extra: pip install -e '.[bench]'")
+    from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+
+    tok = trl_env.GameTokenizer.from_model_folder(tiny_model)
+    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_end_to_end(capsys):
+    """Both workloads × TRL, rollart sync, rollart async with tiny settings."""
+    pytest.importorskip("trl", reason="TRL is the bench extra: pip install -e '.[bench]'")
+    random.seed(0)
+    out = _load("vs_trl").main(["--steps", "2", "--warmup-steps", "10", "--group-size", "2",
+                                "--groups-per-step", "2", "--in-process"])
+    for workload in ("no_latency", "latency"):
+        for runner in ("trl", "sync", "async"):
+            run = out["runs"][workload][runner]
+            assert run["steps"] == 2, (workload, runner)
+            assert run["tokens_per_s"] > 0 and run["wall_s"] > 0
+            assert -1.0 <= run["final_reward"] <= 1.0
+    # with step latency TRL steps its envs one after another: slower than without
+    assert out["runs"]["latency"]["trl"]["wall_s"] > out["runs"]["no_latency"]["trl"]["wall_s"]
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
+    assert len(line) == 1 and "speedup_no_latency=" in line[0] and "speedup_latency=" in line[0]
+    assert not math.isnan(out["result"]["total_s"])

@@ -228,7 +228,7 @@ def check_declared(graph, resources) -> None:
             name = pools[tag].name if tag in pools else "?"
             raise AffinityError(
                 f"{who} of graph {graph.name!r} needs tag {tag!r}, but pool {name!r} in "
-                f"{resources.source} declares no workers: set workers >= 1")
+                f"{resources.source} declares no workers (workers=0): set workers >= 1")
 
 
 def check_cluster(client, graph, source: str) -> None:

@@ -191,9 +191,9 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode,
                      checkpoint_every=checkpoint_every)
     res = load_resources(resources) if client is None or resources is not None else None
-    preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     if res is not None:
         check_declared(graph, res)  # misdeclared affinity: an error before anything starts
+    preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "graph.json").write_text(json.dumps(

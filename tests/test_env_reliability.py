@@ -89,8 +89,18 @@ def setup(local_cluster, tiny_model, tmp_path_factory):
     return c, mgr, buf, timed
 
 
+_OLD_THREADS: set = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads_before():
+    """Threads other test modules left behind are not this module's to count."""
+    _OLD_THREADS.update(t.ident for t in threading.enumerate())
+
+
 def _env_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("rollart-env")]
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("rollart-env") and t.ident not in _OLD_THREADS]
 
 
 def test_hung_sync_envs_fail_and_give_their_threads_back(setup):

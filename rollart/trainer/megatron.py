@@ -338,10 +338,18 @@ class MegatronTrainer(Trainer):
 
     async def save(self, path: str) -> str:
         """Write the policy as a Hugging Face model folder (converted back from Megatron)."""
-        def _save():
-            hf = load_model(self._model_path)
-            hf.load_state_dict(self._hf_state_dict(), strict=False)
-            hf.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-        await self._run(_save)
+        await self._run(self._save_hf, path)
         return path
+
+    # checkpoint hooks: Hugging Face names on disk
+    def _save_hf(self, path: str) -> None:
+        hf = load_model(self._model_path)
+        hf.load_state_dict(self._hf_state_dict(), strict=False)
+        hf.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def _hf_weights(self, module) -> dict:
+        return module.hf_state_dict()
+
+    def _load_hf(self, module, state: dict) -> None:
+        module.load_hf_state_dict(state)

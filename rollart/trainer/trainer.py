@@ -145,6 +145,17 @@ class Trainer:
                 "waited_s": self.waited_seconds}
 
     # -- checkpoints (trainer thread) ---------------------------------------------------
+    # Backend hooks (Hugging Face names on disk whatever the training backend):
+    def _save_hf(self, path: str) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def _hf_weights(self, module) -> dict:
+        return module.state_dict()
+
+    def _load_hf(self, module, state: dict) -> None:
+        module.load_state_dict(state, strict=False)
+
     def _save_state(self, url: str) -> dict:
         import io
         import tempfile
@@ -155,12 +166,11 @@ class Trainer:
         from rollart.weights.store import _untie
 
         with tempfile.TemporaryDirectory(prefix="rollart-ckpt-") as tmp:
-            self.model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
+            self._save_hf(tmp)
             files = upload_dir(tmp, url, "model")
         if self.ref_model is not None:
             ref = {k: v.detach().cpu().contiguous()
-                   for k, v in self.ref_model.state_dict().items()}
+                   for k, v in self._hf_weights(self.ref_model).items()}
             files.update(write_bytes(url, "ref_model.safetensors", st_save(_untie(ref))))
         sched = getattr(self, "scheduler", None)
         buf = io.BytesIO()
@@ -181,12 +191,12 @@ class Trainer:
         fs, root = fsspec.core.url_to_fs(str(url))
         root = root.rstrip("/")
         with fs.open(f"{root}/model/model.safetensors", "rb") as f:
-            self.model.load_state_dict(st_load(f.read()), strict=False)
+            self._load_hf(self.model, st_load(f.read()))
         if fs.exists(f"{root}/ref_model.safetensors"):
             with fs.open(f"{root}/ref_model.safetensors", "rb") as f:
                 ref = st_load(f.read())
-            self.ref_model = copy.deepcopy(self.model).eval()
-            self.ref_model.load_state_dict(ref, strict=False)
+            self.ref_model = self._frozen_copy().eval()
+            self._load_hf(self.ref_model, ref)
         with fs.open(f"{root}/trainer.pt", "rb") as f:
             state = torch.load(io.BytesIO(f.read()), weights_only=False)
         self.optimizer = self._make_optimizer()

@@ -76,3 +76,25 @@ def make_engine(kind: str, model_path: str, *, version: int = 0, max_batch: int 
         return VLLMEngine(model_path, version=version, max_batch=max_batch,
                           on_update=on_update, **options)
     raise ValueError(f"unknown engine {kind!r}: use one of {ENGINES}")
+
+
+def serve_all(engine, requests: list[GenRequest], handoffs: list | None = None) -> list[GenResult]:
+    """Run ``requests`` through ``engine.serve`` (continuous batching) and return their
+    results in order; the first failure is raised. ``handoffs``: per-request PD KV
+    handoffs to decode from (torch engine)."""
+    for req in requests:
+        engine.validate(req)
+    extra = [(h,) for h in handoffs] if handoffs is not None else [()] * len(requests)
+    queue = [(req, i, *x) for i, (req, x) in enumerate(zip(requests, extra))]
+    results: list = [None] * len(requests)
+
+    def admit(free: int):
+        taken, queue[:] = queue[:free], queue[free:]
+        return taken
+
+    engine.serve(admit, results.__setitem__)
+    for outcome in results:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return results
+

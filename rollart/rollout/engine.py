@@ -114,23 +114,9 @@ class TorchEngine:
         that fails to copy in is skipped (generation goes on under the old weights); it
         is recorded in ``update_error`` and reported to ``on_update``.
         """
-        for req in requests:
-            self.validate(req)
-        queue = list(enumerate(requests))
-        results: list = [None] * len(requests)
+        from rollart.rollout.base import serve_all
 
-        def admit(free: int):
-            taken, queue[:] = queue[:free], queue[free:]
-            return [(req, i) for i, req in taken]
-
-        def deliver(i: int, outcome) -> None:
-            results[i] = outcome
-
-        self.serve(admit, deliver)
-        for outcome in results:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return results
+        return serve_all(self, requests)
 
     def serve(
         self,
@@ -232,20 +218,9 @@ class TorchEngine:
         Exactly what ``generate`` does after its own prefill; a handoff made under other
         weights than this engine's is recomputed here (like a mid-batch weight swap).
         """
-        for req in requests:
-            self.validate(req)
-        queue = list(enumerate(zip(requests, handoffs)))
-        results: list = [None] * len(requests)
+        from rollart.rollout.base import serve_all
 
-        def admit(free: int):
-            taken, queue[:] = queue[:free], queue[free:]
-            return [(req, i, h) for i, (req, h) in taken]
-
-        self.serve(admit, results.__setitem__)
-        for outcome in results:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return results
+        return serve_all(self, requests, handoffs)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Replace the weights in place now (all keys must match) and set ``version``.

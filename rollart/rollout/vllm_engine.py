@@ -135,20 +135,9 @@ class VLLMEngine:
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Generate for every request (order preserved), ``max_batch`` live at a time."""
-        for req in requests:
-            self.validate(req)
-        queue = list(enumerate(requests))
-        results: list = [None] * len(requests)
+        from rollart.rollout.base import serve_all
 
-        def admit(free: int):
-            taken, queue[:] = queue[:free], queue[free:]
-            return [(req, i) for i, req in taken]
-
-        self.serve(admit, results.__setitem__)
-        for outcome in results:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return results
+        return serve_all(self, requests)
 
     def serve(self, admit, deliver, *, abandoned=None) -> None:
         """Continuous batching with ``TorchEngine.serve``'s contract: ``admit(free)`` is

@@ -1,0 +1,213 @@
+"""Continuous batching for ``TorchEngine``: the live rows, their left-padded KV cache,
+and per-row sampling (token choice with its behaviour log-prob).
+
+``_Batch`` is driven by ``TorchEngine.serve``: rows join with their own prefill (or a PD
+handoff) and leave the moment they finish; their KV goes to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollart.rollout import pd
+from rollart.types import GenRequest, GenResult
+
+
+class _Row:
+    """One request being generated: its sampling state and what it has produced."""
+
+    __slots__ = ("req", "tag", "rng", "tokens", "logps", "versions", "reason", "handoff")
+
+    def __init__(self, req: GenRequest, tag, rng: torch.Generator, handoff=None):
+        self.req, self.tag, self.rng, self.handoff = req, tag, rng, handoff
+        self.tokens: list[int] = []
+        self.logps: list[float] = []
+        self.versions: list[int] = []
+        self.reason: str | None = "length" if req.max_new_tokens == 0 else None
+
+    def result(self) -> GenResult:
+        return GenResult(token_ids=self.tokens, logprobs=self.logps, versions=self.versions,
+                         finish_reason=self.reason or "length")
+
+
+class _Batch:
+    """The live rows of a continuous batch and their left-padded KV cache.
+
+    Invariant between calls: ``logits[j]`` are the next-token logits of ``rows[j]`` (after
+    ``admit``/``step``/``recompute``), ``mask``/``next_pos``/``cache`` hold one row each.
+    Rows join with their own prefill (caches are left-padded to a common width) and
+    leave by index selection; columns no live row attends to are trimmed.
+    """
+
+    def __init__(self, engine):  # a TorchEngine
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.empty: list[_Row] = []  # max_new_tokens == 0: done before any compute
+        self.logits = self.mask = self.next_pos = self.cache = None
+
+    @torch.inference_mode()
+    def admit(self, items: list[tuple]) -> None:
+        """New rows join: their own prefill (or a PD handoff), then one merged cache."""
+        eng = self.engine
+        new = [_Row(it[0], it[1], _request_rng(it[0], eng._rng), it[2] if len(it) > 2 else None)
+               for it in items]
+        eng.requests += len(new)
+        self.empty.extend(r for r in new if r.reason is not None)
+        new = [r for r in new if r.reason is None]
+        local = [r for r in new if r.handoff is None]
+        remote = [r for r in new if r.handoff is not None]
+        if local:  # prefill here, reusing cached prefixes (rollart.rollout.pd)
+            self._join(local, pd.start_with_prefix(eng, [r.req for r in local], eng.prefix_cache))
+        if remote:  # decode from KV prefilled on another worker
+            if all(r.handoff.version == eng.version for r in remote):
+                start = pd.merge_rows(eng, [r.handoff for r in remote])
+            else:  # made under other weights: recompute here
+                start = eng._prefill([r.req.prompt_ids for r in remote])
+                eng.recompute_tokens += sum(len(r.req.prompt_ids) for r in remote)
+            for r in remote:
+                r.handoff = True  # only "came from a handoff" is needed from now on
+            self._join(remote, start)
+
+    def _join(self, new: list[_Row], start) -> None:
+        logits, mask, next_pos, cache = start
+        self.engine.batches += 1
+        if not self.rows:
+            self.rows, self.logits, self.mask, self.next_pos, self.cache = \
+                new, logits, mask, next_pos, cache
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, add in zip(self.cache.layers, cache.layers):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(add.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width),
+                                    _left_pad(add.values, width)])
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+        self.logits = torch.cat([self.logits, logits])
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.rows = self.rows + new
+
+    def finish_empty(self) -> list[_Row]:
+        done, self.empty = self.empty, []
+        return done
+
+    def pick(self) -> None:
+        """Choose the next token of every row (and note which rows are now done)."""
+        eng = self.engine
+        picks = _pick(self.logits, [r.req for r in self.rows], [r.rng for r in self.rows],
+                      list(range(len(self.rows))))
+        for row, (tok, lp) in zip(self.rows, picks):
+            row.tokens.append(tok)
+            row.logps.append(lp)
+            row.versions.append(eng.version)
+            if tok in row.req.stop_ids:
+                row.reason = "stop"
+            elif len(row.tokens) >= row.req.max_new_tokens:
+                row.reason = "length"
+        eng.tokens_generated += len(picks)
+
+    def retire(self) -> list[_Row]:
+        """Remove the rows that are done (their KV kept for the trajectory's next turn in
+        the prefix cache: prompt + every token but the last, all under the current
+        weights); return them."""
+        gone = [j for j, r in enumerate(self.rows) if r.reason is not None]
+        if not gone:
+            return []
+        prefix = self.engine.prefix_cache
+        if prefix is not None:
+            for j in gone:
+                row = self.rows[j]
+                if row.handoff is None and row.req.cache_key is not None:
+                    kv = pd.row_kv(self.cache, j, self.mask[j].bool())
+                    prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
+                                 kv, self.engine.version)
+        done = [self.rows[j] for j in gone]
+        self.drop(gone)
+        return done
+
+    def drop(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        gone = set(indices)
+        keep = [j for j in range(len(self.rows)) if j not in gone]
+        self.rows = [self.rows[j] for j in keep]
+        if not self.rows:
+            self.logits = self.mask = self.next_pos = self.cache = None
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+        self.logits = self.logits[idx]
+        live = torch.nonzero(self.mask.sum(0) > 0)
+        first = int(live[0]) if len(live) else 0
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One decode forward pass: each row's last token in, next-token logits out."""
+        last = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long)[:, None]
+        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)],
+                              dim=1)
+        self.logits = self.engine._forward(last, self.mask, self.next_pos, self.cache)
+        self.next_pos = self.next_pos + 1
+
+    @torch.inference_mode()
+    def recompute(self) -> int:
+        """Rebuild the KV cache of every row (prompt + tokens so far) under the current
+        weights; return the number of context tokens re-prefilled."""
+        contexts = [list(r.req.prompt_ids) + r.tokens for r in self.rows]
+        self.logits, self.mask, self.next_pos, self.cache = self.engine._prefill(contexts)
+        return sum(len(c) for c in contexts)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad ``t`` on the left of its sequence axis (-2 for KV, -1 for a mask)."""
+    axis = -2 if t.dim() == 4 else -1
+    short = width - t.shape[axis]
+    if short <= 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = short
+    return torch.cat([t.new_zeros(shape), t], dim=axis)
+
+
+def _pick(
+    logits: torch.Tensor, reqs: list[GenRequest], rngs: list[torch.Generator], rows: list[int]
+) -> list[tuple[int, float]]:
+    """Choose the next token of each row in ``rows``, with its behaviour log-prob.
+
+    Greedy when ``temperature <= 0`` (log-prob under temperature 1); otherwise sample
+    from the ``top_p`` nucleus of softmax(logits / temperature) with the row's own
+    generator. The log-prob is always taken over the full, untruncated distribution.
+    """
+    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs])
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    picks = []
+    for i in rows:
+        r = reqs[i]
+        tok = greedy[i] if r.temperature <= 0 else _sample(logp[i], r.top_p, rngs[i])
+        picks.append(tok)
+    lps = logp[torch.tensor(rows), torch.tensor(picks)].tolist()
+    return list(zip(picks, lps))
+
+
+def _sample(logp: torch.Tensor, top_p: float, rng: torch.Generator) -> int:
+    """Sample from exp(logp) restricted to its ``top_p`` nucleus (top token always kept)."""
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+        keep[0] = True
+        trunc = torch.zeros_like(probs)
+        trunc[order[keep]] = sorted_p[keep]
+        probs = trunc
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def _request_rng(req: GenRequest, default: torch.Generator) -> torch.Generator:
+    if req.seed is None:
+        return default
+    rng = torch.Generator()
+    rng.manual_seed(int(req.seed))
+    return rng

@@ -26,10 +26,13 @@ up to the launches (checked by the buffer's ledger; a mismatch raises
 from __future__ import annotations
 
 import abc
+import logging
 import random
 import time
 
 from rollart.buffer.ledger import STATES
+
+logger = logging.getLogger(__name__)
 
 
 class Pipeline(abc.ABC):
@@ -109,6 +112,7 @@ class Pipeline(abc.ABC):
         """One trainer step in this mode; returns the trainer's metrics."""
 
     def train(self, step: int, while_waiting=None) -> dict:
+        spurious = 0
         while True:
             trainer = self.actors.trainer
             try:
@@ -122,6 +126,16 @@ class Pipeline(abc.ABC):
             except Exception as e:
                 if not self.lost(e, trainer):
                     raise
+                if self.supervisor.alive(trainer):
+                    # a comm error from another worker (e.g. an env worker dying while
+                    # the batch was gathered): the trainer itself is fine, re-run the step
+                    spurious += 1
+                    if spurious > 3:
+                        raise
+                    logger.warning("trainer step %d failed with %r but the trainer is alive; "
+                                   "re-running the step", step, e)
+                    continue
+                logger.warning("trainer step %d lost its trainer (%r); replacing it", step, e)
                 self.supervisor.replace_trainer()  # then re-run this step
                 self.trainer_recoveries += 1
 

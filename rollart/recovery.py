@@ -107,6 +107,19 @@ class Supervisor:
         """Did ``error`` (raised by a call on ``actor``) come from losing its worker?"""
         return is_worker_lost(error) or self._lost(actor, self.live())
 
+    def alive(self, actor, grace: float = 5.0) -> bool:
+        """Is ``actor`` still served by a live worker? A call that raised a comm error may
+        come from some other worker dying; the scheduler takes a moment to notice a lost
+        worker, so a worker it still lists must also answer a cheap call within
+        ``grace`` s."""
+        if self._lost(actor, self.live()):
+            return False
+        try:
+            actor.stats().result(timeout=grace)
+        except Exception:
+            return False
+        return not self._lost(actor, self.live())
+
     def heal(self, force: bool = False) -> list[dict]:
         """Find lost actors and replace those whose pool has a free worker; returns the
         replacements made now. Cheap when nothing is lost (at most every

@@ -137,8 +137,7 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
             # version -1: the folder's weights are not a published version; the
             # workers load version 0 from the store once the trainer publishes it.
             f = client.submit(InferenceWorker, model_path, store_url, pool=tag, version=-1,
-                              max_batch=graph.policy.max_batch, threads=1, actor=True,
-                              engine=graph.policy.engine,
+                              threads=1, actor=True, **graph.policy.worker_options(),
                               workers=[addr], resources={tag: 1},
                               key=f"InferenceWorker-{tag}-{addr}-{run}")
             futs.append((f, tag, addr))

@@ -59,6 +59,9 @@ class Policy:
     temperature: float = 1.0
     top_p: float = 1.0
     max_batch: int = 64  # requests batched together by one inference worker
+    # torch engine: decode steps between admissions into a running batch (arrivals in
+    # between share one prefill; 1 = admit at every step)
+    admit_every: int = 4
     engine: str = "torch"  # generation engine: "torch" | "vllm" (rollart.rollout.base)
     trainer_backend: str = "torch"  # "torch" (HF model) | "megatron" (megatron-core GPTModel)
 
@@ -66,7 +69,8 @@ class Policy:
         _check(self.model is None or isinstance(self.model, str),
                f"Policy.model must be a path to a Hugging Face model folder or None, "
                f"got {self.model!r}")
-        _numbers(self, "warmup_steps", "warmup_batch", "max_batch", integer=True)
+        _numbers(self, "warmup_steps", "warmup_batch", "max_batch", "admit_every",
+                 integer=True)
         _numbers(self, "warmup_lr", "temperature", "top_p")
         _check(self.warmup_batch >= 1, f"Policy.warmup_batch must be ≥ 1, got "
                f"{self.warmup_batch}")
@@ -76,10 +80,19 @@ class Policy:
                f"got {self.temperature!r}")
         _check(0 < self.top_p <= 1, f"Policy.top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.max_batch >= 1, f"Policy.max_batch must be ≥ 1, got {self.max_batch!r}")
+        _check(self.admit_every >= 1,
+               f"Policy.admit_every must be ≥ 1, got {self.admit_every!r}")
         _check(self.engine in ENGINES, f"Policy.engine must be one of {ENGINES}, "
                f"got {self.engine!r}")
         _check(self.trainer_backend in TRAINER_BACKENDS, f"Policy.trainer_backend must be "
                f"one of {TRAINER_BACKENDS}, got {self.trainer_backend!r}")
+
+    def worker_options(self) -> dict:
+        """The ``InferenceWorker`` keyword arguments this policy implies."""
+        opts = {"max_batch": self.max_batch, "engine": self.engine}
+        if self.engine == "torch":
+            opts["engine_options"] = {"admit_every": self.admit_every}
+        return opts
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ class Supervisor:
 
         w = self._submit(
             InferenceWorker, self.model_path, self.store_url, pool=tag, version=-1,
-            max_batch=self.graph.policy.max_batch, threads=1, actor=True, workers=[addr],
+            threads=1, actor=True, **self.graph.policy.worker_options(), workers=[addr],
             resources={tag: 1}, key=self._key(f"InferenceWorker-{tag}", addr))
         version = WeightStore(self.store_url).latest()
         if version >= 0:

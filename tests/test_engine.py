@@ -227,7 +227,11 @@ def test_continuous_batching_rows_join_and_leave_mid_batch(engine):
         got[i] = res
 
     batches = engine.batches
-    engine.serve(admit, deliver)
+    engine.admit_every = 1  # poll at every boundary
+    try:
+        engine.serve(admit, deliver)
+    finally:
+        engine.admit_every = 4
     assert sorted(got) == list(range(6)) and joined == list(range(6))
     assert engine.batches - batches == 6  # each arrival had its own prefill, no restarts
     assert order.index(0) < order.index(1) and order.index(4) < order.index(1)
@@ -235,6 +239,34 @@ def test_continuous_batching_rows_join_and_leave_mid_batch(engine):
         assert got[i].token_ids == ref.token_ids
         assert got[i].logprobs == pytest.approx(ref.logprobs, abs=1e-4)
         assert len(got[i].token_ids) == lengths[i]
+
+
+def test_arrivals_are_collected_for_admit_every_steps(engine):
+    """Once rows are live, ``admit`` is polled every ``admit_every`` decode steps, so the
+    requests that arrived meanwhile share one prefill; results equal each row alone."""
+    eng = TorchEngine(engine.model_path, max_batch=8, admit_every=3)
+    eng.load_state_dict(engine.model.state_dict(), version=0)
+    reqs = [GenRequest(PROMPTS[i % 4], max_new_tokens=10, temperature=0.0) for i in range(7)]
+    alone = [eng.generate([r])[0] for r in reqs]
+    queue = list(enumerate(reqs))
+    polls = []
+
+    def admit(free):
+        polls.append(eng.decode_steps)
+        take, arrived = [], 1 + eng.decode_steps - start  # one arrival per step
+        while queue and queue[0][0] < arrived and len(take) < free:
+            take.append(queue.pop(0))
+        return [(r, i) for i, r in take]
+
+    got = {}
+    batches, start = eng.batches, eng.decode_steps
+    eng.serve(admit, lambda i, res: got.__setitem__(i, res))
+    steps = [p - start for p in polls]
+    assert steps[:3] == [0, 3, 6]  # rows live from the first poll on: every 3 steps
+    assert eng.batches - batches == 3  # 7 arrivals, 3 prefills: [0], [1-3], [4-6]
+    for i, ref in enumerate(alone):
+        assert got[i].token_ids == ref.token_ids
+        assert got[i].logprobs == pytest.approx(ref.logprobs, abs=1e-4)
 
 
 def test_serve_drops_abandoned_rows_and_reports_bad_requests(engine):

@@ -57,12 +57,16 @@ class TorchEngine:
         step_callback: Callable[[int], None] | None = None,
         on_update: UpdateHook | None = None,
         prefix_cache: int = 512,
+        admit_every: int = 4,
     ):
         self.model_path = str(model_path)
         self.version = int(version)
         self.max_batch = max(1, int(max_batch))
         self.step_callback = step_callback
         self.on_update = on_update
+        # decode steps between two admissions into a running batch: arrivals meanwhile
+        # are prefilled together (one forward) instead of one prefill each
+        self.admit_every = max(1, int(admit_every))
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype)
         config = self.model.config
@@ -128,11 +132,15 @@ class TorchEngine:
     ) -> None:
         """Continuous batching: run until no row is live and ``admit`` offers nothing.
 
-        ``admit(free)`` is polled at every decode-step boundary (and before the first)
-        for at most ``free`` new ``(request, tag)`` pairs — or ``(request, tag, handoff)``
-        to start from a ``KVHandoff`` another engine prefilled (PD disaggregation); they
-        are prefilled (reusing a cached prefix of their trajectory where there is one) and
-        join the running batch. A finished row's KV goes to the prefix cache. ``deliver(tag, result)`` is called the moment a row finishes,
+        ``admit(free)`` is polled at decode-step boundaries (before the first, then every
+        boundary until rows join, then again ``admit_every`` steps later) for at most
+        ``free`` new ``(request, tag)`` pairs — or ``(request, tag, handoff)`` to start
+        from a ``KVHandoff`` another engine prefilled (PD disaggregation); they are
+        prefilled together (reusing a cached prefix of their trajectory where there is
+        one) and join the running batch. Collecting arrivals for a few steps keeps one
+        prefill forward per group of arrivals rather than one per request. A finished
+        row's KV goes to the prefix cache. ``deliver(tag, result)`` is called the moment
+        a row finishes,
         with its ``GenResult`` — or with the exception when its request is invalid or the
         model fails (every live row gets it then; the engine stays usable).
         ``abandoned(tag)``, when given, is checked at each boundary: such rows (their
@@ -140,6 +148,7 @@ class TorchEngine:
         """
         b = _Batch(self)
         n = 0
+        since = self.admit_every  # decode steps since rows last joined
         while True:
             if not b.rows:
                 self._apply_pending(raise_errors=False)
@@ -148,7 +157,10 @@ class TorchEngine:
                 if abandoned is not None:
                     b.drop([j for j, row in enumerate(b.rows) if abandoned(row.tag)])
                 free = self.max_batch - len(b.rows)
-                new = admit(free) if free > 0 else []
+                due = not b.rows or since >= self.admit_every
+                new = admit(free) if free > 0 and due else []
+                if new:
+                    since = 0
                 good = []
                 for item in new:
                     try:
@@ -168,6 +180,7 @@ class TorchEngine:
                     b.pick()
                     self.decode_steps += 1
                     n += 1
+                    since += 1
                     for row in b.retire():
                         deliver(row.tag, row.result())
                 if b.rows:

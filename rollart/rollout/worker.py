@@ -87,6 +87,7 @@ class InferenceWorker:
         max_batch: int = 64,
         threads: int | None = None,
         engine: str = "torch",
+        engine_options: dict | None = None,
     ):
         if threads:
             torch.set_num_threads(int(threads))
@@ -95,7 +96,7 @@ class InferenceWorker:
         self.address = _worker_address()
         # engine: "torch" (TorchEngine) or "vllm" (VLLMEngine); see rollart.rollout.base
         self.engine = make_engine(engine, model_path, version=version, max_batch=max_batch,
-                                  on_update=self._on_update)
+                                  on_update=self._on_update, **(engine_options or {}))
         self.max_batch = self.engine.max_batch
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()

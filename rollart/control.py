@@ -281,6 +281,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                 metrics.update(reward_metrics(client, pools, actors.managers))
             metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)
             metrics["recovery/groups_restarted"] = pipeline.restarted_groups
+            metrics["rollout/groups_refilled"] = pipeline.refilled_groups
             metrics["time"] = time.time() - t_start
             running = monitor.step(metrics)  # False once rollart.metrics.request_stop(run)
             log.write(metrics)

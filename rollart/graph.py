@@ -144,6 +144,9 @@ class Rollout:
     env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
     reward_timeout: float = 30.0
     trajectory_timeout: float | None = None  # seconds for a whole trajectory (None: none)
+    # stop the run (FailureStormError) after this many failed trajectories in a row with
+    # none reaching the buffer; None: 4 × the trajectories of one trainer step; 0: never
+    failure_streak_limit: int | None = None
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -152,6 +155,10 @@ class Rollout:
         _numbers(self, "env_concurrency", integer=True)
         _numbers(self, "env_step_timeout", "reward_timeout", "redundancy")
         _numbers(self, "trajectory_timeout", optional=True)
+        _numbers(self, "failure_streak_limit", integer=True, optional=True)
+        _check(self.failure_streak_limit is None or self.failure_streak_limit >= 0,
+               f"Rollout.failure_streak_limit must be ≥ 0 (0: never stop) or None, got "
+               f"{self.failure_streak_limit!r}")
         _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
         _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0 seconds")
         _check(self.reward_timeout > 0, "Rollout.reward_timeout must be > 0 seconds")

@@ -16,7 +16,9 @@ mode        one trainer step
 
 Lost workers (``rollart.recovery``): with a ``supervisor`` set, the pipeline heals while
 it waits, restarts the missing members of a group whose env manager was lost on another
-manager, and re-runs a step whose trainer was lost on a re-created trainer.
+manager, and re-runs a step whose trainer was lost on a re-created trainer. A run whose
+last ``Rollout.failure_streak_limit`` trajectories all failed stops with
+``FailureStormError`` (a broken env, reward or inference pool) instead of spinning.
 
 Every step ends with the ledger's counts (``traj/<state>``) and a check that they add
 up to the launches (checked by the buffer's ledger; a mismatch raises
@@ -45,6 +47,8 @@ class Pipeline(abc.ABC):
         self.n_groups = 0
         self.errors: list[str] = []
         self.supervisor = None  # a rollart.recovery.Supervisor, set by the control loop
+        self._checked = 0.0  # last failure-storm check (check_failures)
+        self.refilled_groups = 0  # lockstep modes: groups re-run after all members failed
         self.groups: dict[str, tuple] = {}  # gid -> (task, seed, size, restarts)
         self.placed: dict[str, tuple] = {}  # gid -> (future, manager) of a restarted group
         self.restarted_groups = 0
@@ -79,6 +83,40 @@ class Pipeline(abc.ABC):
     def heal(self) -> None:
         if self.supervisor is not None:
             self.supervisor.heal()
+        self.check_failures()
+
+    @property
+    def failure_streak_limit(self) -> int:
+        limit = self.graph.rollout.failure_streak_limit
+        if limit is None:
+            limit = 4 * self.graph.algo.group_size * self.graph.algo.groups_per_step
+        return limit
+
+    def check_failures(self, every: float = 1.0) -> None:
+        """Raise ``FailureStormError`` when the last ``failure_streak_limit`` trajectories
+        all failed (checked at most every ``every`` s)."""
+        limit, now = self.failure_streak_limit, time.monotonic()
+        if not limit or now - self._checked < every:
+            return
+        self._checked = now
+        streak = self.actors.buffer.counts().result()["failed_streak"]
+        if streak < limit:
+            return
+        from rollart.recovery import FailureStormError
+
+        errors = self.actors.buffer.recent_errors().result()
+        raise FailureStormError(
+            f"the last {streak} trajectories all failed and none reached the buffer, so the "
+            "run stops (Rollout.failure_streak_limit={}). Latest errors:\n  ".format(limit)
+            + "\n  ".join(errors) + "\nFix the env, reward or inference pool they point "
+            "at, then resume from the last checkpoint (rollart train --resume RUN).")
+
+    def wait(self, fut):
+        """``fut.result()``, checking for failure storms (and healing) meanwhile."""
+        while not fut.done():
+            self.heal()
+            time.sleep(0.02)
+        return fut.result()
 
     def lost(self, error: BaseException, actor=None) -> bool:
         """True when ``error`` came from a lost worker and the supervisor can help."""
@@ -207,7 +245,7 @@ class Pipeline(abc.ABC):
         restarted = []
         for fut, groups, mgr in batch:
             try:
-                fut.result()
+                self.wait(fut)
             except Exception as e:
                 if not self.lost(e, mgr):
                     raise
@@ -215,11 +253,24 @@ class Pipeline(abc.ABC):
         for gid, fut in restarted:
             self.wait_group(gid, fut)
 
+    def refill(self) -> None:
+        """Lockstep modes: a group whose every member failed leaves nothing to train on;
+        roll out replacement groups until one step's worth is complete (else the trainer
+        would wait for groups nobody runs). A failure storm stops the run here."""
+        need = self.graph.algo.groups_per_step
+        while True:
+            ready = self.actors.buffer.counts().result()["groups_complete"]
+            if ready >= need:
+                return
+            self.check_failures(every=0.0)
+            self.refilled_groups += need - ready
+            self.wait_batch(self.run_batch([self.next_group() for _ in range(need - ready)]))
+
     def wait_group(self, gid: str, fut) -> None:
         """Wait for a restarted group (restarting it again if its new manager is lost)."""
         while fut is not None:
             try:
-                fut.result()
+                self.wait(fut)
                 break
             except Exception as e:
                 if not self.lost(e, self.placed[gid][1]):
@@ -284,6 +335,7 @@ class OneOffPipeline(Pipeline):
         if self.pending is None:
             self.pending = self.launch_batch()
         self.wait_batch(self.pending)  # batch k is complete (its turns ran in lockstep)
+        self.refill()
         self.pending = self.launch_batch()  # batch k+1 overlaps training on batch k
         metrics = self.train(step)
         self.publish(metrics["version"], wait=False)
@@ -297,6 +349,7 @@ class SyncPipeline(Pipeline):
         batch = self.run_batch([self.next_group()
                                 for _ in range(self.graph.algo.groups_per_step)])
         self.wait_batch(batch)
+        self.refill()
         metrics = self.train(step)
         self.publish(metrics["version"], wait=True)
         return metrics

@@ -41,11 +41,16 @@ from rollart.types import CPU_ENV, TRAIN
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunLostError", "Supervisor", "is_worker_lost"]
+__all__ = ["FailureStormError", "RunLostError", "Supervisor", "is_worker_lost"]
 
 
 class RunLostError(RuntimeError):
     """A fault the run cannot recover from (e.g. the sample buffer's worker died)."""
+
+
+class FailureStormError(RuntimeError):
+    """Every recent trajectory failed (``Rollout.failure_streak_limit`` in a row): an
+    env, reward or inference pool is broken, and going on would only burn compute."""
 
 
 @dataclass

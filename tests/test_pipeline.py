@@ -10,7 +10,9 @@ import pytest
 from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
 from rollart.buffer.ledger import STATES
+from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.faults import Faults, Latency, with_faults
+from rollart.env.tasks import get_task
 from rollart.graph import GraphError
 
 pytestmark = pytest.mark.slow
@@ -83,3 +85,47 @@ def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_p
     assert any("env_step_timeout" in e for e in errors)
     trained = samples.filter(pc.equal(samples["state"], "trained"))
     assert 0 < trained.num_rows <= 4 * 3 * 2  # failed members are never trained on
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_failure_storm_stops_the_run_with_the_errors(local_cluster, tmp_path, mode):
+    """Every trajectory failing (a broken env) stops the run with what they said, instead
+    of launching replacements forever; the ledger still adds up."""
+    from rollart.recovery import FailureStormError
+
+    broken = Faults(fail_prob=1.0, seed=0)
+    graph = replace(_graph(mode, failure_streak_limit=12),
+                    tasks=tuple(with_faults(t, broken) for t in ("gridnav", "boxpush")))
+    with pytest.raises(FailureStormError, match=r"(?s)last \d+ trajectories all failed.*"
+                                                r"injected failure.*--resume"):
+        train(graph, client=local_cluster, run_dir=tmp_path / mode, progress=False,
+              eval_seeds=0)
+    with pytest.raises(GraphError, match="failure_streak_limit"):
+        Rollout(failure_streak_limit=-1)
+
+
+class FailsOnEvenSeeds(GridNavEnv):
+    """Every member of a group shares its seed: even-seeded groups fail whole."""
+
+    def reset(self, seed):
+        if seed % 2 == 0:
+            raise RuntimeError(f"broken seed {seed}")
+        return super().reset(seed)
+
+
+def test_sync_mode_refills_groups_whose_every_member_failed(local_cluster, tmp_path):
+    """Lockstep members are not replaced; a group with no member left is re-run, so the
+    trainer never waits for groups nobody runs."""
+    half = replace(get_task("gridnav"), name="halfbroken", env_factory=FailsOnEvenSeeds)
+    graph = replace(_graph("sync", failure_streak_limit=0), tasks=(half,),
+                    policy=Policy(warmup_steps=0))  # the warm-up would meet even seeds too
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "sync", progress=False,
+                   eval_seeds=0)
+    rows = result.metrics
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["rollout/groups_refilled"] > 0
+    for r in rows:
+        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    assert trained.num_rows == 4 * 3 * 2 and all(s % 2 for s in trained["seed"].to_pylist())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -90,6 +90,10 @@ class SampleBuffer:
         self._complete: OrderedDict[str, _Group] = OrderedDict()  # FIFO by completion
         self._closed: set[str] = set()  # groups that left; late members are dropped
         self._counts = dict(received=0, trained=0, dropped=0, failed=0)
+        # failed arrivals since the last good one, and what the latest ones said (a run
+        # whose every trajectory fails is stopped by the pipeline: rollart.pipeline)
+        self._streak = 0
+        self._recent_errors: deque[str] = deque(maxlen=5)
         self._cond: asyncio.Condition | None = None
         self._waiters = 0
         self._pending: list[pa.RecordBatch] = []  # left the buffer, not yet written
@@ -144,6 +148,7 @@ class SampleBuffer:
             return False
         group = self._open.setdefault(gid, _Group(gid, max(1, int(group_size))))
         group.arrived += 1
+        self._note(traj, failed)
         if failed:
             self._leave([to_record_batch([traj])], TrajState.FAILED)
         else:
@@ -160,6 +165,13 @@ class SampleBuffer:
         group.compact()
         self._complete[gid] = group
         return True
+
+    def _note(self, traj: Trajectory, failed: bool) -> None:
+        if failed:
+            self._streak += 1
+            self._recent_errors.append(f"{traj.task} {traj.traj_id}: {traj.error or 'failed'}")
+        else:
+            self._streak = 0
 
     def _drop_stale(self, min_version: int) -> int:
         """Drop complete groups older than ``min_version``; returns trajectories dropped."""
@@ -193,6 +205,7 @@ class SampleBuffer:
             "failed": c["failed"],
             "groups_complete": len(self._complete),
             "orphaned": c.get("orphaned", 0),
+            "failed_streak": self._streak,  # failed arrivals since the last good one
         }
 
     # -- persistence --------------------------------------------------------------------
@@ -292,6 +305,10 @@ class SampleBuffer:
         groups_complete. Raises ``AccountingError`` if the ledger does not add up."""
         return self._counts_now()
 
+    async def recent_errors(self) -> list[str]:
+        """What the latest failed trajectories said (newest last, at most 5)."""
+        return list(self._recent_errors)
+
     async def launched(self, traj_ids: list[str]) -> None:
         """Record trajectories an env manager has started."""
         for t in traj_ids:
@@ -309,6 +326,7 @@ class SampleBuffer:
         without taking a place in its group."""
         self._counts["received"] += 1
         traj.state = TrajState.FAILED.value
+        self._note(traj, True)
         self._leave([to_record_batch([traj])], TrajState.FAILED)
         await self._maybe_flush()
 

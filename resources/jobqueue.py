@@ -7,8 +7,9 @@ connects to its address like to any existing cluster. Needs ``pip install
 dask-jobqueue`` and a SLURM login node; adjust partitions, GPUs and walltime below.
 Nothing is submitted until ``rollart train --resources jobqueue`` calls
 ``resources()``. (Heterogeneous jobs go through the ``SpecCluster`` worker spec, which
-dask-jobqueue has no public helper for; written against dask-jobqueue 0.9, not run
-here: there is no SLURM on the CI machines.)
+dask-jobqueue has no public helper for; written against dask-jobqueue 0.9. There is no
+SLURM on the CI machines: ``tests/test_affinity.py`` checks the generated job scripts
+through ``slurm_cluster(submit=False)`` and ``job_scripts``.)
 """
 
 import os
@@ -27,8 +28,9 @@ POOLS = {
 _CLUSTER = None  # keeps the scheduler alive for the run
 
 
-def resources() -> Resources:
-    global _CLUSTER
+def slurm_cluster(submit: bool = True, **scheduler_options):
+    """The ``SLURMCluster`` with one job spec per worker of every pool; with ``submit``,
+    its jobs are submitted (``sbatch``) before it is returned."""
     try:
         from dask_jobqueue import SLURMCluster
     except ImportError:
@@ -36,12 +38,26 @@ def resources() -> Resources:
                              "dask-jobqueue (or start workers yourself and use "
                              "resources/scheduler.py)") from None
     cluster = SLURMCluster(cores=8, memory="64GB", processes=1,
-                           walltime=os.environ.get("ROLLART_WALLTIME", "04:00:00"))
+                           walltime=os.environ.get("ROLLART_WALLTIME", "04:00:00"),
+                           scheduler_options=scheduler_options or None)
     for tag, (queue, jobs, extra) in POOLS.items():
         for i in range(jobs):
             options = {**cluster._job_kwargs, "queue": queue, "job_extra_directives": extra,
                        "worker_extra_args": ["--resources", f"{tag}=1"]}
             cluster.worker_spec[f"{tag}-{i}"] = {"cls": cluster.job_cls, "options": options}
-    cluster.sync(cluster._correct_state)
-    _CLUSTER = cluster
-    return Resources(address=cluster.scheduler_address, source="resources/jobqueue.py")
+    if submit:
+        cluster.sync(cluster._correct_state)
+    return cluster
+
+
+def job_scripts(cluster) -> dict[str, str]:
+    """The ``sbatch`` script of every job in ``cluster``'s spec, by job name."""
+    return {name: spec["cls"](scheduler=cluster.scheduler_address, name=name,
+                              **spec["options"]).job_script()
+            for name, spec in cluster.worker_spec.items()}
+
+
+def resources() -> Resources:
+    global _CLUSTER
+    _CLUSTER = slurm_cluster()
+    return Resources(address=_CLUSTER.scheduler_address, source="resources/jobqueue.py")

@@ -3,6 +3,9 @@ stage on its tag on a real in-process cluster with several tagged workers."""
 
 from dataclasses import replace
 
+import sys
+from pathlib import Path
+
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
@@ -115,14 +118,35 @@ def test_shipped_resources_files_declare_the_roles():
     check_declared(graph(pd_guess()), gpu)
 
 
-def test_jobqueue_file_says_what_to_install():
+def test_jobqueue_file_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dask_jobqueue", None)  # as if not installed
+    with pytest.raises(rollart.ResourcesError, match="pip install dask-jobqueue"):
+        load_resources("jobqueue")
+
+
+def test_jobqueue_file_writes_one_tagged_slurm_job_per_worker():
+    """Without SLURM: the job scripts the file would submit, one per pool worker, each on
+    its partition with its GPUs and its resource tag."""
+    pytest.importorskip("dask_jobqueue", reason="needs the jobqueue extra")
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "resources" / "jobqueue.py"
+    spec = importlib.util.spec_from_file_location("rollart_jobqueue_file", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cluster = mod.slurm_cluster(submit=False, host="127.0.0.1", dashboard_address=":0")
     try:
-        import dask_jobqueue  # noqa: F401
-    except ImportError:
-        with pytest.raises(rollart.ResourcesError, match="pip install dask-jobqueue"):
-            load_resources("jobqueue")
-    else:
-        pytest.skip("dask-jobqueue installed; the file would submit SLURM jobs")
+        scripts = mod.job_scripts(cluster)
+    finally:
+        cluster.close()
+    assert len(scripts) == sum(jobs for _, jobs, _ in mod.POOLS.values())
+    for name, script in scripts.items():
+        tag = name.rsplit("-", 1)[0]
+        queue, _, extra = mod.POOLS[tag]
+        assert f"#SBATCH -p {queue}" in script
+        assert all(f"#SBATCH {line}" in script for line in extra)
+        assert f"--resources {tag}=1" in script
+        assert cluster.scheduler_address in script
 
 
 # -- placement on a real cluster --------------------------------------------------------

@@ -109,13 +109,19 @@ class GRPO:
     alpha: int = 1  # staleness bound: train on trajectories ≤ alpha versions old
     off_policy: str = "decoupled"  # "decoupled" | "tis" | "ppo" (rollart.trainer.losses)
     is_cap: float = 2.0  # truncation of the behaviour importance weight
+    # the trainer cuts a batch, sorted by length, into micro-batches of at most this many
+    # padded tokens (gradients accumulate; the loss is the same token mean): less
+    # padding and bounded memory. 0: the whole batch at once
+    micro_batch_tokens: int = 4096
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_step"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                    f"GRPO.{name} must be an int ≥ 1, got {v!r}")
-        _numbers(self, "alpha", integer=True)
+        _numbers(self, "alpha", "micro_batch_tokens", integer=True)
+        _check(self.micro_batch_tokens >= 0, f"GRPO.micro_batch_tokens must be ≥ 0 (0: "
+               f"no micro-batches), got {self.micro_batch_tokens!r}")
         _numbers(self, "lr", "clip_eps", "kl_coef", "max_grad_norm", "weight_decay", "is_cap")
         _check(self.group_size >= 2, f"GRPO.group_size must be ≥ 2 (group-normalised "
                f"advantages need a group), got {self.group_size}")

@@ -144,3 +144,56 @@ def test_trainer_actor_steps_from_buffer_and_publishes(local_cluster, tiny_model
     where = c.run(lambda dask_worker: list(dask_worker.state.actors))
     trainer_worker = [a for a, keys in where.items() if "trainer-test" in keys]
     assert c.scheduler_info()["workers"][trainer_worker[0]]["resources"] == {TRAIN: 1}
+
+
+def test_micro_batches_sort_by_length_and_bound_padded_tokens():
+    from rollart.trainer.trainer import micro_batches
+
+    lengths = [30, 5, 12, 40, 7, 100]
+    parts = micro_batches(lengths, 64)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    assert parts[0] == [1, 4, 2]  # shortest first
+    for p in parts:
+        assert len(p) == 1 or len(p) * max(lengths[i] for i in p) <= 64
+    assert micro_batches(lengths, 0) == [list(range(6))]
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_micro_batched_update_equals_the_whole_batch_update(tiny_model, tmp_path, kl_coef):
+    """Same token-mean loss, same gradient, same step: micro-batches only change how the
+    batch is cut (and how much padding is computed)."""
+    from rollart.trainer import Trainer
+
+    rng = random.Random(0)
+    batch = []
+    for g in range(3):
+        for i in range(4):
+            n_p, n_r = rng.randint(2, 9), rng.randint(1, 12)
+            mask = [rng.random() < 0.7 for _ in range(n_r)]
+            t = _traj([rng.randint(3, 20) for _ in range(n_p)],
+                      [rng.randint(3, 20) for _ in range(n_r)], [int(m) for m in mask],
+                      [-rng.random() * 3 if m else 0.0 for m in mask], group=f"g{g}",
+                      reward=rng.random())
+            batch.append(t)
+    out = {}
+    for tokens in (0, 24):
+        algo = GRPO(group_size=4, groups_per_step=3, kl_coef=kl_coef, micro_batch_tokens=tokens)
+        tr = Trainer(tiny_model, str(tmp_path / f"w{tokens}"), algo, seed=0)
+        if kl_coef:
+            tr.ref_model = tr._frozen_copy().eval()
+            with torch.no_grad():  # a reference that differs from the policy
+                for p in tr.ref_model.parameters():
+                    p.add_(0.01)
+        stats = tr._update(batch)
+        out[tokens] = (stats, {k: p.grad.clone() for k, p in tr.model.named_parameters()
+                               if p.grad is not None})
+    (whole, g_whole), (micro, g_micro) = out[0], out[24]
+    assert whole["trainer/micro_batches"] == 1 and micro["trainer/micro_batches"] > 3
+    for k in ("trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/tokens"):
+        assert micro[k] == pytest.approx(whole[k], rel=1e-4, abs=1e-6), k
+    if kl_coef:
+        assert micro["trainer/kl"] == pytest.approx(whole["trainer/kl"], rel=1e-4)
+    assert g_whole and g_micro.keys() == g_whole.keys()
+    scale = max(float(g.abs().max()) for g in g_whole.values())
+    for k in g_whole:  # the accumulated (clipped) gradient is the whole batch's
+        torch.testing.assert_close(g_micro[k], g_whole[k], rtol=1e-4, atol=1e-5 * scale)

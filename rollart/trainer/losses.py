@@ -68,7 +68,7 @@ def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps: float = 0.2,
         d = (ref_logp - logp).clamp(-20, 20)
         kl = torch.exp(d) - d - 1
         per_token = per_token + kl_coef * kl
-        stats["trainer/kl"] = float((kl * mask).sum() / n)
+        stats["trainer/kl"] = float((kl.detach() * mask).sum() / n)
     loss = (per_token * mask).sum() / n
     with torch.no_grad():
         behaviour_ratio = torch.exp(behaviour_gap)

@@ -212,9 +212,37 @@ class Trainer:
 
     # -- compute (trainer thread) -------------------------------------------------------
     def _update(self, batch) -> dict:
-        ids, attn, mask, behaviour = collate(batch, self.tokenizer.pad_token_id)
+        """One optimizer step on ``batch``: the token-mean GRPO loss over the whole batch,
+        its gradient accumulated over length-sorted micro-batches."""
         adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch])
+        parts = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in batch],
+                              self.algo.micro_batch_tokens)
+        collated = [collate([batch[i] for i in part], self.tokenizer.pad_token_id)
+                    for part in parts]
+        counts = [float(c[2][:, 1:].sum()) for c in collated]
+        total = max(sum(counts), 1.0)
         self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, stats = 0.0, defaultdict(float)
+        for part, (ids, attn, mask, behaviour), n in zip(parts, collated, counts):
+            loss, part_stats = self._loss(ids, attn, mask, behaviour, adv[part])
+            share = n / total  # each part's token mean, weighted by its tokens
+            (loss * share).backward()
+            loss_sum += loss.item() * share
+            for k, v in part_stats.items():
+                stats[k] += v * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.algo.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        stats.update({"trainer/loss": loss_sum, "trainer/grad_norm": float(grad_norm),
+                      "trainer/tokens": int(sum(counts)),
+                      "trainer/micro_batches": len(parts),
+                      "trainer/adv_abs_mean": float(adv.abs().mean())})
+        return dict(stats)
+
+    def _loss(self, ids, attn, mask, behaviour, adv):
+        """The GRPO loss (token mean) and its statistics on one collated micro-batch."""
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], self.temperature)
         ref_logp = None
@@ -222,20 +250,25 @@ class Trainer:
             with torch.no_grad():
                 ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
                 ref_logp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
-        loss, stats = grpo_loss(logp, behaviour[:, 1:], adv, mask[:, 1:],
-                                clip_eps=self.algo.clip_eps, ref_logp=ref_logp,
-                                kl_coef=self.algo.kl_coef, off_policy=self.algo.off_policy,
-                                is_cap=self.algo.is_cap)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.algo.max_grad_norm)
-        self.optimizer.step()
-        self.model.eval()
-        stats.update({"trainer/loss": loss.item(), "trainer/grad_norm": float(grad_norm),
-                      "trainer/tokens": int(mask.sum()),
-                      "trainer/adv_abs_mean": float(adv.abs().mean())})
-        return stats
+        return grpo_loss(logp, behaviour[:, 1:], adv, mask[:, 1:],
+                         clip_eps=self.algo.clip_eps, ref_logp=ref_logp,
+                         kl_coef=self.algo.kl_coef, off_policy=self.algo.off_policy,
+                         is_cap=self.algo.is_cap)
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices sorted by length, cut so that each part's padded size (rows × its
+    longest row) stays within ``max_tokens`` (a row longer than that goes alone);
+    ``max_tokens == 0``: one part in the original order."""
+    if max_tokens <= 0:
+        return [list(range(len(lengths)))]
+    parts: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if parts and (len(parts[-1]) + 1) * lengths[i] <= max_tokens:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
 
 
 def collate(batch, pad_id: int):

@@ -155,27 +155,33 @@ class Pipeline(abc.ABC):
             trainer = self.actors.trainer
             try:
                 fut = trainer.train_step(self.actors.buffer, step)
-                while not fut.done():
+            except Exception as e:  # noqa: BLE001 - its actor is gone: judged below
+                fut, error = None, e
+            if fut is not None:
+                while not fut.done():  # errors of these two are not the trainer's
                     if while_waiting is not None:
                         while_waiting()
                     self.heal()
                     time.sleep(0.02)
-                return fut.result()
-            except Exception as e:
-                if not self.lost(e, trainer):
-                    raise
-                if self.supervisor.alive(trainer):
-                    # a comm error from another worker (e.g. an env worker dying while
-                    # the batch was gathered): the trainer itself is fine, re-run the step
-                    spurious += 1
-                    if spurious > 3:
-                        raise
-                    logger.warning("trainer step %d failed with %r but the trainer is alive; "
-                                   "re-running the step", step, e)
-                    continue
-                logger.warning("trainer step %d lost its trainer (%r); replacing it", step, e)
-                self.supervisor.replace_trainer()  # then re-run this step
-                self.trainer_recoveries += 1
+                try:
+                    return fut.result()
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            if not self.lost(error, trainer):
+                raise error
+            if self.supervisor.alive(trainer):
+                # a comm error from another worker (e.g. an env worker dying while the
+                # batch was gathered): the trainer is fine; once it is idle, re-run
+                spurious += 1
+                if spurious > 3:
+                    raise error
+                logger.warning("trainer step %d failed with %r but the trainer is alive; "
+                               "re-running the step", step, error)
+                self.supervisor.wait_idle(trainer)
+                continue
+            logger.warning("trainer step %d lost its trainer (%r); replacing it", step, error)
+            self.supervisor.replace_trainer()  # then re-run this step
+            self.trainer_recoveries += 1
 
     def publish(self, version: int, wait: bool) -> None:
         """Tell the inference workers about ``version``; with ``wait``, until they hold it.

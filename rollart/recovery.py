@@ -125,6 +125,13 @@ class Supervisor:
             return False
         return not self._lost(actor, self.live())
 
+    def wait_idle(self, trainer, timeout: float = 120.0) -> None:
+        """Wait until ``trainer`` runs no step (a failed call may have left one going)."""
+        deadline = time.monotonic() + timeout
+        while trainer.stats().result(timeout=30).get("stepping") and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def heal(self, force: bool = False) -> list[dict]:
         """Find lost actors and replace those whose pool has a free worker; returns the
         replacements made now. Cheap when nothing is lost (at most every

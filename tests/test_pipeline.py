@@ -129,3 +129,26 @@ def test_sync_mode_refills_groups_whose_every_member_failed(local_cluster, tmp_p
     samples = read_samples(result.run_dir)
     trained = samples.filter(pc.equal(samples["state"], "trained"))
     assert trained.num_rows == 4 * 3 * 2 and all(s % 2 for s in trained["seed"].to_pylist())
+
+
+def test_a_comm_error_while_the_trainer_is_alive_reruns_the_step(local_cluster, tmp_path,
+                                                                   monkeypatch):
+    """A trainer step that fails with a comm error (as when another worker dies while the
+    batch is gathered) while the trainer itself is alive is re-run on the same trainer:
+    no replacement, no step lost."""
+    from rollart.trainer.trainer import Trainer
+
+    real, calls = Trainer._train_step, []
+
+    async def flaky(self, buffer, step, timeout):
+        calls.append(step)
+        if step == 2 and calls.count(2) == 1:
+            raise OSError("connection to a lost worker closed (injected)")
+        return await real(self, buffer, step, timeout)
+
+    monkeypatch.setattr(Trainer, "_train_step", flaky)  # in-process workers share it
+    result = train(_graph("async"), client=local_cluster, run_dir=tmp_path / "flaky",
+                   progress=False, eval_seeds=0)
+    rows = _check_run(result, 1)
+    assert calls.count(2) == 2 and [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert result.recovery == []  # the trainer was never replaced

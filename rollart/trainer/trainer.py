@@ -48,6 +48,7 @@ class Trainer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-trainer")
         self.busy_seconds = 0.0
         self.waited_seconds = 0.0
+        self.stepping = False  # a train_step is running
 
     def _load_policy(self, model_path: str):
         """The model being trained (backends override: ``rollart.trainer.megatron``)."""
@@ -94,6 +95,13 @@ class Trainer:
 
     async def train_step(self, buffer, step: int, timeout: float | None = None) -> dict:
         """Pull a bounded-stale batch, update the policy, publish the next version."""
+        self.stepping = True
+        try:
+            return await self._train_step(buffer, step, timeout)
+        finally:
+            self.stepping = False
+
+    async def _train_step(self, buffer, step: int, timeout: float | None) -> dict:
         t0 = time.perf_counter()
         min_version = self.version - self.algo.alpha
         batch = await buffer.get_batch(self.algo.groups_per_step, min_version,
@@ -142,7 +150,7 @@ class Trainer:
 
     async def stats(self) -> dict:
         return {"version": self.version, "busy_s": self.busy_seconds,
-                "waited_s": self.waited_seconds}
+                "waited_s": self.waited_seconds, "stepping": self.stepping}
 
     # -- checkpoints (trainer thread) ---------------------------------------------------
     # Backend hooks (Hugging Face names on disk whatever the training backend):

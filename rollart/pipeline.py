@@ -139,11 +139,27 @@ class Pipeline(abc.ABC):
         restarts += 1
         self.groups[gid] = (task, seed, size, restarts)
         self.restarted_groups += 1
-        mgr = self.manager(self.n_groups + restarts, task)
-        fut = mgr.run_group(task, seed, gid, size, redundancy=redundancy, need=need,
-                            first_index=1000 * restarts)
+        fut, mgr = self.on_live_manager(
+            self.n_groups + restarts, task,
+            lambda m: m.run_group(task, seed, gid, size, redundancy=redundancy, need=need,
+                                  first_index=1000 * restarts))
         self.placed[gid] = (fut, mgr)
         return fut
+
+    def on_live_manager(self, index: int, task, call, attempts: int = 100):
+        """``(call(mgr), mgr)`` on the ``index``-th env manager for ``task``. A manager
+        whose worker is gone (the call raises at once) is healed away and the next one
+        tried, for up to ``attempts`` × 0.05 s while the scheduler notices the loss."""
+        for attempt in range(attempts):
+            mgr = self.manager(index + attempt, task)
+            try:
+                return call(mgr), mgr
+            except Exception as e:  # noqa: BLE001
+                if not self.lost(e, mgr) or attempt == attempts - 1:
+                    raise
+                self.supervisor.heal(force=True)
+                time.sleep(0.05)
+        raise AssertionError("unreachable")
 
     @abc.abstractmethod
     def step(self, step: int) -> dict:
@@ -311,10 +327,12 @@ class AsyncPipeline(Pipeline):
         target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
         while len(self.inflight) + ready < target:
             task, seed, gid, size = self.next_group()
-            mgr = self.manager(self.n_groups, task)
-            self.inflight[gid] = mgr.run_group(task, seed, gid, size,
-                                               redundancy=self.graph.rollout.redundancy)
-            self.placed[gid] = (self.inflight[gid], mgr)
+            fut, mgr = self.on_live_manager(
+                self.n_groups, task,
+                lambda m: m.run_group(task, seed, gid, size,
+                                      redundancy=self.graph.rollout.redundancy))
+            self.inflight[gid] = fut
+            self.placed[gid] = (fut, mgr)
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.top_up)

@@ -111,11 +111,18 @@ class Pipeline(abc.ABC):
             + "\n  ".join(errors) + "\nFix the env, reward or inference pool they point "
             "at, then resume from the last checkpoint (rollart train --resume RUN).")
 
-    def wait(self, fut):
-        """``fut.result()``, checking for failure storms (and healing) meanwhile."""
+    def until_done(self, fut, while_waiting=None) -> None:
+        """Wait for ``fut``, healing and checking for failure storms (and calling
+        ``while_waiting``) meanwhile; errors raised here are not ``fut``'s."""
         while not fut.done():
+            if while_waiting is not None:
+                while_waiting()
             self.heal()
             time.sleep(0.02)
+
+    def wait(self, fut):
+        """``fut.result()`` once done (``until_done``)."""
+        self.until_done(fut)
         return fut.result()
 
     def lost(self, error: BaseException, actor=None) -> bool:
@@ -150,16 +157,17 @@ class Pipeline(abc.ABC):
         """``(call(mgr), mgr)`` on the ``index``-th env manager for ``task``. A manager
         whose worker is gone (the call raises at once) is healed away and the next one
         tried, for up to ``attempts`` × 0.05 s while the scheduler notices the loss."""
-        for attempt in range(attempts):
+        for attempt in range(attempts - 1):
             mgr = self.manager(index + attempt, task)
             try:
                 return call(mgr), mgr
             except Exception as e:  # noqa: BLE001
-                if not self.lost(e, mgr) or attempt == attempts - 1:
+                if not self.lost(e, mgr):
                     raise
                 self.supervisor.heal(force=True)
                 time.sleep(0.05)
-        raise AssertionError("unreachable")
+        mgr = self.manager(index + attempts - 1, task)
+        return call(mgr), mgr  # the last try: its error is the caller's
 
     @abc.abstractmethod
     def step(self, step: int) -> dict:
@@ -174,11 +182,7 @@ class Pipeline(abc.ABC):
             except Exception as e:  # noqa: BLE001 - its actor is gone: judged below
                 fut, error = None, e
             if fut is not None:
-                while not fut.done():  # errors of these two are not the trainer's
-                    if while_waiting is not None:
-                        while_waiting()
-                    self.heal()
-                    time.sleep(0.02)
+                self.until_done(fut, while_waiting)
                 try:
                     return fut.result()
                 except Exception as e:  # noqa: BLE001

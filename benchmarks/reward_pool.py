@@ -71,9 +71,11 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--max-workers", type=int, default=1,
                    help="elastic pool maximum (1: the capacity of the dedicated worker)")
-    p.add_argument("--idle-timeout", type=float, default=0.3,
+    p.add_argument("--idle-timeout", type=float, default=0.0,
                    help="seconds an elastic worker may idle before it is retired")
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--batch-wait", type=float, default=0.02,
+                   help="seconds a request may wait for others to share its batch")
     p.add_argument("--judge-hidden", type=int, default=256)
     p.add_argument("--judge-layers", type=int, default=4)
     p.add_argument("--processes", action="store_true",
@@ -103,7 +105,7 @@ def main(argv=None) -> dict:
         judge = LLMJudge(judge_model(Path(tmp) / "judge", base.tasks, a.judge_hidden,
                                      a.judge_layers))
         offloaded = serverless(judge, max_workers=a.max_workers, max_batch=a.max_batch,
-                               batch_wait=0.02, idle_timeout=a.idle_timeout, timeout=60)
+                               batch_wait=a.batch_wait, idle_timeout=a.idle_timeout, timeout=60)
         for name, reward, tag in (("dedicated", judge, REWARD),
                                   ("serverless", offloaded, SERVERLESS)):
             tasks = tuple(replace(t, reward_fn=reward) for t in base.tasks)

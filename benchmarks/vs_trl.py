@@ -112,17 +112,17 @@ def fastest_threads(model, tok, task) -> int:
     return best
 
 
-def warm_model(path: Path, task, steps: int) -> tuple[str, int]:
+def warm_model(path: Path, task, steps: int, seed: int = 0) -> tuple[str, int]:
     """The built-in tiny model after its format warm-up, shared by every run, and the
     torch thread count this process uses from then on (``fastest_threads``)."""
     from rollart.env.tasks import task_corpus
     from rollart.model import build_tiny_model, load_model, load_tokenizer
     from rollart.trainer.warmup import run_warmup
 
-    init = build_tiny_model(str(path / "init"), task_corpus([task]))
+    init = build_tiny_model(str(path / "init"), task_corpus([task]), seed=seed)
     model, tok = load_model(init), load_tokenizer(init)
     threads = fastest_threads(model, tok, task)
-    run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3)
+    run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3, seed=seed)
     model.save_pretrained(path / "warm")
     tok.save_pretrained(path / "warm")
     return str(path / "warm"), threads
@@ -212,6 +212,8 @@ def main(argv=None) -> dict:
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--groups-per-step", type=int, default=None)
     p.add_argument("--task", default=TASK, help="a built-in task name")
+    p.add_argument("--seed", type=int, default=None, help="model, warm-up and episode seeds")
+    p.add_argument("--lr", type=float, default=None, help="both trainers' learning rate")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--in-process", action="store_true",
                    help="rollart's cluster as threads of this process (tests)")
@@ -220,7 +222,8 @@ def main(argv=None) -> dict:
     if a.quick:
         s = replace(s, steps=10, warmup_steps=100)
     given = {"steps": a.steps, "target": a.target, "warmup_steps": a.warmup_steps,
-             "group_size": a.group_size, "groups_per_step": a.groups_per_step}
+             "group_size": a.group_size, "groups_per_step": a.groups_per_step, "seed": a.seed,
+             "lr": a.lr}
     s = replace(s, **{k: v for k, v in given.items() if v is not None})
     workloads = [w for w in a.workloads.split(",") if w]
 
@@ -242,7 +245,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.time()
-        model, threads = warm_model(tmp / "model", base, s.warmup_steps)
+        model, threads = warm_model(tmp / "model", base, s.warmup_steps, s.seed)
         print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; TRL uses "
               f"{threads} torch thread(s); {s}", flush=True)
         faults = {w: latency_faults(s.seed) if w == "latency" else None for w in workloads}

@@ -202,7 +202,7 @@ class ElasticPool(AdaptiveCore):
     """
 
     def __init__(self, cluster, tag: str = SERVERLESS, max_workers: int = 2,
-                 threads: int = 1, interval: float = 0.1, wait_count: int = 5,
+                 threads: int = 1, interval: float = 0.05, wait_count: int = 5,
                  processes: bool | None = None, name: str | None = None,
                  idle_timeout: float | None = None):
         if not hasattr(cluster, "worker_spec"):

@@ -60,7 +60,9 @@ class ServerlessConfig:
     pool: str = SERVERLESS  # pool backend: the resource tag of the elastic pool
     max_workers: int = 2  # pool backend: the elastic pool's maximum size
     threads: int = 1  # pool backend: threads (task slots) per elastic worker
-    idle_timeout: float = 0.5  # pool backend: seconds idle before a worker is retired
+    # pool backend: seconds idle before a worker is retired (0: as soon as the pool sees
+    # it idle, worth it when workers start fast, e.g. in-process ones)
+    idle_timeout: float = 0.5
     timeout: float = 30.0  # seconds per attempt (includes a pool cold start)
     retries: int = 2  # further attempts after the first
     backoff: float = 0.2  # seconds before the first retry; doubles each time

@@ -229,6 +229,44 @@ def override(graph: Graph, **changes) -> Graph:
     return replace(graph, algo=algo, **changes)  # Graph re-validates (mode implies alpha)
 
 
+def task_modules(graph: Graph) -> list[str]:
+    """``rollart`` and the modules defining each task's env and reward function."""
+    mods = {"rollart"}
+    for t in graph.tasks:
+        for obj in (t.env_factory, t.reward_fn, getattr(t.reward_fn, "fn", None)):
+            mod = getattr(obj, "__module__", None)
+            if isinstance(mod, str) and mod != "__main__":
+                mods.add(mod)
+    return sorted(mods)
+
+
+def _import_modules(modules: list[str]) -> list[str]:
+    import importlib
+
+    failed = []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - a worker that can't: its tasks will say why
+            failed.append(f"{m}: {type(e).__name__}: {e}")
+    return failed
+
+
+def preload(client, graph: Graph) -> None:
+    """Import ``task_modules`` on every worker before the run's clock starts.
+
+    ``import rollart`` takes seconds in a fresh worker process (torch, transformers);
+    without this the first reward task on the reward pool paid it inside step 1, and
+    so did whichever mode ran first on a new cluster in a side-by-side benchmark. An
+    import that fails is logged here and left to the tasks that need it to report."""
+    out = client.run(_import_modules, task_modules(graph), on_error="return")
+    for addr, failed in out.items():
+        if isinstance(failed, BaseException):
+            logger.warning("preload on %s failed: %r", addr, failed)
+        elif failed:
+            logger.warning("preload on %s: %s", addr, "; ".join(failed))
+
+
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
              progress: bool, eval_seeds: int, resources_source: str,
              store_url: str | None = None, ckpt=None, checkpoint_url: str | None = None,
@@ -263,6 +301,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                                      store_url=store_url, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
     pools = start_pools(client, [t.reward_fn for t in graph.tasks])  # serverless rewards
+    preload(client, graph)
     first, t_start = 1, time.time()
     if ckpt is not None:  # the curve continues: counters, group sequence, time axis
         pipeline.load_state(ckpt.state["pipeline"])

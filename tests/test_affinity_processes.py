@@ -104,3 +104,43 @@ def test_real_workers_tags_placement_and_pd(dask_processes, model_dir, tmp_path)
     finally:
         for a in actors.values():
             a.close().result()
+
+
+def _has_modules(names):
+    return {n: n in sys.modules for n in names}
+
+
+@pytest.mark.slow
+def test_preload_imports_rollart_and_the_task_modules_on_every_worker(dask_processes,
+                                                                      caplog):
+    """The first reward task must not pay ``import rollart`` (seconds) inside step 1."""
+    import dataclasses
+
+    import preload_probe
+
+    from rollart.control import preload, task_modules
+
+    c = dask_processes
+    task = dataclasses.replace(get_task("gridnav"), reward_fn=preload_probe.probe_reward)
+    g = Graph(name="preload", tasks=(task,))
+    assert {"rollart", "preload_probe", "rollart.env.builtin.gridnav"} <= set(task_modules(g))
+    before = c.run(_has_modules, ["preload_probe"])
+    assert not any(v["preload_probe"] for v in before.values())  # nothing imported it yet
+    preload(c, g)
+    after = c.run(_has_modules, ["rollart", "preload_probe"])
+    assert len(after) == len(WORKERS)
+    assert all(v == {"rollart": True, "preload_probe": True} for v in after.values())
+
+    broken = dataclasses.replace(task, name="broken", reward_fn=_Unimportable())
+    with caplog.at_level("WARNING", logger="rollart.control"):
+        preload(c, Graph(name="preload-broken", tasks=(broken,)))
+    assert "no_such_module_for_preload" in caplog.text
+
+
+class _Unimportable:
+    """A callable whose module cannot be imported anywhere."""
+
+    __module__ = "no_such_module_for_preload"
+
+    def __call__(self, episode):
+        return 0.0

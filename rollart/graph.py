@@ -147,6 +147,9 @@ class Rollout:
     inference_pools: tuple[str, ...] = INFERENCE_TAGS
     env_concurrency: int = 256  # trajectories one EnvManager runs at once
     redundancy: float = 1.0  # async mode: launch this many × group_size members per group
+    # when the extra members start: None = with the group; a fraction f in (0, 1] = as
+    # backups, once f × group_size members are delivered (for the ones still running)
+    backup_after: float | None = None
     env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
     reward_timeout: float = 30.0
     trajectory_timeout: float | None = None  # seconds for a whole trajectory (None: none)
@@ -173,6 +176,11 @@ class Rollout:
                f"{self.trajectory_timeout!r}")
         _check(isinstance(self.redundancy, (int, float)) and 1 <= self.redundancy <= 8,
                f"Rollout.redundancy must be a factor in [1, 8], got {self.redundancy!r}")
+        _numbers(self, "backup_after", optional=True)
+        _check(self.backup_after is None or 0 < self.backup_after <= 1,
+               f"Rollout.backup_after must be a fraction in (0, 1] of the group (extra "
+               f"members start once that share is delivered) or None (they start with "
+               f"the group), got {self.backup_after!r}")
 
 
 @dataclass(frozen=True)

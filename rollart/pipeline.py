@@ -149,6 +149,7 @@ class Pipeline(abc.ABC):
         fut, mgr = self.on_live_manager(
             self.n_groups + restarts, task,
             lambda m: m.run_group(task, seed, gid, size, redundancy=redundancy, need=need,
+                                  backup_after=self.graph.rollout.backup_after,
                                   first_index=1000 * restarts))
         self.placed[gid] = (fut, mgr)
         return fut
@@ -334,7 +335,8 @@ class AsyncPipeline(Pipeline):
             fut, mgr = self.on_live_manager(
                 self.n_groups, task,
                 lambda m: m.run_group(task, seed, gid, size,
-                                      redundancy=self.graph.rollout.redundancy))
+                                      redundancy=self.graph.rollout.redundancy,
+                                      backup_after=self.graph.rollout.backup_after))
             self.inflight[gid] = fut
             self.placed[gid] = (fut, mgr)
 

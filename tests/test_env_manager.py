@@ -1,6 +1,7 @@
 """EnvManager on a real in-process cluster with tagged workers: trajectories flow from
 env through inference workers and the REWARD pool into the buffer; failures are contained."""
 
+import threading
 import time
 
 import pytest
@@ -30,6 +31,24 @@ class WrongTypeEnv(GridNavEnv):
 class HangingEnv(GridNavEnv):
     def step(self, action):
         time.sleep(3)
+        return super().step(action)
+
+
+class FirstIsStragglerEnv(GridNavEnv):
+    """The first instance created (per ``reset_stragglers``) takes 2 s per step."""
+
+    created = []
+    lock = threading.Lock()
+
+    def __init__(self):
+        super().__init__()
+        with self.lock:
+            self.slow = not self.created
+            self.created.append(self)
+
+    def step(self, action):
+        if self.slow:
+            time.sleep(2.0)
         return super().step(action)
 
 
@@ -159,6 +178,37 @@ def test_redundant_members_are_cancelled_and_never_trained(rollout):
     batch = buf.get_batch(1, min_version=-1, timeout=10).result()
     assert len(batch) == 2 and {t.group_id for t in batch} == {"redundant"}
     assert buf.counts().result()["in_flight"] == 0
+
+
+def test_backups_start_only_for_stragglers_once_part_of_the_group_is_in(rollout):
+    """``backup_after``: the extra member starts only when half the group is delivered,
+    for the member still running; the straggler is then cancelled, never trained."""
+    c, mgr, buf, _ = rollout
+    FirstIsStragglerEnv.created.clear()
+    task = _task("backup", env=FirstIsStragglerEnv)
+    before, stats0 = buf.counts().result(), mgr.stats().result()
+    t0 = time.time()
+    summary = mgr.run_group(task, 51, "backup", 2, redundancy=1.5, backup_after=0.5).result()
+    took = time.time() - t0
+    after, stats1 = buf.counts().result(), mgr.stats().result()
+    assert len(summary["outcomes"]) == 2
+    assert after["launched"] - before["launched"] == 3  # 2 members + 1 backup
+    assert stats1["backups"] - stats0["backups"] == 1
+    assert after["cancelled"] - before["cancelled"] == 1  # the straggler
+    assert len(FirstIsStragglerEnv.created) == 3
+    assert took < 2.0 * task.max_turns  # the group did not wait for the straggler
+    batch = buf.get_batch(1, min_version=-1, timeout=10).result()
+    assert len(batch) == 2 and {t.group_id for t in batch} == {"backup"}
+    assert buf.counts().result()["in_flight"] == 0
+
+    # the same group without stragglers and with backups due only at the end: no extra
+    before = buf.counts().result()
+    mgr.run_group(_task("nobackup"), 52, "nobackup", 2, redundancy=1.5,
+                  backup_after=1.0).result()
+    after = buf.counts().result()
+    assert after["launched"] - before["launched"] == 2 and after["cancelled"] == \
+        before["cancelled"]
+    buf.get_batch(1, min_version=-1, timeout=10).result()
 
 
 def test_lockstep_batch_moves_turn_by_turn(rollout):

@@ -7,7 +7,10 @@ lifecycle around them:
 
 * **Redundancy**: a group of ``group_size`` may launch ``ceil(group_size * redundancy)``
   members; once ``group_size`` are delivered to the ``SampleBuffer`` the rest are
-  cancelled (their envs closed) and recorded as ``cancelled``.
+  cancelled (their envs closed) and recorded as ``cancelled``. With ``backup_after=f``
+  the extra members are *backups*: they start only once ``ceil(f * group_size)``
+  members are delivered, at most one per member still running, so a group whose
+  members all finish together wastes nothing and only groups with stragglers pay.
 * **Abort and replace**: ``abort_older_than(v)`` cancels every running member whose
   oldest generated token is older than ``v`` (it could never be trained) and starts a
   fresh member of the same group in its place.
@@ -43,6 +46,8 @@ class _GroupRun:
     delivered: int = 0
     putting: int = 0  # deliveries awaiting the buffer
     replaced: int = 0  # failed members replaced by new ones (at most ``size``)
+    backups: int = 0  # extra members still to start as backups
+    backup_at: int = 0  # ... once this many members are delivered
     jobs: dict = field(default_factory=dict)  # traj_id -> asyncio.Task
     logs: dict = field(default_factory=dict)  # traj_id -> TokenLog (live members)
     reasons: dict = field(default_factory=dict)  # traj_id -> why it was cancelled
@@ -82,22 +87,28 @@ class EnvManager:
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
         self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
-                       "aborted": 0, "replaced": 0}
+                       "aborted": 0, "replaced": 0, "backups": 0}
 
     # -- public actor methods -----------------------------------------------------------
     async def run_group(self, task, seed: int, group_id: str, group_size: int,
                         redundancy: float = 1.0, need: int | None = None,
-                        first_index: int = 0) -> dict:
+                        first_index: int = 0, backup_after: float | None = None) -> dict:
         """Run a group of ``task`` from ``seed`` until ``group_size`` members are
         delivered to the buffer; return a summary.
 
-        A group restarted after its manager was lost passes ``need`` (the members still
-        missing) and a ``first_index`` past the lost manager's member ids.
+        The ``redundancy`` extras start with the group, or with ``backup_after`` as
+        backups (see the module docstring). A group restarted after its manager was
+        lost passes ``need`` (the members still missing) and a ``first_index`` past the
+        lost manager's member ids.
         """
         need = group_size if need is None else need
         grp = _GroupRun(task, seed, group_id, group_size, need, next_index=first_index)
+        extra = max(need, math.ceil(need * redundancy)) - need
+        if backup_after is not None and extra:
+            grp.backups, grp.backup_at = extra, max(1, math.ceil(backup_after * need))
+            extra = 0
         if need > 0:
-            await self._launch(grp, max(need, math.ceil(need * redundancy)))
+            await self._launch(grp, need + extra)
         else:
             grp.done.set()
         return await self._finish(grp)
@@ -224,6 +235,13 @@ class EnvManager:
         if grp.filled:
             for other in list(grp.jobs.values()):
                 other.cancel()
+        elif grp.backups and grp.delivered >= grp.backup_at and grp.jobs:
+            n, grp.backups = min(grp.backups, len(grp.jobs)), 0
+            self.counts["backups"] += n
+            await self._launch(grp, n)  # backups for the members still running
+            if grp.filled:  # the group filled while they were registered
+                for other in list(grp.jobs.values()):
+                    other.cancel()
         self._maybe_done(grp)
 
     @staticmethod

@@ -211,6 +211,32 @@ def test_backups_start_only_for_stragglers_once_part_of_the_group_is_in(rollout)
     buf.get_batch(1, min_version=-1, timeout=10).result()
 
 
+def test_members_cancelled_before_they_start_are_settled_and_the_group_ends(rollout,
+                                                                             tiny_model):
+    """A member cancelled before its coroutine's first step (a backup registered while
+    its group filled) never runs its own clean-up; the group must still end and the
+    ledger must say ``cancelled`` (this hung the async pipeline once)."""
+    import asyncio
+
+    from rollart.env.manager import _GroupRun
+
+    _, _, _, workers = rollout
+
+    async def main():
+        buf = SampleBuffer(None)
+        mgr = EnvManager(LLMProxy(workers), buf, tiny_model)
+        grp = _GroupRun(_task("unstarted"), 61, "unstarted", 2)
+        await mgr._launch(grp, 2)  # registered, their tasks not yet started
+        for job in list(grp.jobs.values()):
+            job.cancel()
+        await asyncio.wait_for(grp.done.wait(), 10)
+        return await buf.counts(), mgr.counts
+
+    counts, mgr_counts = asyncio.run(main())
+    assert counts["launched"] == 2 and counts["cancelled"] == 2 and counts["in_flight"] == 0
+    assert mgr_counts["cancelled"] == 2
+
+
 def test_lockstep_batch_moves_turn_by_turn(rollout):
     c, mgr, buf, _ = rollout
     groups = [(BUILTIN_TASKS["gridnav"], 31, "lock-a", 2), (BUILTIN_TASKS["boxpush"], 32,

@@ -27,12 +27,16 @@ Every launch, delivery, cancellation and abort is reported to the buffer's ledge
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import math
 from dataclasses import dataclass, field
 
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
 from rollart.model import load_tokenizer
 from rollart.types import TrajState
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class _GroupRun:
@@ -86,6 +90,7 @@ class EnvManager:
             max_context=max_context or _max_positions(model_path), env_threads=env_threads)
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
+        self._cleanups: set[asyncio.Task] = set()  # see _unstarted
         self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
                        "aborted": 0, "replaced": 0, "backups": 0}
 
@@ -185,7 +190,29 @@ class EnvManager:
         self._groups[grp.group_id] = grp
         for traj_id in ids:
             grp.logs[traj_id] = TokenLog()
-            grp.jobs[traj_id] = asyncio.ensure_future(self._member(grp, traj_id))
+            job = grp.jobs[traj_id] = asyncio.ensure_future(self._member(grp, traj_id))
+            job.add_done_callback(functools.partial(self._unstarted, grp, traj_id))
+
+    def _unstarted(self, grp: _GroupRun, traj_id: str, job: asyncio.Task) -> None:
+        """A member cancelled before its first step (e.g. a backup registered while its
+        group filled) never ran ``_member``'s clean-up: do it here, else the group would
+        wait for it forever. Members that ran have left ``grp.jobs`` already."""
+        if grp.jobs.get(traj_id) is not job:
+            return
+        grp.jobs.pop(traj_id, None)
+        grp.logs.pop(traj_id, None)
+        grp.putting += 1  # the group is not done before this member is settled
+
+        def settled(task: asyncio.Task) -> None:
+            self._cleanups.discard(task)
+            grp.putting -= 1
+            if not task.cancelled() and task.exception() is not None:
+                logger.warning("settling member %s failed: %r", traj_id, task.exception())
+            self._maybe_done(grp)
+
+        task = asyncio.ensure_future(self._cancelled(grp, traj_id))
+        self._cleanups.add(task)
+        task.add_done_callback(settled)
 
     async def _finish(self, grp: _GroupRun) -> dict:
         await grp.done.wait()

@@ -249,6 +249,7 @@ class Pipeline(abc.ABC):
             "rollout/engine_busy_s": sum(w["busy_seconds"] for w in ws),
             "rollout/suspends": sum(w.get("suspends", 0) for w in ws),
             "rollout/turns": turns,
+            "rollout/backups": sum(m.get("backups", 0) for m in ms),  # backup_after
             "rollout/turn_overhead_s": sum(m["turn_overhead_s"] * m["turns"] for m in ms)
             / max(turns, 1),
             "env/step_p99_s": max(m["env_step_p99"] for m in ms),

@@ -156,6 +156,11 @@ class Rollout:
     # stop the run (FailureStormError) after this many failed trajectories in a row with
     # none reaching the buffer; None: 4 × the trajectories of one trainer step; 0: never
     failure_streak_limit: int | None = None
+    # stop the run (StallError) when trajectories are in flight but none has settled
+    # (delivered, failed, cancelled, ...) for this many seconds; None: twice the longest a
+    # trajectory may legitimately take (trajectory_timeout, or env_step_timeout × the
+    # longest task's turns + reward_timeout), at least 300 s; 0: never
+    stall_timeout: float | None = None
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -168,6 +173,10 @@ class Rollout:
         _check(self.failure_streak_limit is None or self.failure_streak_limit >= 0,
                f"Rollout.failure_streak_limit must be ≥ 0 (0: never stop) or None, got "
                f"{self.failure_streak_limit!r}")
+        _numbers(self, "stall_timeout", optional=True)
+        _check(self.stall_timeout is None or self.stall_timeout >= 0,
+               f"Rollout.stall_timeout must be ≥ 0 seconds (0: never stop) or None, got "
+               f"{self.stall_timeout!r}")
         _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
         _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0 seconds")
         _check(self.reward_timeout > 0, "Rollout.reward_timeout must be > 0 seconds")

@@ -18,7 +18,9 @@ Lost workers (``rollart.recovery``): with a ``supervisor`` set, the pipeline hea
 it waits, restarts the missing members of a group whose env manager was lost on another
 manager, and re-runs a step whose trainer was lost on a re-created trainer. A run whose
 last ``Rollout.failure_streak_limit`` trajectories all failed stops with
-``FailureStormError`` (a broken env, reward or inference pool) instead of spinning.
+``FailureStormError`` (a broken env, reward or inference pool) instead of spinning; one
+whose in-flight trajectories stop settling for ``Rollout.stall_timeout`` seconds stops
+with ``StallError`` instead of waiting forever.
 
 Every step ends with the ledger's counts (``traj/<state>``) and a check that they add
 up to the launches (checked by the buffer's ledger; a mismatch raises
@@ -48,6 +50,7 @@ class Pipeline(abc.ABC):
         self.errors: list[str] = []
         self.supervisor = None  # a rollart.recovery.Supervisor, set by the control loop
         self._checked = 0.0  # last failure-storm check (check_failures)
+        self._settled = (-1, time.monotonic())  # (settled trajectories, since when)
         self.refilled_groups = 0  # lockstep modes: groups re-run after all members failed
         self.groups: dict[str, tuple] = {}  # gid -> (task, seed, size, restarts)
         self.placed: dict[str, tuple] = {}  # gid -> (future, manager) of a restarted group
@@ -92,15 +95,28 @@ class Pipeline(abc.ABC):
             limit = 4 * self.graph.algo.group_size * self.graph.algo.groups_per_step
         return limit
 
+    @property
+    def stall_timeout(self) -> float:
+        r = self.graph.rollout
+        if r.stall_timeout is not None:
+            return float(r.stall_timeout)
+        longest = r.trajectory_timeout or (
+            r.env_step_timeout * max(t.max_turns for t in self.graph.tasks) + r.reward_timeout)
+        return max(300.0, 2.0 * longest)
+
     def check_failures(self, every: float = 1.0) -> None:
         """Raise ``FailureStormError`` when the last ``failure_streak_limit`` trajectories
-        all failed (checked at most every ``every`` s)."""
-        limit, now = self.failure_streak_limit, time.monotonic()
-        if not limit or now - self._checked < every:
+        all failed, ``StallError`` when trajectories are in flight but none settled for
+        ``stall_timeout`` seconds (checked at most every ``every`` s)."""
+        limit, stall, now = self.failure_streak_limit, self.stall_timeout, time.monotonic()
+        if not (limit or stall) or now - self._checked < every:
             return
         self._checked = now
-        streak = self.actors.buffer.counts().result()["failed_streak"]
-        if streak < limit:
+        counts = self.actors.buffer.counts().result()
+        if stall:
+            self.check_stall(counts, stall, now)
+        streak = counts["failed_streak"]
+        if not limit or streak < limit:
             return
         from rollart.recovery import FailureStormError
 
@@ -110,6 +126,23 @@ class Pipeline(abc.ABC):
             "run stops (Rollout.failure_streak_limit={}). Latest errors:\n  ".format(limit)
             + "\n  ".join(errors) + "\nFix the env, reward or inference pool they point "
             "at, then resume from the last checkpoint (rollart train --resume RUN).")
+
+    def check_stall(self, counts: dict, stall: float, now: float) -> None:
+        settled = counts["launched"] - counts["in_flight"]
+        if settled != self._settled[0] or not counts["in_flight"]:
+            self._settled = (settled, now)  # progress, or nothing is waited for
+            return
+        if now - self._settled[1] < stall:
+            return
+        from rollart.recovery import StallError
+
+        raise StallError(
+            f"{counts['in_flight']} trajectories are in flight but none has settled for "
+            f"{now - self._settled[1]:.0f} s (Rollout.stall_timeout={stall:g}), so the run "
+            "stops instead of waiting forever. Something they wait on never answers: an "
+            "inference worker, a reward, or an env step (is Rollout.env_step_timeout "
+            "set?); the dashboard's trajectory states show where they are. Resume from "
+            "the last checkpoint (rollart train --resume RUN) once it is fixed.")
 
     def until_done(self, fut, while_waiting=None) -> None:
         """Wait for ``fut``, healing and checking for failure storms (and calling

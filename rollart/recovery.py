@@ -41,7 +41,7 @@ from rollart.types import CPU_ENV, TRAIN
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FailureStormError", "RunLostError", "Supervisor", "is_worker_lost"]
+__all__ = ["FailureStormError", "RunLostError", "StallError", "Supervisor", "is_worker_lost"]
 
 
 class RunLostError(RuntimeError):
@@ -51,6 +51,12 @@ class RunLostError(RuntimeError):
 class FailureStormError(RuntimeError):
     """Every recent trajectory failed (``Rollout.failure_streak_limit`` in a row): an
     env, reward or inference pool is broken, and going on would only burn compute."""
+
+
+class StallError(RuntimeError):
+    """Trajectories are in flight but none has settled for ``Rollout.stall_timeout``
+    seconds: something waits forever (a hung engine, a reward that never answers, an
+    env step with no time-out), and the trainer with it."""
 
 
 @dataclass

@@ -104,6 +104,25 @@ def test_a_failure_storm_stops_the_run_with_the_errors(local_cluster, tmp_path, 
         Rollout(failure_streak_limit=-1)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_stalled_run_stops_with_a_stall_error(local_cluster, tmp_path, mode):
+    """Trajectories that wait forever (here: env steps that hang, with no step time-out to
+    catch them) stop the run after ``stall_timeout`` instead of leaving the trainer
+    waiting for ever; the ledger still adds up."""
+    from rollart.recovery import StallError
+
+    hung = Faults(hang_prob=1.0, hang_seconds=15.0, seed=0)
+    graph = replace(_graph(mode, stall_timeout=3.0, env_step_timeout=1000.0),
+                    tasks=tuple(with_faults(t, hung) for t in ("gridnav", "boxpush")))
+    with pytest.raises(StallError, match=r"(?s)in flight but none has settled.*"
+                                         r"stall_timeout=3.*--resume"):
+        train(graph, client=local_cluster, run_dir=tmp_path / mode, progress=False,
+              eval_seeds=0)
+    with pytest.raises(GraphError, match="stall_timeout"):
+        Rollout(stall_timeout=-1)
+    assert Rollout().stall_timeout is None  # automatic: see Pipeline.stall_timeout
+
+
 class FailsOnEvenSeeds(GridNavEnv):
     """Every member of a group shares its seed: even-seeded groups fail whole."""
 

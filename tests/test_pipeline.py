@@ -87,40 +87,34 @@ def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_p
     assert 0 < trained.num_rows <= 4 * 3 * 2  # failed members are never trained on
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_failure_storm_stops_the_run_with_the_errors(local_cluster, tmp_path, mode):
-    """Every trajectory failing (a broken env) stops the run with what they said, instead
-    of launching replacements forever; the ledger still adds up."""
-    from rollart.recovery import FailureStormError
-
-    broken = Faults(fail_prob=1.0, seed=0)
-    graph = replace(_graph(mode, failure_streak_limit=12),
-                    tasks=tuple(with_faults(t, broken) for t in ("gridnav", "boxpush")))
-    with pytest.raises(FailureStormError, match=r"(?s)last \d+ trajectories all failed.*"
-                                                r"injected failure.*--resume"):
-        train(graph, client=local_cluster, run_dir=tmp_path / mode, progress=False,
-              eval_seeds=0)
-    with pytest.raises(GraphError, match="failure_streak_limit"):
-        Rollout(failure_streak_limit=-1)
+# Runs that cannot make progress stop with an error that says why, instead of spinning:
+# every trajectory failing (a broken env) is a failure storm; trajectories that wait
+# forever (env steps that hang, with no step time-out to catch them) are a stall.
+STOPS = {
+    "storm": (Faults(fail_prob=1.0, seed=0), {"failure_streak_limit": 12},
+              "FailureStormError", r"(?s)last \d+ trajectories all failed.*injected failure"
+                                   r".*--resume", "failure_streak_limit"),
+    "stall": (Faults(hang_prob=1.0, hang_seconds=15.0, seed=0),
+              {"stall_timeout": 3.0, "env_step_timeout": 1000.0}, "StallError",
+              r"(?s)in flight but none has settled.*stall_timeout=3.*--resume",
+              "stall_timeout"),
+}
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_stalled_run_stops_with_a_stall_error(local_cluster, tmp_path, mode):
-    """Trajectories that wait forever (here: env steps that hang, with no step time-out to
-    catch them) stop the run after ``stall_timeout`` instead of leaving the trainer
-    waiting for ever; the ledger still adds up."""
-    from rollart.recovery import StallError
+@pytest.mark.parametrize("case", sorted(STOPS))
+def test_a_run_that_cannot_progress_stops_with_the_reason(local_cluster, tmp_path, mode,
+                                                          case):
+    from rollart import recovery
 
-    hung = Faults(hang_prob=1.0, hang_seconds=15.0, seed=0)
-    graph = replace(_graph(mode, stall_timeout=3.0, env_step_timeout=1000.0),
-                    tasks=tuple(with_faults(t, hung) for t in ("gridnav", "boxpush")))
-    with pytest.raises(StallError, match=r"(?s)in flight but none has settled.*"
-                                         r"stall_timeout=3.*--resume"):
+    faults, rollout, error, message, knob = STOPS[case]
+    graph = replace(_graph(mode, **rollout),
+                    tasks=tuple(with_faults(t, faults) for t in ("gridnav", "boxpush")))
+    with pytest.raises(getattr(recovery, error), match=message):
         train(graph, client=local_cluster, run_dir=tmp_path / mode, progress=False,
               eval_seeds=0)
-    with pytest.raises(GraphError, match="stall_timeout"):
-        Rollout(stall_timeout=-1)
-    assert Rollout().stall_timeout is None  # automatic: see Pipeline.stall_timeout
+    with pytest.raises(GraphError, match=knob):
+        Rollout(**{knob: -1})
 
 
 class FailsOnEvenSeeds(GridNavEnv):

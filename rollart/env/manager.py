@@ -9,8 +9,8 @@ lifecycle around them:
   members; once ``group_size`` are delivered to the ``SampleBuffer`` the rest are
   cancelled (their envs closed) and recorded as ``cancelled``. With ``backup_after=f``
   the extra members are *backups*: they start only once ``ceil(f * group_size)``
-  members are delivered, at most one per member still running, so a group whose
-  members all finish together wastes nothing and only groups with stragglers pay.
+  members are delivered, at most one per member still running: groups without
+  stragglers waste little, and extra compute goes to the groups that have them.
 * **Abort and replace**: ``abort_older_than(v)`` cancels every running member whose
   oldest generated token is older than ``v`` (it could never be trained) and starts a
   fresh member of the same group in its place.
@@ -37,6 +37,7 @@ from rollart.model import load_tokenizer
 from rollart.types import TrajState
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _GroupRun:

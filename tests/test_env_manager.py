@@ -52,6 +52,24 @@ class FirstIsStragglerEnv(GridNavEnv):
         return super().step(action)
 
 
+class FirstFailsEnv(GridNavEnv):
+    """The first instance created (per ``created.clear()``) crashes on its first step."""
+
+    created = []
+    lock = threading.Lock()
+
+    def __init__(self):
+        super().__init__()
+        with self.lock:
+            self.bad = not self.created
+            self.created.append(self)
+
+    def step(self, action):
+        if self.bad:
+            raise RuntimeError("first env crashed")
+        return super().step(action)
+
+
 def raising_reward(episode):
     raise ValueError("judge unavailable")
 
@@ -235,6 +253,35 @@ def test_members_cancelled_before_they_start_are_settled_and_the_group_ends(roll
     counts, mgr_counts = asyncio.run(main())
     assert counts["launched"] == 2 and counts["cancelled"] == 2 and counts["in_flight"] == 0
     assert mgr_counts["cancelled"] == 2
+
+
+class SlowToRegister(SampleBuffer):
+    """The real buffer, but registering launches after the first takes a second."""
+
+    calls = 0
+
+    async def launched(self, traj_ids):
+        import asyncio
+
+        self.calls += 1
+        if self.calls > 1:
+            await asyncio.sleep(1.0)
+        return await super().launched(traj_ids)
+
+
+def test_a_group_does_not_end_while_a_replacement_is_being_registered(rollout, tiny_model):
+    """A failed member's replacement is registered with the ledger (an await) before it
+    runs; a member finishing in that window must not end the group one member short."""
+    c, _, _, workers = rollout
+    buf = c.submit(SlowToRegister, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-slow-register").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
+                   resources={CPU_ENV: 1}, key="mgr-slow-register").result()
+    FirstFailsEnv.created.clear()  # in-process cluster: the class the workers use
+    summary = mgr.run_group(_task("race", env=FirstFailsEnv), 71, "race", 2).result()
+    assert len(summary["outcomes"]) == 2 and "failed" not in summary["outcomes"]
+    counts = buf.counts().result()
+    assert counts["launched"] == 3 and counts["failed"] == 1 and counts["in_flight"] == 0
 
 
 def test_lockstep_batch_moves_turn_by_turn(rollout):

@@ -43,7 +43,9 @@ class SlowButAlive(GridNavEnv):
         super().__init__(max_turns=50)
 
     async def astep(self, action):
-        await asyncio.sleep(0.15)
+        # at most two steps fit in the 1 s trajectory time-out (at 0.15 s a step an
+        # episode once ended "truncated" before the time-out fired; cause not pinned)
+        await asyncio.sleep(0.4)
         return self.step("jump")
 
 

@@ -186,7 +186,13 @@ class EnvManager:
     async def _launch(self, grp: _GroupRun, n: int) -> None:
         ids = [f"{grp.group_id}-{grp.next_index + i}" for i in range(n)]
         grp.next_index += n
-        await self.buffer.launched(ids)
+        # while the ledger registers them they are neither jobs nor deliveries: count
+        # them as pending, or another member ending meanwhile would end the group early
+        grp.putting += 1
+        try:
+            await self.buffer.launched(ids)
+        finally:
+            grp.putting -= 1
         self.counts["launched"] += n
         self._groups[grp.group_id] = grp
         for traj_id in ids:

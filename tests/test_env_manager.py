@@ -34,38 +34,38 @@ class HangingEnv(GridNavEnv):
         return super().step(action)
 
 
-class FirstIsStragglerEnv(GridNavEnv):
-    """The first instance created (per ``reset_stragglers``) takes 2 s per step."""
+class FirstInstanceEnv(GridNavEnv):
+    """Envs that know whether they were the first created since ``created.clear()``
+    (every subclass keeps its own ``created`` list)."""
 
-    created = []
+    created: list = []
     lock = threading.Lock()
 
     def __init__(self):
         super().__init__()
         with self.lock:
-            self.slow = not self.created
+            self.first = not self.created
             self.created.append(self)
 
+
+class FirstIsStragglerEnv(FirstInstanceEnv):
+    """The first instance takes 2 s per step."""
+
+    created = []
+
     def step(self, action):
-        if self.slow:
+        if self.first:
             time.sleep(2.0)
         return super().step(action)
 
 
-class FirstFailsEnv(GridNavEnv):
-    """The first instance created (per ``created.clear()``) crashes on its first step."""
+class FirstFailsEnv(FirstInstanceEnv):
+    """The first instance crashes on its first step."""
 
     created = []
-    lock = threading.Lock()
-
-    def __init__(self):
-        super().__init__()
-        with self.lock:
-            self.bad = not self.created
-            self.created.append(self)
 
     def step(self, action):
-        if self.bad:
+        if self.first:
             raise RuntimeError("first env crashed")
         return super().step(action)
 

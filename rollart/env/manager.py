@@ -199,6 +199,8 @@ class EnvManager:
             grp.logs[traj_id] = TokenLog()
             job = grp.jobs[traj_id] = asyncio.ensure_future(self._member(grp, traj_id))
             job.add_done_callback(functools.partial(self._unstarted, grp, traj_id))
+        if grp.filled:  # filled while these were registered (a backup, a replacement)
+            self._cancel_rest(grp)
 
     def _unstarted(self, grp: _GroupRun, traj_id: str, job: asyncio.Task) -> None:
         """A member cancelled before its first step (e.g. a backup registered while its
@@ -267,16 +269,18 @@ class EnvManager:
             self.counts["delivered"] += 1
             self.counts["failed"] += traj.state == TrajState.FAILED.value
         if grp.filled:
-            for other in list(grp.jobs.values()):
-                other.cancel()
+            self._cancel_rest(grp)
         elif grp.backups and grp.delivered >= grp.backup_at and grp.jobs:
             n, grp.backups = min(grp.backups, len(grp.jobs)), 0
             self.counts["backups"] += n
             await self._launch(grp, n)  # backups for the members still running
-            if grp.filled:  # the group filled while they were registered
-                for other in list(grp.jobs.values()):
-                    other.cancel()
         self._maybe_done(grp)
+
+    @staticmethod
+    def _cancel_rest(grp: _GroupRun) -> None:
+        """The group is full: cancel its members still running (settled as cancelled)."""
+        for other in list(grp.jobs.values()):
+            other.cancel()
 
     @staticmethod
     def _maybe_done(grp: _GroupRun) -> None:

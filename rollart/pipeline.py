@@ -346,10 +346,15 @@ class AsyncPipeline(Pipeline):
     def __init__(self, actors, graph):
         super().__init__(actors, graph)
         self.inflight: dict[str, object] = {}
+        self._recount = True  # the buffer's complete groups may have changed
 
     def top_up(self) -> None:
+        """Keep ``groups_per_step × alpha`` groups in flight or complete. The buffer is
+        asked only when that can have changed (a group ended, or a step took groups):
+        this runs every few ms while the trainer steps."""
         for gid, fut in list(self.inflight.items()):
             if fut.done():
+                self._recount = True
                 del self.inflight[gid]
                 _, mgr = self.placed.pop(gid, (None, None))
                 try:
@@ -362,6 +367,9 @@ class AsyncPipeline(Pipeline):
                             self.inflight[gid] = again
                         continue
                     self.errors.append(f"{gid}: {type(e).__name__}: {e}")
+        if not self._recount:
+            return
+        self._recount = False
         ready = self.actors.buffer.counts().result()["groups_complete"]
         target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
         while len(self.inflight) + ready < target:
@@ -375,7 +383,9 @@ class AsyncPipeline(Pipeline):
             self.placed[gid] = (fut, mgr)
 
     def step(self, step: int) -> dict:
+        self._recount = True
         metrics = self.train(step, while_waiting=self.top_up)
+        self._recount = True  # the step took its groups
         version = metrics["version"]
         self.publish(version, wait=False)
         min_version = version - self.graph.algo.alpha

@@ -125,6 +125,20 @@ def test_group_flows_into_buffer_with_token_layout(rollout, tiny_model):
     assert sum(routed) >= 4
 
 
+def _near_kind(buf):
+    from rollart.env.manager import _near
+
+    return type(_near(buf)).__name__
+
+
+def test_a_buffer_on_the_managers_own_worker_is_called_without_a_round_trip(rollout):
+    """The manager shares its worker with the buffer here: it calls the buffer object
+    directly (``_Near``); from another worker the buffer stays a Dask actor handle."""
+    c, mgr, buf, _ = rollout
+    assert c.submit(_near_kind, buf, resources={CPU_ENV: 1}, pure=False).result() == "_Near"
+    assert c.submit(_near_kind, buf, resources={REWARD: 1}, pure=False).result() == "Actor"
+
+
 @pytest.mark.parametrize("env, reward, needle", [
     (RaisingEnv, success_reward, "simulator crashed"),
     (WrongTypeEnv, success_reward, "StepResult"),

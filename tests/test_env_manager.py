@@ -126,16 +126,16 @@ def test_group_flows_into_buffer_with_token_layout(rollout, tiny_model):
 
 
 def _near_kind(buf):
-    from rollart.env.manager import _near
+    from rollart.near import near as _near
 
     return type(_near(buf)).__name__
 
 
 def test_a_buffer_on_the_managers_own_worker_is_called_without_a_round_trip(rollout):
     """The manager shares its worker with the buffer here: it calls the buffer object
-    directly (``_Near``); from another worker the buffer stays a Dask actor handle."""
+    directly (``rollart.near.Near``); from another worker the buffer stays a Dask actor handle."""
     c, mgr, buf, _ = rollout
-    assert c.submit(_near_kind, buf, resources={CPU_ENV: 1}, pure=False).result() == "_Near"
+    assert c.submit(_near_kind, buf, resources={CPU_ENV: 1}, pure=False).result() == "Near"
     assert c.submit(_near_kind, buf, resources={REWARD: 1}, pure=False).result() == "Actor"
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
 from rollart.model import load_tokenizer
+from rollart.near import near
 from rollart.types import TrajState
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class EnvManager:
                  max_concurrency: int = 256,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int | None = None, env_threads: int = 8):
-        self.buffer = _near(buffer)
+        self.buffer = near(buffer)
         self.runner = TrajectoryRunner(
             proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
             env_step_timeout=env_step_timeout, reward_timeout=reward_timeout,
@@ -301,47 +302,6 @@ class EnvManager:
         key = "aborted" if state == TrajState.ABORTED.value else "cancelled"
         self.counts[key] += 1
         await self.buffer.settle([traj_id], state)
-
-
-class _Near:
-    """An actor that lives on this very worker, called without a round trip through the
-    worker's own comm (Dask sends an ``async`` actor method to itself over TCP, with
-    both ends serialising). Each call still runs as a task of its own that the caller's
-    cancellation does not reach, as a remote call would: a member cancelled while it
-    delivers does not cut the buffer's bookkeeping short. Arguments are shared, not
-    copied: a caller hands them over."""
-
-    def __init__(self, actor, obj):
-        self.actor, self._obj = actor, obj
-
-    def __getattr__(self, name):
-        method = getattr(self._obj, name)
-
-        def call(*args, **kwargs):
-            return asyncio.shield(asyncio.ensure_future(method(*args, **kwargs)))
-
-        return call
-
-    def __reduce__(self):  # travels (e.g. in a checkpoint) as the actor handle
-        return (_identity, (self.actor,))
-
-
-def _identity(x):
-    return x
-
-
-def _near(actor):
-    """``actor`` itself, or a ``_Near`` to its object when it lives on this worker."""
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except (ImportError, ValueError):
-        return actor
-    if getattr(actor, "_address", None) != worker.address:
-        return actor
-    obj = worker.state.actors.get(getattr(actor, "key", None))
-    return actor if obj is None else _Near(actor, obj)
 
 
 def _max_positions(model_path: str) -> int:

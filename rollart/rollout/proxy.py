@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import Any
 
 from rollart.affinity import BANDWIDTH_TAGS, COMPUTE_TAGS, Affinity, classify
+from rollart.near import near
 from rollart.types import GenRequest, GenResult
 
 
@@ -71,6 +72,7 @@ class LLMProxy:
         self._reuse = {"turns": 0, "sticky_turns": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._pd = {"requests": 0, "kv_bytes": 0}
         self._next = 0  # round-robin cursor for ties
+        self._near: dict = {}  # (index, actor key) -> handle or co-located object
         self._lock: threading.Lock | None = None
         self.dead: set[int] = set()  # workers found lost (never routed to again)
         self.rerouted = 0  # requests re-sent after their worker was lost
@@ -81,6 +83,7 @@ class LLMProxy:
         state["_lock"] = None
         state["_in_flight"] = [0] * len(self.workers)
         state["_tokens"] = [0] * len(self.workers)
+        state["_near"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -90,6 +93,16 @@ class LLMProxy:
     def pools(self) -> tuple[str, ...]:
         """The pool tags carried by at least one worker, sorted."""
         return tuple(sorted({pool for _, pool in self.workers}))
+
+    def _near_handle(self, idx: int):
+        """Worker ``idx``'s handle, or its object when it shares this Dask worker
+        (``rollart.near``: no comm, e.g. on ``resources/laptop.py``)."""
+        actor = self.workers[idx][0]
+        cache = self.__dict__.setdefault("_near", {})
+        key = (idx, getattr(actor, "key", id(actor)))
+        if key not in cache:
+            cache[key] = near(actor)
+        return cache[key]
 
     def _guard(self) -> threading.Lock:
         if self._lock is None:
@@ -186,12 +199,13 @@ class LLMProxy:
                 cost = new + req.max_new_tokens
                 idx = self.route(traj_id, self.pools_for(task, pools), cost)
                 self._count_reuse(traj_id, idx, req, new)
+                worker = self._near_handle(idx)
                 try:
-                    res = await self.workers[idx][0].generate(req)
+                    res = await worker.generate(req)
                     break
                 except asyncio.CancelledError:  # our trajectory was cancelled: free its row
                     if req.request_id is not None:
-                        _fire_and_forget(self.workers[idx][0].abort(req.request_id))
+                        _fire_and_forget(worker.abort(req.request_id))
                     raise
                 except Exception as e:  # its worker was lost: re-send to another one
                     if not is_worker_lost(e):

@@ -17,6 +17,11 @@ the built-in games a fast episode is often a successful one, so async's training
 can read higher than its policy is. A script, not a test: figures are ratios measured
 side by side in one run.
 
+Every mode runs on ``resources/laptop.py`` with one inference pool by default: on a
+2-core machine that layout wastes the least on comm (rollout in one worker process, the
+trainer in another). ``--resources local --inference-pools ''`` gives every role a
+process of its own and uses the graph's two inference pools.
+
     python benchmarks/pipeline.py --quick
 """
 
@@ -76,6 +81,11 @@ def main(argv=None) -> dict:
     p.add_argument("--target", type=float, default=0.6, help="reward/mean to reach")
     p.add_argument("--eval-seeds", type=int, default=64,
                    help="held-out seeds per task for each mode's final model (0: none)")
+    p.add_argument("--resources", default="laptop",
+                   help="the layout (resources/NAME.py); laptop: rollout in one worker, "
+                   "the trainer in another; local: a process per role")
+    p.add_argument("--inference-pools", default="H800",
+                   help="comma-separated inference pool tags ('' = the graph's own)")
     a = p.parse_args(argv)
     steps = a.steps or (20 if a.quick else 60)
 
@@ -90,8 +100,11 @@ def main(argv=None) -> dict:
     from rollart.evaluate import evaluate
 
     base, _ = rollart.load_graph("multitask")
+    if a.inference_pools:
+        pools = tuple(t for t in a.inference_pools.split(",") if t)
+        base = replace(base, rollout=replace(base.rollout, inference_pools=pools))
     tasks = tuple(with_faults(t, straggler_profile(seed=i)) for i, t in enumerate(base.tasks))
-    res = rollart.load_resources()
+    res = rollart.load_resources(a.resources)
     out = {}
     with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
             Client(cluster) as client:
@@ -128,6 +141,8 @@ def main(argv=None) -> dict:
         "busy_async": out["async"]["engine_busy"],
         "busy_sync": out["sync"]["engine_busy"],
         "steps": steps,
+        "resources": a.resources,
+        "inference_pools": "+".join(base.rollout.inference_pools),
     }
     print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in ratio.items()))

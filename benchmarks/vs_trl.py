@@ -26,7 +26,11 @@ last 5 steps), generated tokens/s, trajectories/s and wall time; then one line
 where ``speedup_<workload>`` is TRL's time to the target ÷ rollart async's. When a run
 of a workload misses ``--target``, that workload's runs are all timed to the best
 smoothed reward every one of them reached (``target_used_<workload>``). Not a test:
-figures are ratios measured side by side in one run. TRL is the ``bench`` extra::
+figures are ratios measured side by side in one run. rollart runs on
+``resources/laptop.py`` (rollout in one worker process, the trainer in another: the
+layout for one small machine) with one inference pool; ``--resources local
+--inference-pools H800,H20`` gives every role its own process instead. TRL is the
+``bench`` extra::
 
     pip install torch==2.13.0 -e '.[bench]'
     python benchmarks/vs_trl.py --quick
@@ -146,21 +150,22 @@ def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str, threads: in
 
 
 # -- rollart --------------------------------------------------------------------------
-def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: float):
+def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: float,
+                  pools: tuple[str, ...] = ("H800",)):
     from rollart import GRPO, Graph, Policy, Rollout
 
     algo = GRPO(group_size=s.group_size, groups_per_step=s.groups_per_step, lr=s.lr,
                 clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0, alpha=1)
     return Graph(name=f"vs_trl-{mode}", tasks=(task,), policy=Policy(model=model_dir),
-                 algo=algo, rollout=Rollout(redundancy=redundancy), steps=s.steps,
-                 seed=s.seed, mode=mode)
+                 algo=algo, rollout=Rollout(redundancy=redundancy, inference_pools=pools),
+                 steps=s.steps, seed=s.seed, mode=mode)
 
 
 def run_rollart(client, model_dir: str, s: Settings, task, mode: str, redundancy: float,
-                run_dir: Path) -> list[dict]:
+                run_dir: Path, pools: tuple[str, ...] = ("H800",)) -> list[dict]:
     import rollart
 
-    graph = rollart_graph(s, task, model_dir, mode, redundancy)
+    graph = rollart_graph(s, task, model_dir, mode, redundancy, pools)
     return rollart.train(graph, client=client, run_dir=run_dir, progress=False,
                          eval_seeds=0).metrics
 
@@ -215,6 +220,11 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=None, help="model, warm-up and episode seeds")
     p.add_argument("--lr", type=float, default=None, help="both trainers' learning rate")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--resources", default="laptop",
+                   help="rollart's layout (resources/NAME.py); laptop: rollout in one "
+                   "worker, the trainer in another")
+    p.add_argument("--inference-pools", default="H800",
+                   help="comma-separated inference pool tags rollart's graph uses")
     p.add_argument("--in-process", action="store_true",
                    help="rollart's cluster as threads of this process (tests)")
     a = p.parse_args(argv)
@@ -261,7 +271,8 @@ def main(argv=None) -> dict:
             t0 = time.time()
             record(w, "trl", run_trl(model, s, base, faults[w], str(tmp / f"trl-{w}"),
                                      threads), t0)
-        res = rollart.load_resources()
+        res = rollart.load_resources(a.resources)
+        pools = tuple(t for t in a.inference_pools.split(",") if t)
         if a.in_process:
             res = replace(res, processes=False, dashboard_address=":0")
         with res.make_cluster() as cluster, Client(cluster) as client:
@@ -270,7 +281,8 @@ def main(argv=None) -> dict:
                 for r in ("sync", "async"):
                     t0 = time.time()
                     red = s.redundancy if (r == "async" and faults[w]) else 1.0
-                    rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}")
+                    rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}",
+                                       pools)
                     record(w, r, rows, t0)
     figures = {}
     for w in workloads:  # the two headline figures first
@@ -278,6 +290,7 @@ def main(argv=None) -> dict:
     figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
                **figures}
     figures.update({"steps": s.steps, "target": s.target, "trl_threads": threads,
+                    "resources": a.resources, "inference_pools": "+".join(pools),
                     "total_s": round(time.time() - t_all)})
     print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in figures.items()))

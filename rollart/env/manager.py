@@ -32,6 +32,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
 from rollart.model import load_tokenizer
 from rollart.near import near
@@ -167,9 +169,11 @@ class EnvManager:
                 "barrier_wait_s": r.barrier_wait, "stuck_env_calls": r.stuck_calls,
                 **r.serverless.stats()}
 
-    async def env_latencies(self, last: int = 1000) -> list[float]:
-        """The latest ``last`` env step latencies in seconds (for the dashboard)."""
-        return list(self.runner.env_latency[-last:])
+    async def env_latencies(self, last: int = 1000) -> np.ndarray:
+        """The latest ``last`` env step latencies in seconds (for the dashboard), as one
+        float64 array: Dask sends an array as one frame, while a list of floats returned
+        by an actor is pickled float by float (1000 pickles per call, every second)."""
+        return np.asarray(self.runner.env_latency[-last:], dtype=np.float64)
 
     async def cancel_all(self) -> int:
         """Cancel every running trajectory (end of run); returns how many."""

@@ -31,18 +31,18 @@ class Near:
     def __init__(self, actor, obj):
         self.actor, self._obj = actor, obj
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # first use of ``name``: the wrapper is kept
         method = getattr(self._obj, name)
         if not callable(method):
             return method
-        calls[name] += 1
-        if not inspect.iscoroutinefunction(method):  # Dask runs these on a thread
-            def call(*args, **kwargs):
-                return asyncio.shield(asyncio.ensure_future(
-                    asyncio.to_thread(method, *args, **kwargs)))
-        else:
-            def call(*args, **kwargs):
-                return asyncio.shield(asyncio.ensure_future(method(*args, **kwargs)))
+        run = method if inspect.iscoroutinefunction(method) else \
+            (lambda *a, **k: asyncio.to_thread(method, *a, **k))  # Dask threads these
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return asyncio.shield(asyncio.ensure_future(run(*args, **kwargs)))
+
+        self.__dict__[name] = call
         return call
 
     def __reduce__(self):  # travels (e.g. in a checkpoint) as the actor handle

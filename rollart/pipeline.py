@@ -383,7 +383,6 @@ class AsyncPipeline(Pipeline):
             self.placed[gid] = (fut, mgr)
 
     def step(self, step: int) -> dict:
-        self._recount = True
         metrics = self.train(step, while_waiting=self.top_up)
         self._recount = True  # the step took its groups
         version = metrics["version"]

@@ -98,11 +98,10 @@ class LLMProxy:
         """Worker ``idx``'s handle, or its object when it shares this Dask worker
         (``rollart.near``: no comm, e.g. on ``resources/laptop.py``)."""
         actor = self.workers[idx][0]
-        cache = self.__dict__.setdefault("_near", {})
         key = (idx, getattr(actor, "key", id(actor)))
-        if key not in cache:
-            cache[key] = near(actor)
-        return cache[key]
+        if key not in self._near:
+            self._near[key] = near(actor)
+        return self._near[key]
 
     def _guard(self) -> threading.Lock:
         if self._lock is None:

@@ -147,7 +147,7 @@ def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
     managers = [client.submit(
         EnvManager, proxy, buffer.result(), model_path, temperature=graph.policy.temperature,
         top_p=graph.policy.top_p, env_step_timeout=graph.rollout.env_step_timeout,
-        reward_timeout=graph.rollout.reward_timeout,
+        reward_timeout=graph.rollout.reward_timeout, local_reward=graph.rollout.local_reward,
         trajectory_timeout=graph.rollout.trajectory_timeout,
         max_concurrency=graph.rollout.env_concurrency,
         inference_pools=graph.rollout.inference_pools, seed=graph.seed, actor=True,

@@ -152,6 +152,10 @@ class Rollout:
     backup_after: float | None = None
     env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
     reward_timeout: float = 30.0
+    # a plain reward whose pool includes the env manager's own worker runs there, on a
+    # thread (as many at once as that worker has slots of the tag), instead of as a
+    # Dask task through the scheduler (~7 messages a trajectory); False: always a task
+    local_reward: bool = True
     trajectory_timeout: float | None = None  # seconds for a whole trajectory (None: none)
     # stop the run (FailureStormError) after this many failed trajectories in a row with
     # none reaching the buffer; None: 4 × the trajectories of one trainer step; 0: never
@@ -177,6 +181,8 @@ class Rollout:
         _check(self.stall_timeout is None or self.stall_timeout >= 0,
                f"Rollout.stall_timeout must be ≥ 0 seconds (0: never stop) or None, got "
                f"{self.stall_timeout!r}")
+        _check(isinstance(self.local_reward, bool),
+               f"Rollout.local_reward must be True or False, got {self.local_reward!r}")
         _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
         _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0 seconds")
         _check(self.reward_timeout > 0, "Rollout.reward_timeout must be > 0 seconds")

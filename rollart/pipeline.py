@@ -283,6 +283,9 @@ class Pipeline(abc.ABC):
             "rollout/suspends": sum(w.get("suspends", 0) for w in ws),
             "rollout/turns": turns,
             "rollout/backups": sum(m.get("backups", 0) for m in ms),  # backup_after
+            # plain rewards run on the env manager's own worker vs as Dask tasks
+            "rollout/rewards_here": sum(m.get("rewards_here", 0) for m in ms),
+            "rollout/reward_tasks": sum(m.get("reward_tasks", 0) for m in ms),
             "rollout/turn_overhead_s": sum(m["turn_overhead_s"] * m["turns"] for m in ms)
             / max(turns, 1),
             "env/step_p99_s": max(m["env_step_p99"] for m in ms),

@@ -210,7 +210,7 @@ class Supervisor:
             EnvManager, proxy, self.actors.buffer, self.model_path,
             temperature=g.policy.temperature, top_p=g.policy.top_p,
             env_step_timeout=g.rollout.env_step_timeout,
-            reward_timeout=g.rollout.reward_timeout,
+            reward_timeout=g.rollout.reward_timeout, local_reward=g.rollout.local_reward,
             trajectory_timeout=g.rollout.trajectory_timeout,
             max_concurrency=g.rollout.env_concurrency,
             inference_pools=g.rollout.inference_pools, seed=g.seed, actor=True,

@@ -83,6 +83,11 @@ def reward_pool_only(episode):
     return 1.0
 
 
+def sleeping_reward(episode):
+    time.sleep(2.0)
+    return 1.0
+
+
 def _task(name, env=GridNavEnv, reward=success_reward):
     return Task(name=name, env_factory=env, reward_fn=reward, max_turns=3)
 
@@ -184,6 +189,32 @@ def test_rewards_run_on_the_reward_pool(rollout):
     summary = mgr.run_group(_task("placed", reward=reward_pool_only), 8, "placed", 2).result()
     assert summary["outcomes"].count("failed") == 0 and summary["rewards"] == [1.0, 1.0]
     _trajs(buf)
+
+
+@pytest.mark.parametrize("reward, needle", [(raising_reward, "judge unavailable"),
+                                             (sleeping_reward, "reward_timeout")])
+def test_a_reward_on_the_managers_own_worker_runs_there_and_is_contained(
+        rollout, tiny_model, tmp_path, reward, needle):
+    """A manager on a worker that carries REWARD scores on that worker's threads (no
+    Dask task); a reward raising or outliving ``reward_timeout`` fails only its
+    trajectory, with the error kept, and the manager goes on scoring."""
+    from rollart.buffer import read_samples
+
+    c, _, _, workers = rollout
+    buf = c.submit(SampleBuffer, str(tmp_path), actor=True, resources={CPU_ENV: 1},
+                   key=f"buf-here-{needle}").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, reward_timeout=0.5,
+                   actor=True, resources={REWARD: 1}, key=f"mgr-here-{needle}").result()
+    bad = mgr.run_group(_task("here-bad", reward=reward), 2, "here-bad", 2).result()
+    assert bad["outcomes"] == ["failed", "failed"]
+    ok = mgr.run_group(_task("here-ok", reward=reward_pool_only), 3, "here-ok", 2).result()
+    assert ok["rewards"] == [1.0, 1.0]  # it ran on a REWARD worker: this one
+    stats = mgr.stats().result()
+    assert stats["rewards_here"] == 6 and stats["reward_tasks"] == 0  # 4 failed, 2 fine
+    buf.close().result()
+    rows = [r for r in read_samples(str(tmp_path)).to_pylist() if r["state"] == "failed"]
+    assert len(rows) == 4 and all(needle in r["error"] for r in rows)
+    mgr.close().result()
 
 
 def test_token_log_layout():

@@ -44,6 +44,9 @@ def test_an_async_run_on_the_laptop_layout_trains_through_direct_calls(laptop, t
     # every turn went to a co-located inference worker, every delivery to the buffer
     assert made.get("generate", 0) >= rows[-1]["traj/trained"]
     assert made.get("put", 0) >= rows[-1]["traj/trained"]
+    # the rollout worker carries REWARD: rewards ran on its threads, never as tasks
+    assert rows[-1]["rollout/rewards_here"] >= rows[-1]["traj/trained"]
+    assert rows[-1]["rollout/reward_tasks"] == 0
 
 
 def _kind(actor):

@@ -1,10 +1,11 @@
 """One trajectory, turn by turn: env ↔ ``LLMProxy`` ↔ env … → reward task.
 
 ``TrajectoryRunner.run`` plays a task from a seed: reset, then per turn generate through
-the ``LLMProxy`` and step the env, then score the episode as a Dask task on the REWARD
-pool. Env calls run in a thread pool it owns with a per-step time-out (or are awaited
-directly when the env has ``areset``/``astep``), and the whole episode may have a
-per-trajectory time-out; an env or reward that raises, hangs or returns the wrong types
+the ``LLMProxy`` and step the env, then score the episode on the REWARD pool (on a
+thread of this worker when it carries the pool's tag, else as a Dask task there). Env
+calls run in a thread pool it owns with a per-step time-out (or are awaited directly
+when the env has ``areset``/``astep``), and the whole episode may have a per-trajectory
+time-out; an env or reward that raises, hangs or returns the wrong types
 makes that trajectory ``failed`` with the error kept, and nothing else. A timed-out env
 is closed at once from a thread of its own (closing releases a hung call, so its pool
 thread comes back); ``stuck_calls`` counts env calls that timed out and still hold a
@@ -19,6 +20,7 @@ trajectories advance turn by turn (the synchronous baselines).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -125,7 +127,7 @@ class TrajectoryRunner:
                  env_step_timeout: float = 30.0, reward_timeout: float = 30.0,
                  trajectory_timeout: float | None = None,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
-                 max_context: int = 2048, env_threads: int = 8):
+                 max_context: int = 2048, env_threads: int = 8, local_reward: bool = True):
         self.proxy = proxy
         self.tokenizer = tokenizer
         self.stop_ids = (tokenizer.eos_token_id,)
@@ -147,9 +149,15 @@ class TrajectoryRunner:
         self.env_seconds = 0.0
         self.barrier_wait = 0.0
         self.serverless = Dispatchers()  # serverless rewards: batched, retried
+        self.local_reward = local_reward
+        self._reward_slots: dict[str, asyncio.Semaphore | None] = {}  # tag -> slots here
+        self._reward_executor: ThreadPoolExecutor | None = None
+        self.rewards = {"here": 0, "tasks": 0}  # how rewards ran: on this worker / as tasks
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._reward_executor is not None:
+            self._reward_executor.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, task, seed: int, traj_id: str, group_id: str, log: TokenLog,
                   barrier: "TurnBarrier | None" = None) -> Trajectory:
@@ -284,9 +292,13 @@ class TrajectoryRunner:
                 del self.env_latency[:2500]
 
     async def _score(self, task, episode: Episode, traj_id: str) -> float:
-        """Run the task's reward function as a Dask task on the REWARD pool.
+        """Score the episode with the task's reward function on its pool (``REWARD``
+        unless the reward declares ``reward_affinity(...)``).
 
-        The wait is shielded: the Dask client batches concurrent gathers into one shared
+        When this worker carries that pool's tag (``resources/laptop.py``), the reward
+        runs here on a thread (``_score_here``): placement is the same, without a Dask
+        task's trip through the scheduler. Otherwise it is a Dask task on the pool. Its
+        wait is shielded: the Dask client batches concurrent gathers into one shared
         future, so cancelling this trajectory (redundant, aborted) must not cancel the
         gather that other trajectories' rewards are riding on. A ``@serverless`` reward
         goes to its own backend instead (``rollart.reward.dispatch``: batched, with its
@@ -298,9 +310,13 @@ class TrajectoryRunner:
         if is_serverless(task.reward_fn):
             return await self.serverless.get(task.reward_fn).score(episode)
 
+        tag = reward_tag(task)  # REWARD unless the reward declares reward_affinity(...)
+        slots = self._slots_here(tag)
+        if slots is not None:
+            return await self._score_here(task.reward_fn, episode, slots)
+        self.rewards["tasks"] += 1
         client = get_client()
         key = f"reward-{task.name}-{traj_id}-{uuid.uuid4().hex[:8]}"  # unique across runs
-        tag = reward_tag(task)  # REWARD unless the reward declares reward_affinity(...)
         fut = client.submit(score_episode, task.reward_fn, episode, resources={tag: 1},
                             pure=False, key=key)
         if client.asynchronous:
@@ -312,6 +328,42 @@ class TrajectoryRunner:
         except asyncio.TimeoutError:
             raise StepTimeout(f"reward {task.reward_fn!r} took longer than reward_timeout="
                                f"{self.reward_timeout}s") from None
+
+    def _slots_here(self, tag: str) -> asyncio.Semaphore | None:
+        """The reward slots of this worker for ``tag`` (as many as the worker has of the
+        resource, as Dask would allow tasks), or None: not on a worker, the worker lacks
+        the tag, or ``local_reward`` is off."""
+        if tag not in self._reward_slots:
+            n = 0
+            if self.local_reward:
+                try:
+                    from distributed import get_worker
+
+                    n = int(get_worker().state.total_resources.get(tag, 0))
+                except (ImportError, ValueError):
+                    n = 0
+            self._reward_slots[tag] = asyncio.Semaphore(n) if n > 0 else None
+            if n > 0 and self._reward_executor is None:  # spare threads for hung rewards
+                self._reward_executor = ThreadPoolExecutor(
+                    max_workers=n + 4, thread_name_prefix="rollart-reward")
+        return self._reward_slots[tag]
+
+    async def _score_here(self, reward_fn, episode: Episode, slots: asyncio.Semaphore):
+        """Run the reward on a thread of this worker (``get_worker()`` works inside it),
+        at most ``slots`` at once, with the reward time-out. A reward that times out
+        gives its slot back and keeps only its thread (counted in ``stuck_calls``)."""
+        self.rewards["here"] += 1
+        async with slots:
+            ctx = contextvars.copy_context()
+            cfut = self._reward_executor.submit(ctx.run, score_episode, reward_fn, episode)
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(cfut), self.reward_timeout)
+            except asyncio.TimeoutError:
+                if not cfut.cancel():
+                    self._stuck(1)
+                    cfut.add_done_callback(lambda _: self._stuck(-1))
+                raise StepTimeout(f"reward {reward_fn!r} took longer than reward_timeout="
+                                  f"{self.reward_timeout}s") from None
 
 
 async def _result(fut):

@@ -1,8 +1,9 @@
 """``SampleBuffer``: a Dask actor that turns finished trajectories into GRPO batches.
 
 Consumes ``Trajectory`` records one at a time (``put``, called by the rollout side) and
-hands out complete, bounded-stale groups to the ``Trainer`` (``get_batch``). Buffered
-rows are held as Arrow record batches in ``rollart.buffer.schema.SCHEMA``. Every
+hands out complete, bounded-stale groups to the ``Trainer`` (``get_table``: one Arrow
+table; ``get_batch``: the same as records). Buffered rows are held as Arrow record
+batches in ``rollart.buffer.schema.SCHEMA``, one per group once it completes. Every
 trajectory that leaves (trained, dropped, failed) is written, when ``run_dir`` is set,
 to ``{run_dir}/samples/part-{k:05d}.parquet`` with its final ``state`` and
 ``trained_step``. Invariant: received == buffered + trained + dropped + failed. The
@@ -33,13 +34,18 @@ _STEP = SCHEMA.get_field_index("trained_step")
 
 @dataclass
 class _Group:
-    """One GRPO group: the non-failed members that arrived, as Arrow."""
+    """One GRPO group: the non-failed members that arrived, as Arrow.
+
+    Members arrive one at a time; they are kept as records and become Arrow in one
+    batch per group (``arrow()``: when the group completes or must leave earlier), not
+    one single-row batch per arrival (20 ``pa.array`` calls each)."""
 
     group_id: str
     size: int
     arrived: int = 0  # members seen, failed ones included
     batches: list[pa.RecordBatch] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # of the buffered members
+    pending: list[Trajectory] = field(default_factory=list)  # not yet in ``batches``
 
     @property
     def complete(self) -> bool:
@@ -56,11 +62,22 @@ class _Group:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.batches)
+        return sum(b.nbytes for b in self.arrow())
+
+    def add(self, traj: Trajectory) -> None:
+        self.pending.append(traj)
+        self.versions.append(traj.version)
+
+    def arrow(self) -> list[pa.RecordBatch]:
+        """The buffered members as Arrow batches (pending ones converted now)."""
+        if self.pending:
+            self.batches.append(to_record_batch(self.pending))
+            self.pending = []
+        return self.batches
 
     def compact(self) -> None:
-        """Combine the one-row batches of a complete group into one batch."""
-        if len(self.batches) > 1:
+        """The members of a complete group as one batch."""
+        if len(self.arrow()) > 1:
             table = pa.Table.from_batches(self.batches, schema=SCHEMA).combine_chunks()
             self.batches = table.to_batches() or []
 
@@ -154,8 +171,7 @@ class SampleBuffer:
         else:
             traj.state = TrajState.BUFFERED.value
             self.ledger.move(traj.traj_id, TrajState.BUFFERED.value)
-            group.batches.append(to_record_batch([traj]))
-            group.versions.append(traj.version)
+            group.add(traj)
         if not group.complete:
             return False
         del self._open[gid]
@@ -178,17 +194,17 @@ class SampleBuffer:
         stale = [g for g in self._complete.values() if g.version < min_version]
         for g in stale:
             self._close_group(g)
-            self._leave(g.batches, TrajState.DROPPED)
+            self._leave(g.arrow(), TrajState.DROPPED)
         return sum(g.rows for g in stale)
 
-    def _take(self, n_groups: int, trained_step: int | None) -> list[Trajectory]:
+    def _take(self, n_groups: int, trained_step: int | None) -> pa.Table:
         """Hand out the ``n_groups`` oldest complete groups."""
         groups = list(self._complete.values())[:n_groups]
         out: list[pa.RecordBatch] = []
         for g in groups:
             self._close_group(g)
-            out.extend(self._leave(g.batches, TrajState.TRAINED, trained_step))
-        return from_table(pa.Table.from_batches(out, schema=SCHEMA))
+            out.extend(self._leave(g.arrow(), TrajState.TRAINED, trained_step))
+        return pa.Table.from_batches(out, schema=SCHEMA)
 
     def _counts_now(self) -> dict[str, int]:
         c = self._counts
@@ -260,8 +276,20 @@ class SampleBuffer:
         groups' trajectories (oldest completed group first) marked ``trained``.
         Raises ``TimeoutError`` when ``timeout`` seconds pass first.
         """
+        return from_table(await self.get_table(n_groups, min_version, timeout, trained_step))
+
+    async def get_table(
+        self,
+        n_groups: int,
+        min_version: int,
+        timeout: float | None = None,
+        trained_step: int | None = None,
+    ) -> pa.Table:
+        """``get_batch`` as one Arrow table in ``SCHEMA`` (what the ``Trainer`` pulls:
+        Dask sends a table as a few buffers, and turning rows back into records is left
+        to the receiving side instead of the buffer's worker, which also runs rollout)."""
         if n_groups <= 0:
-            return []
+            return SCHEMA.empty_table()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         cond = self._condition
@@ -296,7 +324,7 @@ class SampleBuffer:
             stale = [g for g in groups if g.rows and g.version < min_version]
             for g in stale:
                 self._close_group(g)
-                self._leave(g.batches, TrajState.DROPPED)
+                self._leave(g.arrow(), TrajState.DROPPED)
         await self._maybe_flush()
         return sum(g.rows for g in stale)
 
@@ -406,7 +434,7 @@ class SampleBuffer:
             await self.flush()
             groups = [(g, True) for g in self._complete.values()] + \
                      [(g, False) for g in self._open.values()]
-            batches = [b for g, _ in groups for b in g.batches]
+            batches = [b for g, _ in groups for b in g.arrow()]
             meta = {
                 "counts": dict(self._counts), "ledger": dict(self.ledger.counts),
                 "next_part": self._parts,
@@ -463,7 +491,7 @@ class SampleBuffer:
                     self._complete[group.group_id] = group
                 else:
                     self._closed.add(group.group_id)
-                    self._leave(group.batches, TrajState.DROPPED)
+                    self._leave(group.arrow(), TrajState.DROPPED)
             self.ledger.check()
             self._condition.notify_all()
         await self.flush()

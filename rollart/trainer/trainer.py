@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from rollart.buffer.schema import from_table
 from rollart.model import load_model, load_tokenizer
 from rollart.resources import set_worker_threads
 from rollart.trainer.advantages import compute_advantages
@@ -104,8 +105,9 @@ class Trainer:
     async def _train_step(self, buffer, step: int, timeout: float | None) -> dict:
         t0 = time.perf_counter()
         min_version = self.version - self.algo.alpha
-        batch = await buffer.get_batch(self.algo.groups_per_step, min_version,
+        table = await buffer.get_table(self.algo.groups_per_step, min_version,
                                        timeout=timeout, trained_step=step)
+        batch = from_table(table)
         waited = time.perf_counter() - t0
         self.waited_seconds += waited
         metrics = await self._run(self._update, batch)

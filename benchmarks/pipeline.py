@@ -56,7 +56,8 @@ def summarise(rows: list[dict], n_workers: int, target: float) -> dict:
 
     t = rows[-1]["time"]
     reward = smooth([r["reward/mean"] for r in rows], 5)
-    hit = next((r["time"] for r, s in zip(rows, reward) if s >= target), float("nan"))
+    full = list(zip(rows, reward))[4 if len(rows) >= 5 else 0:]  # full 5-step windows
+    hit = next((r["time"] for r, s in full if s >= target), float("nan"))
     last = rows[-1]
     return {
         "traj_per_s": last["traj/trained"] / t,

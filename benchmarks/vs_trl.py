@@ -17,15 +17,19 @@ Two workloads, each run by TRL, rollart ``sync`` and rollart ``async`` back to b
   tools do: lognormal with a 20 ms median and σ = 1.2 (mean 41 ms, p99 ≈ 0.33 s;
   ``rollart.env.faults.Latency``), drawn the same way for both trainers.
 
-Per run it prints the wall time to a target reward (smoothed over 5 steps, counted from
-the first trainer step; set-up excluded for both), best and final reward (mean of the
-last 5 steps), generated tokens/s, trajectories/s and wall time; then one line
+Per run it prints the wall time to a target reward (smoothed over 5 steps, from the
+first full window at step 5; counted from the first trainer step; set-up excluded for
+both), best and final reward (mean of the last 5 steps), generated tokens/s,
+trajectories/s and wall time; then one line
 
     RESULT speedup_no_latency=… speedup_latency=… …
 
 where ``speedup_<workload>`` is TRL's time to the target ÷ rollart async's. When a run
 of a workload misses ``--target``, that workload's runs are all timed to the best
-smoothed reward every one of them reached (``target_used_<workload>``). Not a test:
+smoothed reward every one of them reached (``target_used_<workload>``). A time to a
+reward is a noisy figure (32 episodes a step), so the whole comparison is repeated from
+``--seeds`` seeds (model, warm-up and episodes; default 3) and every RESULT figure is
+the median over them; ``speedup_<workload>_each`` lists each seed's. Not a test:
 figures are ratios measured side by side in one run. rollart runs on
 ``resources/laptop.py`` (rollout in one worker process, the trainer in another: the
 layout for one small machine) with one inference pool; ``--resources local
@@ -52,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trl_env.
 TASK = "gridnav"
 WORKLOADS = ("no_latency", "latency")
 RUNNERS = ("trl", "sync", "async")
+WINDOW = 5  # steps in the smoothed reward
 
 
 @dataclass(frozen=True)
@@ -177,13 +182,19 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float:
 
 
 def summarise(rows: list[dict], batch_size: int, target: float) -> dict:
-    """Time to the target (smoothed reward), throughput, final reward, wall time."""
+    """Time to the target (smoothed reward), throughput, final reward, wall time.
+
+    The smoothed curve starts at the first full window (step ``WINDOW``): before it a
+    "mean over 5 steps" would be one or two batches, and a lucky first batch (32
+    episodes) would count as reaching the target."""
     from rollart.report import smooth
 
-    reward = smooth([r["reward/mean"] for r in rows], 5)
-    curve = [(r["time"], v) for r, v in zip(rows, reward)]
+    reward = smooth([r["reward/mean"] for r in rows], WINDOW)
+    first = WINDOW - 1 if len(rows) >= WINDOW else 0
+    curve = [(r["time"], v) for r, v in list(zip(rows, reward))[first:]]
     wall = rows[-1]["time"]
-    return {"time_to_target_s": time_to(curve, target), "best_reward": max(reward),
+    return {"time_to_target_s": time_to(curve, target),
+            "best_reward": max(v for _, v in curve),
             "final_reward": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:]),
             "tokens_per_s": rows[-1]["rollout/tokens_generated"] / wall,
             "traj_per_s": len(rows) * batch_size / wall, "wall_s": wall,
@@ -210,7 +221,8 @@ def ratios(runs: dict, target: float) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="about 3 minutes on 2 cores")
+    p.add_argument("--quick", action="store_true",
+                   help="one seed, 10 steps: about 3 minutes on 2 cores")
     p.add_argument("--steps", type=int, default=None, help="trainer steps per run")
     p.add_argument("--target", type=float, default=None, help="smoothed reward to reach")
     p.add_argument("--warmup-steps", type=int, default=None)
@@ -218,6 +230,9 @@ def main(argv=None) -> dict:
     p.add_argument("--groups-per-step", type=int, default=None)
     p.add_argument("--task", default=TASK, help="a built-in task name")
     p.add_argument("--seed", type=int, default=None, help="model, warm-up and episode seeds")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="repeats from seeds seed, seed+1, ... (default 3; 1 with --quick): "
+                   "the RESULT figures are medians over them")
     p.add_argument("--lr", type=float, default=None, help="both trainers' learning rate")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--resources", default="laptop",
@@ -243,15 +258,57 @@ def main(argv=None) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from rollart.env.tasks import get_task
+
+    base = get_task(a.task)
+    t_all = time.time()
+    seeds = [s.seed + k for k in range(a.seeds or (1 if a.quick else 3))]
+    runs: dict = {}
+    threads = 0
+    for seed in seeds:
+        runs[seed], threads = run_seed(replace(s, seed=seed), base, workloads, a)
+    figures = combine([{f"{k}_{w}": v for w in workloads
+                        for k, v in ratios(runs[seed][w], s.target).items()}
+                       for seed in seeds])
+    figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
+               **figures}  # the two headline figures first
+    figures.update({"seeds": "/".join(map(str, seeds)), "steps": s.steps,
+                    "target": s.target, "trl_threads": threads, "resources": a.resources,
+                    "inference_pools": a.inference_pools.replace(",", "+"),
+                    "total_s": round(time.time() - t_all)})
+    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in figures.items()))
+    return {"runs": runs[seeds[0]], "seeds": runs, "result": figures}
+
+
+def combine(per_seed: list[dict]) -> dict:
+    """One figure per key over seeds: the median; for the speedups also each seed's
+    value (``speedup_<workload>_each``, in seed order), since one seed's time to a
+    target is a noisy figure.
+
+    >>> combine([{"speedup_a": 1.0, "x": 2.0}, {"speedup_a": 3.0, "x": 4.0},
+    ...          {"speedup_a": 2.0, "x": 9.0}])
+    {'speedup_a': 2.0, 'x': 4.0, 'speedup_a_each': '1/3/2'}
+    """
+    import statistics
+
+    out = {k: statistics.median(d[k] for d in per_seed) for k in per_seed[0]}
+    if len(per_seed) > 1:
+        out.update({f"{k}_each": "/".join(f"{d[k]:.3g}" for d in per_seed)
+                    for k in per_seed[0] if k.startswith("speedup_")})
+    return out
+
+
+def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
+    """Every runner on every workload from one seed's warmed-up model: TRL first (in a
+    child process, with no Dask workers idling beside it), then rollart sync and async
+    on a fresh cluster. Returns ``({workload: {runner: summary}}, TRL's threads)``."""
     from distributed import Client
 
     import rollart
     from rollart.env.faults import with_faults
-    from rollart.env.tasks import get_task
 
-    base = get_task(a.task)
     out: dict = {w: {} for w in workloads}
-    t_all = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.time()
@@ -266,7 +323,6 @@ def main(argv=None) -> dict:
                 f"{k}={v:.3g}" for k, v in out[w][r].items() if k != "curve")
                 + f" (run {time.time() - t0:.0f}s)", flush=True)
 
-        # TRL first (in a child process), with no Dask workers idling beside it.
         for w in workloads:
             t0 = time.time()
             record(w, "trl", run_trl(model, s, base, faults[w], str(tmp / f"trl-{w}"),
@@ -284,17 +340,10 @@ def main(argv=None) -> dict:
                     rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}",
                                        pools)
                     record(w, r, rows, t0)
-    figures = {}
-    for w in workloads:  # the two headline figures first
-        figures.update({f"{k}_{w}": v for k, v in ratios(out[w], s.target).items()})
-    figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
-               **figures}
-    figures.update({"steps": s.steps, "target": s.target, "trl_threads": threads,
-                    "resources": a.resources, "inference_pools": "+".join(pools),
-                    "total_s": round(time.time() - t_all)})
-    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in figures.items()))
-    return {"runs": out, "result": figures}
+    print(f"seed {s.seed}: " + " ".join(
+        f"speedup_{w}={ratios(out[w], s.target)['speedup']:.3g}" for w in workloads),
+        flush=True)
+    return out, threads
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def test_benchmark_runs_end_to_end(capsys):
     pytest.importorskip("trl", reason="TRL is the bench extra: pip install -e '.[bench]'")
     random.seed(0)
     out = _load("vs_trl").main(["--steps", "2", "--warmup-steps", "10", "--group-size", "2",
-                                "--groups-per-step", "2", "--in-process"])
+                                "--groups-per-step", "2", "--in-process", "--seeds", "1"])
     for workload in ("no_latency", "latency"):
         for runner in ("trl", "sync", "async"):
             run = out["runs"][workload][runner]

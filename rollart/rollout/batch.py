@@ -118,7 +118,7 @@ class _Batch:
                 if row.handoff is None and row.req.cache_key is not None:
                     kv = pd.row_kv(self.cache, j, self.mask[j].bool())
                     prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
-                                 kv, self.engine.version)
+                                 kv, self.engine.version, owned=True)
         done = [self.rows[j] for j in gone]
         self.drop(gone)
         return done

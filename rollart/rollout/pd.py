@@ -90,9 +90,16 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def row_kv(cache, row: int, columns: torch.Tensor) -> torch.Tensor:
-    """Row ``row``'s KV at the boolean ``columns`` as one ``[L, 2, H, T, D]`` tensor."""
-    return torch.stack([torch.stack([k[row][:, columns], v[row][:, columns]])
-                        for k, v in cache_layers(cache)])
+    """Row ``row``'s KV at the boolean ``columns`` as one new ``[L, 2, H, T, D]`` tensor
+    (gathered straight into it: one copy per layer and side)."""
+    layers = cache_layers(cache)
+    idx = columns.nonzero().squeeze(1)
+    k0 = layers[0][0]
+    out = k0.new_empty((len(layers), 2, k0.shape[1], idx.numel(), k0.shape[3]))
+    for i, (k, v) in enumerate(layers):
+        torch.index_select(k[row], 1, idx, out=out[i, 0])
+        torch.index_select(v[row], 1, idx, out=out[i, 1])
+    return out
 
 
 def split_rows(logits, mask, cache, version: int, source: str = "") -> list[KVHandoff]:
@@ -183,10 +190,14 @@ class PrefixCache:
                 self.hits += 1
                 self.hit_tokens += len(hit.tokens)
 
-    def store(self, key: str | None, tokens, kv: torch.Tensor, version: int) -> None:
+    def store(self, key: str | None, tokens, kv: torch.Tensor, version: int,
+              owned: bool = False) -> None:
+        """Keep ``kv`` for ``tokens`` under ``key``; copied unless ``owned`` (the caller
+        made it for the cache alone, as ``row_kv`` does)."""
         if key is None or self.max_entries <= 0 or kv.shape[3] != len(tokens):
             return
-        self._entries[key] = _Prefix(tuple(int(t) for t in tokens), kv.clone(), int(version))
+        self._entries[key] = _Prefix(tuple(tokens), kv if owned else kv.clone(),
+                                     int(version))
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -246,4 +257,5 @@ def remember(prefix: PrefixCache | None, engine, reqs, tokens, mask, width: int,
         cols = mask[i].clone()
         cols[width + len(tokens[i]) - 1:] = 0
         kv = row_kv(cache, i, cols.bool())
-        prefix.store(key, list(req.prompt_ids) + tokens[i][:-1], kv, engine.version)
+        prefix.store(key, list(req.prompt_ids) + tokens[i][:-1], kv, engine.version,
+                     owned=True)

@@ -165,6 +165,23 @@ def test_actor_fifo_stale_and_parquet(client, tmp_path):
     assert steps == {7}
 
 
+def test_actor_get_table_sends_one_arrow_table(client):
+    """The Trainer's pull: the same groups as ``get_batch``, as one Arrow table in
+    ``SCHEMA`` (a group's members became Arrow once, when it completed)."""
+    buf = actor(client, None, key=f"buf-{uuid.uuid4().hex}")
+    trajs = [make("t", i, 2) for i in range(4)] + [make("u", i, 2) for i in range(3)]
+    put_all(buf, trajs)
+    assert buf.stats().result()["arrow_bytes"] > 0  # the open group "u" counted too
+    table = buf.get_table(1, min_version=0, timeout=5, trained_step=3).result()
+    assert isinstance(table, pa.Table) and table.schema.equals(SCHEMA)
+    got = from_table(table)
+    assert [t.traj_id for t in got] == [t.traj_id for t in trajs[:4]]
+    assert got[2].response_ids == trajs[2].response_ids and {t.state for t in got} == {"trained"}
+    assert table.column("trained_step").to_pylist() == [3] * 4
+    assert buf.get_table(0, min_version=0).result().num_rows == 0
+    check_invariant(buf.counts().result())
+
+
 def test_actor_waiting_get_batch_is_woken_by_put(client):
     buf = actor(client, None, key=f"buf-{uuid.uuid4().hex}")
     fut = buf.get_batch(1, min_version=0, timeout=20)

@@ -8,8 +8,8 @@ when the env has ``areset``/``astep``), and the whole episode may have a per-tra
 time-out; an env or reward that raises, hangs or returns the wrong types
 makes that trajectory ``failed`` with the error kept, and nothing else. A timed-out env
 is closed at once from a thread of its own (closing releases a hung call, so its pool
-thread comes back); ``stuck_calls`` counts env calls that timed out and still hold a
-thread. Used by ``EnvManager``.
+thread comes back); ``stuck_calls`` counts env calls and rewards that were given up on
+(timed out) and still hold a thread. Used by ``EnvManager``.
 
 ``TokenLog`` is the one definition of how a conversation becomes token ids (used by the
 warm-up too): observation ids, then each action's generated ids (ending with the stop
@@ -134,7 +134,7 @@ class TrajectoryRunner:
         self.temperature, self.top_p = temperature, top_p
         self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
         self.trajectory_timeout = trajectory_timeout
-        self.stuck_calls = 0  # env calls that timed out and still hold a pool thread
+        self.stuck_calls = 0  # env calls / rewards abandoned (timed out) still on a thread
         self._stuck_lock = threading.Lock()
         self.inference_pools = inference_pools
         self.seed = seed
@@ -350,20 +350,28 @@ class TrajectoryRunner:
 
     async def _score_here(self, reward_fn, episode: Episode, slots: asyncio.Semaphore):
         """Run the reward on a thread of this worker (``get_worker()`` works inside it),
-        at most ``slots`` at once, with the reward time-out. A reward that times out
-        gives its slot back and keeps only its thread (counted in ``stuck_calls``)."""
+        at most ``slots`` at once. The reward time-out counts from the request, waiting
+        for a slot included, as for a Dask task; a reward that times out gives its slot
+        back and keeps only its thread (counted in ``stuck_calls`` until it returns)."""
         self.rewards["here"] += 1
+        try:
+            return await asyncio.wait_for(self._reward_thread(reward_fn, episode, slots),
+                                          self.reward_timeout)
+        except asyncio.TimeoutError:
+            raise StepTimeout(f"reward {reward_fn!r} took longer than reward_timeout="
+                              f"{self.reward_timeout}s") from None
+
+    async def _reward_thread(self, reward_fn, episode: Episode, slots: asyncio.Semaphore):
         async with slots:
             ctx = contextvars.copy_context()
             cfut = self._reward_executor.submit(ctx.run, score_episode, reward_fn, episode)
             try:
-                return await asyncio.wait_for(asyncio.wrap_future(cfut), self.reward_timeout)
-            except asyncio.TimeoutError:
-                if not cfut.cancel():
+                return await asyncio.wrap_future(cfut)
+            except asyncio.CancelledError:  # timed out, or the trajectory was cancelled
+                if not cfut.cancel():  # it runs on: its thread is held until it returns
                     self._stuck(1)
                     cfut.add_done_callback(lambda _: self._stuck(-1))
-                raise StepTimeout(f"reward {reward_fn!r} took longer than reward_timeout="
-                                  f"{self.reward_timeout}s") from None
+                raise
 
 
 async def _result(fut):

@@ -28,6 +28,10 @@ def quiet() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+    try:  # importing distributed configures its loggers (INFO): set the levels after it
+        import distributed  # noqa: F401
+    except ImportError:
+        pass
     for name in ("distributed", "distributed.scheduler", "distributed.worker",
                  "distributed.nanny", "distributed.core", "distributed.http"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -62,7 +62,9 @@ class _Group:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.arrow())
+        """Arrow bytes held; members not yet converted are estimated (the stats that ask
+        every second do not convert them)."""
+        return sum(b.nbytes for b in self.batches) + sum(_arrow_size(t) for t in self.pending)
 
     def add(self, traj: Trajectory) -> None:
         self.pending.append(traj)
@@ -80,6 +82,15 @@ class _Group:
         if len(self.arrow()) > 1:
             table = pa.Table.from_batches(self.batches, schema=SCHEMA).combine_chunks()
             self.batches = table.to_batches() or []
+
+
+def _arrow_size(t: Trajectory) -> int:
+    """About the Arrow bytes of ``t`` in ``SCHEMA``: int32 token columns (+ offsets),
+    int8 mask, float32 log-probs, the strings and the scalars."""
+    n = len(t.prompt_ids) + len(t.response_ids) + len(t.logprobs) + len(t.versions)
+    text = len(t.traj_id) + len(t.task) + len(t.group_id) + len(t.outcome) + len(t.error) \
+        + len(str(getattr(t.state, "value", t.state)))
+    return 4 * n + len(t.loss_mask) + text + 89  # + offsets and fixed-width columns
 
 
 def _restate(batch: pa.RecordBatch, state: str, trained_step: int | None) -> pa.RecordBatch:

@@ -18,87 +18,15 @@ import asyncio
 import logging
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from rollart.buffer.ledger import Ledger
+from rollart.buffer.group import Group, restate
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch, write_parquet
 from rollart.types import Trajectory, TrajState
 
 logger = logging.getLogger(__name__)
-
-_STATE = SCHEMA.get_field_index("state")
-_STEP = SCHEMA.get_field_index("trained_step")
-
-
-@dataclass
-class _Group:
-    """One GRPO group: the non-failed members that arrived, as Arrow.
-
-    Members arrive one at a time; they are kept as records and become Arrow in one
-    batch per group (``arrow()``: when the group completes or must leave earlier), not
-    one single-row batch per arrival (20 ``pa.array`` calls each)."""
-
-    group_id: str
-    size: int
-    arrived: int = 0  # members seen, failed ones included
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # of the buffered members
-    pending: list[Trajectory] = field(default_factory=list)  # not yet in ``batches``
-
-    @property
-    def complete(self) -> bool:
-        return self.arrived >= self.size
-
-    @property
-    def rows(self) -> int:
-        return len(self.versions)
-
-    @property
-    def version(self) -> int | None:
-        """Min version over the buffered (non-failed) members; None when there are none."""
-        return min(self.versions) if self.versions else None
-
-    @property
-    def nbytes(self) -> int:
-        """Arrow bytes held; members not yet converted are estimated (the stats that ask
-        every second do not convert them)."""
-        return sum(b.nbytes for b in self.batches) + sum(_arrow_size(t) for t in self.pending)
-
-    def add(self, traj: Trajectory) -> None:
-        self.pending.append(traj)
-        self.versions.append(traj.version)
-
-    def arrow(self) -> list[pa.RecordBatch]:
-        """The buffered members as Arrow batches (pending ones converted now)."""
-        if self.pending:
-            self.batches.append(to_record_batch(self.pending))
-            self.pending = []
-        return self.batches
-
-    def compact(self) -> None:
-        """The members of a complete group as one batch."""
-        if len(self.arrow()) > 1:
-            table = pa.Table.from_batches(self.batches, schema=SCHEMA).combine_chunks()
-            self.batches = table.to_batches() or []
-
-
-def _arrow_size(t: Trajectory) -> int:
-    """About the Arrow bytes of ``t`` in ``SCHEMA``: int32 token columns (+ offsets),
-    int8 mask, float32 log-probs, the strings and the scalars."""
-    n = len(t.prompt_ids) + len(t.response_ids) + len(t.logprobs) + len(t.versions)
-    text = len(t.traj_id) + len(t.task) + len(t.group_id) + len(t.outcome) + len(t.error) \
-        + len(str(getattr(t.state, "value", t.state)))
-    return 4 * n + len(t.loss_mask) + text + 89  # + offsets and fixed-width columns
-
-
-def _restate(batch: pa.RecordBatch, state: str, trained_step: int | None) -> pa.RecordBatch:
-    """The batch with ``state`` and ``trained_step`` set on every row."""
-    n = batch.num_rows
-    batch = batch.set_column(_STATE, SCHEMA.field(_STATE), pa.array([state] * n, pa.string()))
-    return batch.set_column(_STEP, SCHEMA.field(_STEP), pa.array([trained_step] * n, pa.int32()))
-
 
 def _is_failed(traj: Trajectory) -> bool:
     failed = TrajState.FAILED.value
@@ -114,8 +42,8 @@ class SampleBuffer:
     def __init__(self, run_dir: str | None = None, *, flush_every: int = 256):
         self.run_dir = str(run_dir).rstrip("/") if run_dir is not None else None
         self.flush_every = max(1, int(flush_every))
-        self._open: dict[str, _Group] = {}  # incomplete groups
-        self._complete: OrderedDict[str, _Group] = OrderedDict()  # FIFO by completion
+        self._open: dict[str, Group] = {}  # incomplete groups
+        self._complete: OrderedDict[str, Group] = OrderedDict()  # FIFO by completion
         self._closed: set[str] = set()  # groups that left; late members are dropped
         self._counts = dict(received=0, trained=0, dropped=0, failed=0)
         # failed arrivals since the last good one, and what the latest ones said (a run
@@ -146,7 +74,7 @@ class SampleBuffer:
     def _leave(self, batches: list[pa.RecordBatch], state: TrajState, step: int | None = None):
         """Count rows that leave the buffer and queue them for Parquet."""
         key = {TrajState.TRAINED: "trained", TrajState.FAILED: "failed"}.get(state, "dropped")
-        out = [_restate(b, state.value, step) for b in batches if b.num_rows]
+        out = [restate(b, state.value, step) for b in batches if b.num_rows]
         for b in out:
             for traj_id in b.column("traj_id").to_pylist():
                 self.ledger.move(traj_id, state.value)
@@ -157,7 +85,7 @@ class SampleBuffer:
             self._pending_rows += rows
         return out
 
-    def _close_group(self, group: _Group) -> None:
+    def _close_group(self, group: Group) -> None:
         self._open.pop(group.group_id, None)
         self._complete.pop(group.group_id, None)
         self._closed.add(group.group_id)
@@ -174,7 +102,7 @@ class SampleBuffer:
             state = TrajState.FAILED if failed else TrajState.DROPPED
             self._leave([to_record_batch([traj])], state)
             return False
-        group = self._open.setdefault(gid, _Group(gid, max(1, int(group_size))))
+        group = self._open.setdefault(gid, Group(gid, max(1, int(group_size))))
         group.arrived += 1
         self._note(traj, failed)
         if failed:
@@ -493,7 +421,7 @@ class SampleBuffer:
             for info in meta["groups"]:
                 idx = rows_by_group.get(info["id"], [])
                 part = table.take(idx).combine_chunks()
-                group = _Group(info["id"], info["size"], arrived=info["arrived"],
+                group = Group(info["id"], info["size"], arrived=info["arrived"],
                                batches=part.to_batches(),
                                versions=part.column("version").to_pylist())
                 for traj_id in part.column("traj_id").to_pylist():

@@ -265,11 +265,14 @@ def main(argv=None) -> dict:
     seeds = [s.seed + k for k in range(a.seeds or (1 if a.quick else 3))]
     runs: dict = {}
     threads = 0
+    per_seed = []
     for seed in seeds:
         runs[seed], threads = run_seed(replace(s, seed=seed), base, workloads, a)
-    figures = combine([{f"{k}_{w}": v for w in workloads
-                        for k, v in ratios(runs[seed][w], s.target).items()}
-                       for seed in seeds])
+        per_seed.append({f"{k}_{w}": v for w in workloads
+                         for k, v in ratios(runs[seed][w], s.target).items()})
+        print(f"seed {seed}: " + " ".join(f"speedup_{w}={per_seed[-1][f'speedup_{w}']:.3g}"
+                                          for w in workloads), flush=True)
+    figures = combine(per_seed)
     figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
                **figures}  # the two headline figures first
     figures.update({"seeds": "/".join(map(str, seeds)), "steps": s.steps,
@@ -340,9 +343,6 @@ def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
                     rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}",
                                        pools)
                     record(w, r, rows, t0)
-    print(f"seed {s.seed}: " + " ".join(
-        f"speedup_{w}={ratios(out[w], s.target)['speedup']:.3g}" for w in workloads),
-        flush=True)
     return out, threads
 
 

@@ -254,7 +254,7 @@ class Monitor:
         for s, ls in ms:
             for k, v in s.get("states", {}).items():
                 running[k] = running.get(k, 0) + v
-            lat += ls.tolist() if hasattr(ls, "tolist") else list(ls)  # an array per manager
+            lat += ls.tolist()  # one float64 array per manager
         lat.sort()
         states = {k: running.get(k, 0) for k in ("generating", "in_env", "scoring")}
         states.update({k: buf.get(k, 0) for k in TRAJ_STATES[3:]})

@@ -223,6 +223,15 @@ class TrajectoryRunner:
         with self._stuck_lock:
             self.stuck_calls += delta
 
+    def _held(self, cfut) -> bool:
+        """A call given up on: cancel it, or, when it already runs, count its thread in
+        ``stuck_calls`` until it returns. True when it runs on."""
+        if cfut.cancel():
+            return False
+        self._stuck(1)
+        cfut.add_done_callback(lambda _: self._stuck(-1))
+        return True
+
     async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
         log.add_observation(encode(self.tokenizer, obs))
         ep.observations.append(obs)
@@ -277,9 +286,7 @@ class TrajectoryRunner:
             return await asyncio.wait_for(coro, self.env_step_timeout)
         except asyncio.TimeoutError:
             name = getattr(fn, "__qualname__", "env")
-            if cfut is not None and not cfut.cancel():  # it runs on: a thread is held
-                self._stuck(1)
-                cfut.add_done_callback(lambda _: self._stuck(-1))
+            if cfut is not None and self._held(cfut):
                 logger.warning("%s timed out and still holds an env thread until it "
                                "returns (closing the env should release it)", name)
             raise StepTimeout(f"{name} took longer than env_step_timeout="
@@ -368,9 +375,7 @@ class TrajectoryRunner:
             try:
                 return await asyncio.wrap_future(cfut)
             except asyncio.CancelledError:  # timed out, or the trajectory was cancelled
-                if not cfut.cancel():  # it runs on: its thread is held until it returns
-                    self._stuck(1)
-                    cfut.add_done_callback(lambda _: self._stuck(-1))
+                self._held(cfut)
                 raise
 
 

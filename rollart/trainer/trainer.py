@@ -107,7 +107,7 @@ class Trainer:
         min_version = self.version - self.algo.alpha
         table = await buffer.get_table(self.algo.groups_per_step, min_version,
                                        timeout=timeout, trained_step=step)
-        batch = from_table(table)
+        batch = await self._run(from_table, table)  # off the event loop, as compute is
         waited = time.perf_counter() - t0
         self.waited_seconds += waited
         metrics = await self._run(self._update, batch)

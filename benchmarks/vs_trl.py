@@ -17,10 +17,11 @@ Two workloads, each run by TRL, rollart ``sync`` and rollart ``async`` back to b
   tools do: lognormal with a 20 ms median and σ = 1.2 (mean 41 ms, p99 ≈ 0.33 s;
   ``rollart.env.faults.Latency``), drawn the same way for both trainers.
 
-Per run it prints the wall time to a target reward (smoothed over 5 steps, from the
-first full window at step 5; counted from the first trainer step; set-up excluded for
-both), best and final reward (mean of the last 5 steps), generated tokens/s,
-trajectories/s and wall time; then one line
+Runs are 80 trainer steps without latency and 25 with it (``Settings``). Per run it
+prints the wall time to a target reward (smoothed over 5 steps, from the first full
+window at step 5; counted from the first trainer step; set-up excluded for both), best
+and final reward (mean of the last 5 steps), generated tokens/s, trajectories/s and wall
+time; then one line
 
     RESULT speedup_no_latency=… speedup_latency=… …
 
@@ -61,10 +62,22 @@ WINDOW = 5  # steps in the smoothed reward
 
 @dataclass(frozen=True)
 class Settings:
-    """What both trainers share. ``redundancy`` is rollart async's, latency workload only
-    (redundant members mask stragglers; without latency they would only cost compute)."""
+    """What both trainers share.
 
-    steps: int = 25
+    ``steps`` per run without latency, ``latency_steps`` with it: TRL's latency runs
+    cost over 10× its runs without (its env steps wait one after another), and 25 steps
+    there already separate the trainers by an order of magnitude, while without latency
+    the runs must be long enough for the reward to climb well past its noise (32
+    episodes a step) before a time to a target means anything.
+
+    ``redundancy`` is rollart async's, latency workload only, off by default: redundant
+    members are cancelled once the first ``group_size`` finish, and in gridnav the first
+    to finish are the successful episodes (they end in fewer turns, so wait fewer
+    delays): the trained batch's mean reward would then overstate the policy's and not
+    compare with TRL's. ``--redundancy 1.5`` shows it anyway."""
+
+    steps: int = 80
+    latency_steps: int = 25
     group_size: int = 8
     groups_per_step: int = 4
     lr: float = 5e-4
@@ -73,11 +86,15 @@ class Settings:
     seed: int = 0
     warmup_steps: int = 200
     target: float = 0.5
-    redundancy: float = 1.5
+    redundancy: float = 1.0
 
     @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
+
+    def workload(self, name: str) -> "Settings":
+        """These settings with ``steps`` the workload's own."""
+        return replace(self, steps=self.latency_steps) if name == "latency" else self
 
 
 def latency_faults(seed: int = 0):
@@ -223,7 +240,13 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="one seed, 10 steps: about 3 minutes on 2 cores")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps per run")
+    p.add_argument("--steps", type=int, default=None,
+                   help="trainer steps per run (both workloads; default 80 without latency)")
+    p.add_argument("--latency-steps", type=int, default=None,
+                   help="trainer steps per run with latency (default 25, or --steps)")
+    p.add_argument("--redundancy", type=float, default=None,
+                   help="rollart async's redundant members per group, latency workload "
+                   "(default 1: none; see Settings)")
     p.add_argument("--target", type=float, default=None, help="smoothed reward to reach")
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--group-size", type=int, default=None)
@@ -245,10 +268,11 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     s = Settings()
     if a.quick:
-        s = replace(s, steps=10, warmup_steps=100)
-    given = {"steps": a.steps, "target": a.target, "warmup_steps": a.warmup_steps,
+        s = replace(s, steps=10, latency_steps=10, warmup_steps=100)
+    given = {"steps": a.steps, "latency_steps": a.latency_steps or a.steps,
+             "target": a.target, "warmup_steps": a.warmup_steps,
              "group_size": a.group_size, "groups_per_step": a.groups_per_step, "seed": a.seed,
-             "lr": a.lr}
+             "lr": a.lr, "redundancy": a.redundancy}
     s = replace(s, **{k: v for k, v in given.items() if v is not None})
     workloads = [w for w in a.workloads.split(",") if w]
 
@@ -275,7 +299,9 @@ def main(argv=None) -> dict:
     figures = combine(per_seed)
     figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
                **figures}  # the two headline figures first
-    figures.update({"seeds": "/".join(map(str, seeds)), "steps": s.steps,
+    figures.update({"seeds": "/".join(map(str, seeds)),
+                    **{f"steps_{w}": s.workload(w).steps for w in workloads},
+                    "redundancy": s.redundancy,
                     "target": s.target, "trl_threads": threads, "resources": a.resources,
                     "inference_pools": a.inference_pools.replace(",", "+"),
                     "total_s": round(time.time() - t_all)})
@@ -328,8 +354,8 @@ def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
 
         for w in workloads:
             t0 = time.time()
-            record(w, "trl", run_trl(model, s, base, faults[w], str(tmp / f"trl-{w}"),
-                                     threads), t0)
+            record(w, "trl", run_trl(model, s.workload(w), base, faults[w],
+                                     str(tmp / f"trl-{w}"), threads), t0)
         res = rollart.load_resources(a.resources)
         pools = tuple(t for t in a.inference_pools.split(",") if t)
         if a.in_process:
@@ -340,8 +366,8 @@ def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
                 for r in ("sync", "async"):
                     t0 = time.time()
                     red = s.redundancy if (r == "async" and faults[w]) else 1.0
-                    rows = run_rollart(client, model, s, task, r, red, tmp / f"{r}-{w}",
-                                       pools)
+                    rows = run_rollart(client, model, s.workload(w), task, r, red,
+                                       tmp / f"{r}-{w}", pools)
                     record(w, r, rows, t0)
     return out, threads
 

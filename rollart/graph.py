@@ -107,7 +107,8 @@ class GRPO:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     alpha: int = 1  # staleness bound: train on trajectories ≤ alpha versions old
-    off_policy: str = "decoupled"  # "decoupled" | "tis" | "ppo" (rollart.trainer.losses)
+    # staleness correction, "ppo" | "decoupled" | "tis" (rollart.trainer.losses: why "ppo")
+    off_policy: str = "ppo"
     is_cap: float = 2.0  # truncation of the behaviour importance weight
     # the trainer cuts a batch, sorted by length, into micro-batches of at most this many
     # padded tokens (gradients accumulate; the loss is the same token mean): less

@@ -55,6 +55,21 @@ def test_loss_clips_large_ratios_and_pushes_the_right_way():
     assert logp2.grad.item() < 0  # positive advantage raises the token's log-prob
 
 
+def test_default_correction_stops_pushing_a_stale_token_that_already_rose():
+    """The default (``GRPO().off_policy`` and ``grpo_loss``'s) is "ppo": a good token whose
+    probability rose past 1 + ε since it was generated gets no further push, where
+    "decoupled" (one optimizer step a batch: its own ratio is 1) pushes it twice as hard."""
+    assert GRPO().off_policy == "ppo"
+    behaviour, adv, mask = torch.tensor([[-1.0]]), torch.tensor([1.0]), torch.ones(1, 1)
+    grads = {}
+    for mode in (None, "decoupled"):
+        logp = torch.zeros(1, 1, requires_grad=True)  # π/μ = e
+        kw = {} if mode is None else {"off_policy": mode}
+        grpo_loss(logp, behaviour, adv, mask, **kw)[0].backward()
+        grads[mode] = logp.grad.item()
+    assert grads[None] == 0 and grads["decoupled"] == pytest.approx(-2.0)
+
+
 @pytest.mark.parametrize("mode", ["decoupled", "tis"])
 def test_stale_tokens_keep_a_truncated_importance_weighted_gradient(mode):
     # behaviour policy gave the token prob e^-1, the current policy gives it e^0:

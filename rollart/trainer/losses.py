@@ -7,7 +7,15 @@ Called by ``Trainer.train_step``.
 Trajectories may be up to ``alpha`` versions old, so the policy that generated a token
 (behaviour, μ) differs from the one being trained (π). Three corrections:
 
-``"decoupled"`` (default; decoupled PPO as in AReaL)
+``"ppo"`` (default)
+    The clipped ratio against the behaviour policy, ``r = π / μ``::
+
+        loss = -min(r·A, clip(r, 1±ε)·A)
+
+    A token whose probability has already moved past ``1±ε`` of μ in its advantage's
+    direction (by the updates since it was generated) gets no further push: the clip is
+    a trust region around the policy that produced the data.
+``"decoupled"`` (decoupled PPO as in AReaL)
     The clipping anchor is the *proximal* policy π_prox — the trainer's weights before
     this update — and the off-policy gap is an importance weight ``w = π_prox / μ``,
     truncated at ``is_cap``::
@@ -17,8 +25,15 @@ Trajectories may be up to ``alpha`` versions old, so the policy that generated a
     Staleness then scales a token's gradient instead of clipping it away.
 ``"tis"`` (truncated importance sampling)
     A policy gradient weighted by ``min(π/μ, is_cap)`` (no clipping).
-``"ppo"``
-    The plain clipped ratio against the behaviour policy, ``r = π / μ``.
+
+Why ``"ppo"`` is the default: the ``Trainer`` takes one optimizer step per batch, so
+π = π_prox at that step, the decoupled ratio is exactly 1 and its clip never binds:
+``"decoupled"`` reduces to ``"tis"``, a policy gradient with *no* trust region, whose
+weight ``π_prox/μ`` grows for the tokens whose probability already rose. On one-step-stale
+data that feedback drove gridnav without KL (``benchmarks/vs_trl.py``'s setting, 80
+steps, three seeds) to collapse in two seeds of three; ``"ppo"`` learned as well as
+on-policy training there. On fresh data (``sync``, ``alpha = 0``) μ = π and all three
+give the same gradient.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps: float = 0.2,
-              ref_logp=None, kl_coef: float = 0.0, off_policy: str = "decoupled",
+              ref_logp=None, kl_coef: float = 0.0, off_policy: str = "ppo",
               is_cap: float = 2.0, prox_logp=None):
     """Token-mean policy loss; see the module docstring for the three corrections.
 

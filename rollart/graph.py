@@ -18,7 +18,8 @@ from rollart.affinity import needs as affinity_needs
 from rollart.env.tasks import get_task
 from rollart.resources import _find_file, _load_module
 from rollart.rollout.base import ENGINES
-from rollart.types import CPU_ENV, INFERENCE_TAGS, OFF_POLICY, REWARD, TRAIN
+from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLICY, REWARD,
+                           TRAIN)
 
 DEFAULT_GRAPH = "multitask"
 MODES = ("async", "one-off", "sync")  # see rollart.pipeline
@@ -107,8 +108,7 @@ class GRPO:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     alpha: int = 1  # staleness bound: train on trajectories ≤ alpha versions old
-    # staleness correction, "ppo" | "decoupled" | "tis" (rollart.trainer.losses: why "ppo")
-    off_policy: str = "ppo"
+    off_policy: str = DEFAULT_OFF_POLICY  # staleness correction, one of OFF_POLICY
     is_cap: float = 2.0  # truncation of the behaviour importance weight
     # the trainer cuts a batch, sorted by length, into micro-batches of at most this many
     # padded tokens (gradients accumulate; the loss is the same token mean): less

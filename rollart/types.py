@@ -27,8 +27,9 @@ TRAIN = "TRAIN"  #: the trainer
 INFERENCE_TAGS = (H800, H20)
 ALL_TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN)
 
-#: off-policy corrections of the policy loss (see ``rollart.trainer.losses``)
+#: off-policy corrections of the policy loss (see ``rollart.trainer.losses``: why the default)
 OFF_POLICY = ("decoupled", "tis", "ppo")
+DEFAULT_OFF_POLICY = "ppo"
 
 
 class TrajState(str, enum.Enum):

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from rollart.types import OFF_POLICY
+from rollart.types import DEFAULT_OFF_POLICY, OFF_POLICY
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -50,7 +50,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps: float = 0.2,
-              ref_logp=None, kl_coef: float = 0.0, off_policy: str = "ppo",
+              ref_logp=None, kl_coef: float = 0.0, off_policy: str = DEFAULT_OFF_POLICY,
               is_cap: float = 2.0, prox_logp=None):
     """Token-mean policy loss; see the module docstring for the three corrections.
 

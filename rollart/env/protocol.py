@@ -4,6 +4,8 @@ An ``Env`` is a multi-turn text environment: ``reset(seed) -> observation`` then
 ``step(action) -> StepResult`` until ``done``. The env manager (rollout stage) calls
 ``check_observation`` / ``check_step_result`` on everything an env returns, so a buggy
 user env fails with an ``EnvOutputError`` that says exactly which field is wrong.
+An env may also offer tools (``ToolEnv``: ``tools`` + ``call_tool``; the section at the
+end); ``env_tools`` / ``check_tool_result`` check those for the runner's tool turn.
 """
 
 from __future__ import annotations
@@ -107,3 +109,56 @@ def check_step_result(obj: object, env: object | str | None = None) -> StepResul
     if not isinstance(obj.info, dict):
         raise EnvOutputError(f"{where} info is {type(obj.info).__name__}; expected dict")
     return StepResult(obj.observation, reward, bool(done), obj.info)
+
+
+# -- tools ------------------------------------------------------------------------------
+# An env may offer tools to a chat model. It declares them in ``tools`` (OpenAI-style
+# dicts: ``{"type": "function", "function": {"name", "description", "parameters"}}``,
+# ``parameters`` a JSON schema; they reach the chat template as ``tools=``) and runs one
+# in ``call_tool(name, arguments) -> str``. The trajectory runner parses the model's tool
+# calls (``rollart.env.tools``), checks them against ``tools``, calls ``call_tool`` and
+# returns its text (or the error of a malformed call, unknown tool or bad arguments) as a
+# ``tool`` message; ``step(action)`` then only receives the final, non-tool answer.
+
+
+@runtime_checkable
+class ToolEnv(Env, Protocol):
+    """An ``Env`` that also offers tools: ``tools`` and ``call_tool``."""
+
+    tools: list
+
+    def call_tool(self, name: str, arguments: dict) -> str: ...
+
+
+def env_tools(env: object) -> list[dict]:
+    """The tools ``env`` declares (``[]`` if none), checked: ``EnvOutputError`` says
+    which entry is malformed, or that ``call_tool`` is missing."""
+    tools = getattr(env, "tools", None)
+    if tools is None or (isinstance(tools, (list, tuple)) and not tools):
+        return []
+    name = _env_name(env)
+    if not isinstance(tools, (list, tuple)):
+        raise EnvOutputError(f"env {name}.tools is {type(tools).__name__}; expected a list "
+                             "of OpenAI-style tool dicts")
+    if not callable(getattr(env, "call_tool", None)):
+        raise EnvOutputError(f"env {name} declares tools but has no call_tool(name, "
+                             "arguments) -> str method")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]
+                and isinstance(fn.get("parameters", {}), dict)):
+            raise EnvOutputError(
+                f"env {name}.tools[{i}] is not a tool declaration; expected "
+                '{"type": "function", "function": {"name": str, "description": str, '
+                '"parameters": <JSON schema dict>}}')
+    return [dict(t) for t in tools]
+
+
+def check_tool_result(obj: object, env: object | str | None = None,
+                      tool: str = "") -> str:
+    """Return ``obj`` if it is the ``str`` a ``call_tool`` must return, else raise
+    ``EnvOutputError``."""
+    if not isinstance(obj, str):
+        raise EnvOutputError(f"env {_env_name(env)}.call_tool({tool!r}) returned "
+                             f"{type(obj).__name__}; expected a str result")
+    return obj

@@ -218,12 +218,13 @@ class SampledVocabulary:
 def make_task(name: str, env_factory, *, max_turns: int, warmup_action, max_new_tokens: int,
               reward_fn=env_return, vocabulary=None, description: str = "",
               vocab_seeds=range(16), extra_words: Iterable[str] = (),
-              top_p: float | None = None) -> Task:
+              top_p: float | None = None, **task_fields) -> Task:
     """A ``Task`` for an adapter env; its vocabulary is sampled from random episodes
-    unless given. ``reward_fn`` defaults to the sum of the env's own per-step rewards."""
+    unless given. ``reward_fn`` defaults to the sum of the env's own per-step rewards.
+    Other ``Task`` fields (e.g. ``system_prompt``, ``stop``) pass through ``task_fields``."""
     if vocabulary is None:
         vocabulary = SampledVocabulary(env_factory, warmup_action, max_turns, vocab_seeds,
                                        extra_words)
     return Task(name=name, env_factory=env_factory, reward_fn=reward_fn, max_turns=max_turns,
                 max_new_tokens=max_new_tokens, warmup_action=warmup_action,
-                vocabulary=vocabulary, description=description, top_p=top_p)
+                vocabulary=vocabulary, description=description, top_p=top_p, **task_fields)

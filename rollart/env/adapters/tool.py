@@ -8,11 +8,20 @@ time-out; it returns ``ToolResult(ok, output)`` with stdout (or the error's last
 truncated. A lone expression's value is printed, like a REPL.
 
 ``CalcToolEnv`` is a task for it: ``calc : what is 7 * 8 ? use python or answer . act :``.
-The model replies ``python <code>`` (the tool runs; its result is the next observation,
-``tool : 56 . act :``, with ``info["role"] = "tool"``) or ``answer <number>`` (ends the
-episode; success when right). Anything else is invalid (``INVALID_PENALTY``). Tool
-output reaches the model only as an observation, and the ``TokenLog`` masks every
-observation token out of the loss, so tool tokens never get gradient.
+It declares one tool, ``python`` (``{"code": string}``; ``rollart.env.protocol.ToolEnv``),
+so in chat mode the trajectory runner parses the model's ``<tool_call>`` blocks, runs
+``call_tool("python", {"code": ...})`` and returns the result as a ``tool`` message;
+``step`` then gets the final answer, ``answer <number>`` or a bare number (ends the
+episode; success when right). In raw mode (no runner tool turn) ``step`` runs a tool call
+itself: a ``<tool_call>`` block or the short text form ``python <code>`` gives the
+observation ``tool : 56 . act :`` with ``info["role"] = "tool"``. Anything else, and a
+malformed or unknown call, is invalid (``INVALID_PENALTY``). Tool output reaches the
+model only as an observation or ``tool`` message, both masked out of the loss.
+
+``calc_tool_task(tool_format=...)`` picks what the format warm-up teaches:
+``"hermes"`` (tool calls as ``<tool_call>{"name": "python", ...}</tool_call>``, for chat
+models and the chat toy) or ``"text"`` (``python <code>``, a few words: the word-level
+toy in raw mode; the default, as the ``calc`` name and ``graphs/ecosystem.py`` use it).
 """
 
 from __future__ import annotations
@@ -27,6 +36,15 @@ from dataclasses import dataclass
 from functools import partial
 
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
+from rollart.env.tools import (
+    ToolCall,
+    ToolError,
+    check_call,
+    format_tool_call,
+    has_tool_call,
+    parse_tool_calls,
+    python_tool,
+)
 
 
 @dataclass(frozen=True)
@@ -94,10 +112,12 @@ def run_python(code: str, limits: ToolLimits = ToolLimits()) -> ToolResult:
 
 
 OPS = ("+", "-", "*")
+TOOL_FORMATS = ("hermes", "text")
 
 
 class CalcToolEnv(AdapterEnv):
-    """Arithmetic with a Python tool: ``python <code>`` or ``answer <number>``."""
+    """Arithmetic with a Python tool (``tools`` / ``call_tool``); final answers go
+    through ``step``."""
 
     _live = ()
 
@@ -108,6 +128,19 @@ class CalcToolEnv(AdapterEnv):
         self._question, self._answer = "", 0
         self.tool_calls = 0
 
+    @property
+    def tools(self) -> list[dict]:
+        return [python_tool()]
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        """Run one checked call; a bad call's error comes back as the result text."""
+        call = check_call(ToolCall(name, arguments), self.tools)
+        if isinstance(call, ToolError):
+            return f"error : {call.message}"
+        self.tool_calls += 1
+        result = run_python(call.arguments["code"], self.limits)
+        return (result.output or "no output") if result.ok else f"error {result.output}"
+
     def _reset(self, seed: int) -> str:
         rng = random.Random(seed)
         a, b, op = rng.randint(1, 9), rng.randint(1, 9), rng.choice(OPS)
@@ -117,38 +150,83 @@ class CalcToolEnv(AdapterEnv):
     def _step(self, action: str):
         words = action.strip().split()
         head = words[0].lower() if words else ""
+        if has_tool_call(action):  # raw mode: nobody ran the call before step
+            return self._tool_turn(parse_tool_calls(action))
         if head == "python" and len(words) > 1:
-            self.tool_calls += 1
-            result = run_python(" ".join(words[1:]), self.limits)
-            status = "" if result.ok else "error "
-            obs = f"tool : {status}{result.output or 'no output'} . act :"
-            return obs, 0.0, False, {"role": "tool", "tool_ok": result.ok}
-        if head == "answer" and len(words) > 1:
-            try:
-                right = int(words[1]) == self._answer
-            except ValueError:
-                right = False
+            return self._tool_turn([ToolCall("python", {"code": " ".join(words[1:])})])
+        number = words[1] if head == "answer" and len(words) > 1 else (
+            words[0] if len(words) == 1 and _is_int(words[0]) else None)
+        if number is not None:
+            right = _is_int(number) and int(number) == self._answer
             obs = f"{self.name} : {'success' if right else 'failure'} ."
             return obs, (1.0 if right else 0.0), True, {"success": right}
         return (f"invalid . {self.name} : what is {self._question} ? use python or answer . "
                 "act :", -INVALID_PENALTY, False, {"invalid": True})
 
+    def _tool_turn(self, calls):
+        checked = [check_call(c, self.tools) for c in calls]
+        bad = [c.message for c in checked if isinstance(c, ToolError)]
+        if bad:
+            return (f"tool : error : {bad[0]} . act :", -INVALID_PENALTY, False,
+                    {"role": "tool", "invalid": True, "tool_ok": False})
+        outputs = [self.call_tool(c.name, c.arguments) for c in checked]
+        ok = not any(o.startswith("error") for o in outputs)
+        return (f"tool : {' ; '.join(outputs)} . act :", 0.0, False,
+                {"role": "tool", "tool_ok": ok})
+
+
+def _is_int(word: str) -> bool:
+    return word.lstrip("-").isdigit()
+
+
+def _question(observation: str) -> str | None:
+    words = observation.split()
+    if "what" not in words:
+        return None
+    i = words.index("what")
+    return " ".join(words[i + 2:i + 5])
+
 
 def calc_warmup_action(rng: random.Random, observation: str) -> str:
-    """A well-formed random move: the question as a tool call, or a random answer."""
-    words = observation.split()
-    if "what" in words and rng.random() < 0.5:
-        i = words.index("what")
-        return "python " + " ".join(words[i + 2:i + 5])
+    """A well-formed random move: the question as a ``python <code>`` call, or a random
+    answer (the ``"text"`` tool format)."""
+    question = _question(observation)
+    if question and rng.random() < 0.5:
+        return "python " + question
+    return f"answer {rng.randint(-8, 81)}"
+
+
+def calc_hermes_warmup_action(rng: random.Random, observation: str) -> str:
+    """A well-formed random move in the chat templates' format: the question as a
+    ``<tool_call>`` to the python tool, or a random answer.
+
+    >>> calc_hermes_warmup_action(random.Random(1), "calc : what is 3 * 4 ? use python")
+    '<tool_call>\\n{"name": "python", "arguments": {"code": "3 * 4"}}\\n</tool_call>'
+    """
+    question = _question(observation)
+    if question and rng.random() < 0.5:
+        return format_tool_call("python", {"code": question})
     return f"answer {rng.randint(-8, 81)}"
 
 
 def calc_tool_task(name: str = "calc", max_turns: int = 3, limits: ToolLimits = ToolLimits(),
-                   top_p: float | None = None):
-    """The tool-use arithmetic task (reward: the env's return, minus invalid moves)."""
+                   top_p: float | None = None, tool_format: str = "text",
+                   max_new_tokens: int | None = None, **task_fields):
+    """The tool-use arithmetic task (reward: the env's return, minus invalid moves).
+
+    ``tool_format`` picks the warm-up's call syntax (module docstring); the env accepts
+    both. ``max_new_tokens`` defaults to what that syntax needs (5 or 48)."""
+    if tool_format not in TOOL_FORMATS:
+        raise ValueError(f"calc_tool_task: tool_format must be one of {TOOL_FORMATS}, got "
+                         f"{tool_format!r}; use 'hermes' for chat models, 'text' for the "
+                         "word-level toy")
     factory = partial(CalcToolEnv, max_turns=max_turns, limits=limits, name=name)
+    hermes = tool_format == "hermes"
     words = ["tool", "error", "no", "output", "python", "answer", "what", "is", "?", "use",
              "or", *OPS, *(str(n) for n in range(-8, 82))]
-    return make_task(name, factory, max_turns=max_turns, warmup_action=calc_warmup_action,
-                     max_new_tokens=5, extra_words=words, vocab_seeds=range(4),
-                     description="arithmetic with a sandboxed Python tool", top_p=top_p)
+    return make_task(name, factory, max_turns=max_turns,
+                     warmup_action=calc_hermes_warmup_action if hermes else calc_warmup_action,
+                     max_new_tokens=max_new_tokens or (48 if hermes else 5),
+                     extra_words=words, vocab_seeds=range(4),
+                     description="arithmetic with a sandboxed Python tool", top_p=top_p,
+                     **task_fields)

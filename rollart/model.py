@@ -1,23 +1,41 @@
-"""The built-in tiny model and loading of Hugging Face model folders.
+"""The built-in tiny models and loading of Hugging Face model folders.
 
-Consumes a text corpus (to build a word-level tokenizer + tiny Qwen2) or a model folder
-on disk; produces a folder written with ``save_pretrained`` and loaded ``(tokenizer,
-model)`` pairs. Called by examples/tests to make a model offline, and by
-``rollart.rollout.engine`` and the trainer to load one. ``check_model_folder`` turns a
-half-downloaded or mistyped folder into a clear ``ModelFolderError``.
+Consumes a text corpus and produces a model folder written with ``save_pretrained``:
+``build_tiny_model(path, corpus)`` — a word-level tokenizer + tiny Qwen2 (raw
+conversations; every word of the corpus is a token) — or ``build_tiny_model(path,
+corpus, chat=True)`` — the chat toy: a byte-level BPE tokenizer trained on the corpus
+(``rollart.env.corpus.chat_corpus``), ChatML special tokens, a Qwen2.5-style chat
+template with tools, ``generation_config.json`` stopping on the end-of-turn token. Loads
+``(tokenizer, model)`` from any folder (``load_tokenizer``: the folder's own tokenizer,
+BPE or SentencePiece; ``load_model`` in ``default_dtype`` of the device: bf16 where
+supported, fp32 on CPU). Called by examples/tests/``rollart.control`` to make a model
+offline, and by ``rollart.rollout.engine`` and the trainer to load one.
+``check_model_folder`` turns a half-downloaded or mistyped folder, or one without an
+eos/end-of-turn token, into a clear ``ModelFolderError``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterable
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -68,19 +86,110 @@ def decode(tokenizer, ids: Iterable[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+# -- chat toy tokenizer ---------------------------------------------------------------
+#: ChatML specials (ids 0, 1, 2): end of text (pad), start and end of a turn (eos)
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: tool-call tags: added tokens, not special, so decoded text keeps them for the parser
+CHAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds exactly this
+# pipeline when AutoTokenizer loads the folder, so ids survive that reload)
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user "
+                  "query.\n\nYou are provided with function signatures within "
+                  "<tools></tools> XML tags:\n<tools>")
+TOOLS_SUFFIX = ("\n</tools>\n\nFor each function call, return a json object with function "
+                "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+# Our ChatML template, structured like Qwen2.5's: tools listed in the system message,
+# assistant tool_calls rendered as <tool_call> blocks, consecutive tool messages grouped
+# into one user turn of <tool_response> blocks. No default system prompt.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(start=0) %}"
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\\n\\n' }}{%- set ns.start = 1 %}{%- endif %}"
+    "{{- " + json.dumps(TOOLS_PREAMBLE) + " }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- " + json.dumps(TOOLS_SUFFIX) + " + '<|im_end|>\\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- set ns.start = 1 %}{%- endif %}"
+    "{%- for message in messages[ns.start:] %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{- call.arguments }}"
+    "{%- else %}{{- call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+#: text the template adds around messages: in the BPE corpus so its merges cover it
+TEMPLATE_TEXT = ("system\n", "user\n", "assistant\n", TOOLS_PREAMBLE, TOOLS_SUFFIX,
+                 "\n<tool_response>\n", "\n</tool_response>", '\n<tool_call>\n{"name": "')
+
+
+def build_chat_tokenizer(corpus: Iterable[str], vocab_size: int = 1024
+                         ) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``corpus`` (Qwen2's pre-tokenizer: every
+    byte is representable, digits are single tokens) with ``CHAT_SPECIALS``,
+    ``CHAT_TAGS`` and ``CHAT_TEMPLATE``; ``eos`` is ``<|im_end|>``."""
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials + merges), got "
+                         f"{vocab_size}")
+    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIALS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [t for t in (*TEMPLATE_TEXT, *corpus) if t]
+    tok.train_from_iterator(sorted(set(texts)), trainer)  # sorted: deterministic merges
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TAGS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False, model_max_length=1 << 30)
+
+
 # -- tiny model -----------------------------------------------------------------------
 def build_tiny_model(
     path,
     corpus: Iterable[str],
     *,
+    chat: bool = False,
     hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 4,
     seed: int = 0,
+    vocab_size: int = 1024,
+    max_positions: int | None = None,
 ) -> str:
-    """Write a randomly initialised tiny Qwen2 + its tokenizer to ``path``; return it."""
+    """Write a randomly initialised tiny Qwen2 + its tokenizer to ``path``; return it.
+
+    ``chat=False``: the word-level toy (``corpus``: the tasks' words, ``task_corpus``).
+    ``chat=True``: the chat toy (``corpus``: texts for BPE training, ``chat_corpus``;
+    ``vocab_size`` caps its vocabulary), eos = the end-of-turn token, 2048 positions."""
     path = str(path)
-    tokenizer = build_tokenizer(corpus)
+    corpus = list(corpus)
+    tokenizer = build_chat_tokenizer(corpus, vocab_size) if chat else build_tokenizer(corpus)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    bos = pad if chat else eos
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -88,14 +197,17 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions or (2048 if chat else 512),
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    # chat: stop on the end of a turn or the end of text, as instruct folders declare it
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos, pad_token_id=pad, eos_token_id=[eos, pad] if chat else eos)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -136,11 +248,43 @@ def check_model_folder(path) -> None:
             "tokenizer_config.json with a vocabulary file): save the tokenizer into the "
             "folder with tokenizer.save_pretrained"
         )
+    if not declared_eos(path):
+        raise ModelFolderError(_NO_EOS.format(path=path))
+
+
+_NO_EOS = ("model folder {path!r} declares no eos / end-of-turn token (none in "
+           "tokenizer_config.json, special_tokens_map.json, generation_config.json or "
+           "config.json), so a generation could never stop: set the tokenizer's eos_token "
+           "(e.g. '<|im_end|>' for a ChatML model) and save_pretrained, or add "
+           '"eos_token_id" to generation_config.json')
+
+
+def _read_json(path: str, name: str) -> dict:
+    try:
+        with open(os.path.join(path, name)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def declared_eos(path) -> list:
+    """The eos tokens / ids the folder's files declare (tokens as str, ids as int):
+    ``tokenizer_config.json`` and ``special_tokens_map.json`` first, then the eos ids of
+    ``generation_config.json`` and ``config.json``."""
+    path, out = str(path), []
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        tok = _read_json(path, name).get("eos_token")
+        tok = tok.get("content") if isinstance(tok, dict) else tok
+        if isinstance(tok, str) and tok:
+            out.append(tok)
+    for name in ("generation_config.json", "config.json"):
+        ids = _read_json(path, name).get("eos_token_id")
+        out += [i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int)]
+    return out
 
 
 def _check_config(path: str) -> None:
-    import json
-
     try:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
@@ -169,7 +313,10 @@ def _check_safetensors(path: str, names: set) -> None:
 
 
 def load_tokenizer(path):
-    """Load the folder's tokenizer without letting transformers re-interpret it."""
+    """Load the folder's own tokenizer (``tokenizer.json`` as written, else
+    ``AutoTokenizer``: SentencePiece folders) without letting transformers re-interpret
+    it. A tokenizer without an eos token takes the first eos id of the folder's
+    generation/model config; with none at all, ``ModelFolderError``."""
     check_model_folder(path)
     path = str(path)
     if os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -177,19 +324,39 @@ def load_tokenizer(path):
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
-        tokenizer.add_special_tokens({"eos_token": "<eos>"})
+        ids = [i for i in declared_eos(path) if isinstance(i, int) and 0 <= i < len(tokenizer)]
+        if not ids:
+            raise ModelFolderError(_NO_EOS.format(path=path))
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(path, dtype: torch.dtype = torch.float32):
-    """Load the folder's causal LM in eval mode."""
+def default_dtype(device=None) -> torch.dtype:
+    """bf16 on a device that supports it (CUDA with bf16), else fp32 (CPU stays fp32).
+
+    >>> default_dtype("cpu")
+    torch.float32
+    """
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(path, dtype: torch.dtype | None = torch.float32, device=None):
+    """Load the folder's causal LM in eval mode (on ``device`` when given).
+    ``dtype=None`` picks ``default_dtype(device)``."""
     check_model_folder(path)
+    dtype = default_dtype(device if device is not None else "cpu") if dtype is None else dtype
     # transformers patches process-global state while it builds a model (meta-device
     # init), so two threads loading at once — several actors on one in-process worker —
     # can leave parameters on the meta device. Serialise loads within the process.
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    if device is not None:
+        model.to(device)
     model.eval()
     return model

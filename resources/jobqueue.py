@@ -15,7 +15,7 @@ through ``slurm_cluster(submit=False)`` and ``job_scripts``.)
 import os
 
 from rollart.resources import Resources, ResourcesError
-from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
+from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 #: pool tag -> (SLURM partition, number of jobs, extra #SBATCH lines)
 POOLS = {
@@ -24,6 +24,7 @@ POOLS = {
     CPU_ENV: ("cpu", 2, []),
     REWARD: ("cpu", 1, []),
     TRAIN: ("h800", 1, ["--gres=gpu:8"]),
+    BUFFER: ("cpu", 1, []),  # the sample buffer (ledger, samples), off the env pool
 }
 _CLUSTER = None  # keeps the scheduler alive for the run
 

@@ -5,7 +5,8 @@
     driver (this module)                         Dask cluster (tagged workers)
     ───────────────────                          ─────────────────────────────
     load_resources → cluster ─ check_tags ─────► H800 / H20: InferenceWorker (torch engine)
-    load_graph → model folder (tiny + warm-up)   CPU_ENV:    EnvManager ×n, SampleBuffer
+    load_graph → model folder (tiny + warm-up)   CPU_ENV:    EnvManager ×n
+    Stages.start (rollart.stages) ─────────────► BUFFER:     SampleBuffer (off the env pool)
     launch groups ─ run_group(task, seed) ─────► EnvManager: per trajectory, no barrier:
                                                    reset → LLMProxy.generate → step → …
                                                    → reward task (REWARD) → buffer.put
@@ -29,10 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollart.affinity import (check_cluster, check_declared, env_pools, env_tag,
-                              inference_tags, task_routes)
-from rollart.buffer import SampleBuffer
-from rollart.env.manager import EnvManager
+from rollart.affinity import check_cluster, check_declared
 from rollart.env.tasks import task_corpus
 from rollart.graph import Graph, load_graph
 from rollart.metrics import Monitor
@@ -42,30 +40,11 @@ from rollart.preflight import check_lockstep, preflight
 from rollart.recovery import Supervisor
 from rollart.resources import Resources, check_tags, load_resources, workers_with
 from rollart.reward.offload import is_serverless
-from rollart.rollout import InferenceWorker, LLMProxy
-from rollart.trainer import trainer_class
-from rollart.types import CPU_ENV, TRAIN
+from rollart.stages import Actors, Stages
+from rollart.types import CPU_ENV
 
 logger = logging.getLogger(__name__)
 EVAL_SEED_BASE = 2_000_000  # held-out seeds: training uses < 1e6, warm-up 1e6..2e6
-
-
-@dataclass
-class Actors:
-    """Handles to everything a run started on the cluster."""
-
-    trainer: object
-    buffer: object
-    workers: list  # [(InferenceWorker actor, pool tag, address)]
-    managers: list  # [EnvManager actor]
-    placement: dict = field(default_factory=dict)  # role -> [worker addresses]
-    manager_tags: list = field(default_factory=list)  # pool tag of each manager
-
-    def managers_for(self, task) -> list:
-        """The env managers on the pool ``task``'s env declares (all when untagged)."""
-        tag = env_tag(task)
-        mine = [m for m, t in zip(self.managers, self.manager_tags) if t == tag]
-        return mine or self.managers
 
 
 @dataclass
@@ -117,47 +96,8 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
 
 def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
                  store_url: str | None = None) -> Actors:
-    """Place one InferenceWorker per inference worker, EnvManagers, buffer and trainer."""
-    # actor keys are unique per start: a resumed run in the same cluster gets new actors
-    run = f"{run_dir.name}-{time.time_ns() % 10**9:09d}"
-    store_url = store_url or str(run_dir / "weights")
-    trainer_addr = workers_with(client, TRAIN)[0]
-    trainer_cls = trainer_class(graph.policy.trainer_backend)  # Trainer | MegatronTrainer
-    trainer = client.submit(trainer_cls, model_path, store_url, graph.algo,
-                            temperature=graph.policy.temperature, threads=1, seed=graph.seed,
-                            actor=True, workers=[trainer_addr], resources={TRAIN: 1},
-                            key=f"Trainer-{run}")
-    env_addrs = workers_with(client, CPU_ENV)
-    env_tags = env_pools(graph)  # where each task's EnvManagers run (env_affinity)
-    buffer = client.submit(SampleBuffer, str(run_dir), actor=True, workers=[env_addrs[0]],
-                           key=f"SampleBuffer-{run}")
-    futs = []
-    for tag in inference_tags(graph):  # the graph's pools + task affinities
-        for addr in workers_with(client, tag):
-            # version -1: the folder's weights are not a published version; the
-            # workers load version 0 from the store once the trainer publishes it.
-            f = client.submit(InferenceWorker, model_path, store_url, pool=tag, version=-1,
-                              threads=1, actor=True, **graph.policy.worker_options(),
-                              workers=[addr], resources={tag: 1},
-                              key=f"InferenceWorker-{tag}-{addr}-{run}")
-            futs.append((f, tag, addr))
-    workers = [(f.result(), tag, addr) for f, tag, addr in futs]
-    proxy = LLMProxy([(w, tag) for w, tag, _ in workers], routes=task_routes(graph.tasks))
-    manager_at = [(addr, tag) for tag in env_tags for addr in workers_with(client, tag)]
-    managers = [client.submit(
-        EnvManager, proxy, buffer.result(), model_path, temperature=graph.policy.temperature,
-        top_p=graph.policy.top_p, env_step_timeout=graph.rollout.env_step_timeout,
-        reward_timeout=graph.rollout.reward_timeout, local_reward=graph.rollout.local_reward,
-        trajectory_timeout=graph.rollout.trajectory_timeout,
-        max_concurrency=graph.rollout.env_concurrency,
-        inference_pools=graph.rollout.inference_pools, seed=graph.seed, actor=True,
-        workers=[addr], resources={tag: 1}, key=f"EnvManager-{tag}-{addr}-{run}")
-        for addr, tag in manager_at]
-    placement = {"trainer": [trainer_addr], "buffer": [env_addrs[0]],
-                 "inference": [a for _, _, a in workers],
-                 "env": sorted({a for a, _ in manager_at})}
-    return Actors(trainer.result(), buffer.result(), workers, [m.result() for m in managers],
-                  placement, manager_tags=[tag for _, tag in manager_at])
+    """Place every role of ``graph`` (``rollart.stages``) and return the ``Actors``."""
+    return Stages(client, graph, model_path, run_dir, store_url=store_url).start()
 
 
 def train(graph: Graph | str | None = None, resources: Resources | str | None = None, *,
@@ -276,7 +216,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     from rollart.report import MetricsLog, plot_rewards
     from rollart.reward.elastic import reward_metrics, start_pools
 
-    actors = start_actors(client, graph, model_path, run_dir, store_url=store_url)
+    stages = Stages(client, graph, model_path, run_dir, store_url=store_url)
+    actors = stages.start()
     (run_dir / "placement.json").write_text(json.dumps(
         {"resources": resources_source, **actors.placement}, indent=2))
     warmup_dir = None
@@ -297,8 +238,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     for w, _, _ in actors.workers:
         w.wait_version(v0).result()
     pipeline = make_pipeline(actors, graph)
-    pipeline.supervisor = Supervisor(client, actors, graph, model_path, run_dir,
-                                     store_url=store_url, checkpoint_url=checkpoint_url)
+    pipeline.supervisor = Supervisor(stages, actors, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
     pools = start_pools(client, [t.reward_fn for t in graph.tasks])  # serverless rewards
     preload(client, graph)

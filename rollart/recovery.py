@@ -3,7 +3,9 @@
 Dask actors are not resilient by themselves: when the worker holding one dies, calls on
 it raise (``OSError`` in flight, then "Worker holding Actor was lost") and the actor is
 gone. The ``Supervisor`` is the driver-side answer; the pipeline calls ``heal()`` while
-it waits and ``replace_trainer()`` when a trainer step is lost.
+it waits and ``replace_trainer()`` when a trainer step is lost. Replacements are built
+by ``rollart.stages.Stages.reconcile`` from the same role specs as at start-up, so they
+are built like the originals (class, arguments, pool).
 
 ==================  ===================================================================
 actor lost          what happens
@@ -11,18 +13,23 @@ actor lost          what happens
 ``EnvManager``      the pipeline's ``run_group`` future fails; the buffer turns that
                     group's in-flight members into ``failed`` (``orphan_group``) and the
                     missing members restart on a live manager (new member ids, so none
-                    is counted twice). A new manager starts once a CPU_ENV worker
-                    without one appears (Nanny restart or a new worker).
+                    is counted twice). A new manager starts once a worker of the lost
+                    one's env pool without one appears (Nanny restart or a new worker).
 ``InferenceWorker`` each manager's ``LLMProxy`` re-sends the request to another worker;
                     a new actor starts on the restarted worker, loads the newest
-                    weights, and the managers get the new worker list.
-``Trainer``         the step's future fails; a new trainer starts on a TRAIN worker and
-                    restores the run's last complete checkpoint (``rollart.checkpoint``:
-                    weights, optimizer, KL reference, RNG); when the weight store holds
-                    a newer published version, those weights are loaded on top (so
-                    rollout never goes back in version). The lost step is re-run on
-                    fresh groups; its batch stays counted ``trained`` (never re-used).
-``SampleBuffer``    holds the ledger: its loss ends the run with ``RunLostError``.
+                    weights, and the managers get the new worker list (their task
+                    routes, PD included, kept: ``LLMProxy.with_workers``).
+``Trainer``         the step's future fails; a new trainer of the same backend starts
+                    on a TRAIN worker and restores the run's last complete checkpoint
+                    (``rollart.checkpoint``: weights, optimizer, KL reference, RNG); when
+                    the weight store holds a newer published version, those weights are
+                    loaded on top (so rollout never goes back in version). The lost step
+                    is re-run on fresh groups; its batch stays counted ``trained``.
+``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag). When the
+                    buffer class can recover (``SampleBuffer(run_dir, recover=True)``
+                    reloads the durable groups and ledger from the run directory), a new
+                    one starts and every manager and the pipeline get it; otherwise its
+                    loss ends the run with ``RunLostError``.
 ==================  ===================================================================
 
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
@@ -37,7 +44,7 @@ from dataclasses import dataclass, field
 
 from rollart.resources import cluster_tags
 from rollart.rollout.proxy import is_worker_lost
-from rollart.types import CPU_ENV, TRAIN
+from rollart.types import BUFFER
 
 logger = logging.getLogger(__name__)
 
@@ -68,36 +75,19 @@ class _Lost:
 
 
 class Supervisor:
-    """Replaces lost actors of ``actors`` (a ``rollart.control.Actors``) in place."""
+    """Replaces lost actors of ``actors`` (a ``rollart.stages.Actors``) in place, each
+    from its role's spec (``stages``, a ``rollart.stages.Stages``)."""
 
-    def __init__(self, client, actors, graph, model_path: str, run_dir, *,
-                 store_url: str | None = None, checkpoint_url: str | None = None,
+    def __init__(self, stages, actors, *, checkpoint_url: str | None = None,
                  check_every: float = 0.5, wait_for_worker: float = 300.0):
-        self.client, self.actors, self.graph = client, actors, graph
-        self.model_path, self.run = model_path, run_dir.name
-        self.store_url = store_url or str(run_dir / "weights")
+        self.stages, self.client, self.actors = stages, stages.client, actors
+        self.graph, self.store_url = stages.graph, stages.store_url
         self.checkpoint_url = checkpoint_url
         self.check_every, self.wait_for_worker = check_every, wait_for_worker
         self.events: list[dict] = []
         self.pending: list[_Lost] = []
         self._last = 0.0
-        self._n = 0
         self.t0 = time.monotonic()
-        # hold every actor's key from the driver: a key no client wants is released by
-        # the scheduler (and its actor deleted) when some other holder goes away
-        self._holds = [self._hold(x) for x in [actors.trainer, actors.buffer,
-                                               *actors.managers,
-                                               *(w for w, _, _ in actors.workers)]]
-
-    def _hold(self, actor):
-        from distributed import Future
-
-        return Future(actor.key, self.client)
-
-    def _submit(self, *args, **kwargs):
-        fut = self.client.submit(*args, **kwargs)
-        self._holds.append(fut)
-        return fut.result()
 
     # -- detection ----------------------------------------------------------------------
     def live(self) -> dict[str, dict]:
@@ -139,51 +129,38 @@ class Supervisor:
             time.sleep(0.1)
 
     def heal(self, force: bool = False) -> list[dict]:
-        """Find lost actors and replace those whose pool has a free worker; returns the
-        replacements made now. Cheap when nothing is lost (at most every
-        ``check_every`` s)."""
+        """Reconcile the buffer, inference workers and env managers with their specs
+        (``Stages.reconcile``); returns the replacements made now. Cheap when nothing is
+        lost (at most every ``check_every`` s)."""
         now = time.monotonic()
         if not force and now - self._last < self.check_every:
             return []
         self._last = now
         live = self.live()
-        a = self.actors
-        if self._lost(a.buffer, live):
+        buffer = self.actors.buffer
+        if self._lost(buffer, live) and not self.stages.buffer_recoverable:
             raise RunLostError(
-                f"the worker holding the SampleBuffer ({a.buffer._address}, "
-                f"{self._why(a.buffer, live)}) was lost, and "
+                f"the worker holding the SampleBuffer ({buffer._address}, "
+                f"{self._why(buffer, live)}) was lost, and "
                 "with it the trajectory ledger; the run cannot continue. Resume it from its "
-                "last checkpoint, and give the buffer's worker a pool of its own")
-        for actor in [m for m in a.managers if self._lost(m, live)]:
-            a.managers.remove(actor)
-            self.pending.append(_Lost("env", actor._address, CPU_ENV))
-        for entry in [w for w in a.workers if self._lost(w[0], live)]:
-            a.workers.remove(entry)
-            self.pending.append(_Lost("inference", entry[2], entry[1]))
+                "last checkpoint, and give the buffer's worker a pool of its own (the "
+                f"{BUFFER!r} resource tag)")
+        return self._note(self.stages.reconcile(self.actors, live=live))
+
+    def _note(self, done) -> list[dict]:
+        """Book what a reconcile removed (pending) and made (events, matched by role and
+        pool to the oldest loss)."""
+        self.pending += [_Lost(role, addr, tag) for role, tag, addr in done.removed]
         made = []
-        inference_changed = False
-        for lost in list(self.pending):
-            addr = self._free_worker(lost.tag, live)
-            if addr is None:
+        for role, tag, addr in done.made:
+            lost = next((p for p in self.pending if p.role == role and
+                         (p.tag == tag or role in ("trainer", "buffer"))), None)
+            if lost is None:  # a worker that joined: a new actor, not a replacement
+                logger.info("started %s actor on new worker %s", role, addr)
                 continue
-            if lost.role == "env":
-                a.managers.append(self._spawn_manager(addr))
-            else:
-                a.workers.append((self._spawn_inference(addr, lost.tag), lost.tag, addr))
-                inference_changed = True
             self.pending.remove(lost)
             made.append(self._event(lost, addr))
-        if inference_changed:
-            self._announce_workers()
         return made
-
-    def _free_worker(self, tag: str, live) -> str | None:
-        """A live worker carrying ``tag`` that holds no actor of that role yet."""
-        a = self.actors
-        used = {m._address for m in a.managers} if tag == CPU_ENV else \
-            {addr for _, _, addr in a.workers}
-        free = sorted(addr for addr, r in live.items() if r.get(tag, 0) > 0 and addr not in used)
-        return free[0] if free else None
 
     def _event(self, lost: _Lost, addr: str) -> dict:
         now = time.monotonic()
@@ -195,78 +172,28 @@ class Supervisor:
                        "%.1fs", lost.role, lost.address, addr, event["recovery_s"])
         return event
 
-    # -- replacements -------------------------------------------------------------------
-    def _key(self, name: str, addr: str) -> str:
-        self._n += 1
-        return f"{name}-{addr}-{self.run}-r{self._n}"
-
-    def _spawn_manager(self, addr: str):
-        from rollart.env.manager import EnvManager
-        from rollart.rollout import LLMProxy
-
-        g = self.graph
-        proxy = LLMProxy([(w, tag) for w, tag, _ in self.actors.workers])
-        return self._submit(
-            EnvManager, proxy, self.actors.buffer, self.model_path,
-            temperature=g.policy.temperature, top_p=g.policy.top_p,
-            env_step_timeout=g.rollout.env_step_timeout,
-            reward_timeout=g.rollout.reward_timeout, local_reward=g.rollout.local_reward,
-            trajectory_timeout=g.rollout.trajectory_timeout,
-            max_concurrency=g.rollout.env_concurrency,
-            inference_pools=g.rollout.inference_pools, seed=g.seed, actor=True,
-            workers=[addr], resources={CPU_ENV: 1},
-            key=self._key("EnvManager", addr))
-
-    def _spawn_inference(self, addr: str, tag: str):
-        from rollart.rollout import InferenceWorker
-        from rollart.weights import WeightStore
-
-        w = self._submit(
-            InferenceWorker, self.model_path, self.store_url, pool=tag, version=-1,
-            threads=1, actor=True, **self.graph.policy.worker_options(), workers=[addr],
-            resources={tag: 1}, key=self._key(f"InferenceWorker-{tag}", addr))
-        version = WeightStore(self.store_url).latest()
-        if version >= 0:
-            w.update_weights(version).result()
-            w.wait_version(version).result()
-        return w
-
-    def _announce_workers(self) -> None:
-        workers = [(w, tag) for w, tag, _ in self.actors.workers]
-        for m in list(self.actors.managers):
-            try:
-                m.set_inference_workers(workers).result()
-            except Exception as e:
-                if not is_worker_lost(e):
-                    raise
-
     def replace_trainer(self):
-        """Start a new ``Trainer`` on a TRAIN worker (waiting for one to come back) and
-        restore the newest published weights; returns the version it holds."""
-        from rollart.trainer import Trainer
-
-        lost = _Lost("trainer", self.actors.trainer._address, TRAIN)
+        """Re-create the trainer from its spec on a TRAIN worker (waiting for one to come
+        back; same backend) and restore it: the last checkpoint, then newer published
+        weights. Returns the version it holds."""
+        old = self.actors.trainer
         deadline = time.monotonic() + self.wait_for_worker
         while True:
-            live = self.live()
-            free = sorted(a for a, r in live.items() if r.get(TRAIN, 0) > 0)
-            if free:
+            done = self.stages.reconcile(self.actors, ("trainer",), lost=[old])
+            self.pending += [_Lost(role, addr, tag) for role, tag, addr in done.removed
+                             if not any(p.role == role for p in self.pending)]
+            if done.made:
                 break
             if time.monotonic() > deadline:
                 raise RunLostError(
-                    f"the trainer's worker {lost.address} was lost and no TRAIN worker came "
+                    f"the trainer's worker {old._address} was lost and no TRAIN worker came "
                     f"back within {self.wait_for_worker:.0f}s; restart one (or resume the "
                     "run from its last checkpoint)")
             time.sleep(0.25)
-        g = self.graph
-        trainer = self._submit(
-            Trainer, self.model_path, self.store_url, g.algo,
-            temperature=g.policy.temperature, threads=1, seed=g.seed, actor=True,
-            workers=[free[0]], resources={TRAIN: 1},
-            key=self._key("Trainer", free[0]))
-        version, source = self._restore(trainer)
-        self.actors.trainer = trainer
-        event = self._event(lost, free[0])
+        version, source = self._restore(self.actors.trainer)
+        lost = next(p for p in self.pending if p.role == "trainer")
+        self.pending.remove(lost)
+        event = self._event(lost, done.made[0][2])
         event.update(version=version, restored_from=source)
         return version
 
@@ -302,8 +229,8 @@ class Supervisor:
                 return
             if time.monotonic() > deadline:
                 raise RunLostError(
-                    f"every env manager was lost and no CPU_ENV worker came back within "
-                    f"{self.wait_for_worker:.0f}s; start CPU_ENV workers")
+                    f"every env manager was lost and no env worker came back within "
+                    f"{self.wait_for_worker:.0f}s; start workers with the env pools' tags")
             time.sleep(0.25)
 
 

@@ -24,8 +24,9 @@ H20 = "H20"  #: bandwidth-optimized inference GPUs (decode-heavy work)
 CPU_ENV = "CPU_ENV"  #: CPU pool that hosts environments (EnvManager actors)
 REWARD = "REWARD"  #: pool that runs reward functions
 TRAIN = "TRAIN"  #: the trainer
+BUFFER = "BUFFER"  #: the data of record (SampleBuffer: ledger, samples), off the env pool
 INFERENCE_TAGS = (H800, H20)
-ALL_TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN)
+ALL_TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN, BUFFER)
 
 #: off-policy corrections of the policy loss (see ``rollart.trainer.losses``: why the default)
 OFF_POLICY = ("decoupled", "tis", "ppo")

@@ -1,5 +1,5 @@
-"""``resources/laptop.py``: env managers, the sample buffer and the inference workers share
-one worker and call each other directly (``rollart.near``), and a run still trains with
+"""``resources/laptop.py``: env managers and the inference workers share one worker and
+call each other directly (``rollart.near``), and a run still trains with
 its accounting intact: redundant members cancelled mid-generation free their rows,
 nothing cancelled reaches the trainer."""
 
@@ -41,9 +41,10 @@ def test_an_async_run_on_the_laptop_layout_trains_through_direct_calls(laptop, t
     assert rows[-1]["traj/cancelled"] > 0
     assert "cancelled" not in set(read_samples(result.run_dir)["state"].to_pylist())
     made = {k: v - before.get(k, 0) for k, v in near_module.calls.items()}
-    # every turn went to a co-located inference worker, every delivery to the buffer
+    # every turn went to a co-located inference worker; the buffer is on the trainer's
+    # worker (BUFFER), off the worker that holds the envs, so deliveries cross to it
     assert made.get("generate", 0) >= rows[-1]["traj/trained"]
-    assert made.get("put", 0) >= rows[-1]["traj/trained"]
+    assert made.get("put", 0) == 0
     # the rollout worker carries REWARD: rewards ran on its threads, never as tasks
     assert rows[-1]["rollout/rewards_here"] >= rows[-1]["traj/trained"]
     assert rows[-1]["rollout/reward_tasks"] == 0

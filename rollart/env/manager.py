@@ -126,11 +126,15 @@ class EnvManager:
 
     async def set_inference_workers(self, workers: list) -> int:
         """Route new requests over ``[(InferenceWorker actor, pool), ...]`` (after the
-        driver re-created a lost one); returns how many workers."""
-        from rollart.rollout.proxy import LLMProxy
-
-        self.runner.proxy = LLMProxy(workers)
+        driver re-created a lost one), with the same task routes (PD, affinities) as
+        before (``LLMProxy.with_workers``); returns how many workers."""
+        self.runner.proxy = self.runner.proxy.with_workers(workers)
         return len(workers)
+
+    async def set_buffer(self, buffer) -> None:
+        """Report to ``buffer`` from now on (the driver re-created a lost one, which
+        reloaded its durable state: ``rollart.stages``)."""
+        self.buffer = near(buffer)
 
     async def run_batch(self, groups: list[tuple]) -> list[dict]:
         """Run ``[(task, seed, group_id, group_size), ...]`` in lockstep: every turn

@@ -77,6 +77,21 @@ class LLMProxy:
         self.dead: set[int] = set()  # workers found lost (never routed to again)
         self.rerouted = 0  # requests re-sent after their worker was lost
 
+    def with_workers(self, workers: list[tuple[Any, str]]) -> "LLMProxy":
+        """This proxy's routing over a new worker list (after the driver re-created a
+        lost worker): the same task routes, stickiness, pools and ``auto`` observations,
+        and cumulative counters; per-worker state starts afresh. A route whose pool has
+        no worker right now is kept (its worker is being replaced), not refused."""
+        new = LLMProxy(workers, sticky=self.sticky, auto_ratio=self.auto_ratio,
+                       auto_min_turns=self.auto_min_turns, compute_pools=self.compute_pools,
+                       bandwidth_pools=self.bandwidth_pools)
+        with self._guard():
+            new.routes = dict(self.routes)
+            new._task_tokens = {t: list(v) for t, v in self._task_tokens.items()}
+            new._reuse, new._pd = dict(self._reuse), dict(self._pd)
+            new.rerouted = self.rerouted
+        return new
+
     # -- pickling: locks and in-flight counts are local to one copy -----------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

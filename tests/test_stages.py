@@ -1,0 +1,245 @@
+"""Each role declared once (rollart.stages): start places every spec, reconcile re-creates
+what was lost from the same spec. On real in-process (and, for the SIGKILL run, process)
+Dask clusters with tagged workers: task routes (PD) survive an inference-worker loss, a
+replacement env manager lands on its env pool, a Megatron trainer comes back as Megatron,
+the sample buffer stays off the env pool, and killing the env worker mid-run neither ends
+the run nor loses a trained sample."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+
+import pyarrow.compute as pc
+import pytest
+from distributed import Client
+
+from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
+from rollart.affinity import (check_cluster, check_declared, env_affinity, env_tag,
+                              task_affinity, task_routes)
+from rollart.buffer import read_samples
+from rollart.buffer.ledger import STATES
+from rollart.control import _shutdown
+from rollart.env.builtin.gridnav import GridNavEnv
+from rollart.env.tasks import get_task
+from rollart.recovery import Supervisor, lose_worker
+from rollart.resources import Pool, Resources, check_tags, cluster_tags, workers_with
+from rollart.stages import RoleSpec, Stages, buffer_worker
+from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
+
+BIG = "CPU_BIG"
+
+
+@env_affinity(BIG)
+class BigGridEnv(GridNavEnv):
+    """Grid navigation whose envs run on the CPU_BIG pool."""
+
+
+@task_affinity(prefill=H800, decode=H20)
+def pd_guess():
+    return replace(get_task("guess"), name="pd_guess", max_turns=2)
+
+
+def big_grid():
+    return replace(get_task("gridnav"), name="big_grid", env_factory=BigGridEnv, max_turns=2)
+
+
+def small_graph(*tasks, **policy) -> Graph:
+    return Graph(name="t-stages", tasks=tasks or ("gridnav",), steps=1,
+                 policy=Policy(warmup_steps=0, **policy),
+                 algo=GRPO(group_size=2, groups_per_step=1))
+
+
+def one_per_tag(*extra: Pool, **buffer_on) -> Resources:
+    """A hand-started-like cluster: one worker per tag H800/H20/CPU_ENV/REWARD/TRAIN."""
+    def pool(name, tag, kind):
+        return Pool(name, tag=tag, kind=kind, extra_tags=buffer_on.get(name, {}))
+
+    return Resources(pools=(pool("h800", H800, "compute_gpu"), pool("h20", H20, "bandwidth_gpu"),
+                            pool("env", CPU_ENV, "cpu_env"), pool("reward", REWARD, "reward"),
+                            pool("trainer", TRAIN, "trainer"), *extra),
+                     processes=False, dashboard_address=":0", source="tests/test_stages.py")
+
+
+def _where(client, addr: str) -> dict:
+    return cluster_tags(client)[addr]
+
+
+def _heal_until(sup: Supervisor, roles: set, timeout: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while {e["role"] for e in sup.events} < roles:
+        assert time.monotonic() < deadline, (sup.events, sup.pending)
+        sup.heal(force=True)
+        time.sleep(0.1)
+    return sup.events
+
+
+def _publish(actors) -> int:
+    v = actors.trainer.publish().result()
+    for w, _, _ in actors.workers:
+        w.update_weights(v).result()
+        w.wait_version(v).result()
+    return v
+
+
+# -- buffer placement -------------------------------------------------------------------
+def test_buffer_worker_prefers_its_tag_then_non_env_roles(caplog):
+    spec = RoleSpec("buffer", dict, (), {}, BUFFER, fallback=(TRAIN, REWARD, H800, H20),
+                    last_resort=(CPU_ENV, BIG))
+    live = {"e": {CPU_ENV: 1}, "t": {TRAIN: 1}, "r": {REWARD: 1}, "i": {H800: 1, H20: 1},
+            "b": {BIG: 1}}
+    with caplog.at_level(logging.WARNING, logger="rollart.stages"):
+        assert buffer_worker({**live, "x": {BUFFER: 1}}, spec) == ("x", BUFFER)
+        assert buffer_worker(live, spec) == ("t", TRAIN)
+        two = {**live, "u": {TRAIN: 1}}
+        assert buffer_worker(two, spec, avoid="t") == ("u", TRAIN)  # not the lost one's
+        assert buffer_worker(live, spec, avoid="t") == ("t", TRAIN)  # unless it is alone
+        assert buffer_worker({k: live[k] for k in "eib"}, spec) == ("i", H800)
+        assert not caplog.records
+        assert buffer_worker({"e": live["e"], "b": live["b"]}, spec) == ("e", CPU_ENV)
+    assert "failure-prone" in caplog.text and "'BUFFER'" in caplog.text
+    assert buffer_worker({}, spec) is None
+
+
+@pytest.mark.parametrize("layout", ["local", "laptop", "one-per-tag"])
+def test_buffer_is_not_on_an_env_worker(layout, tiny_model, tmp_path):
+    res = one_per_tag() if layout == "one-per-tag" else replace(
+        load_resources(layout), processes=False, dashboard_address=":0")
+    graph = small_graph()
+    check_declared(graph, res)  # a cluster without the BUFFER tag is accepted
+    with res.make_cluster() as cluster, Client(cluster) as c:
+        check_cluster(c, graph, res.source)
+        check_tags(c, graph.needs(), res.source)
+        actors = Stages(c, graph, tiny_model, tmp_path).start()
+        try:
+            addr = actors.buffer._address
+            assert actors.placement["buffer"] == [addr]
+            tags = _where(c, addr)
+            assert CPU_ENV not in tags, (layout, tags)
+            assert tags.get(BUFFER if layout != "one-per-tag" else TRAIN), (layout, tags)
+            assert actors.buffer.counts().result()["launched"] == 0  # it answers
+        finally:
+            _shutdown(actors)
+
+
+# -- reconcile: routes and env pools ----------------------------------------------------
+def _proxy_routes(key: str, dask_worker=None) -> dict:
+    return dict(dask_worker.state.actors[key].runner.proxy.routes)
+
+
+def test_replacements_keep_routes_and_env_pools(tiny_model, tmp_path):
+    """Lose the decode (H20) worker and the CPU_BIG env worker: the replacement manager
+    is on CPU_BIG, ``managers_for`` stays aligned, and every manager's proxy (the new
+    one's and the survivors') still routes pd_guess prefill→H800, decode→H20."""
+    res = one_per_tag(Pool("big", tag=BIG, kind="cpu_env"), trainer={BUFFER: 1})
+    graph = small_graph(pd_guess(), big_grid())
+    with res.make_cluster() as cluster, Client(cluster) as c:
+        stages = Stages(c, graph, tiny_model, tmp_path)
+        actors = stages.start()
+        sup = Supervisor(stages, actors)
+        try:
+            _publish(actors)
+            for tag in (H20, BIG):
+                lose_worker(cluster, c, workers_with(c, tag)[0])
+            events = _heal_until(sup, {"inference", "env"})
+            assert {(e["role"]) for e in events} == {"inference", "env"}
+            live = cluster_tags(c)
+            assert len(actors.managers) == len(actors.manager_tags) == 2
+            for m, tag in zip(actors.managers, actors.manager_tags):
+                assert live[m._address].get(tag), (m.key, tag, live[m._address])
+            big = actors.managers_for(big_grid())
+            assert len(big) == 1 and live[big[0]._address].get(BIG)
+            assert env_tag(big_grid()) == BIG and big[0]._address == workers_with(c, BIG)[0]
+            assert actors.managers_for(pd_guess())[0]._address == workers_with(c, CPU_ENV)[0]
+            want = task_routes(graph.tasks)
+            for m in actors.managers:
+                got = c.run(_proxy_routes, m.key, workers=[m._address])[m._address]
+                assert got == want, m.key
+            # and the routes are used: pd_guess on both managers prefills on H800 and
+            # decodes on the new H20 worker, the KV moving between them
+            outs = [m.run_group(pd_guess(), seed=i, group_id=f"pd{i}", group_size=2)
+                    for i, m in enumerate(actors.managers)]
+            assert all(o.result(timeout=180)["outcomes"] for o in outs)
+            stats = {tag: w.stats().result() for w, tag, _ in actors.workers}
+            assert stats[H20]["kv_received"] > 0
+            assert stats[H800]["kv_sent"] == stats[H20]["kv_received"]
+        finally:
+            _shutdown(actors)
+
+
+# -- reconcile: the trainer -------------------------------------------------------------
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_a_lost_megatron_trainer_comes_back_as_megatron(tiny_model, tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (extra 'megatron')")
+    from rollart.trainer.megatron import MegatronTrainer
+
+    res = one_per_tag(reward={BUFFER: 1})  # the trainer's worker holds only the trainer
+    graph = small_graph(trainer_backend="megatron")
+    with res.make_cluster() as cluster, Client(cluster) as c:
+        stages = Stages(c, graph, tiny_model, tmp_path)
+        actors = stages.start()
+        sup = Supervisor(stages, actors)
+        try:
+            assert actors.trainer._cls is MegatronTrainer
+            v = _publish(actors)
+            old = actors.trainer._address
+            lose_worker(cluster, c, old)
+            assert sup.replace_trainer() == v
+            new = actors.trainer
+            assert new._address != old and _where(c, new._address).get(TRAIN)
+            assert new._cls is MegatronTrainer
+            kind = c.run(_model_kind, new.key, workers=[new._address])[new._address]
+            assert kind == ("MegatronTrainer", "MegatronLM")
+            event = sup.events[-1]
+            assert event["role"] == "trainer" and event["restored_from"] == f"weights v{v}"
+            assert new.publish().result() == v + 1  # it trains on from there
+        finally:
+            _shutdown(actors)
+
+
+def _model_kind(key: str, dask_worker=None) -> tuple[str, str]:
+    actor = dask_worker.state.actors[key]
+    return type(actor).__name__, type(actor.model).__name__
+
+
+# -- killing the env worker mid-run -----------------------------------------------------
+def _kill_env_after(cluster, client, run_dir, step: int, log: list) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < step:
+        time.sleep(0.05)
+    addr = workers_with(client, CPU_ENV)[0]
+    log.append(lose_worker(cluster, client, addr, restart_after=0.5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["laptop", "local"])
+def test_killing_the_env_worker_does_not_end_the_run(layout, tiny_model, tmp_path):
+    """laptop: worker processes, the rollout worker (envs, inference, rewards) gets
+    SIGKILL and its Nanny restarts it; local: in-process, the env worker dies abruptly
+    and a fresh one starts. The run completes and every trajectory the ledger counts as
+    trained is in samples/*.parquet."""
+    res = replace(load_resources(layout), dashboard_address=":0",
+                  processes=layout == "laptop")
+    graph = Graph(name=f"t-kill-{layout}", tasks=("gridnav",), steps=4, mode="async",
+                  policy=Policy(warmup_steps=0), algo=GRPO(group_size=2, groups_per_step=2,
+                                                           alpha=1),
+                  rollout=Rollout(env_step_timeout=5.0))
+    killed: list = []
+    with res.make_cluster() as cluster, Client(cluster) as c:
+        t = threading.Thread(target=_kill_env_after, daemon=True,
+                             args=(cluster, c, tmp_path / "run", 1, killed))
+        t.start()
+        result = train(graph, client=c, run_dir=tmp_path / "run", progress=False,
+                       eval_seeds=0, model=tiny_model)
+        t.join(5)
+    assert killed, "the env worker was not killed"
+    assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
+    assert "env" in {e["role"] for e in result.recovery}, result.recovery
+    final = result.final_counts
+    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
+    assert len(trained) == len(set(trained)) == final["trained"] > 0

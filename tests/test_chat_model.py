@@ -218,3 +218,39 @@ def test_eos_only_in_generation_config_is_used(chat_dir, tmp_path):
     _strip_eos(folder, keep_generation_config=True)
     check_model_folder(folder)
     assert load_tokenizer(folder).eos_token == "<|im_end|>"
+
+
+# -- graphs/chat.py ---------------------------------------------------------------------
+def test_chat_graph_actions_fit_their_token_budget(tmp_path):
+    """Every warm-up action of graphs/chat.py, encoded by the chat toy built from that
+    graph's corpus, fits the task's max_new_tokens with its end-of-turn token, and a
+    whole warm-up episode fits the toy's context."""
+    import random
+
+    from rollart.env.tools import python_tool
+    from rollart.graph import load_graph
+
+    graph, src = load_graph("chat")
+    assert src.endswith("graphs/chat.py") and graph.policy.conversation == "chat"
+    assert [t.name for t in graph.tasks] == ["gridnav", "guess", "boxpush", "calc"]
+    path = build_tiny_model(tmp_path / "m", chat_corpus(graph.tasks, seeds=range(8)),
+                            chat=True, hidden_size=32)
+    tok = load_tokenizer(path)
+    rng = random.Random(0)
+    for task in graph.tasks:
+        env = task.env_factory()
+        for seed in range(8):
+            obs = env.reset(seed)
+            msgs = [{"role": "user", "content": obs}]
+            for _ in range(task.max_turns):
+                action = task.warmup_action(rng, obs)
+                assert len(encode(tok, action)) + 1 <= task.max_new_tokens, (task.name, action)
+                msgs.append({"role": "assistant", "content": action})
+                step = env.step(action)
+                if step.done:
+                    break
+                obs = step.observation
+                msgs.append({"role": "user", "content": obs})
+            tools = [python_tool()] if task.name == "calc" else None
+            text = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+            assert len(encode(tok, text)) < 2048 // 2, task.name

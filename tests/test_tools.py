@@ -185,6 +185,10 @@ def test_hermes_warmup_action_parses_as_a_valid_call():
             assert action.startswith("answer ") and env.step(action).done
             answers += 1
     assert calls > 5 and answers > 5
+    # after a tool result the answer copies it half the time: the baseline RL must beat
+    after = [task.warmup_action(rng, "56") for _ in range(200)]
+    assert set(after) <= {f"answer {n}" for n in range(-8, 82)}
+    assert 70 < after.count("answer 56") < 130
     assert task.warmup_action is calc_hermes_warmup_action and task.max_new_tokens == 48
     assert calc_tool_task().max_new_tokens == 5  # the text format stays the default
     with pytest.raises(ValueError, match="tool_format"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -198,7 +199,10 @@ def calc_warmup_action(rng: random.Random, observation: str) -> str:
 
 def calc_hermes_warmup_action(rng: random.Random, observation: str) -> str:
     """A well-formed random move in the chat templates' format: the question as a
-    ``<tool_call>`` to the python tool, or a random answer.
+    ``<tool_call>`` to the python tool (half the time, while the question is in view), or
+    an answer: a number seen in the observation (half the time; after a tool call that is
+    the tool's result) or a uniform one in -8..81. Its success rate (about a quarter) is
+    the baseline RL must beat by always calling the tool and copying its result.
 
     >>> calc_hermes_warmup_action(random.Random(1), "calc : what is 3 * 4 ? use python")
     '<tool_call>\\n{"name": "python", "arguments": {"code": "3 * 4"}}\\n</tool_call>'
@@ -206,6 +210,9 @@ def calc_hermes_warmup_action(rng: random.Random, observation: str) -> str:
     question = _question(observation)
     if question and rng.random() < 0.5:
         return format_tool_call("python", {"code": question})
+    seen = re.findall(r"-?\d+", observation)
+    if seen and rng.random() < 0.5:
+        return f"answer {rng.choice(seen)}"
     return f"answer {rng.randint(-8, 81)}"
 
 

@@ -1,49 +1,67 @@
 """Held-out evaluation of a model folder on tasks, in one process, without Dask.
 
 All episodes advance in lock step: each round batches every live episode's next turn
-into one ``TorchEngine.generate`` call. Used at the end of ``rollart train`` (warm-up
-policy vs trained policy on seeds training never saw) and by the learning test.
+into one ``TorchEngine.generate`` call. Conversations are built exactly as rollout
+builds them (``rollart.env.conversation``: raw text or the chat template, the task's
+stop strings and ``parse_action``), so held-out success measures the policy that
+rollout trains. Used at the end of ``rollart train`` (warm-up policy vs trained policy
+on seeds training never saw) and by the learning test.
 """
 
 from __future__ import annotations
 
-from rollart.env.trajectory import TokenLog, action_text, request_seed
+from rollart.env.conversation import ConversationFormat, TokenLog, context_budget
 from rollart.env.faults import without_faults
-from rollart.model import encode
+from rollart.env.trajectory import request_seed
 from rollart.types import GenRequest
 
 
 def evaluate(model_path: str, tasks, seeds, *, temperature: float = 1.0,
-             max_batch: int = 256, sample_seed: int = 12345) -> dict[str, float]:
-    """Success rate per task name over ``seeds`` (sampling at ``temperature``)."""
+             max_batch: int = 256, sample_seed: int = 12345, conversation: str = "auto",
+             system_prompt: str | None = None,
+             max_context: int | None = None) -> dict[str, float]:
+    """Success rate per task name over ``seeds`` (sampling at ``temperature``).
+
+    An episode that outgrows the context budget (``max_context``, default the model
+    config's) counts as a failure, as a truncated rollout does.
+    """
     from rollart.rollout.engine import TorchEngine
 
     engine = TorchEngine(model_path, max_batch=max_batch)
-    tok = engine.tokenizer
-    stop = (tok.eos_token_id,)
-    out = {}
-    for task in (without_faults(t) for t in tasks):
-        episodes = []
-        for seed in seeds:
-            env = task.env_factory()
-            log = TokenLog()
-            log.add_observation(encode(tok, env.reset(seed)))
-            episodes.append({"env": env, "log": log, "done": False, "success": False})
+    fmt = ConversationFormat(engine.tokenizer, conversation, system_prompt=system_prompt,
+                             max_context=context_budget(model_path, max_context),
+                             model_path=model_path)
+    return {task.name: _success_rate(engine, fmt, task, seeds, temperature, sample_seed)
+            for task in (without_faults(t) for t in tasks)}
+
+
+def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
+    episodes = []
+    for seed in seeds:
+        env = task.env_factory()
+        conv = fmt.start(TokenLog(), task, env.reset(seed))
+        episodes.append({"env": env, "conv": conv, "done": False, "success": False})
+    try:
         for turn in range(task.max_turns):
             live = [e for e in episodes if not e["done"]]
+            for e in live:  # out of room: over, as a truncated trajectory is
+                if e["conv"].truncated or not e["conv"].room(task.max_new_tokens):
+                    e["done"] = True
+            live = [e for e in live if not e["done"]]
             if not live:
                 break
-            reqs = [GenRequest(e["log"].ids, task.max_new_tokens, temperature, 1.0, stop,
-                               request_seed(sample_seed, f"{task.name}-{i}", turn))
+            reqs = [GenRequest(e["conv"].log.ids, task.max_new_tokens, temperature, 1.0,
+                               fmt.stop_ids, request_seed(sample_seed, f"{task.name}-{i}", turn),
+                               stop_strings=task.stop)
                     for i, e in enumerate(live)]
             for e, res in zip(live, engine.generate(reqs)):
-                e["log"].add_generation(res.token_ids)
-                step = e["env"].step(action_text(tok, res, stop))
+                text = e["conv"].add_generation(res.token_ids, finish_reason=res.finish_reason)
+                step = e["env"].step(task.parse_action(text))
                 if step.done:
                     e["done"], e["success"] = True, bool(step.info.get("success"))
                 else:
-                    e["log"].add_observation(encode(tok, step.observation))
+                    e["conv"].add_user(step.observation)
+    finally:
         for e in episodes:
             e["env"].close()
-        out[task.name] = sum(e["success"] for e in episodes) / max(len(episodes), 1)
-    return out
+    return sum(e["success"] for e in episodes) / max(len(episodes), 1)

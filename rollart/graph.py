@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rollart.affinity import inference_tags
 from rollart.affinity import needs as affinity_needs
+from rollart.env.conversation import CONVERSATIONS
 from rollart.env.tasks import get_task
 from rollart.resources import _find_file, _load_module
 from rollart.rollout.base import ENGINES
@@ -65,6 +66,12 @@ class Policy:
     admit_every: int = 4
     engine: str = "torch"  # generation engine: "torch" | "vllm" (rollart.rollout.base)
     trainer_backend: str = "torch"  # "torch" (HF model) | "megatron" (megatron-core GPTModel)
+    # how a trajectory becomes ids (rollart.env.conversation): "chat" renders messages
+    # with the tokenizer's chat template, "raw" concatenates text, "auto" = chat when the
+    # tokenizer has a template
+    conversation: str = "auto"
+    system_prompt: str | None = None  # chat: the system message (Task.system_prompt wins)
+    max_context: int | None = None  # context budget in tokens (None: the model config's)
 
     def __post_init__(self):
         _check(self.model is None or isinstance(self.model, str),
@@ -87,6 +94,14 @@ class Policy:
                f"got {self.engine!r}")
         _check(self.trainer_backend in TRAINER_BACKENDS, f"Policy.trainer_backend must be "
                f"one of {TRAINER_BACKENDS}, got {self.trainer_backend!r}")
+        _check(self.conversation in CONVERSATIONS, f"Policy.conversation must be one of "
+               f"{CONVERSATIONS}, got {self.conversation!r}")
+        _check(self.system_prompt is None or isinstance(self.system_prompt, str),
+               f"Policy.system_prompt must be a str or None, got {self.system_prompt!r}")
+        _numbers(self, "max_context", integer=True, optional=True)
+        _check(self.max_context is None or self.max_context >= 2,
+               f"Policy.max_context must be ≥ 2 tokens or None (the model config's "
+               f"max_position_embeddings), got {self.max_context!r}")
 
     def worker_options(self) -> dict:
         """The ``InferenceWorker`` keyword arguments this policy implies."""

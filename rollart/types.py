@@ -40,11 +40,13 @@ class TrajState(str, enum.Enum):
     IN_ENV = "in_env"
     SCORING = "scoring"
     BUFFERED = "buffered"
-    TRAINED = "trained"
+    TAKEN = "taken"  # handed to the trainer; its update is not published yet
+    TRAINED = "trained"  # in an update the trainer published
     DROPPED = "dropped"  # too stale when the trainer looked at it
     ABORTED = "aborted"  # stopped because it could no longer meet the staleness bound
     CANCELLED = "cancelled"  # redundant extra, not needed
     FAILED = "failed"  # env or reward raised / returned garbage
+    LOST_IN_STEP = "lost_in_step"  # taken by a step that was neither published nor re-run
 
 
 FINAL_STATES = (
@@ -53,6 +55,7 @@ FINAL_STATES = (
     TrajState.ABORTED,
     TrajState.CANCELLED,
     TrajState.FAILED,
+    TrajState.LOST_IN_STEP,
 )
 
 
@@ -68,6 +71,9 @@ class GenRequest:
     seed: int | None = None
     request_id: str | None = None  # lets a caller that went away abort it (``abort``)
     cache_key: str | None = None  # e.g. the trajectory id: its KV may be kept for reuse
+    # generation also stops once its decoded text contains one of these (the tokens
+    # that completed it are kept; finish_reason "stop")
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass

@@ -286,3 +286,65 @@ def test_serve_drops_abandoned_rows_and_reports_bad_requests(engine):
     engine.serve(admit, deliver, abandoned=lambda i: i in gone)
     assert isinstance(got[1], ValueError) and "empty" in str(got[1])
     assert len(got[2].token_ids) == 6 and 0 not in got  # dropped without a result
+
+
+# -- stop rules: several stop ids, stop strings, finish reasons ----------------------------
+def _free_run(engine, n=12):
+    """What the engine generates greedily without any stop (the reference run)."""
+    return engine.generate([GenRequest(PROMPTS[1], max_new_tokens=n, temperature=0.0)])[0]
+
+
+def test_any_of_several_stop_ids_ends_the_row(engine):
+    ref = _free_run(engine).token_ids
+    assert len(set(ref)) > 2
+    first = 3  # stop at the 4th token: a stop id that only occurs from there on
+    later = next(t for t in ref[first:] if t not in ref[:first])
+    at = ref.index(later)
+    res = engine.generate([GenRequest(PROMPTS[1], max_new_tokens=12, temperature=0.0,
+                                      stop_ids=(10_000, later))])[0]
+    assert res.token_ids == ref[:at + 1]  # the stop token is included
+    assert res.finish_reason == "stop"
+    assert len(res.logprobs) == len(res.versions) == at + 1
+
+
+def test_stop_string_ends_the_row_where_the_text_first_contains_it(engine):
+    tok = engine.tokenizer
+    ref = _free_run(engine).token_ids
+    text = tok.decode(ref, skip_special_tokens=False)
+    # a stop string made of the 5th and 6th tokens' text (word-level: "a b")
+    stop = tok.decode(ref[4:6], skip_special_tokens=False)
+    expected = next(n for n in range(1, len(ref) + 1)
+                    if stop in tok.decode(ref[:n], skip_special_tokens=False))
+    assert stop in text and expected <= 6
+    res = engine.generate([GenRequest(PROMPTS[1], max_new_tokens=12, temperature=0.0,
+                                      stop_strings=("never produced", stop))])[0]
+    assert res.token_ids == ref[:expected]
+    assert res.finish_reason == "stop"
+    # other rows of the same batch are not affected by it
+    both = engine.generate([
+        GenRequest(PROMPTS[1], max_new_tokens=12, temperature=0.0, stop_strings=(stop,)),
+        GenRequest(PROMPTS[1], max_new_tokens=12, temperature=0.0)])
+    assert both[0].token_ids == ref[:expected] and both[1].token_ids == ref
+
+
+def test_a_row_cut_by_max_new_tokens_finishes_with_length(engine):
+    ref = _free_run(engine, 5)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 5
+    res = engine.generate([GenRequest(PROMPTS[1], max_new_tokens=5, temperature=0.0,
+                                      stop_strings=("never produced",),
+                                      stop_ids=(10_000,))])[0]
+    assert res.token_ids == ref.token_ids and res.finish_reason == "length"
+
+
+def test_hits_stop_string_checks_only_a_bounded_tail(engine):
+    from rollart.rollout.batch import hits_stop_string
+
+    tok = engine.tokenizer
+    ids = tok.encode("left up down right", add_special_tokens=False)
+    assert hits_stop_string(tok, ids, ("down right",))
+    assert not hits_stop_string(tok, ids, ("right left",))
+    long = tok.encode(" ".join(["left"] * 5000) + " up", add_special_tokens=False)
+    assert hits_stop_string(tok, long, ("left up",))
+    # a stop string far back in the text was met earlier (the row stopped then)
+    assert not hits_stop_string(tok, tok.encode("up " + "left " * 200, add_special_tokens=False),
+                                ("up left left",))

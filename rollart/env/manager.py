@@ -86,14 +86,16 @@ class EnvManager:
                  max_concurrency: int = 256,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int | None = None, env_threads: int = 8,
-                 local_reward: bool = True):
+                 local_reward: bool = True, conversation: str = "auto",
+                 system_prompt: str | None = None):
         self.buffer = near(buffer)
         self.runner = TrajectoryRunner(
             proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
             env_step_timeout=env_step_timeout, reward_timeout=reward_timeout,
             trajectory_timeout=trajectory_timeout, inference_pools=inference_pools, seed=seed,
             max_context=max_context or _max_positions(model_path), env_threads=env_threads,
-            local_reward=local_reward)
+            local_reward=local_reward, conversation=conversation,
+            system_prompt=system_prompt, model_path=model_path)
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
         self._cleanups: set[asyncio.Task] = set()  # see _unstarted
@@ -174,7 +176,7 @@ class EnvManager:
                 "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
                 "barrier_wait_s": r.barrier_wait, "rewards_here": r.rewards["here"],
                 "reward_tasks": r.rewards["tasks"], "stuck_env_calls": r.stuck_calls,
-                **r.serverless.stats()}
+                **r.stats(), **r.serverless.stats()}
 
     async def env_latencies(self, last: int = 1000) -> np.ndarray:
         """The latest ``last`` env step latencies in seconds (for the dashboard), as one

@@ -1,8 +1,10 @@
 """Task records: what the rollout stage needs to run one kind of episode.
 
 A ``Task`` bundles an env factory, a reward function, turn/token limits, the random
-valid-action policy used for the supervised warm-up, and the vocabulary used to build the
-word-level tokenizer. ``BUILTIN_TASKS`` lists the built-in ones explicitly; ``get_task``
+valid-action policy used for the supervised warm-up, how the assistant's text becomes the
+env's action (``parse_action``, ``stop`` strings, the ``system_prompt`` of a chat model,
+the ``invalid_penalty`` of a bad tool call: ``rollart.env.conversation``), and — only for
+building the built-in word-level toy tokenizer — a vocabulary. ``BUILTIN_TASKS`` lists the built-in ones explicitly; ``get_task``
 resolves a name; ``task_corpus`` gives the tokenizer its words. Consumed by the env
 manager, the warm-up, and the CLI/config layer.
 """
@@ -14,6 +16,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterable
 
 from rollart.env.builtin import boxpush, gridnav, guess
+from rollart.env.conversation import whole_text
 from rollart.env.protocol import Env
 from rollart.types import Episode
 
@@ -40,6 +43,10 @@ class Task:
     description: str = ""
     affinity: Any = None  # rollart.affinity.Affinity: where it generates (task_affinity)
     top_p: float | None = None  # per-task nucleus sampling (None = the policy's top_p)
+    stop: tuple[str, ...] = ()  # stop strings: generation ends once one is produced
+    system_prompt: str | None = None  # chat: the system message (overrides the policy's)
+    parse_action: Callable[[str], Any] = whole_text  # assistant text -> env action
+    invalid_penalty: float = 0.1  # subtracted (as an env reward) per invalid tool call
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -57,7 +64,8 @@ class Task:
                                            and 0 < self.top_p <= 1):
             raise ValueError(f"Task {self.name!r}: top_p must be in (0, 1] or None, "
                              f"got {self.top_p!r}")
-        for field_name in ("env_factory", "reward_fn"):
+        self._check_text_fields()
+        for field_name in ("env_factory", "reward_fn", "parse_action"):
             if not callable(getattr(self, field_name)):
                 raise TypeError(_not_callable(self.name, field_name, getattr(self, field_name)))
         for field_name in ("warmup_action", "vocabulary"):
@@ -66,8 +74,25 @@ class Task:
                 raise TypeError(_not_callable(self.name, field_name, value) + " or None")
 
 
+    def _check_text_fields(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str) or not isinstance(stop, tuple) or not all(
+                isinstance(s, str) and s for s in stop):
+            raise TypeError(f"Task {self.name!r}: stop must be a tuple of non-empty strings, "
+                            f"got {stop!r}; e.g. stop=('</answer>',)")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise TypeError(f"Task {self.name!r}: system_prompt must be a str or None, got "
+                            f"{type(self.system_prompt).__name__}")
+        pen = self.invalid_penalty
+        if isinstance(pen, bool) or not isinstance(pen, (int, float)) or not pen >= 0:
+            raise ValueError(f"Task {self.name!r}: invalid_penalty must be a number >= 0, "
+                             f"got {pen!r}")
+
+
 def _not_callable(task: str, field_name: str, value: Any) -> str:
     hint = {
+        "parse_action": "pass a module-level function text -> action (see "
+                        "rollart.env.conversation: whole_text, last_line, answer_tag)",
         "env_factory": "pass the env class (e.g. GridNavEnv), not an instance",
         "reward_fn": "pass a module-level function Episode -> float",
         "warmup_action": "pass a function (rng, observation) -> action",

@@ -11,10 +11,16 @@ is closed at once from a thread of its own (closing releases a hung call, so its
 thread comes back); ``stuck_calls`` counts env calls and rewards that were given up on
 (timed out) and still hold a thread. Used by ``EnvManager``.
 
-``TokenLog`` is the one definition of how a conversation becomes token ids (used by the
-warm-up too): observation ids, then each action's generated ids (ending with the stop
-token), then the next observation's ids, and so on. ``TurnBarrier`` makes a batch of
-trajectories advance turn by turn (the synchronous baselines).
+How the turns become token ids is ``rollart.env.conversation`` (the one definition,
+shared with the warm-up and evaluation): raw concatenation or the tokenizer's chat
+template, generated ids kept verbatim. A generation that calls tools (an env with
+``tools``, chat format) is a tool turn: each call is parsed and checked
+(``rollart.env.tools``), run by ``env.call_tool`` on the env thread pool with the step
+time-out, and its result (or the error of an invalid call, which costs
+``Task.invalid_penalty``) returns as ``tool`` messages. A conversation that outgrows the
+context budget ends ``truncated``. ``stats`` counts cut generations, truncations, tool
+turns and invalid calls. ``TurnBarrier`` makes a batch of trajectories advance turn by
+turn (the synchronous baselines).
 """
 
 from __future__ import annotations
@@ -27,58 +33,25 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from rollart.env.protocol import check_observation, check_step_result
-from rollart.model import decode, encode
+from rollart.env.conversation import ConversationFormat, TokenLog
+from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
+                                  check_tool_result, env_tools)
 from rollart.reward import check_reward
 from rollart.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
 from rollart.reward.offload import is_serverless
-from rollart.types import Episode, GenRequest, GenResult, TrajState, Trajectory
+from rollart.types import Episode, GenRequest, TrajState, Trajectory
+
+__all__ = ["StepTimeout", "TokenLog", "TrajectoryRunner", "TurnBarrier", "request_seed",
+           "score_episode"]
 
 logger = logging.getLogger(__name__)
+_TOOL_COUNTS = ("invalid_tool_calls", "tool_calls")  # ep.info keys the tool turns keep
 
 
 class StepTimeout(TimeoutError):
     """One env call or reward took longer than its time-out."""
-
-
-@dataclass
-class TokenLog:
-    """A trajectory's token ids as they grow, with per-token generation metadata."""
-
-    prompt_ids: list[int] = field(default_factory=list)
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
-
-    def add_observation(self, ids: list[int]) -> None:
-        if not self.prompt_ids and not self.response_ids:
-            self.prompt_ids = list(ids)
-            return
-        self.response_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def add_generation(self, token_ids, logprobs=None, versions=None) -> None:
-        n = len(token_ids)
-        self.response_ids += list(token_ids)
-        self.loss_mask += [1] * n
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
-        self.versions += list(versions) if versions is not None else [0] * n
-
-
-def action_text(tokenizer, result: GenResult, stop_ids) -> str:
-    """The env-facing text of a generation: its tokens without the stop token."""
-    ids = [t for t in result.token_ids if t not in stop_ids]
-    return decode(tokenizer, ids)
 
 
 def score_episode(reward_fn, episode: Episode) -> float:
@@ -127,10 +100,16 @@ class TrajectoryRunner:
                  env_step_timeout: float = 30.0, reward_timeout: float = 30.0,
                  trajectory_timeout: float | None = None,
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
-                 max_context: int = 2048, env_threads: int = 8, local_reward: bool = True):
+                 max_context: int = 2048, env_threads: int = 8, local_reward: bool = True,
+                 conversation: str = "auto", system_prompt: str | None = None,
+                 model_path: str | None = None):
         self.proxy = proxy
         self.tokenizer = tokenizer
-        self.stop_ids = (tokenizer.eos_token_id,)
+        self.format = ConversationFormat(tokenizer, conversation, system_prompt=system_prompt,
+                                         max_context=max_context, model_path=model_path)
+        self.stop_ids = self.format.stop_ids
+        self.counts = {"cut_generations": 0, "truncated": 0, "tool_turns": 0,
+                       "invalid_tool_calls": 0, "bad_env_outputs": 0}
         self.temperature, self.top_p = temperature, top_p
         self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
         self.trajectory_timeout = trajectory_timeout
@@ -153,6 +132,11 @@ class TrajectoryRunner:
         self._reward_slots: dict[str, asyncio.Semaphore | None] = {}  # tag -> slots here
         self._reward_executor: ThreadPoolExecutor | None = None
         self.rewards = {"here": 0, "tasks": 0}  # how rewards ran: on this worker / as tasks
+
+    def stats(self) -> dict:
+        """Conversation counters, namespaced ``rollout/…`` (merged into
+        ``EnvManager.stats``)."""
+        return {f"rollout/{k}": v for k, v in self.counts.items()}
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -190,6 +174,8 @@ class TrajectoryRunner:
             traj.state, traj.outcome = TrajState.FAILED.value, "failed"
             traj.error = f"CancelledError inside the trajectory: {e!r}"
         except Exception as e:  # contained: this trajectory fails, the run goes on
+            if isinstance(e, EnvOutputError):
+                self.counts["bad_env_outputs"] += 1
             traj.state, traj.outcome = TrajState.FAILED.value, "failed"
             traj.error = f"{type(e).__name__}: {e}"[:2000]
             timed_out = isinstance(e, TimeoutError)
@@ -233,45 +219,92 @@ class TrajectoryRunner:
         return True
 
     async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
-        log.add_observation(encode(self.tokenizer, obs))
+        tools = env_tools(env) if self.format.mode == "chat" else []
+        conv = self.format.start(log, task, obs, tools)
         ep.observations.append(obs)
-        for turn in range(task.max_turns):
-            if barrier is not None:  # sync / one-off modes: the batch moves turn by turn
-                t_wait = time.perf_counter()
-                await barrier.wait()
-                self.barrier_wait += time.perf_counter() - t_wait
-            if len(log.ids) + task.max_new_tokens > self.max_context:
-                ep.truncated = True
-                return
-            self.running[traj.traj_id] = TrajState.GENERATING.value
-            t0 = time.perf_counter()
-            env_before = traj.env_time
-            top_p = self.top_p if getattr(task, "top_p", None) is None else task.top_p
-            req = GenRequest(log.ids, task.max_new_tokens, self.temperature, top_p,
-                             self.stop_ids, request_seed(self.seed, traj.traj_id, turn),
-                             request_id=f"{traj.traj_id}/{turn}")
-            res = await self.proxy.generate(traj.traj_id, req, self.inference_pools,
-                                            task=task.name)
-            gen = time.perf_counter() - t0
-            traj.gen_time += gen
-            log.add_generation(res.token_ids, res.logprobs, res.versions)
-            action = action_text(self.tokenizer, res, self.stop_ids)
-            self.running[traj.traj_id] = TrajState.IN_ENV.value
-            step = check_step_result(await self._env_call(
-                traj, env.step, action, is_async=hasattr(env, "astep")))
-            self.turns += 1
-            self.turn_seconds += time.perf_counter() - t0
-            self.gen_seconds += gen
-            self.env_seconds += traj.env_time - env_before
-            ep.actions.append(action)
-            ep.env_rewards.append(float(step.reward))
-            ep.info = dict(step.info)
-            ep.observations.append(step.observation)
-            if step.done:
-                ep.truncated = bool(step.info.get("truncated", False))
-                return
-            log.add_observation(encode(self.tokenizer, step.observation))
-        ep.truncated = True
+        try:
+            for turn in range(task.max_turns):
+                if barrier is not None:  # sync / one-off: the batch moves turn by turn
+                    t_wait = time.perf_counter()
+                    await barrier.wait()
+                    self.barrier_wait += time.perf_counter() - t_wait
+                if conv.truncated or not conv.room(task.max_new_tokens):
+                    ep.truncated = True
+                    self.counts["truncated"] += 1
+                    return
+                t0 = time.perf_counter()
+                env_before = traj.env_time
+                text = await self._generate(task, conv, traj, turn)
+                calls = _tool_calls(text) if tools else []
+                if calls:
+                    await self._tool_turn(task, env, tools, calls, conv, ep, traj)
+                    done = False
+                else:
+                    done = await self._env_turn(task, env, text, conv, ep, traj)
+                self.turns += 1
+                self.turn_seconds += time.perf_counter() - t0
+                self.env_seconds += traj.env_time - env_before
+                if done:
+                    return
+            ep.truncated = True
+        finally:
+            self.counts["cut_generations"] += conv.cut
+
+    async def _generate(self, task, conv, traj, turn: int) -> str:
+        """One generation through the proxy, appended verbatim; the assistant text."""
+        self.running[traj.traj_id] = TrajState.GENERATING.value
+        t0 = time.perf_counter()
+        top_p = self.top_p if getattr(task, "top_p", None) is None else task.top_p
+        req = GenRequest(conv.log.ids, task.max_new_tokens, self.temperature, top_p,
+                         self.stop_ids, request_seed(self.seed, traj.traj_id, turn),
+                         request_id=f"{traj.traj_id}/{turn}", stop_strings=task.stop)
+        res = await self.proxy.generate(traj.traj_id, req, self.inference_pools,
+                                        task=task.name)
+        gen = time.perf_counter() - t0
+        traj.gen_time += gen
+        self.gen_seconds += gen
+        return conv.add_generation(res.token_ids, res.logprobs, res.versions,
+                                   res.finish_reason)
+
+    async def _env_turn(self, task, env, text: str, conv, ep, traj) -> bool:
+        """``env.step`` on the parsed action; True when the episode is over."""
+        action = task.parse_action(text)
+        self.running[traj.traj_id] = TrajState.IN_ENV.value
+        step = check_step_result(await self._env_call(
+            traj, env.step, action, is_async=hasattr(env, "astep")), env)
+        ep.actions.append(action)
+        ep.env_rewards.append(float(step.reward))
+        tool_counts = {k: ep.info[k] for k in _TOOL_COUNTS if k in ep.info}
+        ep.info = {**step.info, **tool_counts}  # the last step's info + the tool counts
+        ep.observations.append(step.observation)
+        if step.done:
+            ep.truncated = bool(step.info.get("truncated", False))
+            return True
+        conv.add_user(step.observation)
+        return False
+
+    async def _tool_turn(self, task, env, tools, calls, conv, ep, traj) -> None:
+        """Run the generation's tool calls; their results (or errors) go back to the
+        model as ``tool`` messages. An invalid call costs ``task.invalid_penalty``."""
+        from rollart.env.tools import ToolError, check_call
+
+        self.running[traj.traj_id] = TrajState.IN_ENV.value
+        self.counts["tool_turns"] += 1
+        results, invalid = [], 0
+        for call in calls:
+            checked = call if isinstance(call, ToolError) else check_call(call, tools)
+            if isinstance(checked, ToolError):
+                invalid += 1
+                results.append(_tool_error_text(checked))
+                continue
+            out = await self._env_call(traj, env.call_tool, checked.name, checked.arguments)
+            results.append(check_tool_result(out, env, checked.name))
+        self.counts["invalid_tool_calls"] += invalid
+        ep.info["invalid_tool_calls"] = ep.info.get("invalid_tool_calls", 0) + invalid
+        ep.info["tool_calls"] = ep.info.get("tool_calls", 0) + len(calls)
+        if invalid:
+            ep.env_rewards.append(-float(task.invalid_penalty) * invalid)
+        conv.add_tool_results(results)
 
     async def _env_call(self, traj, fn, *args, is_async: bool = False):
         """Call an env method off the event loop with the per-step time-out."""
@@ -381,6 +414,19 @@ class TrajectoryRunner:
 
 async def _result(fut):
     return await fut
+
+
+def _tool_calls(text: str) -> list:
+    """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text."""
+    from rollart.env.tools import parse_tool_calls
+
+    return list(parse_tool_calls(text))
+
+
+def _tool_error_text(err) -> str:
+    """What the model reads about an invalid call."""
+    message = getattr(err, "message", None) or str(err)
+    return message if message.lower().startswith("error") else f"error: {message}"
 
 
 def _close_quietly(env) -> None:

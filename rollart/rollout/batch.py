@@ -2,7 +2,8 @@
 and per-row sampling (token choice with its behaviour log-prob).
 
 ``_Batch`` is driven by ``TorchEngine.serve``: rows join with their own prefill (or a PD
-handoff) and leave the moment they finish; their KV goes to the prefix cache.
+handoff) and leave the moment they finish (a stop id, a stop string: ``hits_stop_string``,
+or ``max_new_tokens``); their KV goes to the prefix cache.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class _Batch:
             row.tokens.append(tok)
             row.logps.append(lp)
             row.versions.append(eng.version)
-            if tok in row.req.stop_ids:
+            if tok in row.req.stop_ids or (row.req.stop_strings and hits_stop_string(
+                    eng.tokenizer, row.tokens, row.req.stop_strings)):
                 row.reason = "stop"
             elif len(row.tokens) >= row.req.max_new_tokens:
                 row.reason = "length"
@@ -158,6 +160,20 @@ class _Batch:
         contexts = [list(r.req.prompt_ids) + r.tokens for r in self.rows]
         self.logits, self.mask, self.next_pos, self.cache = self.engine._prefill(contexts)
         return sum(len(c) for c in contexts)
+
+
+def hits_stop_string(tokenizer, tokens: list[int], stops) -> bool:
+    """Whether the decoded tail of ``tokens`` contains one of the ``stops`` strings.
+
+    Called after each new token, so only a tail that can hold the longest stop string
+    is decoded (a token is at least one byte; a character at most four): the check is
+    incremental, its cost independent of how much was generated. A stop string that was
+    complete before the newest token would have stopped the row then. Shared by the
+    torch and vLLM engines (``rollart.rollout.vllm_engine``), so both stop alike.
+    """
+    window = 4 * max(len(s) for s in stops) + 4
+    tail = tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+    return any(s in tail for s in stops)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

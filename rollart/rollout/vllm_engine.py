@@ -16,6 +16,11 @@ the protocol points:
   unfinished request is re-added with its prompt + tokens so far, so its KV is
   recomputed under the new weights. Tokens before the swap keep their old version.
 * **prefix caching** is on: the shared prompt of a group is prefilled once.
+* **stops**: ``stop_ids`` go to vLLM's ``stop_token_ids``; ``stop_strings`` are checked
+  here, on the decoded tail after each token, with the torch engine's own
+  ``hits_stop_string`` (vLLM runs without its tokenizer, ``detokenize=False``, and its
+  ``stop`` needs detokenizing): a hit aborts the request inside vLLM and it ends with
+  ``finish_reason="stop"``, the tokens that completed the string kept.
 
 Differences from ``TorchEngine``: seeded sampling uses vLLM's RNG (same seed, same
 tokens within vLLM, not the torch engine's); with ``top_p < 1`` the log-prob is taken
@@ -35,6 +40,7 @@ from typing import Callable
 import torch
 
 from rollart.model import check_model_folder, load_tokenizer
+from rollart.rollout.batch import hits_stop_string
 from rollart.types import GenRequest, GenResult
 
 UpdateHook = Callable[[int, "BaseException | None"], None]
@@ -195,12 +201,22 @@ class VLLMEngine:
                     if row is None:
                         continue
                     comp = out.outputs[0]
+                    hit = False
                     for tok, lps in zip(comp.token_ids, comp.logprobs or []):
                         row.tokens.append(int(tok))
                         row.logps.append(float(lps[tok].logprob))
                         row.versions.append(self.version)
                         self.tokens_generated += 1
-                    if out.finished:
+                        hit = bool(row.req.stop_strings) and hits_stop_string(
+                            self.tokenizer, row.tokens, row.req.stop_strings)
+                        if hit:  # vLLM detokenizes nothing here: stop strings are ours
+                            break
+                    if hit and not out.finished:
+                        self.llm.abort_request([out.request_id])
+                    if hit:
+                        del rows[out.request_id]
+                        deliver(row.tag, row.result("stop"))
+                    elif out.finished:
                         del rows[out.request_id]
                         deliver(row.tag, row.result(
                             "stop" if comp.finish_reason == "stop" else "length"))

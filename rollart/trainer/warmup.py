@@ -4,49 +4,96 @@ A randomly initialised tiny model cannot emit valid actions, so RL would have no
 The warm-up plays each task with its ``warmup_action`` — a *uniformly random valid*
 action — and trains the model to imitate those actions. It learns the format (which words
 are actions), not good play: its success rate is the random policy's, the baseline that
-RL must beat. Consumes ``Task`` s and a tokenizer; produces padded token batches.
+RL must beat. Consumes ``Task`` s and a tokenizer; produces padded token batches in
+the rollout's own conversation format (``rollart.env.conversation``: raw text or the
+chat template, so a chat model learns the chat format). Episodes are bounded by the
+context budget (a huge observation is cut before it is encoded); an env that raises or
+returns the wrong types stops the warm-up with a ``WarmupEnvError`` naming the task and
+the method. Called by the trainer actor before RL starts.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
 
+from rollart.env.conversation import ConversationFormat, TokenLog
 from rollart.env.faults import without_faults
-from rollart.env.trajectory import TokenLog
-from rollart.model import encode
+from rollart.env.protocol import EnvOutputError, check_observation, check_step_result
+
+logger = logging.getLogger(__name__)
 
 
-def play_random(task, tokenizer, seed: int, rng: random.Random) -> TokenLog:
-    """One episode of ``task`` under its random valid-action policy, as token ids."""
+class WarmupEnvError(RuntimeError):
+    """A task's env failed while the warm-up played it (names the task and the method)."""
+
+
+def play_random(task, tokenizer, seed: int, rng: random.Random,
+                fmt: ConversationFormat | None = None,
+                counts: dict | None = None) -> TokenLog:
+    """One episode of ``task`` under its random valid-action policy, as token ids in the
+    conversation format ``fmt`` (default: ``"auto"`` for ``tokenizer``, 2048 tokens).
+
+    An episode that outgrows the context budget stops there (``counts["truncated"]``
+    counts it); an env that raises or returns the wrong types raises ``WarmupEnvError``.
+    """
     if task.warmup_action is None:
         raise ValueError(f"task {task.name!r} has no warmup_action; give the graph a model "
                          "folder (Policy.model) or set Policy.warmup_steps=0")
-    env = without_faults(task).env_factory()
+    fmt = fmt or ConversationFormat(tokenizer)
+    env = _env_call(task, "env_factory", without_faults(task).env_factory)
     log = TokenLog()
     try:
-        obs = env.reset(seed)
-        log.add_observation(encode(tokenizer, obs))
+        obs = check_observation(_env_call(task, "reset", env.reset, seed), env)
+        conv = fmt.start(log, task, obs)
         for _ in range(task.max_turns):
+            if conv.truncated or not conv.room(task.max_new_tokens):
+                if counts is not None:
+                    counts["truncated"] = counts.get("truncated", 0) + 1
+                break
             action = task.warmup_action(rng, obs)
-            log.add_generation(encode(tokenizer, action) + [tokenizer.eos_token_id])
-            step = env.step(action)
+            conv.add_text_generation(action)
+            step = check_step_result(_env_call(task, "step", env.step, action), env)
             if step.done:
                 break
             obs = step.observation
-            log.add_observation(encode(tokenizer, obs))
+            conv.add_user(obs)
+    except EnvOutputError as e:
+        raise WarmupEnvError(f"warm-up of task {task.name!r}: {e}; fix the env, or set "
+                             "Policy.warmup_steps=0 to skip the warm-up") from None
     finally:
-        env.close()
+        _close_quietly(env)
     return log
 
 
-def warmup_batch(tasks, tokenizer, batch_size: int, rng: random.Random):
+def _env_call(task, method: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - named and re-raised
+        raise WarmupEnvError(
+            f"warm-up of task {task.name!r}: env {method} raised {type(e).__name__}: "
+            f"{str(e)[:500]}; fix the env, or set Policy.warmup_steps=0 to skip the "
+            "warm-up") from e
+
+
+def _close_quietly(env) -> None:
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001 - closing is best effort
+        pass
+
+
+def warmup_batch(tasks, tokenizer, batch_size: int, rng: random.Random,
+                 fmt: ConversationFormat | None = None, counts: dict | None = None):
     """``(input_ids, attention_mask, loss_mask)`` for ``batch_size`` random episodes."""
+    fmt = fmt or ConversationFormat(tokenizer)
     logs = []
     for _ in range(batch_size):
         task = rng.choice(tasks)
-        logs.append(play_random(task, tokenizer, rng.randrange(1_000_000, 2_000_000), rng))
+        logs.append(play_random(task, tokenizer, rng.randrange(1_000_000, 2_000_000), rng,
+                                fmt, counts))
     return pad_logs(logs, tokenizer.pad_token_id)
 
 
@@ -65,14 +112,26 @@ def pad_logs(logs, pad_id: int):
 
 
 def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: float,
-               seed: int = 0, obs_weight: float = 1.0) -> list[float]:
-    """Supervised steps on random valid actions; returns the loss curve."""
+               seed: int = 0, obs_weight: float = 1.0, conversation: str = "auto",
+               system_prompt: str | None = None,
+               max_context: int | None = None) -> list[float]:
+    """Supervised steps on random valid actions; returns the loss curve.
+
+    Episodes are rendered in the rollout's conversation format (``conversation``,
+    ``system_prompt``: ``rollart.env.conversation``), within ``max_context`` tokens (the
+    model config's ``max_position_embeddings`` by default).
+    """
+    budget = max_context or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    fmt = ConversationFormat(tokenizer, conversation, system_prompt=system_prompt,
+                             max_context=budget,
+                             model_path=getattr(model.config, "_name_or_path", None))
+    counts: dict = {}
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
     for _ in range(steps):
-        ids, attn, mask = warmup_batch(tasks, tokenizer, batch_size, rng)
+        ids, attn, mask = warmup_batch(tasks, tokenizer, batch_size, rng, fmt, counts)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
@@ -88,4 +147,7 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
         opt.step()
         losses.append(loss.item())
     model.eval()
+    if counts.get("truncated"):
+        logger.warning("warm-up: %d episodes cut at the context budget of %d tokens",
+                       counts["truncated"], budget)
     return losses

@@ -1,0 +1,449 @@
+"""How a trajectory becomes token ids: the one definition, for rollout, warm-up and eval.
+
+Consumes a tokenizer (and, where there is one, its model folder's
+``generation_config.json``), a ``Task`` and the env's text; produces a ``TokenLog``:
+prompt ids, then response ids with a loss mask, behaviour log-probs and versions.
+``TrajectoryRunner`` (rollout), ``rollart.trainer.warmup.play_random`` and
+``rollart.evaluate`` all build their ids here, so a model is trained, warmed up and
+evaluated on exactly one format.
+
+Two formats (``Policy.conversation``; ``"auto"`` picks ``chat`` when the tokenizer has
+a chat template, else ``raw``):
+
+* ``raw``: observation ids, generated ids (ending with the stop token), next
+  observation ids, … — plain concatenation, for the built-in word-level toy.
+* ``chat``: messages rendered by the tokenizer's own chat template: an optional system
+  prompt (``Task.system_prompt``, else ``Policy.system_prompt``), each observation a
+  ``user`` message (a tool's result a ``tool`` message), each generation the
+  ``assistant`` message; an env with ``tools`` has them rendered through ``tools=``.
+
+Token in, token out: the ids the policy generated are kept verbatim (never decoded and
+re-encoded). Each new message adds only the template's delta: the end of the assistant
+turn the policy did not generate itself (a generation cut by ``max_new_tokens`` gets its
+end-of-turn token here), the new user/tool turn and the generation prompt — found by
+rendering the conversation with and without the new message and keeping the suffix.
+Where the template renders prefix-stably the ids equal
+``apply_chat_template(messages, add_generation_prompt=True)`` of the whole conversation.
+A template that re-renders history differently (e.g. one that drops past ``<think>``
+blocks) is not prefix-stable: rollart then keeps what the policy actually saw (the
+delta of a new message comes from a fixed probe conversation), so training sees the
+very tokens generation saw; a warning says so once when the format is set up.
+
+Loss mask: 1 on every generated token, the end-of-turn token the policy generated
+included; 0 on everything rollart adds. Stops: the template's end-of-turn token, the
+``eos`` ids of the tokenizer and of ``generation_config.json``, plus ``Task.stop``
+strings (the engines stop on them). Memory is bounded: text is capped before it is
+encoded (``cap_text``), and ids never grow past ``max_context``.
+
+``parse_action`` helpers turn the assistant's text into the env's action:
+``whole_text`` (the default), ``last_line``, ``answer_tag``, ``strip_think`` and
+``ParseChain`` to combine them (all pickle: they travel with a ``Task``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+#: values of ``Policy.conversation``
+CONVERSATIONS = ("auto", "chat", "raw")
+#: at most this many characters of text are encoded per token of room left (a cap far
+#: above any tokenizer's characters per token, so only text that cannot fit is cut)
+CHARS_PER_TOKEN = 64
+_PROBE_THINK = "<think>probe thought</think>probe answer"
+_WARNED: set[str] = set()  # templates already warned about (once per process)
+
+
+class ConversationError(ValueError):
+    """The tokenizer cannot serve the asked-for conversation format."""
+
+
+# -- the token log -----------------------------------------------------------------------
+@dataclass
+class TokenLog:
+    """A trajectory's token ids as they grow, with per-token generation metadata."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def add_observation(self, ids: list[int]) -> None:
+        """Ids rollart adds (env text, template tokens): loss mask 0."""
+        if not self.prompt_ids and not self.response_ids:
+            self.prompt_ids = list(ids)
+            return
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generation(self, token_ids, logprobs=None, versions=None) -> None:
+        """Ids the policy generated: loss mask 1."""
+        n = len(token_ids)
+        self.response_ids += list(token_ids)
+        self.loss_mask += [1] * n
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
+        self.versions += list(versions) if versions is not None else [0] * n
+
+
+def cap_text(text: str, max_tokens: int) -> str:
+    """``text`` cut to what ``max_tokens`` tokens could possibly hold (bounded memory:
+    a huge observation is never encoded whole)."""
+    limit = max(int(max_tokens), 1) * CHARS_PER_TOKEN
+    return text if len(text) <= limit else text[:limit]
+
+
+def context_budget(model_path, override: int | None = None, default: int = 2048) -> int:
+    """The context budget (prompt + generation) in tokens: ``override`` when given,
+    else the model config's ``max_position_embeddings``."""
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, int) or override < 2:
+            raise ValueError(f"max_context must be an int >= 2 or None, got {override!r}")
+        return override
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return default
+    return int(config.get("max_position_embeddings") or default)
+
+
+# -- the format (one per tokenizer) ------------------------------------------------------
+class ConversationFormat:
+    """How conversations are rendered with one tokenizer; ``start`` makes one.
+
+    >>> # fmt = ConversationFormat(tokenizer, "auto", max_context=4096)
+    >>> # conv = fmt.start(TokenLog(), task, first_observation)
+    """
+
+    def __init__(self, tokenizer, conversation: str = "auto", *,
+                 system_prompt: str | None = None, max_context: int = 2048,
+                 model_path: str | None = None):
+        if conversation not in CONVERSATIONS:
+            raise ValueError(f"conversation must be one of {CONVERSATIONS}, got "
+                             f"{conversation!r}")
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.max_context = int(max_context)
+        template = getattr(tokenizer, "chat_template", None)
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        if conversation == "chat" and not template:
+            raise ConversationError(
+                f"conversation='chat' but the tokenizer of {name!r} has no chat template: "
+                "set Policy.conversation='raw' (plain concatenation of observation and "
+                "action ids) or give the tokenizer a chat template (tokenizer.chat_template "
+                "= '...', then save_pretrained)")
+        self.mode = "chat" if conversation == "chat" or (conversation == "auto" and
+                                                         template) else "raw"
+        self.prefix_stable = True
+        self.end_id: int | None = None  # the template's end-of-turn token (chat)
+        eos = _eos_ids(tokenizer, model_path or getattr(tokenizer, "name_or_path", None))
+        if self.mode == "chat":
+            self.end_id = self._probe_end_id()
+            self.prefix_stable = self._probe_prefix_stable(name)
+        ends = ([self.end_id] if self.end_id is not None else []) + eos
+        self.stop_ids = tuple(dict.fromkeys(ends))
+        if not self.stop_ids:
+            raise ConversationError(
+                f"the tokenizer of {name!r} has no eos or end-of-turn token, so a "
+                "generation could never stop: give it an eos_token (tokenizer.eos_token = "
+                "'...') or a chat template that ends each turn with a special token")
+
+    def start(self, log: TokenLog, task, observation: str, tools=None) -> "Conversation":
+        """A conversation whose first prompt (system prompt + ``observation``) is in
+        ``log``."""
+        system = getattr(task, "system_prompt", None) or self.system_prompt
+        return Conversation(self, log, system, observation, tools)
+
+    # -- chat template plumbing ----------------------------------------------------------
+    def render(self, messages: list[dict], generation_prompt: bool, tools=None) -> list[int]:
+        """``apply_chat_template(messages)`` as ids (rendered text, then encoded)."""
+        kwargs = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def detached_delta(self, messages: list[dict], tools=None) -> list[int]:
+        """The ids ``messages`` add after an assistant turn, measured on a fixed probe
+        conversation (for templates that are not prefix-stable)."""
+        base = [{"role": "user", "content": "probe"},
+                {"role": "assistant", "content": "probe"}]
+        before = self.render(base, False, tools)
+        after = self.render(base + messages, True, tools)
+        if after[:len(before)] != before:
+            raise ConversationError("the chat template renders a conversation differently "
+                                    "once a message is added, even without <think> blocks; "
+                                    "rollart cannot tell which ids a new message adds: use "
+                                    "Policy.conversation='raw' or another template")
+        return after[len(before):]
+
+    def _probe_end_id(self) -> int | None:
+        """The last special token of an assistant turn as the template renders it."""
+        user = [{"role": "user", "content": "probe"}]
+        prompt = self.render(user, True)
+        full = self.render(user + [{"role": "assistant", "content": "probe"}], False)
+        special = _special_ids(self.tokenizer)
+        turn = full[len(prompt):] if full[:len(prompt)] == prompt else full
+        for tok in reversed(turn):
+            if tok in special:
+                return int(tok)
+        return None
+
+    def _probe_prefix_stable(self, name: str) -> bool:
+        """Render a probe conversation prefix by prefix: is each render a prefix of the
+        next? Warn once per template when not."""
+        msgs = ([{"role": "system", "content": "probe"}] if self.system_prompt else [])
+        turns = [{"role": "user", "content": "probe one"},
+                 {"role": "assistant", "content": _PROBE_THINK},
+                 {"role": "user", "content": "probe two"},
+                 {"role": "assistant", "content": _PROBE_THINK},
+                 {"role": "user", "content": "probe three"}]
+        prev: list[int] = []
+        for m in turns:
+            msgs.append(m)
+            ids = self.render(msgs, m["role"] != "assistant")
+            if ids[:len(prev)] != prev:
+                key = str(self.tokenizer.chat_template)
+                if key not in _WARNED:
+                    _WARNED.add(key)
+                    logger.warning(
+                        "the chat template of %r does not render conversations "
+                        "prefix-stably (it re-renders past turns, e.g. drops <think> "
+                        "blocks): rollart keeps the ids the policy actually saw, so a "
+                        "trajectory's ids differ from apply_chat_template of its messages",
+                        name)
+                return False
+            prev = ids
+        return True
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
+    return ids
+
+
+def _eos_ids(tokenizer, model_path) -> list[int]:
+    """The tokenizer's eos id, then the eos ids of ``generation_config.json``."""
+    out = [tokenizer.eos_token_id]
+    if model_path and os.path.isfile(os.path.join(str(model_path), "generation_config.json")):
+        try:
+            with open(os.path.join(str(model_path), "generation_config.json")) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        out += [eos] if isinstance(eos, int) else list(eos or [])
+    return [int(t) for t in out if t is not None]
+
+
+# -- one conversation --------------------------------------------------------------------
+class Conversation:
+    """One trajectory's messages and ids (made by ``ConversationFormat.start``).
+
+    ``add_generation`` appends what the policy generated (loss mask 1) and returns the
+    assistant text; ``add_user`` / ``add_tool_results`` append a new message's delta
+    (loss mask 0). ``room(n)`` says whether ``n`` more tokens fit the context budget;
+    ``truncated`` is set once text had to be cut to fit.
+    """
+
+    def __init__(self, fmt: ConversationFormat, log: TokenLog, system: str | None,
+                 observation: str, tools=None):
+        self.fmt, self.log, self.tools = fmt, log, tools or None
+        self.truncated = False
+        self.cut = 0  # generations closed by rollart (cut by max_new_tokens)
+        self.messages: list[dict] = []
+        self._ended = True  # the last generation ended with a stop id
+        if fmt.mode == "raw":
+            self._append(self._encode(observation))
+            return
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.messages.append({"role": "user", "content": self._cap(observation)})
+        self._prompt = fmt.render(self.messages, True, self.tools)  # the template's view
+        self._append(self._prompt)
+
+    def room(self, max_new_tokens: int) -> bool:
+        return len(self.log) + max_new_tokens <= self.fmt.max_context
+
+    # -- the policy's turn ---------------------------------------------------------------
+    def add_generation(self, token_ids, logprobs=None, versions=None,
+                       finish_reason: str = "stop") -> str:
+        """Keep the generated ids verbatim; return the assistant text (no end token)."""
+        ids = list(token_ids)
+        self.log.add_generation(ids, logprobs, versions)
+        stops = self.fmt.stop_ids
+        content = ids
+        for j, t in enumerate(ids):
+            if t in stops:
+                content = ids[:j]
+                break
+        self._ended = len(content) < len(ids)
+        if finish_reason == "length" and not self._ended:
+            self.cut += 1
+        tok = self.fmt.tokenizer
+        if self.fmt.mode == "raw":
+            return tok.decode(content, skip_special_tokens=True)
+        text = tok.decode(content, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def add_text_generation(self, text: str) -> str:
+        """A generation given as text (the warm-up's random actions): its ids and the
+        end-of-turn token, as the policy would have produced them."""
+        ids = list(self.fmt.tokenizer.encode(text, add_special_tokens=False))
+        return self.add_generation(ids + [self.fmt.stop_ids[0]])
+
+    # -- the env's turn ------------------------------------------------------------------
+    def add_user(self, text: str) -> None:
+        """The env's next observation (a ``user`` message in chat)."""
+        if self.fmt.mode == "raw":
+            self._append(self._encode(text))
+            return
+        self._add_messages([{"role": "user", "content": self._cap(text)}])
+
+    def add_tool_results(self, results: list[str]) -> None:
+        """Tool results, one ``tool`` message each (chat; raw: concatenated text)."""
+        if self.fmt.mode == "raw":
+            self._append(self._encode("\n".join(results)))
+            return
+        self._add_messages([{"role": "tool", "content": self._cap(r)} for r in results])
+
+    def _add_messages(self, new: list[dict]) -> None:
+        fmt, tools = self.fmt, self.tools
+        before = fmt.render(self.messages, False, tools)
+        ids = self._closing(before)
+        after = fmt.render(self.messages + new, True, tools)
+        if after[:len(before)] == before:
+            ids += after[len(before):]
+        else:  # not prefix-stable: keep what the policy saw, add only the new turn
+            ids += fmt.detached_delta(new, tools)
+        self.messages.extend(new)
+        self._prompt = after
+        self._append(ids)
+
+    def _closing(self, before: list[int]) -> list[int]:
+        """What the template puts after the assistant text that the policy did not
+        generate: the rest of the turn after its end token, and the end token itself
+        when the generation was cut."""
+        if self.messages[-1]["role"] != "assistant":
+            return []
+        prompt = self._prompt
+        turn = before[len(prompt):] if before[:len(prompt)] == prompt else None
+        if turn is None:  # re-rendered history: measure the turn on the probe instead
+            user = [{"role": "user", "content": "probe"}]
+            prompt = self.fmt.render(user, True, self.tools)
+            full = self.fmt.render(user + [{"role": "assistant", "content": "probe"}],
+                                   False, self.tools)
+            turn = full[len(prompt):]
+        end = self.fmt.end_id
+        at = max((j for j, t in enumerate(turn) if t == end), default=None)
+        if at is None:  # the template ends a turn without a special token
+            return [] if self._ended else [self.fmt.stop_ids[0]]
+        return turn[at + 1:] if self._ended else turn[at:]
+
+    # -- bounded growth ------------------------------------------------------------------
+    def _cap(self, text: str) -> str:
+        room = max(self.fmt.max_context - len(self.log), 1)
+        capped = cap_text(text, room)
+        if len(capped) < len(text):
+            self.truncated = True
+        return capped
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.fmt.tokenizer.encode(self._cap(text), add_special_tokens=False))
+
+    def _append(self, ids: list[int]) -> None:
+        room = self.fmt.max_context - len(self.log)
+        if len(ids) > room:
+            ids = ids[:max(room, 0)]
+            self.truncated = True
+        self.log.add_observation(ids)
+
+
+# -- parse_action helpers ----------------------------------------------------------------
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def whole_text(text: str) -> str:
+    """The whole assistant text, stripped (the default ``Task.parse_action``).
+
+    >>> whole_text("  up \\n")
+    'up'
+    """
+    return text.strip()
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line, stripped.
+
+    >>> last_line("I think so.\\nleft\\n")
+    'left'
+    """
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def answer_tag(text: str) -> str:
+    """The content of the last ``<answer>…</answer>``, stripped; ``""`` when there is
+    none (so an answer without the tags is an invalid action, not a lucky one).
+
+    >>> answer_tag("so <answer> 7 </answer>")
+    '7'
+    >>> answer_tag("7")
+    ''
+    """
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else ""
+
+
+def strip_think(text: str) -> str:
+    """The text without its ``<think>…</think>`` blocks (an unclosed ``<think>`` hides
+    everything after it), stripped.
+
+    >>> strip_think("<think>left is a wall</think> up")
+    'up'
+    """
+    text = _THINK.sub("", text)
+    if "<think>" in text:
+        text = text[:text.index("<think>")]
+    return text.strip()
+
+
+class ParseChain:
+    """Apply parsers in order, e.g. ``ParseChain(strip_think, answer_tag)`` (a class,
+    not a lambda, so a ``Task`` using it pickles).
+
+    >>> ParseChain(strip_think, answer_tag)("<think>x</think><answer>up</answer>")
+    'up'
+    """
+
+    def __init__(self, *parsers):
+        if not parsers or not all(callable(p) for p in parsers):
+            raise TypeError("ParseChain takes one or more callables text -> text")
+        self.parsers = parsers
+
+    def __call__(self, text: str) -> str:
+        for parse in self.parsers:
+            text = parse(text)
+        return text
+
+    def __repr__(self) -> str:
+        return "ParseChain(" + ", ".join(getattr(p, "__name__", repr(p))
+                                         for p in self.parsers) + ")"

@@ -1,0 +1,437 @@
+"""Conversations as token ids (rollart.env.conversation) with real tokenizers built here:
+three chat-template styles, token in / token out, masks, tool messages, cut generations,
+parse_action helpers, bad input, the raw toy format byte for byte, and the warm-up."""
+
+import json
+import logging
+import pickle
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from rollart.env import conversation as conv_mod
+from rollart.env.conversation import (ConversationError, ConversationFormat, ParseChain,
+                                      TokenLog, answer_tag, cap_text, last_line,
+                                      strip_think, whole_text)
+from rollart.env.tasks import BUILTIN_TASKS, Task
+from rollart.types import StepResult
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>"]
+
+# Qwen2.5-like: tools in the system turn, tool results wrapped in a user turn
+CHATML = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Llama-3-like: bos, headers, trimmed content, <|eot_id|> ends a turn, nothing after it
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}"
+    "<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% endif %}")
+
+# Qwen3-like thinking template: past assistant turns (before the last user message) lose
+# their <think> block: not prefix-stable
+THINKING = (
+    "{% set ns = namespace(last=0) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and loop.index0 < ns.last and '</think>' in m.content %}"
+    "<|im_start|>assistant\n{{ m.content.split('</think>')[-1] | trim }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CORPUS = ["go left right up down <think> </think> <answer> </answer> <tool_call> "
+          "</tool_call> {\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}} user "
+          "assistant system tool tools Tools function the number is 0 1 2 3 4 5 6 7 8 9 "
+          "guess higher lower pick act left . : ? you play a game"] * 20
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}]
+
+
+def make_tokenizer(specials, template=None, eos=None, pad=None):
+    """A byte-level BPE tokenizer trained here, with special tokens and a template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    kwargs = {"tokenizer_object": tok}
+    if eos:
+        kwargs["eos_token"] = eos
+    if pad:
+        kwargs["pad_token"] = pad
+    if "<|begin_of_text|>" in specials:
+        kwargs["bos_token"] = "<|begin_of_text|>"
+    out = PreTrainedTokenizerFast(**kwargs)
+    if template:
+        out.chat_template = template
+    return out
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    return make_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    return make_tokenizer(LLAMA_SPECIALS, LLAMA3, eos="<|end_of_text|>")
+
+
+@pytest.fixture(scope="module")
+def thinking():
+    return make_tokenizer(CHATML_SPECIALS, THINKING, eos="<|endoftext|>")
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def full_render(tok, messages, tools=None):
+    kwargs = {"tools": tools} if tools else {}
+    return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)["input_ids"]
+
+
+def task(**kw):
+    from rollart.env.builtin.guess import GuessEnv
+    from rollart.reward import success_reward
+
+    return Task(name="t", env_factory=GuessEnv, reward_fn=success_reward, max_turns=3, **kw)
+
+
+def play(fmt, tok, observations, answers, end_id, system_task=None):
+    """A conversation: observation, answer (generated as its ids + end id), ... ."""
+    log = TokenLog()
+    conv = fmt.start(log, system_task or task(), observations[0])
+    gens = []
+    for answer, obs in zip(answers, observations[1:]):
+        ids = enc(tok, answer) + [end_id]
+        gens.append((len(log), ids))
+        assert conv.add_generation(ids) == answer
+        conv.add_user(obs)
+    return conv, gens
+
+
+# -- round trips ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name,end", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
+def test_incremental_ids_equal_the_full_render_where_prefix_stable(request, caplog, name,
+                                                                   end):
+    tok = request.getfixturevalue(name)
+    with caplog.at_level(logging.WARNING, logger=conv_mod.__name__):
+        fmt = ConversationFormat(tok, "auto", system_prompt="you play a game")
+    assert fmt.mode == "chat" and fmt.prefix_stable
+    assert not [r for r in caplog.records if "prefix-stably" in r.getMessage()]
+    end_id = tok.convert_tokens_to_ids(end)
+    assert fmt.end_id == end_id and fmt.stop_ids[0] == end_id
+    obs = ["guess : pick 1 to 9 . act :", "guess : higher . act :", "guess : lower ."]
+    # llama3 trims content: the generated ids are kept anyway. (No leading whitespace:
+    # byte-level BPE would merge it with the template's "\n" when the text is re-encoded,
+    # which token in / token out never does.)
+    answers = ["5", "7  "]
+    conv, gens = play(fmt, tok, obs, answers, end_id)
+    messages = [{"role": "system", "content": "you play a game"}]
+    for o, a in zip(obs, answers + [None]):
+        messages.append({"role": "user", "content": o})
+        if a is not None:
+            messages.append({"role": "assistant", "content": a})
+    assert conv.messages == messages
+    if name == "chatml":  # content rendered verbatim: the whole conversation re-renders
+        assert conv.log.ids == full_render(tok, messages)
+    else:  # trimmed content: equal once the generated ids are what the template renders
+        conv2, _ = play(fmt, tok, obs, [a.strip() for a in answers], end_id)
+        messages2 = [dict(m, content=m["content"].strip()) for m in messages]
+        assert conv2.log.ids == full_render(tok, messages2)
+    # the loss mask covers exactly the generated ids, their end token included
+    log = conv.log
+    mask = [0] * len(log.prompt_ids) + log.loss_mask
+    expected = [0] * len(log)
+    for start, ids in gens:
+        assert log.ids[start:start + len(ids)] == ids  # kept verbatim
+        expected[start:start + len(ids)] = [1] * len(ids)
+    assert mask == expected
+    assert sum(mask) == sum(len(a) for _, a in gens)
+
+
+def test_thinking_template_keeps_what_the_policy_saw_and_warns_once(thinking, caplog):
+    conv_mod._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger=conv_mod.__name__):
+        fmt = ConversationFormat(thinking, "chat")
+        ConversationFormat(thinking, "chat")  # a second format: no second warning
+    warnings = [r for r in caplog.records if "prefix-stably" in r.getMessage()]
+    assert len(warnings) == 1 and not fmt.prefix_stable
+    end_id = thinking.convert_tokens_to_ids("<|im_end|>")
+    assert fmt.stop_ids == (end_id, thinking.eos_token_id)
+    obs = ["guess : pick 1 to 9 .", "guess : higher .", "guess : lower ."]
+    answers = ["<think>the middle</think>5", "<think>go up</think>7"]
+    conv, gens = play(fmt, thinking, obs, answers, end_id)
+    expected = enc(thinking, f"<|im_start|>user\n{obs[0]}<|im_end|>\n<|im_start|>assistant\n")
+    for answer, o in zip(answers, obs[1:]):
+        expected += enc(thinking, answer) + [end_id]
+        expected += enc(thinking, f"\n<|im_start|>user\n{o}<|im_end|>\n"
+                                  "<|im_start|>assistant\n")
+    assert conv.log.ids == expected  # the think blocks the policy generated stay
+    assert conv.log.ids != full_render(thinking, conv.messages)  # the template drops them
+    assert sum(conv.log.loss_mask) == sum(len(ids) for _, ids in gens)
+
+
+# -- tools ----------------------------------------------------------------------------------
+def test_tools_are_rendered_and_tool_results_masked(chatml):
+    fmt = ConversationFormat(chatml, "chat")
+    end_id = fmt.end_id
+    log = TokenLog()
+    conv = fmt.start(log, task(system_prompt="you play a game"), "what is 1 plus 2 ?", TOOLS)
+    assert '"name": "add"' in chatml.decode(log.prompt_ids)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    gen = enc(chatml, call) + [end_id]
+    conv.add_generation(gen)
+    n = len(log)
+    conv.add_tool_results(["3"])
+    added = log.ids[n:]
+    assert "<tool_response>\n3\n</tool_response>" in chatml.decode(added)
+    assert log.loss_mask[-len(added):] == [0] * len(added)
+    conv.add_generation(enc(chatml, "3") + [end_id])
+    conv.add_user("right .")
+    messages = [{"role": "system", "content": "you play a game"},
+                {"role": "user", "content": "what is 1 plus 2 ?"},
+                {"role": "assistant", "content": call}, {"role": "tool", "content": "3"},
+                {"role": "assistant", "content": "3"}, {"role": "user", "content": "right ."}]
+    assert conv.messages == messages
+    assert log.ids == full_render(chatml, messages, TOOLS)
+    assert sum(log.loss_mask) == len(gen) + len(enc(chatml, "3")) + 1
+
+
+# -- cut generations, stops -----------------------------------------------------------------
+def test_a_cut_generation_is_closed_by_the_template_and_counted(chatml):
+    fmt = ConversationFormat(chatml, "chat")
+    log = TokenLog()
+    conv = fmt.start(log, task(), "guess : pick .")
+    cut = enc(chatml, "left left left")  # max_new_tokens ran out: no end token
+    assert conv.add_generation(cut, finish_reason="length") == "left left left"
+    assert conv.cut == 1
+    n = len(log)
+    conv.add_user("guess : higher .")
+    assert log.ids[n] == fmt.end_id and log.loss_mask[n - len(log.prompt_ids)] == 0
+    messages = [{"role": "user", "content": "guess : pick ."},
+                {"role": "assistant", "content": "left left left"},
+                {"role": "user", "content": "guess : higher ."}]
+    assert log.ids == full_render(chatml, messages)
+    assert sum(log.loss_mask) == len(cut)
+
+
+def test_a_stop_string_ends_the_turn_without_counting_a_cut(llama3):
+    fmt = ConversationFormat(llama3, "chat")
+    log = TokenLog()
+    conv = fmt.start(log, task(stop=("</answer>",)), "guess :")
+    ids = enc(llama3, "<answer>5</answer>")
+    assert conv.add_generation(ids, finish_reason="stop") == "<answer>5</answer>"
+    conv.add_user("higher")
+    assert conv.cut == 0
+    assert log.ids[len(log.prompt_ids) + len(ids)] == fmt.end_id  # closed by rollart
+
+
+def test_generation_config_eos_ids_are_stops(llama3, tmp_path):
+    eot = llama3.convert_tokens_to_ids("<|eot_id|>")
+    end = llama3.convert_tokens_to_ids("<|end_of_text|>")
+    bos = llama3.convert_tokens_to_ids("<|begin_of_text|>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [bos, eot]}))
+    fmt = ConversationFormat(llama3, "chat", model_path=str(tmp_path))
+    assert fmt.stop_ids == (eot, end, bos)
+
+
+# -- lengths ---------------------------------------------------------------------------------
+def test_a_huge_observation_is_capped_before_encoding_and_truncated(chatml):
+    fmt = ConversationFormat(chatml, "chat", max_context=64)
+    huge = "left " * 2_000_000  # 10 MB of text
+    log = TokenLog()
+    conv = fmt.start(log, task(), huge)
+    assert conv.truncated and len(log) == 64 and not conv.room(1)
+    assert len(cap_text(huge, 64)) == 64 * conv_mod.CHARS_PER_TOKEN
+    raw = ConversationFormat(chatml, "raw", max_context=100)
+    conv = raw.start(TokenLog(), task(), "go")
+    conv.add_generation(enc(chatml, "left") + [raw.stop_ids[0]])
+    conv.add_user(huge)
+    assert conv.truncated and len(conv.log) == 100
+
+
+# -- parse_action helpers -------------------------------------------------------------------
+def test_parse_action_helpers():
+    text = "<think>the wall is left\nso up</think>\nI go\n<answer> up </answer>\n"
+    assert whole_text("  up \n") == "up"
+    assert last_line(text) == "<answer> up </answer>"
+    assert answer_tag(text) == "up"
+    assert answer_tag("<answer>1</answer> then <answer>2</answer>") == "2"
+    assert answer_tag("up") == ""
+    assert strip_think(text) == "I go\n<answer> up </answer>"
+    assert strip_think("<think>unfinished thought up") == ""
+    chain = ParseChain(strip_think, answer_tag)
+    assert chain("<think><answer>no</answer></think><answer>yes</answer>") == "yes"
+    assert pickle.loads(pickle.dumps(chain))("<answer>x</answer>") == "x"
+    with pytest.raises(TypeError):
+        ParseChain("not callable")
+    t = task(parse_action=chain, stop=("</answer>",))
+    assert pickle.loads(pickle.dumps(t)).parse_action("<answer>up</answer>") == "up"
+
+
+def test_task_text_fields_are_checked():
+    with pytest.raises(TypeError, match="stop must be a tuple"):
+        task(stop="</answer>")
+    with pytest.raises(TypeError, match="parse_action must be callable"):
+        task(parse_action="last line")
+    with pytest.raises(ValueError, match="invalid_penalty"):
+        task(invalid_penalty=-1)
+
+
+# -- bad input ------------------------------------------------------------------------------
+def test_chat_without_a_template_names_the_fix(chatml):
+    bare = make_tokenizer(CHATML_SPECIALS, None, eos="<|im_end|>")
+    with pytest.raises(ConversationError, match=r"Policy.conversation='raw'.*chat template"):
+        ConversationFormat(bare, "chat")
+    assert ConversationFormat(bare, "auto").mode == "raw"
+    with pytest.raises(ValueError, match="conversation must be one of"):
+        ConversationFormat(chatml, "chatml")
+
+
+def test_a_tokenizer_without_eos_or_end_of_turn_is_a_clear_error():
+    no_end = make_tokenizer(["<pad>"], "{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+                                       "{% endfor %}")
+    with pytest.raises(ConversationError, match="no eos or end-of-turn token"):
+        ConversationFormat(no_end, "chat")
+    with pytest.raises(ConversationError, match="no eos or end-of-turn token"):
+        ConversationFormat(no_end, "raw")
+
+
+def test_policy_checks_its_conversation_settings():
+    from rollart.graph import GraphError, Policy
+
+    assert Policy().conversation == "auto"
+    with pytest.raises(GraphError, match="Policy.conversation must be one of"):
+        Policy(conversation="template")
+    with pytest.raises(GraphError, match="Policy.max_context"):
+        Policy(max_context=1)
+
+
+# -- the raw format is today's, byte for byte -----------------------------------------------
+def test_raw_format_is_plain_concatenation(tiny_model):
+    from rollart.model import load_tokenizer
+    from rollart.trainer.warmup import play_random
+
+    tok = load_tokenizer(tiny_model)
+    for t in BUILTIN_TASKS.values():
+        log = play_random(t, tok, 7, random.Random(3))
+        # today's definition, written out: obs ids, action ids + eos, obs ids, ...
+        env, rng = t.env_factory(), random.Random(3)
+        obs = env.reset(7)
+        ids, mask = enc(tok, obs), []
+        for _ in range(t.max_turns):
+            action = t.warmup_action(rng, obs)
+            gen = enc(tok, action) + [tok.eos_token_id]
+            ids, mask = ids + gen, mask + [1] * len(gen)
+            step = env.step(action)
+            if step.done:
+                break
+            obs = step.observation
+            ids, mask = ids + enc(tok, obs), mask + [0] * len(enc(tok, obs))
+        assert log.ids == ids and log.loss_mask == mask, t.name
+
+
+# -- warm-up containment --------------------------------------------------------------------
+class _Env:
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, seed):
+        return "guess : pick ."
+
+    def step(self, action):
+        self.n += 1
+        return StepResult("guess : higher .", 0.0, self.n >= 3, {})
+
+    def close(self):
+        pass
+
+
+class NoneStepEnv(_Env):
+    def step(self, action):
+        return None
+
+
+class RaisingResetEnv(_Env):
+    def reset(self, seed):
+        raise OSError("simulator not found")
+
+
+class HugeObsEnv(_Env):
+    def step(self, action):
+        return StepResult("left " * 1_000_000, 0.0, False, {})
+
+
+class NonStringObsEnv(_Env):
+    def reset(self, seed):
+        return {"board": [1, 2]}
+
+
+def _warm_task(env):
+    from rollart.reward import success_reward
+
+    return Task(name="warm", env_factory=env, reward_fn=success_reward, max_turns=4,
+                warmup_action=_random_digit)
+
+
+def _random_digit(rng, obs):
+    return str(rng.randint(1, 9))
+
+
+@pytest.mark.parametrize("env,method", [(NoneStepEnv, "step"), (RaisingResetEnv, "reset"),
+                                        (NonStringObsEnv, "reset")])
+def test_warmup_names_the_task_and_method_of_a_broken_env(chatml, env, method):
+    from rollart.trainer.warmup import WarmupEnvError, play_random
+
+    with pytest.raises(WarmupEnvError, match=rf"task 'warm'.*{method}.*warmup_steps=0"):
+        play_random(_warm_task(env), chatml, 1, random.Random(0),
+                    ConversationFormat(chatml, "chat"))
+
+
+def test_warmup_truncates_a_huge_observation_with_bounded_memory(chatml):
+    from rollart.trainer.warmup import warmup_batch
+
+    fmt = ConversationFormat(chatml, "chat", max_context=128)
+    counts = {}
+    ids, attn, mask = warmup_batch([_warm_task(HugeObsEnv)], chatml, 3, random.Random(0),
+                                   fmt, counts)
+    assert ids.shape == (3, 128) and counts["truncated"] == 3
+    assert int(mask.sum()) == 3 * 2  # one answer digit + its end token per episode
+
+
+def test_warmup_in_chat_form_trains_the_template_tokens_the_policy_emits(chatml):
+    from rollart.trainer.warmup import play_random
+
+    fmt = ConversationFormat(chatml, "chat", system_prompt="you play a game")
+    log = play_random(_warm_task(_Env), chatml, 1, random.Random(0), fmt)
+    text = chatml.decode(log.ids)
+    assert text.startswith("<|im_start|>system\nyou play a game<|im_end|>\n<|im_start|>user")
+    assert text.count("<|im_start|>assistant\n") == 3
+    generated = [t for t, m in zip(log.response_ids, log.loss_mask) if m]
+    assert chatml.decode(generated).count("<|im_end|>") == 3

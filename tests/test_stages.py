@@ -28,6 +28,7 @@ from rollart.recovery import Supervisor, lose_worker
 from rollart.resources import Pool, Resources, check_tags, cluster_tags, workers_with
 from rollart.stages import RoleSpec, Stages, buffer_worker
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
+from rollart.weights import WeightStore
 
 BIG = "CPU_BIG"
 
@@ -185,24 +186,32 @@ def test_a_lost_megatron_trainer_comes_back_as_megatron(tiny_model, tmp_path):
         try:
             assert actors.trainer._cls is MegatronTrainer
             v = _publish(actors)
+            store = WeightStore(stages.store_url)  # a newer version, as a step would publish
+            store.put(v + 1, {k: t + 0.01 for k, t in store.get(v).items()})
             old = actors.trainer._address
             lose_worker(cluster, c, old)
-            assert sup.replace_trainer() == v
+            assert sup.replace_trainer() == v + 1
             new = actors.trainer
             assert new._address != old and _where(c, new._address).get(TRAIN)
             assert new._cls is MegatronTrainer
-            kind = c.run(_model_kind, new.key, workers=[new._address])[new._address]
-            assert kind == ("MegatronTrainer", "MegatronLM")
+            kind = c.run(_model_kind, new.key, stages.store_url, v + 1,
+                         workers=[new._address])[new._address]
+            assert kind == ("MegatronTrainer", "MegatronLM", True)
             event = sup.events[-1]
-            assert event["role"] == "trainer" and event["restored_from"] == f"weights v{v}"
-            assert new.publish().result() == v + 1  # it trains on from there
+            assert event["role"] == "trainer" and event["restored_from"] == f"weights v{v + 1}"
         finally:
             _shutdown(actors)
 
 
-def _model_kind(key: str, dask_worker=None) -> tuple[str, str]:
+def _model_kind(key: str, url: str, version: int, dask_worker=None) -> tuple:
+    """The trainer actor's class, its model's class, and whether its (HF-named) weights
+    are ``version``'s in the store."""
+    import torch
+
     actor = dask_worker.state.actors[key]
-    return type(actor).__name__, type(actor.model).__name__
+    want, have = WeightStore(url).get(version), actor._hf_state_dict()
+    same = set(want) == set(have) and all(torch.equal(want[k], have[k]) for k in want)
+    return type(actor).__name__, type(actor.model).__name__, same
 
 
 # -- killing the env worker mid-run -----------------------------------------------------

@@ -299,3 +299,14 @@ def test_task_top_p_is_validated():
     for bad in (0, 1.5, "x"):
         with pytest.raises(ValueError, match="top_p"):
             calc_tool_task(top_p=bad)
+
+
+def test_make_task_passes_other_task_fields_through():
+    from rollart.env.adapters.tool import calc_tool_task
+
+    task = calc_tool_task(tool_format="hermes", system_prompt="Use the python tool.",
+                          stop=("</answer>",), invalid_penalty=0.2)
+    assert (task.system_prompt, task.stop, task.invalid_penalty) == (
+        "Use the python tool.", ("</answer>",), 0.2)
+    with pytest.raises(TypeError, match="colour"):
+        calc_tool_task(colour="red")

@@ -41,7 +41,9 @@ def make(gid: str, i: int, version: int, *, failed: bool = False, outcome: str =
 
 
 def check_invariant(c: dict) -> None:
-    assert c["received"] == c["buffered"] + c["trained"] + c["dropped"] + c["failed"], c
+    held = c["buffered"] + c["taken"]
+    left = c["trained"] + c["dropped"] + c["failed"] + c["lost_in_step"]
+    assert c["received"] == held + left, c
 
 
 # -- schema ------------------------------------------------------------------------------
@@ -101,6 +103,8 @@ def test_buffer_in_process_memory_url():
         await buf.put(make("y", 2, 0), 4)  # late member of an aborted group
         got = await buf.get_batch(1, 1, timeout=1, trained_step=0)
         assert [t.traj_id for t in got] == [f"x-{i}" for i in range(4)]
+        assert (await buf.counts())["taken"] == 4
+        assert await buf.mark_trained(0) == 4
         c = await buf.counts()
         check_invariant(c)
         assert c["dropped"] == 3 and c["trained"] == 4 and await buf.size() == 0
@@ -148,7 +152,8 @@ def test_actor_fifo_stale_and_parquet(client, tmp_path):
     assert buf.counts().result()["groups_complete"] == 3
     got = buf.get_batch(2, min_version=1, timeout=5, trained_step=7).result()
     assert [t.group_id for t in got] == ["a"] * 4 + ["b"] * 4
-    assert {t.state for t in got} == {"trained"}
+    assert {t.state for t in got} == {"taken"}
+    assert buf.mark_trained(7).result() == 8
     assert [t.traj_id for t in got[:4]] == [t.traj_id for t in a]
     assert got[0].logprobs == a[0].logprobs and got[0].reward == a[0].reward
     c = buf.counts().result()
@@ -176,7 +181,7 @@ def test_actor_get_table_sends_one_arrow_table(client):
     assert isinstance(table, pa.Table) and table.schema.equals(SCHEMA)
     got = from_table(table)
     assert [t.traj_id for t in got] == [t.traj_id for t in trajs[:4]]
-    assert got[2].response_ids == trajs[2].response_ids and {t.state for t in got} == {"trained"}
+    assert got[2].response_ids == trajs[2].response_ids and {t.state for t in got} == {"taken"}
     assert table.column("trained_step").to_pylist() == [3] * 4
     assert buf.get_table(0, min_version=0).result().num_rows == 0
     check_invariant(buf.counts().result())
@@ -211,6 +216,7 @@ def test_actor_timeout_and_failed_members(client, tmp_path):
     put_all(buf, mixed)
     got = buf.get_batch(1, min_version=0, timeout=5, trained_step=1).result()
     assert [t.traj_id for t in got] == ["m-0", "m-2"]
+    buf.mark_trained(1).result()
     c = buf.counts().result()
     assert (c["failed"], c["trained"], c["received"]) == (6, 2, 8)
     check_invariant(c)

@@ -20,14 +20,51 @@ def test_every_trajectory_ends_once():
     led.move("b", "failed")
     led.move("c", "cancelled")
     led.move("d", "aborted")
-    assert led.check() == {"launched": 5, "in_flight": 1, "buffered": 0, "trained": 1,
-                           "dropped": 0, "aborted": 1, "cancelled": 1, "failed": 1}
+    assert led.check() == {"launched": 5, "in_flight": 1, "buffered": 0, "taken": 0,
+                           "trained": 1, "dropped": 0, "aborted": 1, "cancelled": 1,
+                           "failed": 1, "lost_in_step": 0}
+
+
+def test_taken_until_confirmed_then_trained_released_or_lost():
+    led = Ledger()
+    for t in "abc":
+        led.launch(t)
+        led.move(t, "buffered")
+        led.move(t, "taken", step=4)
+    assert led.check()["taken"] == 3
+    led.move("a", "trained", step=4)
+    led.move("b", "buffered")  # its step was lost: back in line
+    led.move("b", "taken", step=5)
+    led.move("b", "trained", step=5)
+    led.move("c", "lost_in_step", step=4)
+    t = led.check()
+    assert (t["taken"], t["trained"], t["lost_in_step"], t["buffered"]) == (0, 2, 1, 0)
+    assert led.drain()[-5:] == [("a", "trained", 4), ("b", "buffered", None),
+                                ("b", "taken", 5), ("b", "trained", 5),
+                                ("c", "lost_in_step", 4)]
+    assert led.drain() == []
+
+
+def test_load_continues_counts_and_state():
+    led = Ledger()
+    led.load({"a": "trained", "b": "taken", "c": "in_flight"})
+    assert led.check()["launched"] == 3 and led.counts["taken"] == 1
+    led.move("b", "trained", step=1)
+    with pytest.raises(AccountingError, match="from trained to trained"):
+        led.move("a", "trained")
+    # totals that cover ids the state does not list (an old checkpoint's)
+    led.load({"x": "buffered"}, {"launched": 5, "buffered": 1, "trained": 4})
+    assert led.check()["trained"] == 4
 
 
 @pytest.mark.parametrize("moves, match", [
     ([("a", "buffered"), ("a", "trained"), ("a", "trained")], "from trained to trained"),
     ([("a", "cancelled"), ("a", "buffered")], "from cancelled to buffered"),
     ([("a", "teleported")], "unknown trajectory state"),
+    ([("a", "taken")], "from in_flight to taken"),  # taken only from the buffer
+    ([("a", "lost_in_step")], "from in_flight to lost_in_step"),
+    ([("a", "buffered"), ("a", "lost_in_step")], "from buffered to lost_in_step"),
+    ([("a", "buffered"), ("a", "taken"), ("a", "dropped")], "from taken to dropped"),
 ])
 def test_impossible_transitions_fail_loudly(moves, match):
     led = Ledger()

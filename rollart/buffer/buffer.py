@@ -3,13 +3,24 @@
 Consumes ``Trajectory`` records one at a time (``put``, called by the rollout side) and
 hands out complete, bounded-stale groups to the ``Trainer`` (``get_table``: one Arrow
 table; ``get_batch``: the same as records). Buffered rows are held as Arrow record
-batches in ``rollart.buffer.schema.SCHEMA``, one per group once it completes. Every
-trajectory that leaves (trained, dropped, failed) is written, when ``run_dir`` is set,
-to ``{run_dir}/samples/part-{k:05d}.parquet`` with its final ``state`` and
-``trained_step``. Invariant: received == buffered + trained + dropped + failed. The
-buffer also keeps the run's ``Ledger`` (``rollart.buffer.ledger``): managers report
-launches, cancellations and aborts here, so one actor holds every trajectory's state.
-All public methods are coroutines that run on the worker's event loop.
+batches in ``rollart.buffer.schema.SCHEMA``, one per group once it completes.
+
+A batch taken for trainer step ``s`` is ``taken`` until the trainer confirms that the
+update trained on it was published (``mark_trained(s)``); only then is it ``trained``.
+A step that was lost is settled by ``release_taken(s, min_version)`` (the pipeline,
+after it replaced the trainer) or, failing that, by the next ``get_table``: if the
+trainer that asks already holds a newer version than the one the batch was taken for,
+only the lost step's own update can have published it, so the batch is ``trained``;
+otherwise its groups go back to the front of the queue for the re-run step.
+
+The buffer keeps the run's ``Ledger`` (``rollart.buffer.ledger``; managers report
+launches, cancellations and aborts here) and, when ``run_dir`` is set, makes it durable
+through ``rollart.buffer.store``: parts ``samples/part-*.parquet`` of the rows that left
+(final ``state`` and ``trained_step``) and a journal (``pending/`` rows of each group as
+it completes, ``ledger/`` state changes; layout in ``rollart.buffer.journal``).
+``SampleBuffer(run_dir, recover=True)`` continues from that record after the previous
+buffer's worker was lost (``rollart.buffer.restore.recover``). All public methods are
+coroutines that run on the worker's event loop.
 """
 
 from __future__ import annotations
@@ -17,47 +28,68 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
-from rollart.buffer.ledger import Ledger
 from rollart.buffer.group import Group, restate
-from rollart.buffer.schema import SCHEMA, from_table, to_record_batch, write_parquet
+from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
+from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
+from rollart.buffer.store import BufferStore
 from rollart.types import Trajectory, TrajState
 
 logger = logging.getLogger(__name__)
+
+BUFFERED, TAKEN = TrajState.BUFFERED.value, TrajState.TAKEN.value
+
 
 def _is_failed(traj: Trajectory) -> bool:
     failed = TrajState.FAILED.value
     return getattr(traj.state, "value", traj.state) == failed or traj.outcome == failed
 
 
+def _ids(batches: list[pa.RecordBatch]) -> list[str]:
+    return [t for b in batches for t in b.column("traj_id").to_pylist()]
+
+
 class SampleBuffer:
     """Groups trajectories by ``group_id`` and serves bounded-stale GRPO batches.
 
-    Use as a Dask actor: ``client.submit(SampleBuffer, run_dir, actor=True)``.
+    Use as a Dask actor: ``client.submit(SampleBuffer, run_dir, actor=True)``; after its
+    worker was lost, ``client.submit(SampleBuffer, run_dir, recover=True, actor=True)``
+    (same other arguments) continues from what the lost one made durable.
     """
 
-    def __init__(self, run_dir: str | None = None, *, flush_every: int = 256):
+    def __init__(self, run_dir: str | None = None, *, flush_every: int = 256,
+                 recover: bool = False):
         self.run_dir = str(run_dir).rstrip("/") if run_dir is not None else None
-        self.flush_every = max(1, int(flush_every))
+        self.store = BufferStore(self.run_dir, flush_every)
         self._open: dict[str, Group] = {}  # incomplete groups
         self._complete: OrderedDict[str, Group] = OrderedDict()  # FIFO by completion
         self._closed: set[str] = set()  # groups that left; late members are dropped
-        self._counts = dict(received=0, trained=0, dropped=0, failed=0)
+        self._taken: dict[int, tuple[int, list[Group]]] = {}  # step -> (min_version, groups)
+        self._orphans: set[str] = set()  # given up as lost: a late arrival is ignored
+        # received: arrivals; orphaned: ids failed because their worker was lost;
+        # ignored: arrivals of orphaned ids (a recovered buffer's late members)
+        self._counts = dict(received=0, orphaned=0, ignored=0)
         # failed arrivals since the last good one, and what the latest ones said (a run
         # whose every trajectory fails is stopped by the pipeline: rollart.pipeline)
         self._streak = 0
         self._recent_errors: deque[str] = deque(maxlen=5)
         self._cond: asyncio.Condition | None = None
         self._waiters = 0
-        self._pending: list[pa.RecordBatch] = []  # left the buffer, not yet written
-        self._pending_rows = 0
-        self._parts = 0  # next part index
-        self._writes: set[asyncio.Future] = set()
-        self._pool: ThreadPoolExecutor | None = None
         self.ledger = Ledger()
+        self.recovered: dict | None = None  # what recover() found
+        if recover:
+            if self.run_dir is None:
+                raise ValueError("SampleBuffer(recover=True) needs the run_dir of the "
+                                 "buffer it replaces")
+            from rollart.buffer.restore import recover as _recover
+
+            self.recovered = _recover(self)
+
+    @property
+    def flush_every(self) -> int:
+        return self.store.flush_every
 
     # -- internals ----------------------------------------------------------------------
     @property
@@ -71,27 +103,41 @@ class SampleBuffer:
             g.rows for g in self._complete.values()
         )
 
-    def _leave(self, batches: list[pa.RecordBatch], state: TrajState, step: int | None = None):
-        """Count rows that leave the buffer and queue them for Parquet."""
-        key = {TrajState.TRAINED: "trained", TrajState.FAILED: "failed"}.get(state, "dropped")
+    def _leave(self, batches: list[pa.RecordBatch], state: TrajState, step: int | None = None,
+               durable: bool = False) -> list[pa.RecordBatch]:
+        """Rows that leave the buffer: ledger moves, queued for Parquet (and for the
+        journal unless ``durable``: a complete group's rows already are)."""
         out = [restate(b, state.value, step) for b in batches if b.num_rows]
-        for b in out:
-            for traj_id in b.column("traj_id").to_pylist():
-                self.ledger.move(traj_id, state.value)
-        rows = sum(b.num_rows for b in out)
-        self._counts[key] += rows
-        if self.run_dir is not None:
-            self._pending.extend(out)
-            self._pending_rows += rows
+        for traj_id in _ids(out):
+            self.ledger.move(traj_id, state.value, step)
+        self.store.left(out, durable)
         return out
+
+    def _entry(self) -> asyncio.Future | None:
+        """Start the next journal entry (the ledger's changes since the last one)."""
+        return self.store.entry(self.ledger.drain(), self._meta())
+
+    def _meta(self) -> dict:
+        return {"counts": dict(self._counts), "ledger": dict(self.ledger.counts),
+                "taken": {str(s): m for s, (m, _) in self._taken.items()}}
 
     def _close_group(self, group: Group) -> None:
         self._open.pop(group.group_id, None)
         self._complete.pop(group.group_id, None)
         self._closed.add(group.group_id)
 
+    def _ignore(self, traj_id: str) -> bool:
+        """True for a trajectory already given up as lost (its late arrival is ignored)."""
+        if traj_id in self._orphans:
+            self._counts["ignored"] += 1
+            logger.warning("trajectory %s arrived after it was counted lost; ignored", traj_id)
+            return True
+        return False
+
     def _add(self, traj: Trajectory, group_size: int) -> bool:
         """Book one arrival; True when it completed a group with trainable members."""
+        if self._ignore(traj.traj_id):
+            return False
         self._counts["received"] += 1
         gid = traj.group_id
         failed = _is_failed(traj)
@@ -108,8 +154,8 @@ class SampleBuffer:
         if failed:
             self._leave([to_record_batch([traj])], TrajState.FAILED)
         else:
-            traj.state = TrajState.BUFFERED.value
-            self.ledger.move(traj.traj_id, TrajState.BUFFERED.value)
+            traj.state = BUFFERED
+            self.ledger.move(traj.traj_id, BUFFERED)
             group.add(traj)
         if not group.complete:
             return False
@@ -119,6 +165,7 @@ class SampleBuffer:
             return False
         group.compact()
         self._complete[gid] = group
+        self.store.completed(group.arrow())
         return True
 
     def _note(self, traj: Trajectory, failed: bool) -> None:
@@ -133,74 +180,82 @@ class SampleBuffer:
         stale = [g for g in self._complete.values() if g.version < min_version]
         for g in stale:
             self._close_group(g)
-            self._leave(g.arrow(), TrajState.DROPPED)
+            self._leave(g.arrow(), TrajState.DROPPED, durable=True)
         return sum(g.rows for g in stale)
 
-    def _take(self, n_groups: int, trained_step: int | None) -> pa.Table:
-        """Hand out the ``n_groups`` oldest complete groups."""
+    def _take(self, n_groups: int, step: int | None, min_version: int) -> pa.Table:
+        """Hand out the ``n_groups`` oldest complete groups: ``taken`` for ``step``
+        (``trained`` at once when there is no step to confirm)."""
         groups = list(self._complete.values())[:n_groups]
-        out: list[pa.RecordBatch] = []
         for g in groups:
             self._close_group(g)
-            out.extend(self._leave(g.arrow(), TrajState.TRAINED, trained_step))
+        if step is None:
+            out = [b for g in groups
+                   for b in self._leave(g.arrow(), TrajState.TRAINED, None, durable=True)]
+            return pa.Table.from_batches(out, schema=SCHEMA)
+        self._taken[step] = (min_version, groups)
+        out = [restate(b, TAKEN, step) for g in groups for b in g.arrow()]
+        for traj_id in _ids(out):
+            self.ledger.move(traj_id, TAKEN, step)
         return pa.Table.from_batches(out, schema=SCHEMA)
 
+    def _confirm(self, step: int, state: TrajState = TrajState.TRAINED) -> int:
+        """Step ``step``'s taken rows leave as ``state``; returns how many."""
+        _, groups = self._taken.pop(step, (None, []))
+        for g in groups:
+            self._leave(g.arrow(), state, step, durable=True)
+        return sum(g.rows for g in groups)
+
+    def _release(self, step: int) -> int:
+        """Step ``step``'s taken groups go back to the front of the queue, in order."""
+        _, groups = self._taken.pop(step, (None, []))
+        for g in reversed(groups):
+            for traj_id in _ids(g.arrow()):
+                self.ledger.move(traj_id, BUFFERED)
+            self._complete[g.group_id] = g
+            self._complete.move_to_end(g.group_id, last=False)
+        return sum(g.rows for g in groups)
+
+    def _settle(self, step: int, min_version: int) -> dict[str, int]:
+        """A taken batch whose confirmation will not come: ``trained`` if a trainer at
+        ``min_version`` holds a newer version than the batch was taken for (only that
+        step's update can have published it), else buffered again."""
+        taken_for, _ = self._taken[step]
+        if min_version > taken_for:
+            return {"trained": self._confirm(step), "buffered": 0}
+        return {"trained": 0, "buffered": self._release(step)}
+
     def _counts_now(self) -> dict[str, int]:
-        c = self._counts
         ledger = self.ledger.check()
         return {
             "launched": ledger["launched"],
-            "in_flight": ledger["in_flight"],
-            "aborted": ledger["aborted"],
-            "cancelled": ledger["cancelled"],
-            "received": c["received"],
-            "buffered": self._buffered(),
-            "trained": c["trained"],
-            "dropped": c["dropped"],
-            "failed": c["failed"],
+            **{s: ledger[s] for s in STATES},
+            "received": self._counts["received"],
             "groups_complete": len(self._complete),
-            "orphaned": c.get("orphaned", 0),
+            "orphaned": self._counts["orphaned"],
+            "ignored": self._counts["ignored"],
             "failed_streak": self._streak,  # failed arrivals since the last good one
         }
 
-    # -- persistence --------------------------------------------------------------------
-    def _write_part(self) -> asyncio.Future | None:
-        """Start writing the pending rows as the next part file (in a worker thread)."""
-        if self.run_dir is None or not self._pending_rows:
-            return None
-        table = pa.Table.from_batches(self._pending, schema=SCHEMA)
-        url = f"{self.run_dir}/samples/part-{self._parts:05d}.parquet"
-        self._parts += 1
-        self._pending, self._pending_rows = [], 0
-        if self._pool is None:  # one thread: part files are written in order
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sample-buffer-io")
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, write_parquet, table, url)
-        self._writes.add(fut)
-        fut.add_done_callback(lambda f: self._write_done(f, table, url))
-        return fut
-
-    def _write_done(self, fut: asyncio.Future, table: pa.Table, url: str) -> None:
-        self._writes.discard(fut)
-        if not fut.cancelled() and fut.exception() is not None:
-            logger.error("writing %s failed (%r); rows kept for the next flush",
-                         url, fut.exception())
-            self._pending[:0] = table.to_batches()
-            self._pending_rows += table.num_rows
-
-    async def _maybe_flush(self) -> None:
-        """Write a part once ``flush_every`` rows wait; errors are logged, not raised."""
-        if self._pending_rows >= self.flush_every:
-            fut = self._write_part()
-            if fut is not None:
-                await asyncio.wait([fut])
+    def _orphan(self, traj_ids: list[str]) -> None:
+        """In-flight trajectories whose worker was lost become failed (``orphaned``)."""
+        for t in traj_ids:
+            self.ledger.move(t, TrajState.FAILED.value)
+        self._orphans.update(traj_ids)
+        self.store.orphans.extend(traj_ids)
+        self._counts["orphaned"] += len(traj_ids)
 
     # -- public API ---------------------------------------------------------------------
     async def put(self, traj: Trajectory, group_size: int) -> None:
-        """Add one finished trajectory of a group of ``group_size`` members."""
+        """Add one finished trajectory of a group of ``group_size`` members. When it
+        completes its group, the group is durable (journaled) before this returns."""
+        fut = None
         async with self._condition:
             if self._add(traj, group_size):
                 self._condition.notify_all()
-        await self._maybe_flush()
+                fut = self._entry()
+        await self.store.wait(fut)
+        await self.store.maybe_flush()
 
     async def get_batch(
         self,
@@ -212,8 +267,9 @@ class SampleBuffer:
         """Wait for ``n_groups`` complete groups of version >= ``min_version``; take them.
 
         Complete groups older than ``min_version`` are dropped on the way. Returns the
-        groups' trajectories (oldest completed group first) marked ``trained``.
-        Raises ``TimeoutError`` when ``timeout`` seconds pass first.
+        groups' trajectories (oldest completed group first), ``taken`` for step
+        ``trained_step`` until ``mark_trained(trained_step)`` (``trained`` at once when
+        ``trained_step`` is None). Raises ``TimeoutError`` when ``timeout`` seconds pass.
         """
         return from_table(await self.get_table(n_groups, min_version, timeout, trained_step))
 
@@ -226,17 +282,21 @@ class SampleBuffer:
     ) -> pa.Table:
         """``get_batch`` as one Arrow table in ``SCHEMA`` (what the ``Trainer`` pulls:
         Dask sends a table as a few buffers, and turning rows back into records is left
-        to the receiving side instead of the buffer's worker, which also runs rollout)."""
+        to the receiving side instead of the buffer's worker, which also runs rollout).
+        Batches still taken by earlier steps are settled first (``release_taken``)."""
         if n_groups <= 0:
             return SCHEMA.empty_table()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         cond = self._condition
         async with cond:
+            for step in sorted(self._taken):
+                self._settle(step, min_version)
             while True:
                 self._drop_stale(min_version)
                 if len(self._complete) >= n_groups:
-                    batch = self._take(n_groups, trained_step)
+                    batch = self._take(n_groups, trained_step, min_version)
+                    fut = self._entry()
                     break
                 remaining = None if deadline is None else deadline - loop.time()
                 if remaining is not None and remaining <= 0:
@@ -252,20 +312,52 @@ class SampleBuffer:
                     pass  # loop once more: report or (rarely) succeed
                 finally:
                     self._waiters -= 1
-        await self._maybe_flush()
+        await self.store.wait(fut)  # taken is durable before the trainer sees the batch
+        await self.store.maybe_flush()
         return batch
+
+    async def mark_trained(self, step: int) -> int:
+        """The trainer published the update of step ``step``: its taken rows become
+        ``trained`` (durably, before this returns). Returns how many; 0 when nothing is
+        taken for ``step`` (already settled)."""
+        async with self._condition:
+            n = self._confirm(step)
+            fut = self._entry() if n else None
+        await self.store.wait(fut)
+        await self.store.maybe_flush()
+        return n
+
+    async def release_taken(self, step: int, min_version: int) -> dict[str, int]:
+        """Step ``step`` was lost with its trainer; its replacement trains at
+        ``min_version`` (= its version - alpha). If that trainer holds a newer version
+        than the batch was taken for, the lost step's update was published: the rows
+        are ``trained``. Otherwise its groups are buffered again, first in line for the
+        re-run step. Returns ``{"trained": n, "buffered": n}`` (rows)."""
+        async with self._condition:
+            if step not in self._taken:
+                return {"trained": 0, "buffered": 0}
+            out = self._settle(step, min_version)
+            if out["buffered"]:
+                self._condition.notify_all()
+            fut = self._entry()
+        await self.store.wait(fut)
+        await self.store.maybe_flush()
+        return out
 
     async def abort_older_than(self, min_version: int) -> int:
         """Drop groups (complete or not) whose arrived members are older than
         ``min_version``; their later members are dropped on arrival. Returns rows dropped."""
         async with self._condition:
-            groups = list(self._open.values()) + list(self._complete.values())
-            stale = [g for g in groups if g.rows and g.version < min_version]
-            for g in stale:
+            groups = [(g, False) for g in self._open.values()] + \
+                     [(g, True) for g in self._complete.values()]
+            stale = [(g, done) for g, done in groups if g.rows and g.version < min_version]
+            for g, done in stale:
                 self._close_group(g)
-                self._leave(g.arrow(), TrajState.DROPPED)
-        await self._maybe_flush()
-        return sum(g.rows for g in stale)
+                self._leave(g.arrow(), TrajState.DROPPED, durable=done)
+            fut = self._entry() if stale else None
+        await self.store.wait(fut)
+        await self.store.maybe_flush()
+        return sum(g.rows for g, _ in stale)
 
     async def counts(self) -> dict[str, int]:
         """Trajectory counts by state (checked against launches), received, and
@@ -286,29 +378,30 @@ class SampleBuffer:
         if state not in (TrajState.CANCELLED.value, TrajState.ABORTED.value):
             raise ValueError(f"settle() takes 'cancelled' or 'aborted', not {state!r}")
         for t in traj_ids:
-            self.ledger.move(t, state)
+            if not self._ignore(t):
+                self.ledger.move(t, state)
 
     async def record_failed(self, traj: Trajectory) -> None:
         """A failed member its env manager replaced: counted and written as ``failed``,
         without taking a place in its group."""
+        if self._ignore(traj.traj_id):
+            return
         self._counts["received"] += 1
         traj.state = TrajState.FAILED.value
         self._note(traj, True)
         self._leave([to_record_batch([traj])], TrajState.FAILED)
-        await self._maybe_flush()
+        await self.store.maybe_flush()
 
     async def orphan_all_in_flight(self, error: str = "lost with its worker") -> int:
         """End of run, after every live env manager settled its members: whatever the
         ledger still has in flight ran on a manager that was lost; those become
         ``failed`` (counted in ``orphaned``). Returns how many."""
-        lost = [t for t, st in self.ledger.state.items() if st == "in_flight"]
-        for t in lost:
-            self.ledger.move(t, TrajState.FAILED.value)
-        self._counts["failed"] += len(lost)
-        self._counts["orphaned"] = self._counts.get("orphaned", 0) + len(lost)
+        lost = [t for t, st in self.ledger.state.items() if st == IN_FLIGHT]
+        self._orphan(lost)
         if lost:
             logger.warning("%d trajectories were still in flight on lost workers (%s)",
                            len(lost), error)
+            await self.store.wait(self._entry())
         return len(lost)
 
     async def orphan_group(self, group_id: str, error: str = "worker lost") -> dict:
@@ -318,14 +411,12 @@ class SampleBuffer:
         elsewhere."""
         prefix = f"{group_id}-"
         lost = [t for t, st in self.ledger.state.items()
-                if st == "in_flight" and t.startswith(prefix)]
-        for t in lost:
-            self.ledger.move(t, TrajState.FAILED.value)
-        self._counts["failed"] += len(lost)
-        self._counts["orphaned"] = self._counts.get("orphaned", 0) + len(lost)
+                if st == IN_FLIGHT and t.startswith(prefix)]
+        self._orphan(lost)
         if lost:
             logger.warning("group %s: %d in-flight members lost with their worker (%s)",
                            group_id, len(lost), error)
+            await self.store.wait(self._entry())
         group = self._open.get(group_id)
         done = group_id in self._complete or group_id in self._closed
         return {"failed": len(lost), "arrived": group.arrived if group else 0,
@@ -343,118 +434,41 @@ class SampleBuffer:
             "buffered_rows": sum(g.rows for g in groups),
             "arrow_bytes": sum(g.nbytes for g in groups),
             "groups_incomplete": len(self._open),
+            "taken_steps": sorted(self._taken),
             "waiters": self._waiters,
-            "pending_rows": self._pending_rows,
-            "parts_started": self._parts,
+            "pending_rows": self.store.pending_rows,
+            "parts_started": self.store.parts,
+            "journal_entries": self.store.next_entry,
         }
 
     async def flush(self) -> int:
-        """Write the rows that left so far, wait for all writes; returns parts started."""
-        self._write_part()
-        if self._writes:
-            await asyncio.gather(*list(self._writes))
-        return self._parts
+        """Journal the ledger, write the rows that left so far, wait for all writes;
+        returns parts started."""
+        self._entry()
+        self.store.write_part()
+        await self.store.drain()
+        return self.store.parts
 
     async def snapshot(self, url: str) -> dict:
-        """Write the buffer's part of a checkpoint under ``url`` (``rollart.checkpoint``):
-        every buffered row as ``buffer.parquet`` and its bookkeeping as ``buffer.json``.
+        """Write the buffer's part of a checkpoint under ``url`` (``rollart.checkpoint``;
+        see ``rollart.buffer.restore.snapshot``). Returns the manifest entries."""
+        from rollart.buffer.restore import snapshot
 
-        Rows that already left are flushed to ``samples/`` first, so the checkpoint's
-        ``next_part`` marks exactly which part files belong to the checkpointed run.
-        Returns the manifest entries."""
-        import io
-        import json
-
-        import pyarrow.parquet as pq
-
-        from rollart.checkpoint import write_bytes
-
-        async with self._condition:
-            await self.flush()
-            groups = [(g, True) for g in self._complete.values()] + \
-                     [(g, False) for g in self._open.values()]
-            batches = [b for g, _ in groups for b in g.arrow()]
-            meta = {
-                "counts": dict(self._counts), "ledger": dict(self.ledger.counts),
-                "next_part": self._parts,
-                "groups": [{"id": g.group_id, "size": g.size, "arrived": g.arrived,
-                            "rows": g.rows, "complete": done} for g, done in groups],
-            }
-        buf = io.BytesIO()
-        pq.write_table(pa.Table.from_batches(batches, schema=SCHEMA), buf)
-        files = write_bytes(url, "buffer.parquet", buf.getvalue())
-        files.update(write_bytes(url, "buffer.json", json.dumps(meta, indent=1).encode()))
-        return files
+        return await snapshot(self, url)
 
     async def restore(self, url: str) -> int:
-        """Continue from a snapshot written by ``snapshot``: counts, ledger totals and
-        the Parquet part counter continue; complete groups are buffered again (in their
-        order); incomplete ones can never complete (their missing members died with the
-        old run), so their rows are dropped. Trajectories in flight at the snapshot
-        count as aborted. Part files the old run wrote after the snapshot are moved to
-        ``samples/after-resume-{k}/`` so no trajectory appears trained twice. Returns
-        rows buffered."""
-        import io
-        import json
+        """Continue from a snapshot written by ``snapshot`` (see
+        ``rollart.buffer.restore.restore``). Returns rows buffered."""
+        from rollart.buffer.restore import restore
 
-        import fsspec
-        import pyarrow.parquet as pq
-
-        fs, root = fsspec.core.url_to_fs(str(url))
-        root = root.rstrip("/")
-        with fs.open(f"{root}/buffer.json", "r") as f:
-            meta = json.load(f)
-        with fs.open(f"{root}/buffer.parquet", "rb") as f:
-            table = pq.read_table(io.BytesIO(f.read())).cast(SCHEMA)
-        async with self._condition:
-            self._counts = dict(meta["counts"])
-            ledger = dict(meta["ledger"])
-            ledger["aborted"] = ledger.get("aborted", 0) + ledger.pop("in_flight", 0)
-            self.ledger.counts.clear()
-            self.ledger.counts.update(ledger)
-            self._parts = int(meta["next_part"])
-            self._set_aside_parts_after(self._parts)
-            ids = table.column("group_id").to_pylist()
-            rows_by_group: dict[str, list[int]] = {}
-            for i, gid in enumerate(ids):
-                rows_by_group.setdefault(gid, []).append(i)
-            for info in meta["groups"]:
-                idx = rows_by_group.get(info["id"], [])
-                part = table.take(idx).combine_chunks()
-                group = Group(info["id"], info["size"], arrived=info["arrived"],
-                               batches=part.to_batches(),
-                               versions=part.column("version").to_pylist())
-                for traj_id in part.column("traj_id").to_pylist():
-                    self.ledger.state[traj_id] = TrajState.BUFFERED.value
-                if info["complete"]:
-                    self._complete[group.group_id] = group
-                else:
-                    self._closed.add(group.group_id)
-                    self._leave(group.arrow(), TrajState.DROPPED)
-            self.ledger.check()
-            self._condition.notify_all()
-        await self.flush()
-        return self._buffered()
-
-    def _set_aside_parts_after(self, next_part: int) -> None:
-        if self.run_dir is None:
-            return
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(f"{self.run_dir}/samples")
-        if not fs.exists(root):
-            return
-        later = [p for p in fs.glob(f"{root}/part-*.parquet")
-                 if int(p.rsplit("-", 1)[-1].split(".")[0]) >= next_part]
-        if later:
-            k = len(fs.glob(f"{root}/after-resume-*"))
-            fs.makedirs(f"{root}/after-resume-{k}", exist_ok=True)
-            for p in later:
-                fs.mv(p, f"{root}/after-resume-{k}/{p.rsplit('/', 1)[-1]}")
+        return await restore(self, url)
 
     async def close(self) -> None:
-        """Flush and release the I/O thread. Still-buffered rows are not written."""
+        """Flush and release the I/O thread. Batches still taken (their step neither
+        confirmed nor settled) leave as ``lost_in_step``; buffered rows stay buffered
+        (in the journal: ``read_samples`` shows them)."""
+        async with self._condition:
+            for step in sorted(self._taken):
+                self._confirm(step, TrajState.LOST_IN_STEP)
         await self.flush()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.store.close()

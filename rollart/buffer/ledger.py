@@ -1,10 +1,21 @@
 """The trajectory ledger: every launched trajectory ends in exactly one final state.
 
 Consumes state changes from the ``SampleBuffer`` (which owns one ledger): launches and
-cancellations/aborts reported by the env managers, arrivals, and hand-outs to the
-trainer. Produces the counts every metrics row carries and the accounting invariant
+cancellations/aborts reported by the env managers, arrivals, hand-outs to the trainer
+(``taken``) and its confirmations (``trained``). Produces the counts every metrics row
+carries, the accounting invariant
 
-    launched = in_flight + buffered + trained + dropped + aborted + cancelled + failed
+    launched = in_flight + buffered + taken + trained + dropped + aborted + cancelled
+               + failed + lost_in_step
+
+and the changes since they were last drained (``drain``: what the buffer's journal,
+``rollart.buffer.journal``, writes). A trajectory moves
+
+    in_flight -> buffered -> taken -> trained        (its step's update was published)
+                    |          |----> buffered       (the step was lost: re-used)
+                    |          '----> lost_in_step   (the step was lost: never re-run)
+                    '--> dropped                      (too stale)
+    in_flight -> failed | aborted | cancelled | dropped (a late member)
 
 An impossible transition (a trajectory trained twice, delivered after it was cancelled,
 launched twice) raises ``AccountingError`` at once instead of skewing the numbers.
@@ -18,12 +29,19 @@ from rollart.types import TrajState
 
 IN_FLIGHT = "in_flight"
 BUFFERED = TrajState.BUFFERED.value
+TAKEN = TrajState.TAKEN.value
+TRAINED = TrajState.TRAINED.value
+DROPPED = TrajState.DROPPED.value
+LOST_IN_STEP = TrajState.LOST_IN_STEP.value
 FINAL = tuple(s.value for s in (TrajState.TRAINED, TrajState.DROPPED, TrajState.ABORTED,
-                                TrajState.CANCELLED, TrajState.FAILED))
-STATES = (IN_FLIGHT, BUFFERED) + FINAL
+                                TrajState.CANCELLED, TrajState.FAILED,
+                                TrajState.LOST_IN_STEP))
+STATES = (IN_FLIGHT, BUFFERED, TAKEN) + FINAL
 _ALLOWED = {
-    IN_FLIGHT: {BUFFERED, *FINAL},
-    BUFFERED: {TrajState.TRAINED.value, TrajState.DROPPED.value},
+    IN_FLIGHT: {BUFFERED, *(s for s in FINAL if s != LOST_IN_STEP)},
+    # trained straight from buffered: a batch taken without a step to confirm
+    BUFFERED: {TAKEN, TRAINED, DROPPED},
+    TAKEN: {TRAINED, BUFFERED, LOST_IN_STEP},
 }
 
 
@@ -32,11 +50,12 @@ class AccountingError(RuntimeError):
 
 
 class Ledger:
-    """``traj_id -> state`` with transition checks and running counts."""
+    """``traj_id -> state`` with transition checks, running counts and a change log."""
 
     def __init__(self):
         self.state: dict[str, str] = {}
         self.counts: Counter = Counter()
+        self.changes: list[tuple[str, str, int | None]] = []  # since the last drain
 
     def launch(self, traj_id: str) -> None:
         if traj_id in self.state:
@@ -45,9 +64,11 @@ class Ledger:
         self.state[traj_id] = IN_FLIGHT
         self.counts["launched"] += 1
         self.counts[IN_FLIGHT] += 1
+        self.changes.append((traj_id, IN_FLIGHT, None))
 
-    def move(self, traj_id: str, new: str) -> None:
-        """Record ``traj_id`` entering ``new``; an unknown id counts as launched now."""
+    def move(self, traj_id: str, new: str, step: int | None = None) -> None:
+        """Record ``traj_id`` entering ``new`` (``step``: the trainer step of a taken or
+        trained row); an unknown id counts as launched now."""
         if new not in STATES:
             raise AccountingError(f"unknown trajectory state {new!r}")
         if traj_id not in self.state:
@@ -58,6 +79,21 @@ class Ledger:
         self.state[traj_id] = new
         self.counts[old] -= 1
         self.counts[new] += 1
+        self.changes.append((traj_id, new, step))
+
+    def drain(self) -> list[tuple[str, str, int | None]]:
+        """The ``(traj_id, state, step)`` changes since the last drain, oldest first."""
+        out, self.changes = self.changes, []
+        return out
+
+    def load(self, state: dict[str, str], counts: dict[str, int] | None = None) -> None:
+        """Continue from a recorded ledger: ``state`` per id and, when given, the totals
+        (which may cover ids ``state`` does not list: a run resumed from an old
+        checkpoint); without ``counts`` they are counted from ``state``."""
+        self.state = dict(state)
+        self.counts = Counter(counts) if counts is not None else Counter(
+            {"launched": len(state), **Counter(state.values())})
+        self.changes = []
 
     def totals(self) -> dict[str, int]:
         return {"launched": self.counts["launched"], **{s: self.counts[s] for s in STATES}}

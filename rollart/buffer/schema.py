@@ -2,8 +2,9 @@
 
 Consumes ``rollart.types.Trajectory`` records; produces ``pyarrow`` record batches and
 Parquet part files. The ``SampleBuffer`` holds its data in this schema and writes the
-trajectories that leave it to ``{run_dir}/samples/part-*.parquet``; analysis code reads
-them back with ``read_samples``. Every path is an fsspec URL (local, ``memory://``, ...).
+trajectories that leave it to ``{run_dir}/samples/part-*.parquet``; ``read_parts`` reads
+them back (analysis code uses ``rollart.buffer.read_samples``, which adds the journal).
+Every path is an fsspec URL (local, ``memory://``, ...).
 
 One row per trajectory (schema metadata ``rollart_schema_version = "1"``):
 
@@ -120,8 +121,10 @@ def _sample_files(run_dir_or_url: str) -> tuple[fsspec.AbstractFileSystem, list[
     return fs, sorted(fs.glob(f"{base}/*.parquet"))
 
 
-def read_samples(run_dir_or_url: str) -> pa.Table:
-    """All ``samples/*.parquet`` under a run dir (or one file / a samples dir) as a table.
+def read_parts(run_dir_or_url: str) -> pa.Table:
+    """All ``samples/*.parquet`` under a run dir (or one file / a samples dir) as a table:
+    the rows that left the buffer. ``rollart.buffer.read_samples`` adds what only the
+    buffer's journal holds (``rollart.buffer.journal``).
 
     Files are read in name order, so rows come back in the order they were written.
     An empty table in ``SCHEMA`` when there is nothing yet.

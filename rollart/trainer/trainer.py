@@ -2,16 +2,19 @@
 new policy versions.
 
 One ``train_step``: pull ``groups_per_step`` complete groups no older than
-``version - alpha`` from the ``SampleBuffer`` → group-normalised advantages → clipped
-GRPO loss against the behaviour log-probs (optional KL to the initial policy) → AdamW
-with gradient clipping → publish ``version + 1`` to the ``WeightStore``. Compute runs in
-a thread the actor owns, so the worker's event loop stays free for heartbeats.
+``version - alpha`` from the ``SampleBuffer`` (``taken`` for the step) → group-normalised
+advantages → clipped GRPO loss against the behaviour log-probs (optional KL to the
+initial policy) → AdamW with gradient clipping → publish ``version + 1`` to the
+``WeightStore`` → confirm to the buffer (``mark_trained``: the batch is ``trained``).
+Compute runs in a thread the actor owns, so the worker's event loop stays free for
+heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +28,8 @@ from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.losses import grpo_loss, token_logprobs
 from rollart.trainer.warmup import run_warmup
 from rollart.weights import WeightStore
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -114,11 +119,23 @@ class Trainer:
         trained_on = self.version
         self.version += 1
         await self._run(self._put_weights)
+        await self._confirm(buffer, step)
         await self._run(self.store.gc, 3)
         metrics.update(batch_metrics(batch, trained_on))
         metrics.update({"step": step, "version": self.version,
                         "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
         return metrics
+
+    async def _confirm(self, buffer, step: int) -> None:
+        """Tell the buffer that step ``step``'s update is published: its batch is
+        ``trained``. A buffer lost meanwhile is not this step's failure: its recovered
+        successor settles the batch at the next ``get_table`` (this trainer's version is
+        then newer than the one the batch was taken for)."""
+        try:
+            await buffer.mark_trained(step)
+        except Exception as e:  # noqa: BLE001 - settled by the next get_table
+            logger.warning("step %d: confirming the trained batch failed (%r); the next "
+                           "get_table settles it", step, e)
 
     async def restore_latest(self) -> int:
         """Load the newest version published to the weight store (a Trainer re-created

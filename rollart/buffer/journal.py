@@ -1,0 +1,198 @@
+"""The sample buffer's durable record under its run dir, and ``read_samples`` over it.
+
+Written by ``rollart.buffer.buffer.SampleBuffer`` (in its I/O thread); read back by a
+recovering buffer (``SampleBuffer(run_dir, recover=True)``, ``rollart.buffer.restore``)
+and by anything that analyses a run (``read_samples``: ``rollart.api``, tests,
+``benchmarks/chaos.py``). Every path is an fsspec URL (local, ``memory://``, ...)::
+
+    samples/part-{k:05d}.parquet  rows that LEFT the buffer (trained, dropped, failed,
+                                  lost_in_step) in ``SCHEMA`` with their final ``state``
+                                  and ``trained_step``, ``flush_every`` rows a part
+    pending/{n:08d}.parquet       journal entry n's rows (``SCHEMA``), each trajectory
+                                  once, with the state it had then: the members of each
+                                  group that completed since entry n-1 (``buffered``) and
+                                  rows that left outside a complete group (failed
+                                  arrivals, late members)
+    ledger/{n:08d}.parquet        journal entry n's ledger changes, oldest first:
+                                  ``traj_id, state, trained_step``; its schema metadata
+                                  ``rollart_buffer`` (JSON) holds the buffer's counters,
+                                  ledger totals, the steps whose batch is ``taken`` (with
+                                  the ``min_version`` they were taken for), ids orphaned
+                                  in that entry, and the next part number
+
+How a reader combines them (``read_samples``): the rows of the ``samples/`` parts, then
+the ``pending/`` rows of every trajectory not in a part, with ``state`` and
+``trained_step`` from its latest ``ledger/`` record. A trajectory's latest state is its
+last ledger record in entry order. An entry is written (rows first, then its ledger file)
+when a group completes, when the trainer takes a batch, confirms or releases it, when
+stale groups are aborted, and at flush/snapshot; the changes in between (launches,
+members of open groups, cancellations) wait for the next entry. Files a crash left
+unreadable are skipped with a warning (their entry's changes count as never made).
+Folders ``*/after-resume-{k}/`` hold what a run lost after the checkpoint it was resumed
+from (``rollart.checkpoint``); readers ignore them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rollart.buffer.schema import SCHEMA, read_parts
+
+logger = logging.getLogger(__name__)
+
+LEDGER_SCHEMA = pa.schema([("traj_id", pa.string()), ("state", pa.string()),
+                           ("trained_step", pa.int32())])
+META_KEY = b"rollart_buffer"
+_STATE = SCHEMA.get_field_index("state")
+_STEP = SCHEMA.get_field_index("trained_step")
+
+
+def _fs(run_dir: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, root = fsspec.core.url_to_fs(str(run_dir))
+    return fs, root.rstrip("/")
+
+
+def _write(fs, path: str, table: pa.Table) -> None:
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as f:
+        pq.write_table(table, f)
+
+
+def write_entry(run_dir: str, n: int, rows: pa.Table | None,
+                changes: list[tuple[str, str, int | None]], meta: dict) -> None:
+    """Write journal entry ``n``: its rows (if any), then its ledger changes + ``meta``."""
+    fs, root = _fs(run_dir)
+    if rows is not None and rows.num_rows:
+        _write(fs, f"{root}/pending/{n:08d}.parquet", rows)
+    ids, states, steps = zip(*changes) if changes else ((), (), ())
+    table = pa.table([pa.array(ids, pa.string()), pa.array(states, pa.string()),
+                      pa.array(steps, pa.int32())], schema=LEDGER_SCHEMA)
+    table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+    _write(fs, f"{root}/ledger/{n:08d}.parquet", table)
+
+
+def entries(run_dir: str, kind: str) -> list[tuple[int, str]]:
+    """``(n, path)`` of the journal files in ``kind`` (``ledger`` or ``pending``)."""
+    fs, root = _fs(run_dir)
+    out = []
+    for p in fs.glob(f"{root}/{kind}/*.parquet"):
+        name = p.rsplit("/", 1)[-1][:-len(".parquet")]
+        if name.isdigit():
+            out.append((int(name), p))
+    return sorted(out)
+
+
+def _read(fs, path: str) -> pa.Table | None:
+    try:
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f)
+    except Exception as e:  # noqa: BLE001 - a file a crash cut short: skip it, say so
+        logger.warning("skipping unreadable journal file %s (%r)", path, e)
+        return None
+
+
+@dataclass
+class LedgerRecord:
+    """The journal replayed: each trajectory's latest ``(state, trained_step)``, the
+    newest entry's metadata, all orphaned ids, and the next entry number."""
+
+    latest: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    meta: dict | None = None
+    orphans: set[str] = field(default_factory=set)
+    next_entry: int = 0
+
+
+def read_ledger(run_dir: str) -> LedgerRecord:
+    """Replay ``ledger/`` in entry order."""
+    fs, _ = _fs(run_dir)
+    rec = LedgerRecord()
+    for n, path in entries(run_dir, "ledger"):
+        rec.next_entry = n + 1
+        table = _read(fs, path)
+        if table is None:
+            continue
+        cols = [table.column(c).to_pylist() for c in LEDGER_SCHEMA.names]
+        rec.latest.update((t, (s, k)) for t, s, k in zip(*cols))
+        meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"null"))
+        if meta is not None:
+            rec.meta = meta
+            rec.orphans.update(meta.get("orphans", ()))
+    return rec
+
+
+def read_pending(run_dir: str, ids: set[str] | None = None) -> pa.Table:
+    """The ``pending/`` rows (of ``ids`` only, if given) in entry order, in ``SCHEMA``."""
+    fs, _ = _fs(run_dir)
+    tables = []
+    for _, path in entries(run_dir, "pending"):
+        t = _read(fs, path)
+        if t is None:
+            continue
+        t = t.cast(SCHEMA)
+        if ids is not None:
+            t = t.filter(pc.is_in(t.column("traj_id"), pa.array(list(ids), pa.string())))
+        tables.append(t)
+    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+
+def with_latest(rows: pa.Table, latest: dict[str, tuple[str, int | None]]) -> pa.Table:
+    """``rows`` with ``state`` and ``trained_step`` set from ``latest`` (where listed)."""
+    ids = rows.column("traj_id").to_pylist()
+    old_s, old_k = rows.column("state").to_pylist(), rows.column("trained_step").to_pylist()
+    states = [latest[t][0] if t in latest else s for t, s in zip(ids, old_s)]
+    steps = [latest[t][1] if t in latest else k for t, k in zip(ids, old_k)]
+    rows = rows.set_column(_STATE, SCHEMA.field(_STATE), pa.array(states, pa.string()))
+    return rows.set_column(_STEP, SCHEMA.field(_STEP), pa.array(steps, pa.int32()))
+
+
+def unwritten(pending: pa.Table, parts: pa.Table,
+              latest: dict[str, tuple[str, int | None]]) -> pa.Table:
+    """The journal's ``pending`` rows of trajectories that are in no part of ``parts``,
+    each once (its latest row), with its latest state."""
+    if not pending.num_rows:
+        return pending
+    written = set(parts.column("traj_id").to_pylist())
+    ids = pending.column("traj_id").to_pylist()
+    last = {t: i for i, t in enumerate(ids)}  # a row rewritten later wins
+    keep = [i for i, t in enumerate(ids) if t not in written and last[t] == i]
+    return with_latest(pending.take(pa.array(keep, pa.int64())), latest)
+
+
+def read_samples(run_dir_or_url: str) -> pa.Table:
+    """The latest state of every trajectory row of a run, as one table in ``SCHEMA``.
+
+    For a run dir: the rows of ``samples/*.parquet`` (in the order written), then rows
+    only the journal has (``pending/`` + ``ledger/``: still buffered or taken, or left
+    but not yet in a part when the buffer's worker was lost). Given a samples folder or
+    one Parquet file: just those rows. An empty table when there is nothing yet.
+    """
+    parts = read_parts(run_dir_or_url)
+    fs, root = _fs(run_dir_or_url)
+    if root.endswith(".parquet") or not fs.isdir(f"{root}/ledger"):
+        return parts
+    extra = unwritten(read_pending(run_dir_or_url), parts, read_ledger(run_dir_or_url).latest)
+    return pa.concat_tables([parts, extra]) if extra.num_rows else parts
+
+
+def set_aside(run_dir: str, first_entry: int) -> int:
+    """Move journal entries ``>= first_entry`` (a lost run's, after the checkpoint a run
+    resumes from) to ``{kind}/after-resume-{k}/``; returns how many files moved."""
+    fs, root = _fs(run_dir)
+    moved = 0
+    for kind in ("ledger", "pending"):
+        later = [p for n, p in entries(run_dir, kind) if n >= first_entry]
+        if not later:
+            continue
+        k = len(fs.glob(f"{root}/{kind}/after-resume-*"))
+        fs.makedirs(f"{root}/{kind}/after-resume-{k}", exist_ok=True)
+        for p in later:
+            fs.mv(p, f"{root}/{kind}/after-resume-{k}/{p.rsplit('/', 1)[-1]}")
+            moved += 1
+    return moved

@@ -16,7 +16,9 @@ mode        one trainer step
 
 Lost workers (``rollart.recovery``): with a ``supervisor`` set, the pipeline heals while
 it waits, restarts the missing members of a group whose env manager was lost on another
-manager, and re-runs a step whose trainer was lost on a re-created trainer. A run whose
+manager, and re-runs a step whose trainer was lost on a re-created trainer, after the
+buffer put that step's ``taken`` batch back (``SampleBuffer.release_taken``: the re-run
+trains it; a batch is ``trained`` only once an update with it was published). A run whose
 last ``Rollout.failure_streak_limit`` trajectories all failed stops with
 ``FailureStormError`` (a broken env, reward or inference pool) instead of spinning; one
 whose in-flight trajectories stop settling for ``Rollout.stall_timeout`` seconds stops
@@ -234,8 +236,27 @@ class Pipeline(abc.ABC):
                 self.supervisor.wait_idle(trainer)
                 continue
             logger.warning("trainer step %d lost its trainer (%r); replacing it", step, error)
-            self.supervisor.replace_trainer()  # then re-run this step
+            version = self.supervisor.replace_trainer()  # then re-run this step
             self.trainer_recoveries += 1
+            self.release_taken(step, version)
+
+    def release_taken(self, step: int, version: int) -> dict:
+        """Step ``step`` lost its trainer; the new one holds ``version``. The batch the
+        lost step took goes back to the buffer for the re-run (or is ``trained``, if the
+        lost step published ``version`` before it died). A buffer lost meanwhile is left
+        to its recovery: its next ``get_table`` settles the batch the same way."""
+        try:
+            out = self.actors.buffer.release_taken(
+                step, version - self.graph.algo.alpha).result()
+        except Exception as e:  # noqa: BLE001
+            if not self.lost(e, self.actors.buffer):
+                raise
+            logger.warning("step %d: the buffer was lost too (%r); its next get_table "
+                           "settles the taken batch", step, e)
+            return {}
+        logger.warning("step %d: its taken batch was settled after the trainer was lost: "
+                       "%s", step, out)
+        return out
 
     def publish(self, version: int, wait: bool) -> None:
         """Tell the inference workers about ``version``; with ``wait``, until they hold it.

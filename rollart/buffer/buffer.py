@@ -40,6 +40,7 @@ from rollart.types import Trajectory, TrajState
 logger = logging.getLogger(__name__)
 
 BUFFERED, TAKEN = TrajState.BUFFERED.value, TrajState.TAKEN.value
+ENTRY_DELAY = 0.05  # s: the longest a cancellation or failure waits for the journal
 
 
 def _is_failed(traj: Trajectory) -> bool:
@@ -77,6 +78,7 @@ class SampleBuffer:
         self._recent_errors: deque[str] = deque(maxlen=5)
         self._cond: asyncio.Condition | None = None
         self._waiters = 0
+        self._soon: asyncio.TimerHandle | None = None  # a journal entry due shortly
         self.ledger = Ledger()
         self.recovered: dict | None = None  # what recover() found
         if recover:
@@ -116,6 +118,16 @@ class SampleBuffer:
     def _entry(self) -> asyncio.Future | None:
         """Start the next journal entry (the ledger's changes since the last one)."""
         return self.store.entry(self.ledger.drain(), self._meta())
+
+    def _entry_soon(self) -> None:
+        """Journal within ``ENTRY_DELAY`` s: changes that come one trajectory at a time
+        (cancellations, failures) share one entry instead of a write each."""
+        if self._soon is None and self.store.enabled:
+            self._soon = asyncio.get_running_loop().call_later(ENTRY_DELAY, self._entry_now)
+
+    def _entry_now(self) -> None:
+        self._soon = None
+        self._entry()
 
     def _meta(self) -> dict:
         return {"counts": dict(self._counts), "ledger": dict(self.ledger.counts),
@@ -369,9 +381,11 @@ class SampleBuffer:
         return list(self._recent_errors)
 
     async def launched(self, traj_ids: list[str]) -> None:
-        """Record trajectories an env manager has started."""
+        """Record trajectories an env manager has started (durably, before this returns:
+        one write per call, and managers launch a group's members in one call)."""
         for t in traj_ids:
             self.ledger.launch(t)
+        await self.store.wait(self._entry())
 
     async def settle(self, traj_ids: list[str], state: str) -> None:
         """Record trajectories that ended outside the buffer (cancelled or aborted)."""
@@ -380,6 +394,7 @@ class SampleBuffer:
         for t in traj_ids:
             if not self._ignore(t):
                 self.ledger.move(t, state)
+        self._entry_soon()
 
     async def record_failed(self, traj: Trajectory) -> None:
         """A failed member its env manager replaced: counted and written as ``failed``,
@@ -390,6 +405,7 @@ class SampleBuffer:
         traj.state = TrajState.FAILED.value
         self._note(traj, True)
         self._leave([to_record_batch([traj])], TrajState.FAILED)
+        self._entry_soon()
         await self.store.maybe_flush()
 
     async def orphan_all_in_flight(self, error: str = "lost with its worker") -> int:
@@ -470,5 +486,8 @@ class SampleBuffer:
         async with self._condition:
             for step in sorted(self._taken):
                 self._confirm(step, TrajState.LOST_IN_STEP)
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         await self.flush()
         self.store.close()

@@ -23,11 +23,14 @@ and by anything that analyses a run (``read_samples``: ``rollart.api``, tests,
 How a reader combines them (``read_samples``): the rows of the ``samples/`` parts, then
 the ``pending/`` rows of every trajectory not in a part, with ``state`` and
 ``trained_step`` from its latest ``ledger/`` record. A trajectory's latest state is its
-last ledger record in entry order. An entry is written (rows first, then its ledger file)
-when a group completes, when the trainer takes a batch, confirms or releases it, when
-stale groups are aborted, and at flush/snapshot; the changes in between (launches,
-members of open groups, cancellations) wait for the next entry. Files a crash left
-unreadable are skipped with a warning (their entry's changes count as never made).
+last ledger record in entry order. An entry is written, and awaited, when an env
+manager reports launches (one call per group), when a group completes, when the trainer
+takes a batch, confirms or releases it, when stale groups are aborted, and at
+flush/snapshot; cancellations and failures are journaled within ``ENTRY_DELAY`` (50 ms)
+of each other; arrivals into a group still open wait for the next entry (until their
+group completes they are not durable: a recovered buffer counts them as lost). Files a
+crash left unreadable are skipped with a warning (their entry's changes count as never
+made).
 Folders ``*/after-resume-{k}/`` hold what a run lost after the checkpoint it was resumed
 from (``rollart.checkpoint``); readers ignore them.
 """

@@ -1,0 +1,203 @@
+"""The data of record is durable (rollart.buffer.journal) and ``trained`` means trained.
+
+* a complete group is in the run dir when ``put`` returns, before any part is written;
+* ``SampleBuffer(run_dir, recover=True)`` after the buffer's worker was closed abruptly
+  on a real in-process cluster: counts and batches checked against the ids the test
+  itself launched, not against the ledger's own bookkeeping;
+* the trainer's worker killed mid-step (``Pipeline.train`` with a real ``Supervisor``):
+  no trajectory is ``trained`` in Parquet unless an update with it was published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from rollart.buffer import SampleBuffer, read_parts, read_samples
+from rollart.buffer.ledger import STATES
+from rollart.types import CPU_ENV, Trajectory
+
+distributed = pytest.importorskip("distributed")
+
+
+def make(gid: str, i: int, version: int, *, failed: bool = False) -> Trajectory:
+    return Trajectory(traj_id=f"{gid}-{i}", task="countdown", group_id=gid, seed=7,
+                      prompt_ids=[1, 2, 3], response_ids=[10, 11, 12],
+                      loss_mask=[1, 1, 1], logprobs=[-0.5, -1.0, -2.0],
+                      versions=[version] * 3, reward=0.25 * i,
+                      outcome="failed" if failed else "success", error="boom" if failed else "")
+
+
+def states(run: str) -> dict[str, tuple[str, int | None]]:
+    t = read_samples(run)
+    return dict(zip(t.column("traj_id").to_pylist(),
+                    zip(t.column("state").to_pylist(), t.column("trained_step").to_pylist())))
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_complete_group_is_durable_when_put_returns(where, tmp_path):
+    run = f"memory://dur-{uuid.uuid4().hex}" if where == "memory" else str(tmp_path / "run")
+
+    async def scenario():
+        buf = SampleBuffer(run, flush_every=1000)  # no part before the end
+        await buf.launched([f"a-{i}" for i in range(3)] + [f"b-{i}" for i in range(3)])
+        for i in range(3):
+            await buf.put(make("a", i, 0), 3)
+        await buf.put(make("b", 0, 0), 3)  # an open group: not durable yet
+        assert states(run) == {f"a-{i}": ("buffered", None) for i in range(3)}
+        got = await buf.get_table(1, 0, trained_step=5)
+        assert got.column("state").to_pylist() == ["taken"] * 3
+        assert {s for s in states(run).values()} == {("taken", 5)}
+        assert await buf.mark_trained(5) == 3
+        assert {s for s in states(run).values()} == {("trained", 5)}
+        assert read_parts(run).num_rows == 0  # all of it came from the journal
+        await buf.close()
+        parts = read_parts(run)  # the contract: rows that left, final state
+        assert sorted(parts.column("traj_id").to_pylist()) == [f"a-{i}" for i in range(3)]
+        assert set(parts.column("state").to_pylist()) == {"trained"}
+
+    asyncio.run(scenario())
+
+
+def test_close_turns_an_unconfirmed_batch_into_lost_in_step(tmp_path):
+    run = str(tmp_path)
+
+    async def scenario():
+        buf = SampleBuffer(run)
+        for i in range(2):
+            await buf.put(make("a", i, 0), 2)
+        await buf.get_table(1, 0, trained_step=1)
+        await buf.close()
+        c = await buf.counts()
+        assert (c["taken"], c["lost_in_step"], c["trained"]) == (0, 2, 0)
+
+    asyncio.run(scenario())
+    assert set(states(run).values()) == {("lost_in_step", 1)}
+
+
+# -- a real cluster: the buffer's worker closed abruptly -------------------------------
+@pytest.fixture()
+def two_workers():
+    from distributed import Client
+
+    from rollart.resources import Pool, Resources
+
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env", workers=2),),
+                    processes=False, dashboard_address=":0")
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def _buffer_on(client, addr: str, run: str, **kw):
+    return client.submit(SampleBuffer, run, actor=True, workers=[addr], flush_every=1000,
+                         key=f"buf-{uuid.uuid4().hex}", **kw).result()
+
+
+def _put(buf, trajs, size=4):
+    buf.launched([t.traj_id for t in trajs]).result()
+    for t in trajs:
+        buf.put(t, size).result()
+
+
+def test_recover_after_the_buffers_worker_is_lost(two_workers, tmp_path):
+    from rollart.recovery import lose_worker
+    from rollart.resources import workers_with
+
+    cluster, client = two_workers
+    old_addr, new_addr = workers_with(client, CPU_ENV)
+    run = str(tmp_path / "run")
+    buf = _buffer_on(client, old_addr, run)
+    launched: list[str] = []
+
+    def group(gid, n, version=2, size=4):
+        trajs = [make(gid, i, version) for i in range(n)]
+        launched.extend(t.traj_id for t in trajs)
+        _put(buf, trajs, size)
+
+    group("g", 4)                     # trained at step 0
+    assert len(buf.get_table(1, 0, trained_step=0).result()) == 4
+    assert buf.mark_trained(0).result() == 4
+    group("e", 4)                     # taken by step 1, never confirmed
+    assert buf.get_table(1, 0, trained_step=1).result().column("traj_id").to_pylist() == \
+        [f"e-{i}" for i in range(4)]
+    failed = make("f", 0, 2, failed=True)  # a failed member its manager replaced
+    buf.launched([failed.traj_id]).result()
+    launched.append(failed.traj_id)
+    buf.record_failed(failed).result()
+    group("a", 4)                     # complete, buffered
+    group("b", 4, version=0)          # complete, buffered, but stale for min_version 1
+    group("c", 2)                     # open group: 2 arrived, 2 still running
+    running = ["c-2", "c-3", "d-0", "d-1", "d-2", "d-3"]
+    buf.launched(running).result()
+    launched += running
+    assert read_parts(run).num_rows == 0  # flush_every=1000: nothing left in parts yet
+
+    lose_worker(cluster, client, old_addr, restart_after=None)
+    new = _buffer_on(client, new_addr, run, recover=True)
+
+    c = new.counts().result()
+    assert c["launched"] == len(launched) == sum(c[s] for s in STATES)
+    lost = ["c-0", "c-1", *running]   # never durable, or still in flight: orphaned
+    assert (c["trained"], c["taken"], c["buffered"]) == (4, 4, 8)
+    assert (c["failed"], c["orphaned"], c["in_flight"]) == (1 + len(lost), len(lost), 0)
+    on_disk = states(run)
+    assert {t for t, s in on_disk.items() if s == ("trained", 0)} == {f"g-{i}" for i in range(4)}
+    assert {t for t, s in on_disk.items() if s == ("taken", 1)} == {f"e-{i}" for i in range(4)}
+    assert on_disk["f-0"][0] == "failed"
+    # rows that had left (trained g, failed f) are back in the samples/ parts
+    assert sorted(read_parts(run).column("traj_id").to_pylist()) == \
+        sorted(["f-0"] + [f"g-{i}" for i in range(4)])
+
+    # late arrivals: an orphaned member is ignored; a new member of the closed group
+    # is dropped; the taken batch of step 1 comes back first for the re-run of step 1
+    new.put(make("d", 0, 2), 4).result()
+    new.launched(["c-9"]).result()
+    new.put(make("c", 9, 2), 4).result()
+    got = new.get_table(2, 0, trained_step=1).result().column("traj_id").to_pylist()
+    assert got == [f"e-{i}" for i in range(4)] + [f"a-{i}" for i in range(4)]
+    assert new.mark_trained(1).result() == 8
+    with pytest.raises(TimeoutError):  # b (version 0) is too stale for min_version 1
+        new.get_table(1, 1, timeout=0.2, trained_step=2).result()
+    c = new.counts().result()
+    assert (c["trained"], c["dropped"], c["ignored"], c["buffered"]) == (12, 4 + 1, 1, 0)
+    assert c["launched"] == len(launched) + 1 == sum(c[s] for s in STATES)
+    new.close().result()
+    final = Counter(s for s, _ in states(run).values())
+    assert final == {"trained": 12, "dropped": 5, "failed": 1}
+
+
+def test_recover_settles_a_published_batch_as_trained(tmp_path):
+    """The trainer published its update but the buffer died before the confirmation: a
+    recovered buffer asked by a trainer one version newer marks the batch trained."""
+    run = str(tmp_path)
+
+    async def scenario():
+        buf = SampleBuffer(run)
+        for g in "xy":
+            for i in range(2):
+                await buf.put(make(g, i, 3), 2)
+        await buf.get_table(1, 2, trained_step=4)  # trainer at version 2+alpha
+        new = SampleBuffer(run, recover=True)
+        assert new.recovered["taken"] == 2
+        got = await new.get_table(1, 3, trained_step=5)  # the next step, one version on
+        assert got.column("traj_id").to_pylist() == ["y-0", "y-1"]
+        c = await new.counts()
+        assert (c["trained"], c["taken"], c["buffered"]) == (2, 2, 0)
+        await new.mark_trained(5)
+        await new.close()
+
+    asyncio.run(scenario())
+    assert states(run) == {"x-0": ("trained", 4), "x-1": ("trained", 4),
+                           "y-0": ("trained", 5), "y-1": ("trained", 5)}
+
+
+def test_recover_without_a_journal_is_an_empty_buffer(tmp_path):
+    buf = SampleBuffer(str(tmp_path), recover=True)
+    assert buf.recovered["entries"] == 0 and asyncio.run(buf.counts())["launched"] == 0
+    with pytest.raises(ValueError, match="needs the run_dir"):
+        SampleBuffer(None, recover=True)

@@ -20,6 +20,12 @@ that were in flight on a killed worker (counted ``failed``; their groups restart
 trained more than once (from the Parquet samples). ``max_recovery_s``: kill → the
 replacement actor is ready, worst over the kills. A script, not a timed test.
 
+The run trains ``--steps`` steps and then goes on, for at most ``--recovery-wait``
+seconds, until every kill has been recovered from: the replacement is made while the
+pipeline waits, so a run that ended first (a short run on a loaded machine, where the
+remaining steps finished on the surviving workers before the killed one came back)
+reported no recovery at all (``max_recovery_s=inf``) although nothing was wrong.
+
     python benchmarks/chaos.py --quick
 """
 
@@ -61,20 +67,58 @@ def chaos_graph(steps: int, seed: int, env_fail: float, turns: float = 3.0):
                                  trajectory_timeout=30.0))
 
 
+def _rows(run_dir: Path) -> list[dict]:
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
 def killer(cluster, client, run_dir: Path, at_step: int, tag: str, kills: list,
-           restart_after: float) -> None:
+           restart_after: float | None) -> None:
     from rollart.recovery import lose_worker
     from rollart.resources import workers_with
 
-    metrics = run_dir / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < at_step:
+    while len(_rows(run_dir)) < at_step:
         time.sleep(0.05)
     addr = workers_with(client, tag)[-1]  # the env pool's first worker holds the buffer
     t = time.time()
-    name = lose_worker(cluster, client, addr, restart_after=restart_after)
-    kills.append({"tag": tag, "worker": name, "address": addr, "at": t,
-                  "after_step": at_step})
+    kills.append({"tag": tag, "address": addr, "at": t, "after_step": at_step})
+    kills[-1]["worker"] = name = lose_worker(cluster, client, addr,
+                                             restart_after=restart_after)
     print(f"killed {name} ({tag}, {addr}) after step {at_step}", flush=True)
+
+
+def should_stop(steps_done: int, steps: int, replaced: int, kills: int, killing: bool,
+                waited: float, wait: float) -> bool:
+    """Stop the run once it has ``steps`` steps and each kill has its replacement
+    (``replaced``: the metrics' ``recovery/actors_replaced``), or ``wait`` s after
+    ``steps`` without one (then the RESULT shows the missing recovery).
+
+    >>> should_stop(5, 5, 0, 1, False, 3.0, 120.0), should_stop(6, 5, 1, 1, False, 4.0, 120.0)
+    (False, True)
+    """
+    if steps_done < steps or killing:
+        return False
+    return replaced >= kills or waited >= wait
+
+
+def stopper(run_dir: Path, steps: int, kills: list, killer_thread, wait: float) -> None:
+    """Ask the run to stop (``rollart.metrics.request_stop``) when ``should_stop``."""
+    from rollart.metrics import request_stop
+
+    since = None
+    while True:
+        rows = _rows(run_dir)
+        if len(rows) >= steps and since is None:
+            since = time.monotonic()
+        waited = time.monotonic() - since if since is not None else 0.0
+        replaced = rows[-1].get("recovery/actors_replaced", 0) if rows else 0
+        if should_stop(len(rows), steps, replaced, len(kills), killer_thread.is_alive(),
+                       waited, wait):
+            request_stop(run_dir.name)
+            return
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -86,6 +130,11 @@ def main() -> None:
     ap.add_argument("--processes", action="store_true",
                     help="worker processes: SIGKILL and Nanny restart (slow to start)")
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--restart-after", type=float, default=1.0,
+                    help="in-process workers: seconds until the killed worker is back")
+    ap.add_argument("--recovery-wait", type=float, default=120.0,
+                    help="after --steps, go on at most this long until every kill has "
+                         "been recovered from")
     args = ap.parse_args()
     steps = args.steps or (8 if args.quick else 30)
 
@@ -113,9 +162,13 @@ def main() -> None:
     t0 = time.time()
     with chaos_resources(args.processes).make_cluster() as cluster, Client(cluster) as c:
         t = threading.Thread(target=killer, daemon=True, args=(
-            cluster, c, run_dir, at_step, tag, kills, None if args.processes else 1.0))
+            cluster, c, run_dir, at_step, tag, kills,
+            None if args.processes else args.restart_after))
         t.start()
-        result = train(chaos_graph(steps, args.seed, args.env_fail), client=c,
+        threading.Thread(target=stopper, daemon=True,
+                         args=(run_dir, steps, kills, t, args.recovery_wait)).start()
+        # the step budget is a ceiling: stopper ends the run (see the module docstring)
+        result = train(chaos_graph(steps + 10_000, args.seed, args.env_fail), client=c,
                        run_dir=run_dir, progress=False, eval_seeds=0)
     wall = time.time() - t0
     final = result.final_counts
@@ -126,15 +179,16 @@ def main() -> None:
     duplicated = len(trained) - len(set(trained))
     recoveries = []
     for k in kills:
+        who = k.get("worker", k["address"])
         after = [e for e in result.recovery if e["recovered_at"] >= k["at"]]
         if after:
             recoveries.append(after[0]["recovered_at"] - k["at"])
-            print(f"recovered from {k['worker']}: {after[0]['role']} actor re-created on "
+            print(f"recovered from {who}: {after[0]['role']} actor re-created on "
                   f"{after[0]['replacement']} {recoveries[-1]:.1f}s after the kill"
                   + (f" ({after[0]['restored_from']})" if "restored_from" in after[0] else ""))
         else:
             recoveries.append(float("inf"))
-            print(f"no recovery event after killing {k['worker']}")
+            print(f"no recovery event after killing {who}")
     done = final["launched"] - final["in_flight"]
     failed_frac = final["failed"] / max(done, 1)
     print(f"{len(result.metrics)} steps in {wall:.0f}s; ledger after shutdown: {final}")

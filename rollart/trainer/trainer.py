@@ -142,10 +142,10 @@ class Trainer:
         after its worker was lost); returns that version. Unreadable versions are skipped.
         Optimizer moments restart."""
         version, state = await self._run(self.store.get_newest_readable)
-        self.model.load_state_dict(state)
+        self._load_hf(self.model, state)  # HF names: a Megatron policy converts them
         self.version = version
         if self.algo.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = copy.deepcopy(self.model).eval()
+            self.ref_model = self._frozen_copy().eval()
         return version
 
     async def save(self, path: str) -> str:

@@ -272,8 +272,13 @@ class Pipeline(abc.ABC):
 
     def call_managers(self, method: str, *args) -> list:
         """``method(*args)`` on every live env manager; lost ones are skipped."""
-        futs = [(m, getattr(m, method)(*args)) for m in list(self.actors.managers)]
-        out = []
+        futs, out = [], []
+        for m in list(self.actors.managers):
+            try:  # a handle whose worker was just lost raises at the call itself
+                futs.append((m, getattr(m, method)(*args)))
+            except Exception as e:
+                if not self.lost(e, m):
+                    raise
         for m, f in futs:
             try:
                 out.append(f.result())

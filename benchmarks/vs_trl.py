@@ -177,7 +177,7 @@ def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: floa
     from rollart import GRPO, Graph, Policy, Rollout
 
     algo = GRPO(group_size=s.group_size, groups_per_step=s.groups_per_step, lr=s.lr,
-                clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0, alpha=1)
+                clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0)
     return Graph(name=f"vs_trl-{mode}", tasks=(task,), policy=Policy(model=model_dir),
                  algo=algo, rollout=Rollout(redundancy=redundancy, inference_pools=pools),
                  steps=s.steps, seed=s.seed, mode=mode)

@@ -39,6 +39,6 @@ def graph() -> Graph:
         tasks=tasks(),
         task_weights=(3.0, 2.0, 2.0, 1.0, 1.0),
         policy=Policy(model=None, warmup_steps=300),
-        algo=GRPO(group_size=8, groups_per_step=8, lr=5e-4, alpha=1, kl_coef=0.05),
+        algo=GRPO(group_size=8, groups_per_step=8, lr=5e-4, kl_coef=0.05),
         steps=120,
     )

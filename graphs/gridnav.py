@@ -5,4 +5,4 @@ from rollart import GRPO, Graph
 
 def graph() -> Graph:
     return Graph(name="gridnav", tasks=("gridnav",),
-                 algo=GRPO(group_size=8, groups_per_step=4, alpha=1), steps=40)
+                 algo=GRPO(group_size=8, groups_per_step=4), steps=40)

@@ -15,6 +15,6 @@ def graph() -> Graph:
         tasks=("gridnav", "guess", "boxpush"),
         policy=Policy(model=None),
         # a small KL to the warm-up policy keeps a task from collapsing onto one action
-        algo=GRPO(group_size=8, groups_per_step=12, lr=5e-4, alpha=1, kl_coef=0.05),
+        algo=GRPO(group_size=8, groups_per_step=12, lr=5e-4, kl_coef=0.05),
         steps=120,
     )

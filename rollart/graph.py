@@ -25,7 +25,9 @@ from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLI
 DEFAULT_GRAPH = "multitask"
 MODES = ("async", "one-off", "sync")  # see rollart.pipeline
 TRAINER_BACKENDS = ("torch", "megatron")  # see rollart.trainer
-MODE_ALPHA = {"one-off": 1, "sync": 0}  # the staleness bound each baseline implies
+# the staleness bound of each mode when GRPO.alpha is left unset (None); the baselines
+# imply theirs (sync is on-policy, one-off one step behind), so setting another is an error
+MODE_ALPHA = {"async": 1, "one-off": 1, "sync": 0}
 
 
 class GraphError(ValueError):
@@ -122,7 +124,9 @@ class GRPO:
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the initial policy
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
-    alpha: int = 1  # staleness bound: train on trajectories ≤ alpha versions old
+    # staleness bound: train on trajectories ≤ alpha versions old. None: the mode's
+    # (MODE_ALPHA: async 1, one-off 1, sync 0), resolved by resolve_alpha
+    alpha: int | None = None
     off_policy: str = DEFAULT_OFF_POLICY  # staleness correction, one of OFF_POLICY
     is_cap: float = 2.0  # truncation of the behaviour importance weight
     # the trainer cuts a batch, sorted by length, into micro-batches of at most this many
@@ -135,14 +139,19 @@ class GRPO:
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                    f"GRPO.{name} must be an int ≥ 1, got {v!r}")
-        _numbers(self, "alpha", "micro_batch_tokens", integer=True)
+        _numbers(self, "micro_batch_tokens", integer=True)
+        _numbers(self, "alpha", integer=True, optional=True)
         _check(self.micro_batch_tokens >= 0, f"GRPO.micro_batch_tokens must be ≥ 0 (0: "
                f"no micro-batches), got {self.micro_batch_tokens!r}")
         _numbers(self, "lr", "clip_eps", "kl_coef", "max_grad_norm", "weight_decay", "is_cap")
         _check(self.group_size >= 2, f"GRPO.group_size must be ≥ 2 (group-normalised "
                f"advantages need a group), got {self.group_size}")
-        _check(isinstance(self.alpha, int) and self.alpha >= 0,
-               f"GRPO.alpha (staleness bound) must be an int ≥ 0, got {self.alpha!r}")
+        _check(self.alpha is None or self.alpha >= 0,
+               f"GRPO.alpha (staleness bound) must be an int ≥ 0 or None (the mode's), "
+               f"got {self.alpha!r}")
+        # readers get an int: the async bound until a Graph resolves it for its mode
+        object.__setattr__(self, "alpha_given", self.alpha is not None)
+        object.__setattr__(self, "alpha", resolve_alpha(self))
         _check(self.lr > 0, f"GRPO.lr must be > 0, got {self.lr!r}")
         _check(0 < self.clip_eps < 1, f"GRPO.clip_eps must be in (0, 1), got {self.clip_eps}")
         _check(self.kl_coef >= 0, f"GRPO.kl_coef must be ≥ 0, got {self.kl_coef!r}")
@@ -154,6 +163,27 @@ class GRPO:
     @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
+
+
+def resolve_alpha(algo: GRPO, mode: str = "async", graph: str | None = None) -> int:
+    """The staleness bound of ``algo`` under ``mode``: the one place it is decided.
+
+    ``GRPO.alpha`` left unset (``alpha_given`` false) takes the mode's ``MODE_ALPHA``; a
+    set one is kept, and one that contradicts a baseline's bound is a ``GraphError``.
+
+    >>> resolve_alpha(GRPO(), "sync"), resolve_alpha(GRPO(alpha=3), "async")
+    (0, 3)
+    """
+    if not getattr(algo, "alpha_given", algo.alpha is not None):
+        return MODE_ALPHA[mode]
+    if mode != "async" and algo.alpha != MODE_ALPHA[mode]:
+        where = f"graph {graph!r}: " if graph else ""
+        raise GraphError(
+            f"{where}GRPO.alpha={algo.alpha} contradicts mode={mode!r}, whose staleness "
+            f"bound is {MODE_ALPHA[mode]} ({mode} is defined by it). Leave GRPO.alpha "
+            f"unset (or set it to {MODE_ALPHA[mode]}), drop --alpha, or use "
+            f"mode='async' (--mode async) for a bound of {algo.alpha}")
+    return algo.alpha
 
 
 @dataclass(frozen=True)
@@ -258,9 +288,11 @@ class Graph:
         _check(isinstance(self.steps, int) and self.steps >= 1,
                f"Graph.steps must be an int ≥ 1, got {self.steps!r}")
         _check(self.mode in MODES, f"Graph.mode {self.mode!r} is not one of {MODES}")
-        if self.mode in MODE_ALPHA and self.algo.alpha != MODE_ALPHA[self.mode]:
-            # the baselines imply their bound: sync is on-policy, one-off one step behind
-            object.__setattr__(self, "algo", replace(self.algo, alpha=MODE_ALPHA[self.mode]))
+        alpha = resolve_alpha(self.algo, self.mode, self.name)
+        if alpha != self.algo.alpha:  # unset: this mode's bound (and still unset)
+            algo = replace(self.algo, alpha=alpha)
+            object.__setattr__(algo, "alpha_given", False)
+            object.__setattr__(self, "algo", algo)
 
     @property
     def task_names(self) -> list[str]:

@@ -69,3 +69,35 @@ def test_variant_by_replace_and_to_dict():
     v = replace(g, algo=replace(g.algo, alpha=3), steps=5)
     d = v.to_dict()
     assert d["algo"]["alpha"] == 3 and d["steps"] == 5 and d["tasks"][0] == "gridnav"
+
+
+# -- one home for the staleness bound (rollart.graph.resolve_alpha) ---------------------
+def test_unset_alpha_takes_the_modes_bound():
+    assert Graph(name="x", mode="sync").algo.alpha == 0
+    assert Graph(name="x", mode="one-off").algo.alpha == 1
+    assert Graph(name="x").algo.alpha == 1 and GRPO().alpha == 1  # async, and outside a graph
+    sync = Graph(name="x", mode="sync", algo=GRPO(group_size=4))
+    assert sync.algo.group_size == 4 and not sync.algo.alpha_given
+    assert replace(sync, mode="async").algo.alpha == 1  # still unset: follows the mode
+    assert Graph(name="x", algo=GRPO(alpha=3)).algo.alpha == 3
+    assert Graph(name="x", mode="sync", algo=GRPO(alpha=0)).algo.alpha == 0
+    assert Graph(name="x", mode="sync").to_dict()["algo"]["alpha"] == 0
+
+
+@pytest.mark.parametrize("mode, alpha", [("sync", 2), ("sync", 1), ("one-off", 0)])
+def test_alpha_contradicting_a_baseline_mode_is_an_error(mode, alpha):
+    with pytest.raises(GraphError, match=f"GRPO.alpha={alpha} contradicts mode='{mode}'.*"
+                       "Leave GRPO.alpha unset.*--mode async"):
+        Graph(name="x", mode=mode, algo=GRPO(alpha=alpha))
+    with pytest.raises(GraphError, match="contradicts"):  # also when the mode changes later
+        replace(Graph(name="x", algo=GRPO(alpha=alpha)), mode=mode)
+
+
+def test_shipped_graphs_run_in_every_mode():
+    """They leave alpha unset, so ``--mode sync`` / ``one-off`` need no ``--alpha``."""
+    from rollart.control import override
+
+    for name in ("multitask", "gridnav"):
+        g, _ = load_graph(name)
+        assert {m: override(g, mode=m).algo.alpha for m in ("async", "one-off", "sync")} \
+            == {"async": 1, "one-off": 1, "sync": 0}

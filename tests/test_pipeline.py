@@ -23,7 +23,7 @@ def _graph(mode, **rollout):
                   for t in ("gridnav", "boxpush"))
     return Graph(name=f"t-{mode}", tasks=tasks, mode=mode, steps=4,
                  policy=Policy(warmup_steps=10),
-                 algo=GRPO(group_size=2, groups_per_step=3, alpha=1),
+                 algo=GRPO(group_size=2, groups_per_step=3),
                  rollout=Rollout(**rollout))
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from rollart.control import RunResult, new_run_dir, train
 from rollart.graph import load_graph
 from rollart.metrics import install, request_stop
+from rollart.preflight import check_checkpoints, check_run_dir, check_weight_store
 from rollart.report import read_metrics
 
 
@@ -109,21 +110,30 @@ class Run:
 
 
 def start_run(client, graph=None, *, steps: int | None = None, run_dir=None,
-              eval_seeds: int = 0, **kwargs) -> Run:
+              eval_seeds: int = 0, overwrite: bool = False, **kwargs) -> Run:
     """Start ``graph`` on the cluster behind ``client`` and return at once.
 
     ``graph``/``steps``/``kwargs`` are ``rollart.train``'s (``seed``, ``alpha``, ``mode``,
-    ``model``). Held-out evaluation is off by default here (``eval_seeds=0``).
+    ``model``, ``resume``). Held-out evaluation is off by default here (``eval_seeds=0``).
+    A ``run_dir`` that already holds a run raises ``RunDirError`` here, before anything
+    starts, unless ``overwrite=True`` (its outputs are deleted) or ``resume=run_dir``.
     """
     g, _ = load_graph(graph)
-    run_dir = Path(run_dir) if run_dir else new_run_dir(name=g.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if kwargs.get("resume") is not None:
+        run_dir = Path(kwargs["resume"])  # train() continues the run in that folder
+    else:
+        run_dir = Path(run_dir) if run_dir else new_run_dir(name=g.name)
+        check_run_dir(run_dir, overwrite)
+        check_weight_store(kwargs.get("weights"), overwrite)
+        check_checkpoints(kwargs.get("checkpoint_url"), overwrite)
+        run_dir.mkdir(parents=True, exist_ok=True)
     install(client)
     run = Run(client, run_dir, steps or g.steps)
     kwargs.setdefault("progress", False)
     run._thread = threading.Thread(target=run._target, name=f"rollart-run-{run.name}",
                                    args=(graph, dict(steps=steps, eval_seeds=eval_seeds,
-                                                 **kwargs)), daemon=True)
+                                                 overwrite=overwrite, **kwargs)),
+                                   daemon=True)
     run._thread.start()
     return run
 

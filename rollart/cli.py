@@ -45,7 +45,8 @@ def _train(args) -> int:
                    seed=args.seed, alpha=args.alpha, mode=args.mode, run_dir=args.run_dir,
                    progress=not args.no_progress, eval_seeds=args.eval_seeds,
                    resume=args.resume, weights=args.weights,
-                   checkpoint_url=args.checkpoint_url, checkpoint_every=args.checkpoint_every)
+                   checkpoint_url=args.checkpoint_url, checkpoint_every=args.checkpoint_every,
+                   overwrite=args.overwrite)
     last = result.metrics[-1] if result.metrics else {}
     print(f"run directory: {result.run_dir}")
     print(f"final model:   {result.model_dir}")
@@ -111,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async (default: trajectory-level, bounded staleness), one-off "
                         "(one-step off-policy) or sync (synchronous baseline)")
     t.add_argument("--alpha", type=int, default=None, help="staleness bound (versions)")
-    t.add_argument("--run-dir", default=None, help="where outputs go (default runs/NAME-TIME)")
+    t.add_argument("--run-dir", default=None, help="where outputs go (default runs/NAME-TIME);"
+                   " a directory that holds a run is refused (see --resume, --overwrite)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete the outputs of the run already in --run-dir (and the "
+                        "versions in --weights, the checkpoints in --checkpoint-url) first")
     t.add_argument("--eval-seeds", type=int, default=64,
                    help="held-out episodes per task for the before/after evaluation (0: none)")
     t.add_argument("--no-progress", action="store_true")
@@ -146,6 +151,7 @@ def main(argv=None) -> int:
     from rollart.env.tasks import UnknownTaskError
     from rollart.graph import GraphError
     from rollart.model import ModelFolderError
+    from rollart.preflight import RunDirError
     from rollart.resources import ResourcesError
     from rollart.weights.mooncake import MooncakeError
 
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
-            FileNotFoundError, CheckpointError, MooncakeError) as e:
+            FileNotFoundError, CheckpointError, MooncakeError, RunDirError) as e:
         print(f"rollart: error: {e}", file=sys.stderr)
         return 2
 

@@ -105,12 +105,14 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
           alpha: int | None = None, mode: str | None = None,
           run_dir: str | Path | None = None, client=None, progress: bool = True,
           eval_seeds: int = 64, resume: str | Path | None = None, weights: str | None = None,
-          checkpoint_url: str | None = None, checkpoint_every: int | None = None
-          ) -> RunResult:
+          checkpoint_url: str | None = None, checkpoint_every: int | None = None,
+          overwrite: bool = False) -> RunResult:
     """Run a graph end to end and return where its outputs went.
 
     ``resume=RUN`` continues the run directory ``RUN`` from its newest checkpoint
-    (``steps`` is then the new total). ``weights``: ``"fsspec"`` (default),
+    (``steps`` is then the new total). A ``run_dir`` (or ``weights`` store) that already
+    holds another run is refused (``RunDirError``) unless ``overwrite=True``, which
+    deletes that run's outputs first. ``weights``: ``"fsspec"`` (default),
     ``"mooncake"`` (a local master) or a store URL. Checkpoints go to
     ``checkpoint_url`` (default ``RUN/checkpoints``) every ``checkpoint_every`` steps
     and at the end (see ``rollart.checkpoint``).
@@ -119,9 +121,14 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     >>> # result = train("gridnav", steps=20)      # local tagged cluster, tiny model
     """
     from rollart import checkpoint
+    from rollart.preflight import (RunDirError, check_checkpoints, check_cluster_tags,
+                                   check_run_dir, check_weight_store)
 
     ckpt = None
     if resume is not None:
+        if overwrite:
+            raise RunDirError(f"resume={resume} continues that run, overwrite=True would "
+                              "delete it: pass one of them")
         run_dir = Path(resume)
         ckpt = checkpoint.for_resume(run_dir, checkpoint_url)
         graph, graph_src = checkpoint.graph_from(ckpt, graph), ckpt.graph.get("source")
@@ -130,10 +137,12 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode,
                      checkpoint_every=checkpoint_every)
     res = load_resources(resources) if client is None or resources is not None else None
-    if res is not None:
-        check_declared(graph, res)  # misdeclared affinity: an error before anything starts
     preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
+    if ckpt is None:  # another run's weights, samples and metrics would mix with ours
+        check_run_dir(run_dir, overwrite)
+        check_weight_store(weights, overwrite)
+        check_checkpoints(checkpoint_url, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "graph.json").write_text(json.dumps(
         {"source": graph_src, **graph.to_dict()}, indent=2, default=str))
@@ -147,9 +156,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     from rollart.weights import store_url
 
     with connect(res, client) as c, store_url(weights, run_dir) as weights_url:
-        check_cluster(c, graph, source)
-        check_tags(c, graph.needs(), source, needed_by=f"graph {graph.name!r}")
-        check_lockstep(graph, len(workers_with(c, CPU_ENV)), source)
+        check_cluster_tags(c, graph, source)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
@@ -159,14 +166,16 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
 
 
 def override(graph: Graph, **changes) -> Graph:
-    """A copy of ``graph`` with CLI overrides (``None`` = keep)."""
+    """A copy of ``graph`` with CLI overrides (``None`` = keep). An unset ``GRPO.alpha``
+    follows the (new) mode; a set one that contradicts it is a ``GraphError``
+    (``rollart.graph.resolve_alpha``)."""
     from dataclasses import replace
 
     changes = {k: v for k, v in changes.items() if v is not None}
     algo = graph.algo
     if "alpha" in changes:
         algo = replace(algo, alpha=changes.pop("alpha"))
-    return replace(graph, algo=algo, **changes)  # Graph re-validates (mode implies alpha)
+    return replace(graph, algo=algo, **changes)  # Graph re-validates and resolves alpha
 
 
 def task_modules(graph: Graph) -> list[str]:

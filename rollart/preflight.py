@@ -11,25 +11,48 @@ when the pieces meet:
   Dask task restricted to a missing tag would wait forever);
 * every task's env factory and reward function pickle (they travel to Dask workers);
 * a lockstep batch (``sync`` / ``one-off``) fits the env managers' concurrency (else
-  the turn barrier waits for members that can never start).
+  the turn barrier waits for members that can never start);
+* a new run gets a run directory and a weight store of its own (``check_run_dir``,
+  ``check_weight_store``): another run's weight versions outrank the new run's, so the
+  store's garbage collection deleted each version the trainer published and the
+  inference workers never loaded one: the run hung after two steps.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 
+from rollart.affinity import check_declared
 from rollart.graph import Graph, GraphError
 from rollart.resources import Resources, ResourceTagError
 from rollart.types import ALL_TAGS, CPU_ENV
 
 
 def preflight(graph: Graph, resources: Resources | None) -> None:
-    """All checks that need no cluster; raises on the first problem found."""
+    """All checks that need no cluster; raises on the first problem found. The tags are
+    checked here against the declared pools, and once more by ``check_cluster_tags``
+    against the workers of a running cluster: nowhere else."""
     check_picklable(graph)
     if resources is not None and resources.pools:
+        check_declared(graph, resources)  # affinity tags, named by the task that asks
         check_pools(graph, resources)
         env_workers = sum(p.workers for p in resources.pools if _carries(p, CPU_ENV))
         check_lockstep(graph, env_workers, resources.source)
+
+
+def check_cluster_tags(client, graph: Graph, source: str) -> None:
+    """On a running cluster: every tag the graph needs is carried by a worker (affinity
+    tags named by the task that asks), and a lockstep batch fits its env workers."""
+    from rollart.affinity import check_cluster
+    from rollart.affinity import needs as affinity_needs
+    from rollart.resources import check_tags, workers_with
+
+    check_cluster(client, graph, source)
+    rest = {t: n for t, n in graph.needs().items() if t not in affinity_needs(graph)}
+    check_tags(client, rest, source, needed_by=f"graph {graph.name!r}")
+    check_lockstep(graph, len(workers_with(client, CPU_ENV)), source)
 
 
 def _carries(pool, tag: str) -> bool:
@@ -38,8 +61,13 @@ def _carries(pool, tag: str) -> bool:
 
 def check_pools(graph: Graph, resources: Resources) -> None:
     """Every tag the graph needs is on a declared pool with at least one worker."""
+    from rollart.affinity import needs as affinity_needs
+
     src = resources.source
+    named = affinity_needs(graph)  # checked by check_declared
     for tag in graph.needs():
+        if tag in named:
+            continue
         pools = [p for p in resources.pools if _carries(p, tag)]
         if not pools:
             declared = sorted({p.tag for p in resources.pools})
@@ -90,3 +118,99 @@ def check_lockstep(graph: Graph, env_workers: int, source: str = "the cluster") 
             f"worker(s) in {source}: {per_manager} members per env manager, more than "
             f"Rollout.env_concurrency={limit}. Lower GRPO.group_size or groups_per_step, "
             f"raise env_concurrency to ≥ {per_manager}, or add CPU_ENV workers")
+
+
+class RunDirError(ValueError):
+    """A run directory or weight store that another run already used; says what to do."""
+
+
+# what ``rollart.train`` and the actors it starts write into a run directory; a folder
+# holding any of them holds a run (the first two are written by every run)
+RUN_MARKERS = ("graph.json", "metrics.jsonl")
+RUN_OUTPUTS = RUN_MARKERS + (
+    "placement.json", "recovery.json", "eval.json", "checkpoint_url.txt", "reward.png",
+    "throughput.png", "staleness.png", "report.html", "init_model", "warmup_model",
+    "model", "weights", "samples", "checkpoints", "ledger", "pending")
+
+
+def run_outputs(run_dir) -> list[Path]:
+    """The outputs of an earlier run present in ``run_dir`` (empty: a fresh folder)."""
+    run_dir = Path(run_dir)
+    return [run_dir / n for n in RUN_OUTPUTS if (run_dir / n).exists()]
+
+
+def check_run_dir(run_dir, overwrite: bool = False) -> None:
+    """Refuse a run directory that already holds a run; with ``overwrite``, remove that
+    run's outputs (only the names in ``RUN_OUTPUTS``, and only in a folder that has a
+    ``RUN_MARKERS`` file) so the new run starts clean."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} is a file, not a directory; pass a new "
+                          "directory")
+    found = run_outputs(run_dir)
+    if not found:
+        return
+    if not any((run_dir / n).exists() for n in RUN_MARKERS):
+        raise RunDirError(
+            f"{run_dir} holds {', '.join(p.name for p in found)} but no "
+            f"{' or '.join(RUN_MARKERS)}, so it does not look like a rollart run directory; "
+            "nothing was removed. Pass a new --run-dir (or clear the folder yourself)")
+    if not overwrite:
+        raise RunDirError(
+            f"{run_dir} already holds a run ({', '.join(p.name for p in found)}). Continue "
+            f"it with `rollart train --resume {run_dir}` (rollart.train(resume=...)), pass "
+            "a new --run-dir, or pass --overwrite (overwrite=True) to delete that run's "
+            "outputs first")
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def check_weight_store(spec: str | None, overwrite: bool = False) -> None:
+    """A new run's trainer publishes versions 0, 1, 2, ...: a store URL (``--weights``)
+    that already holds versions (another run's) is refused, or with ``overwrite``
+    emptied (every version and every reader's hold removed). The default store lives in
+    the run directory (``check_run_dir``); ``"mooncake"`` starts an empty master."""
+    from rollart.weights import BACKENDS, WeightStore
+
+    if spec is None or spec in BACKENDS:
+        return
+    url = str(spec)
+    store = WeightStore(url)
+    versions = store.versions()
+    if not versions:
+        return
+    if not overwrite:
+        raise RunDirError(
+            f"the weight store {url} already holds versions {versions[0]}..{versions[-1]} "
+            "of another run; a new run's versions would be deleted as older than them and "
+            "its inference workers would wait forever. Pass a new --weights URL, resume "
+            "that run (--resume RUN), or pass --overwrite to empty the store first")
+    store.truncate(-1)
+    for reader in store.holds():
+        store.release(reader)
+
+
+def check_checkpoints(url: str | None, overwrite: bool = False) -> None:
+    """A checkpoint URL (``--checkpoint-url``) that holds another run's checkpoints is
+    refused (``--resume`` would continue the newest, whichever run wrote it), or with
+    ``overwrite`` its ``step-N`` folders are removed."""
+    if url is None:
+        return
+    import fsspec
+
+    from rollart import checkpoint
+
+    done = checkpoint.steps(url)
+    if not done:
+        return
+    if not overwrite:
+        raise RunDirError(
+            f"the checkpoint URL {url} already holds checkpoints of another run (steps "
+            f"{done[0]}..{done[-1]}). Pass a new --checkpoint-url, resume that run "
+            "(--resume RUN), or pass --overwrite to delete them first")
+    fs, root = fsspec.core.url_to_fs(str(url))
+    for step in done:
+        fs.rm(checkpoint.step_dir(root, step), recursive=True)

@@ -286,3 +286,79 @@ def test_cli(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("rollart: error:") and needle in err
+
+
+# -- run directories and weight stores used by another run (rollart.preflight) ----------
+def _old_run(path):
+    (path / "samples").mkdir(parents=True)
+    (path / "graph.json").write_text("{}")
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (path / "notes.txt").write_text("mine")
+    return path
+
+
+def test_run_dir_holding_a_run_is_refused_or_overwritten(tmp_path):
+    from rollart.preflight import RunDirError, check_run_dir
+
+    check_run_dir(tmp_path / "new")  # a fresh (or empty) folder is fine
+    old = _old_run(tmp_path / "old")
+    with pytest.raises(RunDirError, match="already holds a run .*--resume .*old.*new "
+                       "--run-dir.*--overwrite"):
+        check_run_dir(old)
+    assert (old / "metrics.jsonl").exists()
+    check_run_dir(old, overwrite=True)
+    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]  # only a run's outputs
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run_dir(tmp_path):
+    from rollart.preflight import RunDirError, check_run_dir
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(RunDirError, match="does not look like a rollart run directory; "
+                       "nothing was removed"):
+        check_run_dir(tmp_path, overwrite=True)
+    assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_a_weight_store_of_another_run_is_refused(tmp_path):
+    """The re-used run directory's hang, directly: the first run left versions 4..6; the
+    new trainer's garbage collection (keep the newest 3) deleted each version it published,
+    so its inference workers never loaded one. Refused now, or emptied with overwrite."""
+    import torch
+
+    from rollart.preflight import RunDirError, check_weight_store
+    from rollart.weights import WeightStore
+
+    url, w = str(tmp_path / "weights"), {"w": torch.zeros(2)}
+    store = WeightStore(url)
+    for v in (4, 5, 6):
+        store.put(v, w)
+    store.hold("reader-of-the-old-run", 5)
+    for v in (0, 1):  # what the second run's trainer did
+        store.put(v, w)
+        store.gc(3)
+    assert store.versions() == [4, 5, 6] and store.latest() == 1  # its own versions: gone
+    with pytest.raises(RunDirError, match="already holds versions 4..6 .*--weights .*"
+                       "--overwrite"):
+        check_weight_store(url)
+    check_weight_store(url, overwrite=True)
+    assert store.versions() == [] and store.latest() == -1 and store.holds() == {}
+    for v in (0, 1, 2, 3):
+        store.put(v, w)
+        store.gc(3)
+    assert store.versions() == [1, 2, 3]
+    check_weight_store(None)  # the default store is in the run directory: checked with it
+
+
+def test_a_checkpoint_url_of_another_run_is_refused(tmp_path):
+    from rollart import checkpoint
+    from rollart.preflight import RunDirError, check_checkpoints
+
+    path = checkpoint.step_dir(str(tmp_path), 40)
+    os.makedirs(path)
+    open(os.path.join(path, checkpoint.MARKER), "w").write("40")
+    with pytest.raises(RunDirError, match="steps 40..40.*--checkpoint-url.*--overwrite"):
+        check_checkpoints(str(tmp_path))
+    check_checkpoints(str(tmp_path), overwrite=True)
+    assert checkpoint.steps(str(tmp_path)) == []

@@ -61,3 +61,56 @@ def test_module_entry_point_help():
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--resources", "--steps", "--model", "--seed", "--alpha", "--run-dir"):
         assert flag in out
+
+
+def test_mode_sync_with_alpha_is_an_error(capsys):
+    assert main(["train", "gridnav", "--mode", "sync", "--alpha", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "GRPO.alpha=2 contradicts mode='sync'" in err and "drop --alpha" in err
+
+
+def test_train_refuses_a_run_dir_that_holds_a_run(tmp_path, tiny_model, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "graph.json").write_text('{"name": "first"}')
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    argv = ["train", "gridnav", "--steps", "1", "--model", str(tiny_model), "--run-dir",
+            str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {run}" in err and "--overwrite" in err and "new --run-dir" in err
+    assert (run / "graph.json").read_text() == '{"name": "first"}'  # nothing touched
+    assert main([*argv, "--overwrite", "--resume", str(run)]) == 2
+    assert "pass one of them" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_second_run_in_the_same_dir(local_cluster, tiny_model, tmp_path):
+    """Re-using a run directory hung after two steps (the first run's weight versions
+    outranked the new ones). Now refused at once from ``start_run``; ``overwrite=True``
+    starts clean and the run completes."""
+    from dataclasses import replace
+
+    from rollart import GRPO, Graph, Policy, Rollout
+    from rollart.api import start_run
+    from rollart.preflight import RunDirError
+    from rollart.report import read_metrics
+    from rollart.types import H800
+    from rollart.weights import WeightStore
+
+    g = Graph(name="again", tasks=("gridnav",), steps=6,
+              policy=Policy(model=str(tiny_model), warmup_steps=0),
+              algo=GRPO(group_size=2, groups_per_step=2),
+              rollout=Rollout(inference_pools=(H800,)))
+    run_dir = tmp_path / "run"
+    start_run(local_cluster, g, run_dir=run_dir).wait(300)
+    with pytest.raises(RunDirError, match="already holds a run .*--overwrite"):
+        start_run(local_cluster, replace(g, steps=4), run_dir=run_dir)
+    with pytest.raises(RunDirError, match="weight store .* already holds versions 4..6"):
+        start_run(local_cluster, replace(g, steps=4), run_dir=tmp_path / "other",
+                  weights=str(run_dir / "weights"))
+    run = start_run(local_cluster, replace(g, steps=4), run_dir=run_dir, overwrite=True)
+    result = run.wait(240)  # the hang: two steps, then no progress
+    assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert WeightStore(str(run_dir / "weights")).versions() == [2, 3, 4]

@@ -3,7 +3,7 @@
 All episodes advance in lock step: each round batches every live episode's next turn
 into one ``TorchEngine.generate`` call. Conversations are built exactly as rollout
 builds them (``rollart.env.conversation``: raw text or the chat template, the task's
-stop strings and ``parse_action``), so held-out success measures the policy that
+stop strings and ``parse_action``, tool turns for an env with tools), so held-out success measures the policy that
 rollout trains. Used at the end of ``rollart train`` (warm-up policy vs trained policy
 on seeds training never saw) and by the learning test.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from rollart.env.conversation import ConversationFormat, TokenLog, context_budget
 from rollart.env.faults import without_faults
-from rollart.env.trajectory import request_seed
+from rollart.env.protocol import env_tools
+from rollart.env.trajectory import check_calls, request_seed, tool_calls
 from rollart.types import GenRequest
 
 
@@ -39,8 +40,10 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
     episodes = []
     for seed in seeds:
         env = task.env_factory()
-        conv = fmt.start(TokenLog(), task, env.reset(seed))
-        episodes.append({"env": env, "conv": conv, "done": False, "success": False})
+        tools = env_tools(env) if fmt.mode == "chat" else []
+        conv = fmt.start(TokenLog(), task, env.reset(seed), tools)
+        episodes.append({"env": env, "conv": conv, "tools": tools, "done": False,
+                         "success": False})
     try:
         for turn in range(task.max_turns):
             live = [e for e in episodes if not e["done"]]
@@ -56,6 +59,12 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
                     for i, e in enumerate(live)]
             for e, res in zip(live, engine.generate(reqs)):
                 text = e["conv"].add_generation(res.token_ids, finish_reason=res.finish_reason)
+                calls = tool_calls(text) if e["tools"] else []
+                if calls:  # a tool turn, as in rollout
+                    e["conv"].add_tool_results([
+                        c if isinstance(c, str) else e["env"].call_tool(c.name, c.arguments)
+                        for c in check_calls(calls, e["tools"])])
+                    continue
                 step = e["env"].step(task.parse_action(text))
                 if step.done:
                     e["done"], e["success"] = True, bool(step.info.get("success"))

@@ -435,3 +435,182 @@ def test_warmup_in_chat_form_trains_the_template_tokens_the_policy_emits(chatml)
     assert text.count("<|im_start|>assistant\n") == 3
     generated = [t for t, m in zip(log.response_ids, log.loss_mask) if m]
     assert chatml.decode(generated).count("<|im_end|>") == 3
+
+
+# -- a chat rollout on a real in-process cluster ---------------------------------------------
+# A model folder not built by rollart: the test's own BPE tokenizer and ChatML template with
+# tools, a tiny Qwen2 fitted (a few hundred steps) on two tool-calling conversations, so its
+# near-greedy generations are known: a valid call (add) and an unknown tool (sub).
+Q_ADD, Q_SUB = "what is 2 plus 3 ?", "what is 2 minus 3 ?"
+CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+CALL_SUB = '<tool_call>\n{"name": "sub", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+SUB_ERROR = "error : unknown tool 'sub'; available: add"
+
+
+def _fit_conversations(fmt):
+    logs = []
+    for question, call, result, answer in [(Q_ADD, CALL_ADD, "5", "5"),
+                                           (Q_SUB, CALL_SUB, SUB_ERROR, "1")]:
+        log = TokenLog()
+        conv = fmt.start(log, task(), question, TOOLS)
+        conv.add_text_generation(call)
+        conv.add_tool_results([result])
+        conv.add_text_generation(answer)
+        logs.append(log)
+    return logs
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollart.trainer.warmup import pad_logs
+
+    tok = make_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
+    fmt = ConversationFormat(tok, "chat", max_context=256, system_prompt="you add numbers")
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=fmt.end_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    ids, attn, mask = pad_logs(_fit_conversations(fmt), tok.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                ids[:, 1:].reshape(-1), reduction="none")
+        loss = (nll.view(ids.size(0), -1) * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-3:
+            break
+    path = tmp_path_factory.mktemp("chat") / "folder"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+class AddEnv:
+    """Asks a sum; offers an ``add`` tool; the final answer goes to ``step``."""
+
+    question = Q_ADD
+    tools = TOOLS
+
+    def reset(self, seed):
+        return self.question
+
+    def call_tool(self, name, arguments):
+        return str(arguments["a"] + arguments["b"])
+
+    def step(self, action):
+        return StepResult("done .", 0.0, True, {"success": action == "5"})
+
+    def close(self):
+        pass
+
+
+class SubEnv(AddEnv):
+    question = Q_SUB
+
+
+class TwoStepEnv(AddEnv):
+    """Done at the second step only (so a first answer is followed by a user turn)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def step(self, action):
+        self.n += 1
+        return StepResult("try again .", 0.0, self.n >= 2, {})
+
+
+class DictObsEnv(AddEnv):
+    def reset(self, seed):
+        return {"question": Q_ADD}
+
+
+def tool_reward(ep):
+    """10 for success plus the number of invalid tool calls (what the runner recorded)."""
+    return 10.0 * bool(ep.info.get("success")) + ep.info.get("invalid_tool_calls", 0)
+
+
+def _chat_task(name, env, max_new_tokens=40, max_turns=3):
+    return Task(name=name, env_factory=env, reward_fn=tool_reward, max_turns=max_turns,
+                max_new_tokens=max_new_tokens)
+
+
+@pytest.fixture(scope="module")
+def chat_rollout(local_cluster, chat_folder, tmp_path_factory):
+    from rollart.buffer import SampleBuffer
+    from rollart.env.manager import EnvManager
+    from rollart.model import load_model
+    from rollart.rollout import InferenceWorker, LLMProxy
+    from rollart.types import CPU_ENV, H800
+    from rollart.weights import WeightStore
+
+    c = local_cluster
+    store = str(tmp_path_factory.mktemp("w") / "weights")
+    WeightStore(store).put(0, load_model(chat_folder).state_dict())
+    worker = c.submit(InferenceWorker, chat_folder, store, pool=H800, actor=True,
+                      resources={H800: 1}, key="iw-chat").result()
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-chat").result()
+    mgr = c.submit(EnvManager, LLMProxy([(worker, H800)]), buf, chat_folder,
+                   temperature=1e-3, conversation="chat", system_prompt="you add numbers",
+                   actor=True, resources={CPU_ENV: 1}, key="mgr-chat").result()
+    return mgr, buf
+
+
+def test_chat_rollout_runs_tool_turns_and_decodes_to_the_template(chat_rollout, chat_folder):
+    from rollart.model import load_tokenizer
+
+    mgr, buf = chat_rollout
+    tok = load_tokenizer(chat_folder)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    summary = mgr.run_group(_chat_task("add", AddEnv), 1, "chat-add", 2).result()
+    assert summary["rewards"] == [10.0, 10.0], summary  # the call ran, "5" answered
+    trajs = buf.get_batch(1, min_version=-1, timeout=10).result()
+    messages = [{"role": "system", "content": "you add numbers"},
+                {"role": "user", "content": Q_ADD}, {"role": "assistant", "content": CALL_ADD},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]
+    whole = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    for t in trajs:
+        ids = t.prompt_ids + t.response_ids
+        # the row decodes to the conversation the template renders (up to its last "\n")
+        assert tok.decode(ids) == whole[:-1]
+        generated = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
+        assert generated == enc(tok, CALL_ADD) + [end] + enc(tok, "5") + [end]
+        assert t.num_turns == 1 and t.outcome == "success"
+    summary = mgr.run_group(_chat_task("sub", SubEnv), 1, "chat-sub", 2).result()
+    assert [r % 10 for r in summary["rewards"]] == [1.0, 1.0], summary  # one invalid call
+    for t in buf.get_batch(1, min_version=-1, timeout=10).result():
+        text = tok.decode(t.prompt_ids + t.response_ids)
+        assert f"<tool_response>\n{SUB_ERROR}\n</tool_response>" in text
+        tool_part = [i for i, m in zip(t.response_ids, t.loss_mask) if not m]
+        assert SUB_ERROR in tok.decode(tool_part)  # the error message is masked out
+    stats = mgr.stats().result()
+    assert stats["rollout/tool_turns"] >= 4 and stats["rollout/invalid_tool_calls"] >= 2
+
+
+def test_chat_rollout_closes_cut_generations_and_fails_bad_observations(chat_rollout,
+                                                                      chat_folder):
+    from rollart.model import load_tokenizer
+
+    mgr, buf = chat_rollout
+    tok = load_tokenizer(chat_folder)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    before = mgr.stats().result()
+    mgr.run_group(_chat_task("cut", TwoStepEnv, max_new_tokens=3, max_turns=2), 1, "chat-cut",
+                  1).result()
+    (t,) = buf.get_batch(1, min_version=-1, timeout=10).result()
+    assert t.loss_mask[:4] == [1, 1, 1, 0] and t.response_ids[3] == end  # closed by rollart
+    assert tok.decode(t.response_ids[:3]) == tok.decode(enc(tok, CALL_ADD)[:3])
+    after = mgr.stats().result()
+    assert after["rollout/cut_generations"] - before["rollout/cut_generations"] == 2
+    summary = mgr.run_group(_chat_task("dictobs", DictObsEnv), 1, "chat-dict", 1).result()
+    assert summary["outcomes"] == ["failed"]
+    stats = mgr.stats().result()
+    assert stats["rollout/bad_env_outputs"] - after["rollout/bad_env_outputs"] == 2  # + replacement

@@ -43,8 +43,8 @@ from rollart.reward.dispatch import Dispatchers
 from rollart.reward.offload import is_serverless
 from rollart.types import Episode, GenRequest, TrajState, Trajectory
 
-__all__ = ["StepTimeout", "TokenLog", "TrajectoryRunner", "TurnBarrier", "request_seed",
-           "score_episode"]
+__all__ = ["StepTimeout", "TokenLog", "TrajectoryRunner", "TurnBarrier", "check_calls",
+           "request_seed", "score_episode", "tool_calls"]
 
 logger = logging.getLogger(__name__)
 _TOOL_COUNTS = ("invalid_tool_calls", "tool_calls")  # ep.info keys the tool turns keep
@@ -235,7 +235,7 @@ class TrajectoryRunner:
                 t0 = time.perf_counter()
                 env_before = traj.env_time
                 text = await self._generate(task, conv, traj, turn)
-                calls = _tool_calls(text) if tools else []
+                calls = tool_calls(text) if tools else []
                 if calls:
                     await self._tool_turn(task, env, tools, calls, conv, ep, traj)
                     done = False
@@ -286,16 +286,13 @@ class TrajectoryRunner:
     async def _tool_turn(self, task, env, tools, calls, conv, ep, traj) -> None:
         """Run the generation's tool calls; their results (or errors) go back to the
         model as ``tool`` messages. An invalid call costs ``task.invalid_penalty``."""
-        from rollart.env.tools import ToolError, check_call
-
         self.running[traj.traj_id] = TrajState.IN_ENV.value
         self.counts["tool_turns"] += 1
         results, invalid = [], 0
-        for call in calls:
-            checked = call if isinstance(call, ToolError) else check_call(call, tools)
-            if isinstance(checked, ToolError):
+        for checked in check_calls(calls, tools):
+            if isinstance(checked, str):  # invalid: the model reads the error
                 invalid += 1
-                results.append(_tool_error_text(checked))
+                results.append(checked)
                 continue
             out = await self._env_call(traj, env.call_tool, checked.name, checked.arguments)
             results.append(check_tool_result(out, env, checked.name))
@@ -416,17 +413,28 @@ async def _result(fut):
     return await fut
 
 
-def _tool_calls(text: str) -> list:
+def tool_calls(text: str) -> list:
     """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text."""
     from rollart.env.tools import parse_tool_calls
 
     return list(parse_tool_calls(text))
 
 
-def _tool_error_text(err) -> str:
-    """What the model reads about an invalid call."""
-    message = getattr(err, "message", None) or str(err)
-    return message if message.lower().startswith("error") else f"error: {message}"
+def check_calls(calls, tools) -> list:
+    """Each call checked against ``tools``: the ``ToolCall`` to run, or for an invalid
+    one (malformed, unknown tool, bad arguments) the error text the model reads. Shared
+    by rollout, the warm-up and evaluation."""
+    from rollart.env.tools import ToolError, check_call
+
+    out = []
+    for call in calls:
+        checked = check_call(call, tools)
+        if isinstance(checked, ToolError):
+            msg = checked.message
+            out.append(msg if msg.lower().startswith("error") else f"error : {msg}")
+        else:
+            out.append(checked)
+    return out
 
 
 def _close_quietly(env) -> None:

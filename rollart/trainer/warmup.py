@@ -21,7 +21,9 @@ import torch
 
 from rollart.env.conversation import ConversationFormat, TokenLog
 from rollart.env.faults import without_faults
-from rollart.env.protocol import EnvOutputError, check_observation, check_step_result
+from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
+                                  check_tool_result, env_tools)
+from rollart.env.trajectory import check_calls, tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +49,23 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
     log = TokenLog()
     try:
         obs = check_observation(_env_call(task, "reset", env.reset, seed), env)
-        conv = fmt.start(log, task, obs)
+        tools = env_tools(env) if fmt.mode == "chat" else []
+        conv = fmt.start(log, task, obs, tools)
         for _ in range(task.max_turns):
             if conv.truncated or not conv.room(task.max_new_tokens):
                 if counts is not None:
                     counts["truncated"] = counts.get("truncated", 0) + 1
                 break
             action = task.warmup_action(rng, obs)
-            conv.add_text_generation(action)
-            step = check_step_result(_env_call(task, "step", env.step, action), env)
+            text = conv.add_text_generation(action)
+            calls = tool_calls(text) if tools else []
+            if calls:  # a tool turn, as rollout plays it: results come back as messages
+                results = _run_tools(task, env, tools, calls)
+                conv.add_tool_results(results)
+                obs = "\n".join(results)
+                continue
+            step = check_step_result(_env_call(task, "step", env.step,
+                                                task.parse_action(action)), env)
             if step.done:
                 break
             obs = step.observation
@@ -66,6 +76,17 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
     finally:
         _close_quietly(env)
     return log
+
+
+def _run_tools(task, env, tools, calls) -> list[str]:
+    results = []
+    for checked in check_calls(calls, tools):
+        if isinstance(checked, str):
+            results.append(checked)
+        else:
+            out = _env_call(task, "call_tool", env.call_tool, checked.name, checked.arguments)
+            results.append(check_tool_result(out, env, checked.name))
+    return results
 
 
 def _env_call(task, method: str, fn, *args):

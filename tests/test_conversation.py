@@ -6,6 +6,7 @@ import json
 import logging
 import pickle
 import random
+import warnings
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -527,6 +528,14 @@ class TwoStepEnv(AddEnv):
         return StepResult("try again .", 0.0, self.n >= 2, {})
 
 
+class HugeObsEnv(TwoStepEnv):
+    """Its second observation is 10 MB of text."""
+
+    def step(self, action):
+        self.n += 1
+        return StepResult("left " * 2_000_000, 0.0, False, {})
+
+
 class DictObsEnv(AddEnv):
     def reset(self, seed):
         return {"question": Q_ADD}
@@ -614,3 +623,24 @@ def test_chat_rollout_closes_cut_generations_and_fails_bad_observations(chat_rol
     assert summary["outcomes"] == ["failed"]
     stats = mgr.stats().result()
     assert stats["rollout/bad_env_outputs"] - after["rollout/bad_env_outputs"] == 2  # + replacement
+
+
+def test_chat_rollout_truncates_a_huge_observation_within_the_context(chat_rollout):
+    import tracemalloc
+
+    mgr, buf = chat_rollout
+    before = mgr.stats().result()["rollout/truncated"]
+    tracemalloc.start()  # this in-process cluster's workers run in this process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = mgr.run_group(_chat_task("huge", HugeObsEnv, max_new_tokens=4), 1,
+                                "chat-huge", 1).result()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert summary["outcomes"] == ["truncated"]
+    (t,) = buf.get_batch(1, min_version=-1, timeout=10).result()
+    assert len(t.prompt_ids) + len(t.response_ids) == 512  # the model's context, full
+    assert mgr.stats().result()["rollout/truncated"] - before == 1
+    assert peak < 200e6  # the 10 MB observation is capped, never encoded whole
+    # nor sent whole to the reward (a graph of ~10 MB warned "Sending large graph")
+    assert not [w for w in caught if "large graph" in str(w.message)]

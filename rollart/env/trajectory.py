@@ -34,7 +34,7 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-from rollart.env.conversation import ConversationFormat, TokenLog
+from rollart.env.conversation import ConversationFormat, TokenLog, cap_text
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
 from rollart.reward import check_reward
@@ -221,7 +221,8 @@ class TrajectoryRunner:
     async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
         tools = env_tools(env) if self.format.mode == "chat" else []
         conv = self.format.start(log, task, obs, tools)
-        ep.observations.append(obs)
+        budget = self.format.max_context
+        ep.observations.append(cap_text(obs, budget))  # bounded: the reward travels
         try:
             for turn in range(task.max_turns):
                 if barrier is not None:  # sync / one-off: the batch moves turn by turn
@@ -276,7 +277,7 @@ class TrajectoryRunner:
         ep.env_rewards.append(float(step.reward))
         tool_counts = {k: ep.info[k] for k in _TOOL_COUNTS if k in ep.info}
         ep.info = {**step.info, **tool_counts}  # the last step's info + the tool counts
-        ep.observations.append(step.observation)
+        ep.observations.append(cap_text(step.observation, self.format.max_context))
         if step.done:
             ep.truncated = bool(step.info.get("truncated", False))
             return True

@@ -528,7 +528,7 @@ class TwoStepEnv(AddEnv):
         return StepResult("try again .", 0.0, self.n >= 2, {})
 
 
-class HugeObsEnv(TwoStepEnv):
+class HugeChatObsEnv(TwoStepEnv):
     """Its second observation is 10 MB of text."""
 
     def step(self, action):
@@ -633,7 +633,7 @@ def test_chat_rollout_truncates_a_huge_observation_within_the_context(chat_rollo
     tracemalloc.start()  # this in-process cluster's workers run in this process
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = mgr.run_group(_chat_task("huge", HugeObsEnv, max_new_tokens=4), 1,
+        summary = mgr.run_group(_chat_task("huge", HugeChatObsEnv, max_new_tokens=4), 1,
                                 "chat-huge", 1).result()
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -1,21 +1,22 @@
 """Checks a run's input before anything expensive starts (cluster, model, actors).
 
 Consumes a validated ``Graph`` and ``Resources`` (their own ``__post_init__`` already
-checked each field); produces nothing, or a ``GraphError`` / ``ResourceTagError`` whose
-message says what to change. ``rollart.control.train`` calls ``preflight`` right after
-loading the graph and resources, and ``check_lockstep`` again once it knows how many
-env workers a cluster it connected to has. What is checked here is what only shows up
-when the pieces meet:
+checked each field); produces nothing, or a ``GraphError`` / ``ResourceTagError`` /
+``RunDirError`` whose message says what to change. ``rollart.control.train`` (and
+``rollart.api.start_run``) call ``preflight`` and the run-directory checks right after
+loading the graph and resources, and ``check_cluster_tags`` once connected to a
+cluster. What is checked here is what only shows up when the pieces meet:
 
 * every resource tag the graph needs is carried by a declared pool with ≥ 1 worker (a
   Dask task restricted to a missing tag would wait forever);
 * every task's env factory and reward function pickle (they travel to Dask workers);
 * a lockstep batch (``sync`` / ``one-off``) fits the env managers' concurrency (else
   the turn barrier waits for members that can never start);
-* a new run gets a run directory and a weight store of its own (``check_run_dir``,
-  ``check_weight_store``): another run's weight versions outrank the new run's, so the
-  store's garbage collection deleted each version the trainer published and the
-  inference workers never loaded one: the run hung after two steps.
+* a new run gets a run directory, a weight store and checkpoints of its own
+  (``check_run_dir``, ``check_weight_store``, ``check_checkpoints``): another run's weight
+  versions outrank the new run's, so the store's garbage collection deleted each version
+  the trainer published, the inference workers never loaded one and the run hung after
+  two steps (and the two runs' metrics, samples and checkpoints mixed).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import math
 import shutil
 from pathlib import Path
 
-from rollart.affinity import check_declared
+from rollart.affinity import check_cluster, check_declared
+from rollart.affinity import needs as affinity_needs
 from rollart.graph import Graph, GraphError
-from rollart.resources import Resources, ResourceTagError
+from rollart.resources import Resources, ResourceTagError, check_tags, workers_with
 from rollart.types import ALL_TAGS, CPU_ENV
 
 
@@ -45,10 +47,6 @@ def preflight(graph: Graph, resources: Resources | None) -> None:
 def check_cluster_tags(client, graph: Graph, source: str) -> None:
     """On a running cluster: every tag the graph needs is carried by a worker (affinity
     tags named by the task that asks), and a lockstep batch fits its env workers."""
-    from rollart.affinity import check_cluster
-    from rollart.affinity import needs as affinity_needs
-    from rollart.resources import check_tags, workers_with
-
     check_cluster(client, graph, source)
     rest = {t: n for t, n in graph.needs().items() if t not in affinity_needs(graph)}
     check_tags(client, rest, source, needed_by=f"graph {graph.name!r}")
@@ -61,8 +59,6 @@ def _carries(pool, tag: str) -> bool:
 
 def check_pools(graph: Graph, resources: Resources) -> None:
     """Every tag the graph needs is on a declared pool with at least one worker."""
-    from rollart.affinity import needs as affinity_needs
-
     src = resources.source
     named = affinity_needs(graph)  # checked by check_declared
     for tag in graph.needs():
@@ -156,8 +152,10 @@ def check_run_dir(run_dir, overwrite: bool = False) -> None:
             f"{' or '.join(RUN_MARKERS)}, so it does not look like a rollart run directory; "
             "nothing was removed. Pass a new --run-dir (or clear the folder yourself)")
     if not overwrite:
+        names = [p.name for p in found]
+        listed = ", ".join(names[:4]) + (", …" if len(names) > 4 else "")
         raise RunDirError(
-            f"{run_dir} already holds a run ({', '.join(p.name for p in found)}). Continue "
+            f"{run_dir} already holds a run ({listed}). Continue "
             f"it with `rollart train --resume {run_dir}` (rollart.train(resume=...)), pass "
             "a new --run-dir, or pass --overwrite (overwrite=True) to delete that run's "
             "outputs first")

@@ -1,7 +1,9 @@
 """``TorchEngine``: batched autoregressive generation with plain PyTorch + a KV cache.
 
-Consumes ``GenRequest``s (token ids in, sampling settings, stop ids, seed) and
-produces ``GenResult`` lists (token ids, behaviour log-probs, policy version per token).
+Consumes ``GenRequest``s (token ids in, sampling settings, stop ids and stop strings,
+seed) and produces ``GenResult`` lists (token ids, behaviour log-probs, policy version
+per token, finish reason: ``stop`` on any stop id or once the decoded tail contains a
+stop string, ``length`` at ``max_new_tokens``; the vLLM engine follows the same rules).
 Weights come from a model folder (``rollart.model``) and are replaced in place, either
 at once by ``load_state_dict`` or, while a batch is being generated, by
 ``request_update`` (any thread): the decode loop then suspends at the next decode-step

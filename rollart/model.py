@@ -158,8 +158,10 @@ def build_chat_tokenizer(corpus: Iterable[str], vocab_size: int = 1024
         vocab_size=vocab_size, min_frequency=2, show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIALS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [t for t in (*TEMPLATE_TEXT, *corpus) if t]
-    tok.train_from_iterator(sorted(set(texts)), trainer)  # sorted: deterministic merges
+    corpus = [t for t in corpus if t]
+    # the template's text is in every conversation: weigh it like the most common text
+    texts = corpus + list(TEMPLATE_TEXT) * max(1, len(corpus) // 8)
+    tok.train_from_iterator(sorted(texts), trainer)  # sorted: deterministic merges
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TAGS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",

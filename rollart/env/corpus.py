@@ -23,18 +23,19 @@ from rollart.env.tools import ToolError, check_call, parse_tool_calls
 
 
 def chat_corpus(tasks: Iterable[str | Task], seeds: Iterable[int] = range(24)) -> list[str]:
-    """Texts of ``tasks`` played with their ``warmup_action`` over ``seeds``, without
-    duplicates, in a deterministic order."""
-    texts: dict[str, None] = {}
+    """Texts of ``tasks`` played with their ``warmup_action`` over ``seeds``, in a
+    deterministic order. Repeats are kept: BPE merges follow how often a text occurs
+    (a tool declaration is in every conversation of its task)."""
+    seeds = tuple(seeds)
+    texts: list[str] = []
     for item in tasks:
         task = get_task(item)
         if task.warmup_action is None:
             raise ValueError(f"task {task.name!r} has no warmup_action, so its text cannot be "
                              "sampled for the chat toy's tokenizer: give the Task a "
                              "warmup_action, or train a model folder (Policy.model)")
-        for text in task_texts(task, seeds):
-            texts.setdefault(text, None)
-    return list(texts)
+        texts += task_texts(task, seeds)
+    return texts
 
 
 def task_texts(task: Task, seeds: Iterable[int]) -> list[str]:

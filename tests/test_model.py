@@ -12,6 +12,7 @@ from rollart.model import (
     build_tokenizer,
     check_model_folder,
     decode,
+    default_dtype,
     encode,
     load_model,
     load_tokenizer,
@@ -98,3 +99,27 @@ def test_tokenizer_config_alone_is_not_enough(model_dir, tmp_path):
     os.remove(broken / "tokenizer.json")
     with pytest.raises(ModelFolderError, match="tokenizer"):
         load_tokenizer(broken)
+
+
+def test_load_model_dtype(model_dir):
+    """``dtype=None`` picks the device's dtype: fp32 on CPU (bf16 only where supported)."""
+    assert default_dtype("cpu") == torch.float32
+    assert load_model(model_dir, dtype=None).dtype == torch.float32
+    assert load_model(model_dir, dtype=torch.bfloat16).dtype == torch.bfloat16
+    model = load_model(model_dir, dtype=None, device="cpu")
+    assert next(model.parameters()).device.type == "cpu"
+    if not torch.cuda.is_available():
+        assert default_dtype("cuda") == default_dtype() == torch.float32
+
+
+def test_word_level_folder_keeps_its_raw_settings(model_dir):
+    """The word-level toy is unchanged by the chat toy: eos <eos>, 512 positions, no
+    chat template (so conversation='auto' stays raw for it)."""
+    import json
+
+    tok = load_tokenizer(model_dir)
+    assert tok.eos_token == "<eos>" and not getattr(tok, "chat_template", None)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        assert json.load(f)["max_position_embeddings"] == 512
+    with open(os.path.join(model_dir, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == tok.eos_token_id

@@ -259,3 +259,45 @@ def test_chat_graph_actions_fit_their_token_budget(tmp_path):
             tools = [python_tool()] if task.name == "calc" else None
             text = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
             assert len(encode(tok, text)) < 2048 // 2, task.name
+
+
+def test_a_tool_calling_conversation_on_the_chat_toy(chat_dir):
+    """A calc episode through rollart's conversation format on the chat toy: the ids
+    grown turn by turn equal the template's render of the whole conversation (tools
+    included), the loss mask is exactly the generated ids with their end token, and the
+    tool's result (run by the env) is masked out."""
+    import random
+
+    from rollart.env.conversation import ConversationFormat, TokenLog
+    from rollart.env.protocol import env_tools
+    from rollart.env.tools import check_call
+
+    tok = load_tokenizer(chat_dir)
+    fmt = ConversationFormat(tok, "chat", max_context=2048, model_path=chat_dir)
+    assert fmt.mode == "chat" and fmt.prefix_stable
+    assert fmt.stop_ids[0] == tok.convert_tokens_to_ids("<|im_end|>")
+    task = calc_tool_task(tool_format="hermes")
+    env = task.env_factory()
+    obs = env.reset(4)
+    tools = env_tools(env)
+    log = TokenLog()
+    conv = fmt.start(log, task, obs, tools)
+    call_text = task.warmup_action(random.Random(1), obs)  # a tool call for this rng
+    generated = [encode(tok, call_text) + [fmt.stop_ids[0]]]
+    text = conv.add_generation(generated[0])
+    (call,) = parse_tool_calls(text)
+    checked = check_call(call, tools)
+    result = env.call_tool(checked.name, checked.arguments)
+    question = obs.split("what is ")[1].split(" ?")[0]
+    assert result == str(eval(question))
+    conv.add_tool_results([result])
+    generated.append(encode(tok, f"answer {result}") + [fmt.stop_ids[0]])
+    answer = conv.add_generation(generated[1])
+    assert env.step(task.parse_action(answer)).info["success"]
+    full = tok.apply_chat_template(conv.messages, tools=tools, tokenize=False)
+    # the template's "\n" after the last <|im_end|> comes with the next message
+    assert encode(tok, full) == log.ids + encode(tok, "\n")
+    gen_ids = [t for t, m in zip(log.response_ids, log.loss_mask) if m]
+    assert gen_ids == generated[0] + generated[1]
+    masked = decode(tok, [t for t, m in zip(log.response_ids, log.loss_mask) if not m])
+    assert f"<tool_response>\n{result}\n</tool_response>" in masked

@@ -85,6 +85,17 @@ class Pipeline(abc.ABC):
             self.actors.managers
         return managers[i % len(managers)]
 
+    def ask_buffer(self, method: str, *args):
+        """``buffer.method(*args).result()``; if the buffer's worker was lost, once more
+        on the buffer the supervisor re-creates (``Supervisor.wait_for_buffer``)."""
+        try:
+            return getattr(self.actors.buffer, method)(*args).result()
+        except Exception as e:  # noqa: BLE001
+            if not self.lost(e, self.actors.buffer):
+                raise
+        self.supervisor.wait_for_buffer()
+        return getattr(self.actors.buffer, method)(*args).result()
+
     def heal(self) -> None:
         if self.supervisor is not None:
             self.supervisor.heal()
@@ -114,7 +125,7 @@ class Pipeline(abc.ABC):
         if not (limit or stall) or now - self._checked < every:
             return
         self._checked = now
-        counts = self.actors.buffer.counts().result()
+        counts = self.ask_buffer("counts")
         if stall:
             self.check_stall(counts, stall, now)
         streak = counts["failed_streak"]
@@ -122,7 +133,7 @@ class Pipeline(abc.ABC):
             return
         from rollart.recovery import FailureStormError
 
-        errors = self.actors.buffer.recent_errors().result()
+        errors = self.ask_buffer("recent_errors")
         raise FailureStormError(
             f"the last {streak} trajectories all failed and none reached the buffer, so the "
             "run stops (Rollout.failure_streak_limit={}). Latest errors:\n  ".format(limit)
@@ -173,7 +184,7 @@ class Pipeline(abc.ABC):
         """The manager running ``gid`` was lost: fail its in-flight members and run the
         missing ones on a live manager. Returns the new future, or None if complete."""
         self.heal()
-        info = self.actors.buffer.orphan_group(gid).result()
+        info = self.ask_buffer("orphan_group", gid)
         task, seed, size, restarts = self.groups[gid]
         need = size - info["arrived"]
         if info["complete"] or need <= 0:
@@ -289,7 +300,7 @@ class Pipeline(abc.ABC):
 
     def counts(self) -> dict:
         """The ledger's counts; the buffer raises ``AccountingError`` if they don't add up."""
-        c = self.actors.buffer.counts().result()
+        c = self.ask_buffer("counts")
         return {f"traj/{k}": c[k] for k in ("launched", *STATES)}
 
     def rollout_stats(self) -> dict:
@@ -349,7 +360,7 @@ class Pipeline(abc.ABC):
         would wait for groups nobody runs). A failure storm stops the run here."""
         need = self.graph.algo.groups_per_step
         while True:
-            ready = self.actors.buffer.counts().result()["groups_complete"]
+            ready = self.ask_buffer("counts")["groups_complete"]
             if ready >= need:
                 return
             self.check_failures(every=0.0)
@@ -399,7 +410,7 @@ class AsyncPipeline(Pipeline):
         if not self._recount:
             return
         self._recount = False
-        ready = self.actors.buffer.counts().result()["groups_complete"]
+        ready = self.ask_buffer("counts")["groups_complete"]
         target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
         while len(self.inflight) + ready < target:
             task, seed, gid, size = self.next_group()

@@ -28,8 +28,11 @@ actor lost          what happens
 ``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag). When the
                     buffer class can recover (``SampleBuffer(run_dir, recover=True)``
                     reloads the durable groups and ledger from the run directory), a new
-                    one starts and every manager and the pipeline get it; otherwise its
-                    loss ends the run with ``RunLostError``.
+                    one starts and every manager and the pipeline get it (the groups
+                    running then end: the recovered buffer closed them and counted their
+                    members in flight ``failed``; the pipeline's calls and a trainer step
+                    that failed on the lost buffer are retried on the new one); otherwise
+                    its loss ends the run with ``RunLostError``.
 ==================  ===================================================================
 
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
@@ -122,11 +125,28 @@ class Supervisor:
         return not self._lost(actor, self.live())
 
     def wait_idle(self, trainer, timeout: float = 120.0) -> None:
-        """Wait until ``trainer`` runs no step (a failed call may have left one going)."""
+        """Wait until ``trainer`` runs no step (a failed call may have left one going)
+        and the buffer it reads from answers: the step's comm error may have been the
+        buffer's worker dying, and a re-run needs its replacement (``wait_for_buffer``)."""
         deadline = time.monotonic() + timeout
         while trainer.stats().result(timeout=30).get("stepping") and \
                 time.monotonic() < deadline:
             time.sleep(0.1)
+        self.wait_for_buffer()
+
+    def wait_for_buffer(self) -> None:
+        """Block until the sample buffer answers, re-creating it (``heal``) if its worker
+        was lost; ``RunLostError`` when it cannot be (``heal``) or no worker for it comes
+        back within ``wait_for_worker`` s."""
+        deadline = time.monotonic() + self.wait_for_worker
+        while not self.alive(self.actors.buffer):
+            self.heal(force=True)
+            if time.monotonic() > deadline:
+                raise RunLostError(
+                    f"the sample buffer's worker {self.actors.buffer._address} was lost and "
+                    f"no worker for it came back within {self.wait_for_worker:.0f}s; start "
+                    f"a worker with the {BUFFER!r} resource (or resume the run)")
+            time.sleep(0.25)
 
     def heal(self, force: bool = False) -> list[dict]:
         """Reconcile the buffer, inference workers and env managers with their specs
@@ -178,6 +198,7 @@ class Supervisor:
         weights. Returns the version it holds."""
         old = self.actors.trainer
         deadline = time.monotonic() + self.wait_for_worker
+        self.wait_for_buffer()  # lost with the trainer (same worker)? back first
         while True:
             done = self.stages.reconcile(self.actors, ("trainer",), lost=[old])
             self.pending += [_Lost(role, addr, tag) for role, tag, addr in done.removed

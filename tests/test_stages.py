@@ -214,13 +214,36 @@ def _model_kind(key: str, url: str, version: int, dask_worker=None) -> tuple:
     return type(actor).__name__, type(actor.model).__name__, same
 
 
-# -- killing the env worker mid-run -----------------------------------------------------
-def _kill_env_after(cluster, client, run_dir, step: int, log: list) -> None:
+# -- killing a worker mid-run -----------------------------------------------------------
+def _kill_after(cluster, client, run_dir, step: int, tag: str, log: list) -> None:
     metrics = run_dir / "metrics.jsonl"
     while not metrics.exists() or len(metrics.read_text().splitlines()) < step:
         time.sleep(0.05)
-    addr = workers_with(client, CPU_ENV)[0]
+    addr = workers_with(client, tag)[0]
     log.append(lose_worker(cluster, client, addr, restart_after=0.5))
+
+
+def _run_and_kill(res: Resources, tag: str, name: str, tiny_model, run_dir):
+    graph = Graph(name=name, tasks=("gridnav",), steps=4, mode="async",
+                  policy=Policy(warmup_steps=0), algo=GRPO(group_size=2, groups_per_step=2,
+                                                           alpha=1),
+                  rollout=Rollout(env_step_timeout=5.0))
+    killed: list = []
+    with res.make_cluster() as cluster, Client(cluster) as c:
+        t = threading.Thread(target=_kill_after, daemon=True,
+                             args=(cluster, c, run_dir, 1, tag, killed))
+        t.start()
+        result = train(graph, client=c, run_dir=run_dir, progress=False, eval_seeds=0,
+                       model=tiny_model)
+        t.join(5)
+    assert killed, f"the {tag} worker was not killed"
+    assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
+    final = result.final_counts
+    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
+    assert len(trained) == len(set(trained)) == final["trained"] > 0
+    return result
 
 
 @pytest.mark.slow
@@ -232,23 +255,21 @@ def test_killing_the_env_worker_does_not_end_the_run(layout, tiny_model, tmp_pat
     trained is in samples/*.parquet."""
     res = replace(load_resources(layout), dashboard_address=":0",
                   processes=layout == "laptop")
-    graph = Graph(name=f"t-kill-{layout}", tasks=("gridnav",), steps=4, mode="async",
-                  policy=Policy(warmup_steps=0), algo=GRPO(group_size=2, groups_per_step=2,
-                                                           alpha=1),
-                  rollout=Rollout(env_step_timeout=5.0))
-    killed: list = []
-    with res.make_cluster() as cluster, Client(cluster) as c:
-        t = threading.Thread(target=_kill_env_after, daemon=True,
-                             args=(cluster, c, tmp_path / "run", 1, killed))
-        t.start()
-        result = train(graph, client=c, run_dir=tmp_path / "run", progress=False,
-                       eval_seeds=0, model=tiny_model)
-        t.join(5)
-    assert killed, "the env worker was not killed"
-    assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
+    result = _run_and_kill(res, CPU_ENV, f"t-kill-{layout}", tiny_model, tmp_path / "run")
     assert "env" in {e["role"] for e in result.recovery}, result.recovery
-    final = result.final_counts
-    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
-    samples = read_samples(result.run_dir)
-    trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
-    assert len(trained) == len(set(trained)) == final["trained"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["own-pool", "local"])
+def test_losing_the_buffers_worker_does_not_end_the_run(layout, tiny_model, tmp_path):
+    """The buffer is re-created from its spec with ``recover=True`` (its durable groups
+    and ledger reloaded from the run directory) and handed to the managers and the
+    pipeline. own-pool: the BUFFER worker alone dies; local: BUFFER rides on the
+    trainer's worker, so the trainer is lost with it and restored too."""
+    if layout == "own-pool":
+        res = one_per_tag(Pool("buffer", tag=BUFFER, kind="cpu"))
+    else:
+        res = replace(load_resources("local"), processes=False, dashboard_address=":0")
+    result = _run_and_kill(res, BUFFER, f"t-buffer-{layout}", tiny_model, tmp_path / "run")
+    roles = {e["role"] for e in result.recovery}
+    assert "buffer" in roles and (layout == "own-pool" or "trainer" in roles), roles

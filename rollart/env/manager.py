@@ -133,10 +133,22 @@ class EnvManager:
         self.runner.proxy = self.runner.proxy.with_workers(workers)
         return len(workers)
 
-    async def set_buffer(self, buffer) -> None:
-        """Report to ``buffer`` from now on (the driver re-created a lost one, which
-        reloaded its durable state: ``rollart.stages``)."""
+    async def set_buffer(self, buffer) -> int:
+        """Report to ``buffer`` from now on: the driver re-created a lost one, which
+        reloaded its durable state (``rollart.stages``, ``SampleBuffer(recover=True)``).
+        That buffer closed every group that was not complete and counted its members in
+        flight as failed (orphaned), so the groups running here end now: their members
+        are cancelled (the new buffer ignores their late reports) and each ``run_group``
+        returns. Returns how many groups ended."""
         self.buffer = near(buffer)
+        groups = list(self._groups.values())
+        jobs = [j for g in groups for j in g.jobs.values()]
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        for grp in groups:  # also those whose last member failed to reach the lost buffer
+            self._maybe_done(grp)
+        return len(groups)
 
     async def run_batch(self, groups: list[tuple]) -> list[dict]:
         """Run ``[(task, seed, group_id, group_size), ...]`` in lockstep: every turn

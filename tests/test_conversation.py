@@ -242,6 +242,20 @@ def test_a_cut_generation_is_closed_by_the_template_and_counted(chatml):
     assert sum(log.loss_mask) == len(cut)
 
 
+def test_a_generation_ended_by_another_eos_gets_the_end_of_turn_token(thinking):
+    fmt = ConversationFormat(thinking, "chat")
+    eos, end = thinking.eos_token_id, fmt.end_id
+    assert eos != end and eos in fmt.stop_ids
+    log = TokenLog()
+    conv = fmt.start(log, task(), "guess :")
+    ids = enc(thinking, "5") + [eos]
+    assert conv.add_generation(ids) == "5"
+    n = len(log)
+    conv.add_user("higher")
+    assert log.ids[n:n + 2] == [end] + enc(thinking, "\n")  # closed as the template does
+    assert conv.cut == 0 and sum(log.loss_mask) == len(ids)
+
+
 def test_a_stop_string_ends_the_turn_without_counting_a_cut(llama3):
     fmt = ConversationFormat(llama3, "chat")
     log = TokenLog()

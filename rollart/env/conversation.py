@@ -293,9 +293,13 @@ class Conversation:
             if t in stops:
                 content = ids[:j]
                 break
-        self._ended = len(content) < len(ids)
-        if finish_reason == "length" and not self._ended:
+        stopped = len(content) < len(ids)
+        if finish_reason == "length" and not stopped:
             self.cut += 1
+        # the turn is over in the template's terms only with its own end-of-turn token (a
+        # generation that ended with another eos, e.g. <|endoftext|>, gets it added)
+        end = self.fmt.end_id
+        self._ended = stopped and (end is None or ids[len(content)] == end)
         tok = self.fmt.tokenizer
         if self.fmt.mode == "raw":
             return tok.decode(content, skip_special_tokens=True)

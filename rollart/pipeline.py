@@ -325,7 +325,7 @@ class Pipeline(abc.ABC):
             "rollout/reward_tasks": sum(m.get("reward_tasks", 0) for m in ms),
             "rollout/turn_overhead_s": sum(m["turn_overhead_s"] * m["turns"] for m in ms)
             / max(turns, 1),
-            "env/step_p99_s": max(m["env_step_p99"] for m in ms),
+            "env/step_p99_s": max((m["env_step_p99"] for m in ms), default=0.0),
             # share of prompt tokens served from a worker's prefix cache; KV moved for PD
             "rollout/prefix_reuse": sum(w.get("prefix_hit_tokens", 0) for w in ws)
             / max(sum(w.get("prefix_prompt_tokens", 0) for w in ws), 1),

@@ -658,3 +658,27 @@ def test_chat_rollout_truncates_a_huge_observation_within_the_context(chat_rollo
     assert peak < 200e6  # the 10 MB observation is capped, never encoded whole
     # nor sent whole to the reward (a graph of ~10 MB warned "Sending large graph")
     assert not [w for w in caught if "large graph" in str(w.message)]
+
+
+def test_evaluation_plays_the_same_chat_conversation_with_tool_turns(chat_folder):
+    from rollart.evaluate import evaluate
+
+    add = _chat_task("add", AddEnv)
+    out = evaluate(chat_folder, [add], seeds=range(3), temperature=1e-3,
+                   conversation="chat", system_prompt="you add numbers")
+    assert out == {"add": 1.0}  # called the tool, read its result, answered 5
+    with pytest.raises(ValueError, match="conversation must be one of"):
+        evaluate(chat_folder, [add], seeds=[0], conversation="template")
+
+
+def test_run_warmup_trains_in_the_chat_format_within_the_model_context(chat_folder):
+    import torch
+
+    from rollart.model import load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup
+
+    torch.manual_seed(0)
+    model, tok = load_model(chat_folder), load_tokenizer(chat_folder)
+    losses = run_warmup(model, tok, [_warm_task(HugeObsEnv)], steps=2, batch_size=2,
+                        lr=1e-3, conversation="chat", system_prompt="you play a game")
+    assert len(losses) == 2 and all(l == l and l > 0 for l in losses)  # finite, trained

@@ -15,18 +15,20 @@ from rollart.buffer.ledger import STATES
 from rollart.env.faults import Faults, with_faults
 from rollart.recovery import lose_worker
 from rollart.resources import Pool, Resources, workers_with
-from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
+from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 pytestmark = pytest.mark.slow
 
 
 def chaos_resources() -> Resources:
-    """Like resources/local.py, but two env workers (the buffer lives on the first)."""
+    """Like resources/local.py, but two env workers; the buffer (BUFFER) on the reward
+    worker, so the trainer's loss below is the trainer's alone (test_stages.py loses the
+    buffer)."""
     return Resources(pools=(
         Pool("infer-h800", tag=H800, kind="compute_gpu"),
         Pool("infer-h20", tag=H20, kind="bandwidth_gpu"),
         Pool("env", tag=CPU_ENV, kind="cpu_env", workers=2),
-        Pool("reward", tag=REWARD, kind="reward", threads=2),
+        Pool("reward", tag=REWARD, kind="reward", threads=2, extra_tags={BUFFER: 1}),
         Pool("trainer", tag=TRAIN, kind="trainer"),
     ), processes=False, dashboard_address=":0")
 
@@ -42,7 +44,7 @@ def _killer(cluster, client, run_dir, plan, log):
         while _steps_done(run_dir) < after:
             time.sleep(0.05)
         addrs = workers_with(client, tag)
-        addr = addrs[-1]  # the env pool's first worker holds the buffer: spare it
+        addr = addrs[-1]
         log.append((tag, lose_worker(cluster, client, addr, restart_after=0.5)))
 
 

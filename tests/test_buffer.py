@@ -117,6 +117,59 @@ def test_buffer_in_process_memory_url():
     assert len(fsspec.filesystem("memory").glob(f"{run[9:]}/samples/*.parquet")) >= 2
 
 
+def test_taken_until_confirmed_release_and_stale_confirmations():
+    from rollart.buffer.buffer import TAKE_KEY
+
+    async def scenario():
+        buf = SampleBuffer(None)
+        for g in "abc":
+            for i in range(2):
+                await buf.put(make(g, i, 3), 2)
+        first = await buf.get_table(1, 2, trained_step=1)
+        assert first.column("traj_id").to_pylist() == ["a-0", "a-1"]
+        c = await buf.counts()
+        assert (c["taken"], c["trained"], c["buffered"]) == (2, 0, 4)
+        # the trainer was lost and its replacement holds the same version: back in line
+        assert await buf.release_taken(1, 2) == {"trained": 0, "buffered": 2}
+        assert await buf.release_taken(1, 2) == {"trained": 0, "buffered": 0}
+        again = await buf.get_table(2, 2, trained_step=1)  # the re-run takes a first
+        assert again.column("traj_id").to_pylist() == ["a-0", "a-1", "b-0", "b-1"]
+        # the lost trainer's late confirmation names the first hand-out: refused
+        assert await buf.mark_trained(1, first.schema.metadata[TAKE_KEY].decode()) == 0
+        assert (await buf.counts())["taken"] == 4
+        assert await buf.mark_trained(1, again.schema.metadata[TAKE_KEY].decode()) == 4
+        assert await buf.mark_trained(1) == 0  # nothing taken for step 1 any more
+        # published before the trainer died: its replacement is one version on
+        await buf.get_table(1, 2, trained_step=2)
+        assert await buf.release_taken(2, 3) == {"trained": 2, "buffered": 0}
+        c = await buf.counts()
+        check_invariant(c)
+        assert (c["taken"], c["trained"], c["buffered"]) == (0, 6, 0)
+
+    asyncio.run(scenario())
+
+
+def test_next_get_table_settles_a_batch_left_taken():
+    """No confirmation and no release came (the buffer was replaced, a call was lost):
+    the next take settles it by the asking trainer's version."""
+
+    async def scenario():
+        buf = SampleBuffer(None)
+        for g in "abcd":
+            for i in range(2):
+                await buf.put(make(g, i, 3), 2)
+        await buf.get_table(1, 2, trained_step=1)
+        got = await buf.get_table(1, 2, trained_step=1)  # the same version: a re-run
+        assert got.column("group_id").to_pylist() == ["a", "a"]
+        got = await buf.get_table(1, 3, trained_step=2)  # one version on: 1 published
+        assert got.column("group_id").to_pylist() == ["b", "b"]
+        c = await buf.counts()
+        assert (c["trained"], c["taken"], c["buffered"]) == (2, 2, 4)
+        assert (buf.ledger.state["a-1"], buf.ledger.state["b-1"]) == ("trained", "taken")
+
+    asyncio.run(scenario())
+
+
 # -- the actor on a real in-process Dask cluster -----------------------------------------
 @pytest.fixture(scope="module")
 def client():

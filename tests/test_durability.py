@@ -201,3 +201,96 @@ def test_recover_without_a_journal_is_an_empty_buffer(tmp_path):
     assert buf.recovered["entries"] == 0 and asyncio.run(buf.counts())["launched"] == 0
     with pytest.raises(ValueError, match="needs the run_dir"):
         SampleBuffer(None, recover=True)
+
+
+# -- a real cluster: the trainer's worker killed mid-step ------------------------------
+def _long(gid: str, i: int, rng, version: int) -> Trajectory:
+    """A long trajectory (100 prompt + 400 response tokens): a step on 16 of them takes
+    about a second on the tiny model, so the trainer is killed during its update."""
+    resp = [rng.randrange(3, 30) for _ in range(400)]
+    return Trajectory(traj_id=f"{gid}-{i}", task="gridnav", group_id=gid, seed=1,
+                      prompt_ids=[rng.randrange(3, 30) for _ in range(100)],
+                      response_ids=resp, loss_mask=[1] * 400, logprobs=[-3.0] * 400,
+                      versions=[version] * 400, reward=float(i % 2), outcome="success")
+
+
+def _kill_when_taken(cluster, client, buf, addr, log):
+    """Kill the trainer's worker as soon as the buffer has a batch taken (mid-step)."""
+    from rollart.recovery import lose_worker
+
+    deadline = time.monotonic() + 120
+    while buf.counts().result()["taken"] == 0:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+    log.append(lose_worker(cluster, client, addr, restart_after=0.5))
+
+
+def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path):
+    import hashlib
+    import random
+
+    import pyarrow.compute as pc
+    from distributed import Client
+
+    from rollart import GRPO, Graph, Policy
+    from rollart.pipeline import AsyncPipeline
+    from rollart.recovery import Supervisor
+    from rollart.resources import Pool, Resources, workers_with
+    from rollart.stages import Actors, Stages
+    from rollart.types import TRAIN
+
+    graph = Graph(name="t-killed", tasks=("gridnav",), policy=Policy(warmup_steps=0),
+                  algo=GRPO(group_size=4, groups_per_step=4, alpha=1, micro_batch_tokens=0))
+    # worker processes: the kill is a SIGKILL (an in-process worker's closed trainer would
+    # finish its step and publish, as a worker cut off by the network might)
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),
+                           Pool("trainer", tag=TRAIN, kind="trainer")),
+                    processes=True, dashboard_address=":0")
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        stages = Stages(client, graph, tiny_model, run)
+        t_addr = workers_with(client, TRAIN)[0]
+        trainer = stages.submit(stages.spec("trainer"), t_addr, None).result()
+        buf = client.submit(SampleBuffer, str(run), actor=True,
+                            workers=workers_with(client, CPU_ENV)).result()
+        actors = Actors(trainer, buf, [], [])
+        pipeline = AsyncPipeline(actors, graph)
+        pipeline.supervisor = Supervisor(stages, actors)
+        assert trainer.publish().result() == 0
+        ids = []
+        for g in range(12):  # three steps' worth (the third's fresh enough for version 2)
+            trajs = [_long(f"g{g:02d}", i, rng, 0 if g < 8 else 1) for i in range(4)]
+            ids += [t.traj_id for t in trajs]
+            _put(buf, trajs)
+        first = pipeline.train(1)
+        killed: list = []
+        killer = threading.Thread(target=_kill_when_taken, daemon=True,
+                                  args=(cluster, client, buf, actors.trainer._address, killed))
+        killer.start()
+        second = pipeline.train(2)  # the trainer dies in it; the step is re-run
+        killer.join(30)
+        assert killed and pipeline.trainer_recoveries == 1
+        assert actors.trainer is not trainer
+        # the lost step published nothing: the new trainer restored version 1
+        assert (first["version"], second["version"]) == (1, 2)
+        third = pipeline.train(3)
+        c = buf.counts().result()
+        buf.close().result()
+    samples = read_samples(str(run))
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    by_step: dict[int, list[str]] = {}
+    for t, s in zip(trained["traj_id"].to_pylist(), trained["trained_step"].to_pylist()):
+        by_step.setdefault(s, []).append(t)
+    # every trained row belongs to a published update, and each update's rows are
+    # exactly the batch the trainer reports it trained on
+    assert sorted(by_step) == [1, 2, 3]
+    for m in (first, second, third):
+        got = by_step[m["step"]]
+        assert len(got) == m["trainer/batch_size"] == 16
+        digest = hashlib.sha1("\n".join(sorted(got)).encode()).hexdigest()[:16]
+        assert digest == m["trainer/batch_sha1"], m["step"]
+    assert len(trained) == len(set(trained["traj_id"].to_pylist())) == 48
+    assert set(trained["traj_id"].to_pylist()) == set(ids)
+    assert (c["trained"], c["taken"], c["lost_in_step"], c["buffered"]) == (48, 0, 0, 0)

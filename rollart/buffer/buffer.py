@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import OrderedDict, deque
 
 import pyarrow as pa
 
-from rollart.buffer.group import Group, restate
+from rollart.buffer.group import Group, Taken, restate
 from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 BUFFERED, TAKEN = TrajState.BUFFERED.value, TrajState.TAKEN.value
 ENTRY_DELAY = 0.05  # s: the longest a cancellation or failure waits for the journal
+TAKE_KEY = b"rollart_take"  # get_table's schema metadata: which hand-out this batch is
 
 
 def _is_failed(traj: Trajectory) -> bool:
@@ -67,7 +69,7 @@ class SampleBuffer:
         self._open: dict[str, Group] = {}  # incomplete groups
         self._complete: OrderedDict[str, Group] = OrderedDict()  # FIFO by completion
         self._closed: set[str] = set()  # groups that left; late members are dropped
-        self._taken: dict[int, tuple[int, list[Group]]] = {}  # step -> (min_version, groups)
+        self._taken: dict[int, Taken] = {}  # trainer step -> what it took
         self._orphans: set[str] = set()  # given up as lost: a late arrival is ignored
         # received: arrivals; orphaned: ids failed because their worker was lost;
         # ignored: arrivals of orphaned ids (a recovered buffer's late members)
@@ -131,7 +133,7 @@ class SampleBuffer:
 
     def _meta(self) -> dict:
         return {"counts": dict(self._counts), "ledger": dict(self.ledger.counts),
-                "taken": {str(s): m for s, (m, _) in self._taken.items()}}
+                "taken": {str(s): t.meta() for s, t in self._taken.items()}}
 
     def _close_group(self, group: Group) -> None:
         self._open.pop(group.group_id, None)
@@ -205,35 +207,35 @@ class SampleBuffer:
             out = [b for g in groups
                    for b in self._leave(g.arrow(), TrajState.TRAINED, None, durable=True)]
             return pa.Table.from_batches(out, schema=SCHEMA)
-        self._taken[step] = (min_version, groups)
+        taken = self._taken[step] = Taken(min_version, groups, uuid.uuid4().hex[:12])
         out = [restate(b, TAKEN, step) for g in groups for b in g.arrow()]
         for traj_id in _ids(out):
             self.ledger.move(traj_id, TAKEN, step)
-        return pa.Table.from_batches(out, schema=SCHEMA)
+        table = pa.Table.from_batches(out, schema=SCHEMA)
+        return table.replace_schema_metadata({**SCHEMA.metadata, TAKE_KEY: taken.take})
 
     def _confirm(self, step: int, state: TrajState = TrajState.TRAINED) -> int:
         """Step ``step``'s taken rows leave as ``state``; returns how many."""
-        _, groups = self._taken.pop(step, (None, []))
-        for g in groups:
+        taken = self._taken.pop(step, None)
+        for g in taken.groups if taken else ():
             self._leave(g.arrow(), state, step, durable=True)
-        return sum(g.rows for g in groups)
+        return taken.rows if taken else 0
 
     def _release(self, step: int) -> int:
         """Step ``step``'s taken groups go back to the front of the queue, in order."""
-        _, groups = self._taken.pop(step, (None, []))
-        for g in reversed(groups):
+        taken = self._taken.pop(step)
+        for g in reversed(taken.groups):
             for traj_id in _ids(g.arrow()):
                 self.ledger.move(traj_id, BUFFERED)
             self._complete[g.group_id] = g
             self._complete.move_to_end(g.group_id, last=False)
-        return sum(g.rows for g in groups)
+        return taken.rows
 
     def _settle(self, step: int, min_version: int) -> dict[str, int]:
         """A taken batch whose confirmation will not come: ``trained`` if a trainer at
         ``min_version`` holds a newer version than the batch was taken for (only that
         step's update can have published it), else buffered again."""
-        taken_for, _ = self._taken[step]
-        if min_version > taken_for:
+        if min_version > self._taken[step].min_version:
             return {"trained": self._confirm(step), "buffered": 0}
         return {"trained": 0, "buffered": self._release(step)}
 
@@ -328,11 +330,18 @@ class SampleBuffer:
         await self.store.maybe_flush()
         return batch
 
-    async def mark_trained(self, step: int) -> int:
+    async def mark_trained(self, step: int, take: str | None = None) -> int:
         """The trainer published the update of step ``step``: its taken rows become
-        ``trained`` (durably, before this returns). Returns how many; 0 when nothing is
-        taken for ``step`` (already settled)."""
+        ``trained`` (durably, before this returns). ``take``: the batch's
+        ``TAKE_KEY`` metadata; a confirmation for another hand-out of ``step`` than the
+        one taken now is refused (its step was settled, and maybe re-run, meanwhile).
+        Returns rows confirmed; 0 when nothing (or another hand-out) is taken for it."""
         async with self._condition:
+            taken = self._taken.get(step)
+            if taken is not None and take is not None and take != taken.take:
+                logger.warning("step %d: a confirmation for hand-out %s refused (%s is "
+                               "taken now)", step, take, taken.take)
+                return 0
             n = self._confirm(step)
             fut = self._entry() if n else None
         await self.store.wait(fut)

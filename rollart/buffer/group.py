@@ -1,6 +1,7 @@
 """A GRPO group in the ``SampleBuffer``: its members as records while it fills, as Arrow
-(``rollart.buffer.schema.SCHEMA``) once it completes or must leave; and ``restate``,
-which marks rows with how they left. Used by ``rollart.buffer.buffer`` only."""
+(``rollart.buffer.schema.SCHEMA``) once it completes or must leave; ``Taken``, the groups
+a trainer step holds until its update is confirmed; and ``restate``, which marks rows
+with how they left. Used by ``rollart.buffer.buffer`` and ``rollart.buffer.restore``."""
 
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ class Group:
         if len(self.arrow()) > 1:
             table = pa.Table.from_batches(self.batches, schema=SCHEMA).combine_chunks()
             self.batches = table.to_batches() or []
+
+
+@dataclass
+class Taken:
+    """The groups trainer step ``step`` took, until its update is confirmed or settled.
+    ``take`` names this hand-out: a confirmation naming another one (from a trainer
+    that was given up for lost while its step went on) is refused."""
+
+    min_version: int  # the bound they were taken for: min_version + alpha = its version
+    groups: list[Group]
+    take: str
+
+    @property
+    def rows(self) -> int:
+        return sum(g.rows for g in self.groups)
+
+    def meta(self) -> dict:
+        return {"min_version": self.min_version, "take": self.take}
 
 
 def arrow_size(t: Trajectory) -> int:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollart.buffer import journal
-from rollart.buffer.group import Group
+from rollart.buffer.group import Group, Taken
 from rollart.buffer.ledger import BUFFERED, FINAL, IN_FLIGHT, TAKEN
 from rollart.buffer.schema import SCHEMA, read_parts, write_parquet
 from rollart.types import TrajState
@@ -44,12 +44,12 @@ async def snapshot(buf, url: str) -> dict:
         await buf.flush()
         groups = [(g, True, None) for g in buf._complete.values()] + \
                  [(g, False, None) for g in buf._open.values()] + \
-                 [(g, True, s) for s, (_, gs) in buf._taken.items() for g in gs]
+                 [(g, True, s) for s, t in buf._taken.items() for g in t.groups]
         batches = [b for g, _, _ in groups for b in g.arrow()]
         meta = {
             "counts": dict(buf._counts), "ledger": dict(buf.ledger.counts),
             "next_part": buf.store.parts, "next_entry": buf.store.next_entry,
-            "taken": {str(s): m for s, (m, _) in buf._taken.items()},
+            "taken": {str(s): t.meta() for s, t in buf._taken.items()},
             "groups": [{"id": g.group_id, "size": g.size, "arrived": g.arrived,
                         "rows": g.rows, "complete": done, "taken": step}
                        for g, done, step in groups],
@@ -113,7 +113,7 @@ def _groups_from(buf, meta: dict, table: pa.Table) -> None:
     rows_by_group: dict[str, list[int]] = {}
     for i, gid in enumerate(table.column("group_id").to_pylist()):
         rows_by_group.setdefault(gid, []).append(i)
-    taken_for = {int(s): m for s, m in meta.get("taken", {}).items()}
+    taken = {int(s): m for s, m in meta.get("taken", {}).items()}
     for info in meta["groups"]:
         part = table.take(pa.array(rows_by_group.get(info["id"], []), pa.int64())).combine_chunks()
         group = Group(info["id"], info["size"], arrived=info["arrived"],
@@ -123,12 +123,18 @@ def _groups_from(buf, meta: dict, table: pa.Table) -> None:
             buf.ledger.state.setdefault(traj_id, BUFFERED if step is None else TAKEN)
         if step is not None:
             buf._closed.add(group.group_id)
-            buf._taken.setdefault(step, (taken_for[step], []))[1].append(group)
+            _taken(buf, step, taken[step]).groups.append(group)
         elif info["complete"]:
             buf._complete[group.group_id] = group
         else:
             buf._closed.add(group.group_id)
             buf._leave(group.arrow(), TrajState.DROPPED)
+
+
+def _taken(buf, step: int, meta: dict) -> Taken:
+    if step not in buf._taken:
+        buf._taken[step] = Taken(meta["min_version"], [], meta["take"])
+    return buf._taken[step]
 
 
 def _part_index(path: str) -> int:
@@ -175,7 +181,7 @@ def recover(buf) -> dict:
     buf.ledger.load(state, counts)
     _counters(buf, meta.get("counts"))
     buf._orphans = set(record.orphans)
-    taken_for = {int(s): m for s, m in meta.get("taken", {}).items()}
+    taken = {int(s): m for s, m in meta.get("taken", {}).items()}
     for gid, rows in held.items():
         group = Group(gid, rows.num_rows, arrived=rows.num_rows, batches=rows.to_batches(),
                       versions=rows.column("version").to_pylist())
@@ -184,7 +190,7 @@ def recover(buf) -> dict:
             buf._complete[gid] = group
         else:
             step = record.latest[first][1]  # its entry's metadata lists the step
-            buf._taken.setdefault(step, (taken_for[step], []))[1].append(group)
+            _taken(buf, step, taken[step]).groups.append(group)
     lost = [t for t, s in state.items() if s == IN_FLIGHT]
     buf._orphan(lost)
     seen = {t.rsplit("-", 1)[0] for t in state} | set(pending.column("group_id").to_pylist())
@@ -192,7 +198,7 @@ def recover(buf) -> dict:
     rewritten = _write_unwritten(buf, pending, parts, record.latest)
     buf.store.entry_now(buf.ledger.drain(), buf._meta())
     found = {"entries": record.next_entry, "buffered": buf._buffered(),
-             "taken": sum(g.rows for _, gs in buf._taken.values() for g in gs),
+             "taken": sum(t.rows for t in buf._taken.values()),
              "orphaned": len(lost), "rewritten": rewritten}
     if record.next_entry:
         logger.warning("sample buffer recovered from %s: %s", run_dir, found)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from rollart.buffer.buffer import TAKE_KEY
 from rollart.buffer.schema import from_table
 from rollart.model import load_model, load_tokenizer
 from rollart.resources import set_worker_threads
@@ -119,20 +121,20 @@ class Trainer:
         trained_on = self.version
         self.version += 1
         await self._run(self._put_weights)
-        await self._confirm(buffer, step)
+        await self._confirm(buffer, step, (table.schema.metadata or {}).get(TAKE_KEY))
         await self._run(self.store.gc, 3)
         metrics.update(batch_metrics(batch, trained_on))
         metrics.update({"step": step, "version": self.version,
                         "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
         return metrics
 
-    async def _confirm(self, buffer, step: int) -> None:
-        """Tell the buffer that step ``step``'s update is published: its batch is
-        ``trained``. A buffer lost meanwhile is not this step's failure: its recovered
-        successor settles the batch at the next ``get_table`` (this trainer's version is
-        then newer than the one the batch was taken for)."""
+    async def _confirm(self, buffer, step: int, take: bytes | None) -> None:
+        """Tell the buffer that step ``step``'s update is published: the batch it handed
+        out as ``take`` is ``trained``. A buffer lost meanwhile is not this step's
+        failure: its recovered successor settles the batch at the next ``get_table``
+        (this trainer's version is then newer than the one the batch was taken for)."""
         try:
-            await buffer.mark_trained(step)
+            await buffer.mark_trained(step, take.decode() if take else None)
         except Exception as e:  # noqa: BLE001 - settled by the next get_table
             logger.warning("step %d: confirming the trained batch failed (%r); the next "
                            "get_table settles it", step, e)
@@ -318,6 +320,13 @@ def collate(batch, pad_id: int):
     return ids, attn, mask, behaviour
 
 
+def batch_digest(traj_ids) -> str:
+    """A short fingerprint of which trajectories a step trained on (order-free): compare
+    it with the Parquet rows ``trained`` at that step (16 hex digits of a SHA-1 over the
+    sorted ids, one per line)."""
+    return hashlib.sha1("\n".join(sorted(traj_ids)).encode()).hexdigest()[:16]
+
+
 def batch_metrics(batch, trainer_version: int) -> dict:
     """Per-task reward and success, staleness and sizes of a trained batch."""
     by_task = defaultdict(list)
@@ -333,6 +342,7 @@ def batch_metrics(batch, trainer_version: int) -> dict:
     for k in sorted(set(stale)):  # the staleness histogram of this batch
         out[f"trainer/staleness/{k}"] = stale.count(k)
     out["trainer/batch_size"] = len(batch)
+    out["trainer/batch_sha1"] = batch_digest([t.traj_id for t in batch])
     out["rollout/turns_mean"] = sum(t.num_turns for t in batch) / len(batch)
     out["reward/mean"] = sum(t.reward for t in batch) / len(batch)
     return out

@@ -25,14 +25,13 @@ actor lost          what happens
                     the weight store holds a newer published version, those weights are
                     loaded on top (so rollout never goes back in version). The lost step
                     is re-run on fresh groups; its batch stays counted ``trained``.
-``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag). When the
-                    buffer class can recover (``SampleBuffer(run_dir, recover=True)``
-                    reloads the durable groups and ledger from the run directory), a new
-                    one starts and every manager and the pipeline get it (the groups
-                    running then end: the recovered buffer closed them and counted their
-                    members in flight ``failed``; the pipeline's calls and a trainer step
-                    that failed on the lost buffer are retried on the new one); otherwise
-                    its loss ends the run with ``RunLostError``.
+``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag). A new one
+                    starts with ``recover=True`` (it reloads the durable groups and
+                    ledger from the run directory) and every manager and the pipeline
+                    get it. The groups running then end: the recovered buffer closed
+                    them and counted their members in flight ``failed`` (orphaned). The
+                    pipeline's calls and a trainer step that failed on the lost buffer
+                    are retried on the new one (``wait_for_buffer``).
 ==================  ===================================================================
 
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
@@ -55,7 +54,7 @@ __all__ = ["FailureStormError", "RunLostError", "StallError", "Supervisor", "is_
 
 
 class RunLostError(RuntimeError):
-    """A fault the run cannot recover from (e.g. the sample buffer's worker died)."""
+    """A fault the run cannot recover from (e.g. no worker came back for a lost role)."""
 
 
 class FailureStormError(RuntimeError):
@@ -101,12 +100,6 @@ class Supervisor:
         fut = getattr(actor, "_future", None)
         return (fut is not None and fut.status == "error") or actor._address not in live
 
-    @staticmethod
-    def _why(actor, live) -> str:
-        fut = getattr(actor, "_future", None)
-        return (f"actor {fut.status if fut is not None else 'unknown'}, worker "
-                f"{'alive' if actor._address in live else 'gone'}")
-
     def is_lost(self, actor, error: BaseException) -> bool:
         """Did ``error`` (raised by a call on ``actor``) come from losing its worker?"""
         return is_worker_lost(error) or self._lost(actor, self.live())
@@ -136,8 +129,8 @@ class Supervisor:
 
     def wait_for_buffer(self) -> None:
         """Block until the sample buffer answers, re-creating it (``heal``) if its worker
-        was lost; ``RunLostError`` when it cannot be (``heal``) or no worker for it comes
-        back within ``wait_for_worker`` s."""
+        was lost; ``RunLostError`` when no worker for it comes back within
+        ``wait_for_worker`` s."""
         deadline = time.monotonic() + self.wait_for_worker
         while not self.alive(self.actors.buffer):
             self.heal(force=True)
@@ -156,16 +149,7 @@ class Supervisor:
         if not force and now - self._last < self.check_every:
             return []
         self._last = now
-        live = self.live()
-        buffer = self.actors.buffer
-        if self._lost(buffer, live) and not self.stages.buffer_recoverable:
-            raise RunLostError(
-                f"the worker holding the SampleBuffer ({buffer._address}, "
-                f"{self._why(buffer, live)}) was lost, and "
-                "with it the trajectory ledger; the run cannot continue. Resume it from its "
-                "last checkpoint, and give the buffer's worker a pool of its own (the "
-                f"{BUFFER!r} resource tag)")
-        return self._note(self.stages.reconcile(self.actors, live=live))
+        return self._note(self.stages.reconcile(self.actors, live=self.live()))
 
     def _note(self, done) -> list[dict]:
         """Book what a reconcile removed (pending) and made (events, matched by role and

@@ -30,7 +30,6 @@ ones to every live manager (``set_inference_workers`` / ``set_buffer``).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -207,12 +206,10 @@ class Actors:
         self._place(role, addr)
 
     def _place(self, role: str, addr: str) -> None:
-        key = "env" if role == "env" else role
         if role in ("trainer", "buffer"):
-            self.placement[key] = [addr]
+            self.placement[role] = [addr]
         else:
-            live = {a for _, _, a in self.of(role)}
-            self.placement[key] = sorted(live | {addr})
+            self.placement[role] = sorted({a for _, _, a in self.of(role)} | {addr})
 
 
 @dataclass
@@ -246,11 +243,6 @@ class Stages:
 
     def spec(self, role: str, tag: str | None = None) -> RoleSpec:
         return next(s for s in self.specs if s.role == role and (tag is None or s.tag == tag))
-
-    @property
-    def buffer_recoverable(self) -> bool:
-        """Can a lost buffer be re-created from the run directory (``recover=True``)?"""
-        return "recover" in inspect.signature(self.spec("buffer").cls.__init__).parameters
 
     # -- building -------------------------------------------------------------------------
     def submit(self, spec: RoleSpec, addr: str, actors: Actors | None, *, tag: str | None = None,
@@ -302,8 +294,8 @@ class Stages:
         or whose future failed (and those in ``lost``), build the missing ones on live
         workers, and hand a new buffer or new inference workers to every live manager.
 
-        A lost buffer comes back with ``recover=True`` (its durable state is reloaded
-        from the run directory); callers check ``buffer_recoverable`` first."""
+        A lost buffer comes back with ``recover=True``: its durable groups and ledger
+        are reloaded from the run directory (``rollart.buffer.restore.recover``)."""
         live = cluster_tags(self.client) if live is None else live
         out = Reconciled()
         for role in roles:

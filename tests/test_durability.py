@@ -80,6 +80,55 @@ def test_close_turns_an_unconfirmed_batch_into_lost_in_step(tmp_path):
     assert set(states(run).values()) == {("lost_in_step", 1)}
 
 
+def test_checkpoint_restore_keeps_taken_batches_and_sets_the_lost_run_aside(tmp_path):
+    """``snapshot`` with a batch taken, an open group and a member in flight; the old run
+    goes on after it (confirms, trains more); a fresh buffer restored from the snapshot
+    sees none of that: the taken batch is taken again, the open group dropped, the
+    member in flight aborted, and the later journal and parts moved aside."""
+    run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+
+    async def scenario():
+        old = SampleBuffer(run, flush_every=2)
+        await old.launched([f"{g}-{i}" for g in "abcd" for i in range(2)])
+        for t in [make("a", 0, 1), make("a", 1, 1), make("b", 0, 1), make("b", 1, 1),
+                  make("c", 0, 1)]:
+            await old.put(t, 2)
+        await old.get_table(1, 0, trained_step=1)  # a: taken, not confirmed
+        await old.snapshot(ckpt)
+        await old.mark_trained(1)  # the lost run went on after its checkpoint
+        await old.put(make("c", 1, 1), 2)
+        await old.get_table(1, 0, trained_step=2)
+        await old.mark_trained(2)
+        await old.flush()
+        lost_run = states(run)
+        assert {t for t, (s, _) in lost_run.items() if s == "trained"} == \
+            {"a-0", "a-1", "b-0", "b-1"} and lost_run["c-1"] == ("buffered", None)
+        new = SampleBuffer(run, flush_every=2)
+        assert await new.restore(ckpt) == 2  # b buffered (a taken, c dropped)
+        c = await new.counts()
+        assert (c["taken"], c["buffered"], c["dropped"], c["aborted"], c["trained"]) == \
+            (2, 2, 1, 3, 0)
+        assert c["launched"] == 8 == sum(c[s] for s in STATES)
+        on_disk = states(run)
+        assert {t: s for t, s in on_disk.items()} == {
+            "a-0": ("taken", 1), "a-1": ("taken", 1), "b-0": ("buffered", None),
+            "b-1": ("buffered", None), "c-0": ("dropped", None)}
+        # the resumed trainer (the checkpoint's version) re-runs step 1: a first, then b
+        got = await new.get_table(1, 0, trained_step=1)
+        assert got.column("group_id").to_pylist() == ["a", "a"]
+        assert await new.mark_trained(1) == 2
+        got = await new.get_table(1, 0, trained_step=2)
+        assert got.column("group_id").to_pylist() == ["b", "b"]
+        await new.mark_trained(2)
+        await new.close()
+
+    asyncio.run(scenario())
+    assert {t: s for t, s in states(run).items() if s[0] == "trained"} == {
+        "a-0": ("trained", 1), "a-1": ("trained", 1), "b-0": ("trained", 2),
+        "b-1": ("trained", 2)}
+    assert (tmp_path / "run" / "ledger" / "after-resume-0").is_dir()
+
+
 # -- a real cluster: the buffer's worker closed abruptly -------------------------------
 @pytest.fixture()
 def two_workers():

@@ -129,9 +129,11 @@ def buffer_worker(live: dict[str, dict], spec: RoleSpec, avoid: str | None = Non
                   ) -> tuple[str, str] | None:
     """``(address, tag)`` of the worker for the sample buffer, or None without workers.
 
-    A worker carrying ``spec.tag`` (``BUFFER``) first, then ``spec.fallback`` in order,
-    then ``spec.last_resort`` (the env pools) with a warning: envs are the most
-    failure-prone workers, and the buffer holds the run's ledger and unflushed samples.
+    A worker carrying ``spec.tag`` (``BUFFER``) first, then ``spec.fallback`` in order
+    (workers that also carry an env pool's tag left out: ``resources/laptop.py``'s
+    rollout worker carries REWARD and the inference tags), then ``spec.last_resort``
+    (the env pools) with a warning: envs are the most failure-prone workers, and the
+    buffer holds the run's ledger and unflushed samples.
     Among workers carrying the same tag, ``avoid`` (a lost buffer's) comes last.
 
     >>> spec = RoleSpec("buffer", dict, (), {}, "BUFFER", fallback=("TRAIN",),
@@ -139,8 +141,11 @@ def buffer_worker(live: dict[str, dict], spec: RoleSpec, avoid: str | None = Non
     >>> buffer_worker({"a": {"CPU_ENV": 1}, "b": {"TRAIN": 1}}, spec)
     ('b', 'TRAIN')
     """
+    env = set(_with_tag(live, *spec.last_resort))
     for tag in (spec.tag, *spec.fallback, *spec.last_resort):
         found = _with_tag(live, tag)
+        if tag not in spec.last_resort:
+            found = [a for a in found if a not in env or tag == spec.tag]
         found = [a for a in found if a != avoid] or found
         if not found:
             continue
@@ -377,8 +382,9 @@ class Stages:
                         raise
 
 
-def _with_tag(live: dict[str, dict], tag: str) -> list[str]:
-    return sorted(a for a, r in live.items() if r.get(tag, 0) > 0)
+def _with_tag(live: dict[str, dict], *tags: str) -> list[str]:
+    """Addresses of the live workers carrying any of ``tags``, sorted."""
+    return sorted(a for a, r in live.items() if any(r.get(t, 0) > 0 for t in tags))
 
 
 def _gone(actor, live) -> bool:

@@ -98,6 +98,8 @@ def test_buffer_worker_prefers_its_tag_then_non_env_roles(caplog):
         assert buffer_worker(two, spec, avoid="t") == ("u", TRAIN)  # not the lost one's
         assert buffer_worker(live, spec, avoid="t") == ("t", TRAIN)  # unless it is alone
         assert buffer_worker({k: live[k] for k in "eib"}, spec) == ("i", H800)
+        rollout = {"e": {CPU_ENV: 1, REWARD: 1, H800: 1}, "i": {H20: 1}}  # laptop-like
+        assert buffer_worker(rollout, spec) == ("i", H20)  # not the worker with the envs
         assert not caplog.records
         assert buffer_worker({"e": live["e"], "b": live["b"]}, spec) == ("e", CPU_ENV)
     assert "failure-prone" in caplog.text and "'BUFFER'" in caplog.text

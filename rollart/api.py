@@ -70,15 +70,12 @@ class Run:
         return df.set_index("step") if "step" in df else df
 
     def samples(self, columns: list[str] | None = None):
-        """Trajectories written so far (``samples/*.parquet``) as a ``pyarrow.Table``."""
-        import pyarrow.parquet as pq
+        """The latest state of every trajectory so far (``rollart.buffer.read_samples``:
+        the ``samples/`` parts and the buffer's journal) as a ``pyarrow.Table``."""
+        from rollart.buffer import read_samples
 
-        from rollart.buffer.schema import SCHEMA
-
-        parts = sorted((self.run_dir / "samples").glob("*.parquet"))
-        if not parts:
-            return SCHEMA.empty_table().select(columns or SCHEMA.names)
-        return pq.read_table([str(p) for p in parts], columns=columns)
+        table = read_samples(str(self.run_dir))
+        return table.select(columns) if columns else table
 
     def stop(self) -> None:
         """Stop after the current trainer step: the model is saved, samples flushed."""

@@ -13,8 +13,11 @@ checkpoint is ``{url}/step-{step:08d}/``::
     model/              the policy as a Hugging Face model folder (model + tokenizer)
     ref_model.safetensors  the KL reference policy, when the algorithm uses one
     trainer.pt          optimizer and scheduler state, version counter, torch RNG state
-    buffer.parquet      buffered trajectories (``rollart.buffer.SCHEMA``) ...
-    buffer.json         ... and the buffer's counts, ledger totals and next Parquet part
+    buffer.parquet      trajectories the buffer holds, buffered or taken (``SCHEMA``) ...
+    buffer.json         ... and the buffer's counts, ledger totals, groups (and the step
+                        holding a taken one), next Parquet part and journal entry (a
+                        restore sets the lost run's later parts and journal entries aside:
+                        ``rollart.buffer.restore``)
     state.json          step, version, driver RNG states, the pipeline's group counter,
                         elapsed run time (so a resumed run's metrics continue the curve)
     graph.json, resources.json   the graph and the resources/placement that were used

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 import uuid
@@ -277,7 +278,6 @@ def _kill_when_taken(cluster, client, buf, addr, log):
 
 def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path):
     import hashlib
-    import random
 
     import pyarrow.compute as pc
     from distributed import Client
@@ -343,3 +343,30 @@ def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path
     assert len(trained) == len(set(trained["traj_id"].to_pylist())) == 48
     assert set(trained["traj_id"].to_pylist()) == set(ids)
     assert (c["trained"], c["taken"], c["lost_in_step"], c["buffered"]) == (48, 0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_both_trainer_backends_confirm_after_publishing(backend, local_cluster, tiny_model,
+                                                        tmp_path):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    from rollart import GRPO
+    from rollart.trainer import trainer_class
+    from rollart.types import TRAIN
+    from rollart.weights import WeightStore
+
+    c, store, run = local_cluster, str(tmp_path / "weights"), str(tmp_path / "run")
+    trainer = c.submit(trainer_class(backend), tiny_model, store,
+                       GRPO(group_size=2, groups_per_step=2), actor=True,
+                       resources={TRAIN: 1}, key=f"trainer-{uuid.uuid4().hex}").result()
+    buf = c.submit(SampleBuffer, run, actor=True, resources={CPU_ENV: 1},
+                   key=f"buf-{uuid.uuid4().hex}").result()
+    trainer.publish().result()
+    rng = random.Random(1)
+    for g in range(2):
+        _put(buf, [_long(f"m{g}", i, rng, 0) for i in range(2)], size=2)
+    m = trainer.train_step(buf, 1, timeout=60).result()
+    assert WeightStore(store).latest() == m["version"] == 1
+    counts = buf.counts().result()
+    assert (counts["trained"], counts["taken"]) == (4, 0)
+    assert {s for s in states(run).values()} == {("trained", 1)}

@@ -91,10 +91,6 @@ class SampleBuffer:
 
             self.recovered = _recover(self)
 
-    @property
-    def flush_every(self) -> int:
-        return self.store.flush_every
-
     # -- internals ----------------------------------------------------------------------
     @property
     def _condition(self) -> asyncio.Condition:

@@ -28,7 +28,8 @@ outcome         string           no        "success" | "failure" | "truncated" |
 error           string           no        error text when the rollout failed
 state           string           no        ``TrajState`` value (how it left the buffer)
 version         int32            no        derived: oldest generated-token version (-1: none)
-trained_step    int32            yes       trainer step that consumed it (null otherwise)
+trained_step    int32            yes       trainer step that took it (taken, trained,
+                                           lost_in_step; null otherwise)
 ==============  ===============  ========  ==================================================
 """
 
@@ -63,7 +64,7 @@ _COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("error", pa.string(), False, "error text when the rollout failed"),
     ("state", pa.string(), False, "TrajState value: how the row left the buffer"),
     ("version", pa.int32(), False, "derived: oldest generated-token policy version (-1 none)"),
-    ("trained_step", pa.int32(), True, "trainer step that consumed the row (null otherwise)"),
+    ("trained_step", pa.int32(), True, "trainer step that took the row (null otherwise)"),
 ]
 
 SCHEMA: pa.Schema = pa.schema(

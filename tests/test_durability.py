@@ -370,3 +370,31 @@ def test_both_trainer_backends_confirm_after_publishing(backend, local_cluster, 
     counts = buf.counts().result()
     assert (counts["trained"], counts["taken"]) == (4, 0)
     assert {s for s in states(run).values()} == {("trained", 1)}
+
+
+def test_a_torn_journal_file_is_skipped_and_nothing_is_called_trained_on_a_guess(tmp_path):
+    """The entry that released a batch is unreadable (cut short by a crash): replaying
+    the rest says the batch is taken, but no newer entry lists its step, so the
+    recovered buffer re-uses it instead of assuming its update was published."""
+    from rollart.buffer.journal import entries
+
+    run = str(tmp_path)
+
+    async def scenario():
+        buf = SampleBuffer(run)
+        for i in range(2):
+            await buf.put(make("a", i, 5), 2)
+        await buf.get_table(1, 4, trained_step=1)
+        n = len(entries(run, "ledger"))
+        await buf.release_taken(1, 4)  # entry n: back to buffered
+        await buf.launched(["z-0"])  # entry n + 1
+        path = dict(entries(run, "ledger"))[n]
+        with open(path, "r+b") as f:
+            f.truncate(20)
+        new = SampleBuffer(run, recover=True)
+        assert new.recovered["taken"] == 2
+        got = await new.get_table(1, 5, trained_step=1)  # even one version on
+        assert got.column("traj_id").to_pylist() == ["a-0", "a-1"]
+        assert (await new.counts())["trained"] == 0
+
+    asyncio.run(scenario())

@@ -189,8 +189,12 @@ def recover(buf) -> dict:
         if state[first] == BUFFERED:
             buf._complete[gid] = group
         else:
-            step = record.latest[first][1]  # its entry's metadata lists the step
-            _taken(buf, step, taken[step]).groups.append(group)
+            step = record.latest[first][1]
+            # the newest entry lists every step holding a batch; if the one that did was
+            # unreadable, take the batch as not yet published (re-used, never "trained"
+            # on a guess)
+            meta_s = taken.get(step) or {"min_version": group.version, "take": "recovered"}
+            _taken(buf, step, meta_s).groups.append(group)
     lost = [t for t, s in state.items() if s == IN_FLIGHT]
     buf._orphan(lost)
     seen = {t.rsplit("-", 1)[0] for t in state} | set(pending.column("group_id").to_pylist())

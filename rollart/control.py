@@ -30,18 +30,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollart.affinity import check_cluster, check_declared
+from rollart.env.corpus import chat_corpus
 from rollart.env.tasks import task_corpus
 from rollart.graph import Graph, load_graph
 from rollart.metrics import Monitor
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.pipeline import make_pipeline
-from rollart.preflight import check_lockstep, preflight
+from rollart.preflight import preflight
 from rollart.recovery import Supervisor
-from rollart.resources import Resources, check_tags, load_resources, workers_with
+from rollart.resources import Resources, load_resources
 from rollart.reward.offload import is_serverless
 from rollart.stages import Actors, Stages
-from rollart.types import CPU_ENV
 
 logger = logging.getLogger(__name__)
 EVAL_SEED_BASE = 2_000_000  # held-out seeds: training uses < 1e6, warm-up 1e6..2e6
@@ -89,8 +88,11 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
     if path:
         check_model_folder(path)
         return str(path), False
-    out = build_tiny_model(str(run_dir / "init_model"), task_corpus(graph.tasks),
-                           seed=graph.seed)
+    # a chat graph gets the chat toy (byte-level BPE + ChatML template, trained on the
+    # tasks' own text); otherwise the word-level toy built from the tasks' vocabularies
+    chat = graph.policy.conversation == "chat"
+    corpus = chat_corpus(graph.tasks) if chat else task_corpus(graph.tasks)
+    out = build_tiny_model(str(run_dir / "init_model"), corpus, chat=chat, seed=graph.seed)
     return out, graph.policy.warmup_steps > 0
 
 
@@ -237,7 +239,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     elif warm:
         p = graph.policy
         info = actors.trainer.warmup(graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr,
-                                     seed=graph.seed).result()
+                                     seed=graph.seed, **p.conversation_options()).result()
         warmup_dir = actors.trainer.save(str(run_dir / "warmup_model")).result()
         print(f"warm-up: {p.warmup_steps} format steps, loss {info['warmup/loss_first']:.3f}"
               f" -> {info['warmup/loss_last']:.3f}")
@@ -368,7 +370,8 @@ def _evaluate_run(graph: Graph, result: RunResult, n_seeds: int) -> dict:
     from rollart.evaluate import evaluate
 
     seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + n_seeds)
-    out = {"seeds": n_seeds, "trained": evaluate(result.model_dir, graph.tasks, seeds)}
+    opts = graph.policy.conversation_options()
+    out = {"seeds": n_seeds, "trained": evaluate(result.model_dir, graph.tasks, seeds, **opts)}
     if result.warmup_model_dir:
-        out["warmup"] = evaluate(result.warmup_model_dir, graph.tasks, seeds)
+        out["warmup"] = evaluate(result.warmup_model_dir, graph.tasks, seeds, **opts)
     return out

@@ -105,6 +105,12 @@ class Policy:
                f"Policy.max_context must be ≥ 2 tokens or None (the model config's "
                f"max_position_embeddings), got {self.max_context!r}")
 
+    def conversation_options(self) -> dict:
+        """How trajectories become token ids (``rollart.env.conversation``): the same
+        keyword arguments for rollout (``EnvManager``), warm-up and evaluation."""
+        return {"conversation": self.conversation, "system_prompt": self.system_prompt,
+                "max_context": self.max_context}
+
     def worker_options(self) -> dict:
         """The ``InferenceWorker`` keyword arguments this policy implies."""
         opts = {"max_batch": self.max_batch, "engine": self.engine}

@@ -86,10 +86,13 @@ class Trainer:
             self.busy_seconds += time.perf_counter() - t0
 
     # -- actor methods ------------------------------------------------------------------
-    async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0):
-        """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``)."""
+    async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0,
+                     **conversation):
+        """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``), in
+        the rollout's conversation format (``Policy.conversation_options()``)."""
         losses = await self._run(run_warmup, self.model, self.tokenizer, list(tasks),
-                                 steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+                                 steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                                 **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
         return {"warmup/loss_first": losses[0] if losses else None,
                 "warmup/loss_last": losses[-1] if losses else None, "warmup/steps": steps}

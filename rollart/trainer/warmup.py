@@ -142,10 +142,12 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     ``system_prompt``: ``rollart.env.conversation``), within ``max_context`` tokens (the
     model config's ``max_position_embeddings`` by default).
     """
-    budget = max_context or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    # an HF model's config, or the HF config a Megatron GPTModel was built from
+    config = getattr(model, "config", None) or getattr(model, "hf_config", None)
+    budget = max_context or int(getattr(config, "max_position_embeddings", 0) or 2048)
     fmt = ConversationFormat(tokenizer, conversation, system_prompt=system_prompt,
                              max_context=budget,
-                             model_path=getattr(model.config, "_name_or_path", None))
+                             model_path=getattr(config, "_name_or_path", None))
     counts: dict = {}
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -20,22 +20,31 @@ actor lost          what happens
                     weights, and the managers get the new worker list (their task
                     routes, PD included, kept: ``LLMProxy.with_workers``).
 ``Trainer``         the step's future fails; a new trainer of the same backend starts
-                    on a TRAIN worker and restores the run's last complete checkpoint
-                    (``rollart.checkpoint``: weights, optimizer, KL reference, RNG); when
-                    the weight store holds a newer published version, those weights are
-                    loaded on top (so rollout never goes back in version). The lost step
-                    is re-run on fresh groups; its batch stays counted ``trained``.
-``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag). A new one
-                    starts with ``recover=True`` (it reloads the durable groups and
-                    ledger from the run directory) and every manager and the pipeline
-                    get it. The groups running then end: the recovered buffer closed
-                    them and counted their members in flight ``failed`` (orphaned). The
-                    pipeline's calls and a trainer step that failed on the lost buffer
-                    are retried on the new one (``wait_for_buffer``).
+                    on a TRAIN worker, loads the run's last complete checkpoint
+                    (``rollart.checkpoint``: optimizer, KL reference, RNG) without
+                    dropping the versions published after it, then the newest published
+                    weights on top: its version is the newest published one, so no
+                    ``trained`` row's update is rolled back and rollout never goes back
+                    in version (``--resume`` differs: it truncates to the checkpoint).
+                    The lost step's batch was ``taken``, not ``trained``: it is buffered
+                    again for the re-run (or ``trained``, if the lost step published
+                    its update before dying; ``lost_in_step`` if the bound rules it out).
+``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag; on the
+                    trainer's worker in ``resources/local.py`` and ``laptop.py``, which
+                    then loses both). Its journal is durable (``rollart.buffer.journal``),
+                    so its loss does not end the run: a new one starts with
+                    ``recover=True`` (it reloads the durable groups and ledger from the
+                    run directory) and every manager and the pipeline get it. The groups
+                    running then end: the recovered buffer closed them and counted their
+                    members in flight ``failed`` (orphaned). The pipeline's calls and a
+                    trainer step that failed on the lost buffer are retried on the new
+                    one (``wait_for_buffer``).
 ==================  ===================================================================
 
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
-(``recovery_s``: loss noticed → replacement ready), kept in ``Supervisor.events``.
+(``recovery_s``: loss noticed → replacement ready), kept in ``Supervisor.events``. A
+replacement that does not start, or a restore call that does not return, within its
+bound (``rollart.stages.Waits``) is a ``StuckError`` naming the actor and its worker.
 """
 
 from __future__ import annotations
@@ -46,11 +55,13 @@ from dataclasses import dataclass, field
 
 from rollart.resources import cluster_tags
 from rollart.rollout.proxy import is_worker_lost
+from rollart.waits import StuckError, bounded
 from rollart.types import BUFFER
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FailureStormError", "RunLostError", "StallError", "Supervisor", "is_worker_lost"]
+__all__ = ["FailureStormError", "RunLostError", "StallError", "StuckError", "Supervisor",
+           "is_worker_lost"]
 
 
 class RunLostError(RuntimeError):
@@ -83,6 +94,7 @@ class Supervisor:
     def __init__(self, stages, actors, *, checkpoint_url: str | None = None,
                  check_every: float = 0.5, wait_for_worker: float = 300.0):
         self.stages, self.client, self.actors = stages, stages.client, actors
+        self.waits = stages.waits  # bounds on the calls a restore makes
         self.graph, self.store_url = stages.graph, stages.store_url
         self.checkpoint_url = checkpoint_url
         self.check_every, self.wait_for_worker = check_every, wait_for_worker
@@ -203,7 +215,14 @@ class Supervisor:
         return version
 
     def _restore(self, trainer) -> tuple[int, str]:
-        """Last checkpoint first, then newer published weights; returns (version, how)."""
+        """Last checkpoint first, then newer published weights; returns (version, how).
+
+        Every published version is kept (``load_state(truncate=False)``): rows trained in
+        steps after the checkpoint are in those versions' weights, so the new trainer
+        continues from the newest one, never from the older checkpoint's. From the
+        checkpoint it keeps the KL reference (frozen at the run's first publish, the
+        same for every version), the optimizer moments (running averages over ~100
+        steps: a few steps behind the weights, still their scale) and the RNG state."""
         from rollart import checkpoint
         from rollart.weights import WeightStore
 
@@ -212,12 +231,16 @@ class Supervisor:
         if path is not None:
             try:
                 checkpoint.load(path)  # verifies the manifest: no half-restored trainer
-                version = trainer.load_state(path).result()
+                version = bounded(trainer.load_state(path, truncate=False), self.waits.call,
+                                  f"the new trainer on {trainer._address} did not load "
+                                  f"checkpoint {path}")
                 how.append(f"checkpoint {path}")
             except checkpoint.CheckpointError as e:
                 logger.warning("not restoring the trainer from %s: %s", path, e)
         if WeightStore(self.store_url).latest() > version:
-            version = trainer.restore_latest().result()
+            version = bounded(trainer.restore_latest(), self.waits.call,
+                              f"the new trainer on {trainer._address} did not load the "
+                              f"newest published weights from {self.store_url}")
             how.append(f"weights v{version}")
         if not how:
             raise RunLostError(f"the trainer was lost and there is neither a checkpoint under "

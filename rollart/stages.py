@@ -26,6 +26,10 @@ An env manager's proxy and buffer are live handles, not graph data: its spec nam
 ``LIVE_PROXY`` / ``LIVE_BUFFER`` and they are filled in from the current ``Actors`` when
 it is built. After inference workers or the buffer change, ``reconcile`` hands the new
 ones to every live manager (``set_inference_workers`` / ``set_buffer``).
+
+No wait is silent: an actor's constructor and every call start-up, recovery and
+shutdown make on one are bounded (``Waits``, from Dask's config ``rollart.waits``); past
+the bound ``rollart.waits.StuckError`` names the actor, its worker and its pool.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 from rollart.affinity import env_pools, env_tag, inference_tags, task_routes
 from rollart.resources import cluster_tags
 from rollart.types import BUFFER, REWARD, TRAIN
+from rollart.waits import StuckError, Waits, bounded
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +50,6 @@ __all__ = ["Actors", "LIVE_BUFFER", "LIVE_PROXY", "Reconciled", "RoleSpec", "Sta
            "buffer_worker", "make_proxy", "role_specs"]
 
 ROLES = ("trainer", "buffer", "inference", "env")
-
-
 class _Live:
     """A constructor argument taken from the running ``Actors`` when the actor is built."""
 
@@ -236,8 +239,10 @@ class Stages:
     >>> # stages.reconcile(actors)          # later: re-create whatever was lost
     """
 
-    def __init__(self, client, graph, model_path: str, run_dir, store_url: str | None = None):
+    def __init__(self, client, graph, model_path: str, run_dir, store_url: str | None = None,
+                 waits: Waits | None = None):
         self.client, self.graph = client, graph
+        self.waits = waits or Waits.from_config()
         self.run_dir = Path(run_dir)
         self.store_url = store_url or str(self.run_dir / "weights")
         self.specs = role_specs(graph, model_path, self.run_dir, self.store_url)
@@ -282,15 +287,32 @@ class Stages:
         workers = [(self.submit(s, addr, None), s.tag, addr)
                    for s in self.specs if s.role == "inference"
                    for addr in _with_tag(live, s.tag)]
-        actors = Actors(trainer.result(), buffer.result(),
-                        [(f.result(), tag, addr) for f, tag, addr in workers], [],
+        started = self._started(time.monotonic())
+        actors = Actors(started(trainer, "trainer", TRAIN, trainer_addr),
+                        started(buffer, "buffer", buffer_tag, buffer_addr),
+                        [(started(f, "inference", tag, addr), tag, addr)
+                         for f, tag, addr in workers], [],
                         placement={"trainer": [trainer_addr], "buffer": [buffer_addr],
                                    "inference": [a for _, _, a in workers], "env": []})
         managers = [(self.submit(s, addr, actors), s.tag, addr)
                     for s in self.specs if s.role == "env" for addr in _with_tag(live, s.tag)]
+        started = self._started(time.monotonic())
         for f, tag, addr in managers:
-            actors.add("env", f.result(), tag, addr)
+            actors.add("env", started(f, "env", tag, addr), tag, addr)
         return actors
+
+    def _started(self, t0: float):
+        """``started(future, role, tag, addr)``: the actor, once built, within
+        ``waits.start`` of ``t0`` (they were submitted together)."""
+        def started(fut, role: str, tag: str, addr: str):
+            left = max(t0 + self.waits.start - time.monotonic(), 0.1)
+            return bounded(fut, left, f"the {self._cls(role, tag)} on {addr} ({tag}) did "
+                           f"not start", "start")
+        return started
+
+    def _cls(self, role: str, tag: str | None = None) -> str:
+        spec = next((s for s in self.specs if s.role == role and s.tag == tag), None)
+        return (spec or self.spec(role)).cls.__name__
 
     # -- reconciling ----------------------------------------------------------------------
     def reconcile(self, actors: Actors, roles=("buffer", "inference", "env"), *,
@@ -335,7 +357,9 @@ class Stages:
         addr, tag = where
         extra = {"recover": True} if role == "buffer" else {}
         self._n += 1
-        actor = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra).result()
+        fut = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra)
+        actor = bounded(fut, self.waits.start, f"the replacement {spec.cls.__name__} on "
+                        f"{addr} ({tag}) did not start", "start")
         actors.add(role, actor, tag, addr)
         out.made.append((role, tag, addr))
 
@@ -347,20 +371,23 @@ class Stages:
                 if addr in have or (role == "env" and not actors.workers):
                     continue
                 self._n += 1
-                actor = self.submit(spec, addr, actors, suffix=f"-r{self._n}").result()
+                fut = self.submit(spec, addr, actors, suffix=f"-r{self._n}")
+                actor = bounded(fut, self.waits.start, f"the new {spec.cls.__name__} on "
+                                f"{addr} ({spec.tag}) did not start", "start")
                 if role == "inference":
-                    self._catch_up(actor)
+                    self._catch_up(actor, f"{addr} ({spec.tag})")
                 actors.add(role, actor, spec.tag, addr)
                 out.made.append((role, spec.tag, addr))
 
-    def _catch_up(self, worker) -> None:
+    def _catch_up(self, worker, where: str) -> None:
         """A new inference worker loads the newest published weights before it serves."""
         from rollart.weights import WeightStore
 
         version = WeightStore(self.store_url).latest()
         if version >= 0:
-            worker.update_weights(version).result()
-            worker.wait_version(version).result()
+            what = f"the new InferenceWorker on {where} did not load weights v{version}"
+            bounded(worker.update_weights(version), self.waits.call, what)
+            bounded(worker.wait_version(version), self.waits.call, what)
 
     def _announce(self, actors: Actors, out: Reconciled) -> None:
         """Hand new inference workers / a new buffer to the managers that survived."""
@@ -376,7 +403,10 @@ class Stages:
         for m in list(actors.managers) if calls else []:
             for call in calls:
                 try:
-                    call(m).result()
+                    bounded(call(m), self.waits.call, f"the EnvManager on {m._address} did "
+                            "not take the new inference workers / buffer")
+                except StuckError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - a manager lost meanwhile: next time
                     if not is_worker_lost(e):
                         raise

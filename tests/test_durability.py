@@ -398,3 +398,69 @@ def test_a_torn_journal_file_is_skipped_and_nothing_is_called_trained_on_a_guess
         assert (await new.counts())["trained"] == 0
 
     asyncio.run(scenario())
+
+
+# -- a trainer replaced mid-run keeps every published version ----------------------------
+@pytest.mark.slow
+def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_model, tmp_path):
+    """Checkpoint at step 2, train steps 3 and 4, SIGKILL the trainer's worker: the new
+    trainer loads the checkpoint (optimizer, RNG) without truncating the store and the
+    newest published weights on top, so versions 3 and 4 (whose rows are ``trained``)
+    are kept and step 5 publishes version 5, not a second version 3."""
+    import pyarrow.compute as pc
+    from distributed import Client
+
+    from rollart import GRPO, Graph, Policy, checkpoint
+    from rollart.pipeline import AsyncPipeline
+    from rollart.recovery import Supervisor, lose_worker
+    from rollart.resources import Pool, Resources, workers_with
+    from rollart.stages import Actors, Stages
+    from rollart.types import TRAIN
+    from rollart.weights import WeightStore
+
+    graph = Graph(name="t-no-rollback", tasks=("gridnav",), policy=Policy(warmup_steps=0),
+                  algo=GRPO(group_size=2, groups_per_step=2, alpha=1, micro_batch_tokens=0))
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),
+                           Pool("trainer", tag=TRAIN, kind="trainer")),
+                    processes=True, dashboard_address=":0")
+    run, ckpts = tmp_path / "run", str(tmp_path / "ckpt")
+    rng = random.Random(3)
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        stages = Stages(client, graph, tiny_model, run)
+        trainer = stages.submit(stages.spec("trainer"), workers_with(client, TRAIN)[0],
+                                None).result()
+        buf = client.submit(SampleBuffer, str(run), actor=True,
+                            workers=workers_with(client, CPU_ENV)).result()
+        actors = Actors(trainer, buf, [], [])
+        pipeline = AsyncPipeline(actors, graph)
+        pipeline.supervisor = sup = Supervisor(stages, actors, checkpoint_url=ckpts)
+        assert trainer.publish().result() == 0
+        out = {}
+        for step in range(1, 6):
+            for g in range(2):  # fresh groups for this step (version = trainer's)
+                _put(buf, [_long(f"s{step}g{g}", i, rng, step - 1) for i in range(2)],
+                     size=2)
+            if step == 5:  # between steps: the next train_step finds its trainer gone
+                lose_worker(cluster, client, actors.trainer._address)
+            out[step] = pipeline.train(step)
+            if step == 2:
+                checkpoint.save(ckpts, 2, actors, pipeline=pipeline)
+        assert pipeline.trainer_recoveries == 1 and actors.trainer is not trainer
+        event = next(e for e in sup.events if e["role"] == "trainer")
+        new_version = actors.trainer.stats().result()["version"]
+        buf.close().result()
+    assert event["version"] == 4, event  # the newest published, not the checkpoint's 2
+    assert "checkpoint" in event["restored_from"] and "weights v4" in event["restored_from"]
+    assert [out[s]["version"] for s in range(1, 6)] == [1, 2, 3, 4, 5]
+    assert new_version == 5
+    store = WeightStore(str(run / "weights"))
+    kept, latest = store.versions(), store.latest()
+    assert latest == 5 and 4 in kept
+    samples = read_samples(str(run))
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    steps = trained["trained_step"].to_pylist()
+    assert sorted(set(steps)) == [1, 2, 3, 4, 5] and len(steps) == 20
+    for s in set(steps):  # step s published version s: kept, or superseded (gc'd, older)
+        assert s in kept or s < min(kept), (s, kept)
+        got = [t for t, k in zip(trained["traj_id"].to_pylist(), steps) if k == s]
+        assert len(got) == out[s]["trainer/batch_size"] == 4

@@ -278,3 +278,70 @@ def test_losing_the_buffers_worker_does_not_end_the_run(layout, tiny_model, tmp_
     result = _run_and_kill(res, BUFFER, f"t-buffer-{layout}", tiny_model, tmp_path / "run")
     roles = {e["role"] for e in result.recovery}
     assert "buffer" in roles and (layout == "own-pool" or "trainer" in roles), roles
+
+
+# -- no silent waits: a hung actor is named within its bound ------------------------------
+_RELEASE = threading.Event()  # module-level: in-process workers share this interpreter
+
+
+def _hold_the_worker() -> bool:
+    """Occupy a worker's only thread (and its tag's one slot) until the test releases it."""
+    return _RELEASE.wait(300)
+
+
+def test_a_hung_actor_start_is_named_within_its_bound(tiny_model, tmp_path):
+    """The H20 worker's only slot is held by a task that never ends, so the
+    InferenceWorker placed there never starts: ``Stages.start`` says which actor, on
+    which worker and pool, within ``rollart.waits.start`` (set through Dask's config)."""
+    import dask
+
+    from rollart.waits import StuckError
+
+    _RELEASE.clear()
+    graph = small_graph()
+    with one_per_tag().make_cluster() as cluster, Client(cluster) as c:
+        h20 = workers_with(c, H20)[0]
+        blocker = c.submit(_hold_the_worker, resources={H20: 1}, workers=[h20], pure=False)
+        while not c.processing(workers=[h20])[h20]:  # it holds the slot now
+            time.sleep(0.05)
+        try:
+            with dask.config.set({"rollart.waits.start": 20}):
+                stages = Stages(c, graph, tiny_model, tmp_path)
+            assert stages.waits.start == 20
+            t0 = time.monotonic()
+            with pytest.raises(StuckError) as e:
+                stages.start()
+            took = time.monotonic() - t0
+        finally:
+            _RELEASE.set()
+            blocker.result(timeout=30)
+    assert f"the InferenceWorker on {h20} (H20) did not start within" in str(e.value)
+    assert "rollart.waits.start" in str(e.value) and "worker's log" in str(e.value)
+    assert 19 < took < 60, took  # bounded: the start's 20 s, not forever
+
+
+def test_a_hung_warmup_ends_within_its_bound_through_the_progress_bar():
+    """The warm-up's bound grows with its steps (``Waits.warmup``), and the progress bar
+    that polls the warm-up's future stops at it with the warm-up named."""
+    from rollart.progress import warmup_bar
+    from rollart.waits import Bounded, StuckError, Waits
+
+    assert Waits(call=10, warmup_step=2).warmup(50) == 110
+    assert Waits(call=10, warmup_step=2).warmup(100) == 210
+    with pytest.raises(ValueError, match="rollart.waits.start"):
+        Waits(start=0)
+    _RELEASE.clear()
+    with Client(processes=False, n_workers=1, threads_per_worker=1,
+                dashboard_address=":0") as c:
+        fut = c.submit(_hold_the_worker, pure=False)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(StuckError, match=r"the trainer's warm-up \(3 steps\) on W "
+                                                 r"did not finish within 1.5 s"):
+                warmup_bar(None, Bounded(fut, 1.5, "the trainer's warm-up (3 steps) on W "
+                                         "did not finish", "warmup-step"), 3, enabled=False,
+                           interval=0.05)
+            assert time.monotonic() - t0 < 10
+        finally:
+            _RELEASE.set()
+            fut.result(timeout=30)

@@ -145,7 +145,9 @@ class Trainer:
     async def restore_latest(self) -> int:
         """Load the newest version published to the weight store (a Trainer re-created
         after its worker was lost); returns that version. Unreadable versions are skipped.
-        Optimizer moments restart."""
+        The optimizer state and KL reference stay as they are: a fresh trainer's (moments
+        restart; the reference is then this version), or a checkpoint's loaded just
+        before (``load_state(truncate=False)``: its moments, and the run's reference)."""
         version, state = await self._run(self.store.get_newest_readable)
         self._load_hf(self.model, state)  # HF names: a Megatron policy converts them
         self.version = version
@@ -167,10 +169,14 @@ class Trainer:
         Returns their manifest entries."""
         return await self._run(self._save_state, url)
 
-    async def load_state(self, url: str) -> int:
+    async def load_state(self, url: str, truncate: bool = True) -> int:
         """Restore weights, optimizer, version and RNG from a checkpoint at ``url``;
-        returns the restored version."""
-        return await self._run(self._load_state, url)
+        returns the restored version. ``truncate``: remove the store's versions newer
+        than the checkpoint's (``--resume``: a lost run's later updates are redone, and
+        their rows set aside with them). A trainer replaced mid-run passes False: those
+        versions hold updates whose rows are ``trained``, and it continues from the
+        newest of them (``rollart.recovery.Supervisor``)."""
+        return await self._run(self._load_state, url, truncate)
 
     async def stats(self) -> dict:
         return {"version": self.version, "busy_s": self.busy_seconds,
@@ -214,7 +220,7 @@ class Trainer:
         files.update(write_bytes(url, "trainer.pt", buf.getvalue()))
         return files
 
-    def _load_state(self, url: str) -> int:
+    def _load_state(self, url: str, truncate: bool = True) -> int:
         import io
 
         import fsspec
@@ -236,7 +242,8 @@ class Trainer:
         if state.get("scheduler") is not None and getattr(self, "scheduler", None):
             self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
-        self.store.truncate(self.version)  # versions a lost run published after this
+        if truncate:  # versions a lost run published after this
+            self.store.truncate(self.version)
         torch.set_rng_state(state["torch_rng"])
         self.busy_seconds = state.get("busy_seconds", 0.0)
         self.waited_seconds = state.get("waited_seconds", 0.0)

@@ -1,0 +1,99 @@
+"""Bounds on the waits of start-up, recovery and shutdown: no wait is silent.
+
+An actor whose constructor hangs (a model folder that never loads, a worker whose only
+thread is blocked) or a call that never returns would leave a run waiting with no word.
+``bounded(future, seconds, what)`` waits at most ``seconds`` and then raises
+``StuckError`` naming ``what`` is stuck (the actor, its worker, its pool) and the
+setting that raises the bound. ``Waits`` holds the bounds, read from Dask's config
+``rollart.waits``. Used by ``rollart.stages`` (placing and reconciling actors),
+``rollart.recovery`` (restoring a trainer) and ``rollart.control`` (warm-up, first
+publish, saves).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded"]
+
+CONFIG = "rollart.waits"  # Dask config section of ``Waits``
+
+
+class StuckError(RuntimeError):
+    """An actor did not start, or a call on it did not return, within its ``Waits``
+    bound; the message names the actor, its worker and the setting to raise."""
+
+
+@dataclass(frozen=True)
+class Waits:
+    """Bounds (seconds) on what start-up, recovery and shutdown wait for.
+
+    ``start``: an actor's constructor (it loads a model: raise it for a large one);
+    ``call``: one call on an actor (publish, a weight load, a checkpoint, a save);
+    the warm-up: ``call + warmup_step × Policy.warmup_steps``. Set them through Dask's
+    config, e.g. ``dask.config.set({"rollart.waits.start": 1800})`` or the environment
+    variable ``DASK_ROLLART__WAITS__START=1800`` (in the driver's process).
+
+    >>> Waits(call=60, warmup_step=2).warmup(100)
+    260.0
+    """
+
+    start: float = 900.0
+    call: float = 600.0
+    warmup_step: float = 30.0
+
+    def __post_init__(self):
+        for name in ("start", "call", "warmup_step"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"dask config {CONFIG}.{name.replace('_', '-')} must be a "
+                                 f"number of seconds > 0, got {v!r}")
+
+    @classmethod
+    def from_config(cls) -> Waits:
+        """The bounds in Dask's config ``rollart.waits`` (``start``, ``call``,
+        ``warmup-step``), defaults for those not set."""
+        import dask
+
+        cfg = dask.config.get(CONFIG, default=None) or {}
+        return cls(**{k.replace("-", "_"): float(v) for k, v in cfg.items()})
+
+    def warmup(self, steps: int) -> float:
+        return float(self.call + self.warmup_step * max(int(steps), 0))
+
+
+class Bounded:
+    """``fut`` with a deadline, for code that polls ``done()`` then calls ``result()``
+    (``rollart.progress.warmup_bar``): done once ``fut`` is or ``seconds`` have passed;
+    ``result()`` is ``bounded``'s."""
+
+    def __init__(self, fut, seconds: float, what: str, setting: str = "call"):
+        self.fut, self.what, self.setting = fut, what, setting
+        self.seconds, self.end = seconds, time.monotonic() + seconds
+
+    def done(self) -> bool:
+        return self.fut.done() or time.monotonic() >= self.end
+
+    def result(self, timeout=None):
+        try:
+            return self.fut.result(timeout=max(self.end - time.monotonic(), 0.01))
+        except TimeoutError:
+            raise _stuck(self.what, self.seconds, self.setting) from None
+
+
+def bounded(fut, seconds: float, what: str, setting: str = "call"):
+    """``fut.result()`` within ``seconds``; else ``StuckError`` saying ``what`` is stuck
+    (``"the Trainer on ADDR (TRAIN) did not start"``) and how to raise the bound."""
+    try:
+        return fut.result(timeout=seconds)
+    except TimeoutError:
+        raise _stuck(what, seconds, setting) from None
+
+
+def _stuck(what: str, seconds: float, setting: str) -> StuckError:
+    env = f"DASK_ROLLART__WAITS__{setting.upper().replace('-', '_')}"
+    return StuckError(
+        f"{what} within {seconds:g} s; see that worker's log (its `dask worker` output, "
+        f"or the dashboard's Info page). If it is only slow, raise the bound: "
+        f"dask.config.set({{'{CONFIG}.{setting}': S}}) or {env}=S")

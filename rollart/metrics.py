@@ -29,12 +29,15 @@ import threading
 import time
 from collections import deque
 
+from rollart.buffer.ledger import BUFFERED, FINAL, TAKEN
+
 logger = logging.getLogger(__name__)
 
 TOPIC = "rollart"  # start / per-step rows / end: one event per trainer step
 TOPIC_LIVE = "rollart-live"  # snapshots, one per `interval`: the scheduler keeps few
-TRAJ_STATES = ("generating", "in_env", "scoring", "buffered", "trained", "dropped",
-               "aborted", "cancelled", "failed")
+# the dashboard's state chart: in flight split by where (the env managers'), then the
+# ledger's own states (taken until its update is published; lost_in_step and the rest)
+TRAJ_STATES = ("generating", "in_env", "scoring", BUFFERED, TAKEN, *FINAL)
 # env step latency bins (seconds), log-spaced: 100 µs .. 100 s, so stragglers stand out
 LATENCY_EDGES = tuple(10 ** (e / 4) for e in range(-16, 9))
 _STOP: set[str] = set()  # runs asked to stop (by ``request_stop``), this process

@@ -1,8 +1,12 @@
-"""The ``rollart`` command: ``train`` a graph, ``report`` a run, ``status`` of live runs.
+"""The ``rollart`` command: ``train`` a graph, ``eval`` a model, look at a run's ``samples``,
+``report`` a run, ``status`` of live runs.
 
 ``rollart train`` with no arguments trains the default multi-task graph on the local
-tagged cluster declared in ``resources/local.py``. Errors in user input (graph,
-resources, model folder, tasks) print one readable line and exit with status 2.
+tagged cluster declared in ``resources/local.py``; ``--set FIELD=VALUE`` changes any
+graph field (``rollart.overrides``), ``--report-to`` sends the run to experiment trackers
+(``rollart.trackers``). Dask's INFO logs are off unless ``--verbose`` (or a
+``DASK_LOGGING__DISTRIBUTED`` level you set). Errors in user input (graph, resources,
+model folder, tasks, overrides, trackers) print one readable line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -11,17 +15,22 @@ import argparse
 import sys
 
 
-def quiet() -> None:
-    """Keep the terminal for the progress bar: Dask INFO logs and per-load bars off.
+def quiet(verbose: bool = False) -> None:
+    """Keep the terminal for the progress bar: Dask INFO logs and per-load bars off
+    (``verbose=True``: Dask's INFO logs on). A level set in ``DASK_LOGGING__DISTRIBUTED``
+    is kept. Set before any worker process starts, so the workers inherit it.
 
-    Set before any worker process starts, so the workers inherit it.
+    >>> # import rollart; rollart.quiet()    # first cell of a notebook
     """
     import logging
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if verbose:
+        os.environ["DASK_LOGGING__DISTRIBUTED"] = "info"
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    level = os.environ["DASK_LOGGING__DISTRIBUTED"].upper()
     try:
         from transformers.utils import logging as hf_logging
 
@@ -32,13 +41,16 @@ def quiet() -> None:
         import distributed  # noqa: F401
     except ImportError:
         pass
+    if not hasattr(logging, level) or not isinstance(getattr(logging, level), int):
+        level = "WARNING"
     for name in ("distributed", "distributed.scheduler", "distributed.worker",
-                 "distributed.nanny", "distributed.core", "distributed.http"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+                 "distributed.nanny", "distributed.core", "distributed.http",
+                 "distributed.deploy", "distributed.deploy.spec"):
+        logging.getLogger(name).setLevel(getattr(logging, level))
 
 
 def _train(args) -> int:
-    quiet()
+    quiet(args.verbose)
     from rollart.control import train
 
     result = train(args.graph, args.resources, steps=args.steps, model=args.model,
@@ -46,20 +58,54 @@ def _train(args) -> int:
                    progress=not args.no_progress, eval_seeds=args.eval_seeds,
                    resume=args.resume, weights=args.weights,
                    checkpoint_url=args.checkpoint_url, checkpoint_every=args.checkpoint_every,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, overrides=args.set, report_to=args.report_to)
     last = result.metrics[-1] if result.metrics else {}
     print(f"run directory: {result.run_dir}")
     print(f"final model:   {result.model_dir}")
     print(f"reward curve:  {result.run_dir}/reward.png")
     if result.evaluation:
-        ev = result.evaluation
-        print(f"held-out success over {ev['seeds']} seeds per task (sampling, T=1):")
-        for task, after in ev["trained"].items():
-            before = ev.get("warmup", {}).get(task)
-            b = f"{before:.2f} -> " if before is not None else ""
-            print(f"  {task:10s} {b}{after:.2f}")
+        print(format_evaluation(result.evaluation))
     print("last step: " + " ".join(f"{k}={v:.3f}" for k, v in last.items()
                                    if k.startswith(("reward/", "success/"))))
+    return 0
+
+
+def format_evaluation(ev: dict) -> str:
+    """Held-out success per task (warm-up -> trained where both exist), as ``train`` and
+    ``eval`` print it."""
+    lines = [f"held-out success over {ev['seeds']} seeds per task (sampling, T=1):"]
+    for task, after in ev["trained"].items():
+        before = ev.get("warmup", {}).get(task)
+        b = f"{before:.2f} -> " if before is not None else ""
+        lines.append(f"  {task:10s} {b}{after:.2f}")
+    return "\n".join(lines)
+
+
+def _eval(args) -> int:
+    import json
+
+    quiet(args.verbose)
+    from rollart.runs import evaluate_target
+
+    ev = evaluate_target(args.target, args.graph, args.seeds)
+    print(json.dumps(ev, indent=1) if args.json else
+          f"model: {ev['model']}\ngraph: {ev['graph']}\n" + format_evaluation(ev))
+    return 0
+
+
+def _samples(args) -> int:
+    import json
+
+    quiet()
+    from rollart.samples import format_trajectory, read_decoded
+
+    trajs = read_decoded(args.run, task=args.task, state=args.state, n=args.n)
+    if args.json:
+        print(json.dumps(trajs, indent=1, default=str))
+    elif not trajs:
+        print(f"no finished trajectories in {args.run} yet")
+    else:
+        print("\n\n".join(format_trajectory(t) for t in trajs))
     return 0
 
 
@@ -97,6 +143,16 @@ def _status(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int ≥ 1, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollart", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -130,7 +186,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint every N steps (always at the end)")
     t.add_argument("--checkpoint-url", default=None,
                    help="where checkpoints go, any fsspec URL (default RUN/checkpoints)")
+    t.add_argument("--set", action="extend", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="change a graph field, e.g. --set algo.lr=1e-4 "
+                        "rollout.redundancy=1.5 policy.temperature=0.8 steps=40 "
+                        "(repeatable; graph.json records the result)")
+    t.add_argument("--report-to", default=None, metavar="TRACKERS",
+                   help="experiment trackers, comma-separated: tensorboard, mlflow, wandb "
+                        "(offline, under the run directory; extras rollart[NAME])")
+    t.add_argument("--verbose", action="store_true", help="show Dask's INFO logs")
     t.set_defaults(func=_train)
+    e = sub.add_parser("eval", help="held-out success per task of a model folder or a "
+                       "run's final model (the evaluation train prints)")
+    e.add_argument("target", metavar="MODEL_OR_RUN",
+                   help="a run directory (its model/ and graph) or a model folder")
+    e.add_argument("graph", nargs="?", default=None,
+                   help="graph whose tasks to play (default: the run's, else the default "
+                        "graph)")
+    e.add_argument("--seeds", type=_positive, default=64, help="held-out episodes per task")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.add_argument("--verbose", action="store_true", help="show Dask's INFO logs")
+    e.set_defaults(func=_eval)
+    sm = sub.add_parser("samples", help="print a run's latest trajectories, decoded turn "
+                        "by turn")
+    sm.add_argument("run", help="run directory")
+    sm.add_argument("--task", default=None, help="only this task")
+    sm.add_argument("--state", default=None,
+                    help="only rows in this state (trained, dropped, failed, ...)")
+    sm.add_argument("-n", type=_positive, default=5, help="trajectories per task (latest)")
+    sm.add_argument("--json", action="store_true", help="print JSON")
+    sm.set_defaults(func=_samples)
     r = sub.add_parser("report", help="render a run's plots (reward, throughput, "
                        "staleness) to PNG and report.html")
     r.add_argument("run", help="run directory")
@@ -152,14 +236,17 @@ def main(argv=None) -> int:
     from rollart.graph import GraphError
     from rollart.model import ModelFolderError
     from rollart.preflight import RunDirError
+    from rollart.samples import SampleQueryError
     from rollart.resources import ResourcesError
+    from rollart.trackers import TrackerError
     from rollart.weights.mooncake import MooncakeError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
-            FileNotFoundError, CheckpointError, MooncakeError, RunDirError) as e:
+            FileNotFoundError, CheckpointError, MooncakeError, RunDirError,
+            TrackerError, SampleQueryError) as e:
         print(f"rollart: error: {e}", file=sys.stderr)
         return 2
 

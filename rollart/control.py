@@ -67,18 +67,28 @@ def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
 
 
 @contextmanager
-def connect(resources: Resources | None, client=None):
-    """Yield a client: the given one, a new cluster from pools, or a scheduler address."""
+def connect(resources: Resources | None, client=None, progress: bool = False):
+    """Yield a client: the given one, a new cluster from pools, or a scheduler address.
+    ``progress``: say so while the cluster starts (``rollart.progress``)."""
     from distributed import Client
+
+    from rollart.progress import cluster_bar, phase
 
     if client is not None:
         yield client
         return
     if resources.address:
-        with Client(resources.address, security=resources.security) as c:
+        with phase(f"connecting to {resources.address}", progress):
+            c = Client(resources.address, security=resources.security)
+        with c:
             yield c
         return
-    with resources.make_cluster() as cluster, Client(cluster) as c:
+    n = sum(p.workers for p in resources.pools)
+    tags = ", ".join(f"{p.tag}×{p.workers}" for p in resources.pools)
+    with phase(f"starting a local Dask cluster ({n} workers: {tags})", progress):
+        with cluster_bar(n, progress):
+            cluster = resources.make_cluster()
+    with cluster, Client(cluster) as c:
         yield c
 
 
@@ -108,7 +118,8 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
           run_dir: str | Path | None = None, client=None, progress: bool = True,
           eval_seeds: int = 64, resume: str | Path | None = None, weights: str | None = None,
           checkpoint_url: str | None = None, checkpoint_every: int | None = None,
-          overwrite: bool = False) -> RunResult:
+          overwrite: bool = False, overrides: list[str] | None = None,
+          report_to: str | list[str] | None = None) -> RunResult:
     """Run a graph end to end and return where its outputs went.
 
     ``resume=RUN`` continues the run directory ``RUN`` from its newest checkpoint
@@ -117,7 +128,9 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     deletes that run's outputs first. ``weights``: ``"fsspec"`` (default),
     ``"mooncake"`` (a local master) or a store URL. Checkpoints go to
     ``checkpoint_url`` (default ``RUN/checkpoints``) every ``checkpoint_every`` steps
-    and at the end (see ``rollart.checkpoint``).
+    and at the end (see ``rollart.checkpoint``). ``overrides``: ``["algo.lr=1e-4", ...]``
+    (``rollart.overrides``, what ``--set`` gives), applied to the graph before the flags;
+    ``report_to``: ``"tensorboard,mlflow,wandb"`` or a list (``rollart.trackers``).
 
     >>> # from rollart import train
     >>> # result = train("gridnav", steps=20)      # local tagged cluster, tiny model
@@ -136,8 +149,14 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
         graph, graph_src = checkpoint.graph_from(ckpt, graph), ckpt.graph.get("source")
     else:
         graph, graph_src = load_graph(graph)
-    graph = override(graph, steps=steps, seed=seed, alpha=alpha, mode=mode,
-                     checkpoint_every=checkpoint_every)
+    from rollart.overrides import apply_overrides, check_flags
+    from rollart.trackers import make_trackers
+
+    check_flags(overrides, steps=steps, seed=seed, alpha=alpha, mode=mode,
+                checkpoint_every=checkpoint_every)
+    graph = override(apply_overrides(graph, overrides), steps=steps, seed=seed,
+                     alpha=alpha, mode=mode, checkpoint_every=checkpoint_every)
+    trackers = make_trackers(report_to)  # a missing package fails here, before a cluster
     res = load_resources(resources) if client is None or resources is not None else None
     preflight(graph, res)  # bad input fails here, before a cluster or a model is made
     run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
@@ -151,20 +170,23 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     if ckpt is not None:
         model_path, warm = ckpt.model_dir, False
     else:
-        model_path, warm = prepare_model(graph, run_dir, model)
+        from rollart.progress import phase
+
+        with phase("preparing the model", progress and not (model or graph.policy.model)):
+            model_path, warm = prepare_model(graph, run_dir, model)
     checkpoint_url = checkpoint_url or checkpoint.default_url(run_dir)
     checkpoint.record_url(run_dir, checkpoint_url)
     source = res.source if res else "the cluster you connected"
     from rollart.weights import store_url
 
-    with connect(res, client) as c, store_url(weights, run_dir) as weights_url:
+    with connect(res, client, progress) as c, store_url(weights, run_dir) as weights_url:
         check_cluster_tags(c, graph, source)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
                         eval_seeds=eval_seeds, resources_source=source,
                         store_url=weights_url, ckpt=ckpt, checkpoint_url=checkpoint_url,
-                        graph_source=graph_src)
+                        graph_source=graph_src, trackers=trackers)
 
 
 def override(graph: Graph, **changes) -> Graph:
@@ -221,14 +243,21 @@ def preload(client, graph: Graph) -> None:
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
              progress: bool, eval_seeds: int, resources_source: str,
              store_url: str | None = None, ckpt=None, checkpoint_url: str | None = None,
-             graph_source: str | None = None) -> RunResult:
-    """Start actors, warm up, then alternate: keep groups flowing, step the trainer."""
+             graph_source: str | None = None, trackers=None) -> RunResult:
+    """Start actors, warm up, then alternate: keep groups flowing, step the trainer.
+    ``trackers`` (``rollart.trackers.Trackers``) get every metrics row as it is logged."""
     from rollart import checkpoint
+    from rollart.progress import phase, warmup_bar
+    from rollart.samples import SampleFeed
+    from rollart.trackers import Trackers
     from rollart.report import MetricsLog, plot_rewards
     from rollart.reward.elastic import reward_metrics, start_pools
 
+    trackers = trackers if trackers is not None else Trackers([])
     stages = Stages(client, graph, model_path, run_dir, store_url=store_url)
-    actors = stages.start()
+    with phase("starting the actors (trainer, sample buffer, inference workers, env "
+               "managers)", progress):
+        actors = stages.start()
     (run_dir / "placement.json").write_text(json.dumps(
         {"resources": resources_source, **actors.placement}, indent=2))
     warmup_dir = None
@@ -238,16 +267,18 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
         p = graph.policy
-        info = actors.trainer.warmup(graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr,
-                                     seed=graph.seed, **p.conversation_options()).result()
+        info = warmup_bar(actors.trainer, actors.trainer.warmup(
+            graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
+            **p.conversation_options()), p.warmup_steps, progress)
         warmup_dir = actors.trainer.save(str(run_dir / "warmup_model")).result()
         print(f"warm-up: {p.warmup_steps} format steps, loss {info['warmup/loss_first']:.3f}"
               f" -> {info['warmup/loss_last']:.3f}")
-    v0 = actors.trainer.publish().result()
-    for w, _, _ in actors.workers:
-        w.update_weights(v0).result()
-    for w, _, _ in actors.workers:
-        w.wait_version(v0).result()
+    with phase("loading the first weights on the inference workers", progress):
+        v0 = actors.trainer.publish().result()
+        for w, _, _ in actors.workers:
+            w.update_weights(v0).result()
+        for w, _, _ in actors.workers:
+            w.wait_version(v0).result()
     pipeline = make_pipeline(actors, graph)
     pipeline.supervisor = Supervisor(stages, actors, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
@@ -259,6 +290,11 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         log.rows = checkpoint.truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
         first, t_start = ckpt.step + 1, t_start - ckpt.state.get("elapsed", 0.0)
     monitor = Monitor(client, actors, graph, run_dir.name)  # live figures -> dashboard
+    feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page
+    trackers.start(run_dir, run_dir.name, {
+        "graph": {"source": graph_source, **graph.to_dict()},
+        "resources": {"source": resources_source, **actors.placement}})
+    running = True
     try:
         bar = _progress(graph.steps, progress)
         bar.update(first - 1)
@@ -275,6 +311,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics["time"] = time.time() - t_start
             running = monitor.step(metrics)  # False once rollart.metrics.request_stop(run)
             log.write(metrics)
+            trackers.log_step(step, metrics)
+            feed.maybe_publish()
             if step == graph.steps or (graph.checkpoint_every and
                                        step % graph.checkpoint_every == 0):
                 checkpoint.save(checkpoint_url or checkpoint.default_url(run_dir), step,
@@ -289,6 +327,9 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                 break
         bar.close()
         model_dir = actors.trainer.save(str(run_dir / "model")).result()
+    except BaseException:
+        trackers.finish(status="failed")
+        raise
     finally:
         monitor.close()
         final_counts = _shutdown(actors)
@@ -297,6 +338,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         events = pipeline.supervisor.events
         (run_dir / "recovery.json").write_text(json.dumps(events, indent=2))
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
+    feed.maybe_publish(force=True)
+    trackers.finish(str(run_dir / "reward.png"), "finished" if running else "stopped")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir, recovery=events,
                        final_counts=final_counts)
     if eval_seeds:

@@ -2,7 +2,10 @@
 
 Reads the ``RunState`` kept by ``RollartPlugin`` on the scheduler (the latest run, or
 ``/rollart?run=NAME``). Each plot's data source is named ``rollart-<plot>`` so a test
-(or a curious user in the browser console) can read what is drawn.
+(or a curious user in the browser console) can read what is drawn. Below the plots, the
+``rollart-samples`` section shows the latest decoded trajectories of each task (turn by
+turn: observation, action and its policy version; reward, outcome), as
+``rollart.samples.SampleFeed`` published them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
 from rollart.metrics import LATENCY_EDGES, TRAJ_STATES, RunState
+from rollart.samples import samples_html
 
 PLOTS = ("reward", "states", "staleness", "latency", "tokens", "busy", "versions", "buffer")
 
@@ -34,6 +38,9 @@ class RollartPage:
                           "(start one with rollart.train or rollart.start_run)",
                           sizing_mode="stretch_width")
         self._seen = None
+        self._samples_seen = None
+        self.samples = Div(name="rollart-samples", sizing_mode="stretch_width",
+                           text="<h3>Latest trajectories</h3>" + samples_html([]))
         s = self.sources
         s["reward"].data = {"xs": [], "ys": [], "task": [], "color": []}
         s["tokens"].data = {"xs": [], "ys": [], "pool": [], "color": []}
@@ -69,7 +76,8 @@ class RollartPage:
         buffer.line("t", "rows", line_width=2, source=s["buffer"])
         grid = gridplot([[reward, states], [stale, lat], [tokens, busy], [versions, buffer]],
                         sizing_mode="stretch_width", toolbar_location="right")
-        self.root = column(self.header, grid, sizing_mode="stretch_width", name="rollart")
+        self.root = column(self.header, grid, self.samples, sizing_mode="stretch_width",
+                           name="rollart")
 
     def state(self) -> RunState | None:
         if self.run and self.run in self.plugin.runs:
@@ -78,6 +86,8 @@ class RollartPage:
 
     def update(self) -> None:
         r = self.state()
+        if r is not None:
+            self._update_samples(r.run)
         if r is None or (r.run, r.updated) == self._seen:
             return
         self._seen = (r.run, r.updated)
@@ -118,6 +128,14 @@ class RollartPage:
             f"/{info.get('steps', '?')}, {summ['elapsed_s']:.0f} s, "
             f"{states.get('launched', 0)} trajectories launched, "
             f"env step p99 {summ['env_step_p99_s'] * 1000:.0f} ms")
+
+
+    def _update_samples(self, run: str) -> None:
+        trajs = getattr(self.plugin, "samples", {}).get(run, [])
+        if (run, id(trajs)) == self._samples_seen:
+            return
+        self._samples_seen = (run, id(trajs))
+        self.samples.text = "<h3>Latest trajectories</h3>" + samples_html(trajs)
 
 
 def rollart_doc(scheduler, extra, doc) -> None:

@@ -7,6 +7,9 @@ and keeps one ``RunState`` per run. At start it adds, to whatever scheduler it r
 - the Bokeh page ``/rollart`` (``rollart.dashboard.page``), linked from the nav bar;
 - ``rollart_*`` samples on the scheduler's Prometheus ``/metrics``;
 - a ``rollart_state`` handler, so ``rollart status`` can ask for the figures.
+
+It also keeps the latest decoded trajectories of each run (topic ``rollart-samples``,
+published by ``rollart.samples.SampleFeed``) for the page's trajectories section.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import weakref
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from rollart.metrics import TOPIC, TOPIC_LIVE, RunState
+from rollart.samples import TOPIC_SAMPLES
 
 logger = logging.getLogger(__name__)
 PAGE = "rollart"
@@ -32,12 +36,13 @@ class RollartPlugin(SchedulerPlugin):
 
     def __init__(self):
         self.runs: dict[str, RunState] = {}
+        self.samples: dict[str, list[dict]] = {}  # run -> latest decoded trajectories
         self.scheduler = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers["rollart_state"] = self.state
-        for topic in (TOPIC, TOPIC_LIVE):  # published before we were installed
+        for topic in (TOPIC, TOPIC_LIVE, TOPIC_SAMPLES):  # published before install
             for _, msg in scheduler.get_events(topic):
                 self.log_event(topic, msg)
         _cap_live_events(scheduler)
@@ -52,7 +57,12 @@ class RollartPlugin(SchedulerPlugin):
         _PLUGINS.discard(self)
 
     def log_event(self, topic, msg) -> None:
-        if topic not in (TOPIC, TOPIC_LIVE) or not isinstance(msg, dict) or "run" not in msg:
+        if not isinstance(msg, dict) or "run" not in msg:
+            return
+        if topic == TOPIC_SAMPLES:
+            self.samples[msg["run"]] = list(msg.get("trajectories", []))
+            return
+        if topic not in (TOPIC, TOPIC_LIVE):
             return
         self.runs.setdefault(msg["run"], RunState(msg["run"])).ingest(msg)
 

@@ -41,6 +41,9 @@ class Trainer:
     so that new and behaviour log-probs are comparable.
     """
 
+    warmup_done = 0  # warm-up steps done: the driver reads it for its bar (an attribute
+    # a Dask actor serves must exist on the class)
+
     def __init__(self, model_path: str, store_url: str, algo, *, temperature: float = 1.0,
                  threads: int | None = None, seed: int = 0):
         set_worker_threads(threads)
@@ -92,10 +95,13 @@ class Trainer:
         the rollout's conversation format (``Policy.conversation_options()``)."""
         losses = await self._run(run_warmup, self.model, self.tokenizer, list(tasks),
                                  steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                                 **conversation)
+                                 on_step=self._warmup_step, **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
         return {"warmup/loss_first": losses[0] if losses else None,
                 "warmup/loss_last": losses[-1] if losses else None, "warmup/steps": steps}
+
+    def _warmup_step(self, n: int) -> None:
+        self.warmup_done = n
 
     async def publish(self) -> int:
         """Put the current weights into the store as ``self.version``."""

@@ -134,9 +134,10 @@ def pad_logs(logs, pad_id: int):
 
 def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: float,
                seed: int = 0, obs_weight: float = 1.0, conversation: str = "auto",
-               system_prompt: str | None = None,
-               max_context: int | None = None) -> list[float]:
-    """Supervised steps on random valid actions; returns the loss curve.
+               system_prompt: str | None = None, max_context: int | None = None,
+               on_step=None) -> list[float]:
+    """Supervised steps on random valid actions; returns the loss curve (``on_step(n)``
+    after each step: the trainer's progress counter).
 
     Episodes are rendered in the rollout's conversation format (``conversation``,
     ``system_prompt``: ``rollart.env.conversation``), within ``max_context`` tokens (the
@@ -169,6 +170,8 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(len(losses))
     model.eval()
     if counts.get("truncated"):
         logger.warning("warm-up: %d episodes cut at the context budget of %d tokens",

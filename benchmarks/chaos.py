@@ -1,14 +1,16 @@
 """Chaos soak: train through env failures, hangs, stragglers and a killed worker.
 
-One async run of N trainer steps on a tagged cluster (two env workers: the sample buffer
-lives on the first, which is spared) where
+One async run of N trainer steps on a tagged cluster (two env workers; no ``BUFFER``
+tag, so the sample buffer goes on the trainer's worker, its first fallback:
+``rollart.stages.buffer_worker``) where
 
 * about 20% of trajectories hit an injected env failure (per-step probability derived
   from the task's turns), and 2% of steps hang (cut by ``env_step_timeout``);
 * env steps straggle: Pareto-tailed latency whose slowest steps are 10× the fastest;
-* one worker, picked at random among {second env worker, an inference worker, the
-  trainer}, is killed at a random step (in-process: closed, then a fresh worker with
-  the same spec starts after 1 s; ``--processes``: SIGKILL, and its Nanny restarts it).
+* one worker, picked at random among {an env worker, an inference worker, the
+  trainer (with it the buffer, recovered from its durable journal)}, is killed at a
+  random step (in-process: closed, then a fresh worker with the same spec starts after
+  1 s; ``--processes``: SIGKILL, and its Nanny restarts it).
 
 It prints the kills, the recoveries and one line
 
@@ -81,7 +83,7 @@ def killer(cluster, client, run_dir: Path, at_step: int, tag: str, kills: list,
 
     while len(_rows(run_dir)) < at_step:
         time.sleep(0.05)
-    addr = workers_with(client, tag)[-1]  # the env pool's first worker holds the buffer
+    addr = workers_with(client, tag)[-1]
     t = time.time()
     kills.append({"tag": tag, "address": addr, "at": t, "after_step": at_step})
     kills[-1]["worker"] = name = lose_worker(cluster, client, addr,

@@ -96,6 +96,18 @@ def test_stop_ids_end_a_request_with_the_stop_token(engines):
     assert ours[1].finish_reason == "stop" and ours[1].token_ids[-1] == stop
 
 
+def test_stop_strings_end_a_request_like_the_torch_engine(engines):
+    """vLLM runs without detokenizing: rollart checks stop strings itself, with the torch
+    engine's ``hits_stop_string``, so both stop at the same token."""
+    ref, eng = engines
+    free = ref.generate(greedy())[1]
+    stop = ref.tokenizer.decode(free.token_ids[2:4], skip_special_tokens=False)
+    reqs = greedy(stop_strings=(stop,))
+    ours = eng.generate(reqs)
+    assert_same(ours, ref.generate(reqs))
+    assert ours[1].finish_reason == "stop" and len(ours[1].token_ids) <= 4
+
+
 def test_in_place_update_equals_torch_engine_on_new_weights(engines):
     ref, eng = engines
     before = eng.generate(greedy())  # fills the prefix cache under the old weights
@@ -158,7 +170,8 @@ def test_inference_worker_serves_with_vllm_and_loads_store_versions(engines, vll
     from rollart.weights import WeightStore
 
     ref, eng = engines
-    # one in-process vLLM engine at a time: free the module's engine first
+    # one in-process vLLM engine at a time: free the module's engine first (so every test
+    # of the module's `engines` must come before this one in the file)
     del eng.llm
     store = str(tmp_path / "weights")
     new = scrambled(ref.state_dict(), 23)
@@ -202,18 +215,6 @@ def test_pipeline_trains_with_the_vllm_engine(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["rollout/tokens_generated"] > 0
     assert rows[-1]["trainer/staleness_max"] == 0
-
-
-def test_stop_strings_end_a_request_like_the_torch_engine(engines):
-    """vLLM runs without detokenizing: rollart checks stop strings itself, with the torch
-    engine's ``hits_stop_string``, so both stop at the same token."""
-    ref, eng = engines
-    free = ref.generate(greedy())[1]
-    stop = ref.tokenizer.decode(free.token_ids[2:4], skip_special_tokens=False)
-    reqs = greedy(stop_strings=(stop,))
-    ours = eng.generate(reqs)
-    assert_same(ours, ref.generate(reqs))
-    assert ours[1].finish_reason == "stop" and len(ours[1].token_ids) <= 4
 
 
 @pytest.fixture(scope="module")

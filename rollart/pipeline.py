@@ -3,26 +3,40 @@
 ==========  ==========================================================================
 mode        one trainer step
 ==========  ==========================================================================
-``async``   Trajectory-level: groups keep flowing (``groups_per_step * alpha`` ahead,
-            ``redundancy`` × members each, extras cancelled); the trainer takes any
-            ``alpha``-fresh complete groups; weights update at the next decode step;
-            members that can no longer meet the bound are aborted and replaced.
+``async``   Trajectory-level: the buffer owns the backpressure. It holds
+            ``(alpha + 1) * groups_per_step`` slots; env managers take the next group
+            when one frees (``EnvManager.take_work``, ``rollart.buffer.backpressure``),
+            ``redundancy`` × members each, extras cancelled; the trainer takes any
+            ``alpha``-fresh complete groups; workers pick up the new version from the
+            weight store and swap it in at the next decode step; members that can no
+            longer meet the bound are aborted and replaced.
 ``one-off`` One-step off-policy: the next batch rolls out (turn by turn, batch-level
-            barriers) while the trainer trains on the current one (``alpha = 1``).
+            barriers) while the trainer trains on the current one (``alpha = 1``),
+            launched once every worker holds the trainer's version.
 ``sync``    The strengthened synchronous baseline: roll out a batch turn by turn with
             every worker on the trainer's version, then train with rollout stopped,
-            then sync weights (``alpha = 0``).
+            then wait until every worker loaded the new version (``alpha = 0``).
 ==========  ==========================================================================
 
+The group sequence (task and seed of each group, ``rollart.buffer.slots.GroupSequence``)
+is drawn in the buffer in async mode and here in the lockstep modes; either way one RNG
+seeded by ``Graph.seed``, saved in checkpoints (``state``/``load_state``). Inference
+workers find new versions in the weight store themselves (``InferenceWorker``): the
+driver never relays them, it only waits for them where the mode needs it.
+
 Lost workers (``rollart.recovery``): with a ``supervisor`` set, the pipeline heals while
-it waits, restarts the missing members of a group whose env manager was lost on another
-manager, and re-runs a step whose trainer was lost on a re-created trainer, after the
+it waits, hands the groups of an env manager that was lost back to the buffer (async:
+``SampleBuffer.holder_lost``) or restarts their missing members on another manager
+(lockstep), and re-runs a step whose trainer was lost on a re-created trainer, after the
 buffer put that step's ``taken`` batch back (``SampleBuffer.release_taken``: the re-run
-trains it; a batch is ``trained`` only once an update with it was published). A run whose
-last ``Rollout.failure_streak_limit`` trajectories all failed stops with
-``FailureStormError`` (a broken env, reward or inference pool) instead of spinning; one
-whose in-flight trajectories stop settling for ``Rollout.stall_timeout`` seconds stops
-with ``StallError`` instead of waiting forever.
+trains it; a batch is ``trained`` only once an update with it was published).
+
+A run that stops progressing says so (``rollart.recovery``): the last
+``Rollout.failure_streak_limit`` trajectories all failed → ``FailureStormError``; for
+``Rollout.stall_timeout`` seconds in-flight trajectories stopped settling, or no trainer
+step completed while groups kept being dropped as too stale, or an inference worker
+stayed below the trainer's version − alpha → ``StallError``, naming the trainer's
+version, each worker's and its last load error.
 
 Every step ends with the ledger's counts (``traj/<state>``) and a check that they add
 up to the launches (checked by the buffer's ledger; a mismatch raises
@@ -33,10 +47,10 @@ from __future__ import annotations
 
 import abc
 import logging
-import random
 import time
 
 from rollart.buffer.ledger import STATES
+from rollart.buffer.slots import GroupSequence, Slots
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +60,8 @@ class Pipeline(abc.ABC):
 
     def __init__(self, actors, graph):
         self.actors, self.graph = actors, graph
-        self.rng = random.Random(graph.seed)
-        self.weights = list(graph.task_weights or [1.0] * len(graph.tasks))
-        self.n_groups = 0
+        self.sequence = GroupSequence(graph.tasks, graph.task_weights, graph.seed,
+                                      graph.algo.group_size)
         self.errors: list[str] = []
         self.supervisor = None  # a rollart.recovery.Supervisor, set by the control loop
         self._checked = 0.0  # last failure-storm check (check_failures)
@@ -58,24 +71,25 @@ class Pipeline(abc.ABC):
         self.placed: dict[str, tuple] = {}  # gid -> (future, manager) of a restarted group
         self.restarted_groups = 0
         self.trainer_recoveries = 0
+        self.version: int | None = None  # the trainer's, after the latest step
+        self._stepped = (time.monotonic(), 0)  # (last step done, dropped count then)
+        self._behind: dict[str, float] = {}  # worker address -> below the bound since
+
+    @property
+    def n_groups(self) -> int:
+        return self.sequence.n_groups
 
     def next_group(self) -> tuple:
-        task = self.rng.choices(self.graph.tasks, weights=self.weights)[0]
-        gid = f"g{self.n_groups:06d}"
-        self.n_groups += 1
-        seed, size = self.rng.randrange(1_000_000), self.graph.algo.group_size
+        task, seed, gid, size = self.sequence.next()
         self.groups[gid] = (task, seed, size, 0)
         return task, seed, gid, size
 
     def state(self) -> dict:
         """What a checkpoint needs to continue the group sequence (``rollart.checkpoint``)."""
-        return {"n_groups": self.n_groups, "rng": self.rng.getstate()}
+        return self.sequence.state()
 
     def load_state(self, state: dict) -> None:
-        from rollart.checkpoint import _tupled
-
-        self.n_groups = int(state["n_groups"])
-        self.rng.setstate(_tupled(state["rng"]))
+        self.sequence.load_state(state)
 
     def manager(self, i: int, task=None):
         """The ``i``-th env manager (among those on ``task``'s env pool, if given)."""
@@ -141,14 +155,27 @@ class Pipeline(abc.ABC):
             "at, then resume from the last checkpoint (rollart train --resume RUN).")
 
     def check_stall(self, counts: dict, stall: float, now: float) -> None:
+        """Raise ``StallError`` when the run has stopped progressing for ``stall`` s."""
+        from rollart.recovery import StallError
+
+        since, dropped = self._stepped
+        if dropped is None:  # a step just completed: count drops from here
+            self._stepped = (since, counts["dropped"])
+        elif counts["dropped"] > dropped and now - since >= stall:
+            raise StallError(
+                f"no trainer step completed for {now - since:.0f} s while "
+                f"{counts['dropped'] - dropped} trajectories were dropped as too stale "
+                f"(Rollout.stall_timeout={stall:g}): rollout runs on weights older than "
+                f"the trainer's bound (alpha={self.graph.algo.alpha}), so nothing reaches "
+                f"the trainer. {self.version_report()} Resume from the last checkpoint "
+                "(rollart train --resume RUN) once it is fixed.")
+        self.check_versions(stall, now)  # after the drops: they say more when both hold
         settled = counts["launched"] - counts["in_flight"]
         if settled != self._settled[0] or not counts["in_flight"]:
             self._settled = (settled, now)  # progress, or nothing is waited for
             return
         if now - self._settled[1] < stall:
             return
-        from rollart.recovery import StallError
-
         raise StallError(
             f"{counts['in_flight']} trajectories are in flight but none has settled for "
             f"{now - self._settled[1]:.0f} s (Rollout.stall_timeout={stall:g}), so the run "
@@ -156,6 +183,58 @@ class Pipeline(abc.ABC):
             "inference worker, a reward, or an env step (is Rollout.env_step_timeout "
             "set?); the dashboard's trajectory states show where they are. Resume from "
             "the last checkpoint (rollart train --resume RUN) once it is fixed.")
+
+    def check_versions(self, stall: float, now: float) -> None:
+        """``StallError`` when an inference worker stayed below the trainer's version
+        minus alpha for ``stall`` s (it cannot load the new weights: see its error)."""
+        if self.version is None:
+            return
+        bound = self.version - self.graph.algo.alpha
+        workers = self.worker_versions()
+        for w in workers:
+            if w["version"] >= bound:
+                self._behind.pop(w["address"], None)
+                continue
+            since = self._behind.setdefault(w["address"], now)
+            if now - since >= stall:
+                from rollart.recovery import StallError
+
+                raise StallError(
+                    f"inference worker {w['address']} ({w['pool']}) has held weight version "
+                    f"{w['version']} for {now - since:.0f} s while the trainer is at "
+                    f"{self.version} (Rollout.stall_timeout={stall:g}; alpha="
+                    f"{self.graph.algo.alpha}: every worker must hold at least "
+                    f"{bound}). {self.version_report(workers)} Check the weight store "
+                    "(is it this run's? can the worker read it?), then resume from the "
+                    "last checkpoint (rollart train --resume RUN).")
+
+    def worker_versions(self) -> list[dict]:
+        """``{address, pool, version, load_error}`` of every live inference worker."""
+        out = []
+        for w, tag, addr in list(self.actors.workers):
+            try:
+                st = w.stats().result(timeout=30)
+            except Exception as e:  # noqa: BLE001
+                if not self.lost(e, w):
+                    raise
+                continue
+            out.append({"address": addr, "pool": tag, "version": st["version"],
+                        "load_error": st.get("load_error")})
+        return out
+
+    def version_report(self, workers: list[dict] | None = None) -> str:
+        """The trainer's version, each worker's and its last load error, in one line."""
+        if self.version is not None:
+            trainer = f"v{self.version}"
+        else:
+            try:
+                trainer = f"v{self.actors.trainer.stats().result(timeout=10)['version']}"
+            except Exception:  # noqa: BLE001 - the message still names the workers
+                trainer = "unknown"
+        parts = [f"{w['address']} ({w['pool']}) v{w['version']}"
+                 + (f", last load error: {w['load_error']}" if w["load_error"] else "")
+                 for w in (self.worker_versions() if workers is None else workers)]
+        return f"Trainer at {trainer}; inference workers: " + ("; ".join(parts) or "none") + "."
 
     def until_done(self, fut, while_waiting=None) -> None:
         """Wait for ``fut``, healing and checking for failure storms (and calling
@@ -231,9 +310,13 @@ class Pipeline(abc.ABC):
             if fut is not None:
                 self.until_done(fut, while_waiting)
                 try:
-                    return fut.result()
+                    metrics = fut.result()
                 except Exception as e:  # noqa: BLE001
                     error = e
+                else:
+                    self.version = metrics["version"]
+                    self._stepped = (time.monotonic(), None)
+                    return metrics
             if not self.lost(error, trainer):
                 raise error
             if self.supervisor.alive(trainer):
@@ -269,17 +352,29 @@ class Pipeline(abc.ABC):
                        "%s", step, out)
         return out
 
-    def publish(self, version: int, wait: bool) -> None:
-        """Tell the inference workers about ``version``; with ``wait``, until they hold it.
-        A worker lost meanwhile is skipped (its replacement loads the newest version)."""
+    def wait_workers(self, version: int) -> None:
+        """Until every live inference worker holds ``version`` (they find it in the
+        weight store themselves). A worker lost meanwhile is skipped (its replacement
+        loads the newest version); one that fails to load it is asked again while the
+        stall check (``check_versions``) bounds the wait."""
         for w, _, _ in list(self.actors.workers):
-            try:
-                w.update_weights(version).result()
-                if wait:
-                    w.wait_version(version).result()
-            except Exception as e:
-                if not self.lost(e, w):
+            while True:
+                try:
+                    fut = w.wait_version(version)
+                except Exception as e:  # noqa: BLE001 - its actor is gone?
+                    if self.lost(e, w):
+                        break
                     raise
+                self.until_done(fut)  # heals; a stall raises here
+                try:
+                    fut.result()
+                    break
+                except Exception as e:  # noqa: BLE001
+                    if self.lost(e, w):
+                        break
+                    logger.warning("inference worker %s: %s; waiting on", w._address, e)
+                    time.sleep(0.25)
+                    self.heal()
 
     def call_managers(self, method: str, *args) -> list:
         """``method(*args)`` on every live env manager; lost ones are skipped."""
@@ -380,54 +475,73 @@ class Pipeline(abc.ABC):
         self.placed.pop(gid, None)
 
 
+def slot_capacity(algo) -> int:
+    """Groups in flight or buffered at once in async mode: ``(alpha + 1)`` steps' worth."""
+    return (algo.alpha + 1) * algo.groups_per_step
+
+
 class AsyncPipeline(Pipeline):
-    """Trajectory-level asynchrony with redundancy and abort-and-replace."""
+    """Trajectory-level asynchrony: the buffer's slots pace rollout (env managers take
+    work when one frees), with redundancy and abort-and-replace."""
 
     def __init__(self, actors, graph):
         super().__init__(actors, graph)
-        self.inflight: dict[str, object] = {}
-        self._recount = True  # the buffer's complete groups may have changed
+        self.takers: dict[int, tuple] = {}  # id(manager) -> (manager, holder, future)
+        self._slotted = None  # the buffer handle that has this run's slots
+        self._holders = 0
 
-    def top_up(self) -> None:
-        """Keep ``groups_per_step × alpha`` groups in flight or complete. The buffer is
-        asked only when that can have changed (a group ended, or a step took groups):
-        this runs every few ms while the trainer steps."""
-        for gid, fut in list(self.inflight.items()):
-            if fut.done():
-                self._recount = True
-                del self.inflight[gid]
-                _, mgr = self.placed.pop(gid, (None, None))
+    def state(self) -> dict:
+        """The buffer draws the groups: its sequence (ours until slots are opened)."""
+        if self._slotted is not None:
+            return self.ask_buffer("slot_state") or self.sequence.state()
+        return self.sequence.state()
+
+    def keep_taking(self) -> None:
+        """While the trainer steps: the buffer has its slots (once per buffer: a
+        re-created one gets them again), every live env manager takes work, and an env
+        manager that was lost has its groups handed back. Local checks only: no call
+        unless something changed."""
+        if self._slotted is not self.actors.buffer:
+            slots = Slots(slot_capacity(self.graph.algo), self.sequence)
+            self.ask_buffer("open_slots", slots)
+            self._slotted = self.actors.buffer
+        live = {id(m) for m in self.actors.managers}
+        for key, (mgr, holder, fut) in list(self.takers.items()):
+            if key in live and not fut.done():
+                continue
+            del self.takers[key]
+            error = None
+            if key in live:
                 try:
                     fut.result()
-                except Exception as e:  # a manager-level error: record, keep going
-                    if self.lost(e, mgr):
-                        # its manager's worker died: finish the group elsewhere
-                        again = self.restart_group(gid, self.graph.rollout.redundancy)
-                        if again is not None:
-                            self.inflight[gid] = again
-                        continue
-                    self.errors.append(f"{gid}: {type(e).__name__}: {e}")
-        if not self._recount:
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            if key not in live or (error is not None and self.lost(error, mgr)):
+                self.ask_buffer("holder_lost", holder)  # its groups go back in line
+            elif error is not None:
+                self.errors.append(f"{holder}: {type(error).__name__}: {error}")
+        for mgr in list(self.actors.managers):
+            if id(mgr) not in self.takers:
+                self.take_work(mgr)
+
+    def take_work(self, mgr) -> None:
+        """Start ``mgr``'s ``take_work`` loop for the tasks of its env pool."""
+        tasks = [t.name for t in self.graph.tasks
+                 if any(m is mgr for m in self.actors.managers_for(t))]
+        self._holders += 1
+        holder = f"{mgr._address}#{self._holders}"
+        r = self.graph.rollout
+        try:
+            fut = mgr.take_work(holder, tasks, r.redundancy, r.backup_after)
+        except Exception as e:  # noqa: BLE001 - its worker is gone: healed away
+            if not self.lost(e, mgr):
+                raise
             return
-        self._recount = False
-        ready = self.ask_buffer("counts")["groups_complete"]
-        target = self.graph.algo.groups_per_step * max(self.graph.algo.alpha, 1)
-        while len(self.inflight) + ready < target:
-            task, seed, gid, size = self.next_group()
-            fut, mgr = self.on_live_manager(
-                self.n_groups, task,
-                lambda m: m.run_group(task, seed, gid, size,
-                                      redundancy=self.graph.rollout.redundancy,
-                                      backup_after=self.graph.rollout.backup_after))
-            self.inflight[gid] = fut
-            self.placed[gid] = (fut, mgr)
+        self.takers[id(mgr)] = (mgr, holder, fut)
 
     def step(self, step: int) -> dict:
-        metrics = self.train(step, while_waiting=self.top_up)
-        self._recount = True  # the step took its groups
-        version = metrics["version"]
-        self.publish(version, wait=False)
-        min_version = version - self.graph.algo.alpha
+        metrics = self.train(step, while_waiting=self.keep_taking)
+        min_version = metrics["version"] - self.graph.algo.alpha
         metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
                                                                 min_version))
         return metrics
@@ -449,10 +563,10 @@ class OneOffPipeline(Pipeline):
             self.pending = self.launch_batch()
         self.wait_batch(self.pending)  # batch k is complete (its turns ran in lockstep)
         self.refill()
+        if self.version is not None:  # batch k+1 must be within the bound at step k+1
+            self.wait_workers(self.version)
         self.pending = self.launch_batch()  # batch k+1 overlaps training on batch k
-        metrics = self.train(step)
-        self.publish(metrics["version"], wait=False)
-        return metrics
+        return self.train(step)
 
 
 class SyncPipeline(Pipeline):
@@ -464,7 +578,7 @@ class SyncPipeline(Pipeline):
         self.wait_batch(batch)
         self.refill()
         metrics = self.train(step)
-        self.publish(metrics["version"], wait=True)
+        self.wait_workers(metrics["version"])  # the next batch rolls out on it
         return metrics
 
 

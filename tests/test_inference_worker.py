@@ -1,6 +1,7 @@
 """InferenceWorker actors on an in-process Dask cluster, and LLMProxy routing."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def test_worker_without_dask_batches_times_out_and_closes(model_dir, tmp_path):
         w = InferenceWorker(model_dir, str(tmp_path / "w"), pool="H20", max_batch=4)
         results = await asyncio.gather(*[w.generate(r) for r in requests(6)])
         stats = await w.stats()
-        with pytest.raises(TimeoutError, match="update_weights"):
+        with pytest.raises(TimeoutError, match=r"not loaded within .*the store .* has -1"):
             await w.wait_version(5, timeout=0.2)
         assert await w.wait_version(0) == 0
         await w.close()
@@ -233,8 +234,8 @@ def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path):
     long = [GenRequest([3 + i, 4, 5 + i], max_new_tokens=300, temperature=1.0, seed=i)
             for i in range(4)]
 
-    async def scenario():
-        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8)
+    async def scenario():  # watch=None: only update_weights asks (v1 is there already)
+        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8, watch=None)
         tasks = [asyncio.ensure_future(w.generate(r)) for r in long]
         for _ in range(2000):  # wait until the batch is decoding
             if (await w.stats())["decode_steps"] >= 5:
@@ -257,6 +258,40 @@ def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path):
         assert len(res.token_ids) == 300 and len(res.logprobs) == 300
         swap = res.versions.index(1)
         assert 5 <= swap < 300 and res.versions == [0] * swap + [1] * (300 - swap)
+
+
+def test_worker_finds_new_versions_in_the_store_and_reports_one_it_cannot_load(model_dir,
+                                                                               tmp_path):
+    """Nobody calls update_weights: the worker watches the store. A corrupt version is
+    reported in stats()["load_error"] (and to wait_version), the worker keeps serving
+    its weights, and it goes on to the next version the trainer publishes."""
+    store = WeightStore(str(tmp_path / "w"))
+    engine = TorchEngine(model_dir)
+
+    async def until(w, pred, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not pred(st := await w.stats()):
+            assert time.monotonic() < deadline, st
+            await asyncio.sleep(0.02)
+        return st
+
+    async def scenario():
+        w = InferenceWorker(model_dir, store.url, pool="H20", watch=0.05, retry_after=0.2)
+        store.put(1, perturbed(engine, seed=1))
+        st = await until(w, lambda s: s["version"] == 1)
+        assert st["load_error"] is None and st["prefetches"] == 1
+        store.put_bytes(2, b"not a safetensors file")  # corrupt: the trainer died mid-write
+        st = await until(w, lambda s: s["load_error"] is not None)
+        assert st["version"] == 1 and "v2: UnreadableWeightsError" in st["load_error"]
+        with pytest.raises(Exception, match="unreadable"):
+            await w.wait_version(2, timeout=5)
+        assert len((await w.generate(requests(1)[0])).token_ids) == 6  # still serving
+        store.put(3, perturbed(engine, seed=3))
+        st = await until(w, lambda s: s["version"] == 3)
+        await w.close()
+        return st
+
+    assert asyncio.run(scenario())["prefetches"] == 2
 
 
 def test_abort_frees_the_row_and_short_requests_do_not_wait_for_long_ones(model_dir, tmp_path):

@@ -32,6 +32,7 @@ from collections import OrderedDict, deque
 
 import pyarrow as pa
 
+from rollart.buffer.backpressure import Backpressure
 from rollart.buffer.group import Group, Taken, restate
 from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
@@ -54,7 +55,7 @@ def _ids(batches: list[pa.RecordBatch]) -> list[str]:
     return [t for b in batches for t in b.column("traj_id").to_pylist()]
 
 
-class SampleBuffer:
+class SampleBuffer(Backpressure):
     """Groups trajectories by ``group_id`` and serves bounded-stale GRPO batches.
 
     Use as a Dask actor: ``client.submit(SampleBuffer, run_dir, actor=True)``; after its
@@ -135,6 +136,7 @@ class SampleBuffer:
         self._open.pop(group.group_id, None)
         self._complete.pop(group.group_id, None)
         self._closed.add(group.group_id)
+        self._free(group.group_id)
 
     def _ignore(self, traj_id: str) -> bool:
         """True for a trajectory already given up as lost (its late arrival is ignored)."""
@@ -172,6 +174,7 @@ class SampleBuffer:
         del self._open[gid]
         if not group.rows:  # every member failed (already counted): nothing to train on
             self._closed.add(gid)
+            self._free(gid)
             return False
         group.compact()
         self._complete[gid] = group
@@ -225,6 +228,7 @@ class SampleBuffer:
                 self.ledger.move(traj_id, BUFFERED)
             self._complete[g.group_id] = g
             self._complete.move_to_end(g.group_id, last=False)
+            self._rehold(g.group_id)
         return taken.rows
 
     def _settle(self, step: int, min_version: int) -> dict[str, int]:
@@ -460,6 +464,7 @@ class SampleBuffer:
             "pending_rows": self.store.pending_rows,
             "parts_started": self.store.parts,
             "journal_entries": self.store.next_entry,
+            **await self.slot_stats(),
         }
 
     async def flush(self) -> int:
@@ -488,6 +493,7 @@ class SampleBuffer:
         """Flush and release the I/O thread. Batches still taken (their step neither
         confirmed nor settled) leave as ``lost_in_step``; buffered rows stay buffered
         (in the journal: ``read_samples`` shows them)."""
+        self._stop_slots()
         async with self._condition:
             for step in sorted(self._taken):
                 self._confirm(step, TrajState.LOST_IN_STEP)

@@ -20,6 +20,9 @@ lifecycle around them:
   failures are delivered to the group like any member.
 * **Lockstep batches** (the synchronous baselines): ``run_batch`` moves a whole batch
   turn by turn through a ``TurnBarrier``.
+* **Taking work** (the async mode): ``take_work`` runs the groups the buffer hands out
+  when a slot frees (``SampleBuffer.acquire``, ``rollart.buffer.backpressure``), each
+  as ``run_group``, until the manager or the buffer closes.
 
 Every launch, delivery, cancellation and abort is reported to the buffer's ledger.
 """
@@ -99,8 +102,12 @@ class EnvManager:
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         self._groups: dict[str, _GroupRun] = {}
         self._cleanups: set[asyncio.Task] = set()  # see _unstarted
+        self._taking: asyncio.Task | None = None  # the take_work loop
+        self._buffer_changed: asyncio.Event | None = None  # set by set_buffer
+        self._closing = False
+        self.group_errors: list[str] = []  # run_group calls of take_work that raised
         self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
-                       "aborted": 0, "replaced": 0, "backups": 0}
+                       "aborted": 0, "replaced": 0, "backups": 0, "groups_taken": 0}
 
     # -- public actor methods -----------------------------------------------------------
     async def run_group(self, task, seed: int, group_id: str, group_size: int,
@@ -126,6 +133,61 @@ class EnvManager:
             grp.done.set()
         return await self._finish(grp)
 
+    async def take_work(self, holder: str, tasks=None, redundancy: float = 1.0,
+                        backup_after: float | None = None) -> dict:
+        """Run the groups the buffer hands out to ``holder`` (this manager's key; tasks
+        named in ``tasks``, or any), each as ``run_group`` with ``redundancy`` and
+        ``backup_after``, taking the next one as soon as the buffer frees a slot. Returns
+        when the manager or the buffer closes. A buffer that was lost is asked again
+        once the driver hands over its replacement (``set_buffer``)."""
+        self._taking = asyncio.current_task()
+        jobs: set[asyncio.Task] = set()
+        try:
+            while not self._closing:
+                try:
+                    work = await self.buffer.acquire(holder, tasks)
+                except Exception as e:  # noqa: BLE001 - the buffer's worker was lost?
+                    if self._closing:
+                        break
+                    logger.warning("acquire on the sample buffer failed (%r); waiting for "
+                                   "its replacement", e)
+                    await self._new_buffer(5.0)
+                    continue
+                if work is None:
+                    continue  # no slot freed meanwhile (or closing): ask again
+                self.counts["groups_taken"] += 1
+                job = asyncio.ensure_future(self._run_work(work, redundancy, backup_after))
+                jobs.add(job)
+                job.add_done_callback(jobs.discard)
+        finally:
+            self._taking = None
+        return {"groups_taken": self.counts["groups_taken"], "running": len(jobs)}
+
+    async def _run_work(self, work, redundancy: float, backup_after) -> None:
+        try:
+            await self.run_group(work.task, work.seed, work.group_id, work.size,
+                                 redundancy=redundancy, need=work.need,
+                                 first_index=work.first_index, backup_after=backup_after)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a manager-level error: end its group
+            msg = f"{work.group_id}: {type(e).__name__}: {e}"
+            logger.warning("group %s", msg)
+            self.group_errors.append(msg)
+            try:
+                await self.buffer.end_group(work.group_id, msg)
+            except Exception as e2:  # noqa: BLE001
+                logger.warning("could not end group %s at the buffer: %r", work.group_id, e2)
+
+    async def _new_buffer(self, timeout: float) -> None:
+        if self._buffer_changed is None:
+            self._buffer_changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._buffer_changed.wait(), timeout)
+        except TimeoutError:
+            pass
+        self._buffer_changed.clear()
+
     async def set_inference_workers(self, workers: list) -> int:
         """Route new requests over ``[(InferenceWorker actor, pool), ...]`` (after the
         driver re-created a lost one), with the same task routes (PD, affinities) as
@@ -141,6 +203,8 @@ class EnvManager:
         are cancelled (the new buffer ignores their late reports) and each ``run_group``
         returns. Returns how many groups ended."""
         self.buffer = near(buffer)
+        if self._buffer_changed is not None:
+            self._buffer_changed.set()  # take_work asks the new buffer
         groups = list(self._groups.values())
         jobs = [j for g in groups for j in g.jobs.values()]
         for job in jobs:
@@ -181,6 +245,7 @@ class EnvManager:
         turns = max(r.turns, 1)
         proxy = r.proxy.stats()
         return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
+                "group_errors": len(self.group_errors), "groups_running": len(self._groups),
                 "rerouted": proxy.get("rerouted", 0),
                 "states": states, "turns": r.turns,
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
@@ -205,6 +270,9 @@ class EnvManager:
         return len(jobs)
 
     async def close(self) -> None:
+        self._closing = True
+        if self._taking is not None:
+            self._taking.cancel()
         await self.cancel_all()
         self.runner.close()
 

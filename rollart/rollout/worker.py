@@ -3,20 +3,25 @@
 The engine is a ``TorchEngine`` or a ``VLLMEngine`` (``engine="torch"|"vllm"``, from
 ``Policy.engine``; interface: ``rollart.rollout.base.GenerationEngine``).
 
-Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight-version
-announcements (from the trainer / weight sync, ``update_weights``); produces
-``GenResult``s stamped with this worker's address. Its methods are ``async`` and run on
+Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight
+versions, which it finds itself: its prefetch thread reads the store's ``latest()``
+every ``watch`` seconds (a few bytes), so nobody relays versions to it
+(``update_weights`` remains to ask for one at once). Produces ``GenResult``s stamped
+with this worker's address. Its methods are ``async`` and run on
 the Dask worker's event loop; the model runs on one engine thread the actor owns, which
 batches requests continuously (they join the running batch at decode-step boundaries and
 return as soon as they finish; an aborted request's row is dropped), so heartbeats and
 comms are never blocked.
 
-Weight updates follow the asynchronous protocol: ``update_weights(v)`` returns at once;
-a prefetch thread loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
+Weight updates follow the asynchronous protocol: once the worker sees ``v`` (its watch
+of the store, or ``update_weights(v)``, which returns at once), the prefetch thread
+loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
 then stages it with the engine's ``request_update``. The engine swaps it in at the next
 decode-step boundary (suspend -> update -> resume) and re-prefills the in-flight rows
 (recompute KV), or at once when idle. Tokens generated before the swap keep their
 version; later ones carry ``v``. ``wait_version(v)`` resolves when the swap happened.
+A version that fails to load is tried again after ``retry_after`` s; the latest error is
+in ``stats()["load_error"]`` (the pipeline's stall check names it).
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ class InferenceWorker:
         threads: int | None = None,
         engine: str = "torch",
         engine_options: dict | None = None,
+        watch: float | None = 0.5,
+        retry_after: float = 5.0,
     ):
         if threads:
             torch.set_num_threads(int(threads))
@@ -104,6 +111,9 @@ class InferenceWorker:
         self._wanted = int(version)  # newest version asked for by update_weights
         self._fetched = int(version)  # newest version handed to the engine
         self._load_error: tuple[int, BaseException] | None = None
+        self.watch, self.retry_after = watch, float(retry_after)  # s: store polls, retries
+        self._failed_at = 0.0  # when the latest load failed (time.monotonic)
+        self._watch_error: str | None = None  # reading the store's latest() failed
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
         self.prefetch_seconds = 0.0
@@ -114,6 +124,7 @@ class InferenceWorker:
                          "fetch_seconds": 0.0}
         self.prefetches = 0  # versions read from the store and staged
         self._store: WeightStore | None = None  # opened by the prefetch thread
+        self._latest_seen = -1  # the store's latest() at the last look
         self._reader = f"{self.address or 'local'}/{pool}/{id(self):x}"
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
@@ -222,8 +233,9 @@ class InferenceWorker:
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"weight version {version} not loaded within {timeout}s on "
-                f"{self.address or self.pool} (holds {self.engine.version}; was "
-                "update_weights called?)"
+                f"{self.address or self.pool} (holds {self.engine.version}; the store "
+                f"{self.store_url} has {self._latest_seen}; last load error: "
+                f"{self._error_text()})"
             ) from None
 
     async def stats(self) -> dict:
@@ -249,8 +261,16 @@ class InferenceWorker:
             "prefetch_seconds": self.prefetch_seconds,
             "prefetches": self.prefetches,
             "abandoned": self.abandoned,
+            "load_error": self._error_text(),
             **self._pd_stats(),
         }
+
+    def _error_text(self) -> str | None:
+        """The latest failure to find or load a version, as one line (None if none)."""
+        err = self._load_error
+        if err is not None:
+            return f"v{err[0]}: {type(err[1]).__name__}: {err[1]}"
+        return self._watch_error
 
     def _pd_stats(self) -> dict:
         pc = getattr(self.engine, "prefix_cache", None)  # torch engine only
@@ -348,7 +368,7 @@ class InferenceWorker:
         """Engine hook (engine thread): a staged version was swapped in, or failed to."""
         with self._cond:
             if error is not None:
-                self._load_error = (version, error)
+                self._load_error, self._failed_at = (version, error), time.monotonic()
                 if self._fetched <= version:  # nothing newer staged behind it
                     self._fetched = self.engine.version
                 if self._wanted <= version:
@@ -359,11 +379,15 @@ class InferenceWorker:
     def _prefetch_loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._wanted > self._fetched):
-                    self._cond.wait()
+                if not (self._stop or self._wanted > self._fetched):
+                    self._cond.wait(self.watch or None)
                 if self._stop:
                     return
-                target = self._wanted
+                target = self._wanted if self._wanted > self._fetched else None
+            if target is None:
+                if self.watch:
+                    self._look()
+                continue
             t0 = time.perf_counter()
             try:
                 state_dict, target = self._fetch(target)
@@ -377,18 +401,39 @@ class InferenceWorker:
                 if error is None:
                     self._fetched = max(self._fetched, target)
                 else:
-                    self._load_error = (target, error)
+                    self._load_error, self._failed_at = (target, error), time.monotonic()
                     if self._wanted == target:  # nothing newer asked for: allow a retry
                         self._wanted = self._fetched
                     self._settle_waiters(target, error)
                 self._cond.notify_all()  # wakes an idle engine thread to apply it
 
+    def _look(self) -> None:
+        """Watch the store (prefetch thread): a version newer than held or asked for is
+        wanted now; one that failed to load is tried again after ``retry_after`` s."""
+        try:
+            latest = self._open_store().latest()
+            self._watch_error = None
+        except Exception as exc:  # noqa: BLE001 - reported in stats(), tried again
+            self._watch_error = f"reading the store's latest version: {exc!r}"
+            return
+        self._latest_seen = latest
+        with self._cond:
+            err = self._load_error
+            if err is not None and err[0] >= latest and \
+                    time.monotonic() - self._failed_at < self.retry_after:
+                return
+            if latest > max(self._wanted, self._fetched, self.engine.version):
+                self._wanted = latest
+
+    def _open_store(self) -> WeightStore:
+        if self._store is None:
+            self._store = WeightStore(self.store_url)
+        return self._store
+
     def _fetch(self, target: int) -> tuple[dict, int]:
         """Read ``target`` from the store, held so garbage collection keeps it meanwhile.
         If it was collected before the hold (newer versions exist), read the newest."""
-        if self._store is None:
-            self._store = WeightStore(self.store_url)
-        store, reader = self._store, self._reader
+        store, reader = self._open_store(), self._reader
         store.hold(reader, target)
         try:
             try:

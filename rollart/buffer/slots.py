@@ -1,0 +1,164 @@
+"""Backpressure as plain objects: which group runs next, and how many may run at once.
+
+``GroupSequence`` draws the run's groups (task by ``Graph.task_weights``, episode seed) from
+one RNG seeded by ``Graph.seed``: the same sequence for a seed however rollout is timed,
+continued from a checkpoint by ``state``/``load_state`` and, after the buffer's worker
+was lost, by ``advance_to`` (draws replayed from the seed up to the next unused group).
+
+``Slots`` is the admission rule of the async mode: at most ``capacity`` groups
+(``(alpha + 1) * groups_per_step``) are in flight or buffered at once. A slot is held
+from the moment an env manager takes a group until the group leaves the buffer (taken by
+the trainer, dropped as stale, or ended with every member failed); a group whose env
+manager was lost keeps its slot and is handed out again for its missing members.
+
+Neither object does I/O: the ``SampleBuffer`` actor holds one of each and waits on its
+condition for a free slot (``rollart.buffer.backpressure``); the lockstep modes draw
+from a ``GroupSequence`` in the driver (``rollart.pipeline``); tests call them directly.
+
+>>> from rollart.env.tasks import get_task
+>>> seq = GroupSequence([get_task("gridnav")], None, seed=0, group_size=4)
+>>> slots = Slots(2, seq)
+>>> a, b = slots.take("m0"), slots.take("m1")
+>>> (a.group_id, b.group_id, slots.take("m0"))
+('g000000', 'g000001', None)
+>>> slots.release("g000000"), slots.take("m1").group_id
+(True, 'g000002')
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Work:
+    """A group for an env manager to run (``EnvManager.run_group``'s arguments)."""
+
+    task: object
+    seed: int
+    group_id: str
+    size: int
+    need: int  # members still to deliver (< size for a group restarted elsewhere)
+    first_index: int = 0  # member ids start here (past a lost manager's ids)
+
+
+class GroupSequence:
+    """The run's groups in order: ``(task, seed, group_id, size)`` from one seeded RNG."""
+
+    def __init__(self, tasks, weights, seed: int, group_size: int):
+        self.tasks, self.seed, self.group_size = list(tasks), int(seed), int(group_size)
+        self.weights = list(weights or [1.0] * len(self.tasks))
+        self.rng = random.Random(self.seed)
+        self.n_groups = 0
+        self._peeked: tuple | None = None
+
+    def _draw(self) -> tuple:
+        task = self.rng.choices(self.tasks, weights=self.weights)[0]
+        return task, self.rng.randrange(1_000_000)
+
+    def peek(self) -> tuple:
+        """The next group without using it up."""
+        if self._peeked is None:
+            task, seed = self._draw()
+            self._peeked = (task, seed, f"g{self.n_groups:06d}", self.group_size)
+        return self._peeked
+
+    def next(self) -> tuple:
+        out, self._peeked = self.peek(), None
+        self.n_groups += 1
+        return out
+
+    def state(self) -> dict:
+        """What a checkpoint keeps to continue the sequence."""
+        if self._peeked is not None:  # a peeked draw is not used yet: replay to before it
+            return {"n_groups": self.n_groups, "rng": None}
+        return {"n_groups": self.n_groups, "rng": self.rng.getstate()}
+
+    def load_state(self, state: dict) -> None:
+        from rollart.checkpoint import _tupled
+
+        if state.get("rng") is None:
+            self.rng, self.n_groups = random.Random(self.seed), 0
+            self.advance_to(int(state["n_groups"]))
+        else:
+            self.n_groups, self._peeked = int(state["n_groups"]), None
+            self.rng.setstate(_tupled(state["rng"]))
+
+    def advance_to(self, n_groups: int) -> None:
+        """Continue after group ``n_groups - 1`` (draws replayed from the seed when the
+        RNG state is not at hand: a recovered buffer knows only the groups launched)."""
+        while self.n_groups < n_groups:
+            self.next()
+
+
+class Slots:
+    """At most ``capacity`` groups in flight or buffered; who holds which, what to re-run."""
+
+    def __init__(self, capacity: int, sequence: GroupSequence):
+        if capacity < 1:
+            raise ValueError(f"Slots(capacity={capacity}): at least one group must be "
+                             "allowed to run; raise GRPO.groups_per_step")
+        self.capacity, self.sequence = int(capacity), sequence
+        self.held: dict[str, str | None] = {}  # group id -> holder (env manager key)
+        self.groups: dict[str, tuple] = {}  # group id -> (task, seed, size, restarts)
+        self.retry: deque[Work] = deque()  # groups of lost holders, first in line
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - len(self.held))
+
+    def take(self, holder: str, tasks=None) -> Work | None:
+        """The next group for ``holder`` (which runs the task names ``tasks``, or any),
+        or None while every slot is held or the next group is another pool's."""
+        def mine(task) -> bool:
+            return tasks is None or task.name in tasks
+
+        for work in self.retry:  # a restart already holds its slot
+            if mine(work.task):
+                self.retry.remove(work)
+                self.held[work.group_id] = holder
+                return work
+        if not self.free or not mine(self.sequence.peek()[0]):
+            return None
+        task, seed, gid, size = self.sequence.next()
+        self.held[gid] = holder
+        self.groups[gid] = (task, seed, size, 0)
+        return Work(task, seed, gid, size, size)
+
+    def release(self, group_id: str) -> bool:
+        """``group_id`` left the buffer (or ended with nothing to train on): its slot frees."""
+        self.groups.pop(group_id, None)
+        self.retry = deque(w for w in self.retry if w.group_id != group_id)
+        return self.held.pop(group_id, False) is not False
+
+    def hold(self, group_id: str) -> None:
+        """A group back in the buffer (a lost trainer step's batch) holds a slot again."""
+        self.held.setdefault(group_id, None)
+
+    def lost(self, holder: str, arrived: dict[str, int]) -> list[Work]:
+        """``holder`` was lost: each group it ran (``arrived``: members already in the
+        buffer) goes back in line for its missing members, under new member ids."""
+        out = []
+        for gid in [g for g, h in self.held.items() if h == holder and g in self.groups]:
+            task, seed, size, restarts = self.groups[gid]
+            need = size - arrived.get(gid, 0)
+            if need <= 0:
+                continue
+            self.groups[gid] = (task, seed, size, restarts + 1)
+            self.held[gid] = None
+            out.append(Work(task, seed, gid, size, need, first_index=1000 * (restarts + 1)))
+        self.retry.extend(out)
+        return out
+
+    def reset(self, buffered: list[str]) -> None:
+        """After a buffer recovery: only the recovered complete groups hold slots (the
+        groups that were running were closed and their members counted lost)."""
+        self.held = {g: None for g in buffered}
+        self.groups = {g: v for g, v in self.groups.items() if g in self.held}
+        self.retry.clear()
+
+    def stats(self) -> dict:
+        return {"slots_capacity": self.capacity, "slots_held": len(self.held),
+                "slots_retry": len(self.retry), "groups_drawn": self.sequence.n_groups}

@@ -1,0 +1,309 @@
+"""Backpressure owned by the buffer: the slot rule and the group sequence without a
+cluster; the SampleBuffer's slots under puts, takes and a recovery; on a real in-process
+cluster an async run never has more than ``(alpha + 1) * groups_per_step`` groups in
+flight or buffered, workers find new versions without a driver call, and a run that
+stops progressing (every group dropped as stale; a worker that cannot load) says so."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+
+import pytest
+
+from rollart import GRPO, Graph, Policy, Rollout
+from rollart.buffer import SampleBuffer
+from rollart.buffer.slots import GroupSequence, Slots
+from rollart.env.tasks import get_task
+from rollart.types import Trajectory
+
+GRIDNAV, BOXPUSH = get_task("gridnav"), get_task("boxpush")
+
+
+def _seq(tasks=(GRIDNAV,), seed=0, size=2, weights=None):
+    return GroupSequence(list(tasks), weights, seed=seed, group_size=size)
+
+
+# -- the plain objects -------------------------------------------------------------------
+def test_the_sequence_is_the_drivers_old_draws_and_resumes_from_its_state():
+    # the draws rollart always made (task by weight, then seed), in this order
+    rng, old = random.Random(7), []
+    for _ in range(5):
+        task = rng.choices([GRIDNAV, BOXPUSH], weights=[1.0, 3.0])[0]
+        old.append((task.name, rng.randrange(1_000_000)))
+    seq = _seq((GRIDNAV, BOXPUSH), seed=7, weights=[1.0, 3.0])
+    got = [seq.next() for _ in range(5)]
+    assert [(t.name, s) for t, s, _, _ in got] == old
+    assert [g for _, _, g, _ in got] == [f"g{i:06d}" for i in range(5)]
+    # resume: from the RNG state, and by replay when only the count is known
+    a, b = _seq((GRIDNAV, BOXPUSH), seed=7), _seq((GRIDNAV, BOXPUSH), seed=7)
+    for _ in range(3):
+        a.next()
+    b.load_state(a.state())
+    replayed = _seq((GRIDNAV, BOXPUSH), seed=7)
+    replayed.load_state({"n_groups": 3, "rng": None})
+    peeked = _seq((GRIDNAV, BOXPUSH), seed=7)
+    peeked.advance_to(3)
+    peeked.peek()  # a peek is not a draw: its state replays to before it
+    again = _seq((GRIDNAV, BOXPUSH), seed=7)
+    again.load_state(peeked.state())
+    nxt = [s.next()[1:3] for s in (a, b, replayed, peeked, again)]
+    assert len(set(nxt)) == 1 and nxt[0][1] == "g000003"
+
+
+def test_slots_bound_groups_and_free_when_a_group_leaves():
+    slots = Slots(3, _seq())
+    got = [slots.take(h) for h in ("m0", "m1", "m0", "m1")]
+    assert [w.group_id for w in got[:3]] == ["g000000", "g000001", "g000002"]
+    assert got[3] is None and slots.free == 0
+    assert slots.release("g000001") and not slots.release("g000001")  # once only
+    w = slots.take("m1")
+    assert w.group_id == "g000003" and (w.need, w.first_index) == (2, 0)
+    assert slots.take("m0") is None
+    with pytest.raises(ValueError, match="groups_per_step"):
+        Slots(0, _seq())
+
+
+def test_a_holder_only_takes_its_pools_tasks_and_never_skips_the_sequence():
+    seq = _seq((GRIDNAV, BOXPUSH), seed=1)
+    first = seq.peek()[0].name
+    other = "boxpush" if first == "gridnav" else "gridnav"
+    slots = Slots(4, seq)
+    assert slots.take("env-b", tasks=[other]) is None  # the next group is not its pool's
+    assert slots.take("env-a", tasks=[first]).group_id == "g000000"
+    assert seq.n_groups == 1  # nothing drawn for the holder that could not take it
+
+
+def test_a_lost_holders_groups_go_back_in_line_for_their_missing_members():
+    slots = Slots(3, _seq(size=4))
+    a, b, c = slots.take("lost"), slots.take("lost"), slots.take("alive")
+    # a: 1 member arrived; b: complete (nothing to re-run)
+    again = slots.lost("lost", {a.group_id: 1, b.group_id: 4})
+    assert [(w.group_id, w.need, w.first_index) for w in again] == [(a.group_id, 3, 1000)]
+    assert slots.free == 0  # the restart still holds its slot
+    w = slots.take("alive")
+    assert (w.group_id, w.need, w.task, w.seed) == (a.group_id, 3, a.task, a.seed)
+    assert slots.held[a.group_id] == "alive" and slots.take("alive") is None
+    again = slots.lost("alive", {c.group_id: 0})  # lost twice: ids past both
+    assert {w.group_id: w.first_index for w in again} == {a.group_id: 2000, c.group_id: 1000}
+    slots.reset(["g000001"])  # a recovered buffer: only its complete groups hold slots
+    assert set(slots.held) == {"g000001"} and not slots.retry and slots.free == 2
+
+
+# -- the SampleBuffer's slots, in-process (no cluster) -----------------------------------
+def _traj(gid: str, i: int, version: int = 0) -> Trajectory:
+    return Trajectory(traj_id=f"{gid}-{i}", task="gridnav", group_id=gid, seed=1,
+                      prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1],
+                      logprobs=[-0.5, -0.5], versions=[version, version], reward=1.0,
+                      outcome="success", state="scoring")
+
+
+async def _run_group(buf, work, version: int = 0) -> None:
+    ids = [f"{work.group_id}-{work.first_index + i}" for i in range(work.need)]
+    await buf.launched(ids)
+    for i in range(work.need):
+        await buf.put(_traj(work.group_id, work.first_index + i, version), work.size)
+
+
+def test_the_buffer_hands_out_a_slot_only_when_a_group_leaves(tmp_path):
+    async def scenario():
+        buf = SampleBuffer(str(tmp_path / "run"))
+        await buf.open_slots(Slots(2, _seq()))
+        w0, w1 = await buf.acquire("m"), await buf.acquire("m")
+        assert await buf.acquire("m", wait=0.2) is None  # both slots held
+        waiting = asyncio.ensure_future(buf.acquire("m", wait=30))
+        await _run_group(buf, w0)
+        await _run_group(buf, w1)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # complete groups still hold their slots
+        st = await buf.stats()
+        assert (st["slots_held"], st["groups_live"], st["groups_buffered"]) == (2, 2, 2)
+        await buf.get_table(1, min_version=0, trained_step=1)  # the trainer takes one
+        w2 = await asyncio.wait_for(waiting, 5)
+        assert w2.group_id == "g000002"
+        # a stale complete group is dropped at the next take: its slot frees too
+        await _run_group(buf, w2, version=5)
+        await buf.get_table(1, min_version=5, trained_step=2)  # drops w1 (v0), takes w2
+        assert (await buf.stats())["slots_held"] == 0
+        await buf.close()
+        assert await buf.acquire("m", wait=5) is None  # a closed buffer hands out nothing
+
+    asyncio.run(scenario())
+
+
+def test_slots_are_right_again_after_the_buffer_is_recovered(tmp_path):
+    run = str(tmp_path / "run")
+
+    async def first():
+        buf = SampleBuffer(run)
+        await buf.open_slots(Slots(3, _seq()))
+        works = [await buf.acquire("m") for _ in range(3)]
+        await _run_group(buf, works[0])  # complete: durable
+        await buf.launched([f"{works[1].group_id}-0"])  # in flight when the worker dies
+        await buf.store.drain()
+        return [w.group_id for w in works]
+
+    async def second():
+        buf = SampleBuffer(run, recover=True)
+        st = await buf.open_slots(Slots(3, _seq()))  # a fresh Slots, as the driver sends
+        assert (st["slots_held"], st["groups_buffered"]) == (1, 1)
+        assert st["groups_drawn"] == 2  # continues after the last group its ledger knows
+        a, b = await buf.acquire("m"), await buf.acquire("m")
+        assert (a.group_id, b.group_id) == ("g000002", "g000003")
+        assert await buf.acquire("m", wait=0.2) is None
+        await buf.close()
+
+    ids = asyncio.run(first())
+    assert ids == ["g000000", "g000001", "g000002"]
+    asyncio.run(second())
+
+
+def test_a_lost_manager_frees_nothing_and_its_group_is_handed_out_again(tmp_path):
+    async def scenario():
+        buf = SampleBuffer(str(tmp_path / "run"))
+        await buf.open_slots(Slots(1, _seq(size=2)))
+        w = await buf.acquire("lost")
+        await buf.launched([f"{w.group_id}-0", f"{w.group_id}-1"])
+        await buf.put(_traj(w.group_id, 0), 2)
+        assert await buf.holder_lost("lost") == 1
+        assert await buf.acquire("lost", wait=0.1) is None  # a lost holder takes nothing
+        again = await buf.acquire("alive")
+        assert (again.group_id, again.need, again.first_index) == (w.group_id, 1, 1000)
+        c = await buf.counts()
+        assert c["failed"] == 1 and c["orphaned"] == 1  # member 1 died with its manager
+        await buf.launched([f"{w.group_id}-1000"])
+        await buf.put(_traj(w.group_id, 1000), 2)
+        assert (await buf.counts())["groups_complete"] == 1
+        await buf.close()
+
+    asyncio.run(scenario())
+
+
+# -- on a real in-process cluster --------------------------------------------------------
+def _graph(name: str, **rollout) -> Graph:
+    return Graph(name=name, tasks=("gridnav",), mode="async", steps=4,
+                 policy=Policy(warmup_steps=0),
+                 algo=GRPO(group_size=2, groups_per_step=2), rollout=Rollout(**rollout))
+
+
+def _start(client, graph, model, run_dir):
+    from rollart.pipeline import make_pipeline
+    from rollart.recovery import Supervisor
+    from rollart.stages import Stages
+
+    stages = Stages(client, graph, model, run_dir)
+    actors = stages.start()
+    assert actors.trainer.publish().result() == 0  # nobody tells the workers
+    pipe = make_pipeline(actors, graph)
+    pipe.supervisor = Supervisor(stages, actors)
+    return actors, pipe
+
+
+def _stop(actors, extra=()):
+    from rollart.control import _shutdown
+
+    _shutdown(actors)
+    for w in extra:
+        w.close().result()
+
+
+def _versions(actors) -> list[int]:
+    return [w.stats().result()["version"] for w, _, _ in actors.workers]
+
+
+@pytest.mark.slow
+def test_an_async_run_stays_within_its_slots_and_workers_follow_the_trainer(
+        local_cluster, tiny_model, tmp_path):
+    graph = _graph("bp-bound")
+    bound = (1 + 1) * 2  # async: alpha 1; two steps' worth of groups of 2
+    actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
+    live, stop = [], threading.Event()
+
+    def sample():  # the buffer's own figures, while the run goes on
+        while not stop.is_set():
+            st = actors.buffer.stats().result()
+            live.append((st["groups_live"], st.get("slots_held")))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        steps = [pipe.step(s) for s in range(1, 5)]
+        stop.set()
+        sampler.join(30)
+        assert [m["version"] for m in steps] == [1, 2, 3, 4]
+        assert len(live) > 20 and max(n for n, _ in live) <= bound
+        assert max(n for n, _ in live) > graph.algo.groups_per_step  # ran ahead of the step
+        deadline = time.monotonic() + 60
+        while _versions(actors) != [4] * len(actors.workers):  # found in the store
+            assert time.monotonic() < deadline, _versions(actors)
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        _stop(actors)
+
+
+@pytest.mark.slow
+def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_path):
+    """The workers read another weight store (stuck on v0): every group is too old for
+    the trainer from step 3 on and is dropped, so no step completes."""
+    from rollart.recovery import StallError
+    from rollart.rollout import InferenceWorker
+
+    graph = _graph("bp-drop", stall_timeout=6.0)
+    actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
+    elsewhere = str(tmp_path / "another-store")
+    own = list(actors.workers)
+    stuck = [(local_cluster.submit(InferenceWorker, tiny_model, elsewhere, pool=tag,
+                                   threads=1, actor=True, workers=[addr],
+                                   key=f"stuck-{tag}-{uuid.uuid4().hex[:6]}").result(),
+              tag, addr) for _, tag, addr in own]
+    actors.workers[:] = stuck
+    for m in actors.managers:
+        m.set_inference_workers([(w, tag) for w, tag, _ in stuck]).result()
+    for w, _, _ in own:
+        w.close().result()
+    try:
+        with pytest.raises(StallError, match=r"(?s)no trainer step completed for \d+ s "
+                           r"while \d+ trajectories were dropped as too stale.*"
+                           r"stall_timeout=6.*Trainer at v2; inference workers: .* v0"):
+            for s in range(1, 20):
+                pipe.step(s)
+        assert s == 3 and pipe.version == 2
+    finally:
+        _stop(actors)
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_load_new_versions_is_a_stall(local_cluster, tiny_model,
+                                                           tmp_path):
+    """One worker's model does not fit the trainer's weights (every load fails); the run
+    goes on on the others, and after stall_timeout it stops naming that worker."""
+    from rollart.env.tasks import BUILTIN_TASKS, task_corpus
+    from rollart.model import build_tiny_model
+    from rollart.recovery import StallError
+    from rollart.rollout import InferenceWorker
+
+    other = build_tiny_model(str(tmp_path / "other"), task_corpus(list(BUILTIN_TASKS)),
+                             hidden_size=32)
+    graph = _graph("bp-load", stall_timeout=3.0)
+    actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
+    _, tag, addr = actors.workers[0]
+    bad = local_cluster.submit(InferenceWorker, other, pipe.supervisor.store_url, pool=tag,
+                               threads=1, retry_after=0.5, actor=True, workers=[addr],
+                               key=f"bad-{uuid.uuid4().hex[:6]}").result()
+    actors.workers.append((bad, tag, f"{addr}#bad"))  # not routed to: the run goes on
+    try:
+        with pytest.raises(StallError, match=r"(?s)inference worker \S+#bad .* has held "
+                           r"weight version 0 for \d+ s while the trainer is at \d+ "
+                           r"\(Rollout.stall_timeout=3.*last load error: v\d+: "
+                           r".*shapes do not match"):
+            for s in range(1, 40):
+                pipe.step(s)
+        assert s >= 3
+    finally:
+        actors.workers.remove((bad, tag, f"{addr}#bad"))
+        _stop(actors, [bad])

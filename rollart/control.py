@@ -41,6 +41,7 @@ from rollart.recovery import Supervisor
 from rollart.resources import Resources, load_resources
 from rollart.reward.offload import is_serverless
 from rollart.stages import Actors, Stages
+from rollart.waits import Bounded, bounded
 
 logger = logging.getLogger(__name__)
 EVAL_SEED_BASE = 2_000_000  # held-out seeds: training uses < 1e6, warm-up 1e6..2e6
@@ -267,18 +268,23 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
         p = graph.policy
-        info = warmup_bar(actors.trainer, actors.trainer.warmup(
+        waits, on = stages.waits, f"on {actors.trainer._address}"
+        info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
             graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
-            **p.conversation_options()), p.warmup_steps, progress)
-        warmup_dir = actors.trainer.save(str(run_dir / "warmup_model")).result()
+            **p.conversation_options()), waits.warmup(p.warmup_steps),
+            f"the trainer's warm-up ({p.warmup_steps} steps) {on} did not finish",
+            "warmup-step"), p.warmup_steps, progress)
+        warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
+                             waits.call, f"the trainer {on} did not save the warm-up model")
         print(f"warm-up: {p.warmup_steps} format steps, loss {info['warmup/loss_first']:.3f}"
               f" -> {info['warmup/loss_last']:.3f}")
     with phase("loading the first weights on the inference workers", progress):
-        v0 = actors.trainer.publish().result()
-        for w, _, _ in actors.workers:
-            w.update_weights(v0).result()
-        for w, _, _ in actors.workers:
-            w.wait_version(v0).result()
+        v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
+                     f"{actors.trainer._address} did not publish its first weights")
+        for call in ("update_weights", "wait_version"):
+            for w, tag, addr in actors.workers:
+                bounded(getattr(w, call)(v0), stages.waits.call, f"the InferenceWorker "
+                        f"on {addr} ({tag}) did not load weights v{v0} ({call})")
     pipeline = make_pipeline(actors, graph)
     pipeline.supervisor = Supervisor(stages, actors, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
@@ -326,7 +332,9 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             if not running:
                 break
         bar.close()
-        model_dir = actors.trainer.save(str(run_dir / "model")).result()
+        model_dir = bounded(actors.trainer.save(str(run_dir / "model")), stages.waits.call,
+                            f"the trainer on {actors.trainer._address} did not save the "
+                            "model")
     except BaseException:
         trackers.finish(status="failed")
         raise

@@ -7,6 +7,7 @@
 from rollart.affinity import (Affinity, AffinityError, env_affinity, reward_affinity,
                               task_affinity)
 from rollart.api import Run, start_run
+from rollart.cli import quiet
 from rollart.control import RunResult, train
 from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
 from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
@@ -48,6 +49,7 @@ __all__ = [
     "http_reward",
     "load_graph",
     "load_resources",
+    "quiet",
     "reward_affinity",
     "serverless",
     "start_run",

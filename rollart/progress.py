@@ -54,7 +54,7 @@ def cluster_bar(n_workers: int, enabled: bool = True, interval: float = 0.25):
     def poll():
         while not stop.wait(interval):
             new = [s for s in list(Scheduler._instances) if s not in known]
-            if new:
+            if new and min(len(new[-1].workers), n_workers) != bar.n:
                 bar.n = min(len(new[-1].workers), n_workers)
                 bar.refresh()
 
@@ -79,10 +79,12 @@ def warmup_bar(trainer, future, total: int, enabled: bool = True,
             time.sleep(interval)
             if enabled:
                 try:
-                    bar.n = min(int(trainer.warmup_done), total)
-                    bar.refresh()
+                    done = min(int(trainer.warmup_done), total)
                 except Exception:  # noqa: BLE001 - the bar is best effort
-                    pass
+                    continue
+                if done != bar.n:
+                    bar.n = done
+                    bar.refresh()
         result = future.result()
         bar.n = total
         return result

@@ -86,6 +86,37 @@ def test_page_fills_every_plot_from_a_run_state():
     assert "finished" in page.header.text and "step 3/3" in page.header.text
 
 
+def test_page_shows_the_latest_decoded_trajectories_per_task():
+    """The plugin keeps the newest ``rollart-samples`` message per run; the page's
+    ``rollart-samples`` section shows its turns, escaped, grouped by task."""
+    pytest.importorskip("bokeh")
+    from rollart.dashboard.page import RollartPage
+    from rollart.dashboard.plugin import RollartPlugin
+    from rollart.samples import TOPIC_SAMPLES
+
+    def traj(task, seed, action):
+        return {"traj_id": f"{task}-{seed}", "task": task, "seed": seed, "reward": 1.0,
+                "outcome": "success", "state": "trained", "version": 2, "num_turns": 1,
+                "error": "", "turns": [{"observation": f"{task} : goal <b>", "action":
+                                        action, "version": 2}]}
+
+    plugin = RollartPlugin()
+    for m in _messages():
+        plugin.log_event(TOPIC_LIVE if m["kind"] == "snapshot" else TOPIC, m)
+    plugin.log_event(TOPIC_SAMPLES, {"kind": "samples", "run": "r1",
+                                     "trajectories": [traj("gridnav", 1, "up")]})
+    page = RollartPage(plugin)
+    page.update()
+    text = page.samples.text
+    assert "gridnav : goal &lt;b&gt;" in text and "<code>up</code>" in text
+    plugin.log_event(TOPIC_SAMPLES, {"kind": "samples", "run": "r1", "trajectories": [
+        traj("gridnav", 2, "left"), traj("guess", 3, "7")]})
+    page.update()  # newer samples replace the old ones, even with no new step
+    text = page.samples.text
+    assert "<h4>gridnav</h4>" in text and "<h4>guess</h4>" in text and "seed 1" not in text
+    assert "<code>left</code>" in text and "(v2)" in text
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.read().decode()

@@ -31,7 +31,7 @@ it waits, hands the groups of an env manager that was lost back to the buffer (a
 buffer put that step's ``taken`` batch back (``SampleBuffer.release_taken``: the re-run
 trains it; a batch is ``trained`` only once an update with it was published).
 
-A run that stops progressing says so (``rollart.recovery``): the last
+A run that stops progressing says so (the rules: ``rollart.watchdog``): the last
 ``Rollout.failure_streak_limit`` trajectories all failed → ``FailureStormError``; for
 ``Rollout.stall_timeout`` seconds in-flight trajectories stopped settling, or no trainer
 step completed while groups kept being dropped as too stale, or an inference worker
@@ -51,6 +51,7 @@ import time
 
 from rollart.buffer.ledger import STATES
 from rollart.buffer.slots import GroupSequence, Slots
+from rollart.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +66,18 @@ class Pipeline(abc.ABC):
         self.errors: list[str] = []
         self.supervisor = None  # a rollart.recovery.Supervisor, set by the control loop
         self._checked = 0.0  # last failure-storm check (check_failures)
-        self._settled = (-1, time.monotonic())  # (settled trajectories, since when)
+        self.watchdog = Watchdog(self.stall_timeout, self.failure_streak_limit,
+                                 graph.algo.alpha, time.monotonic())
         self.refilled_groups = 0  # lockstep modes: groups re-run after all members failed
         self.groups: dict[str, tuple] = {}  # gid -> (task, seed, size, restarts)
         self.placed: dict[str, tuple] = {}  # gid -> (future, manager) of a restarted group
         self.restarted_groups = 0
         self.trainer_recoveries = 0
-        self.version: int | None = None  # the trainer's, after the latest step
-        self._stepped = (time.monotonic(), 0)  # (last step done, dropped count then)
-        self._behind: dict[str, float] = {}  # worker address -> below the bound since
+
+    @property
+    def version(self) -> int | None:
+        """The trainer's version after the latest step (None before the first)."""
+        return self.watchdog.version
 
     @property
     def n_groups(self) -> int:
@@ -132,81 +136,29 @@ class Pipeline(abc.ABC):
         return max(300.0, 2.0 * longest)
 
     def check_failures(self, every: float = 1.0) -> None:
-        """Raise ``FailureStormError`` when the last ``failure_streak_limit`` trajectories
-        all failed, ``StallError`` when trajectories are in flight but none settled for
-        ``stall_timeout`` seconds (checked at most every ``every`` s)."""
-        limit, stall, now = self.failure_streak_limit, self.stall_timeout, time.monotonic()
-        if not (limit or stall) or now - self._checked < every:
+        """Stop a run that cannot progress (the rules: ``rollart.watchdog``):
+        ``FailureStormError`` or ``StallError``, checked at most every ``every`` s."""
+        dog, now = self.watchdog, time.monotonic()
+        if not (dog.stall or dog.streak_limit) or now - self._checked < every:
             return
         self._checked = now
         counts = self.ask_buffer("counts")
-        if stall:
-            self.check_stall(counts, stall, now)
-        streak = counts["failed_streak"]
-        if not limit or streak < limit:
+        why = dog.stalled(counts, self.worker_versions() if dog.stall else None, now)
+        if why:
+            from rollart.recovery import StallError
+
+            raise StallError(why)
+        if not dog.storm(counts):
             return
         from rollart.recovery import FailureStormError
 
         errors = self.ask_buffer("recent_errors")
         raise FailureStormError(
-            f"the last {streak} trajectories all failed and none reached the buffer, so the "
-            "run stops (Rollout.failure_streak_limit={}). Latest errors:\n  ".format(limit)
-            + "\n  ".join(errors) + "\nFix the env, reward or inference pool they point "
-            "at, then resume from the last checkpoint (rollart train --resume RUN).")
-
-    def check_stall(self, counts: dict, stall: float, now: float) -> None:
-        """Raise ``StallError`` when the run has stopped progressing for ``stall`` s."""
-        from rollart.recovery import StallError
-
-        since, dropped = self._stepped
-        if dropped is None:  # a step just completed: count drops from here
-            self._stepped = (since, counts["dropped"])
-        elif counts["dropped"] > dropped and now - since >= stall:
-            raise StallError(
-                f"no trainer step completed for {now - since:.0f} s while "
-                f"{counts['dropped'] - dropped} trajectories were dropped as too stale "
-                f"(Rollout.stall_timeout={stall:g}): rollout runs on weights older than "
-                f"the trainer's bound (alpha={self.graph.algo.alpha}), so nothing reaches "
-                f"the trainer. {self.version_report()} Resume from the last checkpoint "
-                "(rollart train --resume RUN) once it is fixed.")
-        self.check_versions(stall, now)  # after the drops: they say more when both hold
-        settled = counts["launched"] - counts["in_flight"]
-        if settled != self._settled[0] or not counts["in_flight"]:
-            self._settled = (settled, now)  # progress, or nothing is waited for
-            return
-        if now - self._settled[1] < stall:
-            return
-        raise StallError(
-            f"{counts['in_flight']} trajectories are in flight but none has settled for "
-            f"{now - self._settled[1]:.0f} s (Rollout.stall_timeout={stall:g}), so the run "
-            "stops instead of waiting forever. Something they wait on never answers: an "
-            "inference worker, a reward, or an env step (is Rollout.env_step_timeout "
-            "set?); the dashboard's trajectory states show where they are. Resume from "
-            "the last checkpoint (rollart train --resume RUN) once it is fixed.")
-
-    def check_versions(self, stall: float, now: float) -> None:
-        """``StallError`` when an inference worker stayed below the trainer's version
-        minus alpha for ``stall`` s (it cannot load the new weights: see its error)."""
-        if self.version is None:
-            return
-        bound = self.version - self.graph.algo.alpha
-        workers = self.worker_versions()
-        for w in workers:
-            if w["version"] >= bound:
-                self._behind.pop(w["address"], None)
-                continue
-            since = self._behind.setdefault(w["address"], now)
-            if now - since >= stall:
-                from rollart.recovery import StallError
-
-                raise StallError(
-                    f"inference worker {w['address']} ({w['pool']}) has held weight version "
-                    f"{w['version']} for {now - since:.0f} s while the trainer is at "
-                    f"{self.version} (Rollout.stall_timeout={stall:g}; alpha="
-                    f"{self.graph.algo.alpha}: every worker must hold at least "
-                    f"{bound}). {self.version_report(workers)} Check the weight store "
-                    "(is it this run's? can the worker read it?), then resume from the "
-                    "last checkpoint (rollart train --resume RUN).")
+            f"the last {counts['failed_streak']} trajectories all failed and none reached "
+            f"the buffer, so the run stops (Rollout.failure_streak_limit={dog.streak_limit})"
+            ". Latest errors:\n  " + "\n  ".join(errors) + "\nFix the env, reward or "
+            "inference pool they point at, then resume from the last checkpoint (rollart "
+            "train --resume RUN).")
 
     def worker_versions(self) -> list[dict]:
         """``{address, pool, version, load_error}`` of every live inference worker."""
@@ -221,20 +173,6 @@ class Pipeline(abc.ABC):
             out.append({"address": addr, "pool": tag, "version": st["version"],
                         "load_error": st.get("load_error")})
         return out
-
-    def version_report(self, workers: list[dict] | None = None) -> str:
-        """The trainer's version, each worker's and its last load error, in one line."""
-        if self.version is not None:
-            trainer = f"v{self.version}"
-        else:
-            try:
-                trainer = f"v{self.actors.trainer.stats().result(timeout=10)['version']}"
-            except Exception:  # noqa: BLE001 - the message still names the workers
-                trainer = "unknown"
-        parts = [f"{w['address']} ({w['pool']}) v{w['version']}"
-                 + (f", last load error: {w['load_error']}" if w["load_error"] else "")
-                 for w in (self.worker_versions() if workers is None else workers)]
-        return f"Trainer at {trainer}; inference workers: " + ("; ".join(parts) or "none") + "."
 
     def until_done(self, fut, while_waiting=None) -> None:
         """Wait for ``fut``, healing and checking for failure storms (and calling
@@ -314,8 +252,7 @@ class Pipeline(abc.ABC):
                 except Exception as e:  # noqa: BLE001
                     error = e
                 else:
-                    self.version = metrics["version"]
-                    self._stepped = (time.monotonic(), None)
+                    self.watchdog.stepped(metrics["version"], time.monotonic())
                     return metrics
             if not self.lost(error, trainer):
                 raise error

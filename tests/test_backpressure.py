@@ -93,6 +93,48 @@ def test_a_lost_holders_groups_go_back_in_line_for_their_missing_members():
     assert set(slots.held) == {"g000001"} and not slots.retry and slots.free == 2
 
 
+def _counts(launched=10, in_flight=2, dropped=0, streak=0):
+    return {"launched": launched, "in_flight": in_flight, "dropped": dropped,
+            "failed_streak": streak}
+
+
+def test_the_watchdog_names_each_way_a_run_stops_progressing():
+    from rollart.watchdog import Watchdog
+
+    ok = {"address": "w0", "pool": "H800", "version": 3, "load_error": None}
+    dog = Watchdog(stall=5.0, streak_limit=4, alpha=1, now=0.0)
+    assert not dog.storm(_counts(streak=3)) and dog.storm(_counts(streak=4))
+    # groups dropped as stale while no step completes: dropped counts as settled, so
+    # the settling check alone never fires (the run looked healthy for ever)
+    for t in range(0, 30):
+        why = dog.stalled(_counts(launched=10 + 2 * t, dropped=2 * t), [ok], float(t))
+        if why:
+            break
+    assert t == 5 and why.startswith("no trainer step completed for 5 s while 10 tra")
+    assert "Trainer at unknown (no step completed yet); inference workers: w0 (H800) v3" in why
+    # a completed step resets it; trajectories that settle without drops are progress
+    dog.stepped(3, now=30.0)
+    assert all(dog.stalled(_counts(launched=60 + t), [ok], 30.0 + t) is None
+               for t in range(20))
+    # a worker below version - alpha (the trainer moved on, the worker did not follow)
+    dog.stepped(5, now=50.0)
+    ok = dict(ok, version=5)
+    bad = dict(ok, address="w1", version=3, load_error="v5: UnreadableWeightsError: trunc")
+    assert dog.stalled(_counts(launched=80), [ok, bad], 51.0) is None
+    assert dog.stalled(_counts(launched=81), [ok, dict(bad, version=4)], 52.0) is None
+    assert dog.stalled(_counts(launched=82), [ok, bad], 53.0) is None  # behind again
+    why = dog.stalled(_counts(launched=83), [ok, bad], 58.0)
+    assert why.startswith("inference worker w1 (H800) has held weight version 3 for 5 s "
+                          "while the trainer is at 5") and "v3, last load error: v5: Unr" in why
+    # in flight, nothing settles
+    dog = Watchdog(stall=5.0, streak_limit=0, alpha=0, now=0.0)
+    assert not dog.storm(_counts(streak=100))
+    assert [bool(dog.stalled(_counts(), None, float(t))) for t in (0, 4, 5)] == \
+        [False, False, True]
+    assert Watchdog(stall=0, streak_limit=0, alpha=0, now=0).stalled(_counts(), None, 1e9) \
+        is None
+
+
 # -- the SampleBuffer's slots, in-process (no cluster) -----------------------------------
 def _traj(gid: str, i: int, version: int = 0) -> Trajectory:
     return Trajectory(traj_id=f"{gid}-{i}", task="gridnav", group_id=gid, seed=1,
@@ -214,7 +256,6 @@ def _versions(actors) -> list[int]:
     return [w.stats().result()["version"] for w, _, _ in actors.workers]
 
 
-@pytest.mark.slow
 def test_an_async_run_stays_within_its_slots_and_workers_follow_the_trainer(
         local_cluster, tiny_model, tmp_path):
     graph = _graph("bp-bound")
@@ -246,7 +287,6 @@ def test_an_async_run_stays_within_its_slots_and_workers_follow_the_trainer(
         _stop(actors)
 
 
-@pytest.mark.slow
 def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_path):
     """The workers read another weight store (stuck on v0): every group is too old for
     the trainer from step 3 on and is dropped, so no step completes."""
@@ -277,7 +317,6 @@ def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_
         _stop(actors)
 
 
-@pytest.mark.slow
 def test_a_worker_that_cannot_load_new_versions_is_a_stall(local_cluster, tiny_model,
                                                            tmp_path):
     """One worker's model does not fit the trainer's weights (every load fails); the run

@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 
-from rollart.buffer import SampleBuffer, read_parts, read_samples
+from rollart.buffer import SampleBuffer, journal, read_parts, read_samples
 from rollart.buffer.ledger import STATES
 from rollart.types import CPU_ENV, Trajectory
 
@@ -81,11 +81,15 @@ def test_close_turns_an_unconfirmed_batch_into_lost_in_step(tmp_path):
     assert set(states(run).values()) == {("lost_in_step", 1)}
 
 
-def test_checkpoint_restore_keeps_taken_batches_and_sets_the_lost_run_aside(tmp_path):
+@pytest.mark.parametrize("later_checkpoint", [False, True])
+def test_checkpoint_restore_keeps_taken_batches_and_sets_the_lost_run_aside(
+        later_checkpoint, tmp_path):
     """``snapshot`` with a batch taken, an open group and a member in flight; the old run
     goes on after it (confirms, trains more); a fresh buffer restored from the snapshot
     sees none of that: the taken batch is taken again, the open group dropped, the
-    member in flight aborted, and the later journal and parts moved aside."""
+    member in flight aborted, and the later journal and parts moved aside.
+    ``later_checkpoint``: the lost run checkpointed again (compacting the journal it
+    wrote after the first one) before the restore from the first: the same outcome."""
     run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
 
     async def scenario():
@@ -101,6 +105,10 @@ def test_checkpoint_restore_keeps_taken_batches_and_sets_the_lost_run_aside(tmp_
         await old.get_table(1, 0, trained_step=2)
         await old.mark_trained(2)
         await old.flush()
+        if later_checkpoint:
+            before = len(journal.entries(run, "ledger"))
+            await old.snapshot(str(tmp_path / "ckpt2"))
+            assert len(journal.entries(run, "ledger")) < before
         lost_run = states(run)
         assert {t for t, (s, _) in lost_run.items() if s == "trained"} == \
             {"a-0", "a-1", "b-0", "b-1"} and lost_run["c-1"] == ("buffered", None)
@@ -128,6 +136,67 @@ def test_checkpoint_restore_keeps_taken_batches_and_sets_the_lost_run_aside(tmp_
         "a-0": ("trained", 1), "a-1": ("trained", 1), "b-0": ("trained", 2),
         "b-1": ("trained", 2)}
     assert (tmp_path / "run" / "ledger" / "after-resume-0").is_dir()
+
+
+# -- compaction: the journal merged at checkpoints replays the same --------------------
+def _journal_run(run: str) -> int:
+    """A buffer's journal with every kind of entry: launches, complete groups, a failed
+    arrival, a batch trained, a batch taken and unconfirmed, an open group, a flush.
+    Returns the next entry number."""
+    async def scenario():
+        buf = SampleBuffer(run, flush_every=3)
+        await buf.launched([f"{g}-{i}" for g in "abcdef" for i in range(2)])
+        for t in [make("a", 0, 1), make("a", 1, 1), make("b", 0, 1),
+                  make("c", 0, 1, failed=True), make("b", 1, 1), make("d", 0, 1)]:
+            await buf.put(t, 2)
+        await buf.get_table(1, 0, trained_step=1)
+        await buf.mark_trained(1)
+        await buf.flush()
+        for t in [make("c", 1, 1), make("e", 0, 1), make("e", 1, 1), make("d", 1, 1)]:
+            await buf.put(t, 2)
+        await buf.get_table(1, 0, trained_step=2)  # taken; the buffer is then lost
+        await buf.store.drain()
+        return buf.store.next_entry
+
+    return asyncio.run(scenario())
+
+
+def _recovered(run: str) -> tuple:
+    async def scenario():
+        buf = SampleBuffer(run, recover=True)
+        c = await buf.counts()
+        got = await buf.get_table(2, 0, trained_step=3, timeout=5)
+        return ({k: c[k] for k in ("launched", *STATES, "orphaned")},
+                sorted(got.column("traj_id").to_pylist()))
+
+    return asyncio.run(scenario())
+
+
+def test_a_compacted_journal_replays_and_recovers_identically(tmp_path):
+    """The same journal, compacted in two ranges (``journal.compact``) and not: the same
+    rows and states (``read_samples``), and a buffer recovered from either has the same
+    counts and hands out the same next batch."""
+    import shutil
+
+    import pyarrow.compute as pc
+
+    plain, packed = str(tmp_path / "plain"), str(tmp_path / "packed")
+    upto = _journal_run(plain)
+    shutil.copytree(plain, packed)
+    assert len(journal.entries(packed, "ledger")) == upto > 4
+    assert journal.compact(packed, upto // 2) > 0  # a first range, then the rest
+    assert journal.compact(packed, upto) > 0
+    assert journal.compact(packed, upto) == 0  # nothing new since
+    assert len(journal.entries(packed, "ledger")) == 2
+    assert journal.read_ledger(packed).next_entry == journal.read_ledger(plain).next_entry
+
+    def rows(run):
+        t = read_samples(run)
+        return t.take(pc.sort_indices(t, [("traj_id", "ascending")])).to_pylist()
+
+    assert rows(packed) == rows(plain) and len(rows(plain)) == 10
+    assert journal.read_ledger(packed).orphans == journal.read_ledger(plain).orphans
+    assert _recovered(packed) == _recovered(plain)
 
 
 # -- a real cluster: the buffer's worker closed abruptly -------------------------------

@@ -33,6 +33,15 @@ crash left unreadable are skipped with a warning (their entry's changes count as
 made).
 Folders ``*/after-resume-{k}/`` hold what a run lost after the checkpoint it was resumed
 from (``rollart.checkpoint``); readers ignore them.
+
+Compaction (``compact``, at each checkpoint's snapshot, on the buffer's I/O thread after
+every entry before it is written): the entries written since the previous compaction
+become one, numbered like the last of them (its ``ledger/`` changes in entry order, its
+``pending/`` rows in entry order, the last metadata with every orphan), so a long run
+keeps one pair of journal files per checkpoint interval. Replaying it gives the same
+state as replaying the entries it replaces, and a crash midway leaves both (replayed
+twice, same result). Compacted ranges never cross a checkpoint's ``next_entry``, so a
+resume still sets aside exactly the lost run's later entries.
 """
 
 from __future__ import annotations
@@ -199,3 +208,47 @@ def set_aside(run_dir: str, first_entry: int) -> int:
             fs.mv(p, f"{root}/{kind}/after-resume-{k}/{p.rsplit('/', 1)[-1]}")
             moved += 1
     return moved
+
+
+def _meta(table: pa.Table) -> dict | None:
+    return json.loads((table.schema.metadata or {}).get(META_KEY, b"null"))
+
+
+def compact(run_dir: str, upto: int) -> int:
+    """Merge the journal entries ``< upto`` written since the last compaction into one,
+    numbered like the last of them; returns how many files it removed. Every entry
+    ``< upto`` must be on disk (the buffer's I/O thread runs this after their writes)."""
+    fs, root = _fs(run_dir)
+    run: list[tuple[int, str, pa.Table | None]] = []
+    for n, path in reversed([e for e in entries(run_dir, "ledger") if e[0] < upto]):
+        table = _read(fs, path)
+        if table is not None and (_meta(table) or {}).get("compacted"):
+            break  # the previous compaction's: the run starts after it
+        run.append((n, path, table))
+    run.reverse()
+    if len(run) < 2:
+        return 0
+    first, last = run[0][0], run[-1][0]
+    readable = [t for _, _, t in run if t is not None]  # unreadable: never made
+    metas = [m for m in map(_meta, readable) if m is not None]
+    meta = {**(metas[-1] if metas else {}), "compacted": [first, last],
+            "orphans": sorted({o for m in metas for o in m.get("orphans", ())})}
+    changes = pa.concat_tables([t.select(LEDGER_SCHEMA.names).cast(LEDGER_SCHEMA)
+                                .replace_schema_metadata(None) for t in readable])
+    pending = [(n, p) for n, p in entries(run_dir, "pending") if first <= n <= last]
+    rows = [t.cast(SCHEMA) for t in (_read(fs, p) for _, p in pending) if t is not None]
+    # the merged files replace entry ``last`` (a rename), then the others go
+    if rows:
+        _replace(fs, f"{root}/pending/{last:08d}.parquet", pa.concat_tables(rows))
+    _replace(fs, f"{root}/ledger/{last:08d}.parquet",
+             changes.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}))
+    old = [p for n, p, _ in run if n != last] + [p for n, p in pending if n != last]
+    for p in old:
+        fs.rm(p)
+    return len(old)
+
+
+def _replace(fs, path: str, table: pa.Table) -> None:
+    tmp = f"{path}.tmp"  # not ``*.parquet``: ``entries`` never lists it
+    _write(fs, tmp, table)
+    fs.mv(tmp, path)

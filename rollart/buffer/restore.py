@@ -4,7 +4,8 @@ dir's journal after the buffer's worker was lost.
 * ``snapshot(buf, url)`` / ``restore(buf, url)``: the buffer's part of a checkpoint
   (``rollart.checkpoint``): ``buffer.parquet`` (every row held: buffered groups, complete
   or not, and taken ones) and ``buffer.json`` (counters, ledger totals, next part and
-  journal entry, groups). Called through ``SampleBuffer.snapshot/restore``.
+  journal entry, groups); a snapshot then compacts the journal entries written since the
+  previous one (``journal.compact``). Called through ``SampleBuffer.snapshot/restore``.
 * ``recover(buf)``: ``SampleBuffer(run_dir, recover=True)`` rebuilt from
   ``rollart.buffer.journal``: complete groups that were buffered are buffered again;
   taken batches stay taken for their step (the next ``get_table`` or ``release_taken``
@@ -58,7 +59,21 @@ async def snapshot(buf, url: str) -> dict:
     pq.write_table(pa.Table.from_batches(batches, schema=SCHEMA), out)
     files = write_bytes(url, "buffer.parquet", out.getvalue())
     files.update(write_bytes(url, "buffer.json", json.dumps(meta, indent=1).encode()))
+    await _compact(buf, meta["next_entry"])
     return files
+
+
+async def _compact(buf, upto: int) -> None:
+    """Merge the journal entries since the last checkpoint (``journal.compact``) on the
+    buffer's I/O thread, behind every entry already started; a failure costs only files."""
+    if buf.run_dir is None:
+        return
+    try:
+        removed = await buf.store._submit(journal.compact, buf.run_dir, upto)
+        logger.debug("journal compacted before entry %d: %d files removed", upto, removed)
+    except Exception as e:  # noqa: BLE001 - the journal is still whole: both copies replay
+        logger.warning("compacting the journal under %s failed (%r); it stays as it is",
+                       buf.run_dir, e)
 
 
 async def restore(buf, url: str) -> int:

@@ -46,13 +46,14 @@ def evaluate_target(target, graph=None, seeds: int = 64) -> dict:
     from rollart.model import check_model_folder
 
     target = Path(target)
+    model = target / "model" if is_run_dir(target) else target
+    check_model_folder(str(model))  # before the graph: "not a model" is the error to see
     if is_run_dir(target):
         g = run_graph(target, graph)
-        model, warm = target / "model", target / "warmup_model"
+        warm = target / "warmup_model"
         warm = str(warm) if (warm / "config.json").is_file() else None
     else:
-        g, model, warm = load_graph(graph)[0], target, None
-    check_model_folder(str(model))
+        g, warm = load_graph(graph)[0], None
     result = RunResult(str(target), [], str(model), warm)
     out = _evaluate_run(g, result, seeds)
     return {"model": str(model), "graph": g.name, "tasks": g.task_names, **out}

@@ -114,3 +114,58 @@ def test_second_run_in_the_same_dir(local_cluster, tiny_model, tmp_path):
     assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert WeightStore(str(run_dir / "weights")).versions() == [2, 3, 4]
+
+
+def test_eval_on_a_folder_that_is_not_a_model(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hi")
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "has no config.json: it is not a Hugging Face model folder" in \
+        capsys.readouterr().err
+    run = tmp_path / "run"  # a run dir whose training never saved model/
+    run.mkdir()
+    from rollart.graph import load_graph
+
+    (run / "graph.json").write_text(json.dumps(
+        {"source": "gridnav", **load_graph("gridnav")[0].to_dict()}))
+    assert main(["eval", str(run)]) == 2
+    assert f"{run / 'model'}" in capsys.readouterr().err
+
+
+def test_samples_of_a_missing_run(tmp_path, capsys):
+    assert main(["samples", str(tmp_path / "nope")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+
+
+def test_quiet_turns_dask_info_off_and_verbose_on(monkeypatch):
+    import logging
+
+    from rollart.cli import quiet
+
+    monkeypatch.delenv("DASK_LOGGING__DISTRIBUTED", raising=False)
+    quiet()
+    assert logging.getLogger("distributed.scheduler").getEffectiveLevel() == logging.WARNING
+    monkeypatch.delenv("DASK_LOGGING__DISTRIBUTED", raising=False)
+    quiet(verbose=True)
+    assert logging.getLogger("distributed.worker").getEffectiveLevel() == logging.INFO
+    monkeypatch.setenv("DASK_LOGGING__DISTRIBUTED", "error")  # the user's own setting wins
+    quiet()
+    assert logging.getLogger("distributed.nanny").getEffectiveLevel() == logging.ERROR
+    monkeypatch.delenv("DASK_LOGGING__DISTRIBUTED", raising=False)
+    quiet()
+
+
+def test_cluster_start_shows_progress(capsys):
+    """The first seconds of a run: a line naming the workers, a bar of workers
+    connected, and the time it took (a real SpecCluster, in-process workers)."""
+    from dataclasses import replace
+
+    from rollart.control import connect
+    from rollart.resources import load_resources
+
+    res = replace(load_resources(), processes=False, dashboard_address=":0")
+    n = sum(p.workers for p in res.pools)
+    with connect(res, progress=True) as client:
+        assert len(client.scheduler_info()["workers"]) == n
+    err = capsys.readouterr().err
+    assert f"rollart: starting a local Dask cluster ({n} workers: H800×1" in err
+    assert f"{n}/{n}" in err and "starting Dask workers" in err and ": done in " in err

@@ -54,6 +54,10 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
         assert len(rows) == 2
     outputs = "".join(o.get("text", "") + json.dumps(o.get("data", {}))
                       for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    logs = [line for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if o.get("name") == "stderr" for line in o.get("text", "").splitlines()]
+    # only what a reader needs: no Dask INFO logs (rollart.quiet() in the first cell)
+    assert not [ln for ln in logs if " - INFO - " in ln or "distributed." in ln], logs
     if name == "quickstart":
         assert "trained" in outputs  # the samples table, grouped by state
     else:

@@ -15,6 +15,8 @@ from dataclasses import replace
 from distributed import Client
 
 import rollart
+
+rollart.quiet()  # Dask's INFO logs off (rollart.quiet(verbose=True): on)
 from rollart.api import wait_for_step
 from rollart.plots import render_report
 

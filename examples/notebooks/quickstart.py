@@ -17,6 +17,8 @@ from distributed import Client
 
 import rollart
 
+rollart.quiet()  # Dask's INFO logs off (rollart.quiet(verbose=True): on)
+
 STEPS = int(os.environ.get("ROLLART_NB_STEPS", 30))
 WARMUP = os.environ.get("ROLLART_NB_WARMUP")  # None: the graph's own warm-up
 RUN_DIR = os.environ.get("ROLLART_NB_RUN_DIR")  # None: runs/NAME-TIME

@@ -171,7 +171,7 @@ def test_the_buffer_hands_out_a_slot_only_when_a_group_leaves(tmp_path):
         await buf.get_table(1, min_version=5, trained_step=2)  # drops w1 (v0), takes w2
         assert (await buf.stats())["slots_held"] == 0
         await buf.close()
-        assert await buf.acquire("m", wait=5) is None  # a closed buffer hands out nothing
+        assert await buf.acquire("m", wait=5) is False  # a closed buffer: stop asking
 
     asyncio.run(scenario())
 
@@ -211,7 +211,7 @@ def test_a_lost_manager_frees_nothing_and_its_group_is_handed_out_again(tmp_path
         await buf.launched([f"{w.group_id}-0", f"{w.group_id}-1"])
         await buf.put(_traj(w.group_id, 0), 2)
         assert await buf.holder_lost("lost") == 1
-        assert await buf.acquire("lost", wait=0.1) is None  # a lost holder takes nothing
+        assert await buf.acquire("lost", wait=0.1) is False  # a lost holder: stop asking
         again = await buf.acquire("alive")
         assert (again.group_id, again.need, again.first_index) == (w.group_id, 1, 1000)
         c = await buf.counts()

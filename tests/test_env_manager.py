@@ -356,3 +356,35 @@ def test_stale_in_flight_members_are_aborted_and_replaced(rollout):
     assert after["launched"] - before["launched"] == 4
     assert after["in_flight"] == 0
     buf.get_batch(1, min_version=-1, timeout=10).result()
+
+
+def test_take_work_runs_what_the_buffers_slots_allow_and_ends_with_the_buffer(
+        rollout, tiny_model):
+    """``take_work``: the manager takes a group whenever the buffer frees a slot, never
+    more than the slots; the loop returns when the buffer closes."""
+    from rollart.buffer.slots import GroupSequence, Slots
+
+    c, _, _, workers = rollout
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-slots").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
+                   resources={CPU_ENV: 1}, key="mgr-slots").result()
+    seq = GroupSequence([_task("slotted")], None, seed=5, group_size=2)
+    buf.open_slots(Slots(2, seq)).result()
+    loop = mgr.take_work("m", None)
+    deadline = time.monotonic() + 60
+    while buf.counts().result()["groups_complete"] < 2:
+        assert time.monotonic() < deadline and not loop.done()
+        time.sleep(0.05)
+    time.sleep(0.5)  # a third group would have been taken by now
+    st = buf.stats().result()
+    assert (st["slots_held"], st["groups_live"], st["launched"]) == (2, 2, 4)
+    assert mgr.stats().result()["groups_taken"] == 2
+    got = buf.get_batch(1, min_version=-1, timeout=10).result()  # a slot frees
+    assert len({t.group_id for t in got} & {"g000000", "g000001"}) == 1
+    while mgr.stats().result()["groups_taken"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    buf.close().result()
+    assert loop.result(timeout=30)["groups_taken"] == 3
+    mgr.close().result()

@@ -289,6 +289,10 @@ def test_worker_finds_new_versions_in_the_store_and_reports_one_it_cannot_load(m
         store.put(3, perturbed(engine, seed=3))
         st = await until(w, lambda s: s["version"] == 3)
         await w.close()
+        # without a watch, one who waits for a version makes the worker look for it
+        lazy = InferenceWorker(model_dir, store.url, pool="H20", watch=None)
+        assert await lazy.wait_version(3, timeout=30) == 3
+        await lazy.close()
         return st
 
     assert asyncio.run(scenario())["prefetches"] == 2

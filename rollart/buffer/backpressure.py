@@ -74,8 +74,8 @@ class Backpressure:
 
     async def acquire(self, holder: str, tasks=None, wait: float = ACQUIRE_WAIT):
         """The next group for env manager ``holder`` (running the task names ``tasks``,
-        or any) once a slot is free; None after ``wait`` s without one, and at once for
-        a holder reported lost or a closing buffer."""
+        or any) once a slot is free; None after ``wait`` s without one (ask again); False
+        at once for a holder reported lost or a closing buffer (stop asking)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         freed = self._slot_event()
@@ -93,7 +93,7 @@ class Backpressure:
                 await asyncio.wait_for(freed.wait(), remaining)
             except TimeoutError:
                 return None
-        return None
+        return False
 
     async def holder_lost(self, holder: str) -> int:
         """Env manager ``holder`` was lost: its groups' members in flight there are

@@ -153,8 +153,10 @@ class EnvManager:
                                    "its replacement", e)
                     await self._new_buffer(5.0)
                     continue
+                if work is False:  # the buffer closes, or counts this holder lost
+                    break
                 if work is None:
-                    continue  # no slot freed meanwhile (or closing): ask again
+                    continue  # no slot freed meanwhile: ask again
                 self.counts["groups_taken"] += 1
                 job = asyncio.ensure_future(self._run_work(work, redundancy, backup_after))
                 jobs.add(job)

@@ -5,8 +5,8 @@ The engine is a ``TorchEngine`` or a ``VLLMEngine`` (``engine="torch"|"vllm"``, 
 
 Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight
 versions, which it finds itself: its prefetch thread reads the store's ``latest()``
-every ``watch`` seconds (a few bytes), so nobody relays versions to it
-(``update_weights`` remains to ask for one at once). Produces ``GenResult``s stamped
+every ``watch`` seconds (a few bytes) and at once when someone waits (``wait_version``),
+so nobody relays versions to it (``update_weights`` remains to ask for one at once). Produces ``GenResult``s stamped
 with this worker's address. Its methods are ``async`` and run on
 the Dask worker's event loop; the model runs on one engine thread the actor owns, which
 batches requests continuously (they join the running batch at decode-step boundaries and
@@ -93,7 +93,7 @@ class InferenceWorker:
         threads: int | None = None,
         engine: str = "torch",
         engine_options: dict | None = None,
-        watch: float | None = 0.5,
+        watch: float | None = 0.25,
         retry_after: float = 5.0,
     ):
         if threads:
@@ -113,6 +113,7 @@ class InferenceWorker:
         self._load_error: tuple[int, BaseException] | None = None
         self.watch, self.retry_after = watch, float(retry_after)  # s: store polls, retries
         self._failed_at = 0.0  # when the latest load failed (time.monotonic)
+        self._look_now = False  # wait_version: look at the store without waiting
         self._watch_error: str | None = None  # reading the store's latest() failed
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
@@ -228,6 +229,8 @@ class InferenceWorker:
             if self._load_error and self._load_error[0] >= version > self._fetched:
                 raise self._load_error[1]
             self._waiters.append((int(version), future, loop))
+            self._look_now = True  # someone waits: look at the store now, not at the poll
+            self._cond.notify_all()
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -379,13 +382,14 @@ class InferenceWorker:
     def _prefetch_loop(self) -> None:
         while True:
             with self._cond:
-                if not (self._stop or self._wanted > self._fetched):
+                if not (self._stop or self._wanted > self._fetched or self._look_now):
                     self._cond.wait(self.watch or None)
                 if self._stop:
                     return
                 target = self._wanted if self._wanted > self._fetched else None
+                look, self._look_now = self.watch or self._look_now, False
             if target is None:
-                if self.watch:
+                if look:
                     self._look()
                 continue
             t0 = time.perf_counter()

@@ -351,7 +351,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir, recovery=events,
                        final_counts=final_counts)
     if eval_seeds:
-        result.evaluation = _evaluate_run(graph, result, eval_seeds)
+        with phase(f"held-out evaluation ({eval_seeds} seeds per task)", progress):
+            result.evaluation = _evaluate_run(graph, result, eval_seeds)
         (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
     return result
 

@@ -2,7 +2,8 @@
 
 Consumes a ``Graph`` (plus the model folder, the run directory and the weight store's
 URL); produces one ``RoleSpec`` per role (``role_specs``) and, on a Dask cluster, the
-``Actors`` record a run drives. ``Stages.start`` places every spec (called by
+``Actors`` record a run drives (handles: ``rollart.handles.Handle``, whose calls fail
+fast on a lost worker). ``Stages.start`` places every spec (called by
 ``rollart.control.run_loop``); ``Stages.reconcile`` compares what should run with what
 runs (the scheduler's live workers, the actors' futures) and re-creates what is missing
 from the same spec (called by ``rollart.recovery.Supervisor``), as Dask's
@@ -305,9 +306,11 @@ class Stages:
         """``started(future, role, tag, addr)``: the actor, once built, within
         ``waits.start`` of ``t0`` (they were submitted together)."""
         def started(fut, role: str, tag: str, addr: str):
+            from rollart.handles import handle
+
             left = max(t0 + self.waits.start - time.monotonic(), 0.1)
-            return bounded(fut, left, f"the {self._cls(role, tag)} on {addr} ({tag}) did "
-                           f"not start", "start")
+            return handle(bounded(fut, left, f"the {self._cls(role, tag)} on {addr} ({tag}) "
+                                  "did not start", "start"))
         return started
 
     def _cls(self, role: str, tag: str | None = None) -> str:
@@ -344,6 +347,8 @@ class Stages:
         return out
 
     def _replace_one(self, actors: Actors, role: str, old: str, live, out: Reconciled) -> None:
+        from rollart.handles import handle
+
         spec = self.spec(role)
         if role == "buffer":
             where = buffer_worker(live, spec, avoid=old)
@@ -358,13 +363,17 @@ class Stages:
         extra = {"recover": True} if role == "buffer" else {}
         self._n += 1
         fut = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra)
-        actor = bounded(fut, self.waits.start, f"the replacement {spec.cls.__name__} on "
-                        f"{addr} ({tag}) did not start", "start")
+        actor = handle(bounded(fut, self.waits.start, f"the replacement "
+                               f"{spec.cls.__name__} on {addr} ({tag}) did not start",
+                               "start"))
         actors.add(role, actor, tag, addr)
         out.made.append((role, tag, addr))
 
     def _fill(self, actors: Actors, role: str, live, out: Reconciled) -> None:
-        """One actor of ``role`` per live worker carrying each of its specs' tags."""
+        """One actor of ``role`` per live worker carrying each of its specs' tags (as
+        ``rollart.handles.Handle`` s, like every actor placed here)."""
+        from rollart.handles import handle
+
         for spec in (s for s in self.specs if s.role == role):
             have = {addr for _, _, addr in actors.of(role, spec.tag)}
             for addr in _with_tag(live, spec.tag):
@@ -372,8 +381,9 @@ class Stages:
                     continue
                 self._n += 1
                 fut = self.submit(spec, addr, actors, suffix=f"-r{self._n}")
-                actor = bounded(fut, self.waits.start, f"the new {spec.cls.__name__} on "
-                                f"{addr} ({spec.tag}) did not start", "start")
+                actor = handle(bounded(fut, self.waits.start, f"the new "
+                                       f"{spec.cls.__name__} on {addr} ({spec.tag}) did "
+                                       "not start", "start"))
                 if role == "inference":
                     self._catch_up(actor, f"{addr} ({spec.tag})")
                 actors.add(role, actor, spec.tag, addr)

@@ -345,3 +345,60 @@ def test_a_hung_warmup_ends_within_its_bound_through_the_progress_bar():
         finally:
             _RELEASE.set()
             fut.result(timeout=30)
+
+
+# -- a call made on a worker to an actor whose worker dies fails at once -------------------
+class _Slow:
+    async def wait(self, seconds: float) -> str:
+        import asyncio
+
+        await asyncio.sleep(seconds)
+        return "done"
+
+
+class _Caller:
+    """Calls a ``_Slow`` actor from its own worker (as an env manager calls inference)."""
+
+    def __init__(self):
+        self.target = None
+
+    def set_target(self, target) -> str:
+        self.target = target
+        return type(target).__name__
+
+    async def call(self) -> str:
+        try:
+            return await self.target.wait(300)
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            return f"{type(e).__name__}: {e}"
+
+
+def test_a_call_to_an_actor_on_a_lost_worker_fails_at_once():
+    """A plain Dask handle unpickled on a worker waits forever when the actor's worker
+    dies mid-call (it awaits the re-creation of an actor pinned to a dead worker);
+    ``rollart.handles.Handle`` (what ``Stages`` gives every actor) raises ``OSError`` at
+    once, so the proxy can re-route and a member can fail instead of holding a slot."""
+    from distributed import LocalCluster
+
+    from rollart.handles import Handle, handle
+
+    # worker processes: in-process workers share the test's client, whose future of
+    # the actor does hear of the loss
+    with LocalCluster(n_workers=3, processes=True, threads_per_worker=1,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        a, b, _ = sorted(cluster.scheduler_info["workers"])
+        slow = c.submit(_Slow, actor=True, workers=[a], allow_other_workers=False).result()
+        callers = [c.submit(_Caller, actor=True, workers=[b], pure=False).result()
+                   for _ in range(2)]
+        assert callers[0].set_target(slow).result() == "Actor"
+        assert callers[1].set_target(handle(slow)).result() == "Handle"
+        calls = [x.call() for x in callers]
+        time.sleep(1.0)  # both calls are in flight on a's actor
+        lose_worker(cluster, c, a, restart_after=None)
+        t0 = time.monotonic()
+        got = calls[1].result(timeout=60)
+        took = time.monotonic() - t0
+        plain_done = calls[0].done()
+    assert got == "OSError: Unable to contact Actor's worker" and took < 30, (got, took)
+    assert not plain_done  # the plain handle still waits (Dask's own behaviour)
+    assert isinstance(handle(slow), Handle)

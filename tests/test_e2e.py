@@ -1,10 +1,13 @@
 """End to end: the default multi-task graph trains on a local tagged cluster and the
-policy really learns — held-out success rises above the warm-up policy's on every task.
+policy really learns — held-out success rises above the warm-up policy's on every task;
+the chat graph (``graphs/chat.py:quick``) learns too, and its Parquet rows decode to
+well-formed ChatML conversations with the loss mask exactly on the assistant's tokens.
 
 Marked slow (a few minutes on 2 cores); CI runs it.
 """
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -88,3 +91,113 @@ def test_every_actor_ran_on_its_tag(run):
     assert placement["buffer"] == placement["trainer"]  # off the env pool
     assert {next(iter(tags[a])) for a in placement["inference"]} == {"H800", "H20"}
     assert all(tags[a] == {"CPU_ENV": 1} for a in placement["env"])
+
+
+# -- the chat graph ----------------------------------------------------------------------
+# graphs/chat.py:quick (the three games in chat format on the chat toy, 60 steps after
+# its 150-step warm-up) on the laptop layout in-process. Bound fixed from the full
+# graph's run before this test first ran (see CHAT_MIN_GAIN).
+CHAT_GAMES = ("gridnav", "guess", "boxpush")
+CHAT_MIN_GAIN = {"boxpush": 0.1}  # tasks the quick run learns, and by how much at least
+TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n")
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    from distributed import Client
+
+    graph, _ = load_graph("graphs/chat.py:quick")
+    res = replace(load_resources("laptop"), processes=False, dashboard_address=":0")
+    run_dir = tmp_path_factory.mktemp("e2e-chat") / "run"
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        result = train(graph, client=client, run_dir=run_dir, progress=False, eval_seeds=128)
+    return result
+
+
+@pytest.mark.timeout(1800)  # the fixture's run: ~8 min on 2 idle cores, 20 when shared
+def test_chat_graph_learns_above_the_warmup_policy(chat_run):
+    ev = chat_run.evaluation
+    print("chat held-out success, warm-up -> trained:", ev)
+    assert set(ev["trained"]) == set(CHAT_GAMES)
+    gains = {t: ev["trained"][t] - ev["warmup"][t] for t in CHAT_GAMES}
+    assert all(gains[t] >= g for t, g in CHAT_MIN_GAIN.items()), (gains, ev)
+    saved = json.load(open(f"{chat_run.run_dir}/eval.json"))
+    assert saved["warmup"] == ev["warmup"] and saved["trained"] == ev["trained"]
+
+
+def _mask_runs(mask):
+    runs, start = [], 0
+    for j in range(1, len(mask) + 1):
+        if j == len(mask) or mask[j] != mask[start]:
+            runs.append((start, j, mask[start]))
+            start = j
+    return runs
+
+
+def check_chatml_row(tok, row, max_new: int) -> list[dict]:
+    """Assert ``row`` decodes to ChatML turns in order with the loss mask exactly on the
+    assistant's tokens and their ``<|im_end|>``; return the messages."""
+    end, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    prompt = tok.decode(row["prompt_ids"], skip_special_tokens=False)
+    assert TURN.findall(prompt) == ["user", "assistant"], prompt
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n"), prompt
+    messages = [{"role": "user", "content": prompt.split("\n", 1)[1].split("<|im_end|>")[0]}]
+    resp, mask = row["response_ids"], row["loss_mask"]
+    assert len(mask) == len(resp) and mask[:1] == [1]
+    for k, (a, b, m) in enumerate(_mask_runs(mask)):
+        ids = resp[a:b]
+        if m == 1:  # the policy's tokens, ended by <|im_end|> (or another eos), or cut
+            stopped = ids[-1] in (end, eot)
+            assert stopped or len(ids) == max_new, ids
+            assert not {end, eot} & set(ids[:-1])
+            content = ids[:-1] if stopped else ids
+            messages.append({"role": "assistant",
+                             "content": tok.decode(content, skip_special_tokens=False)})
+            continue
+        # rollart's tokens: the end-of-turn token when the policy did not write it, then
+        # "\n", one user turn and the next assistant prompt
+        text = tok.decode(ids, skip_special_tokens=False)
+        closed = resp[a - 1] == end
+        assert text.startswith("\n" if closed else "<|im_end|>\n"), (text, resp[a - 1])
+        assert TURN.findall(text) == ["user", "assistant"], text
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n"), text
+        messages.append({"role": "user", "content": text.split("user\n", 1)[1]
+                        .split("<|im_end|>")[0]})
+    return messages
+
+
+def _renders_alike(tok, gen, end, special) -> bool:
+    """A generation a re-render gives back: its own <|im_end|>, no other special token,
+    text that re-encodes to the same ids and no whitespace at its ends (which the
+    template's "\n" would merge with)."""
+    from rollart.model import encode
+
+    text = tok.decode(gen[:-1])
+    return (gen[-1] == end and not special & set(gen[:-1]) and text == text.strip()
+            and encode(tok, text) == gen[:-1])
+
+
+def test_chat_parquet_rows_decode_to_chatml_conversations(chat_run):
+    from rollart.model import encode, load_tokenizer
+
+    tok = load_tokenizer(chat_run.model_dir)
+    graph, _ = load_graph("graphs/chat.py:quick")
+    max_new = {t.name: t.max_new_tokens for t in graph.tasks}
+    rows = [r for r in read_samples(chat_run.run_dir).to_pylist() if r["state"] == "trained"]
+    assert len(rows) >= 60 * 96
+    end, special = tok.convert_tokens_to_ids("<|im_end|>"), set(tok.all_special_ids)
+    clean = 0
+    for row in rows:
+        messages = check_chatml_row(tok, row, max_new[row["task"]])
+        roles = [m["role"] for m in messages]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2)
+        gens = [row["response_ids"][a:b] for a, b, m in _mask_runs(row["loss_mask"]) if m]
+        if roles[-1] != "assistant" or any(not _renders_alike(tok, g, end, special)
+                                           for g in gens):
+            continue  # kept verbatim, so unlike a re-render (token in, token out)
+        # every turn the policy's own text and <|im_end|>: the ids are the template's render
+        ids = row["prompt_ids"] + row["response_ids"]
+        full = encode(tok, tok.apply_chat_template(messages, tokenize=False))
+        assert full[:len(ids)] == ids and tok.decode(full[len(ids):]) == "\n"
+        clean += 1
+    assert clean >= len(rows) // 2, (clean, len(rows))

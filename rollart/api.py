@@ -111,7 +111,7 @@ def start_run(client, graph=None, *, steps: int | None = None, run_dir=None,
     """Start ``graph`` on the cluster behind ``client`` and return at once.
 
     ``graph``/``steps``/``kwargs`` are ``rollart.train``'s (``seed``, ``alpha``, ``mode``,
-    ``model``, ``resume``). Held-out evaluation is off by default here (``eval_seeds=0``).
+    ``model``, ``resume``, ``overrides=["algo.lr=1e-4"]``, ``report_to="tensorboard"``). Held-out evaluation is off by default here (``eval_seeds=0``).
     A ``run_dir`` that already holds a run raises ``RunDirError`` here, before anything
     starts, unless ``overwrite=True`` (its outputs are deleted) or ``resume=run_dir``.
     """

@@ -115,7 +115,11 @@ def start_run(client, graph=None, *, steps: int | None = None, run_dir=None,
     A ``run_dir`` that already holds a run raises ``RunDirError`` here, before anything
     starts, unless ``overwrite=True`` (its outputs are deleted) or ``resume=run_dir``.
     """
-    g, _ = load_graph(graph)
+    from rollart.overrides import apply_overrides
+    from rollart.trackers import make_trackers
+
+    g = apply_overrides(load_graph(graph)[0], kwargs.get("overrides"))  # bad ones: here
+    make_trackers(kwargs.get("report_to"))  # a missing package fails here, not in the run
     if kwargs.get("resume") is not None:
         run_dir = Path(kwargs["resume"])  # train() continues the run in that folder
     else:

@@ -238,3 +238,16 @@ def test_one_run_in_every_tracker_then_samples_and_eval(local_cluster, tmp_path,
     trajs = local_cluster.run_on_scheduler(_plugin_samples)[run_dir.name]  # the page's
     assert trajs and {t["task"] for t in trajs} == {"gridnav"}
     assert all(t["turns"][0]["observation"].startswith("gridnav") for t in trajs)
+
+
+def test_start_run_refuses_bad_overrides_and_trackers_before_starting(monkeypatch, tmp_path):
+    """``start_run`` returns at once: bad input must raise there, not in its thread."""
+    from rollart.api import start_run
+    from rollart.graph import GraphError
+
+    with pytest.raises(GraphError, match="Rollout.redundancy must be a factor"):
+        start_run(None, "gridnav", run_dir=tmp_path / "a", overrides=["rollout.redundancy=9"])
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(TrackerError, match=r"rollart\[wandb\]"):
+        start_run(None, "gridnav", run_dir=tmp_path / "b", report_to="wandb")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -300,7 +300,17 @@ class Stages:
         started = self._started(time.monotonic())
         for f, tag, addr in managers:
             actors.add("env", started(f, "env", tag, addr), tag, addr)
+        for m, tag, addr in actors.of("env"):
+            self._hand_buffer(m, actors, f"{addr} ({tag})")
         return actors
+
+    def _hand_buffer(self, manager, actors: Actors, where: str) -> None:
+        """Give a new env manager the buffer again, as a method argument: a handle passed
+        to the constructor arrives as a plain Dask one (an actor argument is a task
+        dependency), whose calls wait forever once the buffer's worker is lost
+        (``rollart.handles``); a manager stuck in ``acquire`` on it took no more work."""
+        bounded(manager.set_buffer(actors.buffer), self.waits.call,
+                f"the EnvManager on {where} did not take the sample buffer")
 
     def _started(self, t0: float):
         """``started(future, role, tag, addr)``: the actor, once built, within
@@ -386,6 +396,8 @@ class Stages:
                                        "not start", "start"))
                 if role == "inference":
                     self._catch_up(actor, f"{addr} ({spec.tag})")
+                if role == "env":
+                    self._hand_buffer(actor, actors, f"{addr} ({spec.tag})")
                 actors.add(role, actor, spec.tag, addr)
                 out.made.append((role, spec.tag, addr))
 

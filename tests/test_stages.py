@@ -123,8 +123,17 @@ def test_buffer_is_not_on_an_env_worker(layout, tiny_model, tmp_path):
             assert CPU_ENV not in tags, (layout, tags)
             assert tags.get(BUFFER if layout != "one-per-tag" else TRAIN), (layout, tags)
             assert actors.buffer.counts().result()["launched"] == 0  # it answers
+            for m in actors.managers:  # the buffer as a Handle (rollart.handles), not the
+                # plain one a constructor argument arrives as
+                assert c.run(_buffer_kind, m.key, workers=[m._address])[m._address] == \
+                    "Handle"
         finally:
             _shutdown(actors)
+
+
+def _buffer_kind(key: str, dask_worker=None) -> str:
+    buf = dask_worker.state.actors[key].buffer
+    return type(getattr(buf, "actor", buf)).__name__
 
 
 # -- reconcile: routes and env pools ----------------------------------------------------

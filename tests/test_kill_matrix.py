@@ -1,0 +1,217 @@
+"""The kill matrix (issue 20, "Bad input"): SIGKILL of one worker process mid-run, in
+each default layout, and the run completes with nothing lost and nothing trained twice.
+
+Layouts: ``resources/local.py`` and ``resources/laptop.py`` started as worker processes
+(each with its Nanny, which restarts the killed process), and a hand-started cluster: a
+``dask scheduler`` and one ``dask worker --nanny --resources TAG=1`` per tag (H800, H20,
+CPU_ENV, REWARD, TRAIN) as subprocesses, the run given its address. One cluster per
+layout serves its cells one after another (each run waits until every tag is back).
+
+The check does not trust the ledger: for every step in ``metrics.jsonl`` the Parquet rows
+``trained`` at that step (``rollart.buffer.read_samples``) must be exactly the batch the
+trainer reports it trained on (its ``trainer/batch_sha1`` and ``trainer/batch_size``),
+and no trajectory id is ``trained`` twice.
+
+Cells already covered elsewhere: the env worker killed on laptop (env + inference +
+reward in one process) and local, the buffer's own worker and local's trainer+buffer
+worker (tests/test_stages.py, in-process workers closed abruptly); the trainer killed
+mid-step (tests/test_durability.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import pyarrow.compute as pc
+import pytest
+
+from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
+from rollart.buffer import read_samples
+from rollart.buffer.ledger import STATES
+from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
+
+distributed = pytest.importorskip("distributed")
+pytestmark = pytest.mark.slow
+
+TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN)
+# (layout, tag of the worker killed, roles that must come back within the run); laptop's
+# TRAIN worker also holds the buffer (BUFFER), and so does the hand-started cluster's
+# (its fallback). A lost inference worker need not be back before the run ends: the
+# other pool's worker serves meanwhile (on a loaded machine the short run often ends
+# first); the trainer, the buffer and the only env manager must be.
+CELLS = [
+    ("hand", CPU_ENV, {"env"}),
+    ("hand", H20, set()),
+    ("hand", TRAIN, {"trainer", "buffer"}),
+    ("hand", REWARD, set()),  # no actor there: its reward tasks are re-run by Dask
+    ("laptop", TRAIN, {"trainer", "buffer"}),
+    ("local", H800, set()),
+    ("local", TRAIN, {"trainer", "buffer"}),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HandStarted:
+    """``dask scheduler`` + one ``dask worker --nanny`` per tag, as subprocesses."""
+
+    def __init__(self, log_dir):
+        self.address = f"tcp://127.0.0.1:{_free_port()}"
+        self.logs, self.procs = [], []
+        self._spawn(log_dir / "scheduler.log", "dask_scheduler", "--host", "127.0.0.1",
+                    "--port", self.address.rsplit(":", 1)[1], "--no-dashboard")
+        for tag in TAGS:
+            self._spawn(log_dir / f"worker-{tag}.log", "dask_worker", self.address,
+                        "--nworkers", "1", "--nthreads", "1", "--resources", f"{tag}=1",
+                        "--nanny", "--host", "127.0.0.1", "--no-dashboard",
+                        "--name", f"w-{tag}")
+
+    def _spawn(self, log, module: str, *args: str) -> None:
+        f = open(log, "w")
+        self.logs.append(f)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", f"distributed.cli.{module}", *args], stdout=f,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+    def kill(self, client, addr: str) -> None:
+        """SIGKILL the worker process at ``addr`` (its Nanny starts a fresh one)."""
+        pid = client.run(os.getpid, workers=[addr])[addr]
+        os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in reversed(self.procs):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for f in self.logs:
+            f.close()
+
+
+class Layouts:
+    """One cluster at a time: ``get(layout)`` closes the previous layout's."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp = tmp_path_factory
+        self.name = self.cluster = self.client = None
+
+    def get(self, layout: str):
+        from distributed import Client
+
+        if layout != self.name:
+            self.close()
+            if layout == "hand":
+                self.cluster = HandStarted(self.tmp.mktemp("hand"))
+                self.client = Client(self.cluster.address, timeout=120)
+            else:
+                res = replace(load_resources(layout), processes=True, dashboard_address=":0")
+                self.cluster = res.make_cluster()
+                self.client = Client(self.cluster)
+            self.name = layout
+        _wait_for_tags(self.client)
+        return self.cluster, self.client
+
+    def kill(self, addr: str) -> None:
+        from rollart.recovery import lose_worker
+
+        if isinstance(self.cluster, HandStarted):
+            self.cluster.kill(self.client, addr)
+        else:
+            lose_worker(self.cluster, self.client, addr)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.cluster.close()
+        self.name = self.cluster = self.client = None
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = Layouts(tmp_path_factory)
+    yield out
+    out.close()
+
+
+def _wait_for_tags(client, timeout: float = 300.0) -> None:
+    """Every tag carried by a running worker (a killed one's Nanny restarts it)."""
+    from rollart.resources import workers_with
+
+    deadline = time.monotonic() + timeout
+    while not all(workers_with(client, t) for t in TAGS):
+        assert time.monotonic() < deadline, "a killed worker did not come back"
+        time.sleep(0.2)
+
+
+def _kill_after_step(layouts: Layouts, run_dir, step: int, tag: str, log: list) -> None:
+    from rollart.resources import workers_with
+
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < step:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    addr = workers_with(layouts.client, tag)[0]
+    layouts.kill(addr)
+    log.append(addr)
+
+
+def _graph(name: str) -> Graph:
+    return Graph(name=name, tasks=("gridnav",), steps=3, mode="async",
+                 policy=Policy(warmup_steps=0),
+                 algo=GRPO(group_size=2, groups_per_step=2, alpha=1),
+                 rollout=Rollout(env_step_timeout=5.0))
+
+
+def check_trained_against_parquet(result) -> None:
+    """The trainer's own report of each step's batch equals the Parquet rows trained at
+    that step; no id is trained twice; the ledger adds up and nothing is in flight."""
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    ids = trained["traj_id"].to_pylist()
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    by_step: dict[int, list[str]] = {}
+    for t, s in zip(ids, trained["trained_step"].to_pylist()):
+        by_step.setdefault(s, []).append(t)
+    assert sorted(by_step) == [r["step"] for r in result.metrics]
+    for row in result.metrics:
+        got = by_step[row["step"]]
+        assert len(got) == row["trainer/batch_size"], row["step"]
+        digest = hashlib.sha1("\n".join(sorted(got)).encode()).hexdigest()[:16]
+        assert digest == row["trainer/batch_sha1"], row["step"]
+    final = result.final_counts
+    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
+    assert final["trained"] == len(ids) == sum(r["trainer/batch_size"] for r in result.metrics)
+
+
+@pytest.mark.parametrize("layout,tag,roles", CELLS, ids=[f"{a}-{b}" for a, b, _ in CELLS])
+def test_sigkill_of_one_worker_process(layout, tag, roles, layouts, tiny_model, tmp_path):
+    _, client = layouts.get(layout)
+    run_dir = tmp_path / "run"
+    killed: list = []
+    t = threading.Thread(target=_kill_after_step, daemon=True,
+                         args=(layouts, run_dir, 1, tag, killed))
+    t.start()
+    result = train(_graph(f"t-kill-{layout}-{tag}"), client=client, run_dir=run_dir,
+                   progress=False, eval_seeds=0, model=tiny_model)
+    t.join(5)
+    assert killed, f"the {tag} worker was not killed"
+    assert [r["step"] for r in result.metrics] == [1, 2, 3]
+    assert roles <= {e["role"] for e in result.recovery}, result.recovery
+    check_trained_against_parquet(result)

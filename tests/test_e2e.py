@@ -95,10 +95,14 @@ def test_every_actor_ran_on_its_tag(run):
 
 # -- the chat graph ----------------------------------------------------------------------
 # graphs/chat.py:quick (the three games in chat format on the chat toy, 60 steps after
-# its 150-step warm-up) on the laptop layout in-process. Bound fixed from the full
-# graph's run before this test first ran (see CHAT_MIN_GAIN).
+# its 150-step warm-up) on the laptop layout in-process: 13 min on the shared 2-core
+# machine. Measured held-out gains (128 seeds) of that run: gridnav 0.05, guess 0.16,
+# boxpush 0.11 (the full graph, 100 steps with calc: boxpush 0.11, the others ~0). Only
+# boxpush learned in both runs; the bounds sit about two standard errors below what was
+# measured, so a run that learns passes and one that does not fails.
 CHAT_GAMES = ("gridnav", "guess", "boxpush")
-CHAT_MIN_GAIN = {"boxpush": 0.1}  # tasks the quick run learns, and by how much at least
+CHAT_MIN_GAIN = {"boxpush": 0.05}  # tasks the quick run learns, and by how much at least
+CHAT_MIN_MEAN_GAIN = 0.05  # over the three games (measured 0.11)
 TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n")
 
 
@@ -121,6 +125,7 @@ def test_chat_graph_learns_above_the_warmup_policy(chat_run):
     assert set(ev["trained"]) == set(CHAT_GAMES)
     gains = {t: ev["trained"][t] - ev["warmup"][t] for t in CHAT_GAMES}
     assert all(gains[t] >= g for t, g in CHAT_MIN_GAIN.items()), (gains, ev)
+    assert sum(gains.values()) / len(gains) >= CHAT_MIN_MEAN_GAIN, (gains, ev)
     saved = json.load(open(f"{chat_run.run_dir}/eval.json"))
     assert saved["warmup"] == ev["warmup"] and saved["trained"] == ev["trained"]
 

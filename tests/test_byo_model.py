@@ -86,8 +86,6 @@ def build_llama3_folder(path) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from distributed import Client  # noqa: F401 - the CLI connects its own client
-
     root = tmp_path_factory.mktemp("byo")
     folder = build_llama3_folder(root / "my-llama")
     run_dir = root / "run"

@@ -118,6 +118,7 @@ def chat_run(tmp_path_factory):
     return result
 
 
+@pytest.mark.learning  # ~8 min on 2 idle cores: deselected by default (python -m pytest -m learning)
 @pytest.mark.timeout(1800)  # the fixture's run: ~8 min on 2 idle cores, 20 when shared
 def test_chat_graph_learns_above_the_warmup_policy(chat_run):
     ev = chat_run.evaluation
@@ -182,6 +183,7 @@ def _renders_alike(tok, gen, end, special) -> bool:
             and encode(tok, text) == gen[:-1])
 
 
+@pytest.mark.learning  # shares the chat run above
 def test_chat_parquet_rows_decode_to_chatml_conversations(chat_run):
     from rollart.model import encode, load_tokenizer
 

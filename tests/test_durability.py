@@ -535,29 +535,29 @@ def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_mod
         assert len(got) == out[s]["trainer/batch_size"] == 4
 
 
-def test_the_dashboards_state_chart_shows_taken_and_lost_in_step(tmp_path):
+def test_the_dashboards_state_chart_shows_taken_and_lost_in_step(local_cluster, tmp_path):
     """``rollart.metrics.Monitor`` snapshots (the dashboard's state chart) count a batch
-    ``taken`` while its update is unpublished and ``lost_in_step`` once it is given up."""
-    from distributed import Client
-
+    ``taken`` while its update is unpublished and ``lost_in_step`` once it is given up.
+    (On the module's cluster: a second in-process cluster's actor calls hung once, with
+    the first one's client still open.)"""
     from rollart import Graph
     from rollart.metrics import TRAJ_STATES, Monitor
     from rollart.stages import Actors
 
-    with Client(processes=False, n_workers=1, threads_per_worker=1,
-                dashboard_address=":0") as c:
-        buf = c.submit(SampleBuffer, str(tmp_path / "run"), actor=True).result()
-        _put(buf, [make("g0", i, 0) for i in range(2)], size=2)
-        _put(buf, [make("g1", i, 0) for i in range(2)], size=2)
-        buf.get_table(1, 0, trained_step=1).result()
-        monitor = Monitor(c, Actors(None, buf, [], []), Graph(name="t-chart"), "t-chart",
-                          interval=60)
-        try:
-            taken = monitor.sample()["states"]
-            buf.close().result()  # the unconfirmed batch: lost_in_step
-            lost = monitor.sample()["states"]
-        finally:
-            monitor.close()
+    c = local_cluster
+    buf = c.submit(SampleBuffer, str(tmp_path / "run"), actor=True,
+                   resources={CPU_ENV: 1}, key=f"buf-{uuid.uuid4().hex}").result()
+    _put(buf, [make("g0", i, 0) for i in range(2)], size=2)
+    _put(buf, [make("g1", i, 0) for i in range(2)], size=2)
+    buf.get_table(1, 0, trained_step=1).result()
+    monitor = Monitor(c, Actors(None, buf, [], []), Graph(name="t-chart"), "t-chart",
+                      interval=60)
+    try:
+        taken = monitor.sample()["states"]
+        buf.close().result()  # the unconfirmed batch: lost_in_step
+        lost = monitor.sample()["states"]
+    finally:
+        monitor.close()
     assert {"taken", "lost_in_step"} <= set(TRAJ_STATES)
     assert (taken["taken"], taken["buffered"], taken["lost_in_step"]) == (2, 2, 0)
     assert (lost["taken"], lost["lost_in_step"]) == (0, 2)

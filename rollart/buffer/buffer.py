@@ -19,7 +19,9 @@ through ``rollart.buffer.store``: parts ``samples/part-*.parquet`` of the rows t
 (final ``state`` and ``trained_step``) and a journal (``pending/`` rows of each group as
 it completes, ``ledger/`` state changes; layout in ``rollart.buffer.journal``).
 ``SampleBuffer(run_dir, recover=True)`` continues from that record after the previous
-buffer's worker was lost (``rollart.buffer.restore.recover``). All public methods are
+buffer's worker was lost (``rollart.buffer.restore.recover``). In async mode the buffer
+also owns the backpressure: ``(alpha + 1) * groups_per_step`` slots that env managers
+take groups from (``acquire``; ``rollart.buffer.backpressure``). All public methods are
 coroutines that run on the worker's event loop.
 """
 

@@ -7,18 +7,22 @@
     load_resources → cluster ─ check_tags ─────► H800 / H20: InferenceWorker (torch engine)
     load_graph → model folder (tiny + warm-up)   CPU_ENV:    EnvManager ×n
     Stages.start (rollart.stages) ─────────────► BUFFER:     SampleBuffer (off the env pool)
-    launch groups ─ run_group(task, seed) ─────► EnvManager: per trajectory, no barrier:
+    (async) managers take groups ◄──────────── SampleBuffer.acquire: a slot frees → a group
+                                               EnvManager: per trajectory, no barrier:
                                                    reset → LLMProxy.generate → step → …
-                                                   → reward task (REWARD) → buffer.put
-    step loop ───── train_step(step) ──────────► TRAIN: Trainer pulls ≤alpha-stale groups,
-                                                   GRPO update, WeightStore.put(v+1)
-    update_weights(v+1) ───────────────────────► inference workers prefetch v+1, swap at
-                                                   the next decode step, recompute KV
+                                                   → reward (REWARD) → buffer.put
+    step loop ───── train_step(step) ──────────► TRAIN: Trainer pulls ≤alpha-stale groups
+                                                   (taken), GRPO update, WeightStore.put(v+1),
+                                                   buffer.mark_trained(step)
+                    WeightStore ◄──────────────  inference workers watch the store: prefetch
+                                                   v+1, swap at the next decode step,
+                                                   recompute KV
 
 How rollout and training interleave (async / one-off / sync) is ``rollart.pipeline``.
-Backpressure (async): at most ``groups_per_step * alpha`` groups run or wait ahead of
-the trainer, so rollout leads it by no more than the staleness bound. The driver only
-moves small summaries; tokens, rewards and weights stay on the workers.
+Backpressure (async) is the buffer's: ``(alpha + 1) * groups_per_step`` slots
+(``rollart.buffer.slots``), so rollout leads the trainer by no more than the staleness
+bound; the lockstep modes launch their batches from here. The driver only moves small
+summaries; tokens, rewards and weights stay on the workers.
 """
 
 from __future__ import annotations

@@ -308,8 +308,17 @@ class Stages:
         """Give a new env manager the buffer again, as a method argument: a handle passed
         to the constructor arrives as a plain Dask one (an actor argument is a task
         dependency), whose calls wait forever once the buffer's worker is lost
-        (``rollart.handles``); a manager stuck in ``acquire`` on it took no more work."""
-        bounded(manager.set_buffer(actors.buffer), self.waits.call,
+        (``rollart.handles``); a manager stuck in ``acquire`` on it took no more work.
+        A manager in this very process (an in-process cluster) got the driver's own
+        handle, which works: it keeps it (a Handle bound to an in-process worker left
+        calls whose tasks never ended, and the cluster could not close)."""
+        import os
+
+        addr = manager._address
+        if self.client.run(os.getpid, workers=[addr]).get(addr) == os.getpid():
+            return
+        buf = actors.buffer
+        bounded(manager.set_buffer((buf._cls, buf._address, buf.key)), self.waits.call,
                 f"the EnvManager on {where} did not take the sample buffer")
 
     def _started(self, t0: float):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
+from rollart.handles import Handle
 from rollart.model import load_tokenizer
 from rollart.near import near
 from rollart.types import TrajState
@@ -204,6 +205,11 @@ class EnvManager:
         flight as failed (orphaned), so the groups running here end now: their members
         are cancelled (the new buffer ignores their late reports) and each ``run_group``
         returns. Returns how many groups ended."""
+        # ``buffer`` may come as ``(cls, address, key)``: the Handle is then built here,
+        # bound to this worker (``rollart.stages`` hands it so at start: an actor object
+        # passed in-process arrives bound to the driver's client)
+        if isinstance(buffer, tuple):
+            buffer = Handle(*buffer)
         self.buffer = near(buffer)
         if self._buffer_changed is not None:
             self._buffer_changed.set()  # take_work asks the new buffer

@@ -1,0 +1,440 @@
+"""Cost models of the cluster simulator: how long each stage takes, as plain data.
+
+Consumes nothing from Dask or torch; produces frozen dataclasses that the simulator
+(``rollart.sim.cluster``) asks for durations: ``GenCost`` (prefill and decode step of a
+model on a GPU type, from a roofline), ``EnvCost`` (reset/step latency draws, failures,
+CPU share), ``RewardCost`` (per call; dedicated vs elastic with cold starts),
+``TrainCost`` (a trainer step from 6·params·tokens FLOPs), ``WeightSync`` (push/pull over
+TCP or RDMA), ``ControlPlane`` (Dask per-message costs) and ``Costs``, the bundle. The
+``cpu`` GPU entry, the laptop's ``GenCost``/``TrainCost`` and the control-plane figures
+come from ``rollart.sim.calibrate`` (measured on this machine); ``rollart.sim.paper``
+builds the paper's experiments from the rest.
+
+Assumptions (every figure here is either a public datasheet number or stated as ours):
+
+* GPUs: dense BF16 tensor-core FLOP/s and HBM bandwidth from NVIDIA's datasheets.
+  H100 SXM5: 989 TFLOP/s dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB
+  (NVIDIA H100 datasheet). H800 SXM: the export variant of H100 SXM with the same
+  compute and HBM (NVLink cut to 400 GB/s): 989 TFLOP/s, 3.35 TB/s, 80 GB. H20: 148
+  TFLOP/s dense BF16, 4.0 TB/s HBM3, 96 GB (NVIDIA H20 product brief).
+* Roofline efficiencies are ours: prefill runs at MFU 0.5 of peak (large-batch GEMMs in
+  vLLM/SGLang reach 40–60%); decode at MBU 0.7 of HBM bandwidth (paged-attention
+  decode kernels reach 60–80%); training at MFU 0.4 (Megatron on H800 reaches 35–45%
+  for 8–32B dense models). Tensor parallelism divides work over ``tp`` GPUs at an
+  efficiency of 0.9 per doubling (all-reduce cost).
+* Env shapes follow the paper's §3 characterisation: heavy-tailed (lognormal,
+  Pareto) step latency, container start-up (``env.reset``) of tens of seconds that
+  dominates when envs fail (a failed step costs a fresh reset), about one failure per
+  ten steps in the sandbox profiles. Medians and tails are ours (the paper shows
+  shapes, not tables).
+* Weight sync: the paper's Table 3 rates were not available here; we assume Mooncake
+  over RDMA at 12.5 GB/s per pulling node (one 100 Gb/s effective path) and plain TCP
+  at 1.25 GB/s, plus a fixed per-transfer latency. The paper's exposed pull for
+  Qwen3-8B / 14B / 32B is 1.4 / 5.1 / 9.6 s; ``rollart.sim.paper`` prints ours beside.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from rollart.env.faults import Latency, straggler_profile
+
+__all__ = [
+    "Costs", "ControlPlane", "EnvCost", "GPUS", "GPUSpec", "GenCost", "MODELS",
+    "ModelSpec", "RewardCost", "TaskShape", "TrainCost", "WeightSync", "ENV_PROFILES",
+    "laptop_env",
+]
+
+TP_EFFICIENCY = 0.9  # per doubling of tensor parallelism (ours)
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+                or not math.isfinite(v):
+            raise ValueError(f"{type(obj).__name__}.{name} must be a finite number > 0, "
+                             f"got {v!r}")
+
+
+def _fraction(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"{type(obj).__name__}.{name} must be in [0, 1], got {v!r}")
+
+
+# -- hardware and models ---------------------------------------------------------------
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator type: peak dense BF16 FLOP/s, HBM bytes/s and memory bytes."""
+
+    name: str
+    flops: float  # peak dense FLOP/s at the training/serving dtype
+    hbm_bytes_s: float  # memory bandwidth, bytes/s
+    mem_bytes: float  # device memory, bytes
+
+    def __post_init__(self):
+        _positive(self, "flops", "hbm_bytes_s", "mem_bytes")
+
+
+GPUS: dict[str, GPUSpec] = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s, 80 GB HBM3
+    "H100": GPUSpec("H100", 989e12, 3.35e12, 80e9),
+    # H800 SXM: H100 SXM compute and HBM, reduced NVLink (400 GB/s)
+    "H800": GPUSpec("H800", 989e12, 3.35e12, 80e9),
+    # NVIDIA H20 product brief: 148 TFLOP/s dense BF16, 4.0 TB/s, 96 GB HBM3
+    "H20": GPUSpec("H20", 148e12, 4.0e12, 96e9),
+    # this machine's CPU as the torch engine sees it: replaced by calibrate.measure_engine
+    # (an effective rate for the tiny model, Python overhead included, not a peak)
+    "cpu": GPUSpec("cpu", 5e9, 5e9, 8e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A dense decoder's shape: what the roofline needs.
+
+    ``q_heads`` (0: ``hidden // head_dim``) sets the attention width where it differs
+    from ``hidden`` (Qwen3-32B: 64 heads × 128 = 8192 over a 5120 hidden).
+    """
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_param: float = 2.0  # BF16 weights and KV
+    q_heads: int = 0
+
+    def __post_init__(self):
+        _positive(self, "params", "layers", "hidden", "kv_heads", "head_dim",
+                  "bytes_per_param")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V for every layer: 2 · layers · kv_heads · head_dim · bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    @property
+    def attn_width(self) -> int:
+        return (self.q_heads or self.hidden // self.head_dim) * self.head_dim
+
+
+MODELS: dict[str, ModelSpec] = {
+    # Qwen3 model cards / config.json (params incl. embeddings)
+    "Qwen3-8B": ModelSpec("Qwen3-8B", 8.2e9, 36, 4096, 8, 128, q_heads=32),
+    "Qwen3-14B": ModelSpec("Qwen3-14B", 14.8e9, 40, 5120, 8, 128, q_heads=40),
+    "Qwen3-32B": ModelSpec("Qwen3-32B", 32.8e9, 64, 5120, 8, 128, q_heads=64),
+    # rollart.model.build_tiny_model defaults: Qwen2, hidden 128, 2 layers, 4 heads
+    # (kv = q heads, head_dim 32), fp32 on CPU; params counted for a ~300-word vocab
+    "tiny": ModelSpec("tiny", 0.43e6, 2, 128, 4, 32, bytes_per_param=4.0, q_heads=4),
+}
+
+
+# -- generation ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenCost:
+    """Prefill and decode time of ``model`` on ``gpu`` with tensor parallelism ``tp``.
+
+    Prefill is compute-bound: ``(2·params·new + 4·layers·attn_width·new·(cached +
+    new/2)) / (tp_flops·mfu)``, never under one read of the weights; a prefix-cache hit
+    removes the cached tokens' share (they are read as KV, not recomputed). Decode is
+    memory-bound at small batch: one step reads the weights once for the whole batch
+    plus every row's KV, ``(weight_bytes + kv_bytes·context) / (tp_hbm·mbu)``, and turns
+    compute-bound when ``2·params·batch / (tp_flops·mfu)`` is larger. ``step_overhead_s``
+    and ``row_overhead_s`` (0 for GPUs; measured for the CPU engine, whose tiny model is
+    bound by Python, not arithmetic) add a fixed and a per-row cost per forward.
+    """
+
+    model: ModelSpec
+    gpu: GPUSpec
+    tp: int = 1
+    mfu: float = 0.5
+    mbu: float = 0.7
+    step_overhead_s: float = 0.0
+    row_overhead_s: float = 0.0
+    prefill_token_overhead_s: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"GenCost.tp must be an int >= 1, got {self.tp!r}")
+        _fraction(self, "mfu", "mbu")
+        _positive(self, "mfu", "mbu")
+
+    @property
+    def _scale(self) -> float:
+        """Effective number of GPUs: tp at TP_EFFICIENCY per doubling."""
+        return self.tp * TP_EFFICIENCY ** math.log2(self.tp)
+
+    @property
+    def flops_s(self) -> float:
+        return self.gpu.flops * self.mfu * self._scale
+
+    @property
+    def bytes_s(self) -> float:
+        return self.gpu.hbm_bytes_s * self.mbu * self._scale
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0, rows: int = 1) -> float:
+        """Seconds to prefill ``new_tokens`` (over ``rows`` requests) after
+        ``cached_tokens`` of context already in the prefix cache."""
+        if new_tokens <= 0:
+            return 0.0
+        m = self.model
+        flops = 2 * m.params * new_tokens + \
+            4 * m.layers * m.attn_width * new_tokens * (cached_tokens + new_tokens / 2)
+        compute = flops / self.flops_s
+        memory = (m.weight_bytes + m.kv_bytes_per_token * (cached_tokens + new_tokens)) \
+            / self.bytes_s
+        return max(compute, memory) + self.step_overhead_s + rows * self.row_overhead_s \
+            + new_tokens * self.prefill_token_overhead_s
+
+    def decode_step_s(self, batch: int, context_tokens: int = 0) -> float:
+        """Seconds for one decode step of ``batch`` rows whose KV caches hold
+        ``context_tokens`` tokens in total (summed over the rows)."""
+        if batch <= 0:
+            return 0.0
+        m = self.model
+        memory = (m.weight_bytes + m.kv_bytes_per_token * context_tokens) / self.bytes_s
+        compute = (2 * m.params * batch + 4 * m.layers * m.attn_width * context_tokens) \
+            / self.flops_s
+        return max(memory, compute) + self.step_overhead_s + batch * self.row_overhead_s
+
+    def kv_capacity_tokens(self, reserve: float = 0.1) -> int:
+        """Tokens of KV that fit next to the weights on the ``tp`` GPUs."""
+        free = self.gpu.mem_bytes * self.tp * (1 - reserve) - self.model.weight_bytes
+        return max(0, int(free / self.model.kv_bytes_per_token))
+
+
+# -- environments ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskShape:
+    """A task's lengths: turns per episode and tokens per turn (lognormal generation
+    length with median ``gen_tokens``, log-space sd ``gen_sigma``, capped)."""
+
+    turns: int = 5
+    prompt_tokens: int = 512
+    obs_tokens: int = 256
+    gen_tokens: int = 512
+    gen_sigma: float = 0.6
+    gen_cap: int = 8192
+
+    def __post_init__(self):
+        _positive(self, "turns", "prompt_tokens", "gen_tokens", "gen_sigma", "gen_cap")
+
+    def sample_gen(self, rng: random.Random) -> int:
+        n = rng.lognormvariate(math.log(self.gen_tokens), self.gen_sigma)
+        return max(1, min(self.gen_cap, int(round(n))))
+
+
+@dataclass(frozen=True)
+class EnvCost:
+    """An env pool's latencies: ``reset`` (container start-up) per episode, ``step`` per
+    turn, a step fails with ``fail_prob`` (the env must then be reset and the episode
+    retried from its start: reset dominates when envs fail), ``cpu_share`` of a step's
+    latency holds a CPU slot (the rest is waiting on I/O: tool calls, remote sandboxes).
+    ``startup_once``: ``reset`` is paid only by an env instance's first episode (the
+    laptop's ``FaultyEnv`` start-up), not by every episode.
+    """
+
+    name: str
+    reset: Latency
+    step: Latency
+    fail_prob: float = 0.0
+    cpu_share: float = 0.2
+    startup_once: bool = False
+
+    def __post_init__(self):
+        _fraction(self, "fail_prob", "cpu_share")
+
+    def sample_reset(self, rng: random.Random) -> float:
+        return self.reset.sample(rng)
+
+    def sample_step(self, rng: random.Random) -> tuple[float, bool]:
+        """(latency seconds, failed) of one step."""
+        failed = rng.random() < self.fail_prob
+        return self.step.sample(rng), failed
+
+    def mean_step_s(self, rng: random.Random | None = None, n: int = 20000) -> float:
+        rng = rng or random.Random(0)
+        return sum(self.step.sample(rng) for _ in range(n)) / n
+
+
+# the paper's §3 shapes (medians and tails ours): sandboxed coding/terminal tasks with
+# container start-up and ~1 failure in 10 steps; web/search tasks waiting on remote
+# services; light game envs
+ENV_PROFILES: dict[str, EnvCost] = {
+    "sandbox": EnvCost(
+        "sandbox", reset=Latency("lognormal", seconds=30.0, sigma=0.8, cap=600.0),
+        step=Latency("lognormal", seconds=2.0, sigma=1.2, cap=300.0),
+        fail_prob=0.1, cpu_share=0.3),
+    "web": EnvCost(
+        "web", reset=Latency("lognormal", seconds=5.0, sigma=0.7, cap=120.0),
+        step=Latency("pareto", seconds=1.0, shape=1.5, cap=120.0),
+        fail_prob=0.05, cpu_share=0.05),
+    "game": EnvCost(
+        "game", reset=Latency("lognormal", seconds=0.5, sigma=0.5, cap=10.0),
+        step=Latency("lognormal", seconds=0.1, sigma=0.8, cap=10.0),
+        fail_prob=0.01, cpu_share=0.8),
+}
+
+
+def laptop_env(seed: int = 0) -> EnvCost:
+    """The pipeline benchmark's env profile (``rollart.env.faults.straggler_profile``):
+    Pareto start-up once per env instance, lognormal step latency, no failures; the
+    latency is ``asyncio.sleep`` (no CPU held)."""
+    f = straggler_profile(seed=seed)
+    return EnvCost("laptop", reset=f.startup, step=f.step, fail_prob=f.fail_prob,
+                   cpu_share=0.0, startup_once=True)
+
+
+# -- reward, trainer, weights, control plane --------------------------------------------
+@dataclass(frozen=True)
+class RewardCost:
+    """A reward call: ``call`` seconds on a warm worker. ``elastic``: the serverless
+    pool (``rollart.reward.elastic``) starts workers on demand, each start costing
+    ``cold_start_s``, and retires one idle for ``idle_timeout_s``, up to
+    ``max_workers``; dedicated: ``workers`` always on (and paid for)."""
+
+    call: Latency = Latency("lognormal", seconds=0.5, sigma=0.5)
+    elastic: bool = False
+    workers: int = 1
+    max_workers: int = 64
+    cold_start_s: float = 5.0
+    idle_timeout_s: float = 30.0
+
+    def sample_call(self, rng: random.Random) -> float:
+        return self.call.sample(rng)
+
+
+@dataclass(frozen=True)
+class TrainCost:
+    """A trainer step: ``6·params·tokens`` FLOPs (forward + backward) over ``gpus`` GPUs
+    at ``mfu``, plus ``overhead_s`` (optimizer step, data loading) per step."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    gpus: int = 8
+    mfu: float = 0.4
+    overhead_s: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"TrainCost.gpus must be an int >= 1, got {self.gpus!r}")
+        _fraction(self, "mfu")
+        _positive(self, "mfu")
+
+    def step_s(self, tokens: int) -> float:
+        return 6 * self.model.params * tokens / (self.gpu.flops * self.mfu * self.gpus) \
+            + self.overhead_s
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """Weights from the trainer to the inference workers through the versioned store.
+
+    ``push_s``: the trainer writes one copy; ``pull_s``: each inference instance reads
+    its shard (``tp`` GPUs pull ``1/tp`` each, in parallel), over ``transport``.
+    ``prefetch``: pulls overlap generation (rollart's workers watch the store), so only
+    ``exposed_pull_s`` (pull minus the overlap available) stalls decoding; the in-engine
+    load (``load_s``, an HBM copy) is always exposed.
+    """
+
+    transport: str = "rdma"
+    rdma_bytes_s: float = 12.5e9  # ours: one 100 Gb/s effective path per node
+    tcp_bytes_s: float = 1.25e9  # ours: 10 Gb/s effective
+    latency_s: float = 0.05
+    prefetch: bool = True
+
+    def __post_init__(self):
+        if self.transport not in ("rdma", "tcp"):
+            raise ValueError(f"WeightSync.transport must be 'rdma' or 'tcp', got "
+                             f"{self.transport!r}")
+        _positive(self, "rdma_bytes_s", "tcp_bytes_s")
+
+    @property
+    def bytes_s(self) -> float:
+        return self.rdma_bytes_s if self.transport == "rdma" else self.tcp_bytes_s
+
+    def push_s(self, model: ModelSpec) -> float:
+        return self.latency_s + model.weight_bytes / self.bytes_s
+
+    def pull_s(self, model: ModelSpec, tp: int = 1) -> float:
+        return self.latency_s + model.weight_bytes / tp / self.bytes_s
+
+    def load_s(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1) -> float:
+        return model.weight_bytes / tp / gpu.hbm_bytes_s
+
+    def exposed_pull_s(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1,
+                       overlap_s: float = 0.0) -> float:
+        hidden = overlap_s if self.prefetch else 0.0
+        return max(0.0, self.pull_s(model, tp) - hidden) + self.load_s(model, gpu, tp)
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """Dask's per-message costs: an actor method round trip (worker to worker, no
+    scheduler), a scheduler task round trip (submit → run → result), and the scheduler's
+    capacity in tasks/s (one process, one event loop). Defaults: measured on this
+    machine by ``rollart.sim.calibrate.measure_control_plane`` (2 loaded cores)."""
+
+    actor_call_s: float = 1.1e-3
+    task_s: float = 11e-3
+    scheduler_tasks_s: float = 400.0
+    msgs_per_task: int = 7
+
+    def __post_init__(self):
+        _positive(self, "actor_call_s", "task_s", "scheduler_tasks_s", "msgs_per_task")
+
+    def scheduler_load(self, tasks_per_s: float) -> float:
+        """Share of the scheduler's capacity that ``tasks_per_s`` uses (1 = saturated)."""
+        return tasks_per_s / self.scheduler_tasks_s
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Everything the simulator asks: per inference pool tag a ``GenCost``, per task an
+    ``EnvCost`` and ``TaskShape`` (``"*"`` is the fallback), reward, trainer, weight sync
+    and control plane."""
+
+    gen: Mapping[str, GenCost]
+    env: Mapping[str, EnvCost] = field(default_factory=lambda: {"*": ENV_PROFILES["game"]})
+    shapes: Mapping[str, TaskShape] = field(default_factory=lambda: {"*": TaskShape()})
+    reward: RewardCost = field(default_factory=RewardCost)
+    train: TrainCost | None = None
+    weights: WeightSync = field(default_factory=WeightSync)
+    control: ControlPlane = field(default_factory=ControlPlane)
+
+    def __post_init__(self):
+        if not self.gen:
+            raise ValueError("Costs.gen is empty: give a GenCost per inference pool tag, "
+                             "e.g. {'H20': GenCost(MODELS['Qwen3-8B'], GPUS['H20'])}")
+
+    def env_for(self, task: str) -> EnvCost:
+        return _lookup(self.env, task, "env")
+
+    def shape_for(self, task: str) -> TaskShape:
+        return _lookup(self.shapes, task, "shapes")
+
+    def gen_for(self, tag: str) -> GenCost:
+        return _lookup(self.gen, tag, "gen")
+
+    def with_(self, **changes) -> "Costs":
+        return replace(self, **changes)
+
+
+def _lookup(table: Mapping, key: str, name: str):
+    if key in table:
+        return table[key]
+    if "*" in table:
+        return table["*"]
+    raise KeyError(f"Costs.{name} has no entry for {key!r} and no '*' fallback; add one "
+                   f"(known: {sorted(table)})")

@@ -44,7 +44,7 @@ from rollart.env.faults import Latency, straggler_profile
 
 __all__ = [
     "Costs", "ControlPlane", "EnvCost", "GPUS", "GPUSpec", "GenCost", "MODELS",
-    "ModelSpec", "RewardCost", "TaskShape", "TrainCost", "WeightSync", "ENV_PROFILES",
+    "ModelSpec", "RewardCost", "TrainCost", "WeightSync", "ENV_PROFILES",
     "laptop_env",
 ]
 
@@ -216,26 +216,6 @@ class GenCost:
 
 # -- environments ----------------------------------------------------------------------
 @dataclass(frozen=True)
-class TaskShape:
-    """A task's lengths: turns per episode and tokens per turn (lognormal generation
-    length with median ``gen_tokens``, log-space sd ``gen_sigma``, capped)."""
-
-    turns: int = 5
-    prompt_tokens: int = 512
-    obs_tokens: int = 256
-    gen_tokens: int = 512
-    gen_sigma: float = 0.6
-    gen_cap: int = 8192
-
-    def __post_init__(self):
-        _positive(self, "turns", "prompt_tokens", "gen_tokens", "gen_sigma", "gen_cap")
-
-    def sample_gen(self, rng: random.Random) -> int:
-        n = rng.lognormvariate(math.log(self.gen_tokens), self.gen_sigma)
-        return max(1, min(self.gen_cap, int(round(n))))
-
-
-@dataclass(frozen=True)
 class EnvCost:
     """An env pool's latencies: ``reset`` (container start-up) per episode, ``step`` per
     turn, a step fails with ``fail_prob`` (the env must then be reset and the episode
@@ -401,40 +381,54 @@ class ControlPlane:
 
 @dataclass(frozen=True)
 class Costs:
-    """Everything the simulator asks: per inference pool tag a ``GenCost``, per task an
-    ``EnvCost`` and ``TaskShape`` (``"*"`` is the fallback), reward, trainer, weight sync
-    and control plane."""
+    """Everything the simulator asks for, with the model being trained.
 
-    gen: Mapping[str, GenCost]
-    env: Mapping[str, EnvCost] = field(default_factory=lambda: {"*": ENV_PROFILES["game"]})
-    shapes: Mapping[str, TaskShape] = field(default_factory=lambda: {"*": TaskShape()})
+    ``gen_for(gpu, tp, tag)``: the ``GenCost`` of an inference worker (an entry of
+    ``gen`` keyed by pool tag or GPU name, with its ``tp`` replaced, else the roofline of
+    ``model`` on ``gpus[gpu]`` at ``mfu``/``mbu``); ``env_for(profile)``: an entry of
+    ``env`` (``None`` or unknown: the ``"*"`` default); ``train_for(gpu, gpus)``:
+    ``train`` if set, else 6·params·tokens on those GPUs at ``train_mfu``. Task lengths
+    are not costs: they live in ``rollart.sim.config.TaskShape``.
+    """
+
+    model: ModelSpec = MODELS["Qwen3-8B"]
+    gpus: Mapping[str, GPUSpec] = field(default_factory=lambda: dict(GPUS))
+    gen: Mapping[str, GenCost] = field(default_factory=dict)
+    mfu: float = 0.5
+    mbu: float = 0.7
+    env: Mapping[str, EnvCost] = field(
+        default_factory=lambda: {"*": ENV_PROFILES["sandbox"], **ENV_PROFILES})
     reward: RewardCost = field(default_factory=RewardCost)
     train: TrainCost | None = None
+    train_mfu: float = 0.4
     weights: WeightSync = field(default_factory=WeightSync)
     control: ControlPlane = field(default_factory=ControlPlane)
 
-    def __post_init__(self):
-        if not self.gen:
-            raise ValueError("Costs.gen is empty: give a GenCost per inference pool tag, "
-                             "e.g. {'H20': GenCost(MODELS['Qwen3-8B'], GPUS['H20'])}")
+    def gen_for(self, gpu: str, tp: int = 1, tag: str | None = None) -> GenCost:
+        for key in (tag, gpu):
+            if key is not None and key in self.gen:
+                g = self.gen[key]
+                return g if g.tp == tp else replace(g, tp=tp)
+        return GenCost(self.model, self._gpu(gpu), tp, mfu=self.mfu, mbu=self.mbu)
 
-    def env_for(self, task: str) -> EnvCost:
-        return _lookup(self.env, task, "env")
+    def env_for(self, profile: str | None = None) -> EnvCost:
+        if profile is not None and profile in self.env:
+            return self.env[profile]
+        if "*" in self.env:
+            return self.env["*"]
+        raise KeyError(f"Costs.env has no profile {profile!r} and no '*' default; add "
+                       f"one (known: {sorted(self.env)})")
 
-    def shape_for(self, task: str) -> TaskShape:
-        return _lookup(self.shapes, task, "shapes")
+    def train_for(self, gpu: str = "H800", gpus: int = 8) -> TrainCost:
+        if self.train is not None:
+            return self.train
+        return TrainCost(self.model, self._gpu(gpu), gpus, mfu=self.train_mfu)
 
-    def gen_for(self, tag: str) -> GenCost:
-        return _lookup(self.gen, tag, "gen")
+    def _gpu(self, name: str) -> GPUSpec:
+        if name not in self.gpus:
+            raise KeyError(f"unknown GPU type {name!r}: use one of {sorted(self.gpus)} "
+                           f"or add a GPUSpec to Costs.gpus")
+        return self.gpus[name]
 
     def with_(self, **changes) -> "Costs":
         return replace(self, **changes)
-
-
-def _lookup(table: Mapping, key: str, name: str):
-    if key in table:
-        return table[key]
-    if "*" in table:
-        return table["*"]
-    raise KeyError(f"Costs.{name} has no entry for {key!r} and no '*' fallback; add one "
-                   f"(known: {sorted(table)})")

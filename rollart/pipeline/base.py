@@ -1,35 +1,23 @@
-"""How rollout and training interleave: the three modes, on the same actors.
+"""What every mode shares (``Pipeline``): the group sequence, waits that heal, recovery.
 
-==========  ==========================================================================
-mode        one trainer step
-==========  ==========================================================================
-``async``   Trajectory-level: the buffer owns the backpressure. It holds
-            ``(alpha + 1) * groups_per_step`` slots; env managers take the next group
-            when one frees (``EnvManager.take_work``, ``rollart.buffer.backpressure``),
-            ``redundancy`` × members each, extras cancelled; the trainer takes any
-            ``alpha``-fresh complete groups; workers pick up the new version from the
-            weight store and swap it in at the next decode step; members that can no
-            longer meet the bound are aborted and replaced.
-``one-off`` One-step off-policy: the next batch rolls out (turn by turn, batch-level
-            barriers) while the trainer trains on the current one (``alpha = 1``),
-            launched once every worker holds the trainer's version.
-``sync``    The strengthened synchronous baseline: roll out a batch turn by turn with
-            every worker on the trainer's version, then train with rollout stopped,
-            then wait until every worker loaded the new version (``alpha = 0``).
-==========  ==========================================================================
+Consumes the started actors (``rollart.stages``: inference workers, env managers, the
+sample buffer, the trainer) and the ``Graph``; the per-mode subclasses
+(``rollart.pipeline.lockstep``, ``rollart.pipeline.asynchronous``) call these helpers
+from their ``step``; ``rollart.control`` calls ``step`` once per trainer step.
 
 The group sequence (task and seed of each group, ``rollart.buffer.slots.GroupSequence``)
-is drawn in the buffer in async mode and here in the lockstep modes; either way one RNG
-seeded by ``Graph.seed``, saved in checkpoints (``state``/``load_state``). Inference
+is drawn in the buffer in the asynchronous modes and here in the others; either way one
+RNG seeded by ``Graph.seed``, saved in checkpoints (``state``/``load_state``). Inference
 workers find new versions in the weight store themselves (``InferenceWorker``): the
 driver never relays them, it only waits for them where the mode needs it.
 
 Lost workers (``rollart.recovery``): with a ``supervisor`` set, the pipeline heals while
-it waits, hands the groups of an env manager that was lost back to the buffer (async:
-``SampleBuffer.holder_lost``) or restarts their missing members on another manager
-(lockstep), and re-runs a step whose trainer was lost on a re-created trainer, after the
-buffer put that step's ``taken`` batch back (``SampleBuffer.release_taken``: the re-run
-trains it; a batch is ``trained`` only once an update with it was published).
+it waits, hands the groups of an env manager that was lost back to the buffer
+(asynchronous modes: ``SampleBuffer.holder_lost``) or restarts their missing members on
+another manager (the others), and re-runs a step whose trainer was lost on a re-created
+trainer, after the buffer put that step's ``taken`` batch back
+(``SampleBuffer.release_taken``: the re-run trains it; a batch is ``trained`` only once
+an update with it was published).
 
 A run that stops progressing says so (the rules: ``rollart.watchdog``): the last
 ``Rollout.failure_streak_limit`` trajectories all failed → ``FailureStormError``; for
@@ -40,7 +28,7 @@ version, each worker's and its last load error.
 
 Every step ends with the ledger's counts (``traj/<state>``) and a check that they add
 up to the launches (checked by the buffer's ledger; a mismatch raises
-``AccountingError``). Used by ``rollart.control``.
+``AccountingError``).
 """
 
 from __future__ import annotations
@@ -50,7 +38,7 @@ import logging
 import time
 
 from rollart.buffer.ledger import STATES
-from rollart.buffer.slots import GroupSequence, Slots
+from rollart.buffer.slots import GroupSequence
 from rollart.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -410,115 +398,3 @@ class Pipeline(abc.ABC):
                     raise
                 fut = self.restart_group(gid)
         self.placed.pop(gid, None)
-
-
-def slot_capacity(algo) -> int:
-    """Groups in flight or buffered at once in async mode: ``(alpha + 1)`` steps' worth."""
-    return (algo.alpha + 1) * algo.groups_per_step
-
-
-class AsyncPipeline(Pipeline):
-    """Trajectory-level asynchrony: the buffer's slots pace rollout (env managers take
-    work when one frees), with redundancy and abort-and-replace."""
-
-    def __init__(self, actors, graph):
-        super().__init__(actors, graph)
-        self.takers: dict[int, tuple] = {}  # id(manager) -> (manager, holder, future)
-        self._slotted = None  # the buffer handle that has this run's slots
-        self._holders = 0
-
-    def state(self) -> dict:
-        """The buffer draws the groups: its sequence (ours until slots are opened)."""
-        if self._slotted is not None:
-            return self.ask_buffer("slot_state") or self.sequence.state()
-        return self.sequence.state()
-
-    def keep_taking(self) -> None:
-        """While the trainer steps: the buffer has its slots (once per buffer: a
-        re-created one gets them again), every live env manager takes work, and an env
-        manager that was lost has its groups handed back. Local checks only: no call
-        unless something changed."""
-        if self._slotted is not self.actors.buffer:
-            slots = Slots(slot_capacity(self.graph.algo), self.sequence)
-            self.ask_buffer("open_slots", slots)
-            self._slotted = self.actors.buffer
-        live = {id(m) for m in self.actors.managers}
-        for key, (mgr, holder, fut) in list(self.takers.items()):
-            if key in live and not fut.done():
-                continue
-            del self.takers[key]
-            error = None
-            if key in live:
-                try:
-                    fut.result()
-                except Exception as e:  # noqa: BLE001
-                    error = e
-            if key not in live or (error is not None and self.lost(error, mgr)):
-                self.ask_buffer("holder_lost", holder)  # its groups go back in line
-            elif error is not None:
-                self.errors.append(f"{holder}: {type(error).__name__}: {error}")
-        for mgr in list(self.actors.managers):
-            if id(mgr) not in self.takers:
-                self.take_work(mgr)
-
-    def take_work(self, mgr) -> None:
-        """Start ``mgr``'s ``take_work`` loop for the tasks of its env pool."""
-        tasks = [t.name for t in self.graph.tasks
-                 if any(m is mgr for m in self.actors.managers_for(t))]
-        self._holders += 1
-        holder = f"{mgr._address}#{self._holders}"
-        r = self.graph.rollout
-        try:
-            fut = mgr.take_work(holder, tasks, r.redundancy, r.backup_after)
-        except Exception as e:  # noqa: BLE001 - its worker is gone: healed away
-            if not self.lost(e, mgr):
-                raise
-            return
-        self.takers[id(mgr)] = (mgr, holder, fut)
-
-    def step(self, step: int) -> dict:
-        metrics = self.train(step, while_waiting=self.keep_taking)
-        min_version = metrics["version"] - self.graph.algo.alpha
-        metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
-                                                                min_version))
-        return metrics
-
-
-class OneOffPipeline(Pipeline):
-    """Batch k+1 rolls out (lockstep) while the trainer trains on batch k."""
-
-    def __init__(self, actors, graph):
-        super().__init__(actors, graph)
-        self.pending = None
-
-    def launch_batch(self):
-        return self.run_batch([self.next_group()
-                               for _ in range(self.graph.algo.groups_per_step)])
-
-    def step(self, step: int) -> dict:
-        if self.pending is None:
-            self.pending = self.launch_batch()
-        self.wait_batch(self.pending)  # batch k is complete (its turns ran in lockstep)
-        self.refill()
-        if self.version is not None:  # batch k+1 must be within the bound at step k+1
-            self.wait_workers(self.version)
-        self.pending = self.launch_batch()  # batch k+1 overlaps training on batch k
-        return self.train(step)
-
-
-class SyncPipeline(Pipeline):
-    """Roll out a batch on the current version, then train with rollout stopped."""
-
-    def step(self, step: int) -> dict:
-        batch = self.run_batch([self.next_group()
-                                for _ in range(self.graph.algo.groups_per_step)])
-        self.wait_batch(batch)
-        self.refill()
-        metrics = self.train(step)
-        self.wait_workers(metrics["version"])  # the next batch rolls out on it
-        return metrics
-
-
-def make_pipeline(actors, graph) -> Pipeline:
-    cls = {"async": AsyncPipeline, "one-off": OneOffPipeline, "sync": SyncPipeline}
-    return cls[graph.mode](actors, graph)

@@ -1,0 +1,41 @@
+"""How rollout and training interleave: the modes, on the same actors.
+
+==========  ==========================================================================
+mode        one trainer step
+==========  ==========================================================================
+``async``   Trajectory-level: the buffer owns the backpressure. It holds
+            ``(alpha + 1) * groups_per_step`` slots; env managers take the next group
+            when one frees (``EnvManager.take_work``, ``rollart.buffer.backpressure``),
+            ``redundancy`` × members each, extras cancelled; the trainer takes any
+            ``alpha``-fresh complete groups; workers pick up the new version from the
+            weight store and swap it in at the next decode step; members that can no
+            longer meet the bound are aborted and replaced.
+``one-off`` One-step off-policy: the next batch rolls out (turn by turn, batch-level
+            barriers) while the trainer trains on the current one (``alpha = 1``),
+            launched once every worker holds the trainer's version.
+``sync``    The strengthened synchronous baseline: roll out a batch turn by turn with
+            every worker on the trainer's version, then train with rollout stopped,
+            then wait until every worker loaded the new version (``alpha = 0``).
+==========  ==========================================================================
+
+Modules: ``base`` (``Pipeline``: what every mode shares: waits that heal, recovery,
+counts), ``lockstep`` (the driver launches each batch), ``asynchronous`` (the buffer's
+slots pace rollout). ``make_pipeline`` builds the graph's mode; used by
+``rollart.control``.
+"""
+
+from __future__ import annotations
+
+from rollart.pipeline.asynchronous import AsyncPipeline, slot_capacity
+from rollart.pipeline.base import Pipeline
+from rollart.pipeline.lockstep import OneOffPipeline, SyncPipeline
+
+PIPELINES = {"async": AsyncPipeline, "one-off": OneOffPipeline, "sync": SyncPipeline}
+
+__all__ = ["PIPELINES", "AsyncPipeline", "OneOffPipeline", "Pipeline", "SyncPipeline",
+           "make_pipeline", "slot_capacity"]
+
+
+def make_pipeline(actors, graph) -> Pipeline:
+    """The pipeline of ``graph.mode`` (one of ``rollart.graph.MODES``) over ``actors``."""
+    return PIPELINES[graph.mode](actors, graph)

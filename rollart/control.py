@@ -19,7 +19,7 @@
                                                    recompute KV
 
 How rollout and training interleave (async / one-off / sync) is ``rollart.pipeline``.
-Backpressure (async) is the buffer's: ``(alpha + 1) * groups_per_step`` slots
+Backpressure (async) is the buffer's: ``max(alpha, 1) * groups_per_step`` slots
 (``rollart.buffer.slots``), so rollout leads the trainer by no more than the staleness
 bound; the lockstep modes launch their batches from here. The driver only moves small
 summaries; tokens, rewards and weights stay on the workers.

@@ -1,7 +1,7 @@
 """The ``SampleBuffer``'s slots: env managers take groups here when a slot frees.
 
 The async pipeline hands the buffer its ``Slots`` once (``open_slots``: capacity
-``(alpha + 1) * groups_per_step`` and the run's ``GroupSequence``); each env manager then
+``max(alpha, 1) * groups_per_step`` and the run's ``GroupSequence``); each env manager then
 loops on ``acquire`` (``EnvManager.take_work``), which waits until a slot is free and
 returns the next group (``rollart.buffer.slots.Work``). A slot frees when its group
 leaves the buffer: taken by the trainer, dropped as stale, or ended with nothing to
@@ -52,6 +52,24 @@ class Backpressure:
         if self._slots is not None and self._slots.release(group_id):
             self._slot_event().set()
 
+    def _published(self, n_groups: int) -> None:
+        """An update trained on ``n_groups`` taken groups was published (the admission
+        counts it: ``Slots.published``; waiting managers wake)."""
+        if self._slots is not None:
+            self._slots.published(n_groups)
+            self._slot_event().set()
+
+    def _in_training(self) -> int:
+        """Groups trainer steps took whose update is not published yet."""
+        return sum(len(t.groups) for t in self._taken.values())
+
+    def _stale_floor(self, min_version: int) -> int | None:
+        """Complete groups older than this are dropped for a trainer at ``min_version``
+        (None: none are; the admission checked the bound when they started)."""
+        if self._slots is None:
+            return min_version
+        return self._slots.admission.stale_floor(min_version)
+
     def _rehold(self, group_id: str) -> None:
         if self._slots is not None:
             self._slots.hold(group_id)
@@ -81,7 +99,7 @@ class Backpressure:
         freed = self._slot_event()
         while not self._closing and holder not in (self._dead or ()):
             if self._slots is not None:
-                work = self._slots.take(holder, tasks)
+                work = self._slots.take(holder, tasks, self._in_training())
                 if work is not None:
                     self._slot_event().set()  # another manager may take the next one
                     return work

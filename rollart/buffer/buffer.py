@@ -20,7 +20,7 @@ through ``rollart.buffer.store``: parts ``samples/part-*.parquet`` of the rows t
 it completes, ``ledger/`` state changes; layout in ``rollart.buffer.journal``).
 ``SampleBuffer(run_dir, recover=True)`` continues from that record after the previous
 buffer's worker was lost (``rollart.buffer.restore.recover``). In async mode the buffer
-also owns the backpressure: ``(alpha + 1) * groups_per_step`` slots that env managers
+also owns the backpressure: ``max(alpha, 1) * groups_per_step`` slots that env managers
 take groups from (``acquire``; ``rollart.buffer.backpressure``). All public methods are
 coroutines that run on the worker's event loop.
 """
@@ -220,6 +220,8 @@ class SampleBuffer(Backpressure):
         taken = self._taken.pop(step, None)
         for g in taken.groups if taken else ():
             self._leave(g.arrow(), state, step, durable=True)
+        if taken and state == TrajState.TRAINED:
+            self._published(len(taken.groups))  # the admission counts it (backpressure)
         return taken.rows if taken else 0
 
     def _release(self, step: int) -> int:
@@ -309,7 +311,9 @@ class SampleBuffer(Backpressure):
             for step in sorted(self._taken):
                 self._settle(step, min_version)
             while True:
-                self._drop_stale(min_version)
+                floor = self._stale_floor(min_version)  # areal: None (backpressure)
+                if floor is not None:
+                    self._drop_stale(floor)
                 if len(self._complete) >= n_groups:
                     batch = self._take(n_groups, trained_step, min_version)
                     fut = self._entry()

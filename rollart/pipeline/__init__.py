@@ -4,15 +4,24 @@
 mode        one trainer step
 ==========  ==========================================================================
 ``async``   Trajectory-level: the buffer owns the backpressure. It holds
-            ``(alpha + 1) * groups_per_step`` slots; env managers take the next group
+            ``max(alpha, 1) * groups_per_step`` slots; env managers take the next group
             when one frees (``EnvManager.take_work``, ``rollart.buffer.backpressure``),
             ``redundancy`` × members each, extras cancelled; the trainer takes any
             ``alpha``-fresh complete groups; workers pick up the new version from the
             weight store and swap it in at the next decode step; members that can no
             longer meet the bound are aborted and replaced.
+``areal``   AReaL's scheme: asynchronous like ``async`` (slots, redundancy, weights
+            swapped in mid-trajectory), but the bound is checked only when a group
+            starts: groups started ≤ ``(version + alpha + 1) * groups_per_step``
+            (``rollart.buffer.slots.StartBound``); nothing is aborted or dropped, so
+            a long group is trained however stale it became (``alpha`` default 1).
 ``one-off`` One-step off-policy: the next batch rolls out (turn by turn, batch-level
             barriers) while the trainer trains on the current one (``alpha = 1``),
             launched once every worker holds the trainer's version.
+``sync+``   The paper's main baseline: a batch's groups on the trainer's version,
+            each trajectory on its own (``EnvManager.run_group``: no turn barrier,
+            ``redundancy`` extras cancelled), then train with rollout stopped, then
+            wait until every worker loaded the new version (``alpha = 0``).
 ``sync``    The strengthened synchronous baseline: roll out a batch turn by turn with
             every worker on the trainer's version, then train with rollout stopped,
             then wait until every worker loaded the new version (``alpha = 0``).
@@ -26,14 +35,15 @@ slots pace rollout). ``make_pipeline`` builds the graph's mode; used by
 
 from __future__ import annotations
 
-from rollart.pipeline.asynchronous import AsyncPipeline, slot_capacity
+from rollart.pipeline.asynchronous import AReaLPipeline, AsyncPipeline, slot_capacity
 from rollart.pipeline.base import Pipeline
-from rollart.pipeline.lockstep import OneOffPipeline, SyncPipeline
+from rollart.pipeline.lockstep import OneOffPipeline, SyncPipeline, SyncPlusPipeline
 
-PIPELINES = {"async": AsyncPipeline, "one-off": OneOffPipeline, "sync": SyncPipeline}
+PIPELINES = {"async": AsyncPipeline, "areal": AReaLPipeline, "one-off": OneOffPipeline,
+             "sync+": SyncPlusPipeline, "sync": SyncPipeline}
 
-__all__ = ["PIPELINES", "AsyncPipeline", "OneOffPipeline", "Pipeline", "SyncPipeline",
-           "make_pipeline", "slot_capacity"]
+__all__ = ["PIPELINES", "AReaLPipeline", "AsyncPipeline", "OneOffPipeline", "Pipeline",
+           "SyncPipeline", "SyncPlusPipeline", "make_pipeline", "slot_capacity"]
 
 
 def make_pipeline(actors, graph) -> Pipeline:

@@ -1,21 +1,32 @@
-"""The asynchronous mode (``async``): env managers take groups from the buffer's slots.
+"""The asynchronous modes (``async``, ``areal``): env managers take groups from the
+buffer's slots.
 
 Consumes the actors and ``Graph`` like every mode (``rollart.pipeline.base.Pipeline``);
-hands the ``SampleBuffer`` its ``Slots`` (``rollart.buffer.slots``), keeps an
-``EnvManager.take_work`` loop running on every live env manager while the trainer
-steps, and aborts members that can no longer meet the bound. Built by
-``rollart.pipeline.make_pipeline``.
+hands the ``SampleBuffer`` its ``Slots`` (``rollart.buffer.slots``) under the mode's
+admission policy and keeps an ``EnvManager.take_work`` loop running on every live env
+manager while the trainer steps. ``async`` aborts members that can no longer meet the
+bound and the trainer drops complete groups that are too stale; ``areal`` checks the
+bound only when a group starts (``StartBound``) and then trains whatever arrives.
+Built by ``rollart.pipeline.make_pipeline``.
 """
 
 from __future__ import annotations
 
-from rollart.buffer.slots import Slots
+from rollart.buffer.slots import Capacity, Slots, StartBound
 from rollart.pipeline.base import Pipeline
 
 
 def slot_capacity(algo) -> int:
-    """Groups in flight or buffered at once in async mode: ``(alpha + 1)`` steps' worth."""
-    return (algo.alpha + 1) * algo.groups_per_step
+    """Groups in flight or buffered at once in async mode: ``max(alpha, 1)`` steps' worth.
+
+    Not ``alpha + 1``: with two steps' worth of slots for ``alpha = 1`` the trainer takes
+    the groups that complete first, so groups of long episodes (the failing ones, which
+    run to the turn limit) kept losing the race, went stale and were aborted or dropped.
+    The default graph then trained on a biased sample and gridnav's held-out gain fell
+    from ≥ 0.1 to 0.055 / 0.078 (two runs); with ``max(alpha, 1)`` steps' worth it was
+    0.61 (gridnav), 0.21 (guess), 0.60 (boxpush) in the run that restored it.
+    """
+    return max(algo.alpha, 1) * algo.groups_per_step
 
 
 class AsyncPipeline(Pipeline):
@@ -34,13 +45,19 @@ class AsyncPipeline(Pipeline):
             return self.ask_buffer("slot_state") or self.sequence.state()
         return self.sequence.state()
 
+    def admission(self):
+        """The buffer's admission policy: ``slot_capacity`` groups at once."""
+        return Capacity(slot_capacity(self.graph.algo))
+
     def keep_taking(self) -> None:
         """While the trainer steps: the buffer has its slots (once per buffer: a
         re-created one gets them again), every live env manager takes work, and an env
         manager that was lost has its groups handed back. Local checks only: no call
         unless something changed."""
         if self._slotted is not self.actors.buffer:
-            slots = Slots(slot_capacity(self.graph.algo), self.sequence)
+            admission = self.admission()
+            slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
+                          self.sequence, admission)
             self.ask_buffer("open_slots", slots)
             self._slotted = self.actors.buffer
         live = {id(m) for m in self.actors.managers}
@@ -82,4 +99,22 @@ class AsyncPipeline(Pipeline):
         min_version = metrics["version"] - self.graph.algo.alpha
         metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
                                                                 min_version))
+        return metrics
+
+
+class AReaLPipeline(AsyncPipeline):
+    """AReaL's scheme: asynchronous like ``async`` (the buffer's slots pace rollout,
+    redundancy, weights swapped in mid-trajectory), but the staleness bound is checked
+    only when a group starts (``StartBound``: groups started ≤ ``(version + alpha + 1)
+    * groups_per_step``) and nothing is aborted in flight or dropped as stale: the
+    trainer takes the groups as they complete, so ``trainer/staleness_max`` can exceed
+    ``alpha`` by the groups that ran long (reported, not hidden)."""
+
+    def admission(self):
+        algo = self.graph.algo
+        return StartBound(algo.alpha, algo.groups_per_step)
+
+    def step(self, step: int) -> dict:
+        metrics = self.train(step, while_waiting=self.keep_taking)
+        metrics["rollout/aborted_now"] = 0  # areal never aborts in flight
         return metrics

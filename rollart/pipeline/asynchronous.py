@@ -19,12 +19,13 @@ from rollart.pipeline.base import Pipeline
 def slot_capacity(algo) -> int:
     """Groups in flight or buffered at once in async mode: ``max(alpha, 1)`` steps' worth.
 
-    Not ``alpha + 1``: with two steps' worth of slots for ``alpha = 1`` the trainer takes
-    the groups that complete first, so groups of long episodes (the failing ones, which
-    run to the turn limit) kept losing the race, went stale and were aborted or dropped.
-    The default graph then trained on a biased sample and gridnav's held-out gain fell
-    from ≥ 0.1 to 0.055 / 0.078 (two runs); with ``max(alpha, 1)`` steps' worth it was
-    0.61 (gridnav), 0.21 (guess), 0.60 (boxpush) in the run that restored it.
+    Not ``alpha + 1``: with two steps' worth of slots for ``alpha = 1`` the default
+    graph's gridnav held-out gain fell from ≥ 0.1 to 0.055 / 0.078 (two runs); with
+    ``max(alpha, 1)`` steps' worth the same run gained 0.61 (gridnav), 0.21 (guess), 0.60
+    (boxpush). The likely mechanism (inferred, not traced): with more groups in flight
+    than a step takes, the trainer takes those that complete first, so groups of long
+    episodes (the failing ones, run to the turn limit) lose the race, go stale and are
+    dropped, and the trained sample is biased toward short episodes.
     """
     return max(algo.alpha, 1) * algo.groups_per_step
 

@@ -221,8 +221,6 @@ class EnvCost:
     turn, a step fails with ``fail_prob`` (the env must then be reset and the episode
     retried from its start: reset dominates when envs fail), ``cpu_share`` of a step's
     latency holds a CPU slot (the rest is waiting on I/O: tool calls, remote sandboxes).
-    ``startup_once``: ``reset`` is paid only by an env instance's first episode (the
-    laptop's ``FaultyEnv`` start-up), not by every episode.
     """
 
     name: str
@@ -230,7 +228,6 @@ class EnvCost:
     step: Latency
     fail_prob: float = 0.0
     cpu_share: float = 0.2
-    startup_once: bool = False
 
     def __post_init__(self):
         _fraction(self, "fail_prob", "cpu_share")
@@ -269,11 +266,12 @@ ENV_PROFILES: dict[str, EnvCost] = {
 
 def laptop_env(seed: int = 0) -> EnvCost:
     """The pipeline benchmark's env profile (``rollart.env.faults.straggler_profile``):
-    Pareto start-up once per env instance, lognormal step latency, no failures; the
-    latency is ``asyncio.sleep`` (no CPU held)."""
+    Pareto start-up at an env instance's first reset (every trajectory makes its own
+    instance, ``rollart.env.trajectory``, so every trajectory pays it), lognormal step
+    latency, no failures; the latency is ``asyncio.sleep`` (no CPU held)."""
     f = straggler_profile(seed=seed)
     return EnvCost("laptop", reset=f.startup, step=f.step, fail_prob=f.fail_prob,
-                   cpu_share=0.0, startup_once=True)
+                   cpu_share=0.0)
 
 
 # -- reward, trainer, weights, control plane --------------------------------------------

@@ -1,0 +1,463 @@
+"""Measure this machine for the simulator, then check the simulator against a real run.
+
+Consumes a Dask client (control plane), the built-in tiny model and the default graph;
+produces cost objects of ``rollart.sim.costs`` (``ControlPlane``, the ``cpu``
+``GPUSpec`` with a fitted ``GenCost``, a ``TrainCost``, a ``WeightSync``) and the
+calibration table. Called by ``benchmarks/cluster_sim.py`` and tests.
+
+The order keeps prediction honest: ``measure_control_plane`` and ``measure_engine``
+are micro-benchmarks (an actor ping, a task, the engine at fixed batch sizes, one
+trainer update); a short probe run on other seeds gives the workload's shape (turns and
+tokens per turn per task, which the env and policy decide); only then are the real
+``sync`` and ``async`` runs made, and the simulator, configured as this laptop from the
+measurements alone, predicts them. Nothing is fitted to the runs being predicted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rollart.sim.costs import (GPUS, MODELS, ControlPlane, Costs, GenCost, GPUSpec,
+                               ModelSpec, RewardCost, TrainCost, WeightSync, laptop_env)
+from rollart.env.faults import Latency
+
+__all__ = ["EngineFit", "calibration", "laptop_sim_config", "measure_control_plane",
+           "measure_engine", "measure_shapes"]
+
+BATCHES = (1, 4, 16, 64)
+
+
+# -- (a) the Dask control plane ------------------------------------------------------------
+class _Echo:
+    """A trivial actor: its method round trip is the actor-call cost."""
+
+    def ping(self, x=None):
+        return x
+
+
+def _noop(x=None):
+    return x
+
+
+def measure_control_plane(client, n: int = 200, burst: int = 400) -> ControlPlane:
+    """Per-message costs on ``client``'s cluster, medians of ``n`` calls each: an actor
+    method round trip from the client, a scheduler task round trip (``submit`` →
+    ``result``), and the scheduler's capacity: ``burst`` tasks submitted at once over
+    the time to finish them all."""
+    actor = client.submit(_Echo, actor=True, pure=False).result()
+    for _ in range(5):
+        actor.ping().result()
+    actor_s = _median_time(lambda: actor.ping(1).result(), n)
+    for i in range(5):
+        client.submit(_noop, i, pure=False).result()
+    task_s = _median_time(lambda: client.submit(_noop, 1, pure=False).result(), n // 2)
+    t0 = time.perf_counter()
+    futures = client.map(_noop, range(burst), pure=False)
+    client.gather(futures)
+    capacity = burst / (time.perf_counter() - t0)
+    del futures, actor
+    return ControlPlane(actor_call_s=actor_s, task_s=task_s, scheduler_tasks_s=capacity)
+
+
+def _median_time(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _episode(task):
+    """A short played episode of ``task`` (its warm-up action at each turn)."""
+    import random
+
+    from rollart.types import Episode
+
+    env, rng = task.env_factory(), random.Random(0)
+    obs = env.reset(0)
+    observations, actions, rewards, info = [obs], [], [], {}
+    for _ in range(task.max_turns):
+        action = task.warmup_action(rng, obs) if task.warmup_action else "stop"
+        out = env.step(action)
+        actions.append(action)
+        observations.append(out.observation)
+        rewards.append(out.reward)
+        obs, info = out.observation, out.info
+        if out.done:
+            break
+    return Episode(task.name, 0, observations, actions, rewards, info)
+
+
+# -- (b) the CPU engine and trainer ----------------------------------------------------------
+@dataclass(frozen=True)
+class EngineFit:
+    """What ``measure_engine`` found: the fitted costs and the points they came from."""
+
+    gpu: GPUSpec
+    gen: GenCost
+    train: TrainCost
+    weights: WeightSync
+    reward_s: float
+    decode_points: dict  # batch -> measured seconds per decode step
+    prefill_points: dict  # (rows, tokens per row) -> measured seconds
+    train_points: dict  # tokens -> measured seconds per trainer step
+    fit_error: float  # largest relative error of the fit on its own points
+
+    def costs(self, control: ControlPlane | None = None) -> Costs:
+        """The laptop as a ``Costs`` bundle (the inference tags all map to the CPU)."""
+        gpus = {**GPUS, "cpu": self.gpu}
+        return Costs(model=self.gen.model, gpus=gpus, gen={"cpu": self.gen},
+                     env={"*": laptop_env()},
+                     reward=RewardCost(call=Latency("fixed", seconds=self.reward_s),
+                                       workers=1),
+                     train=self.train, weights=self.weights,
+                     control=control or ControlPlane())
+
+
+def _tiny_spec(model) -> ModelSpec:
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    params = sum(p.numel() for p in model.parameters())
+    return ModelSpec("tiny", float(params), int(cfg.num_hidden_layers), int(cfg.hidden_size),
+                     int(cfg.num_key_value_heads), head_dim, bytes_per_param=4.0,
+                     q_heads=heads)
+
+
+def _cpu_peaks() -> GPUSpec:
+    """This CPU's matmul FLOP/s (one thread, fp32) and copy bandwidth of a buffer the
+    size of the tiny model's weights (they stay in cache): the roofline's floor under
+    the measured overheads (which dominate: the tiny model is bound by Python)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    flops = 50 * 2 * 256 ** 3 / (time.perf_counter() - t0)
+    x = torch.empty(1 << 19)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        x.clone()
+    bw = 50 * 2 * x.numel() * 4 / (time.perf_counter() - t0)
+    return GPUSpec("cpu", flops, bw, 8e9)
+
+
+def _gen_time(engine, rows: int, prompt: int, new: int, vocab: int) -> float:
+    from rollart.types import GenRequest
+
+    reqs = [GenRequest(prompt_ids=[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt)],
+                       max_new_tokens=new, seed=i) for i in range(rows)]
+    t0 = time.perf_counter()
+    engine.generate(reqs)
+    return time.perf_counter() - t0
+
+
+def _linear_fit(xs, ys) -> tuple[float, float]:
+    """Least squares ``y = a + b x``: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: int = 3,
+                   workdir: str | None = None) -> EngineFit:
+    """The torch engine's decode step and prefill times for the built-in tiny model at
+    fixed batch sizes (one thread, as ``InferenceWorker`` runs it), fitted as
+    ``GenCost`` overheads on the CPU's roofline; one trainer update (GRPO on a batch of
+    the default graph's size, KL reference included) per token count, fitted as
+    ``TrainCost``; a weight put + get through the file store."""
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        path = _build_model(Path(tmp))
+        from rollart.rollout.engine import TorchEngine
+
+        engine = TorchEngine(path, max_batch=max(batches), prefix_cache=0)
+        spec = _tiny_spec(engine.model)
+        gpu = _cpu_peaks()
+        roof = GenCost(spec, gpu, mfu=1.0, mbu=1.0)
+        vocab = engine.vocab_size
+        _gen_time(engine, 2, prompt, 4, vocab)  # warm
+        decode, prefill = {}, {}
+        for b in batches:
+            short = statistics.median(_gen_time(engine, b, prompt, 1, vocab)
+                                      for _ in range(repeats))
+            long = statistics.median(_gen_time(engine, b, prompt, new + 1, vocab)
+                                     for _ in range(repeats))
+            decode[b] = max(long - short, 1e-9) / new
+            prefill[(b, prompt)] = short
+        ctx = prompt + new / 2  # mean context per row while decoding
+        resid = {b: t - roof.decode_step_s(b, b * ctx) for b, t in decode.items()}
+        step, row = (max(0.0, v) for v in _linear_fit(list(resid), list(resid.values())))
+        base = GenCost(spec, gpu, mfu=1.0, mbu=1.0, step_overhead_s=step,
+                       row_overhead_s=row)
+        # prefill: what the decode fit leaves, per prompt token (least squares through 0)
+        left = {(r, n): t - base.prefill_s(r * n, 0, rows=r) for (r, n), t in prefill.items()}
+        per_token = max(0.0, sum(v * r * n for (r, n), v in left.items())
+                        / sum((r * n) ** 2 for r, n in left))
+        gen = replace(base, prefill_token_overhead_s=per_token)
+        train, train_points = _measure_trainer(path, spec, gpu, Path(tmp))
+        weights = _measure_weights(engine, Path(tmp))
+        reward_s = _measure_reward()
+    errors = [abs(gen.decode_step_s(b, b * ctx) - t) / t for b, t in decode.items()]
+    errors += [abs(gen.prefill_s(r * n, 0, rows=r) - t) / t for (r, n), t in prefill.items()]
+    errors += [abs(train.step_s(n) - t) / t for n, t in train_points.items()]
+    return EngineFit(gpu, gen, train, weights, reward_s, decode, prefill, train_points,
+                     max(errors))
+
+
+def _build_model(tmp: Path) -> str:
+    from rollart.env.tasks import BUILTIN_TASKS, task_corpus
+    from rollart.model import build_tiny_model
+
+    return build_tiny_model(str(tmp / "tiny"), task_corpus(list(BUILTIN_TASKS)))
+
+
+def _batch(n_traj: int, prompt: int, response: int, group: int, vocab: int):
+    from rollart.types import Trajectory
+
+    out = []
+    for i in range(n_traj):
+        ids = [(3 * i + j) % (vocab - 1) + 1 for j in range(prompt + response)]
+        mask = [j % 2 for j in range(response)]
+        out.append(Trajectory(f"t{i}", "gridnav", f"g{i // group}", i // group,
+                              ids[:prompt], ids[prompt:], mask,
+                              [-1.0 * m for m in mask], [0 if m else -1 for m in mask],
+                              reward=float(i % 3 == 0), num_turns=4))
+    return out
+
+
+def _measure_trainer(path: str, spec: ModelSpec, gpu: GPUSpec, tmp: Path,
+                     lengths=(24, 72), repeats: int = 3):
+    """Seconds per trainer step (``Trainer._update`` with the KL reference, then the
+    weight put) on a batch of the default graph's size at two trajectory lengths →
+    ``TrainCost``: the slope is the 6·params·tokens rate (an effective FLOP/s at MFU 1),
+    the intercept the per-step overhead."""
+    import rollart
+    from rollart.trainer import Trainer
+
+    graph, _ = rollart.load_graph("multitask")
+    algo = graph.algo
+    trainer = Trainer(path, str(tmp / "train-weights"), algo, seed=0, threads=1)
+    trainer.ref_model = trainer._frozen_copy().eval()
+    vocab = trainer.model.config.vocab_size
+    points = {}
+    for n in lengths:
+        batch = _batch(algo.batch_size, n // 3, n - n // 3, algo.group_size, vocab)
+        tokens = algo.batch_size * n
+        trainer._update(batch)  # warm (allocations, optimizer state)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            trainer._update(batch)
+            trainer.version += 1
+            trainer._put_weights()
+            times.append(time.perf_counter() - t0)
+        points[tokens] = statistics.median(times)
+    a, b = _linear_fit(list(points), list(points.values()))
+    flops = 6 * spec.params / b if b > 0 else gpu.flops
+    train_gpu = GPUSpec("cpu-train", flops, gpu.hbm_bytes_s, gpu.mem_bytes)
+    return TrainCost(spec, train_gpu, gpus=1, mfu=1.0, overhead_s=max(0.0, a)), points
+
+
+def _measure_weights(engine, tmp: Path) -> WeightSync:
+    """One put + get of the engine's weights through the file store: latency + rate."""
+    from rollart.weights.store import WeightStore
+
+    store = WeightStore(f"file://{tmp / 'weights'}")
+    sd = engine.state_dict()
+    nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+    t0 = time.perf_counter()
+    store.put(0, sd)
+    t1 = time.perf_counter()
+    store.get(0)
+    t2 = time.perf_counter()
+    rate = nbytes / max(t2 - t1, 1e-6)
+    return WeightSync(transport="tcp", tcp_bytes_s=rate, latency_s=t1 - t0, prefetch=True)
+
+
+def _measure_reward() -> float:
+    """Median seconds of the built-in tasks' reward functions on a finished episode."""
+    from rollart.env.tasks import BUILTIN_TASKS, get_task
+
+    times = []
+    for name in BUILTIN_TASKS:
+        task = get_task(name)
+        ep = _episode(task)
+        for _ in range(50):
+            t0 = time.perf_counter()
+            task.reward_fn(ep)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _episode(task):
+    """A short played episode of ``task`` (its warm-up action at each turn)."""
+    import random
+
+    from rollart.types import Episode
+
+    env, rng = task.env_factory(), random.Random(0)
+    obs = env.reset(0)
+    observations, actions, rewards, info = [obs], [], [], {}
+    for _ in range(task.max_turns):
+        action = task.warmup_action(rng, obs) if task.warmup_action else "stop"
+        out = env.step(action)
+        actions.append(action)
+        observations.append(out.observation)
+        rewards.append(out.reward)
+        obs, info = out.observation, out.info
+        if out.done:
+            break
+    return Episode(task.name, 0, observations, actions, rewards, info)
+
+
+# -- the workload's shape, from a probe run ------------------------------------------------
+def measure_shapes(run_dir) -> dict:
+    """Per task a ``rollart.sim.config.TaskShape`` from a run's Parquet samples: mean
+    turns (rounded), first-prompt tokens, generated tokens per turn, observation tokens
+    per later turn (trajectories that reached the buffer)."""
+    import pyarrow.parquet as pq
+
+    from rollart.sim.config import TaskShape
+
+    files = sorted(Path(run_dir, "samples").glob("**/*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{run_dir}/samples holds no Parquet files: run a few "
+                                "steps first (rollart.train(..., run_dir=...))")
+    rows: dict[str, list] = {}
+    for f in files:
+        for r in pq.read_table(f, columns=["task", "prompt_ids", "response_ids",
+                                           "loss_mask", "num_turns"]).to_pylist():
+            if r["num_turns"] > 0:
+                rows.setdefault(r["task"], []).append(r)
+    shapes = {}
+    for task, rs in rows.items():
+        turns = statistics.fmean(r["num_turns"] for r in rs)
+        gen = statistics.fmean(sum(r["loss_mask"]) / r["num_turns"] for r in rs)
+        obs = statistics.fmean((len(r["response_ids"]) - sum(r["loss_mask"]))
+                               / max(1, r["num_turns"] - 1) for r in rs)
+        prompt = statistics.fmean(len(r["prompt_ids"]) for r in rs)
+        shapes[task] = TaskShape(turns=max(1, round(turns)), prompt_tokens=round(prompt),
+                                 obs_tokens=round(obs), response_tokens=max(1, round(gen)))
+    return shapes
+
+
+# -- the simulator configured as this laptop ----------------------------------------------
+def laptop_sim_config(graph, fit: EngineFit, control: ControlPlane, shapes: dict,
+                      steps: int, mode: str, seed: int = 0):
+    """``resources/laptop.py`` as a ``SimConfig``: one inference worker (the graph's
+    inference tags on the CPU engine, batching ``Policy.max_batch``), one env manager
+    with ``Rollout.env_concurrency`` slots, one reward slot on the rollout worker, the
+    trainer on a process of its own; costs from ``measure_engine`` and
+    ``measure_control_plane``."""
+    from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
+    from rollart.types import CPU_ENV
+
+    pools = tuple(GPUPool(tag, "cpu", 1, max_batch=graph.policy.max_batch)
+                  for tag in graph.rollout.inference_pools)
+    cluster = ClusterSpec(pools, (EnvPool(CPU_ENV, graph.rollout.env_concurrency),),
+                          RewardPool("dedicated", workers=1), trainer_gpus=1,
+                          trainer_gpu="cpu")
+    return SimConfig(cluster, graph, costs=fit.costs(control), shapes=shapes, seed=seed,
+                     steps=steps, mode=mode)
+
+
+# -- (c) the calibration: real runs beside the simulator ------------------------------------
+def _warm_model(tmp: Path, tasks, steps: int) -> str:
+    """The built-in tiny model after its format warm-up (as benchmarks/pipeline.py)."""
+    from rollart.env.tasks import task_corpus
+    from rollart.model import build_tiny_model, load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup
+
+    init = build_tiny_model(str(tmp / "init"), task_corpus(tasks))
+    model, tok = load_model(init), load_tokenizer(init)
+    run_warmup(model, tok, list(tasks), steps=steps, batch_size=32, lr=3e-3)
+    model.save_pretrained(tmp / "warm")
+    tok.save_pretrained(tmp / "warm")
+    return str(tmp / "warm")
+
+
+def _graph(base, tasks, model: str, mode: str, steps: int, redundancy: float, seed: int):
+    return replace(base, tasks=tasks, mode=mode, steps=steps, seed=seed,
+                   policy=replace(base.policy, model=model),
+                   rollout=replace(base.rollout,
+                                   redundancy=redundancy if mode == "async" else 1.0))
+
+
+def _real_throughput(rows: list[dict]) -> float:
+    """Trained trajectories per second, as benchmarks/pipeline.py reports it."""
+    return rows[-1]["traj/trained"] / rows[-1]["time"]
+
+
+def calibration(quick: bool = True, steps: int | None = None, warmup_steps: int | None = None,
+                redundancy: float = 1.5, seed: int = 0, log=print) -> dict:
+    """Measure, probe, run for real, simulate; return the figures side by side.
+
+    On ``resources/laptop.py`` with the default multitask graph, one inference pool
+    (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
+    ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks,
+    (2) a 2-step async probe on other seeds for the tasks' shapes, (3) real ``sync`` and
+    ``async`` runs of ``steps`` steps (async with ``redundancy``× members), (4) the
+    simulator configured from (1) and (2) only. Returns ``real``, ``sim``, ``errors``
+    (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the
+    largest)."""
+    from distributed import Client
+
+    import rollart
+    from rollart.cli import quiet
+    from rollart.env.faults import straggler_profile, with_faults
+    from rollart.sim import simulate
+
+    quiet()
+    steps = steps or (8 if quick else 20)
+    base, _ = rollart.load_graph("multitask")
+    base = replace(base, rollout=replace(base.rollout, inference_pools=("H800",)))
+    warmup_steps = base.policy.warmup_steps if warmup_steps is None else warmup_steps
+    tasks = tuple(with_faults(t, straggler_profile(seed=i)) for i, t in enumerate(base.tasks))
+    res = rollart.load_resources("laptop")
+    t_begin = time.time()
+    fit = measure_engine()
+    log(f"engine fit: decode {fit.decode_points} prefill {fit.prefill_points} "
+        f"train {fit.train_points} fit_error={fit.fit_error:.3f}")
+    real = {}
+    with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
+            Client(cluster) as client:
+        control = measure_control_plane(client)
+        log(f"control plane: actor {control.actor_call_s * 1e3:.2f} ms, task "
+            f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
+            "tasks/s")
+        model = _warm_model(Path(tmp), base.tasks, warmup_steps)
+        probe = _graph(base, tasks, model, "async", 2, redundancy, seed + 1000)
+        rollart.train(probe, client=client, run_dir=Path(tmp) / "probe", progress=False,
+                      eval_seeds=0)
+        shapes = measure_shapes(Path(tmp) / "probe")
+        log("shapes: " + ", ".join(f"{k}={v}" for k, v in shapes.items()))
+        for mode in ("sync", "async"):
+            graph = _graph(base, tasks, model, mode, steps, redundancy, seed)
+            result = rollart.train(graph, client=client, run_dir=Path(tmp) / mode,
+                                   progress=False, eval_seeds=0)
+            real[mode] = _real_throughput(result.metrics)
+            log(f"real {mode}: {real[mode]:.2f} traj/s over {result.metrics[-1]['time']:.1f}s")
+    sim, results = {}, {}
+    for mode in ("sync", "async"):
+        graph = _graph(base, tasks, model, mode, steps, redundancy, seed)
+        results[mode] = simulate(laptop_sim_config(graph, fit, control, shapes, steps, mode,
+                                                   seed))
+        sim[mode] = results[mode].throughput["trajectories_s"]
+        log(f"sim {mode}: {sim[mode]:.2f} traj/s ({results[mode].summary()})")
+    real["async_vs_sync"] = real["async"] / real["sync"]
+    sim["async_vs_sync"] = sim["async"] / sim["sync"]
+    errors = {k: abs(sim[k] - real[k]) / real[k] for k in real}
+    return {"real": real, "sim": sim, "errors": errors,
+            "calibration_error": max(errors.values()), "engine_fit_error": fit.fit_error,
+            "control": control, "shapes": shapes, "steps": steps,
+            "wall_s": time.time() - t_begin}

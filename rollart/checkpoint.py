@@ -137,9 +137,10 @@ def save(url: str, step: int, actors, *, pipeline=None, graph=None, resources=No
     fs, root = fsspec.core.url_to_fs(path)
     if fs.exists(f"{root}/{MARKER}"):
         fs.rm(f"{root}/{MARKER}")  # rewriting the same step: invalid until done again
-    files = dict(actors.trainer.save_state(path).result())
-    files.update(actors.buffer.snapshot(path).result())
-    version = actors.trainer.stats().result()["version"]
+    call = _wait(f"checkpoint step {step} at {path}")
+    files = dict(call(actors.trainer.save_state(path), actors.trainer, "save its state"))
+    files.update(call(actors.buffer.snapshot(path), actors.buffer, "snapshot the buffer"))
+    version = call(actors.trainer.stats(), actors.trainer, "report its version")["version"]
     state = {"step": int(step), "version": int(version), "elapsed": float(elapsed),
              "python_rng": _jsonable(random.getstate()), **(extra or {})}
     if pipeline is not None:
@@ -204,12 +205,27 @@ def load(path: str, *, verify: bool = True) -> Checkpoint:
 
 def restore(ckpt: Checkpoint, actors, *, pipeline=None) -> None:
     """Load ``ckpt`` into freshly started actors (trainer, buffer) and the pipeline."""
-    actors.trainer.load_state(ckpt.path).result()
-    actors.buffer.restore(ckpt.path).result()
+    call = _wait(f"restoring checkpoint {ckpt.path}")
+    call(actors.trainer.load_state(ckpt.path), actors.trainer, "load its state")
+    call(actors.buffer.restore(ckpt.path), actors.buffer, "restore the buffer")
     if pipeline is not None and "pipeline" in ckpt.state:
         pipeline.load_state(ckpt.state["pipeline"])
     if "python_rng" in ckpt.state:
         random.setstate(_tupled(ckpt.state["python_rng"]))
+
+
+def _wait(context: str):
+    """``call(future, actor, doing)``: the future's result within ``rollart.waits.call``
+    seconds, else ``StuckError`` naming the actor, its worker and ``context``."""
+    from rollart.waits import Waits, bounded
+
+    seconds = Waits.from_config().call
+
+    def call(fut, actor, doing: str):
+        who = f"the {getattr(actor, '_cls', type(actor)).__name__} on " \
+              f"{getattr(actor, '_address', '?')}"
+        return bounded(fut, seconds, f"{who} did not {doing} ({context})")
+    return call
 
 
 def _read_json(fs, root: str, path: str, name: str) -> dict:

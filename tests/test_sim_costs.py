@@ -1,0 +1,193 @@
+"""The simulator's cost models (rollart.sim.costs) against hand-computed figures, and the
+calibration's measurements (rollart.sim.calibrate) on a real in-process cluster."""
+
+import math
+import random
+import statistics
+
+import pytest
+
+from rollart.sim.costs import (ENV_PROFILES, GPUS, MODELS, ControlPlane, Costs, GenCost,
+                               GPUSpec, TrainCost, WeightSync, laptop_env)
+
+# datasheet figures, written out here rather than read from the code's table
+H20_HBM, H20_FLOPS = 4.0e12, 148e12
+H800_HBM, H800_FLOPS = 3.35e12, 989e12
+QWEN3_8B_PARAMS = 8.2e9
+
+
+def test_gpu_table_holds_the_datasheet_figures():
+    assert GPUS["H20"].hbm_bytes_s == H20_HBM and GPUS["H20"].flops == H20_FLOPS
+    assert GPUS["H800"].hbm_bytes_s == H800_HBM and GPUS["H800"].flops == H800_FLOPS
+    assert GPUS["H100"].flops == GPUS["H800"].flops  # same silicon, cut NVLink
+
+
+def test_qwen3_8b_decode_at_batch_1_on_h20_is_one_read_of_the_weights():
+    g = GenCost(MODELS["Qwen3-8B"], GPUS["H20"], mbu=0.7)
+    expected = QWEN3_8B_PARAMS * 2 / (H20_HBM * 0.7)  # 16.4 GB of BF16 over 2.8 TB/s
+    assert g.decode_step_s(1, 0) == pytest.approx(expected, rel=1e-9)
+    assert expected == pytest.approx(5.857e-3, rel=1e-3)
+
+
+def test_decode_reads_the_kv_of_every_row_and_turns_compute_bound_at_large_batch():
+    g = GenCost(MODELS["Qwen3-8B"], GPUS["H20"], mfu=0.5, mbu=0.7)
+    kv = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, BF16
+    ctx = 64 * 2048
+    memory = (QWEN3_8B_PARAMS * 2 + kv * ctx) / (H20_HBM * 0.7)
+    compute = (2 * QWEN3_8B_PARAMS * 64 + 4 * 36 * 32 * 128 * ctx) / (H20_FLOPS * 0.5)
+    assert compute > memory  # H20's low FLOP/s: batch 64 at 2k context is compute-bound
+    assert g.decode_step_s(64, ctx) == pytest.approx(compute, rel=1e-9)
+    small = 4 * 512
+    assert g.decode_step_s(4, small) == pytest.approx(
+        (QWEN3_8B_PARAMS * 2 + kv * small) / (H20_HBM * 0.7), rel=1e-9)
+
+
+def test_prefill_is_compute_bound_and_faster_on_h800_decode_faster_on_h20():
+    m = MODELS["Qwen3-8B"]
+    h800, h20 = GenCost(m, GPUS["H800"]), GenCost(m, GPUS["H20"])
+    n = 4096
+    flops = 2 * QWEN3_8B_PARAMS * n + 4 * 36 * 32 * 128 * n * (n / 2)
+    assert h800.prefill_s(n) == pytest.approx(flops / (H800_FLOPS * 0.5), rel=1e-9)
+    assert h20.prefill_s(n) / h800.prefill_s(n) == pytest.approx(989 / 148, rel=1e-9)
+    assert h20.decode_step_s(8, 8 * 1024) < h800.decode_step_s(8, 8 * 1024)
+
+
+def test_prefix_cache_removes_the_cached_tokens_prefill():
+    g = GenCost(MODELS["Qwen3-14B"], GPUS["H800"])
+    full, reuse = g.prefill_s(4000), g.prefill_s(1000, cached_tokens=3000)
+    # 14B: 40 layers, 40 query heads of 128; the new tokens attend to all 4000
+    expected = (2 * 14.8e9 * 1000 + 4 * 40 * 5120 * 1000 * (3000 + 500)) / (989e12 * 0.5)
+    assert reuse == pytest.approx(expected, rel=1e-9)
+    assert reuse < full / 3
+
+
+def test_tensor_parallelism_divides_the_work_at_its_stated_efficiency():
+    m = MODELS["Qwen3-32B"]
+    one, four = GenCost(m, GPUS["H20"]), GenCost(m, GPUS["H20"], tp=4)
+    assert one.decode_step_s(1) / four.decode_step_s(1) == pytest.approx(4 * 0.9 ** 2)
+
+
+def test_kv_bytes_per_token_from_the_model_shape():
+    assert MODELS["Qwen3-8B"].kv_bytes_per_token == 147456  # 144 KiB
+    assert MODELS["Qwen3-32B"].kv_bytes_per_token == 2 * 64 * 8 * 128 * 2
+    assert MODELS["Qwen3-8B"].weight_bytes == pytest.approx(16.4e9)
+
+
+def test_tiny_model_spec_matches_a_real_kv_cache(tmp_path):
+    """The spec read from the model equals the bytes a real forward's cache holds."""
+    import torch
+    from transformers import DynamicCache
+
+    from rollart.model import build_tiny_model, load_model
+    from rollart.sim.calibrate import _tiny_spec
+
+    path = build_tiny_model(str(tmp_path / "m"), ["a b c d e f g"], hidden_size=64)
+    model = load_model(path)
+    spec = _tiny_spec(model)
+    assert spec.params == sum(p.numel() for p in model.parameters())
+    tokens = 11
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.ones((1, tokens), dtype=torch.long), use_cache=True,
+              cache=cache)
+    held = sum(layer.keys.numel() * layer.keys.element_size()
+               + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers)
+    assert spec.kv_bytes_per_token == held / tokens
+
+
+def test_failure_draws_match_the_profile_rate_over_many_samples():
+    env, rng, n = ENV_PROFILES["sandbox"], random.Random(1), 20000
+    draws = [env.sample_step(rng) for _ in range(n)]
+    rate = sum(f for _, f in draws) / n
+    assert abs(rate - 0.1) < 4 * math.sqrt(0.1 * 0.9 / n)  # ~1 failure per 10 steps
+    lat = sorted(t for t, _ in draws)
+    median, p99 = lat[n // 2], lat[int(n * 0.99)]
+    assert median == pytest.approx(2.0, rel=0.05)
+    assert p99 / median > 10  # heavy tail: lognormal sigma 1.2 gives e^(2.33·1.2) ≈ 16
+    resets = [env.sample_reset(rng) for _ in range(2000)]
+    assert statistics.median(resets) > 10 * median  # a retry's reset dwarfs a step
+
+
+def test_laptop_profile_is_the_benchmarks_straggler_profile():
+    env, rng, n = laptop_env(), random.Random(2), 20000
+    resets = [env.sample_reset(rng) for _ in range(n)]
+    assert max(resets) <= 2.0 and min(resets) >= 0.05  # Pareto from 50 ms, capped at 2 s
+    # Pareto(min 0.05, shape 1.2): median 0.05 · 2^(1/1.2)
+    assert statistics.median(resets) == pytest.approx(0.05 * 2 ** (1 / 1.2), rel=0.05)
+    steps = [env.sample_step(rng) for _ in range(n)]
+    assert statistics.median(t for t, _ in steps) == pytest.approx(0.02, rel=0.05)
+    assert not any(f for _, f in steps) and env.cpu_share == 0
+
+
+def test_weight_transfer_times_at_the_stated_rates():
+    m = MODELS["Qwen3-8B"]
+    rdma, tcp = WeightSync("rdma"), WeightSync("tcp", prefetch=False)
+    assert rdma.pull_s(m) == pytest.approx(0.05 + 16.4e9 / 12.5e9)
+    assert tcp.pull_s(m) == pytest.approx(0.05 + 16.4e9 / 1.25e9)
+    assert rdma.pull_s(m, tp=4) == pytest.approx(0.05 + 16.4e9 / 4 / 12.5e9)
+    load = 16.4e9 / H20_HBM
+    # a pull that overlaps 1 s of decoding exposes only the rest, plus the HBM load
+    assert rdma.exposed_pull_s(m, GPUS["H20"], overlap_s=1.0) == pytest.approx(
+        0.05 + 16.4e9 / 12.5e9 - 1.0 + load)
+    assert tcp.exposed_pull_s(m, GPUS["H20"], overlap_s=1.0) == pytest.approx(
+        0.05 + 16.4e9 / 1.25e9 + load)  # no prefetch: all of it stalls
+
+
+def test_trainer_step_is_six_params_tokens_over_its_gpus():
+    t = TrainCost(MODELS["Qwen3-8B"], GPUS["H800"], gpus=32, mfu=0.4, overhead_s=2.0)
+    tokens = 512 * 8192
+    assert t.step_s(tokens) == pytest.approx(
+        6 * QWEN3_8B_PARAMS * tokens / (32 * H800_FLOPS * 0.4) + 2.0)
+
+
+def test_costs_bundle_builds_pool_costs_and_says_what_to_change():
+    c = Costs()
+    g = c.gen_for("H20", tp=2)
+    assert g.model is MODELS["Qwen3-8B"] and g.tp == 2 and g.gpu == GPUS["H20"]
+    cpu = GenCost(MODELS["tiny"], GPUSpec("cpu", 1e10, 1e10, 1e9), step_overhead_s=1e-3)
+    c2 = Costs(model=MODELS["tiny"], gen={"cpu": cpu})
+    assert c2.gen_for("cpu", tag="H800") is cpu
+    assert c.env_for(None) is ENV_PROFILES["sandbox"] and c.env_for("web").name == "web"
+    with pytest.raises(KeyError, match="unknown GPU type 'B200'"):
+        c.gen_for("B200")
+    with pytest.raises(ValueError, match="tp must be an int >= 1"):
+        GenCost(MODELS["Qwen3-8B"], GPUS["H20"], tp=0)
+    with pytest.raises(ValueError, match="transport must be 'rdma' or 'tcp'"):
+        WeightSync("udp")
+    assert ControlPlane(scheduler_tasks_s=500).scheduler_load(250) == 0.5
+
+
+def test_control_plane_measured_on_a_real_cluster(local_cluster):
+    from rollart.sim.calibrate import measure_control_plane
+
+    cp = measure_control_plane(local_cluster, n=20, burst=40)
+    for v in (cp.actor_call_s, cp.task_s, cp.scheduler_tasks_s):
+        assert math.isfinite(v) and v > 0
+    assert cp.actor_call_s < 1.0 and cp.task_s < 1.0  # seconds, not milliseconds
+
+
+def test_shapes_from_parquet_samples(tmp_path):
+    from rollart.buffer.schema import to_record_batch, write_parquet
+    from rollart.sim.calibrate import measure_shapes
+    from rollart.types import Trajectory
+
+    def traj(i, task, prompt, gens, obs):
+        resp, mask = [], []
+        for k, g in enumerate(gens):
+            resp += [5] * g
+            mask += [1] * g
+            if k < len(gens) - 1:
+                resp += [6] * obs
+                mask += [0] * obs
+        return Trajectory(f"t{i}", task, f"g{i}", i, [1] * prompt, resp, mask,
+                          [0.0] * len(mask), [0] * len(mask), num_turns=len(gens))
+
+    rows = [traj(0, "guess", 10, [4, 4, 4], 3), traj(1, "guess", 12, [2, 2, 2], 5),
+            traj(2, "gridnav", 20, [4], 0)]
+    (tmp_path / "samples").mkdir()
+    write_parquet(to_record_batch(rows), str(tmp_path / "samples" / "part-0.parquet"))
+    shapes = measure_shapes(tmp_path)
+    assert shapes["guess"].turns == 3 and shapes["guess"].prompt_tokens == 11
+    assert shapes["guess"].response_tokens == 3 and shapes["guess"].obs_tokens == 4
+    assert shapes["gridnav"].turns == 1 and shapes["gridnav"].response_tokens == 4

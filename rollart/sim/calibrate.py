@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollart.sim.costs import (GPUS, MODELS, ControlPlane, Costs, GenCost, GPUSpec,
+from rollart.sim.costs import (GPUS, ControlPlane, Costs, GenCost, GPUSpec,
                                ModelSpec, RewardCost, TrainCost, WeightSync, laptop_env)
 from rollart.env.faults import Latency
 
@@ -59,7 +59,6 @@ def measure_control_plane(client, n: int = 200, burst: int = 400) -> ControlPlan
     futures = client.map(_noop, range(burst), pure=False)
     client.gather(futures)
     capacity = burst / (time.perf_counter() - t0)
-    del futures, actor
     return ControlPlane(actor_call_s=actor_s, task_s=task_s, scheduler_tasks_s=capacity)
 
 
@@ -298,26 +297,6 @@ def _measure_reward() -> float:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
-
-def _episode(task):
-    """A short played episode of ``task`` (its warm-up action at each turn)."""
-    import random
-
-    from rollart.types import Episode
-
-    env, rng = task.env_factory(), random.Random(0)
-    obs = env.reset(0)
-    observations, actions, rewards, info = [obs], [], [], {}
-    for _ in range(task.max_turns):
-        action = task.warmup_action(rng, obs) if task.warmup_action else "stop"
-        out = env.step(action)
-        actions.append(action)
-        observations.append(out.observation)
-        rewards.append(out.reward)
-        obs, info = out.observation, out.info
-        if out.done:
-            break
-    return Episode(task.name, 0, observations, actions, rewards, info)
 
 
 # -- the workload's shape, from a probe run ------------------------------------------------

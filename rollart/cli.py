@@ -154,6 +154,8 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rollart.graph import MODES
+
     p = argparse.ArgumentParser(prog="rollart", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a graph (default: the multi-task graph)")
@@ -164,9 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="trainer steps")
     t.add_argument("--model", default=None, help="a Hugging Face model folder on disk")
     t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--mode", choices=("async", "one-off", "sync"), default=None,
-                   help="async (default: trajectory-level, bounded staleness), one-off "
-                        "(one-step off-policy) or sync (synchronous baseline)")
+    t.add_argument("--mode", choices=MODES, default=None,
+                   help="async (default: trajectory-level, bounded staleness), areal "
+                        "(AReaL: bound checked when a trajectory starts, no abort), "
+                        "one-off (one-step off-policy), sync+ (trajectories run free, "
+                        "rollout stops while the trainer steps: the paper's main "
+                        "baseline) or sync (a barrier at every turn)")
     t.add_argument("--alpha", type=int, default=None, help="staleness bound (versions)")
     t.add_argument("--run-dir", default=None, help="where outputs go (default runs/NAME-TIME);"
                    " a directory that holds a run is refused (see --resume, --overwrite)")

@@ -23,11 +23,14 @@ from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLI
                            TRAIN)
 
 DEFAULT_GRAPH = "multitask"
-MODES = ("async", "one-off", "sync")  # see rollart.pipeline
+MODES = ("async", "areal", "one-off", "sync+", "sync")  # see rollart.pipeline
 TRAINER_BACKENDS = ("torch", "megatron")  # see rollart.trainer
-# the staleness bound of each mode when GRPO.alpha is left unset (None); the baselines
-# imply theirs (sync is on-policy, one-off one step behind), so setting another is an error
-MODE_ALPHA = {"async": 1, "one-off": 1, "sync": 0}
+# the staleness bound of each mode when GRPO.alpha is left unset (None); the fixed
+# baselines imply theirs (sync and sync+ are on-policy, one-off one step behind), so
+# setting another is an error; async and areal take any bound
+MODE_ALPHA = {"async": 1, "areal": 1, "one-off": 1, "sync+": 0, "sync": 0}
+FREE_ALPHA = ("async", "areal")  # modes whose staleness bound is a setting
+LOCKSTEP_MODES = ("one-off", "sync")  # a turn barrier across each batch
 
 
 class GraphError(ValueError):
@@ -131,7 +134,7 @@ class GRPO:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     # staleness bound: train on trajectories ≤ alpha versions old. None: the mode's
-    # (MODE_ALPHA: async 1, one-off 1, sync 0), resolved by resolve_alpha
+    # (MODE_ALPHA: async 1, areal 1, one-off 1, sync+ 0, sync 0), resolved by resolve_alpha
     alpha: int | None = None
     off_policy: str = DEFAULT_OFF_POLICY  # staleness correction, one of OFF_POLICY
     is_cap: float = 2.0  # truncation of the behaviour importance weight
@@ -182,13 +185,13 @@ def resolve_alpha(algo: GRPO, mode: str = "async", graph: str | None = None) -> 
     """
     if not getattr(algo, "alpha_given", algo.alpha is not None):
         return MODE_ALPHA[mode]
-    if mode != "async" and algo.alpha != MODE_ALPHA[mode]:
+    if mode not in FREE_ALPHA and algo.alpha != MODE_ALPHA[mode]:
         where = f"graph {graph!r}: " if graph else ""
         raise GraphError(
             f"{where}GRPO.alpha={algo.alpha} contradicts mode={mode!r}, whose staleness "
             f"bound is {MODE_ALPHA[mode]} ({mode} is defined by it). Leave GRPO.alpha "
             f"unset (or set it to {MODE_ALPHA[mode]}), drop --alpha, or use "
-            f"mode='async' (--mode async) for a bound of {algo.alpha}")
+            f"mode='async' (--mode async) or 'areal' for a bound of {algo.alpha}")
     return algo.alpha
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rollart.affinity import check_cluster, check_declared
 from rollart.affinity import needs as affinity_needs
-from rollart.graph import Graph, GraphError
+from rollart.graph import LOCKSTEP_MODES, Graph, GraphError
 from rollart.resources import Resources, ResourceTagError, check_tags, workers_with
 from rollart.types import ALL_TAGS, CPU_ENV
 
@@ -101,8 +101,9 @@ def check_picklable(graph: Graph) -> None:
 
 def check_lockstep(graph: Graph, env_workers: int, source: str = "the cluster") -> None:
     """In ``sync``/``one-off`` a batch moves turn by turn, so all its members on one env
-    manager must run at once: at most ``Rollout.env_concurrency`` of them."""
-    if graph.mode == "async" or env_workers < 1:
+    manager must run at once: at most ``Rollout.env_concurrency`` of them. The other
+    modes run each group on its own (members beyond the limit wait their turn)."""
+    if graph.mode not in LOCKSTEP_MODES or env_workers < 1:
         return
     algo = graph.algo
     per_manager = math.ceil(algo.groups_per_step / env_workers) * algo.group_size

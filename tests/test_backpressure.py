@@ -16,7 +16,7 @@ import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout
 from rollart.buffer import SampleBuffer
-from rollart.buffer.slots import GroupSequence, Slots
+from rollart.buffer.slots import Capacity, GroupSequence, Slots, StartBound
 from rollart.env.tasks import get_task
 from rollart.types import Trajectory
 
@@ -201,6 +201,55 @@ def test_slots_are_right_again_after_the_buffer_is_recovered(tmp_path):
     ids = asyncio.run(first())
     assert ids == ["g000000", "g000001", "g000002"]
     asyncio.run(second())
+
+
+def test_the_start_bound_counts_groups_started_against_the_trainer_version():
+    """AReaL's admission (areal): groups started ≤ (version + alpha + 1) × groups_per_step,
+    where started = trained + in training + held; a group that ended with nothing to
+    train on does not count; async's Capacity frees a slot as soon as the trainer takes."""
+    bound = StartBound(alpha=1, groups_per_step=2)
+    assert [bound.room(0, s, 0) for s in (0, 3, 4)] == [4, 1, 0]
+    assert bound.room(0, 4, 1) == 2 and bound.stale_floor(7) is None
+    assert Capacity(4).room(3, 99, 0) == 1 and Capacity(4).stale_floor(7) == 7
+    slots = Slots(4, _seq(), bound)
+    got = [slots.take("m") for _ in range(5)]
+    assert [w is not None for w in got] == [True] * 4 + [False]
+    for w in got[:2]:  # the trainer takes two: still started while it trains on them
+        slots.release(w.group_id)
+    assert slots.take("m", training=2) is None
+    slots.published(2)  # its update is out: version 1, two more may start
+    assert [slots.take("m") is not None for _ in range(3)] == [True, True, False]
+    slots.release(got[2].group_id)  # ended with every member failed: nothing trained
+    assert slots.take("m").group_id == "g000006"
+    plain = Slots(4, _seq())  # async: the slots a take frees are free at once
+    taken = [plain.take("m") for _ in range(4)]
+    plain.release(taken[0].group_id)
+    assert plain.take("m", training=1) is not None
+
+
+def test_the_buffer_counts_a_taken_batch_until_published_and_drops_nothing_in_areal(
+        tmp_path):
+    async def scenario():
+        buf = SampleBuffer(str(tmp_path / "run"))
+        await buf.open_slots(Slots(1, _seq(), StartBound(alpha=0, groups_per_step=1)))
+        w0 = await buf.acquire("m")
+        assert await buf.acquire("m", wait=0.2) is None  # version 0: one group
+        await _run_group(buf, w0, version=0)
+        table = await buf.get_table(1, min_version=0, trained_step=1)
+        assert table.num_rows == 2
+        waiting = asyncio.ensure_future(buf.acquire("m", wait=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # taken, not published: it still counts
+        await buf.mark_trained(1)
+        w1 = await asyncio.wait_for(waiting, 5)
+        assert w1.group_id == "g000001"
+        # a group far older than the trainer's bound is trained, not dropped
+        await _run_group(buf, w1, version=0)
+        table = await buf.get_table(1, min_version=5, trained_step=2)
+        assert table.num_rows == 2 and (await buf.counts())["dropped"] == 0
+        await buf.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_lost_manager_frees_nothing_and_its_group_is_handed_out_again(tmp_path):

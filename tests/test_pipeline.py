@@ -1,7 +1,9 @@
-"""The three modes end to end, briefly, on a local tagged cluster: counts add up at every
-step, no trained token is older than the mode's bound, redundant extras and stale
-members never reach the trainer."""
+"""The modes end to end, briefly, on a local tagged cluster: counts add up at every step,
+no trained token is older than the mode's bound, redundant extras and stale members
+never reach the trainer; ``sync+`` has no turn barrier and stops rollout while the
+trainer steps; ``areal`` never aborts and starts no group beyond its bound."""
 
+import threading
 from dataclasses import replace
 
 import pyarrow.compute as pc
@@ -9,13 +11,14 @@ import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
+from rollart.buffer.journal import entries
 from rollart.buffer.ledger import STATES
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.faults import Faults, Latency, with_faults
 from rollart.env.tasks import get_task
 from rollart.graph import GraphError
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # the first tests here take minutes; the new modes' do not
 
 
 def _graph(mode, **rollout):
@@ -42,6 +45,7 @@ def _check_run(result, alpha):
     return rows
 
 
+@slow
 @pytest.mark.parametrize("mode, alpha", [("sync", 0), ("one-off", 1)])
 def test_baseline_modes_train(local_cluster, tmp_path, mode, alpha):
     result = train(_graph(mode), client=local_cluster, run_dir=tmp_path / mode,
@@ -50,6 +54,7 @@ def test_baseline_modes_train(local_cluster, tmp_path, mode, alpha):
     assert all(r["traj/cancelled"] == 0 and r["traj/aborted"] == 0 for r in rows)
 
 
+@slow
 def test_async_mode_with_redundancy_cancels_extras(local_cluster, tmp_path):
     result = train(_graph("async", redundancy=2.0), client=local_cluster,
                    run_dir=tmp_path / "async", progress=False, eval_seeds=0)
@@ -63,12 +68,17 @@ def test_async_mode_with_redundancy_cancels_extras(local_cluster, tmp_path):
 def test_modes_imply_their_bound():
     assert replace(_graph("sync"), mode="sync").algo.alpha == 0
     assert _graph("one-off").algo.alpha == 1
+    assert _graph("sync+").algo.alpha == 0 and _graph("areal").algo.alpha == 1
+    assert replace(_graph("areal"), algo=GRPO(group_size=2, alpha=3)).algo.alpha == 3
+    with pytest.raises(GraphError, match="sync\\+"):
+        replace(_graph("sync+"), algo=GRPO(group_size=2, alpha=1))
     with pytest.raises(GraphError, match="mode"):
         replace(_graph("sync"), mode="fast")
     with pytest.raises(GraphError, match="redundancy"):
         Rollout(redundancy=0.5)
 
 
+@slow
 def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_path):
     faults = Faults(step=0.002, fail_prob=0.05, hang_prob=0.03, hang_seconds=30.0, seed=3)
     graph = replace(_graph("async", redundancy=1.5, env_step_timeout=0.5),
@@ -101,6 +111,7 @@ STOPS = {
 }
 
 
+@slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("case", sorted(STOPS))
 def test_a_run_that_cannot_progress_stops_with_the_reason(local_cluster, tmp_path, mode,
@@ -126,6 +137,7 @@ class FailsOnEvenSeeds(GridNavEnv):
         return super().reset(seed)
 
 
+@slow
 def test_sync_mode_refills_groups_whose_every_member_failed(local_cluster, tmp_path):
     """Lockstep members are not replaced; a group with no member left is re-run, so the
     trainer never waits for groups nobody runs."""
@@ -144,6 +156,7 @@ def test_sync_mode_refills_groups_whose_every_member_failed(local_cluster, tmp_p
     assert trained.num_rows == 4 * 3 * 2 and all(s % 2 for s in trained["seed"].to_pylist())
 
 
+@slow
 def test_a_comm_error_while_the_trainer_is_alive_reruns_the_step(local_cluster, tmp_path,
                                                                    monkeypatch):
     """A trainer step that fails with a comm error (as when another worker dies while the
@@ -165,3 +178,152 @@ def test_a_comm_error_while_the_trainer_is_alive_reruns_the_step(local_cluster, 
     rows = _check_run(result, 1)
     assert calls.count(2) == 2 and [r["version"] for r in rows] == [1, 2, 3, 4]
     assert result.recovery == []  # the trainer was never replaced
+
+
+# -- sync+ and areal: short runs (3 steps of 3 groups of 2, no warm-up) ------------------
+def _quick(mode, env=None, **rollout):
+    task = get_task("gridnav") if env is None else \
+        replace(get_task("gridnav"), name="nav", env_factory=env)
+    return Graph(name=f"q-{mode}", tasks=(task,), mode=mode, steps=3,
+                 policy=Policy(warmup_steps=0), algo=GRPO(group_size=2, groups_per_step=3),
+                 rollout=Rollout(**rollout))
+
+
+def _adds_up(rows) -> None:
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+
+
+def _trained(run_dir):
+    samples = read_samples(run_dir)
+    return samples.filter(pc.equal(samples["state"], "trained"))
+
+
+class Turns:
+    """What the test envs saw (the cluster runs in this process: one copy of it)."""
+
+    lock = threading.Lock()
+    made = 0
+    second_step = threading.Event()  # some env other than the first finished 2 steps
+    released = threading.Event()  # the straggler's env was closed
+    events: list = []
+
+    @classmethod
+    def reset(cls):
+        cls.made, cls.events = 0, []
+        cls.second_step.clear()
+        cls.released.clear()
+
+
+class SlowFirstNav(GridNavEnv):
+    """The first env made is slow: its first step waits (up to 30 s) until another env
+    finished its second step. Behind a turn barrier that never happens."""
+
+    def __init__(self):
+        super().__init__()
+        with Turns.lock:
+            self.index, Turns.made = Turns.made, Turns.made + 1
+        self.steps = 0
+
+    def step(self, action):
+        if self.index == 0 and self.steps == 0:
+            Turns.events.append(("first env's first step waited for another's second",
+                                 Turns.second_step.wait(30)))
+        out = super().step(action)
+        self.steps += 1
+        if self.index and self.steps == 2:
+            Turns.second_step.set()
+        return out
+
+
+class StragglerNav(GridNavEnv):
+    """The first env made never finishes its first step unless it is closed (60 s)."""
+
+    def __init__(self):
+        super().__init__()
+        with Turns.lock:
+            self.index, Turns.made = Turns.made, Turns.made + 1
+
+    def step(self, action):
+        if self.index == 0:
+            Turns.events.append(("straggler released by close", Turns.released.wait(60)))
+            raise RuntimeError("the straggler's step ran to its end")
+        return super().step(action)
+
+    def close(self):
+        if self.index == 0:
+            Turns.released.set()
+        super().close()
+
+
+def test_syncplus_runs_trajectories_free_and_stops_rollout_while_training(local_cluster,
+                                                                        tmp_path):
+    Turns.reset()
+    result = train(_quick("sync+", SlowFirstNav), client=local_cluster,
+                   run_dir=tmp_path / "syncplus", progress=False, eval_seeds=0)
+    _adds_up(result.metrics)
+    # no turn barrier: a batch-mate took two steps while the first env's first one waited
+    assert Turns.events == [("first env's first step waited for another's second", True)]
+    trained = _trained(result.run_dir)
+    assert trained.num_rows == 3 * 3 * 2
+    # rollout stopped while the trainer stepped: every generated token of a row trained
+    # at step s came from version s - 1, the trainer's version when it was rolled out
+    for versions, mask, step in zip(trained["versions"].to_pylist(),
+                                    trained["loss_mask"].to_pylist(),
+                                    trained["trained_step"].to_pylist()):
+        gen = {v for v, m in zip(versions, mask) if m}
+        assert gen == {step - 1}, (gen, step)
+
+
+def test_syncplus_redundancy_keeps_the_first_finishers(local_cluster, tmp_path):
+    Turns.reset()
+    result = train(_quick("sync+", StragglerNav, redundancy=1.5, env_step_timeout=120.0),
+                   client=local_cluster, run_dir=tmp_path / "redundant", progress=False,
+                   eval_seeds=0)
+    rows = result.metrics
+    _adds_up(rows)
+    # the straggler's group trained on its two other members; the straggler was cancelled
+    assert Turns.events == [("straggler released by close", True)]
+    assert rows[-1]["traj/cancelled"] >= 1 and rows[-1]["traj/failed"] == 0
+    trained = _trained(result.run_dir)
+    groups = trained["group_id"].to_pylist()
+    assert trained.num_rows == 3 * 3 * 2 and groups.count("g000000") == 2
+
+
+def _launch_order(run_dir) -> list[tuple[int, int]]:
+    """From the buffer's journal, in the order the buffer saw them: for each group's
+    first launch, ``(group index, trainer updates published before it)``."""
+    import pyarrow.parquet as pq
+
+    out, seen, published = [], set(), set()
+    for _, path in entries(str(run_dir), "ledger"):
+        t = pq.read_table(path)
+        for traj, state, step in zip(t["traj_id"].to_pylist(), t["state"].to_pylist(),
+                                     t["trained_step"].to_pylist()):
+            gid = traj.rsplit("-", 1)[0]
+            if state == "trained":
+                published.add(step)
+            elif state == "in_flight" and gid not in seen:
+                seen.add(gid)
+                out.append((int(gid[1:]), len(published)))
+    return out
+
+
+def test_areal_never_aborts_and_starts_no_group_beyond_its_bound(local_cluster, tmp_path):
+    graph = _quick("areal", redundancy=1.5)
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "areal", progress=False,
+                   eval_seeds=0)
+    rows = result.metrics
+    _adds_up(rows)
+    alpha, per_step = graph.algo.alpha, graph.algo.groups_per_step
+    assert all(r["traj/aborted"] == 0 and r["rollout/aborted_now"] == 0 for r in rows)
+    assert all(r["traj/dropped"] == 0 for r in rows)  # stale or not, admitted is trained
+    launches = _launch_order(result.run_dir)
+    assert len(launches) >= 3 * per_step
+    # AReaL's bound: group i starts only while i < (version + alpha + 1) * groups_per_step
+    assert all(i < (v + alpha + 1) * per_step for i, v in launches), launches
+    # ... and rollout ran ahead of the trainer: it used the room the bound gives
+    assert any(i >= (v + 1) * per_step for i, v in launches), launches
+    assert _trained(result.run_dir).num_rows == 3 * 3 * 2
+    assert all("trainer/staleness_max" in r for r in rows)  # reported, may exceed alpha

@@ -5,11 +5,20 @@ one RNG seeded by ``Graph.seed``: the same sequence for a seed however rollout i
 continued from a checkpoint by ``state``/``load_state`` and, after the buffer's worker
 was lost, by ``advance_to`` (draws replayed from the seed up to the next unused group).
 
-``Slots`` is the admission rule of the async mode: at most ``capacity`` groups
-(``(alpha + 1) * groups_per_step``) are in flight or buffered at once. A slot is held
-from the moment an env manager takes a group until the group leaves the buffer (taken by
-the trainer, dropped as stale, or ended with every member failed); a group whose env
-manager was lost keeps its slot and is handed out again for its missing members.
+``Slots`` hands groups out under an admission policy and keeps who holds which. A slot
+is held from the moment an env manager takes a group until the group leaves the buffer
+(taken by the trainer, dropped as stale, or ended with every member failed); a group
+whose env manager was lost keeps its slot and is handed out again for its missing
+members. The policies (plain objects, called by the buffer and by ``rollart.sim``):
+
+* ``Capacity`` (``async``): at most ``capacity`` groups (``(alpha + 1) *
+  groups_per_step``) are in flight or buffered at once.
+* ``StartBound`` (``areal``, AReaL's rule): the staleness bound is checked only when a
+  group starts: it may start only while the groups started (trained, in training,
+  buffered, in flight) number fewer than ``(version + alpha + 1) * groups_per_step``,
+  ``version`` counted in updates published since the slots opened. Nothing is dropped
+  or aborted afterwards (``stale_floor`` is None): a group that took long is trained
+  however stale it became.
 
 Neither object does I/O: the ``SampleBuffer`` actor holds one of each and waits on its
 condition for a free slot (``rollart.buffer.backpressure``); the lockstep modes draw
@@ -23,6 +32,12 @@ from a ``GroupSequence`` in the driver (``rollart.pipeline``); tests call them d
 ('g000000', 'g000001', None)
 >>> slots.release("g000000"), slots.take("m1").group_id
 (True, 'g000002')
+
+AReaL's rule counts a batch the trainer took until its update is published:
+
+>>> bound = StartBound(alpha=0, groups_per_step=1)
+>>> bound.room(held=0, started=1, version=0), bound.room(held=0, started=1, version=1)
+(0, 1)
 """
 
 from __future__ import annotations
@@ -93,25 +108,84 @@ class GroupSequence:
             self.next()
 
 
-class Slots:
-    """At most ``capacity`` groups in flight or buffered; who holds which, what to re-run."""
+@dataclass(frozen=True)
+class Capacity:
+    """The async mode's admission: at most ``capacity`` groups hold a slot at once."""
 
-    def __init__(self, capacity: int, sequence: GroupSequence):
+    capacity: int
+
+    def room(self, held: int, started: int, version: int) -> int:
+        """Groups that may start now, with ``held`` slots held (``started``: those plus
+        the groups trained or in training; ``version``: updates published since the
+        slots opened; neither counts here: a group taken by the trainer frees its slot)."""
+        return self.capacity - held
+
+    def stale_floor(self, min_version: int) -> int | None:
+        """Complete groups older than this are dropped when the trainer asks for a batch
+        at ``min_version``: the trainer's bound, as it asks."""
+        return min_version
+
+
+@dataclass(frozen=True)
+class StartBound:
+    """AReaL's admission: a group starts only if it can be trained within ``alpha``
+    versions of the version it starts on (groups started ≤ ``(version + alpha + 1) *
+    groups_per_step``); once started it is never dropped for staleness."""
+
+    alpha: int
+    groups_per_step: int
+
+    @property
+    def capacity(self) -> int:
+        """Groups started per trainer version window: ``(alpha + 1)`` steps' worth."""
+        return (self.alpha + 1) * self.groups_per_step
+
+    def room(self, held: int, started: int, version: int) -> int:
+        """Groups that may start now: the bound less the groups started (trained, in
+        training, buffered or in flight: ``started``) at trainer ``version`` (counted
+        from the slots' opening)."""
+        return (version + self.alpha + 1) * self.groups_per_step - started
+
+    def stale_floor(self, min_version: int) -> int | None:
+        """None: nothing is dropped; the bound was checked when each group started."""
+        return None
+
+
+class Slots:
+    """Hands out groups under ``admission`` (default ``Capacity(capacity)``); who holds
+    which, what to re-run, and the trainer's progress the admission counts."""
+
+    def __init__(self, capacity: int, sequence: GroupSequence, admission=None):
         if capacity < 1:
             raise ValueError(f"Slots(capacity={capacity}): at least one group must be "
                              "allowed to run; raise GRPO.groups_per_step")
         self.capacity, self.sequence = int(capacity), sequence
+        self.admission = admission if admission is not None else Capacity(self.capacity)
         self.held: dict[str, str | None] = {}  # group id -> holder (env manager key)
         self.groups: dict[str, tuple] = {}  # group id -> (task, seed, size, restarts)
         self.retry: deque[Work] = deque()  # groups of lost holders, first in line
+        self.version = 0  # updates published since the slots opened (``published``)
+        self.trained = 0  # groups in those updates
+
+    def room(self, training: int = 0) -> int:
+        """Groups the admission lets start now; ``training``: groups a trainer step took
+        whose update is not published yet."""
+        started = self.trained + training + len(self.held)
+        return self.admission.room(len(self.held), started, self.version)
 
     @property
     def free(self) -> int:
-        return max(0, self.capacity - len(self.held))
+        return max(0, self.room())
 
-    def take(self, holder: str, tasks=None) -> Work | None:
+    def published(self, n_groups: int) -> None:
+        """An update trained on ``n_groups`` groups was published."""
+        self.version += 1
+        self.trained += int(n_groups)
+
+    def take(self, holder: str, tasks=None, training: int = 0) -> Work | None:
         """The next group for ``holder`` (which runs the task names ``tasks``, or any),
-        or None while every slot is held or the next group is another pool's."""
+        or None while the admission lets none start (``room``) or the next group is
+        another pool's."""
         def mine(task) -> bool:
             return tasks is None or task.name in tasks
 
@@ -120,7 +194,7 @@ class Slots:
                 self.retry.remove(work)
                 self.held[work.group_id] = holder
                 return work
-        if not self.free or not mine(self.sequence.peek()[0]):
+        if self.room(training) <= 0 or not mine(self.sequence.peek()[0]):
             return None
         task, seed, gid, size = self.sequence.next()
         self.held[gid] = holder
@@ -158,7 +232,9 @@ class Slots:
         self.held = {g: None for g in buffered}
         self.groups = {g: v for g, v in self.groups.items() if g in self.held}
         self.retry.clear()
+        self.version = self.trained = 0
 
     def stats(self) -> dict:
         return {"slots_capacity": self.capacity, "slots_held": len(self.held),
-                "slots_retry": len(self.retry), "groups_drawn": self.sequence.n_groups}
+                "slots_retry": len(self.retry), "groups_drawn": self.sequence.n_groups,
+                "slots_version": self.version, "slots_trained": self.trained}

@@ -385,10 +385,15 @@ class Pipeline(abc.ABC):
                 return
             self.check_failures(every=0.0)
             self.refilled_groups += need - ready
-            self.wait_batch(self.run_batch([self.next_group() for _ in range(need - ready)]))
+            self.roll_out([self.next_group() for _ in range(need - ready)])
 
-    def wait_group(self, gid: str, fut) -> None:
-        """Wait for a restarted group (restarting it again if its new manager is lost)."""
+    def roll_out(self, groups: list[tuple]) -> None:
+        """Run ``groups`` (``next_group`` tuples) to the end: a lockstep batch here."""
+        self.wait_batch(self.run_batch(groups))
+
+    def wait_group(self, gid: str, fut, redundancy: float = 1.0) -> None:
+        """Wait for a placed group (``self.placed``: a restarted one, or ``sync+``'s),
+        restarting its missing members with ``redundancy`` if its manager is lost."""
         while fut is not None:
             try:
                 self.wait(fut)
@@ -396,5 +401,5 @@ class Pipeline(abc.ABC):
             except Exception as e:
                 if not self.lost(e, self.placed[gid][1]):
                     raise
-                fut = self.restart_group(gid)
+                fut = self.restart_group(gid, redundancy)
         self.placed.pop(gid, None)

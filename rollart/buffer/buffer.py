@@ -39,6 +39,7 @@ from rollart.buffer.group import Group, Taken, restate
 from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
+from rollart.staleness import within
 from rollart.types import Trajectory, TrajState
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class SampleBuffer(Backpressure):
 
     def _drop_stale(self, min_version: int) -> int:
         """Drop complete groups older than ``min_version``; returns trajectories dropped."""
-        stale = [g for g in self._complete.values() if g.version < min_version]
+        stale = [g for g in self._complete.values() if not within(g.version, min_version)]
         for g in stale:
             self._close_group(g)
             self._leave(g.arrow(), TrajState.DROPPED, durable=True)
@@ -377,7 +378,7 @@ class SampleBuffer(Backpressure):
         async with self._condition:
             groups = [(g, False) for g in self._open.values()] + \
                      [(g, True) for g in self._complete.values()]
-            stale = [(g, done) for g, done in groups if g.rows and g.version < min_version]
+            stale = [(g, done) for g, done in groups if g.rows and not within(g.version, min_version)]
             for g, done in stale:
                 self._close_group(g)
                 self._leave(g.arrow(), TrajState.DROPPED, durable=done)

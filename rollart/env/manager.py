@@ -41,6 +41,7 @@ from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
 from rollart.handles import Handle
 from rollart.model import load_tokenizer
 from rollart.near import near
+from rollart.staleness import within
 from rollart.types import TrajState
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class EnvManager:
         for grp in list(self._groups.values()):
             for traj_id, log in list(grp.logs.items()):
                 gen = [v for v, m in zip(log.versions, log.loss_mask) if m]
-                if gen and min(gen) < min_version and traj_id in grp.jobs:
+                if gen and not within(min(gen), min_version) and traj_id in grp.jobs:
                     grp.reasons[traj_id] = TrajState.ABORTED.value
                     grp.jobs[traj_id].cancel()
                     n += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from rollart.buffer.slots import Capacity, Slots, StartBound
 from rollart.pipeline.base import Pipeline
+from rollart.staleness import StalenessBound
 
 
 def slot_capacity(algo) -> int:
@@ -97,7 +98,7 @@ class AsyncPipeline(Pipeline):
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.keep_taking)
-        min_version = metrics["version"] - self.graph.algo.alpha
+        min_version = StalenessBound(self.graph.algo.alpha).min_version(metrics["version"])
         metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
                                                                 min_version))
         return metrics

@@ -39,6 +39,7 @@ import time
 
 from rollart.buffer.ledger import STATES
 from rollart.buffer.slots import GroupSequence
+from rollart.staleness import StalenessBound
 from rollart.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -266,7 +267,7 @@ class Pipeline(abc.ABC):
         to its recovery: its next ``get_table`` settles the batch the same way."""
         try:
             out = self.actors.buffer.release_taken(
-                step, version - self.graph.algo.alpha).result()
+                step, StalenessBound(self.graph.algo.alpha).min_version(version)).result()
         except Exception as e:  # noqa: BLE001
             if not self.lost(e, self.actors.buffer):
                 raise

@@ -32,11 +32,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from rollart.env.redundancy import Redundancy
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
 from rollart.handles import Handle
 from rollart.model import load_tokenizer
@@ -125,12 +125,9 @@ class EnvManager:
         """
         need = group_size if need is None else need
         grp = _GroupRun(task, seed, group_id, group_size, need, next_index=first_index)
-        extra = max(need, math.ceil(need * redundancy)) - need
-        if backup_after is not None and extra:
-            grp.backups, grp.backup_at = extra, max(1, math.ceil(backup_after * need))
-            extra = 0
+        start, grp.backups, grp.backup_at = Redundancy(redundancy, backup_after).plan(need)
         if need > 0:
-            await self._launch(grp, need + extra)
+            await self._launch(grp, start)
         else:
             grp.done.set()
         return await self._finish(grp)
@@ -374,8 +371,9 @@ class EnvManager:
             self.counts["failed"] += failed
         if grp.filled:
             self._cancel_rest(grp)
-        elif grp.backups and grp.delivered >= grp.backup_at and grp.jobs:
-            n, grp.backups = min(grp.backups, len(grp.jobs)), 0
+        elif n := Redundancy.backups_now(grp.backups, grp.delivered, grp.backup_at,
+                                         len(grp.jobs)):
+            grp.backups = 0
             self.counts["backups"] += n
             await self._launch(grp, n)  # backups for the members still running
         self._maybe_done(grp)

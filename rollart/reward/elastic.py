@@ -21,7 +21,6 @@ handles of two clusters in one process can hang):
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 
@@ -29,6 +28,7 @@ from distributed.deploy.adaptive_core import AdaptiveCore
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from rollart.reward.offload import SERVERLESS, is_serverless
+from rollart.reward.scaling import Scaling
 
 logger = logging.getLogger(__name__)
 MONITOR = "rollart-serverless"
@@ -229,6 +229,11 @@ class ElasticPool(AdaptiveCore):
         self._i = 0
         self._pc = None
 
+    @property
+    def scaling(self) -> Scaling:
+        """The scaling decision (``rollart.reward.scaling``) with this pool's settings."""
+        return Scaling(self.maximum, self.threads, self.idle_timeout)
+
     # -- AdaptiveCore's state ---------------------------------------------------------
     def _mine(self, names) -> set:
         return {n for n in names if isinstance(n, str) and n.startswith(self.prefix + "-")}
@@ -252,12 +257,13 @@ class ElasticPool(AdaptiveCore):
             asked = self._asked.pop(name, None)
             if asked is not None:
                 self.cold_start_seconds.append(now - asked)
-        return math.ceil(self._snap["demand"] / self.threads)
+        return self.scaling.uncapped(self._snap["demand"])
 
     async def workers_to_close(self, target: int) -> list:
-        idle = [n for n, w in self._snap["workers"].items() if n in self.observed
-                and w["processing"] == 0 and w["idle_s"] >= self.idle_timeout]
-        return idle[:max(len(self.plan) - target, 0)]
+        workers = {n: w for n, w in self._snap["workers"].items() if n in self.observed}
+        return self.scaling.to_close({n: w["idle_s"] for n, w in workers.items()},
+                                     {n for n, w in workers.items() if w["processing"]},
+                                     len(self.plan), target)
 
     async def scale_up(self, n: int) -> None:
         from distributed import Nanny, Worker

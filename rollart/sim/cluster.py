@@ -3,27 +3,445 @@ own policy objects.
 
 Consumes a ``SimConfig`` (``rollart.sim.config``); produces a ``SimResult``. Called by
 ``rollart.sim.simulate``, ``rollart.sim.paper``, ``rollart.sim.calibrate`` and
-``benchmarks/cluster_sim.py``.
+``benchmarks/cluster_sim.py``. The modes' drivers are in ``rollart.sim.modes``, the
+pools in ``rollart.sim.pools``.
 
 What is simulated (and what is aggregated to stay fast at thousands of GPUs):
 
 * **Env managers**: each trajectory is one simpy process (an event chain, not a thread):
   env reset, then per turn a generation request and an env step (``EnvCost``
-  latencies, failures and retries), then its reward and the buffer. A trajectory holds
-  one of its env pool's slots while it lives (``EnvManager``'s ``max_concurrency``).
-* **Inference workers**: one object per worker (``tp`` GPUs) batching many requests
-  continuously; it wakes only at arrivals and completions (never per decode step):
-  between two events its batch and step time (``GenCost.decode_step_s``) are constant.
-  Prefill (``GenCost.prefill_s``, minus the tokens its prefix cache holds for a sticky
-  trajectory) pauses the batch's decoding. Requests are routed by the runtime's
-  ``Router``; PD (prefill pool → KV transfer → decode pool) follows the task's affinity.
-* **Reward** on a dedicated pool (fixed workers) or the elastic pool, scaled by the
-  runtime's ``Scaling`` with cold starts (``RewardCost``).
-* **Buffer and trainer**: the runtime's ``Slots``/``GroupSequence`` admit groups; the
-  trainer step (``TrainCost``) takes ``groups_per_step`` groups that the runtime's
-  ``StalenessBound`` calls fresh, publishes a version; workers pull it (``WeightSync``:
-  exposed pull time) at their next step boundary and re-prefill in-flight contexts.
-* **Modes** ``sync``, ``sync+``, ``one-off``, ``areal``, ``async`` (``rollart.sim.modes``).
+  latencies; a failed step fails the member, which the group replaces as
+  ``EnvManager`` does), then its reward and the buffer. A trajectory holds one of its
+  env pool's slots while it lives (``EnvManager``'s ``max_concurrency``). Groups are
+  spread round robin over the pool's ``managers``, each with its own ``Router``.
+* **Inference workers**: one ``SimWorker`` per worker (``tp`` GPUs) batching many
+  requests continuously; it wakes only at arrivals and completions, never per decode
+  step (``rollart.sim.pools``). Requests are routed by the runtime's ``Router``
+  (``rollart.rollout.routing``: affinity, auto classification, stickiness — its prefix
+  cache spares the cached tokens' prefill — and least-loaded); PD (prefill pool → KV
+  transfer at the weight link's rate → decode pool) follows the task's affinity.
+* **Reward** on a dedicated pool or the elastic pool (the runtime's ``Scaling``).
+* **Buffer and trainer**: the runtime's ``Slots``/``GroupSequence`` (and ``StartBound``
+  for ``areal``) admit groups; the runtime's ``Redundancy`` plans members and backups;
+  a trainer step (``TrainCost`` on the batch's tokens, then the weight push) takes
+  ``groups_per_step`` complete groups the runtime's ``StalenessBound`` calls fresh;
+  workers find the new version after up to one store poll (``WeightRule``), pull it
+  while generating (``WeightSync``), stall for the exposed part and re-prefill their
+  in-flight contexts; members the bound rules out are aborted and replaced.
 * **Control plane**: Dask messages counted per turn and per step, their cost
-  (``ControlPlane``) summed into scheduler and driver load.
+  (``ControlPlane``) summed into scheduler, driver and env-manager loop load.
 """
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, OrderedDict
+
+import simpy
+
+from rollart.affinity import env_tag, task_routes
+from rollart.env.redundancy import Redundancy
+from rollart.rollout.routing import Router
+from rollart.sim.config import SimConfig, SimConfigError, SimResult
+from rollart.sim.pools import Meter, Req, RewardSim, SimWorker
+from rollart.staleness import StalenessBound, WeightRule, within
+
+ABORTED, CANCELLED, FAILED, DELIVERED = "aborted", "cancelled", "failed", "delivered"
+
+
+class Barrier:
+    """``TurnBarrier``'s rule: every live member waits at each turn for all of them."""
+
+    def __init__(self, env, parties: int):
+        self.env, self.parties, self.arrived = env, parties, 0
+        self.event = env.event()
+
+    def wait(self):
+        self.arrived += 1
+        ev = self.event
+        self._maybe_open()
+        return ev
+
+    def leave(self) -> None:
+        self.parties -= 1
+        self._maybe_open()
+
+    def _maybe_open(self) -> None:
+        if self.parties > 0 and self.arrived >= self.parties:
+            ev, self.event, self.arrived = self.event, self.env.event(), 0
+            ev.succeed()
+
+
+class Member:
+    __slots__ = ("id", "group", "proc", "req", "worker", "oldest", "tokens", "state",
+                 "failed")
+
+    def __init__(self, traj_id: str, group):
+        self.id, self.group = traj_id, group
+        self.proc = self.req = self.worker = self.oldest = None
+        self.tokens, self.state, self.failed = 0, None, False
+
+
+class Group:
+    def __init__(self, env, work, manager, barrier=None):
+        self.task, self.seed, self.gid = work.task, work.seed, work.group_id
+        self.size, self.need = work.size, work.need
+        self.manager, self.barrier = manager, barrier
+        self.members: dict[str, Member] = {}
+        self.delivered: list[Member] = []
+        self.replaced = self.backups = self.backup_at = self.next_index = 0
+        self.done = env.event()
+
+    @property
+    def filled(self) -> bool:
+        return len(self.delivered) >= self.need
+
+    @property
+    def version(self) -> int | None:
+        versions = [m.oldest for m in self.delivered if not m.failed and m.oldest is not None]
+        return min(versions) if versions else None
+
+
+class Manager:
+    """A simulated ``EnvManager``: its env pool's slots and its own ``Router`` copy."""
+
+    def __init__(self, name: str, slots: simpy.Resource, meter: Meter, router: Router):
+        self.name, self.slots, self.meter, self.router = name, slots, meter, router
+
+
+class Cluster:
+    """One simulated run's state; ``rollart.sim.modes`` drives it."""
+
+    def __init__(self, cfg: SimConfig):
+        from rollart.sim.costs import Costs
+
+        self.cfg, self.graph = cfg, cfg.graph
+        self.costs = cfg.costs if cfg.costs is not None else Costs()
+        self.env = simpy.Environment()
+        seed = cfg.seed
+        self.rng_env, self.rng_gen = random.Random(seed * 3 + 1), random.Random(seed * 3 + 2)
+        self.rng_misc = random.Random(seed * 3 + 3)
+        dt = cfg.timeline_dt or 1.0
+        self.workers: list[SimWorker] = []
+        self.meters: dict[str, Meter] = {}
+        for pool in cfg.cluster.inference:
+            self.meters[pool.tag] = Meter(pool.workers, dt)
+            gen = self.costs.gen_for(pool.gpu, pool.tp, pool.tag)
+            for _ in range(pool.workers):
+                self.workers.append(SimWorker(self.env, len(self.workers), pool.tag, gen,
+                                              pool.max_batch, self.meters[pool.tag]))
+        self.pool_of = {p.tag: p for p in cfg.cluster.inference}
+        routes = task_routes(self.graph.tasks)
+        tags = [w.tag for w in self.workers]
+        self.managers: dict[str, list[Manager]] = {}
+        for ep in cfg.cluster.env:
+            res = simpy.Resource(self.env, capacity=max(1, ep.slots))
+            meter = self.meters[ep.tag] = Meter(ep.slots, dt)
+            self.managers[ep.tag] = [Manager(f"{ep.tag}-{i}", res, meter,
+                                             Router(tags, routes))
+                                     for i in range(max(1, ep.managers))]
+        self._rr: Counter = Counter()
+        self.reward = RewardSim(self.env, cfg.cluster.reward, self.costs.reward,
+                                random.Random(seed * 3 + 4), dt)
+        self.train_cost = self.costs.train_for(cfg.cluster.trainer_gpu,
+                                               cfg.cluster.trainer_gpus)
+        self.trainer = Meter(1, dt)
+        algo, ro = self.graph.algo, self.graph.rollout
+        self.bound = StalenessBound(algo.alpha)
+        self.weights_rule = WeightRule()
+        self.redundancy = Redundancy(ro.redundancy, ro.backup_after)
+        self.inference_pools = tuple(p for p in ro.inference_pools if p in self.pool_of) \
+            or None
+        self.version = 0
+        self.groups: dict[str, Group] = {}
+        self.complete: OrderedDict[str, Group] = OrderedDict()
+        self.changed = self.env.event()
+        self.on_release = None  # the mode's hook when a group leaves (frees a slot)
+        self.counts = Counter()
+        self.msgs = Counter()
+        self.staleness: Counter = Counter()
+        self.decisions: list = []
+        self.step_times: list[float] = []
+        self.trained = self.trained_tokens = 0
+
+    # -- groups and members -------------------------------------------------------------
+    def manager_for(self, task) -> Manager:
+        tag = env_tag(task)
+        pool = self.managers.get(tag) or next(iter(self.managers.values()))
+        i = self._rr[tag]
+        self._rr[tag] += 1
+        return pool[i % len(pool)]
+
+    def start_group(self, work, barrier=None, redundancy: Redundancy | None = None) -> Group:
+        grp = Group(self.env, work, self.manager_for(work.task), barrier)
+        self.groups[grp.gid] = grp
+        start, grp.backups, grp.backup_at = (redundancy or Redundancy()).plan(grp.need)
+        self.launch(grp, start)
+        return grp
+
+    def launch(self, grp: Group, n: int) -> None:
+        self.msgs["ledger"] += 1  # buffer.launched(ids): one actor call per launch
+        self.counts["launched"] += n
+        for _ in range(n):
+            m = Member(f"{grp.gid}-{grp.next_index}", grp)
+            grp.next_index += 1
+            grp.members[m.id] = m
+            m.proc = self.env.process(self.member(m))
+
+    def member(self, m: Member):
+        grp, env = m.group, self.env
+        shape = self.cfg.shape(grp.task.name)
+        ec = self.costs.env_for(shape.env)
+        mgr = grp.manager
+        slot = mgr.slots.request()
+        t0 = None
+        try:
+            yield slot
+            t0 = env.now
+            yield env.timeout(ec.sample_reset(self.rng_env))
+            context = shape.prompt_tokens
+            for turn in range(shape.turns):
+                if grp.barrier is not None:
+                    yield grp.barrier.wait()
+                out = self.sample_out(shape)
+                yield from self.generate(m, mgr.router, grp.task.name, context, out)
+                context += out
+                latency, failed = ec.sample_step(self.rng_env)
+                yield env.timeout(latency)
+                if failed:
+                    m.failed = True
+                    break
+                if turn + 1 < shape.turns:
+                    context += shape.obs_tokens
+            m.tokens = context
+            if grp.barrier is not None:
+                grp.barrier.leave()
+                m.state = "left"
+            if not m.failed:
+                self.reward_msgs()
+                yield self.reward.call()
+            state = FAILED if m.failed else DELIVERED
+        except simpy.Interrupt as stop:
+            state = stop.cause
+            if m.req is not None and not m.req.event.triggered:
+                m.worker.cancel(m.req)
+            if grp.barrier is not None and m.state != "left":
+                grp.barrier.leave()
+        finally:
+            if slot.triggered:
+                mgr.slots.release(slot)
+            else:
+                slot.cancel()
+            if t0 is not None:
+                mgr.meter.add(t0, env.now)
+            mgr.router.release(m.id)
+        self.settle(m, state)
+
+    def sample_out(self, shape) -> int:
+        mean = shape.response_tokens
+        if shape.spread <= 0:
+            return max(1, int(mean))
+        draw = (1 - shape.spread) + shape.spread * self.rng_gen.expovariate(1.0)
+        return max(1, int(round(mean * draw)))
+
+    def generate(self, m: Member, router: Router, task: str, context: int, out: int):
+        """One turn's generation through the runtime's router (PD when it says so)."""
+        env = self.env
+        aff = router.disaggregated(task)
+        new = router.new_tokens(m.id, context)
+        if aff is None:
+            idx = router.route(m.id, task, self.inference_pools, tokens=new + out)
+            router.count_reuse(m.id, idx, context, new)
+            req = self._send(m, idx, Req(env, new, context - new, context, out), task, "gen")
+            try:
+                yield req.event
+            finally:
+                router.done(idx, new + out)
+            router.served(m.id, context + out - 1)
+        else:
+            p = router.route(m.id, pools=(aff.prefill,), tokens=new)
+            router.count_reuse(m.id, p, context, new)
+            req = self._send(m, p, Req(env, new, context - new, context, 0, "prefill"),
+                             task, "prefill")
+            try:
+                yield req.event
+            finally:
+                router.done(p, new)
+            router.served(m.id, context)
+            oldest = req.version
+            kv = self.costs.model.kv_bytes_per_token * context
+            yield env.timeout(self.costs.weights.latency_s + kv / self.costs.weights.bytes_s)
+            d = router.route(None, pools=(aff.decode,), tokens=out)
+            req = self._send(m, d, Req(env, 0, context, context, out, "decode"), task,
+                             "decode")
+            try:
+                yield req.event
+            finally:
+                router.done(d, out)
+            req.version = oldest
+            self.msgs["kv_fetch"] += 1
+        router.observe(task, context, out)
+        if m.oldest is None:
+            m.oldest = req.version
+        m.req = None
+
+    def _send(self, m: Member, idx: int, req: Req, task: str, phase: str) -> Req:
+        w = self.workers[idx]
+        m.req, m.worker = req, w
+        self.msgs["generate"] += 1
+        self.counts["turn_requests"] += phase != "decode"
+        if self.cfg.record:
+            self.decisions.append((task, w.tag, phase))
+        w.submit(req)
+        return req
+
+    def reward_msgs(self) -> None:
+        local = self.graph.rollout.local_reward and self.cfg.cluster.reward.kind == "dedicated"
+        self.msgs["reward_task" if not local else "reward_local"] += 1
+
+    def settle(self, m: Member, state: str) -> None:
+        """``EnvManager._member``'s bookkeeping for a member that ended as ``state``."""
+        grp = m.group
+        grp.members.pop(m.id, None)
+        self.msgs["ledger"] += 1  # buffer.put / settle / record_failed
+        if state == ABORTED:
+            self.counts["aborted"] += 1
+            if not grp.filled:
+                self.launch(grp, 1)
+        elif state == CANCELLED or grp.filled:
+            self.counts["cancelled"] += 1
+        elif state == FAILED and grp.barrier is None and grp.replaced < grp.size:
+            grp.replaced += 1
+            self.counts["failed"] += 1
+            self.counts["replaced"] += 1
+            self.launch(grp, 1)
+        else:
+            self.counts["failed" if m.failed else "delivered"] += 1
+            grp.delivered.append(m)
+        if grp.filled:
+            for other in list(grp.members.values()):
+                if other.proc.is_alive and other.state != "stopping":
+                    other.state = "stopping"
+                    other.proc.interrupt(CANCELLED)
+        elif n := Redundancy.backups_now(grp.backups, len(grp.delivered), grp.backup_at,
+                                         len(grp.members)):
+            grp.backups = 0
+            self.counts["backups"] += n
+            self.launch(grp, n)
+        if grp.filled and not grp.members and not grp.done.triggered:
+            self.group_complete(grp)
+
+    # -- the buffer ---------------------------------------------------------------------
+    def group_complete(self, grp: Group) -> None:
+        grp.done.succeed()
+        self.groups.pop(grp.gid, None)
+        if grp.version is None:  # every member failed: nothing to train, slot frees
+            self.counts["groups_failed"] += 1
+            self.release(grp)
+            return
+        self.complete[grp.gid] = grp
+        self.notify()
+
+    def notify(self) -> None:
+        ev, self.changed = self.changed, self.env.event()
+        ev.succeed()
+
+    def release(self, grp: Group) -> None:
+        if self.on_release is not None:
+            self.on_release(grp)
+
+    def take_batch(self, n: int, floor: int | None):
+        """``SampleBuffer.get_table``: drop complete groups below ``floor`` (``None``:
+        never), wait for ``n``, take the oldest ``n``."""
+        while True:
+            if floor is not None:
+                for gid, g in list(self.complete.items()):
+                    if not within(g.version, floor):
+                        del self.complete[gid]
+                        self.counts["dropped"] += len(g.delivered)
+                        self.release(g)
+            if len(self.complete) >= n:
+                batch = [self.complete.popitem(last=False)[1] for _ in range(n)]
+                for g in batch:
+                    self.release(g)
+                return batch
+            yield self.changed
+
+    def abort_stale(self) -> int:
+        """``EnvManager.abort_older_than(bound.min_version(version))`` on every manager."""
+        n = 0
+        for grp in list(self.groups.values()):
+            for m in list(grp.members.values()):
+                if self.bound.abort(m.oldest, self.version) and m.proc.is_alive and \
+                        m.state != "stopping":
+                    m.state = "stopping"
+                    m.proc.interrupt(ABORTED)
+                    n += 1
+        self.msgs["driver"] += sum(len(v) for v in self.managers.values())
+        return n
+
+    # -- the trainer and the weights ----------------------------------------------------
+    def train(self, batch: list[Group]):
+        """One trainer step on ``batch``: the update, then the weight push."""
+        t0 = self.env.now
+        members = [m for g in batch for m in g.delivered]
+        tokens = sum(m.tokens for m in members)
+        for m in members:
+            if not m.failed and m.oldest is not None:
+                self.staleness[self.bound.lag(m.oldest, self.version)] += 1
+        yield self.env.timeout(self.train_cost.step_s(tokens))
+        yield self.env.timeout(self.costs.weights.push_s(self.costs.model))
+        self.trainer.add(t0, self.env.now)
+        self.version += 1
+        self.trained += len(members)
+        self.trained_tokens += tokens
+        self.step_times.append(self.env.now)
+        self.msgs["driver"] += 2  # train_step + its result
+        self.msgs["trainer"] += 3  # get_table, weight store put, mark_trained
+
+    def publish(self, wait: bool = False) -> simpy.Event:
+        """Workers load the new version: lockstep (``wait``) at once, nothing hidden;
+        otherwise each finds it within one store poll and pulls it while generating."""
+        version, w_cost, model = self.version, self.costs.weights, self.costs.model
+        loads = []
+        for w in self.workers:
+            pool = self.pool_of[w.tag]
+            gpu = self.costs.gpus[pool.gpu]
+            pull = w_cost.pull_s(model, pool.tp)
+            if wait:
+                loads.append(w.load(version, w_cost.exposed_pull_s(model, gpu, pool.tp, 0.0)))
+                continue
+            delay = self.rng_misc.uniform(0, self.weights_rule.poll_s) + pull
+            exposed = w_cost.exposed_pull_s(model, gpu, pool.tp, overlap_s=pull)
+            done = self.env.event()
+            loads.append(done)
+            ev = self.env.timeout(delay)
+            ev.callbacks.append(lambda _e, w=w, x=exposed, v=version, d=done:
+                                w.load(v, x).callbacks.append(lambda _l: d.succeed()))
+        return self.env.all_of(loads)
+
+
+def simulate(config: SimConfig) -> SimResult:
+    """Run ``config``: ``config.steps`` trainer steps in ``config.run_mode``; returns the
+    figures (``SimResult``). Deterministic for a seed. Raises ``SimConfigError`` when
+    the run stalls (no event left before the last step) or passes ``max_sim_s``."""
+    from rollart.sim.modes import DRIVERS
+    from rollart.sim.report import result
+
+    mode = config.run_mode
+    if mode not in DRIVERS:
+        raise SimConfigError(f"mode {mode!r} is not simulated; use one of {sorted(DRIVERS)}")
+    t0 = time.perf_counter()
+    cl = Cluster(config)
+    main = cl.env.process(DRIVERS[mode](cl))
+    limit = cl.env.timeout(config.max_sim_s)
+    cl.env.run(until=cl.env.any_of([main, limit]))
+    if not main.triggered:
+        raise SimConfigError(
+            f"simulated run ({mode}) did not finish {config.steps} steps within "
+            f"max_sim_s={config.max_sim_s:g} s (reached {cl.version} steps): raise "
+            f"max_sim_s, or check the config (env slots, groups_per_step)")
+    if not main.ok:
+        raise main.value
+    return result(cl, mode, time.perf_counter() - t0)

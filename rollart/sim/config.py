@@ -59,10 +59,13 @@ class GPUPool:
 @dataclass(frozen=True)
 class EnvPool:
     """A CPU env pool: at most ``slots`` environments (trajectories) live at once, as an
-    ``EnvManager``'s ``max_concurrency`` bounds them."""
+    ``EnvManager``'s ``max_concurrency`` bounds them, over ``managers`` env managers
+    (each with its own copy of the router, as each runtime manager has its own
+    ``LLMProxy``)."""
 
     tag: str = CPU_ENV
     slots: int = 256
+    managers: int = 1
 
 
 @dataclass(frozen=True)

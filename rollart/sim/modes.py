@@ -1,0 +1,128 @@
+"""The simulated modes: how rollout and training interleave, as ``rollart.pipeline``
+defines them, each a simpy process over a ``rollart.sim.cluster.Cluster``.
+
+==========  =========================================================================
+``async``   The buffer's slots (``rollart.buffer.slots.Slots``, capacity
+            ``rollart.pipeline.slot_capacity``) pace rollout: a group starts when one
+            frees; ``Redundancy`` extras; the trainer takes any ``alpha``-fresh groups
+            (``StalenessBound``); workers pull each version while generating; members
+            that can no longer meet the bound are aborted and replaced.
+``areal``   As ``async`` under ``StartBound`` (the bound checked when a group starts);
+            nothing aborted or dropped.
+``one-off`` Batch k+1 rolls out turn by turn (a barrier per turn) while the trainer
+            trains on batch k, launched once every worker holds the trainer's version.
+``sync+``   A batch's groups each on their own (no turn barrier, ``Redundancy``
+            extras), then train with rollout stopped, then every worker loads the new
+            version.
+``sync``    As ``sync+`` with a barrier per turn and no extras.
+==========  =========================================================================
+
+Consumes the cluster's state and policy objects; produces trainer steps. Called by
+``rollart.sim.cluster.simulate``.
+"""
+
+from __future__ import annotations
+
+from rollart.buffer.slots import GroupSequence, Slots, StartBound, Work
+from rollart.env.redundancy import Redundancy
+
+
+def _sequence(cl) -> GroupSequence:
+    g = cl.graph
+    return GroupSequence(g.tasks, g.task_weights, g.seed + cl.cfg.seed, g.algo.group_size)
+
+
+def asynchronous(cl, areal: bool = False):
+    """``async`` / ``areal``: slots pace rollout while the trainer steps."""
+    from rollart.pipeline import slot_capacity
+
+    algo = cl.graph.algo
+    if areal:
+        admission = StartBound(algo.alpha, algo.groups_per_step)
+        slots = Slots(admission.capacity, _sequence(cl), admission)
+    else:
+        slots = Slots(slot_capacity(algo), _sequence(cl))
+    training = [0]
+
+    def fill() -> None:
+        while True:
+            work = slots.take("sim", None, training=training[0])
+            if work is None:
+                return
+            cl.msgs["acquire"] += 1
+            cl.start_group(work, redundancy=cl.redundancy)
+
+    def released(grp) -> None:
+        slots.release(grp.gid)
+
+    cl.on_release = released
+    fill()
+    for _ in range(cl.cfg.steps):
+        floor = None if areal else cl.bound.min_version(cl.version)
+        batch = yield from cl.take_batch(algo.groups_per_step, floor)
+        training[0] = len(batch)
+        fill()
+        yield from cl.train(batch)
+        slots.published(len(batch))
+        training[0] = 0
+        cl.publish()
+        if not areal:
+            cl.counts["aborted_now"] += cl.abort_stale()
+        fill()
+
+
+def areal(cl):
+    return asynchronous(cl, areal=True)
+
+
+def _batch(cl, seq, lockstep: bool, redundancy: Redundancy | None):
+    """Launch one step's groups (``Pipeline.run_batch``); returns their done events."""
+    from rollart.sim.cluster import Barrier
+
+    algo = cl.graph.algo
+    works = [Work(*seq.next(), algo.group_size) for _ in range(algo.groups_per_step)]
+    barrier = Barrier(cl.env, sum(w.size for w in works)) if lockstep else None
+    cl.msgs["driver"] += len(works)  # run_batch / run_group per group
+    return [cl.start_group(w, barrier, redundancy).done for w in works]
+
+
+def _take_all(cl):
+    """After a lockstep batch: everything complete is this step's batch."""
+    n = len(cl.complete)
+    batch = yield from cl.take_batch(n, None)
+    return batch
+
+
+def synchronous(cl, lockstep: bool = True):
+    """``sync`` (lockstep) / ``sync+`` (each trajectory on its own, with extras)."""
+    seq = _sequence(cl)
+    red = None if lockstep else cl.redundancy
+    for _ in range(cl.cfg.steps):
+        yield cl.env.all_of(_batch(cl, seq, lockstep, red))
+        batch = yield from _take_all(cl)
+        yield from cl.train(batch)
+        cl.msgs["driver"] += len(cl.workers)  # wait_version per worker
+        yield cl.publish(wait=True)
+
+
+def sync_plus(cl):
+    return synchronous(cl, lockstep=False)
+
+
+def one_off(cl):
+    """``one-off``: the next batch rolls out (lockstep) while the trainer trains."""
+    seq = _sequence(cl)
+    pending = _batch(cl, seq, True, None)
+    loads = None
+    for _ in range(cl.cfg.steps):
+        yield cl.env.all_of(pending)
+        batch = yield from _take_all(cl)
+        if loads is not None:
+            yield loads  # every worker holds the trainer's version
+        pending = _batch(cl, seq, True, None)
+        yield from cl.train(batch)
+        loads = cl.publish(wait=False)  # workers pick the version up themselves
+
+
+DRIVERS = {"async": asynchronous, "areal": areal, "one-off": one_off, "sync+": sync_plus,
+           "sync": synchronous}

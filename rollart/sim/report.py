@@ -1,0 +1,97 @@
+"""A finished simulated run's figures: utilisation, throughput, staleness, aborts and
+the Dask control plane's load, as a ``SimResult``.
+
+Consumes a ``rollart.sim.cluster.Cluster`` after its run; produces the ``SimResult``.
+Called by ``rollart.sim.cluster.simulate``.
+
+Control-plane model (messages per turn and per step, costs from ``ControlPlane``):
+
+* actor calls, worker to worker (no scheduler): a generation request (PD: prefill,
+  decode, and the KV fetch), the buffer's ledger calls (launched / put / settle),
+  a group's acquire; each costs ``actor_call_s`` on the caller's and the callee's
+  event loops — the env managers' loops carry most of them;
+* scheduler tasks: a reward on the serverless pool (``msgs_per_task`` messages each),
+  and every Dask worker's heartbeat (distributed's interval: 0.5 s up to 10 workers,
+  1 s up to 50, 2 s up to 200, then ``n / 200 + 1`` s);
+* the driver: lockstep modes launch each group and wait for each worker's version;
+  async asks every manager to abort after each step.
+
+The scheduler's load is its messages per second over its capacity
+(``scheduler_tasks_s × msgs_per_task``); ``saturates_at_gpus`` extrapolates the GPU
+count at which it reaches 1, everything scaling with the cluster.
+"""
+
+from __future__ import annotations
+
+from rollart.sim.config import SimResult
+
+
+def heartbeat_interval(n: int) -> float:
+    """distributed's worker heartbeat interval for ``n`` workers (seconds)."""
+    if n <= 10:
+        return 0.5
+    if n < 50:
+        return 1.0
+    if n < 200:
+        return 2.0
+    return n / 200 + 1
+
+
+def control(cl, horizon: float) -> dict:
+    cp = cl.costs.control
+    m = cl.msgs
+    turns = max(cl.counts["turn_requests"], 1)
+    steps = max(len(cl.step_times), 1)
+    actor = m["generate"] + m["kv_fetch"] + m["ledger"] + m["acquire"]
+    managers = sum(len(v) for v in cl.managers.values())
+    trainer_nodes = max(1, cl.cfg.cluster.trainer_gpus // 8)
+    dask_workers = len(cl.workers) + managers + trainer_nodes + 1 + \
+        max(len(cl.reward.workers), 1)
+    heartbeats = dask_workers / heartbeat_interval(dask_workers) * horizon
+    sched_msgs = m["reward_task"] * cp.msgs_per_task + heartbeats + m["driver"]
+    capacity = cp.scheduler_tasks_s * cp.msgs_per_task
+    sched_load = sched_msgs / horizon / capacity if horizon > 0 else 0.0
+    gpus = cl.cfg.cluster.gpus
+    return {
+        "actor_calls": actor, "reward_tasks": m["reward_task"], "driver_calls": m["driver"],
+        "heartbeats": round(heartbeats), "dask_workers": dask_workers,
+        "msgs_per_turn": (actor + m["reward_task"] * cp.msgs_per_task) / turns,
+        "msgs_per_step": (actor + sched_msgs) / steps,
+        "scheduler_msgs_s": sched_msgs / horizon if horizon else 0.0,
+        "scheduler_load": sched_load,
+        "driver_load": m["driver"] * cp.actor_call_s / horizon if horizon else 0.0,
+        "manager_loop_load": 2 * (m["generate"] + m["ledger"] + m["kv_fetch"]) *
+        cp.actor_call_s / horizon / managers if horizon else 0.0,
+        "saturates_at_gpus": gpus / sched_load if sched_load > 0 else float("inf"),
+    }
+
+
+def result(cl, mode: str, wall_s: float) -> SimResult:
+    horizon = cl.step_times[-1] if cl.step_times else cl.env.now
+    util, timeline = {}, {}
+    for tag, meter in cl.meters.items():
+        util[tag] = meter.utilisation(horizon)
+        timeline[tag] = meter.timeline(horizon)
+    r = cl.reward
+    util["reward"] = r.meter.busy / r.held(horizon) if r.held(horizon) > 0 else 0.0
+    timeline["reward"] = r.meter.timeline(horizon)
+    util["trainer"] = cl.trainer.utilisation(horizon)
+    timeline["trainer"] = cl.trainer.timeline(horizon)
+    c = cl.counts
+    aborts = {k: c[k] for k in ("aborted", "cancelled", "failed", "replaced", "backups",
+                                "dropped", "groups_failed", "launched", "delivered")}
+    reuse = [mgr.router.stats()["expected_reuse"] for v in cl.managers.values()
+             for mgr in v]
+    return SimResult(
+        mode=mode, sim_time_s=horizon, steps=len(cl.step_times), trained=cl.trained,
+        throughput={"trajectories_s": cl.trained / horizon if horizon else 0.0,
+                    "tokens_s": cl.trained_tokens / horizon if horizon else 0.0,
+                    "steps_s": len(cl.step_times) / horizon if horizon else 0.0},
+        utilisation=util, timeline=timeline,
+        staleness=dict(sorted(cl.staleness.items())), aborts=aborts,
+        control=control(cl, horizon), sim_wall_s=wall_s,
+        step_times=list(cl.step_times), gpus=cl.cfg.cluster.gpus,
+        decisions=list(cl.decisions),
+        extra={"prefix_reuse": sum(reuse) / len(reuse) if reuse else 0.0,
+               "reward_cold_starts": r.cold_starts,
+               "weight_loads": sum(w.loads for w in cl.workers)})

@@ -1,0 +1,83 @@
+"""benchmarks/kv_transfer.py, reward_pool.py and weight_sync.py run tiny and report
+figures that make sense (their full runs are scripts, not tests: see the README)."""
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str, *args: str, timeout: int = 300) -> dict:
+    """Run ``benchmarks/<name>.py`` with ``args``; its RESULT line as a dict of floats."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+
+
+def test_raw_copy_delivers_every_byte_into_its_preallocated_buffer(monkeypatch):
+    """The raw baseline: each copy lands whole in the receiver's one buffer."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # a spawned child imports it
+    kv = importlib.import_module("kv_transfer")
+    n = (1 << 20) + 4099  # not a multiple of a page or of recv's chunk
+    raw = kv.raw_copy(n, 3)
+    assert raw["sent"] == 3 * n and raw["received"] == raw["sent"]
+    assert raw["intact"]  # the receiver's buffer equals what was sent (crc32)
+    assert len(raw["seconds"]) == 3 and all(0 < t < 10 for t in raw["seconds"])
+
+
+def test_kv_transfer_tiny():
+    r = _bench("kv_transfer", "--quick", "--mib", "1", "--repeats", "2", "--reps", "1",
+               "--requests", "2")
+    assert r["raw_bytes_ok"] == 1 and r["dask_bytes_ok"] == 1 and r["kv_mib"] == 1
+    for k in ("raw_gibps_1", "tcp_gibps_1", "pd_vs_raw_tcp", "pd_vs_colo_prefill",
+              "pd_vs_colo_decode", "rps_pd_prefill", "rps_colo_decode"):
+        assert 0 < r[k] < math.inf, (k, r)
+    assert math.isclose(r["pd_vs_raw_tcp"], r["tcp_gibps_1"] / r["raw_gibps_1"],
+                        rel_tol=0.01)
+    # the tiny model (2 layers, K and V of 128 fp32 per token) moves 2 KiB per prompt
+    # token: 384 for the prefill-heavy shape, 16 for the decode-heavy one
+    assert r["kv_kib_per_req_prefill"] == 768 and r["kv_kib_per_req_decode"] == 32
+    assert 0 < r["prefix_reuse"] <= 1 and 0 <= r["prefix_reuse_nosticky"] <= 1
+
+
+def test_reward_pool_tiny():
+    from rollart.reward.offload import ServerlessConfig
+
+    r = _bench("reward_pool", "--steps", "2", "--kinds", "threads", "--judge-hidden",
+               "64", "--judge-layers", "1")
+    default = ServerlessConfig()
+    assert r["idle_timeout"] == default.idle_timeout and r["max_batch"] == default.max_batch
+    for side in ("dedicated", "serverless"):
+        assert 0 < r[f"busy_{side}_threads"] <= 1, r
+    # the dedicated worker was up before the run and held to its end (never retired)
+    assert r["cold_starts_dedicated_threads"] == 0
+    assert 0.9 * r["run_s_dedicated_threads"] <= r["worker_s_dedicated_threads"] \
+        <= r["run_s_dedicated_threads"] + 0.01
+    # the serverless pool started at least one worker, held no longer than its run
+    assert r["cold_starts_threads"] >= 1
+    assert 0 < r["worker_s_serverless_threads"] <= r["run_s_serverless_threads"] + 1
+    assert math.isclose(r["worker_s_ratio_threads"], r["worker_s_serverless_threads"]
+                        / r["worker_s_dedicated_threads"], rel_tol=0.01)
+
+
+def test_weight_sync_tiny():
+    r = _bench("weight_sync", "--updates", "1", "--hidden", "64", "--layers", "1",
+               "--load", "2", "--prompt", "32", "--turns", "2", "--batch", "4",
+               "--settle", "0.5")
+    assert r["context"] == 32 + 2 * (32 + 32) and r["updates"] == 1
+    for k in ("tok_s_base_a", "tok_s_base_b", "tok_s_fsspec", "tok_s_mooncake",
+              "trainer_step_s"):
+        assert r[k] > 0, (k, r)
+    assert math.isclose(r["tok_s_base"], (r["tok_s_base_a"] + r["tok_s_base_b"]) / 2,
+                        rel_tol=0.01)
+    for s in ("fsspec", "mooncake"):
+        assert math.isclose(r[f"stall_{s}"], 1 - r[f"tok_s_{s}"] / r["tok_s_base"],
+                            rel_tol=0.01, abs_tol=1e-3)
+        assert r[f"put_s_{s}"] > 0  # the trainer did publish to this store

@@ -76,6 +76,7 @@ class Router:
         self._next = 0  # round-robin cursor for ties
         self._lock: threading.Lock | None = None
         self.dead: set[int] = set()  # workers found lost (never routed to again)
+        self._live_cache: dict = {}
 
     def with_pools(self, pools: list[str]) -> "Router":
         """This router over a new worker list: the same routes, stickiness setting and
@@ -95,6 +96,7 @@ class Router:
         state["_lock"] = None
         state["_in_flight"] = [0] * len(self.worker_pools)
         state["_tokens"] = [0] * len(self.worker_pools)
+        state["_live_cache"] = {}
         return state
 
     def guard(self) -> threading.Lock:
@@ -122,6 +124,16 @@ class Router:
                              f"pools: {list(self.pools)}")
         return [i for i, pool in enumerate(self.worker_pools) if pool in pools]
 
+    def _live(self, pools) -> tuple[list[int], set[int]]:
+        """``allowed(pools)`` less the dead workers, as a list and a set; cached per
+        pools and dead count (a route is O(workers) only when it must pick one)."""
+        key = (pools if not isinstance(pools, list) else tuple(pools), len(self.dead))
+        hit = self._live_cache.get(key)
+        if hit is None:
+            live = [i for i in self.allowed(pools) if i not in self.dead]
+            hit = self._live_cache[key] = (live, set(live))
+        return hit
+
     def least_loaded(self, allowed: list[int]) -> int:
         """Fewest queued + in-flight tokens, then fewest calls; ties round robin."""
         least = min((self._tokens[i], self._in_flight[i]) for i in allowed)
@@ -140,14 +152,14 @@ class Router:
         loaded allowed one. ``traj_id=None`` never sticks (a decode phase)."""
         if task is not None:
             pools = self.pools_for(task, pools)
-        allowed = [i for i in self.allowed(pools) if i not in self.dead]
+        allowed, allowed_set = self._live(pools)
         if not allowed:
             raise WorkerLostError(f"every inference worker of pools {pools or self.pools} "
                                   "was lost; the driver re-creates them when their workers "
                                   "come back")
         with self.guard():
             idx = self._sticky.get(traj_id) if (self.sticky and traj_id is not None) else None
-            if idx is None or idx not in allowed:
+            if idx is None or idx not in allowed_set:
                 idx = self.least_loaded(allowed)
                 if traj_id is not None:
                     if self._sticky.get(traj_id) != idx:

@@ -224,6 +224,63 @@ def test_tools_are_rendered_and_tool_results_masked(chatml):
     assert sum(log.loss_mask) == len(gen) + len(enc(chatml, "3")) + 1
 
 
+# -- cached template pieces ------------------------------------------------------------------
+# Qwen2.5's own grouping of consecutive tool messages into one user turn (the chat toy's)
+UPPER = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tool_conversation(fmt, tok, system_task):
+    """system + tools, a tool call, two tool results, a cut generation, a user turn, an
+    answer ended by another eos, a user turn, a two-line answer: (log, messages)."""
+    end = fmt.end_id
+    other = next((t for t in fmt.stop_ids if t != end), end)
+    log = TokenLog()
+    conv = fmt.start(log, system_task, "what is 1 plus 2 ?", TOOLS)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    conv.add_generation(enc(tok, call) + [end])
+    conv.add_tool_results(["3", " error : no\nsuch tool "])
+    conv.add_generation(enc(tok, "the number is"), finish_reason="length")
+    conv.add_user("  go on .\n")
+    conv.add_generation(enc(tok, "3") + [other])
+    conv.add_user("right .")
+    conv.add_generation(enc(tok, "pick\n3") + [end])
+    conv.add_user("done .")
+    return log, conv.messages
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "thinking", "qwen_tools", "upper"])
+@pytest.mark.parametrize("system", [None, "you play a game"])
+def test_cached_template_pieces_give_the_ids_of_the_uncached_render(request, name, system):
+    from rollart.model import CHAT_TEMPLATE
+
+    if name == "qwen_tools":
+        tok = make_tokenizer(CHATML_SPECIALS, CHAT_TEMPLATE, eos="<|im_end|>",
+                             pad="<|endoftext|>")
+    elif name == "upper":
+        tok = make_tokenizer(CHATML_SPECIALS, UPPER, eos="<|im_end|>", pad="<|endoftext|>")
+    else:
+        tok = request.getfixturevalue(name)
+    cached = ConversationFormat(tok, "chat")
+    plain = ConversationFormat(tok, "chat", cache=False)
+    assert cached.cache is not None and plain.cache is None
+    log, messages = _tool_conversation(cached, tok, task(system_prompt=system))
+    ref, ref_messages = _tool_conversation(plain, tok, task(system_prompt=system))
+    assert messages == ref_messages
+    assert (log.prompt_ids, log.response_ids, log.loss_mask) == (
+        ref.prompt_ids, ref.response_ids, ref.loss_mask)
+    hits = [k[:2] for k, v in cached.cache._pieces.items() if v is not None]
+    if name == "upper":  # content not put in verbatim: nothing cached, full renders
+        assert hits == [] and cached.cache._pieces
+        return
+    # every render of this conversation came from the cache: the opening prompt, the two
+    # tool results as one delta, user turns, the end of an assistant turn
+    assert {("prompt", system), ("delta", ("tool", "tool")), ("delta", ("user",))} <= set(
+        hits) and any(k[0] == "tail" for k in hits)
+    if cached.prefix_stable and name != "llama3":  # llama3 trims: see the test above
+        assert log.ids == full_render(tok, messages, TOOLS)
+
+
 # -- cut generations, stops -----------------------------------------------------------------
 def test_a_cut_generation_is_closed_by_the_template_and_counted(chatml):
     fmt = ConversationFormat(chatml, "chat")

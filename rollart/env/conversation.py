@@ -48,6 +48,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from rollart.env.template_cache import TemplateCache
+
 logger = logging.getLogger(__name__)
 
 #: values of ``Policy.conversation``
@@ -132,7 +134,7 @@ class ConversationFormat:
 
     def __init__(self, tokenizer, conversation: str = "auto", *,
                  system_prompt: str | None = None, max_context: int = 2048,
-                 model_path: str | None = None):
+                 model_path: str | None = None, cache: bool = True):
         if conversation not in CONVERSATIONS:
             raise ValueError(f"conversation must be one of {CONVERSATIONS}, got "
                              f"{conversation!r}")
@@ -155,6 +157,9 @@ class ConversationFormat:
         if self.mode == "chat":
             self.end_id = self._probe_end_id()
             self.prefix_stable = self._probe_prefix_stable(name)
+        # the opening prompt and each new message from cached template pieces (one small
+        # encode each, checked against the full render at first use); None: full renders
+        self.cache = TemplateCache(self) if cache and self.mode == "chat" else None
         ends = ([self.end_id] if self.end_id is not None else []) + eos
         self.stop_ids = tuple(dict.fromkeys(ends))
         if not self.stop_ids:
@@ -275,7 +280,11 @@ class Conversation:
         if system:
             self.messages.append({"role": "system", "content": system})
         self.messages.append({"role": "user", "content": self._cap(observation)})
-        self._prompt = fmt.render(self.messages, True, self.tools)  # the template's view
+        cached = fmt.cache.prompt(system, self.messages[-1]["content"], self.tools) if (
+            fmt.cache is not None) else None
+        # the template's view of the conversation so far (None: not rendered, see _closing)
+        self._prompt = cached if cached is not None else fmt.render(self.messages, True,
+                                                                    self.tools)
         self._append(self._prompt)
 
     def room(self, max_new_tokens: int) -> bool:
@@ -329,6 +338,12 @@ class Conversation:
         self._add_messages([{"role": "tool", "content": self._cap(r)} for r in results])
 
     def _add_messages(self, new: list[dict]) -> None:
+        cached = self._cached_delta(new)
+        if cached is not None:
+            self.messages.extend(new)
+            self._prompt = None
+            self._append(cached)
+            return
         fmt, tools = self.fmt, self.tools
         before = fmt.render(self.messages, False, tools)
         ids = self._closing(before)
@@ -341,6 +356,19 @@ class Conversation:
         self._prompt = after
         self._append(ids)
 
+    def _cached_delta(self, new: list[dict]) -> list[int] | None:
+        """The ids ``new`` adds from the format's cached pieces (the end of the turn the
+        policy did not generate, then the new messages); ``None`` where not cached."""
+        cache = self.fmt.cache
+        if cache is None or self.messages[-1]["role"] != "assistant":
+            return None
+        system = self.messages[0]["role"] == "system"
+        tail = cache.turn_tail(self.tools, system)
+        delta = cache.delta(new, self.tools, system) if tail is not None else None
+        if delta is None:
+            return None
+        return (tail[1:] if self._ended else tail) + delta
+
     def _closing(self, before: list[int]) -> list[int]:
         """What the template puts after the assistant text that the policy did not
         generate: the rest of the turn after its end token, and the end token itself
@@ -348,6 +376,8 @@ class Conversation:
         if self.messages[-1]["role"] != "assistant":
             return []
         prompt = self._prompt
+        if prompt is None:  # the last prompt came from the cache: render it
+            prompt = self.fmt.render(self.messages[:-1], True, self.tools)
         turn = before[len(prompt):] if before[:len(prompt)] == prompt else None
         if turn is None:  # re-rendered history: measure the turn on the probe instead
             user = [{"role": "user", "content": "probe"}]

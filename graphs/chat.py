@@ -23,8 +23,9 @@ message per observation and one action word per assistant turn (1-2 BPE tokens +
 end-of-turn token, ``GAME_TOKENS`` of room). ``calc`` (``a op b`` with one-digit
 operands, 3 turns): the system turn declares the ``python`` tool (~166 toy tokens); a
 right answer needs a well-formed call that copies the question into ``code`` and then
-``answer <result>``; the warm-up calls the tool half the time and answers with a number
-it sees half the time, so its baseline is what its calls get right.
+``answer <result>``; the warm-up always calls the tool first and then answers with a
+number it sees half the time, so its baseline is half of what its calls get right and RL
+gains by copying the tool's result.
 
 The warm-up and step counts are sized for two shared CPU cores (``quick``: the
 slow end-to-end test's shorter run); the README's "Bring your own model" section has the
@@ -37,8 +38,10 @@ from rollart import GRPO, Graph, Policy
 from rollart.env.adapters.tool import calc_tool_task
 from rollart.env.tasks import BUILTIN_TASKS
 
-#: room for one game action (1-2 BPE tokens) plus the end-of-turn token
-GAME_TOKENS = 8
+#: room for one game action (1-2 BPE tokens) plus the end-of-turn token, as the raw
+#: graph's 4: the warm-up policy's turns are 2 tokens, so a turn that babbles past them is
+#: cut early (4 decode steps, not 8) and closed by the template
+GAME_TOKENS = 4
 #: a python tool call in the Hermes format is ~21 toy tokens
 TOOL_TOKENS = 32
 

@@ -170,21 +170,12 @@ def test_hermes_warmup_action_parses_as_a_valid_call():
     task = calc_tool_task(tool_format="hermes")
     env = task.env_factory()
     rng = random.Random(0)
-    calls = answers = 0
-    for seed in range(40):
+    for seed in range(40):  # the question in view: always its call, well-formed and right
         obs = env.reset(seed)
-        action = task.warmup_action(rng, obs)
-        parsed = parse_tool_calls(action)
-        if parsed:
-            (one,) = parsed
-            assert check_call(one, env_tools(env)) == one
-            question = obs.split("what is ")[1].split(" ?")[0]
-            assert env.call_tool(one.name, one.arguments) == str(eval(question))
-            calls += 1
-        else:
-            assert action.startswith("answer ") and env.step(action).done
-            answers += 1
-    assert calls > 5 and answers > 5
+        (one,) = parse_tool_calls(task.warmup_action(rng, obs))
+        assert check_call(one, env_tools(env)) == one
+        question = obs.split("what is ")[1].split(" ?")[0]
+        assert env.call_tool(one.name, one.arguments) == str(eval(question))
     # after a tool result the answer copies it half the time: the baseline RL must beat
     after = [task.warmup_action(rng, "56") for _ in range(200)]
     assert set(after) <= {f"answer {n}" for n in range(-8, 82)}

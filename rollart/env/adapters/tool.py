@@ -198,17 +198,22 @@ def calc_warmup_action(rng: random.Random, observation: str) -> str:
 
 
 def calc_hermes_warmup_action(rng: random.Random, observation: str) -> str:
-    """A well-formed random move in the chat templates' format: the question as a
-    ``<tool_call>`` to the python tool (half the time, while the question is in view), or
-    an answer: a number seen in the observation (half the time; after a tool call that is
-    the tool's result) or a uniform one in -8..81. Its success rate (about a quarter) is
-    the baseline RL must beat by always calling the tool and copying its result.
+    """A well-formed move in the chat templates' format: while the question is in view,
+    the question as a ``<tool_call>`` to the python tool; after the tool's result, an
+    answer: a number seen in the observation (half the time: the tool's result) or a
+    uniform one in -8..81. Its success rate (about half of the calls it copies right) is
+    the baseline RL must beat by answering with the tool's result every time.
+
+    Why always the call first: a tiny model must learn to copy the question into
+    ``code`` during the warm-up, and with calls on half of the first turns the chat toy
+    had copied none right after 150 warm-up steps (0 of 53 calls), so RL never saw a
+    tool call pay off.
 
     >>> calc_hermes_warmup_action(random.Random(1), "calc : what is 3 * 4 ? use python")
     '<tool_call>\\n{"name": "python", "arguments": {"code": "3 * 4"}}\\n</tool_call>'
     """
     question = _question(observation)
-    if question and rng.random() < 0.5:
+    if question:
         return format_tool_call("python", {"code": question})
     seen = re.findall(r"-?\d+", observation)
     if seen and rng.random() < 0.5:

@@ -52,8 +52,9 @@ def asynchronous(cl, areal: bool = False):
             cl.msgs["acquire"] += 1
             cl.start_group(work, redundancy=cl.redundancy)
 
-    def released(grp) -> None:
+    def released(grp) -> None:  # a slot frees: the managers take work (take_work)
         slots.release(grp.gid)
+        fill()
 
     cl.on_release = released
     fill()

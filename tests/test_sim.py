@@ -1,0 +1,193 @@
+"""The cluster simulator (rollart.sim): its decisions are the runtime's, it is
+deterministic per seed, and the modes order as they must where the order is certain.
+
+One test runs the same workload through a real in-process cluster (resources/local.py:
+one H800 and one H20 inference worker) and through the simulator, and compares where
+each task's requests went and that no trained trajectory exceeded alpha in either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from rollart import GRPO, Graph, Policy, Rollout
+from rollart.affinity import Affinity
+from rollart.env.faults import Latency
+from rollart.env.tasks import get_task
+from rollart.rollout.routing import Router
+from rollart.sim import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape, simulate
+from rollart.sim.cluster import Cluster
+from rollart.sim.costs import MODELS, Costs, EnvCost, RewardCost, TrainCost, WeightSync
+from rollart.staleness import StalenessBound
+from rollart.types import H20, H800
+
+FIXED = EnvCost("fixed", reset=Latency("fixed", 1.0), step=Latency("fixed", 0.5))
+
+
+def _tasks():
+    """guess with PD (prefill on H800, decode on H20), gridnav pinned to H20."""
+    return (replace(get_task("guess"), name="sim_guess",
+                    affinity=Affinity(prefill=H800, decode=H20)),
+            replace(get_task("gridnav"), name="sim_grid", affinity=Affinity(pools=(H20,))))
+
+
+def _graph(tasks=None, mode="async", groups=2, size=2, steps=3, **rollout):
+    return Graph(name="sim", tasks=tasks or ("gridnav",), mode=mode, steps=steps,
+                 policy=Policy(warmup_steps=0),
+                 algo=GRPO(group_size=size, groups_per_step=groups),
+                 rollout=Rollout(**rollout))
+
+
+def _cluster(h800=1, h20=1, slots=64, reward=None, trainer=8):
+    return ClusterSpec((GPUPool(H800, "H800", h800), GPUPool(H20, "H20", h20)),
+                       (EnvPool("CPU_ENV", slots),), reward or RewardPool(),
+                       trainer_gpus=trainer)
+
+
+def _costs(env=FIXED, train_s=None, **changes):
+    costs = Costs(model=MODELS["Qwen3-8B"], env={"*": env})
+    if train_s is not None:  # a trainer step of (about) train_s seconds
+        changes["train"] = TrainCost(costs.model, costs.gpus["H800"], 10 ** 6,
+                                     overhead_s=train_s)
+        changes["weights"] = WeightSync(latency_s=0.0, rdma_bytes_s=1e15)
+    return costs.with_(**changes)
+
+
+def test_the_simulator_calls_the_runtimes_policy_objects():
+    cfg = SimConfig(_cluster(), _graph(_tasks()), _costs())
+    cl = Cluster(cfg)
+    mgr = cl.managers["CPU_ENV"][0]
+    assert type(mgr.router) is Router and type(cl.bound) is StalenessBound
+    # the router the simulator holds decides as the proxy's does for these tasks
+    assert mgr.router.disaggregated("sim_guess") == Affinity(prefill=H800, decode=H20)
+    assert mgr.router.pools_for("sim_grid") == (H20,)
+
+
+def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_alpha(
+        local_cluster, tiny_model, tmp_path):
+    from rollart.pipeline import make_pipeline
+    from rollart.recovery import Supervisor
+    from rollart.stages import Stages
+    from rollart.control import _shutdown
+
+    graph = _graph(_tasks(), steps=3)
+    stages = Stages(local_cluster, graph, tiny_model, tmp_path / "run")
+    actors = stages.start()
+    try:
+        actors.trainer.publish().result()
+        pipe = make_pipeline(actors, graph)
+        pipe.supervisor = Supervisor(stages, actors)
+        steps = [pipe.step(s) for s in range(1, 4)]
+        real = {tag: w.stats().result() for w, tag, _ in actors.workers}
+    finally:
+        _shutdown(actors)
+    sim = simulate(SimConfig(_cluster(), graph, _costs(), steps=3, record=True,
+                             shapes={"sim_guess": TaskShape(turns=3, prompt_tokens=40,
+                                                            obs_tokens=8,
+                                                            response_tokens=4),
+                                     "sim_grid": TaskShape(turns=4, prompt_tokens=40,
+                                                           obs_tokens=8,
+                                                           response_tokens=4)}))
+    # runtime: H800 only prefilled (guess's PD prefills: KV sent, nothing generated), so
+    # gridnav never ran there; H20 decoded guess (KV received) and generated gridnav
+    assert real[H800]["tokens_generated"] == 0 and real[H800]["kv_sent"] > 0, real[H800]
+    assert real[H20]["kv_received"] == real[H800]["kv_sent"]
+    assert real[H20]["tokens_generated"] > 0
+    # simulator: the same routes, phase by phase
+    assert set(sim.decisions) == {("sim_guess", H800, "prefill"),
+                                  ("sim_guess", H20, "decode"), ("sim_grid", H20, "gen")}
+    phases = [p for t, _, p in sim.decisions if t == "sim_guess"]
+    assert phases.count("prefill") == phases.count("decode") > 0
+    # neither trained anything older than alpha = 1 versions behind the trainer
+    alpha = graph.algo.alpha
+    assert max(m["trainer/staleness_max"] for m in steps) <= alpha
+    assert sim.staleness and max(sim.staleness) <= alpha and sim.steps == 3
+
+
+def _run(graph, seed=0, **kw):
+    return simulate(SimConfig(_cluster(**kw.pop("cluster", {})), graph,
+                              kw.pop("costs", _costs()), seed=seed,
+                              steps=kw.pop("steps", graph.steps), **kw))
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    sandbox = Costs().env_for("sandbox")  # heavy tails and failures: the seed matters
+    g = _graph(("gridnav", "guess"), groups=4, size=4, redundancy=1.5)
+    a, b = (_run(g, 3, costs=_costs(sandbox), record=True) for _ in range(2))
+    c = _run(g, 4, costs=_costs(sandbox))
+    assert (a.sim_time_s, a.staleness, a.aborts, a.decisions, a.control) == \
+        (b.sim_time_s, b.staleness, b.aborts, b.decisions, b.control)
+    assert a.sim_time_s != c.sim_time_s
+
+
+def test_a_tiny_simulation_reports_its_figures_in_every_mode():
+    for mode in ("sync", "sync+", "one-off", "areal", "async"):
+        r = _run(_graph(mode=mode, groups=2, size=2), steps=2)
+        assert r.steps == 2 and r.trained == 2 * 2 * 2, (mode, r.summary())
+        assert 0 < r.utilisation[H20] + r.utilisation[H800] and r.utilisation["trainer"] > 0
+        assert r.throughput["trajectories_s"] == pytest.approx(r.trained / r.sim_time_s)
+        assert r.control["msgs_per_turn"] >= 1 and r.control["scheduler_load"] > 0
+        assert r.timeline["trainer"] and max(v for _, v in r.timeline["trainer"]) <= 1.0
+
+
+def test_without_env_variance_and_trainer_cost_syncplus_matches_async():
+    costs = _costs(FIXED, train_s=0.0)
+    g = _graph(groups=4, size=4, steps=4)
+    plus, asy = (_run(g, mode=m, costs=costs) for m in ("sync+", "async"))
+    ratio = asy.throughput["trajectories_s"] / plus.throughput["trajectories_s"]
+    assert ratio == pytest.approx(1.0, abs=0.1), (plus.summary(), asy.summary())
+
+
+def test_with_trainer_steps_as_long_as_rollout_async_beats_sync():
+    """A step's rollout takes ~24 s here; sync adds the trainer's 20 s to each step,
+    async overlaps them (the next step's groups roll out while the trainer steps)."""
+    costs = _costs(FIXED, train_s=20.0)
+    g = _graph(groups=4, size=4, steps=4)
+    sync, asy = (_run(g, mode=m, costs=costs) for m in ("sync", "async"))
+    assert asy.throughput["trajectories_s"] > 1.3 * sync.throughput["trajectories_s"], \
+        (sync.summary(), asy.summary())
+    assert max(asy.staleness) == 1 and max(sync.staleness) == 0
+
+
+def test_aborts_keep_async_within_alpha_while_areal_trains_older_data():
+    """Long-tailed trajectories and a fast trainer: async aborts the members the bound
+    rules out (none trained older than alpha); areal checks only at the start."""
+    long_tail = EnvCost("tail", reset=Latency("fixed", 1.0),
+                        step=Latency("pareto", 1.0, shape=1.1, cap=400.0))
+    costs = _costs(long_tail, train_s=1.0)
+    g = replace(_graph(steps=8), algo=GRPO(group_size=4, groups_per_step=4, alpha=2))
+    asy, areal = (_run(g, mode=m, costs=costs, seed=1) for m in ("async", "areal"))
+    assert asy.aborts["aborted"] > 0 and max(asy.staleness) <= 2, asy.staleness
+    assert areal.aborts["aborted"] == 0 and max(areal.staleness) > 2, areal.staleness
+
+
+def test_redundancy_launches_extras_and_cancels_the_last_finishers():
+    tail = EnvCost("tail", reset=Latency("fixed", 1.0),
+                   step=Latency("lognormal", 1.0, sigma=1.5))
+    g = _graph(groups=4, size=4, steps=2, redundancy=1.5)
+    r = _run(g, mode="sync+", costs=_costs(tail))
+    assert r.aborts["launched"] == 2 * 4 * 6 and r.aborts["cancelled"] == 2 * 4 * 2
+    assert r.trained == 2 * 4 * 4
+
+
+def test_the_elastic_reward_pool_is_busier_than_a_dedicated_one():
+    reward = RewardCost(call=Latency("fixed", 0.5), cold_start_s=2.0)
+    g = _graph(groups=4, size=4, steps=3)
+    util = {}
+    for kind in ("dedicated", "elastic"):
+        pool = RewardPool(kind, workers=16, max_workers=16, idle_timeout=2.0)
+        r = _run(g, cluster={"reward": pool}, costs=_costs(FIXED, reward=reward))
+        util[kind] = r.utilisation["reward"]
+        if kind == "elastic":
+            assert r.extra["reward_cold_starts"] > 0
+    assert util["elastic"] > 2 * util["dedicated"], util
+
+
+def test_cluster_spec_from_a_resources_file():
+    from rollart.resources import load_resources
+
+    spec = ClusterSpec.from_resources(load_resources("gpu_cluster"))
+    assert {p.tag: p.count for p in spec.inference} == {H800: 2, H20: 4}
+    assert spec.trainer_gpus == 1 and spec.reward.workers == 8

@@ -10,16 +10,36 @@ tag, so the sample buffer goes on the trainer's worker, its first fallback:
 * one worker, picked at random among {an env worker, an inference worker, the
   trainer (with it the buffer, recovered from its durable journal)}, is killed at a
   random step (in-process: closed, then a fresh worker with the same spec starts after
-  1 s; ``--processes``: SIGKILL, and its Nanny restarts it).
+  1 s; ``--processes``: SIGKILL, and its Nanny restarts it);
+* and the trainer's worker is killed mid-step (``--trainer-kill-step K``, on by
+  default): after step K's row is written, half a step's time into step K+1, while
+  that step runs (its row not written yet; the RESULT's ``trainer_mid_step`` says it
+  was).
 
 It prints the kills, the recoveries and one line
 
     RESULT lost=… duplicated=… max_recovery_s=… steps=… failed_frac=… restarted_groups=…
 
-``lost``: launched trajectories with no final state once the run has shut down (the
-ledger's ``in_flight``), plus any gap in the ledger's sum. ``orphaned``: trajectories
-that were in flight on a killed worker (counted ``failed``; their groups restart). ``duplicated``: trajectories
-trained more than once (from the Parquet samples). ``max_recovery_s``: kill → the
+``lost`` and ``duplicated`` are counted without the ledger's totals (``audit``), from
+three records: what the envs played (every env is wrapped by ``RecordedEnv``, which
+appends each episode's start and end, with its task and seed, to files of its own
+outside the run dir), the trajectory rows (``rollart.buffer.read_samples``) and the
+trainer's own report of each step's batch (``trainer/batch_size`` and
+``trainer/batch_sha1`` in ``metrics.jsonl``):
+
+* ``lost_trained``: trajectories the trainer says it trained at a step that are not
+  ``trained`` at that step in the rows (per step: the batch size minus the rows there;
+  a step whose rows do not hash to the trainer's digest counts its whole batch);
+* ``lost_completed``: episodes an env played to the end whose trajectory has no record
+  of what became of it: per (task, seed), env-finished episodes beyond the rows in a
+  final state (trained, dropped, failed with its error) plus the ids the buffer's
+  journal settled without a row (cancelled, aborted, failed with their worker);
+* ``lost`` = the two; ``duplicated``: ids ``trained`` at two steps in the raw Parquet
+  parts, plus trainer-reported trajectories beyond the distinct ids trained.
+
+``ledger_lost`` is the old figure (the ledger's ``in_flight`` after shutdown plus any
+gap in its sum), kept beside them. ``orphaned``: trajectories that were in flight on a
+killed worker (counted ``failed``; their groups restart). ``max_recovery_s``: kill → the
 replacement actor is ready, worst over the kills. A script, not a timed test.
 
 The run trains ``--steps`` steps and then goes on, for at most ``--recovery-wait``
@@ -41,6 +61,11 @@ import time
 from pathlib import Path
 
 
+#: the actors a killed worker of each tag takes with it (the buffer lives on TRAIN here)
+ROLES = {"CPU_ENV": {"env"}, "H800": {"inference"}, "H20": {"inference"},
+         "TRAIN": {"trainer", "buffer"}}
+
+
 def chaos_resources(processes: bool):
     from rollart.resources import Pool, Resources
     from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
@@ -54,7 +79,80 @@ def chaos_resources(processes: bool):
     ), processes=processes, dashboard_address=":0", source="benchmarks/chaos.py")
 
 
-def chaos_graph(steps: int, seed: int, env_fail: float, turns: float = 3.0):
+class RecordedEnv:
+    """An env that appends what it plays to ``{log_dir}/env-{pid}.jsonl``, outside the
+    run and its ledger: ``start`` (task, seed) at each reset, ``end`` with ``success``
+    when a step ends the episode, ``cut`` when a reset or step raised or was cancelled
+    (an injected failure, a hang cut by its time-out, a cancelled member). An episode
+    on a killed worker ends with no line. Offers ``areset``/``astep`` when the wrapped
+    env does (``FaultyEnv``), so the env manager awaits it as it would the env."""
+
+    def __init__(self, env, task: str, log_dir: str) -> None:
+        self.env, self.task, self.log_dir, self.seed = env, task, log_dir, None
+        if hasattr(env, "areset"):
+            self.areset, self.astep = self._areset, self._astep
+
+    def _write(self, event: str, **extra) -> None:
+        import json
+        import os
+
+        line = json.dumps({"ev": event, "task": self.task, "seed": self.seed, **extra})
+        with open(os.path.join(self.log_dir, f"env-{os.getpid()}.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+    def _after(self, step):
+        if step.done:
+            self._write("end", success=bool(step.info.get("success")))
+        return step
+
+    def reset(self, seed: int):
+        self.seed = int(seed)
+        self._write("start")
+        return self._guard(self.env.reset, seed)
+
+    def step(self, action):
+        return self._after(self._guard(self.env.step, action))
+
+    async def _areset(self, seed: int):
+        self.seed = int(seed)
+        self._write("start")
+        return await self._aguard(self.env.areset(seed))
+
+    async def _astep(self, action):
+        return self._after(await self._aguard(self.env.astep(action)))
+
+    def _guard(self, fn, arg):
+        try:
+            return fn(arg)
+        except BaseException:
+            self._write("cut")
+            raise
+
+    async def _aguard(self, coro):
+        try:
+            return await coro
+        except BaseException:  # CancelledError included: the episode was cut
+            self._write("cut")
+            raise
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class RecordedEnvFactory:
+    """Picklable factory of ``RecordedEnv`` around ``env_factory()``'s envs."""
+
+    def __init__(self, env_factory, task: str, log_dir: str) -> None:
+        self.env_factory, self.task, self.log_dir = env_factory, task, log_dir
+
+    def __call__(self) -> RecordedEnv:
+        return RecordedEnv(self.env_factory(), self.task, self.log_dir)
+
+
+def chaos_graph(steps: int, seed: int, env_fail: float, turns: float = 3.0,
+                env_log: str | None = None):
+    from dataclasses import replace
+
     from rollart import GRPO, Graph, Policy, Rollout
     from rollart.env.faults import Faults, Latency, with_faults
 
@@ -62,6 +160,9 @@ def chaos_graph(steps: int, seed: int, env_fail: float, turns: float = 3.0):
     faults = Faults(step=Latency("pareto", seconds=0.003, shape=1.2, cap=0.03),
                     fail_prob=per_step, hang_prob=0.02, hang_seconds=60.0, seed=seed)
     tasks = tuple(with_faults(t, faults) for t in ("gridnav", "guess"))
+    if env_log is not None:
+        tasks = tuple(replace(t, env_factory=RecordedEnvFactory(t.env_factory, t.name,
+                                                                env_log)) for t in tasks)
     return Graph(name="chaos", tasks=tasks, steps=steps, seed=seed, checkpoint_every=2,
                  policy=Policy(warmup_steps=0),
                  algo=GRPO(group_size=2, groups_per_step=3, alpha=1),
@@ -91,6 +192,145 @@ def killer(cluster, client, run_dir: Path, at_step: int, tag: str, kills: list,
     print(f"killed {name} ({tag}, {addr}) after step {at_step}", flush=True)
 
 
+def trainer_killer(cluster, client, run_dir: Path, after_step: int, kills: list,
+                   restart_after: float | None) -> None:
+    """Kill the trainer's worker while step ``after_step + 1`` runs: once step
+    ``after_step``'s row is written, wait half the mean step time so far, and kill if
+    that step's row is still not there (``mid_step``)."""
+    from rollart.recovery import lose_worker
+    from rollart.resources import workers_with
+    from rollart.types import TRAIN
+
+    while len(_rows(run_dir)) < after_step:
+        time.sleep(0.02)
+    rows = _rows(run_dir)
+    time.sleep(0.5 * rows[after_step - 1]["time"] / after_step)
+    mid_step = len(_rows(run_dir)) == after_step
+    addr = workers_with(client, TRAIN)[-1]
+    kills.append({"tag": TRAIN, "address": addr, "at": time.time(),
+                  "after_step": after_step, "mid_step": mid_step})
+    kills[-1]["worker"] = name = lose_worker(cluster, client, addr,
+                                             restart_after=restart_after)
+    print(f"killed {name} (TRAIN, {addr}) during step {after_step + 1}"
+          f"{'' if mid_step else ' (its row was already written: not mid-step)'}",
+          flush=True)
+
+
+def read_env_log(log_dir: Path) -> list[dict]:
+    """Every line the ``RecordedEnv``s wrote (a killed process's last line may be cut)."""
+    import json
+
+    out = []
+    for path in sorted(log_dir.glob("env-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by SIGKILL
+    return out
+
+
+def digest_of(ids) -> str:
+    """``rollart.trainer.trainer.batch_digest``, recomputed here from the rows."""
+    import hashlib
+
+    return hashlib.sha1("\n".join(sorted(ids)).encode()).hexdigest()[:16]
+
+
+def reported_subset(ids: list[str], size: int, digest: str) -> list[str] | None:
+    """The ``size`` ids among ``ids`` whose digest is the trainer's, if any: whole GRPO
+    groups first (ids ``{group}-{k}``), then any combination while there are few."""
+    import itertools
+    import math
+    from collections import defaultdict
+
+    groups = defaultdict(list)
+    for t in ids:
+        groups[t.rsplit("-", 1)[0]].append(t)
+    members = list(groups.values())
+    for r in range(1, len(members) + 1):
+        for pick in itertools.combinations(members, r):
+            chosen = [t for g in pick for t in g]
+            if len(chosen) == size and digest_of(chosen) == digest:
+                return chosen
+    if math.comb(len(ids), size) <= 200_000:
+        return next((list(c) for c in itertools.combinations(sorted(ids), size)
+                     if digest_of(c) == digest), None)
+    return None
+
+
+def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
+    """``lost`` and ``duplicated`` from the env record, the rows and the trainer's
+    report (module docstring), without the ledger's totals."""
+    from collections import Counter, defaultdict
+
+    from rollart.buffer import read_samples
+    from rollart.buffer.journal import read_ledger
+    from rollart.buffer.schema import read_parts
+
+    rows = read_samples(str(run_dir)).to_pydict()
+    trained_at = defaultdict(list)  # step -> ids trained there (rows)
+    seed_of: dict[str, tuple] = {}  # group id -> (task, seed)
+    settled = Counter()  # (task, seed) -> rows/ids that say what became of them
+    left = 0
+    for t, task, g, seed, state, step, err in zip(
+            rows["traj_id"], rows["task"], rows["group_id"], rows["seed"], rows["state"],
+            rows["trained_step"], rows["error"]):
+        seed_of[g] = (task, seed)
+        if state == "trained":
+            trained_at[step].append(t)
+        if state in ("trained", "dropped") or (state == "failed" and err):
+            settled[(task, seed)] += 1
+        elif state in ("buffered", "taken"):  # durable, still in the buffer: not lost
+            settled[(task, seed)] += 1
+            left += 1
+    with_row = set(rows["traj_id"])
+    unmapped = 0
+    for t, (state, _) in read_ledger(str(run_dir)).latest.items():
+        if t in with_row or state not in ("cancelled", "aborted", "failed"):
+            continue
+        key = seed_of.get(t.rsplit("-", 1)[0])
+        if key is None:
+            unmapped += 1
+        else:
+            settled[key] += 1
+    lost_trained = unreported = mismatched = 0
+    for m in metrics:
+        got, size = trained_at.get(m["step"], []), m["trainer/batch_size"]
+        if digest_of(got) == m["trainer/batch_sha1"]:
+            continue
+        mismatched += 1
+        if len(got) > size and reported_subset(got, size, m["trainer/batch_sha1"]):
+            unreported += len(got) - size  # trained at this step by a lost trainer step
+        elif len(got) >= size:  # the trainer's batch is not among them: none vouched for
+            lost_trained += size
+        else:
+            lost_trained += size - len(got)
+    unreported += sum(len(v) for k, v in trained_at.items()
+                      if k not in {m["step"] for m in metrics})
+    ended = Counter((e["task"], e["seed"]) for e in env_events if e["ev"] == "end")
+    # ids settled without a row in groups with no row at all (all lost with their
+    # worker) have no known seed: they may account for any seed's shortfall
+    short = sum(max(n - settled[k], 0) for k, n in ended.items())
+    lost_completed = max(short - unmapped, 0)
+    parts = read_parts(str(run_dir)).to_pydict()
+    steps_of = defaultdict(set)
+    for t, state, step in zip(parts["traj_id"], parts["state"], parts["trained_step"]):
+        if state == "trained":
+            steps_of[t].add(step)
+    twice = sum(len(v) > 1 for v in steps_of.values())
+    reported = sum(m["trainer/batch_size"] for m in metrics)
+    distinct = len({t for ids in trained_at.values() for t in ids})
+    excess = max(reported - (distinct - unreported) - lost_trained, 0)
+    return {"lost": lost_trained + lost_completed,
+            "duplicated": twice + excess, "lost_trained": lost_trained,
+            "trained_unreported": unreported, "lost_completed": lost_completed,
+            "left_buffered": left,
+            "mismatched_steps": mismatched, "env_episodes": sum(
+                e["ev"] == "start" for e in env_events),
+            "env_ended": sum(ended.values()), "unmapped_settled": unmapped}
+
+
 def should_stop(steps_done: int, steps: int, replaced: int, kills: int, killing: bool,
                 waited: float, wait: float) -> bool:
     """Stop the run once it has ``steps`` steps and each kill has its replacement
@@ -105,8 +345,10 @@ def should_stop(steps_done: int, steps: int, replaced: int, kills: int, killing:
     return replaced >= kills or waited >= wait
 
 
-def stopper(run_dir: Path, steps: int, kills: list, killer_thread, wait: float) -> None:
-    """Ask the run to stop (``rollart.metrics.request_stop``) when ``should_stop``."""
+def stopper(run_dir: Path, steps: int, kills: list, killer_threads, wait: float,
+            n_kills: int = 1) -> None:
+    """Ask the run to stop (``rollart.metrics.request_stop``) when ``should_stop``
+    (the killers done: ``n_kills`` kills made, or their threads ended)."""
     from rollart.metrics import request_stop
 
     since = None
@@ -116,8 +358,8 @@ def stopper(run_dir: Path, steps: int, kills: list, killer_thread, wait: float) 
             since = time.monotonic()
         waited = time.monotonic() - since if since is not None else 0.0
         replaced = rows[-1].get("recovery/actors_replaced", 0) if rows else 0
-        if should_stop(len(rows), steps, replaced, len(kills), killer_thread.is_alive(),
-                       waited, wait):
+        killing = len(kills) < n_kills and any(k.is_alive() for k in killer_threads)
+        if should_stop(len(rows), steps, replaced, len(kills), killing, waited, wait):
             request_stop(run_dir.name)
             return
         time.sleep(0.05)
@@ -134,17 +376,18 @@ def main() -> None:
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--restart-after", type=float, default=1.0,
                     help="in-process workers: seconds until the killed worker is back")
+    ap.add_argument("--trainer-kill-step", type=int, default=None,
+                    help="kill the trainer's worker during the step after this one "
+                         "(default: steps // 2; 0: no such kill)")
     ap.add_argument("--recovery-wait", type=float, default=120.0,
                     help="after --steps, go on at most this long until every kill has "
                          "been recovered from")
     args = ap.parse_args()
     steps = args.steps or (8 if args.quick else 30)
 
-    import pyarrow.compute as pc
     from distributed import Client
 
     from rollart import train
-    from rollart.buffer import read_samples
     from rollart.buffer.ledger import STATES
     from rollart.cli import quiet
     from rollart.types import CPU_ENV, H20, H800, TRAIN
@@ -159,30 +402,39 @@ def main() -> None:
     rng = random.Random(args.seed)
     tag = rng.choice([CPU_ENV, H800, H20, TRAIN])
     at_step = rng.randint(2, max(2, steps - 3))
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rollart-chaos-")) / "run"
+    trainer_step = steps // 2 if args.trainer_kill_step is None else args.trainer_kill_step
+    if trainer_step and trainer_step == at_step:  # one kill at a time
+        at_step = trainer_step + 1 if trainer_step + 1 < steps else max(trainer_step - 1, 1)
+    base = Path(args.run_dir or tempfile.mkdtemp(prefix="rollart-chaos-"))
+    run_dir, env_log = base / "run", base / "envs"
+    env_log.mkdir(parents=True, exist_ok=True)
     kills: list = []
     t0 = time.time()
+    restart = None if args.processes else args.restart_after
     with chaos_resources(args.processes).make_cluster() as cluster, Client(cluster) as c:
         t = threading.Thread(target=killer, daemon=True, args=(
-            cluster, c, run_dir, at_step, tag, kills,
-            None if args.processes else args.restart_after))
+            cluster, c, run_dir, at_step, tag, kills, restart))
         t.start()
-        threading.Thread(target=stopper, daemon=True,
-                         args=(run_dir, steps, kills, t, args.recovery_wait)).start()
+        if trainer_step:
+            t2 = threading.Thread(target=trainer_killer, daemon=True, args=(
+                cluster, c, run_dir, trainer_step, kills, restart))
+            t2.start()
+        threading.Thread(target=stopper, daemon=True, args=(
+            run_dir, steps, kills, (t, t2) if trainer_step else (t,),
+            args.recovery_wait, 1 + bool(trainer_step))).start()
         # the step budget is a ceiling: stopper ends the run (see the module docstring)
-        result = train(chaos_graph(steps + 10_000, args.seed, args.env_fail), client=c,
-                       run_dir=run_dir, progress=False, eval_seeds=0)
+        graph = chaos_graph(steps + 10_000, args.seed, args.env_fail, env_log=str(env_log))
+        result = train(graph, client=c, run_dir=run_dir, progress=False, eval_seeds=0)
     wall = time.time() - t0
     final = result.final_counts
     gap = final["launched"] - sum(final[s] for s in STATES)
-    lost = final["in_flight"] + abs(gap)
-    samples = read_samples(result.run_dir)
-    trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
-    duplicated = len(trained) - len(set(trained))
+    counted = audit(result.run_dir, result.metrics, read_env_log(env_log))
     recoveries = []
     for k in kills:
         who = k.get("worker", k["address"])
-        after = [e for e in result.recovery if e["recovered_at"] >= k["at"]]
+        roles = ROLES.get(k["tag"], set())
+        after = [e for e in result.recovery if e["recovered_at"] >= k["at"]
+                 and (e["role"] in roles or not roles)]
         if after:
             recoveries.append(after[0]["recovered_at"] - k["at"])
             print(f"recovered from {who}: {after[0]['role']} actor re-created on "
@@ -194,13 +446,21 @@ def main() -> None:
     done = final["launched"] - final["in_flight"]
     failed_frac = final["failed"] / max(done, 1)
     print(f"{len(result.metrics)} steps in {wall:.0f}s; ledger after shutdown: {final}")
+    print(f"audit: {counted}")
+    mid = [k["mid_step"] for k in kills if "mid_step" in k]
     print("RESULT " + " ".join(f"{k}={v}" for k, v in {
-        "lost": lost, "duplicated": duplicated,
+        "lost": counted["lost"], "duplicated": counted["duplicated"],
+        "lost_trained": counted["lost_trained"],
+        "trained_unreported": counted["trained_unreported"],
+        "lost_completed": counted["lost_completed"], "left_buffered": counted["left_buffered"],
+        "ledger_lost": final["in_flight"] + abs(gap),
         "max_recovery_s": round(max(recoveries), 2) if recoveries else 0.0,
         "steps": len(result.metrics), "failed_frac": round(failed_frac, 3),
         "restarted_groups": result.metrics[-1].get("recovery/groups_restarted", 0),
         "orphaned": final.get("orphaned", 0),
-        "killed": kills[0]["tag"] if kills else "none"}.items()))
+        "env_episodes": counted["env_episodes"],
+        "trainer_mid_step": int(all(mid)) if mid else "none",
+        "killed": next((k["tag"] for k in kills if "mid_step" not in k), "none")}.items()))
 
 
 if __name__ == "__main__":

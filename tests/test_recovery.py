@@ -102,14 +102,62 @@ def _chaos(tmp_path, *args) -> tuple[dict, str]:
     return dict(kv.split("=") for kv in line.split()[1:]), out.stdout
 
 
+def _planted(chaos, tmp_path) -> dict:
+    """The chaos run's audit again, on a copy with one of each fault planted: a step
+    the trainer reports one more trajectory for than the rows hold, env-finished
+    episodes of seeds no row has, and a trained row written again at another step."""
+    import json
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from rollart.buffer.schema import read_parts
+
+    run = tmp_path / "planted"
+    shutil.copytree(tmp_path / "run", run)
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics[0] = {**metrics[0], "trainer/batch_size": metrics[0]["trainer/batch_size"] + 1,
+                  "trainer/batch_sha1": "0" * 16}
+    events = chaos.read_env_log(tmp_path / "envs")
+    honest = chaos.audit(tmp_path / "run", metrics[1:], events)
+    events += [{"ev": "end", "task": "guess", "seed": -1 - k, "success": True}
+               for k in range(honest["unmapped_settled"] + 1)]
+    parts = read_parts(str(run))
+    row = parts.filter(pc.equal(parts["state"], "trained")).slice(0, 1)
+    again = row.set_column(row.schema.get_field_index("trained_step"), "trained_step",
+                           pa.array([10_000], pa.int32()))
+    pq.write_table(again, run / "samples" / "part-zzzz-planted.parquet")
+    return chaos.audit(run, metrics, events)
+
+
 def test_chaos_script_short(tmp_path):
-    """The chaos soak (benchmarks/chaos.py), short: nothing lost, nothing trained twice."""
+    """The chaos soak (benchmarks/chaos.py), short, with the trainer's worker killed
+    mid-step and one more worker killed: nothing lost, nothing trained twice, counted
+    from the envs' own record, the rows and the trainer's report (not the ledger); and
+    the same audit finds each kind of fault planted in a copy of the run."""
+    import importlib.util
     import re
+    import sys
+    from pathlib import Path
 
     result, stdout = _chaos(tmp_path, "--steps", "5", "--seed", "2")
     assert result["lost"] == "0" and result["duplicated"] == "0", result
+    assert result["lost_trained"] == "0" and result["lost_completed"] == "0", result
+    assert result["ledger_lost"] == "0" and int(result["env_episodes"]) > 0, result
+    assert result["trainer_mid_step"] == "1", stdout  # killed while its step ran
     assert float(result["max_recovery_s"]) < 120 and int(result["steps"]) >= 5
-    assert re.search(r"killed \S+ \(", stdout)
+    assert re.search(r"killed \S+ \(TRAIN, \S+\) during step", stdout)
+    assert len(re.findall(r"killed \S+ \(", stdout)) == 2
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
+    spec = importlib.util.spec_from_file_location("bench_chaos", path)
+    chaos = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = chaos
+    spec.loader.exec_module(chaos)
+    planted = _planted(chaos, tmp_path)
+    assert planted["lost_trained"] >= 1 and planted["lost_completed"] >= 1, planted
+    assert planted["duplicated"] >= 1, planted
 
 
 def test_chaos_run_outlasts_a_slow_restart(tmp_path):

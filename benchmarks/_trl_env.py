@@ -192,11 +192,26 @@ def trl_config(s: dict, task, out_dir: str):
     )
 
 
+def save_snapshot(model, model_dir: str, path: str) -> str:
+    """The policy as a model folder rollart can evaluate: the weights, and the tokenizer
+    files of ``model_dir`` as they are (the word-level tokenizer, no chat template)."""
+    import shutil
+    from pathlib import Path
+
+    model.save_pretrained(path)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, Path(path) / f.name)
+    return path
+
+
 def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], out_dir: str,
-            threads: int) -> list[dict]:
+            threads: int) -> tuple[list[dict], list[tuple]]:
     """Train with TRL's GRPOTrainer on ``task_name`` (its envs inject ``faults``) with
-    ``vs_trl.Settings`` ``s`` (as a dict), one group per seed; one row per optimizer step
-    with rollart's metric names."""
+    ``vs_trl.Settings`` ``s`` (as a dict), one group per seed. Returns one row per
+    optimizer step with rollart's metric names, and the policy snapshots saved every
+    ``s["eval_every"]`` steps and at the last, as ``(step, time, folder)`` (the save is
+    inside the timed window, as rollart's checkpoints are)."""
     import os
     import time
     import warnings
@@ -217,10 +232,17 @@ def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], o
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * len(seeds),
                               "seed": seeds})
     rows: list[dict] = []
+    snaps: list[tuple] = []
 
     class Rows(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             self.t0, self.tokens = time.time(), 0.0
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            step = state.global_step
+            if step % s["eval_every"] == 0 or step == s["steps"]:
+                path = save_snapshot(model, model_dir, f"{out_dir}/snap/step-{step:06d}")
+                snaps.append((step, time.time() - self.t0, path))
 
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs or "reward" not in logs:
@@ -236,4 +258,4 @@ def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], o
         environment_factory=env_class(task, faults), callbacks=[Rows()])
     trainer.remove_callback(PrinterCallback)  # our own one line per run instead
     trainer.train()
-    return rows
+    return rows, snaps

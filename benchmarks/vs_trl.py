@@ -1,44 +1,48 @@
-"""Side by side with Hugging Face TRL: GRPOTrainer vs rollart sync vs rollart async.
+"""Side by side with Hugging Face TRL: GRPOTrainer vs rollart ``sync+``, ``sync`` and
+``async``, timed to a held-out success fixed in advance.
 
 One invocation, one warmed-up tiny model (``rollart.model`` + the format warm-up of
 ``rollart.trainer.warmup``), one multi-turn task (``gridnav``: walk to a goal on a 5×5
 grid, up to 8 turns; ``--task guess`` for the number game), the same episode seeds in
 the same order, and GRPO settings matched as far as the two allow: group size, groups
-per step, learning
-rate (constant), AdamW betas, clip ε, token-mean loss, group-normalised advantages, no
-KL, sampling temperature 1, per-turn and per-episode token limits. TRL runs the task
-through its ``environment_factory`` (``benchmarks/_trl_env.py``: the same token
-sequences as rollart's); rollart runs it on the local tagged Dask cluster.
+per step, learning rate (constant), AdamW betas, clip ε, token-mean loss,
+group-normalised advantages, no KL, sampling temperature 1, per-turn and per-episode
+token limits. TRL runs the task through its ``environment_factory``
+(``benchmarks/_trl_env.py``: the same token sequences as rollart's); rollart runs it on
+the local tagged Dask cluster.
 
-Two workloads, each run by TRL, rollart ``sync`` and rollart ``async`` back to back:
+**The target is a held-out success fixed before any run** (``Settings.target``, 0.5 on
+gridnav: between the warm-up policy's ~0.3 and the optimal player's 1.0,
+``benchmarks/baselines.py``), the same for every runner and never lowered after a run.
+Every runner saves its policy every ``eval_every`` steps (TRL: ``save_pretrained`` from
+a callback; rollart: its checkpoints, ``Graph.checkpoint_every``), both inside the timed
+window; after all runs, outside it, every snapshot is evaluated on the same held-out
+seeds (``rollart.evaluate`` on ``rollart.env.scripted.heldout_seeds``: the seeds
+``rollart train`` evaluates on) and mapped to the wall time its step finished (counted
+from the first trainer step; set-up excluded for both). A runner's time to the target
+is the first snapshot at or above it; a runner that never gets there within its steps
+has no time (``nan``) and no speed-up: reported as missed, not re-targeted.
 
-* ``no_latency`` — the env answers at once;
-* ``latency`` — every env step first waits a heavy-tailed delay, as sandboxes and web
-  tools do: lognormal with a 20 ms median and σ = 1.2 (mean 41 ms, p99 ≈ 0.33 s;
-  ``rollart.env.faults.Latency``), drawn the same way for both trainers.
+Workloads (``--workloads``): ``no_latency`` (the env answers at once; the default) and
+``latency`` (every env step first waits a lognormal delay, 20 ms median, σ 1.2: p99 ≈
+0.33 s, as sandboxes and web tools do; TRL steps its envs one after another, so its runs
+there cost ~10× more). The rollart modes run in a shuffled order per seed, on one
+cluster, after TRL (in a child process). One line::
 
-Runs are 80 trainer steps without latency and 25 with it (``Settings``). Per run it
-prints the wall time to a target reward (smoothed over 5 steps, from the first full
-window at step 5; counted from the first trainer step; set-up excluded for both), best
-and final reward (mean of the last 5 steps), generated tokens/s, trajectories/s and wall
-time; then one line
+    RESULT speedup_async_no_latency=… speedup_syncplus_no_latency=… …
 
-    RESULT speedup_no_latency=… speedup_latency=… …
-
-where ``speedup_<workload>`` is TRL's time to the target ÷ rollart async's. When a run
-of a workload misses ``--target``, that workload's runs are all timed to the best
-smoothed reward every one of them reached (``target_used_<workload>``). A time to a
-reward is a noisy figure (32 episodes a step), so the whole comparison is repeated from
-``--seeds`` seeds (model, warm-up and episodes; default 3) and every RESULT figure is
-the median over them; ``speedup_<workload>_each`` lists each seed's. Not a test:
-figures are ratios measured side by side in one run. rollart runs on
-``resources/laptop.py`` (rollout in one worker process, the trainer in another: the
-layout for one small machine) with one inference pool; ``--resources local
---inference-pools H800,H20`` gives every role its own process instead. TRL is the
-``bench`` extra::
+``speedup_<mode>_<workload>`` = TRL's time to the target ÷ that rollart mode's
+(> 1: rollart sooner), ``t_<runner>`` the times, ``heldout_<runner>`` the last
+snapshot's held-out success, ``throughput_<mode>`` trained trajectories/s ÷ TRL's,
+``best_mode`` the rollart mode with the shortest median time, ``trl_faster_than`` the
+modes TRL beat on the median; medians over ``--seeds`` seeds (3 by default, ``_each``:
+each seed's). rollart runs on ``resources/laptop.py`` (rollout in one worker process,
+the trainer in another: the layout for one small machine) with one inference pool.
+TRL is the ``bench`` extra::
 
     pip install torch==2.13.0 -e '.[bench]'
-    python benchmarks/vs_trl.py --quick
+    python benchmarks/vs_trl.py --quick        # 1 seed, 10 steps: a few minutes
+    python benchmarks/vs_trl.py --seeds 1 --seed 0   # one seed of the full run
 """
 
 from __future__ import annotations
@@ -56,28 +60,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trl_env.
 
 TASK = "gridnav"
 WORKLOADS = ("no_latency", "latency")
-RUNNERS = ("trl", "sync", "async")
-WINDOW = 5  # steps in the smoothed reward
+MODES = ("sync+", "sync", "async")  # the rollart modes compared with TRL
+RUNNERS = ("trl",) + MODES
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What both trainers share.
+    """What every runner shares, fixed before a run.
 
-    ``steps`` per run without latency, ``latency_steps`` with it: TRL's latency runs
-    cost over 10× its runs without (its env steps wait one after another), and 25 steps
-    there already separate the trainers by an order of magnitude, while without latency
-    the runs must be long enough for the reward to climb well past its noise (32
-    episodes a step) before a time to a target means anything.
+    ``target``: the held-out success to reach (gridnav: the warm-up policy is at ~0.3,
+    the optimal player at 1.0). ``eval_every``: steps between policy snapshots (and the
+    last step); ``eval_seeds``: held-out episodes per snapshot. ``steps`` per run without
+    latency, ``latency_steps`` with it (TRL's latency runs cost ~10× its others).
 
     ``redundancy`` is rollart async's, latency workload only, off by default: redundant
     members are cancelled once the first ``group_size`` finish, and in gridnav the first
-    to finish are the successful episodes (they end in fewer turns, so wait fewer
-    delays): the trained batch's mean reward would then overstate the policy's and not
-    compare with TRL's. ``--redundancy 1.5`` shows it anyway."""
+    to finish are the successful episodes (fewer turns, fewer delays), so the trained
+    batch would favour them. ``--redundancy 1.5`` shows it anyway."""
 
-    steps: int = 80
-    latency_steps: int = 25
+    steps: int = 60
+    latency_steps: int = 20
     group_size: int = 8
     groups_per_step: int = 4
     lr: float = 5e-4
@@ -86,6 +88,8 @@ class Settings:
     seed: int = 0
     warmup_steps: int = 200
     target: float = 0.5
+    eval_every: int = 10
+    eval_seeds: int = 64
     redundancy: float = 1.0
 
     @property
@@ -157,7 +161,8 @@ def warm_model(path: Path, task, steps: int, seed: int = 0) -> tuple[str, int]:
 # -- TRL ------------------------------------------------------------------------------
 def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str, threads: int):
     """TRL's run in a fresh process (``_trl_env.run_trl``), so that neither its imports
-    nor its GIL-heavy training touch the Dask scheduler that lives in this process."""
+    nor its GIL-heavy training touch the Dask scheduler that lives in this process.
+    Returns ``(rows, snapshots)``."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from dataclasses import asdict
@@ -178,76 +183,139 @@ def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: floa
 
     algo = GRPO(group_size=s.group_size, groups_per_step=s.groups_per_step, lr=s.lr,
                 clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0)
-    return Graph(name=f"vs_trl-{mode}", tasks=(task,), policy=Policy(model=model_dir),
-                 algo=algo, rollout=Rollout(redundancy=redundancy, inference_pools=pools),
-                 steps=s.steps, seed=s.seed, mode=mode)
+    return Graph(name=f"vs_trl-{mode.replace('+', 'plus')}", tasks=(task,),
+                 policy=Policy(model=model_dir), algo=algo,
+                 rollout=Rollout(redundancy=redundancy, inference_pools=pools),
+                 steps=s.steps, seed=s.seed, mode=mode, checkpoint_every=s.eval_every)
 
 
 def run_rollart(client, model_dir: str, s: Settings, task, mode: str, redundancy: float,
-                run_dir: Path, pools: tuple[str, ...] = ("H800",)) -> list[dict]:
+                run_dir: Path, pools: tuple[str, ...] = ("H800",)):
+    """One rollart run; returns ``(rows, snapshots)``: snapshots are its checkpoints'
+    model folders as ``(step, time the step finished, path)``."""
     import rollart
 
     graph = rollart_graph(s, task, model_dir, mode, redundancy, pools)
-    return rollart.train(graph, client=client, run_dir=run_dir, progress=False,
+    rows = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
                          eval_seeds=0).metrics
+    done = {r["step"]: r["time"] for r in rows}
+    snaps = []
+    for path in sorted((run_dir / "checkpoints").glob("step-*")):
+        step = int(path.name.split("-")[1])
+        if (path / "COMPLETE").exists() and step in done:
+            snaps.append((step, done[step], str(path / "model")))
+    return rows, snaps
 
 
 # -- figures --------------------------------------------------------------------------
-def time_to(curve: list[tuple[float, float]], target: float) -> float:
-    """First time the smoothed reward reaches ``target`` (nan if it never does)."""
-    return next((t for t, v in curve if v >= target), math.nan)
+def heldout_curve(start: float, snaps, task, s: Settings) -> list[tuple[int, float, float]]:
+    """``[(step, time, held-out success)]`` from step 0 (the warmed-up model, ``start``)
+    through every snapshot, on the first ``eval_seeds`` held-out seeds."""
+    from rollart.env.faults import without_faults
+    from rollart.env.scripted import heldout_seeds
+    from rollart.evaluate import evaluate
+
+    seeds = heldout_seeds(s.eval_seeds)
+    plain = without_faults(task)
+    return [(0, 0.0, start)] + [
+        (step, t, evaluate(path, [plain], seeds, conversation="raw")[plain.name])
+        for step, t, path in snaps]
 
 
-def summarise(rows: list[dict], batch_size: int, target: float) -> dict:
-    """Time to the target (smoothed reward), throughput, final reward, wall time.
+def time_to(curve, target: float) -> float:
+    """The wall time of the first snapshot at or above ``target`` (inf: never).
 
-    The smoothed curve starts at the first full window (step ``WINDOW``): before it a
-    "mean over 5 steps" would be one or two batches, and a lucky first batch (32
-    episodes) would count as reaching the target."""
-    from rollart.report import smooth
+    >>> time_to([(0, 0.0, 0.3), (10, 12.5, 0.45), (20, 30.0, 0.55)], 0.5)
+    30.0
+    """
+    return next((t for _, t, v in curve if v >= target), math.inf)
 
-    reward = smooth([r["reward/mean"] for r in rows], WINDOW)
-    first = WINDOW - 1 if len(rows) >= WINDOW else 0
-    curve = [(r["time"], v) for r, v in list(zip(rows, reward))[first:]]
+
+def speedup(t_trl: float, t_mode: float) -> float:
+    """TRL's time ÷ the mode's; a runner that missed the target has time inf (both
+    missed: nan).
+
+    >>> speedup(60.0, 20.0), speedup(math.inf, 20.0), speedup(60.0, math.inf)
+    (3.0, inf, 0.0)
+    """
+    if math.isinf(t_trl) and math.isinf(t_mode):
+        return math.nan
+    return t_trl / t_mode
+
+
+def summarise(rows: list[dict], curve, batch_size: int, target: float) -> dict:
+    """Time to the held-out target, held-out success, throughput, wall time."""
     wall = rows[-1]["time"]
-    return {"time_to_target_s": time_to(curve, target),
-            "best_reward": max(v for _, v in curve),
+    return {"time_to_target_s": time_to(curve, target), "heldout_final": curve[-1][2],
+            "heldout_best": max(v for _, _, v in curve),
             "final_reward": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:]),
             "tokens_per_s": rows[-1]["rollout/tokens_generated"] / wall,
             "traj_per_s": len(rows) * batch_size / wall, "wall_s": wall,
             "steps": len(rows), "curve": curve}
 
 
-def ratios(runs: dict, target: float) -> dict:
-    """Ratios of one workload's runs (TRL ÷ rollart for times, rollart ÷ TRL for rates).
+def key(runner: str) -> str:
+    return runner.replace("+", "plus")
 
-    If a run missed ``target``, every run of the workload is timed to the best smoothed
-    reward all of them reached instead, and ``target_used`` says so.
+
+def ratios(runs: dict) -> dict:
+    """One workload's figures: each rollart mode against TRL (time: TRL ÷ mode, so > 1
+    means rollart reached the target sooner; throughput: mode ÷ TRL)."""
+    trl = runs["trl"]
+    out = {f"t_{key(r)}": run["time_to_target_s"] for r, run in runs.items()}
+    out.update({f"heldout_{key(r)}": run["heldout_final"] for r, run in runs.items()})
+    for m in (r for r in runs if r != "trl"):
+        out[f"speedup_{key(m)}"] = speedup(trl["time_to_target_s"], runs[m]["time_to_target_s"])
+        out[f"throughput_{key(m)}"] = runs[m]["traj_per_s"] / trl["traj_per_s"]
+    return out
+
+
+def verdict(figures: dict, workload: str, modes) -> dict:
+    """Which rollart mode reached the target soonest (median times) and which modes TRL
+    beat; ``none`` when no mode reached it."""
+    times = {m: figures[f"t_{key(m)}_{workload}"] for m in modes}
+    reached = {m: t for m, t in times.items() if math.isfinite(t)}
+    trl = figures[f"t_trl_{workload}"]
+    beat = [key(m) for m, t in times.items() if math.isfinite(trl) and trl < t]
+    return {f"best_mode_{workload}": key(min(reached, key=reached.get)) if reached else "none",
+            f"trl_faster_than_{workload}": "+".join(beat) or "none"}
+
+
+def combine(per_seed: list[dict]) -> dict:
+    """One figure per key over seeds: the median (nan entries, where both sides missed,
+    left out); for the speed-ups and times also each seed's (``_each``, seed order).
+
+    >>> combine([{"speedup_a": 1.0, "x": 2.0}, {"speedup_a": 3.0, "x": 4.0},
+    ...          {"speedup_a": 2.0, "x": 9.0}])
+    {'speedup_a': 2.0, 'x': 4.0, 'speedup_a_each': '1/3/2'}
     """
-    used = target
-    if any(math.isnan(run["time_to_target_s"]) for run in runs.values()):
-        used = min(run["best_reward"] for run in runs.values())
-    t = {r: time_to(run["curve"], used) for r, run in runs.items()}
-    trl, asyn = runs["trl"], runs["async"]
-    return {"speedup": t["trl"] / t["async"], "sync_speedup": t["trl"] / t["sync"],
-            "throughput_ratio": asyn["traj_per_s"] / trl["traj_per_s"],
-            "tokens_ratio": asyn["tokens_per_s"] / trl["tokens_per_s"],
-            "reward_gap": asyn["final_reward"] - trl["final_reward"],
-            "target_used": used, **{f"t_{r}": v for r, v in t.items()}}
+    import statistics
+
+    out = {}
+    for k in per_seed[0]:
+        vals = [d[k] for d in per_seed if not math.isnan(d[k])]
+        out[k] = statistics.median(vals) if vals else math.nan
+    if len(per_seed) > 1:
+        out.update({f"{k}_each": "/".join(f"{d[k]:.3g}" for d in per_seed)
+                    for k in per_seed[0] if k.startswith(("speedup_", "t_"))})
+    return out
 
 
-def main(argv=None) -> dict:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="one seed, 10 steps: about 3 minutes on 2 cores")
+                   help="one seed, 10 steps, snapshots every 5, 32 held-out seeds")
     p.add_argument("--steps", type=int, default=None,
-                   help="trainer steps per run (both workloads; default 80 without latency)")
+                   help="trainer steps per run without latency (default 60)")
     p.add_argument("--latency-steps", type=int, default=None,
-                   help="trainer steps per run with latency (default 25, or --steps)")
+                   help="trainer steps per run with latency (default 20, or --steps)")
     p.add_argument("--redundancy", type=float, default=None,
                    help="rollart async's redundant members per group, latency workload "
                    "(default 1: none; see Settings)")
-    p.add_argument("--target", type=float, default=None, help="smoothed reward to reach")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out success to reach (default 0.5; fix it before running)")
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-seeds", type=int, default=None)
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--groups-per-step", type=int, default=None)
@@ -256,8 +324,10 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", type=int, default=None,
                    help="repeats from seeds seed, seed+1, ... (default 3; 1 with --quick): "
                    "the RESULT figures are medians over them")
-    p.add_argument("--lr", type=float, default=None, help="both trainers' learning rate")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--lr", type=float, default=None, help="every trainer's learning rate")
+    p.add_argument("--workloads", default="no_latency",
+                   help="comma-separated, of: " + ", ".join(WORKLOADS))
+    p.add_argument("--modes", default=",".join(MODES), help="the rollart modes to run")
     p.add_argument("--resources", default="laptop",
                    help="rollart's layout (resources/NAME.py); laptop: rollout in one "
                    "worker, the trainer in another")
@@ -265,16 +335,31 @@ def main(argv=None) -> dict:
                    help="comma-separated inference pool tags rollart's graph uses")
     p.add_argument("--in-process", action="store_true",
                    help="rollart's cluster as threads of this process (tests)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def settings(a) -> Settings:
     s = Settings()
     if a.quick:
-        s = replace(s, steps=10, latency_steps=10, warmup_steps=100)
+        s = replace(s, steps=10, latency_steps=10, warmup_steps=100, eval_every=5,
+                    eval_seeds=32)
     given = {"steps": a.steps, "latency_steps": a.latency_steps or a.steps,
-             "target": a.target, "warmup_steps": a.warmup_steps,
-             "group_size": a.group_size, "groups_per_step": a.groups_per_step, "seed": a.seed,
-             "lr": a.lr, "redundancy": a.redundancy}
-    s = replace(s, **{k: v for k, v in given.items() if v is not None})
+             "target": a.target, "warmup_steps": a.warmup_steps, "eval_every": a.eval_every,
+             "eval_seeds": a.eval_seeds, "group_size": a.group_size,
+             "groups_per_step": a.groups_per_step, "seed": a.seed, "lr": a.lr,
+             "redundancy": a.redundancy}
+    return replace(s, **{k: v for k, v in given.items() if v is not None})
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    s = settings(a)
     workloads = [w for w in a.workloads.split(",") if w]
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [w for w in workloads if w not in WORKLOADS] + [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown workload/mode {bad}; workloads: {', '.join(WORKLOADS)}; "
+                         f"modes: {', '.join(MODES)}")
 
     from rollart.cli import quiet
 
@@ -291,18 +376,22 @@ def main(argv=None) -> dict:
     threads = 0
     per_seed = []
     for seed in seeds:
-        runs[seed], threads = run_seed(replace(s, seed=seed), base, workloads, a)
+        runs[seed], threads = run_seed(replace(s, seed=seed), base, workloads, modes, a)
         per_seed.append({f"{k}_{w}": v for w in workloads
-                         for k, v in ratios(runs[seed][w], s.target).items()})
-        print(f"seed {seed}: " + " ".join(f"speedup_{w}={per_seed[-1][f'speedup_{w}']:.3g}"
-                                          for w in workloads), flush=True)
+                         for k, v in ratios(runs[seed][w]).items()})
+        print(f"seed {seed}: " + " ".join(f"{k}={v:.3g}" for k, v in per_seed[-1].items()
+                                          if k.startswith(("speedup_", "t_", "heldout_"))),
+              flush=True)
     figures = combine(per_seed)
-    figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")},
-               **figures}  # the two headline figures first
-    figures.update({"seeds": "/".join(map(str, seeds)),
+    for w in workloads:
+        figures.update(verdict(figures, w, modes))
+    figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")
+                  and not k.endswith("_each")}, **figures}  # the headline figures first
+    figures.update({"seeds": "/".join(map(str, seeds)), "target": s.target,
                     **{f"steps_{w}": s.workload(w).steps for w in workloads},
-                    "redundancy": s.redundancy,
-                    "target": s.target, "trl_threads": threads, "resources": a.resources,
+                    "eval_every": s.eval_every, "eval_seeds": s.eval_seeds,
+                    "redundancy": s.redundancy, "trl_threads": threads,
+                    "resources": a.resources,
                     "inference_pools": a.inference_pools.replace(",", "+"),
                     "total_s": round(time.time() - t_all)})
     print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
@@ -310,34 +399,19 @@ def main(argv=None) -> dict:
     return {"runs": runs[seeds[0]], "seeds": runs, "result": figures}
 
 
-def combine(per_seed: list[dict]) -> dict:
-    """One figure per key over seeds: the median; for the speedups also each seed's
-    value (``speedup_<workload>_each``, in seed order), since one seed's time to a
-    target is a noisy figure.
-
-    >>> combine([{"speedup_a": 1.0, "x": 2.0}, {"speedup_a": 3.0, "x": 4.0},
-    ...          {"speedup_a": 2.0, "x": 9.0}])
-    {'speedup_a': 2.0, 'x': 4.0, 'speedup_a_each': '1/3/2'}
-    """
-    import statistics
-
-    out = {k: statistics.median(d[k] for d in per_seed) for k in per_seed[0]}
-    if len(per_seed) > 1:
-        out.update({f"{k}_each": "/".join(f"{d[k]:.3g}" for d in per_seed)
-                    for k in per_seed[0] if k.startswith("speedup_")})
-    return out
-
-
-def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
+def run_seed(s: Settings, base, workloads: list[str], modes: list[str], a):
     """Every runner on every workload from one seed's warmed-up model: TRL first (in a
-    child process, with no Dask workers idling beside it), then rollart sync and async
-    on a fresh cluster. Returns ``({workload: {runner: summary}}, TRL's threads)``."""
+    child process, with no Dask workers idling beside it), then the rollart modes in an
+    order shuffled by the seed, on a fresh cluster; then, outside every timed window,
+    the held-out evaluation of every snapshot. Returns ``({workload: {runner:
+    summary}}, TRL's threads)``."""
     from distributed import Client
 
     import rollart
     from rollart.env.faults import with_faults
 
     out: dict = {w: {} for w in workloads}
+    raw: dict = {w: {} for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.time()
@@ -345,17 +419,14 @@ def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
         print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; TRL uses "
               f"{threads} torch thread(s); {s}", flush=True)
         faults = {w: latency_faults(s.seed) if w == "latency" else None for w in workloads}
-
-        def record(w, r, rows, t0):
-            out[w][r] = summarise(rows, s.batch_size, s.target)
-            print(f"{w:10s} {r:5s} " + " ".join(
-                f"{k}={v:.3g}" for k, v in out[w][r].items() if k != "curve")
-                + f" (run {time.time() - t0:.0f}s)", flush=True)
-
         for w in workloads:
             t0 = time.time()
-            record(w, "trl", run_trl(model, s.workload(w), base, faults[w],
-                                     str(tmp / f"trl-{w}"), threads), t0)
+            raw[w]["trl"] = run_trl(model, s.workload(w), base, faults[w],
+                                    str(tmp / f"trl-{w}"), threads)
+            print(f"{w:10s} trl   ran {len(raw[w]['trl'][0])} steps "
+                  f"(run {time.time() - t0:.0f}s)", flush=True)
+        order = list(modes)
+        random.Random(s.seed).shuffle(order)
         res = rollart.load_resources(a.resources)
         pools = tuple(t for t in a.inference_pools.split(",") if t)
         if a.in_process:
@@ -363,12 +434,26 @@ def run_seed(s: Settings, base, workloads: list[str], a) -> tuple[dict, int]:
         with res.make_cluster() as cluster, Client(cluster) as client:
             for w in workloads:
                 task = with_faults(base, faults[w]) if faults[w] else base
-                for r in ("sync", "async"):
+                for r in order:
                     t0 = time.time()
                     red = s.redundancy if (r == "async" and faults[w]) else 1.0
-                    rows = run_rollart(client, model, s.workload(w), task, r, red,
-                                       tmp / f"{r}-{w}", pools)
-                    record(w, r, rows, t0)
+                    raw[w][r] = run_rollart(client, model, s.workload(w), task, r, red,
+                                            tmp / f"{key(r)}-{w}", pools)
+                    print(f"{w:10s} {r:5s} ran {len(raw[w][r][0])} steps "
+                          f"(run {time.time() - t0:.0f}s)", flush=True)
+        t0 = time.time()
+        start = heldout_curve(0.0, [(0, 0.0, model)], base, s)[1][2]
+        for w in workloads:
+            for r in ("trl", *order):
+                rows, snaps = raw[w][r]
+                curve = heldout_curve(start, snaps, base, s)
+                out[w][r] = summarise(rows, curve, s.batch_size, s.target)
+                print(f"{w:10s} {r:5s} " + " ".join(
+                    f"{k}={v:.3g}" for k, v in out[w][r].items() if k != "curve")
+                    + " heldout " + " ".join(f"{st}:{v:.2f}" for st, _, v in curve),
+                    flush=True)
+        print(f"held-out evaluation of every snapshot: {time.time() - t0:.0f}s "
+              "(outside the timed windows)", flush=True)
     return out, threads
 
 

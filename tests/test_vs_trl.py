@@ -117,21 +117,67 @@ def test_trl_accepts_the_chat_format(tiny_model, trl_env):
     assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
 
 
+def test_time_to_a_heldout_target_is_fixed_and_misses_are_reported():
+    """The target is never lowered: a runner that stays below it has no time (inf) and
+    a speed-up against it is 0 (or nan when both missed), never a figure re-timed to a
+    lower reward."""
+    vs_trl = _load("vs_trl")
+    curve = [(0, 0.0, 0.3), (5, 10.0, 0.48), (10, 20.0, 0.52)]
+    assert vs_trl.time_to(curve, 0.5) == 20.0
+    assert vs_trl.time_to(curve, 0.6) == math.inf
+    runs = {"trl": {"time_to_target_s": 40.0, "heldout_final": 0.5, "traj_per_s": 10.0},
+            "async": {"time_to_target_s": 20.0, "heldout_final": 0.6, "traj_per_s": 30.0},
+            "sync": {"time_to_target_s": math.inf, "heldout_final": 0.4, "traj_per_s": 12.0}}
+    r = vs_trl.ratios(runs)
+    assert r["speedup_async"] == 2.0 and r["speedup_sync"] == 0.0
+    assert r["throughput_async"] == 3.0
+    figures = {f"{k}_w": v for k, v in r.items()}
+    v = vs_trl.verdict(figures, "w", ("sync", "async"))
+    assert v == {"best_mode_w": "async", "trl_faster_than_w": "sync"}
+    assert math.isnan(vs_trl.speedup(math.inf, math.inf))
+    assert vs_trl.Settings().target == 0.5  # fixed in advance, in the code
+
+
+def test_trl_snapshot_is_a_model_folder_rollart_evaluates(tiny_model, tmp_path, trl_env):
+    """A TRL-side snapshot (the weights + the word-level tokenizer) evaluates with
+    rollart's held-out evaluation exactly as the folder it came from."""
+    from rollart.env.scripted import heldout_seeds
+    from rollart.env.tasks import get_task
+    from rollart.evaluate import evaluate
+    from rollart.model import load_model
+
+    snap = trl_env.save_snapshot(load_model(tiny_model), tiny_model, str(tmp_path / "snap"))
+    task, seeds = get_task("gridnav"), heldout_seeds(6)
+    assert evaluate(snap, [task], seeds, conversation="raw") == \
+        evaluate(tiny_model, [task], seeds, conversation="raw")
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end(capsys):
-    """Both workloads × TRL, rollart sync, rollart async with tiny settings."""
+    """Both workloads × TRL, rollart sync+, sync, async with tiny settings; every
+    runner's snapshots evaluated on the held-out seeds."""
     pytest.importorskip("trl", reason="TRL is the bench extra: pip install -e '.[bench]'")
     random.seed(0)
     out = _load("vs_trl").main(["--steps", "2", "--warmup-steps", "10", "--group-size", "2",
-                                "--groups-per-step", "2", "--in-process", "--seeds", "1"])
+                                "--groups-per-step", "2", "--in-process", "--seeds", "1",
+                                "--eval-every", "1", "--eval-seeds", "4",
+                                "--workloads", "no_latency,latency"])
     for workload in ("no_latency", "latency"):
-        for runner in ("trl", "sync", "async"):
+        for runner in ("trl", "sync+", "sync", "async"):
             run = out["runs"][workload][runner]
             assert run["steps"] == 2, (workload, runner)
+            assert [st for st, _, _ in run["curve"]] == [0, 1, 2], (workload, runner)
+            times = [t for _, t, _ in run["curve"]]
+            assert times == sorted(times) and times[-1] <= run["wall_s"] + 1e-6
             assert run["tokens_per_s"] > 0 and run["wall_s"] > 0
-            assert -1.0 <= run["final_reward"] <= 1.0
+            assert all(0.0 <= v <= 1.0 for _, _, v in run["curve"])
+    # every runner starts from the same warmed-up model: the same step-0 success
+    assert len({r["curve"][0][2] for w in out["runs"].values() for r in w.values()}) == 1
     # with step latency TRL steps its envs one after another: slower than without
     assert out["runs"]["latency"]["trl"]["wall_s"] > out["runs"]["no_latency"]["trl"]["wall_s"]
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
-    assert len(line) == 1 and "speedup_no_latency=" in line[0] and "speedup_latency=" in line[0]
+    assert len(line) == 1
+    for k in ("speedup_async_no_latency=", "speedup_syncplus_latency=", "best_mode_latency=",
+              "target=0.5"):
+        assert k in line[0], k
     assert not math.isnan(out["result"]["total_s"])

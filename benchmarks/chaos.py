@@ -259,6 +259,26 @@ def reported_subset(ids: list[str], size: int, digest: str) -> list[str] | None:
     return None
 
 
+def check_trainer_record(trained_at: dict, metrics: list[dict]) -> tuple[int, int, int]:
+    """The trainer's report of each step against the rows ``trained`` there: returns
+    ``(lost_trained, trained_unreported, mismatched_steps)`` (module docstring)."""
+    lost_trained = unreported = mismatched = 0
+    for m in metrics:
+        got, size = trained_at.get(m["step"], []), m["trainer/batch_size"]
+        if digest_of(got) == m["trainer/batch_sha1"]:
+            continue
+        mismatched += 1
+        if len(got) > size and reported_subset(got, size, m["trainer/batch_sha1"]):
+            unreported += len(got) - size  # trained at this step by a lost trainer step
+        elif len(got) >= size:  # the trainer's batch is not among them: none vouched for
+            lost_trained += size
+        else:
+            lost_trained += size - len(got)
+    unreported += sum(len(v) for k, v in trained_at.items()
+                      if k not in {m["step"] for m in metrics})
+    return lost_trained, unreported, mismatched
+
+
 def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
     """``lost`` and ``duplicated`` from the env record, the rows and the trainer's
     report (module docstring), without the ledger's totals."""
@@ -294,20 +314,7 @@ def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
             unmapped += 1
         else:
             settled[key] += 1
-    lost_trained = unreported = mismatched = 0
-    for m in metrics:
-        got, size = trained_at.get(m["step"], []), m["trainer/batch_size"]
-        if digest_of(got) == m["trainer/batch_sha1"]:
-            continue
-        mismatched += 1
-        if len(got) > size and reported_subset(got, size, m["trainer/batch_sha1"]):
-            unreported += len(got) - size  # trained at this step by a lost trainer step
-        elif len(got) >= size:  # the trainer's batch is not among them: none vouched for
-            lost_trained += size
-        else:
-            lost_trained += size - len(got)
-    unreported += sum(len(v) for k, v in trained_at.items()
-                      if k not in {m["step"] for m in metrics})
+    lost_trained, unreported, mismatched = check_trainer_record(trained_at, metrics)
     ended = Counter((e["task"], e["seed"]) for e in env_events if e["ev"] == "end")
     # ids settled without a row in groups with no row at all (all lost with their
     # worker) have no known seed: they may account for any seed's shortfall

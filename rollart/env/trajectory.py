@@ -226,6 +226,7 @@ class TrajectoryRunner:
         try:
             for turn in range(task.max_turns):
                 if barrier is not None:  # sync / one-off: the batch moves turn by turn
+                    # (sync+ and the asynchronous modes pass none: each trajectory runs free)
                     t_wait = time.perf_counter()
                     await barrier.wait()
                     self.barrier_wait += time.perf_counter() - t_wait

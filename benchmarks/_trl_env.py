@@ -107,6 +107,68 @@ class GameTokenizer(PreTrainedTokenizerFast):
         return {"role": "assistant", "content": "", "tool_calls": [call]}
 
 
+# The chat format (``--conversation chat``): rollart's chat conversation of a game, as
+# the chat toy's ChatML template renders it (``rollart.model.CHAT_TEMPLATE``, no system
+# prompt, no tools): each observation a ``user`` turn, each action the ``assistant``
+# turn's content. TRL's loop records the env's replies as ``tool`` messages and the
+# actions as ``act`` calls; this template renders them as exactly those turns.
+CHAT_GAME_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if m.tool_calls -%}"
+    "{%- for tc in m.tool_calls -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- if f.name == '" + TOOL + "' -%}"
+    "{{- f.arguments.action if f.arguments.action is defined else '' -}}"
+    "{%- else -%}{{- f.name ~ ' ' ~ (f.arguments | tojson) -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{- m.content -}}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>user\n' + m.content + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+class ChatGameTokenizer(PreTrainedTokenizerFast):
+    """The chat toy's byte-level BPE tokenizer with ``CHAT_GAME_TEMPLATE`` for TRL: the
+    same ids rollart's ``conversation="chat"`` builds for a game."""
+
+    @classmethod
+    def from_model_folder(cls, path) -> "ChatGameTokenizer":
+        base = load_tokenizer(path)
+        return cls(tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token,
+                   pad_token=base.pad_token, additional_special_tokens=["<|im_start|>"],
+                   clean_up_tokenization_spaces=False)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chat_template = CHAT_GAME_TEMPLATE
+        self.response_template = RESPONSE_TEMPLATE
+        self.padding_side = "left"
+
+    def parse_response(self, response, schema=None, *, prefix=None, tools=None):
+        """A reply → an ``act`` call while the last user/tool turn asks for an action,
+        else a closing message (TRL's loop stops)."""
+        ids = [i for i in response if i != self.eos_token_id]
+        text = self.decode(ids, skip_special_tokens=True).strip()
+        before = self.decode(list(prefix or []), skip_special_tokens=False)
+        last = before.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0].strip()
+        if not last.endswith(PROMPT_END):
+            return {"role": "assistant", "content": text}
+        call = {"type": "function", "function": {"name": TOOL, "arguments": {"action": text}}}
+        return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def tokenizer_for(model_dir: str, conversation: str):
+    """The TRL-side tokenizer of ``conversation`` (``raw`` or ``chat``)."""
+    cls = ChatGameTokenizer if conversation == "chat" else GameTokenizer
+    return cls.from_model_folder(model_dir)
+
+
 class GameEnv:
     """One env of a rollart task, as a TRL environment (``environment_factory``).
 
@@ -200,7 +262,7 @@ def save_snapshot(model, model_dir: str, path: str) -> str:
 
     model.save_pretrained(path)
     for f in Path(model_dir).iterdir():
-        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens")):
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, Path(path) / f.name)
     return path
 
@@ -254,7 +316,7 @@ def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], o
 
     trainer = GRPOTrainer(
         model=load_model(model_dir), args=trl_config(s, task, out_dir), train_dataset=data,
-        processing_class=GameTokenizer.from_model_folder(model_dir),
+        processing_class=tokenizer_for(model_dir, s.get("conversation", "raw")),
         environment_factory=env_class(task, faults), callbacks=[Rows()])
     trainer.remove_callback(PrinterCallback)  # our own one line per run instead
     trainer.train()

@@ -91,6 +91,7 @@ class Settings:
     eval_every: int = 10
     eval_seeds: int = 64
     redundancy: float = 1.0
+    conversation: str = "raw"
 
     @property
     def batch_size(self) -> int:
@@ -142,17 +143,24 @@ def fastest_threads(model, tok, task) -> int:
     return best
 
 
-def warm_model(path: Path, task, steps: int, seed: int = 0) -> tuple[str, int]:
+def warm_model(path: Path, task, steps: int, seed: int = 0,
+               conversation: str = "raw") -> tuple[str, int]:
     """The built-in tiny model after its format warm-up, shared by every run, and the
-    torch thread count this process uses from then on (``fastest_threads``)."""
+    torch thread count this process uses from then on (``fastest_threads``).
+    ``conversation="chat"``: the chat toy (byte-level BPE, ChatML template:
+    ``build_tiny_model(chat=True)``) warmed up in chat form."""
+    from rollart.env.corpus import chat_corpus
     from rollart.env.tasks import task_corpus
     from rollart.model import build_tiny_model, load_model, load_tokenizer
     from rollart.trainer.warmup import run_warmup
 
-    init = build_tiny_model(str(path / "init"), task_corpus([task]), seed=seed)
+    chat = conversation == "chat"
+    corpus = chat_corpus([task]) if chat else task_corpus([task])
+    init = build_tiny_model(str(path / "init"), corpus, chat=chat, seed=seed)
     model, tok = load_model(init), load_tokenizer(init)
     threads = fastest_threads(model, tok, task)
-    run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3, seed=seed)
+    run_warmup(model, tok, [task], steps=steps, batch_size=32, lr=3e-3, seed=seed,
+               conversation=conversation)
     model.save_pretrained(path / "warm")
     tok.save_pretrained(path / "warm")
     return str(path / "warm"), threads
@@ -184,7 +192,7 @@ def rollart_graph(s: Settings, task, model_dir: str, mode: str, redundancy: floa
     algo = GRPO(group_size=s.group_size, groups_per_step=s.groups_per_step, lr=s.lr,
                 clip_eps=s.clip_eps, max_grad_norm=s.max_grad_norm, kl_coef=0.0)
     return Graph(name=f"vs_trl-{mode.replace('+', 'plus')}", tasks=(task,),
-                 policy=Policy(model=model_dir), algo=algo,
+                 policy=Policy(model=model_dir, conversation=s.conversation), algo=algo,
                  rollout=Rollout(redundancy=redundancy, inference_pools=pools),
                  steps=s.steps, seed=s.seed, mode=mode, checkpoint_every=s.eval_every)
 
@@ -218,7 +226,7 @@ def heldout_curve(start: float, snaps, task, s: Settings) -> list[tuple[int, flo
     seeds = heldout_seeds(s.eval_seeds)
     plain = without_faults(task)
     return [(0, 0.0, start)] + [
-        (step, t, evaluate(path, [plain], seeds, conversation="raw")[plain.name])
+        (step, t, evaluate(path, [plain], seeds, conversation=s.conversation)[plain.name])
         for step, t, path in snaps]
 
 
@@ -335,6 +343,10 @@ def parse_args(argv):
                    help="comma-separated inference pool tags rollart's graph uses")
     p.add_argument("--in-process", action="store_true",
                    help="rollart's cluster as threads of this process (tests)")
+    p.add_argument("--conversation", choices=("raw", "chat"), default="raw",
+                   help="raw: the word-level toy, obs/action text concatenated; chat: the "
+                   "chat toy (ChatML template), rollart Policy(conversation='chat') and "
+                   "TRL's tool loop rendered by the same template")
     return p.parse_args(argv)
 
 
@@ -347,7 +359,7 @@ def settings(a) -> Settings:
              "target": a.target, "warmup_steps": a.warmup_steps, "eval_every": a.eval_every,
              "eval_seeds": a.eval_seeds, "group_size": a.group_size,
              "groups_per_step": a.groups_per_step, "seed": a.seed, "lr": a.lr,
-             "redundancy": a.redundancy}
+             "redundancy": a.redundancy, "conversation": a.conversation}
     return replace(s, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -388,6 +400,7 @@ def main(argv=None) -> dict:
     figures = {**{k: figures.pop(k) for k in list(figures) if k.startswith("speedup_")
                   and not k.endswith("_each")}, **figures}  # the headline figures first
     figures.update({"seeds": "/".join(map(str, seeds)), "target": s.target,
+                    "conversation": s.conversation,
                     **{f"steps_{w}": s.workload(w).steps for w in workloads},
                     "eval_every": s.eval_every, "eval_seeds": s.eval_seeds,
                     "redundancy": s.redundancy, "trl_threads": threads,
@@ -415,7 +428,8 @@ def run_seed(s: Settings, base, workloads: list[str], modes: list[str], a):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.time()
-        model, threads = warm_model(tmp / "model", base, s.warmup_steps, s.seed)
+        model, threads = warm_model(tmp / "model", base, s.warmup_steps, s.seed,
+                                    s.conversation)
         print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; TRL uses "
               f"{threads} torch thread(s); {s}", flush=True)
         faults = {w: latency_faults(s.seed) if w == "latency" else None for w in workloads}

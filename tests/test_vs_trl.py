@@ -63,6 +63,53 @@ def test_trl_chat_format_is_rollart_token_layout(tiny_model, trl_env):
     assert "invalid" in obs[2].split()  # "up" is not a guess: both see the penalty
 
 
+@pytest.fixture(scope="module")
+def chat_toy(tmp_path_factory):
+    from rollart.env.corpus import chat_corpus
+    from rollart.model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("chat-toy")),
+                            chat_corpus(["guess", "gridnav"]), chat=True)
+
+
+def test_trl_chat_format_is_rollart_chat_conversation(chat_toy, trl_env):
+    """--conversation chat: TRL's tool loop rendered by the adapter's template gives the
+    ids of rollart's chat conversation (ChatML: observations as user turns, actions as
+    assistant turns ending with <|im_end|>) for the same episode."""
+    from rollart.env.conversation import ConversationFormat, TokenLog
+    from rollart.env.tasks import get_task
+
+    tok = trl_env.ChatGameTokenizer.from_model_folder(chat_toy)
+    env = trl_env.env_class("guess")()
+    obs = [env.reset(seed=7)]
+    actions = ["1", "up", "9", "5"]
+    for a in actions:
+        obs.append(env.act(a))
+        if env.done:
+            break
+    actions = actions[:len(obs) - 1]
+    from rollart.model import load_tokenizer
+
+    fmt = ConversationFormat(load_tokenizer(chat_toy), "chat", max_context=2048)
+    conv = fmt.start(TokenLog(), get_task("guess"), obs[0])
+    for a, o in zip(actions, obs[1:]):
+        conv.add_text_generation(a)
+        conv.add_user(o)
+    ids = tok.apply_chat_template(_messages(obs, actions), tokenize=True, return_dict=False,
+                                  add_generation_prompt=True)
+    assert ids == conv.log.ids
+    # the reply to an observation that asks for a move is an act call; after the end
+    # (no "act :" in the last user turn) a closing message
+    reply = list(tok.encode("5", add_special_tokens=False)) + [tok.eos_token_id]
+    prompt = tok.apply_chat_template(_messages(obs[:1], []), tokenize=True,
+                                     return_dict=False, add_generation_prompt=True)
+    assert tok.parse_response(reply, prefix=prompt)["tool_calls"][0]["function"] == \
+        {"name": "act", "arguments": {"action": "5"}}
+    over = tok.apply_chat_template(_messages(["guess : success ."], []), tokenize=True,
+                                   return_dict=False, add_generation_prompt=True)
+    assert tok.parse_response(reply, prefix=over) == {"role": "assistant", "content": "5"}
+
+
 def test_parse_response_calls_act_until_the_episode_ends(tiny_model, trl_env):
     from rollart.model import encode
 
@@ -114,6 +161,14 @@ def test_trl_accepts_the_chat_format(tiny_model, trl_env):
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 
     tok = trl_env.GameTokenizer.from_model_folder(tiny_model)
+    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
+
+
+def test_trl_accepts_the_chat_toy_format(chat_toy, trl_env):
+    pytest.importorskip("trl", reason="TRL is the bench extra: pip install -e '.[bench]'")
+    from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+
+    tok = trl_env.ChatGameTokenizer.from_model_folder(chat_toy)
     assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
 
 
@@ -181,3 +236,20 @@ def test_benchmark_runs_end_to_end(capsys):
               "target=0.5"):
         assert k in line[0], k
     assert not math.isnan(out["result"]["total_s"])
+
+
+@pytest.mark.slow
+def test_benchmark_chat_runs_end_to_end(capsys):
+    """--conversation chat: TRL's tool loop and rollart's chat conversations on the chat
+    toy, tiny settings; every runner's snapshots evaluated in chat form."""
+    pytest.importorskip("trl", reason="TRL is the bench extra: pip install -e '.[bench]'")
+    out = _load("vs_trl").main(["--steps", "2", "--warmup-steps", "10", "--group-size", "2",
+                                "--groups-per-step", "2", "--in-process", "--seeds", "1",
+                                "--eval-every", "2", "--eval-seeds", "4",
+                                "--conversation", "chat", "--modes", "sync+,async"])
+    for runner in ("trl", "sync+", "async"):
+        run = out["runs"]["no_latency"][runner]
+        assert run["steps"] == 2 and [st for st, _, _ in run["curve"]] == [0, 2], runner
+        assert run["tokens_per_s"] > 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
+    assert len(line) == 1 and "conversation=chat" in line[0]

@@ -739,3 +739,20 @@ def test_run_warmup_trains_in_the_chat_format_within_the_model_context(chat_fold
     losses = run_warmup(model, tok, [_warm_task(HugeObsEnv)], steps=2, batch_size=2,
                         lr=1e-3, conversation="chat", system_prompt="you play a game")
     assert len(losses) == 2 and all(l == l and l > 0 for l in losses)  # finite, trained
+
+
+# -- the rendering benchmark ---------------------------------------------------------------
+def test_chat_render_benchmark_tiny():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "chat_render.py"),
+                          "--quick"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    result = dict(kv.split("=") for kv in line.split()[1:])
+    assert set(result) == {"games_cached", "games_full", "games_speedup", "all_cached",
+                           "all_full", "all_speedup", "batches"}
+    assert float(result["games_speedup"]) > 1.2, result  # measured 4.7x (20 batches)

@@ -1,26 +1,34 @@
-"""Pipeline benchmark: async vs one-off vs sync on the same cluster, model and workload.
+"""Pipeline benchmark: time to a held-out target, every mode on the same code and cluster.
 
-Runs the three modes back to back on the default multi-task graph whose envs straggle
-(heavy-tailed start-up and step latency: ``rollart.env.faults.straggler_profile``), from
-the same warmed-up tiny model, and prints per mode: trajectories/s, generated tokens/s,
-trainer steps/min, time to a target reward, inference-engine busy fraction, per-turn
-orchestration overhead and final reward — then one line
+Runs the paper's §7.1 set of modes — ``sync`` (a barrier at every turn), ``sync+`` (the
+paper's main baseline: trajectory-level env interaction, rollout stopped while the
+trainer steps), ``one-off``, ``areal`` (staleness checked when a group starts) and
+``async`` (rollart) — on one cluster (``resources/laptop.py``), from one warmed-up tiny
+model, on the default task mix whose envs cost what sandboxes cost
+(``rollart.env.workload``: CPU-burning steps, heavy-tailed waits, slow resets that fail
+about once per 10 steps and are retried, pooled warm sandboxes; one scale factor).
 
-    RESULT async_vs_sync=… async_vs_oneoff=… reward_gap=… …
+Per seed (``--seeds``; the order of the runs shuffled by a seeded RNG and printed) each
+run trains ``--steps`` steps and keeps a checkpoint every ``--every`` steps. After the
+run (outside its timed window) each checkpoint's policy is evaluated on held-out seeds
+(``rollart.evaluate.evaluate``, seeds from ``rollart.control.EVAL_SEED_BASE``) and
+mapped to the wall time its step finished (the metrics rows' ``time``, less the time
+the driver spent writing earlier checkpoints). A run's *time to target* is that of its
+first checkpoint at or above the target held-out success, which is fixed before any
+run: the warm-up policy's held-out success + ``TARGET_MARGIN``. A run that never gets
+there counts ``inf``. The headline runs have no redundant members (every mode alike);
+the modes that can use redundancy (``REDUNDANT_MODES``: their groups run on their own;
+``sync`` and ``one-off`` move a batch turn by turn) also run with ``--redundancy``
+extras per group, reported beside them as ``<mode>@r`` (``--redundant``; the full run
+does all three, ``--quick`` none, to fit its time). Ends with
 
-(throughput ratios of trained trajectories/s; reward_gap = async final reward − sync's,
-the training reward of the batches each mode trained on). Each mode's final model is
-also evaluated on held-out seeds (``--eval-seeds``, outside the timed run):
-``heldout_gap`` = async's mean held-out success − sync's. It is the fairer comparison of
-what was learned: with redundant members a group keeps its fastest finishers, and in
-the built-in games a fast episode is often a successful one, so async's training reward
-can read higher than its policy is. A script, not a test: figures are ratios measured
-side by side in one run.
+    RESULT speedup_vs_syncplus=… speedup_vs_sync=… speedup_vs_oneoff=… speedup_vs_areal=…
+           throughput_vs_sync=… heldout_async=… heldout_syncplus=… seeds=… target=… …
 
-Every mode runs on ``resources/laptop.py`` with one inference pool by default: on a
-2-core machine that layout wastes the least on comm (rollout in one worker process, the
-trainer in another). ``--resources local --inference-pools ''`` gives every role a
-process of its own and uses the graph's two inference pools.
+``speedup_vs_X`` = X's median time to target ÷ async's (``_min``/``_max``: the per-seed
+ratios' range); ``throughput_vs_sync`` = async's median trained trajectories/s ÷ sync's;
+``heldout_*`` = the median held-out success of each mode's last checkpoint. A script,
+not a test.
 
     python benchmarks/pipeline.py --quick
 """
@@ -28,16 +36,31 @@ process of its own and uses the graph's two inference pools.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import math
+import random
+import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-MODES = ("sync", "one-off", "async")
+MODES = ("sync", "sync+", "one-off", "areal", "async")
+REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
+TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)
+BASELINES = {"syncplus": "sync+", "sync": "sync", "oneoff": "one-off", "areal": "areal"}
+# sized (before any measurement) so that --quick fits ~13 minutes of a 2-core machine
+QUICK = {"steps": 10, "every": 2, "groups": 6, "eval_seeds": 32, "seeds": 3,
+         "redundant": ""}
+FULL = {"steps": 30, "every": 3, "groups": 12, "eval_seeds": 64, "seeds": 3,
+        "redundant": ",".join(REDUNDANT_MODES)}
+WARM_CACHE = "~/.cache/rollart/pipeline-bench"
 
 
 def warm_model(path: Path, tasks, steps: int) -> str:
-    """The built-in tiny model after its format warm-up (shared by all modes)."""
+    """The built-in tiny model after its format warm-up (shared by every run)."""
     from rollart.env.tasks import task_corpus
     from rollart.model import build_tiny_model, load_model, load_tokenizer
     from rollart.trainer.warmup import run_warmup
@@ -50,104 +73,272 @@ def warm_model(path: Path, tasks, steps: int) -> str:
     return str(path / "warm")
 
 
-def summarise(rows: list[dict], n_workers: int, target: float) -> dict:
-    """Per-mode figures from a run's metrics rows."""
-    from rollart.report import smooth
+def cached_warm_model(folder: str, tasks, steps: int) -> tuple[str, bool]:
+    """``warm_model`` kept in ``folder/warm-<steps>-<corpus hash>`` and reused when it
+    is there (the warm-up is seeded: the same tasks and steps give the same model);
+    returns (path, reused)."""
+    from rollart.env.tasks import task_corpus
 
-    t = rows[-1]["time"]
-    reward = smooth([r["reward/mean"] for r in rows], 5)
-    full = list(zip(rows, reward))[4 if len(rows) >= 5 else 0:]  # full 5-step windows
-    hit = next((r["time"] for r, s in full if s >= target), float("nan"))
+    key = hashlib.sha1("\n".join(task_corpus(tasks)).encode()).hexdigest()[:10]
+    path = Path(folder).expanduser() / f"warm-{steps}-{key}"
+    if (path / "warm" / "config.json").exists():
+        return str(path / "warm"), True
+    return warm_model(path, tasks, steps), False
+
+
+@contextlib.contextmanager
+def timed_checkpoints(durations: dict):
+    """Record how long the driver spends in each ``rollart.checkpoint.save`` (step ->
+    seconds): the checkpoints exist for the held-out evaluation, so their time is taken
+    out of the run's clock. The real ``save`` runs unchanged."""
+    from rollart import checkpoint
+
+    real = checkpoint.save
+
+    def save(url, step, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(url, step, *args, **kwargs)
+        finally:
+            durations[int(step)] = time.perf_counter() - t0
+
+    checkpoint.save = save
+    try:
+        yield durations
+    finally:
+        checkpoint.save = real
+
+
+def clock(rows: list[dict], ckpt_s: dict) -> dict[int, float]:
+    """Step -> seconds since the run's start when the step finished, without the time
+    spent writing the checkpoints of earlier steps."""
+    return {r["step"]: r["time"] - sum(d for s, d in ckpt_s.items() if s < r["step"])
+            for r in rows}
+
+
+def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path) -> dict:
+    """Train one (mode, redundancy) from ``model``; returns its clock and checkpoints."""
+    import rollart
+    from rollart.env.workload import drain_pools, pool_stats
+
+    mode, redundancy = label.split("@")[0], a.redundancy if "@" in label else 1.0
+    graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
+                    checkpoint_every=a.every, policy=replace(base.policy, model=model),
+                    algo=replace(base.algo, groups_per_step=a.groups, alpha=None),
+                    rollout=replace(base.rollout, redundancy=redundancy))
+    client.run(drain_pools, on_error="return")  # no run inherits another's warm sandboxes
+    ckpt_s: dict[int, float] = {}
+    run_dir = out / label.replace("@", "_r").replace("+", "plus")
+    with timed_checkpoints(ckpt_s):
+        result = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
+                               eval_seeds=0)
+    env = _sum_stats(client.run(pool_stats, on_error="return"))
+    rows = result.metrics
+    t = clock(rows, ckpt_s)
     last = rows[-1]
-    return {
-        "traj_per_s": last["traj/trained"] / t,
-        "tokens_per_s": last["rollout/tokens_generated"] / t,
-        "steps_per_min": len(rows) / t * 60,
-        "time_to_target_s": hit,
-        "engine_busy": last["rollout/engine_busy_s"] / (t * n_workers),
-        "turn_overhead_ms": last["rollout/turn_overhead_s"] * 1000,
-        "final_reward": sum(reward[-5:]) / len(reward[-5:]),
-        "wall_s": t,
-    }
+    snaps = sorted((int(p.name.split("-")[1]), str(p / "model"))
+                   for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    return {"label": label, "seed": seed, "clock": t, "snapshots": snaps,
+            "traj_per_s": last["traj/trained"] / t[last["step"]],
+            "wall_s": t[last["step"]], "ckpt_s": sum(ckpt_s.values()),
+            "fail_per_step": env["reset_failures"] / max(env["steps"], 1),
+            "reuse": env["reused"] / max(env["resets"], 1), "run_dir": str(run_dir)}
+
+
+def _sum_stats(per_worker: dict) -> dict:
+    out: dict[str, float] = {}
+    for stats in per_worker.values():
+        if isinstance(stats, BaseException):
+            continue  # a worker that was gone
+        for k, v in stats.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def score(run: dict, tasks, seeds, target: float) -> dict:
+    """Evaluate the run's checkpoints in step order until one reaches ``target``, and
+    its last one; time to target (inf if none did) and the last held-out success."""
+    from rollart.evaluate import evaluate
+
+    def heldout(path):
+        success = evaluate(path, tasks, seeds)
+        return sum(success.values()) / len(success)
+
+    run["time_to_target_s"], run["curve"] = math.inf, {}
+    for step, path in run["snapshots"]:
+        run["curve"][step] = heldout(path)
+        if run["curve"][step] >= target:
+            run["time_to_target_s"] = run["clock"][step]
+            break
+    last_step, last_path = run["snapshots"][-1]
+    if last_step not in run["curve"]:
+        run["curve"][last_step] = heldout(last_path)
+    run["heldout"] = run["curve"][last_step]
+    shutil.rmtree(run["run_dir"], ignore_errors=True)  # checkpoints are large
+    return run
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def summarise(runs: list[dict], seeds: list[int]) -> dict:
+    """The RESULT figures from every scored run."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["label"], {})[r["seed"]] = r
+
+    def med(label, key):
+        return _median([r[key] for r in by.get(label, {}).values()])
+
+    def ratios(num: str, den: str, key: str) -> list[float]:
+        return [_ratio(by[num][s][key], by[den][s][key]) for s in seeds
+                if s in by.get(num, {}) and s in by.get(den, {})]
+
+    out = {}
+    for short, mode in BASELINES.items():
+        out[f"speedup_vs_{short}"] = _ratio(med(mode, "time_to_target_s"),
+                                            med("async", "time_to_target_s"))
+    out["throughput_vs_sync"] = med("async", "traj_per_s") / med("sync", "traj_per_s")
+    out["heldout_async"] = med("async", "heldout")
+    out["heldout_syncplus"] = med("sync+", "heldout")
+    out["seeds"] = len(seeds)
+    out["target"] = math.nan  # set by main (kept here for the key order)
+    for short, mode in BASELINES.items():
+        per = ratios(mode, "async", "time_to_target_s")
+        out[f"speedup_vs_{short}_min"], out[f"speedup_vs_{short}_max"] = _range(per)
+    per = ratios("async", "sync", "traj_per_s")
+    out["throughput_vs_sync_min"], out["throughput_vs_sync_max"] = _range(per)
+    for label in by:
+        key = label.replace("+", "plus").replace("-", "").replace("@r", "_r")
+        out[f"ttt_{key}"] = med(label, "time_to_target_s")
+        out[f"tps_{key}"] = med(label, "traj_per_s")
+    if "sync+@r" in by and "async@r" in by:
+        out["speedup_r_vs_syncplus_r"] = _ratio(med("sync+@r", "time_to_target_s"),
+                                                med("async@r", "time_to_target_s"))
+    return out
+
+
+def _ratio(num: float, den: float) -> float:
+    if math.isinf(num) and math.isinf(den):
+        return math.nan  # neither reached the target
+    return num / den if den else math.nan
+
+
+def _range(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if not math.isnan(x)]
+    return (min(xs), max(xs)) if xs else (math.nan, math.nan)
+
+
+def fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="about 15 minutes on 2 cores")
+    p.add_argument("--steps", type=int, help="trainer steps per run")
+    p.add_argument("--every", type=int, help="checkpoint (and evaluate) every N steps")
+    p.add_argument("--groups", type=int, help="groups of 8 per trainer step")
+    p.add_argument("--eval-seeds", type=int, help="held-out seeds per task")
+    p.add_argument("--seeds", type=int, help="seeds (1, 2, …); every mode runs each")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--redundant", default=None,
+                   help="modes also run with redundancy (of REDUNDANT_MODES; '' = none)")
+    p.add_argument("--redundancy", type=float, default=1.5,
+                   help="members launched per group member in the redundant runs")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="format warm-up steps (default: the graph's)")
+    p.add_argument("--margin", type=float, default=TARGET_MARGIN,
+                   help="target = warm-up held-out success + this (tests only: the "
+                   "default is the benchmark's)")
+    p.add_argument("--warm-cache", default=WARM_CACHE,
+                   help="a folder to keep the warmed-up model in and reuse it from "
+                   "('' = build it afresh in a temporary folder)")
+    a = p.parse_args(argv)
+    preset = QUICK if a.quick else FULL
+    for k, v in preset.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.modes = tuple(m for m in a.modes.split(",") if m)
+    a.redundant = tuple(m for m in a.redundant.split(",") if m)
+    bad = [m for m in a.modes if m not in MODES] + \
+        [m for m in a.redundant if m not in REDUNDANT_MODES]
+    if bad:
+        p.error(f"unknown mode(s) {bad}: --modes takes {MODES}, --redundant {REDUNDANT_MODES}")
+    return a
+
+
+def warm_up(a, tasks, seeds, tmp: str) -> tuple[str, float, float]:
+    """The shared warm-up model, its held-out success and the target (fixed here)."""
+    from rollart.evaluate import evaluate
+
+    t0 = time.time()
+    model, reused = cached_warm_model(a.warm_cache or tmp, tasks, a.warmup_steps)
+    print(f"warm-up model {model}: " + ("reused" if reused else
+                                        f"built in {time.time() - t0:.0f}s"), flush=True)
+    start = evaluate(model, tasks, seeds)
+    warm = sum(start.values()) / len(start)
+    target = round(warm + a.margin, 4)
+    print(f"warm-up held-out success {warm:.3f} -> target {target:.3f}", flush=True)
+    return model, warm, target
+
+
+def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
+             runs: list, failed: list) -> None:
+    """Every run of one seed, in an order shuffled by ``random.Random(seed)``."""
+    from rollart.env.workload import Workload, with_workload
+
+    order = random.Random(seed).sample(labels, len(labels))
+    print(f"seed {seed}: order {' '.join(order)}", flush=True)
+    tasks = tuple(with_workload(t, Workload(seed=seed)) for t in base.tasks)
+    for label in order:
+        t0 = time.time()
+        try:
+            run = run_one(client, base, tasks, model, label, seed, a, Path(tmp))
+        except Exception as e:  # noqa: BLE001 - reported, counted, the rest go on
+            print(f"  {label:9s} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
+            failed.append(f"{label}/{seed}")
+            continue
+        runs.append(score(run, base.tasks, heldout_seeds, target))
+        print(f"  {label:9s} time_to_target_s={fmt(run['time_to_target_s'])} "
+              f"traj_per_s={fmt(run['traj_per_s'])} heldout={fmt(run['heldout'])} "
+              f"wall_s={fmt(run['wall_s'])} ckpt_s={fmt(run['ckpt_s'])} "
+              f"env_fail_per_step={fmt(run['fail_per_step'])} reuse={fmt(run['reuse'])} "
+              "curve=" + ",".join(f"{s}:{v:.2f}" for s, v in run["curve"].items())
+              + f" ({time.time() - t0:.0f}s)", flush=True)
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--redundancy", type=float, default=1.5)
-    p.add_argument("--backup-after", type=float, default=None,
-                   help="async extras start as backups once this share of a group is "
-                        "in (default: with the group)")
-    p.add_argument("--target", type=float, default=0.6, help="reward/mean to reach")
-    p.add_argument("--eval-seeds", type=int, default=64,
-                   help="held-out seeds per task for each mode's final model (0: none)")
-    p.add_argument("--resources", default="laptop",
-                   help="the layout (resources/NAME.py); laptop: rollout in one worker, "
-                   "the trainer in another; local: a process per role")
-    p.add_argument("--inference-pools", default="H800",
-                   help="comma-separated inference pool tags ('' = the graph's own)")
-    a = p.parse_args(argv)
-    steps = a.steps or (20 if a.quick else 60)
-
+    a = parse(argv)
     from rollart.cli import quiet
 
     quiet()
     from distributed import Client
 
     import rollart
-    from rollart.env.faults import straggler_profile, with_faults
     from rollart.control import EVAL_SEED_BASE
-    from rollart.evaluate import evaluate
 
     base, _ = rollart.load_graph("multitask")
-    if a.inference_pools:
-        pools = tuple(t for t in a.inference_pools.split(",") if t)
-        base = replace(base, rollout=replace(base.rollout, inference_pools=pools))
-    tasks = tuple(with_faults(t, straggler_profile(seed=i)) for i, t in enumerate(base.tasks))
-    res = rollart.load_resources(a.resources)
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
-            Client(cluster) as client:
-        model = warm_model(Path(tmp), base.tasks, base.policy.warmup_steps)
-        seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + a.eval_seeds)
-        start = evaluate(model, base.tasks, seeds) if a.eval_seeds else {}
-        n_workers = sum(len(rollart.resources.workers_with(client, t))
-                        for t in base.rollout.inference_pools)
-        for mode in MODES:
-            graph = replace(base, tasks=tasks, mode=mode, steps=steps,
-                            policy=replace(base.policy, model=model),
-                            rollout=replace(base.rollout, redundancy=a.redundancy
-                                            if mode == "async" else 1.0,
-                                            backup_after=a.backup_after))
-            t0 = time.time()
-            result = rollart.train(graph, client=client, run_dir=Path(tmp) / mode,
-                                   progress=False, eval_seeds=0)
-            out[mode] = summarise(result.metrics, n_workers, a.target)
-            if a.eval_seeds:
-                success = evaluate(result.model_dir, base.tasks, seeds)
-                out[mode]["heldout_success"] = sum(success.values()) / len(success)
-            print(f"{mode:8s} " + " ".join(f"{k}={v:.3g}" for k, v in out[mode].items())
-                  + f" (run {time.time() - t0:.0f}s)", flush=True)
-    ratio = {
-        "async_vs_sync": out["async"]["traj_per_s"] / out["sync"]["traj_per_s"],
-        "async_vs_oneoff": out["async"]["traj_per_s"] / out["one-off"]["traj_per_s"],
-        "reward_gap": out["async"]["final_reward"] - out["sync"]["final_reward"],
-        "tokens_async_vs_sync": out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"],
-        **({"heldout_gap": out["async"]["heldout_success"]
-            - out["sync"]["heldout_success"],
-            "heldout_start": sum(start.values()) / len(start),
-            **{f"heldout_{m.replace('-', '')}": out[m]["heldout_success"] for m in MODES}}
-           if a.eval_seeds else {}),
-        "busy_async": out["async"]["engine_busy"],
-        "busy_sync": out["sync"]["engine_busy"],
-        "steps": steps,
-        "resources": a.resources,
-        "inference_pools": "+".join(base.rollout.inference_pools),
-    }
-    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in ratio.items()))
-    return ratio
+    base = replace(base, rollout=replace(base.rollout, inference_pools=("H800",)))
+    if a.warmup_steps is None:
+        a.warmup_steps = base.policy.warmup_steps
+    seeds = list(range(1, a.seeds + 1))
+    labels = list(a.modes) + [f"{m}@r" for m in a.redundant]
+    heldout_seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + a.eval_seeds)
+    runs, failed, t_all = [], [], time.time()
+    with tempfile.TemporaryDirectory() as tmp, \
+            rollart.load_resources("laptop").make_cluster() as cluster, Client(cluster) as client:
+        model, warm, target = warm_up(a, base.tasks, heldout_seeds, tmp)
+        for seed in seeds:
+            run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
+                     runs, failed)
+    out = summarise(runs, seeds)
+    out.update(target=target, failed_runs=len(failed), heldout_warm=warm, margin=a.margin,
+               steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,
+               total_s=round(time.time() - t_all))
+    print("RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in out.items()), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -191,3 +191,27 @@ def test_cluster_spec_from_a_resources_file():
     spec = ClusterSpec.from_resources(load_resources("gpu_cluster"))
     assert {p.tag: p.count for p in spec.inference} == {H800: 2, H20: 4}
     assert spec.trainer_gpus == 1 and spec.reward.workers == 8
+
+
+def test_cluster_sim_benchmark_tiny(tmp_path):
+    """benchmarks/cluster_sim.py --tiny: no real runs, the modes and PD experiments cut
+    to a smoke test, the 3,000-GPU cluster with two groups; its RESULT line and plots."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "cluster_sim.py"),
+                          "--tiny", "--out", str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    got = {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    for key in ("calibration_error", "affinity_vs_h20", "affinity_vs_h800", "async_vs_sync",
+                "syncplus_vs_sync", "pd_gain", "redundancy_gain", "serverless_util", "gpus",
+                "sim_wall_s"):
+        assert key in got, line
+    assert got["gpus"] == 3000 and got["async_vs_sync"] > 0 and got["pd_gain"] > 0
+    assert (tmp_path / "sim_utilisation.png").stat().st_size > 1000
+    assert (tmp_path / "sim_staleness.png").stat().st_size > 1000

@@ -1,0 +1,189 @@
+"""The cluster simulator end to end: calibration on this machine, the paper's experiments,
+the 3,000-GPU run, two plots and one RESULT line.
+
+    flock /tmp/rollart-bench.lock python benchmarks/cluster_sim.py --quick
+
+1. **Calibration** (``rollart.sim.calibrate.calibration``): real ``sync`` and ``async``
+   runs of the pipeline benchmark's workload on ``resources/laptop.py`` beside the
+   simulator configured from this machine's micro-benchmarks only; the largest relative
+   error over throughput per mode and the async ÷ sync ratio is ``calibration_error``.
+2. **The paper's experiments** (``rollart.sim.paper.run_all``), each printed beside the
+   paper's figure.
+3. **Scale** (``rollart.sim.paper.scale_config``): 3,000 GPUs (500 train, 2,500 rollout),
+   α = 1, tens of thousands of env slots: throughput, utilisation per pool, staleness,
+   aborts, control-plane load, and the wall time of the simulation itself.
+4. Plots into ``--out``: ``sim_utilisation.png`` (busy share over time per pool, scale
+   run) and ``sim_staleness.png`` (trained trajectories by versions behind).
+
+``--no-calibration`` skips step 1 (no real runs; ``calibration_error=nan``);
+``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
+line's ratios are the mean over the experiment's points (models or splits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULT_KEYS = ("affinity_vs_h20", "affinity_vs_h800", "async_vs_sync", "syncplus_vs_sync",
+               "pd_gain", "redundancy_gain")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_utilisation(result, out_png: Path) -> None:
+    """Busy share over simulated time per pool (inference tags, env, reward, trainer)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for pool, series in sorted(result.timeline.items()):
+        if series:
+            ax.plot([t for t, _ in series], [u for _, u in series], label=pool,
+                    linewidth=1.5)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("busy share")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"rollart sim: utilisation per pool ({result.gpus} GPUs, {result.mode})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def plot_staleness(results: dict, out_png: Path) -> None:
+    """Trained trajectories by versions behind the trainer, one bar group per run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    lags = sorted({k for r in results.values() for k in r.staleness})
+    width = 0.8 / max(len(results), 1)
+    for i, (label, r) in enumerate(results.items()):
+        total = max(sum(r.staleness.values()), 1)
+        ax.bar([x + i * width for x in lags], [r.staleness.get(k, 0) / total for k in lags],
+               width=width, label=label)
+    ax.set_xlabel("versions behind the trainer (trainer version − oldest token's)")
+    ax.set_ylabel("share of trained trajectories")
+    ax.set_xticks([x + width * (len(results) - 1) / 2 for x in lags], [str(k) for k in lags])
+    ax.set_title("rollart sim: staleness of trained trajectories")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def _mean(values: dict) -> float:
+    finite = [v for v in values.values() if v == v]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def run_paper(tiny: bool, log=print) -> dict:
+    from rollart.sim import paper
+
+    if not tiny:
+        return paper.run_all(quick=True, log=log)
+    out = {}
+    for exp in paper.modes(quick=True, steps=2) + paper.pd(quick=True, steps=1):
+        exp = replace(exp, configs={k: _tiny(c) for k, c in exp.configs.items()})
+        out[exp.key] = paper.run(exp)
+        log(f"{exp.key}: {out[exp.key]['values']}")
+    return out
+
+
+def _tiny(cfg):
+    """A config cut to a smoke test: 2 groups of 4 per step, 1 step."""
+    g = cfg.graph
+    algo = replace(g.algo, groups_per_step=2, group_size=4)
+    return replace(cfg, graph=replace(g, algo=algo), steps=1)
+
+
+def run_scale(tiny: bool, log=print):
+    from rollart.sim import simulate
+    from rollart.sim.paper import scale_config
+
+    cfg = scale_config(quick=tiny, steps=1 if tiny else 2)
+    if tiny:
+        cfg = _tiny(cfg)
+    log(f"scale: {cfg.cluster.gpus} GPUs, {cfg.cluster.env[0].slots} env slots, "
+        f"{cfg.graph.algo.groups_per_step} groups of {cfg.graph.algo.group_size} per step, "
+        f"{cfg.steps} steps")
+    r = simulate(cfg)
+    log(f"scale: {r.summary()}")
+    log(f"scale: staleness {r.staleness} aborts {r.aborts}")
+    log(f"scale: control {r.control}")
+    return cfg, r
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the few-minute version")
+    ap.add_argument("--tiny", action="store_true", help="a smoke test (no real runs)")
+    ap.add_argument("--no-calibration", action="store_true", help="skip the real runs")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "figures"),
+                    help="folder for the plots")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures: dict = {}
+    if args.no_calibration or args.tiny:
+        figures["calibration_error"] = float("nan")
+    else:
+        from rollart.sim.calibrate import calibration
+
+        try:
+            cal = calibration(quick=args.quick)
+        except Exception as e:  # noqa: BLE001 - report it; the simulated figures still run
+            print(f"calibration failed: {type(e).__name__}: {e}")
+            figures["calibration_error"] = float("nan")
+        else:
+            print(f"calibration: real {cal['real']} sim {cal['sim']} errors "
+                  f"{cal['errors']} ({cal['wall_s']:.0f}s)")
+            figures["calibration_error"] = cal["calibration_error"]
+    t_sim = time.perf_counter()
+    paper = run_paper(args.tiny)
+    for key in RESULT_KEYS:
+        figures[key] = _mean(paper[key]["values"]) if key in paper else float("nan")
+    serverless = paper.get("serverless_util", {}).get("values", {})
+    figures["serverless_util"] = serverless.get("elastic", float("nan"))
+    if not args.tiny:
+        from rollart.sim.paper import table
+
+        print(table(paper))
+    cfg, scale = run_scale(args.tiny)
+    figures["gpus"] = scale.gpus
+    figures["sim_wall_s"] = time.perf_counter() - t_sim
+    figures["scale_wall_s"] = scale.sim_wall_s
+    figures["scale_traj_s"] = scale.throughput["trajectories_s"]
+    figures["scheduler_load"] = scale.control["scheduler_load"]
+    plot_utilisation(scale, out / "sim_utilisation.png")
+    stale = {f"{scale.gpus} GPUs async α=1": scale}
+    plot_staleness(stale, out / "sim_staleness.png")
+    print(f"plots: {out / 'sim_utilisation.png'} {out / 'sim_staleness.png'} "
+          f"({time.time() - t0:.0f}s in all)")
+    print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
+    return figures
+
+
+def _fmt(v) -> str:
+    if isinstance(v, int):
+        return str(v)
+    return "nan" if v != v else (f"{v:.4g}" if not math.isinf(v) else "inf")
+
+
+if __name__ == "__main__":
+    main()

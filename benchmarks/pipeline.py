@@ -330,9 +330,13 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp, \
             rollart.load_resources("laptop").make_cluster() as cluster, Client(cluster) as client:
         model, warm, target = warm_up(a, base.tasks, heldout_seeds, tmp)
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
                      runs, failed)
+            if i + 1 < len(seeds):  # figures so far, in case the run is cut short
+                part = summarise(runs, seeds[:i + 1])
+                print("PARTIAL " + " ".join(f"{k}={fmt(v)}" for k, v in part.items()
+                                            if k != "target"), flush=True)
     out = summarise(runs, seeds)
     out.update(target=target, failed_runs=len(failed), heldout_warm=warm, margin=a.margin,
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,

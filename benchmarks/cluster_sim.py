@@ -111,6 +111,26 @@ def _tiny(cfg):
     return replace(cfg, graph=replace(g, algo=algo), steps=1)
 
 
+def async_two_steps_of_slots(log=print) -> float:
+    """The modes experiment's async with ``(alpha + 1) * groups_per_step`` slots (the
+    runtime's rule before commit 7aa843c) in place of ``max(alpha, 1)`` steps' worth:
+    how much of the async gain the slot rule decides; mean over the models."""
+    from rollart.sim import paper, simulate
+
+    exp = paper.modes(quick=True)[0]
+    ratios = []
+    for label, cfg in exp.configs.items():
+        if not label.endswith("/async"):
+            continue
+        algo = cfg.graph.algo
+        two = simulate(replace(cfg, slot_capacity=(algo.alpha + 1) * algo.groups_per_step))
+        sync = simulate(exp.configs[label.replace("/async", "/sync")])
+        ratios.append(two.throughput["trajectories_s"] / sync.throughput["trajectories_s"])
+        log(f"async with (alpha+1) steps of slots vs sync, {label}: {ratios[-1]:.3g}x "
+            f"(staleness {two.staleness}, aborts {two.aborts['aborted']})")
+    return sum(ratios) / len(ratios)
+
+
 def run_scale(tiny: bool, log=print):
     from rollart.sim import simulate
     from rollart.sim.paper import scale_config
@@ -164,6 +184,8 @@ def main(argv=None) -> dict:
         from rollart.sim.paper import table
 
         print(table(paper))
+    if not args.tiny:
+        figures["async2_vs_sync"] = async_two_steps_of_slots()
     cfg, scale = run_scale(args.tiny)
     figures["gpus"] = scale.gpus
     figures["sim_wall_s"] = time.perf_counter() - t_sim

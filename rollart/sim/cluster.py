@@ -138,9 +138,10 @@ class Cluster:
         for ep in cfg.cluster.env:
             res = simpy.Resource(self.env, capacity=max(1, ep.slots))
             meter = self.meters[ep.tag] = Meter(ep.slots, dt)
+            n = ep.managers or -(-ep.slots // max(1, self.graph.rollout.env_concurrency))
             self.managers[ep.tag] = [Manager(f"{ep.tag}-{i}", res, meter,
                                              Router(tags, routes))
-                                     for i in range(max(1, ep.managers))]
+                                     for i in range(max(1, n))]
         self._rr: Counter = Counter()
         self.reward = RewardSim(self.env, cfg.cluster.reward, self.costs.reward,
                                 random.Random(seed * 3 + 4), dt)

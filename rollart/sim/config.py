@@ -61,11 +61,12 @@ class EnvPool:
     """A CPU env pool: at most ``slots`` environments (trajectories) live at once, as an
     ``EnvManager``'s ``max_concurrency`` bounds them, over ``managers`` env managers
     (each with its own copy of the router, as each runtime manager has its own
-    ``LLMProxy``)."""
+    ``LLMProxy``; ``None``: ``ceil(slots / Rollout.env_concurrency)``, one manager per
+    ``env_concurrency`` slots as the runtime places them)."""
 
     tag: str = CPU_ENV
     slots: int = 256
-    managers: int = 1
+    managers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,8 @@ class SimConfig:
     mode: str | None = None
     timeline_dt: float | None = None  # utilisation sample period (None: sim time / 200)
     record: bool = False
+    # async: groups in flight or buffered (None: the runtime's rollart.pipeline.slot_capacity)
+    slot_capacity: int | None = None
     max_sim_s: float = 1e7  # stop if simulated time passes this (a stalled config)
 
     @property

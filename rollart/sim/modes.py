@@ -41,7 +41,7 @@ def asynchronous(cl, areal: bool = False):
         admission = StartBound(algo.alpha, algo.groups_per_step)
         slots = Slots(admission.capacity, _sequence(cl), admission)
     else:
-        slots = Slots(slot_capacity(algo), _sequence(cl))
+        slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo), _sequence(cl))
     training = [0]
 
     def fill() -> None:

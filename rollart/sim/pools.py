@@ -91,6 +91,7 @@ class SimWorker:
         self._batch: list[Req] = []
         self.tokens_out = 0
         self.prefill_tokens = 0
+        self.busy = 0.0
         self._load = None  # (version, exposed seconds, [done events]) waiting to run
         self.loads = 0
 
@@ -137,6 +138,7 @@ class SimWorker:
                 r.remaining -= steps
                 r.context += steps
             self.meter.add(self._t, now)
+            self.busy += now - self._t
         self._t = now
 
     def _at(self, delay: float, phase: str) -> None:
@@ -155,9 +157,11 @@ class SimWorker:
             self._finish_rows()
         elif phase == "prefill":
             self.meter.add(self._t, self.env.now)
+            self.busy += self.env.now - self._t
             self._admit()
         elif phase == "load":
             self.meter.add(self._t, self.env.now)
+            self.busy += self.env.now - self._t
             for done in self._loading[2]:
                 done.succeed()
             self._loading = None

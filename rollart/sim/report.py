@@ -60,8 +60,11 @@ def control(cl, horizon: float) -> dict:
         "scheduler_msgs_s": sched_msgs / horizon if horizon else 0.0,
         "scheduler_load": sched_load,
         "driver_load": m["driver"] * cp.actor_call_s / horizon if horizon else 0.0,
+        "managers": managers,
         "manager_loop_load": 2 * (m["generate"] + m["ledger"] + m["kv_fetch"]) *
         cp.actor_call_s / horizon / managers if horizon else 0.0,
+        "buffer_loop_load": (m["ledger"] + m["acquire"]) * cp.actor_call_s / horizon
+        if horizon else 0.0,
         "saturates_at_gpus": gpus / sched_load if sched_load > 0 else float("inf"),
     }
 
@@ -82,6 +85,11 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
                                 "dropped", "groups_failed", "launched", "delivered")}
     reuse = [mgr.router.stats()["expected_reuse"] for v in cl.managers.values()
              for mgr in v]
+    spread = {}
+    for tag in cl.pool_of:
+        busy = sorted(w.busy / horizon for w in cl.workers if w.tag == tag) if horizon else []
+        if busy:
+            spread[tag] = {"min": busy[0], "median": busy[len(busy) // 2], "max": busy[-1]}
     return SimResult(
         mode=mode, sim_time_s=horizon, steps=len(cl.step_times), trained=cl.trained,
         throughput={"trajectories_s": cl.trained / horizon if horizon else 0.0,
@@ -94,4 +102,6 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
         decisions=list(cl.decisions),
         extra={"prefix_reuse": sum(reuse) / len(reuse) if reuse else 0.0,
                "reward_cold_starts": r.cold_starts,
-               "weight_loads": sum(w.loads for w in cl.workers)})
+               "weight_loads": sum(w.loads for w in cl.workers),
+               "worker_busy": spread,
+               "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes})

@@ -100,9 +100,13 @@ def test_every_actor_ran_on_its_tag(run):
 # graphs/chat.py:quick (the three games in chat format on the chat toy, 60 steps after
 # its 150-step warm-up) on the laptop layout in-process: 13 min on the shared 2-core
 # machine. Measured held-out gains (128 seeds) of that run: gridnav 0.05, guess 0.16,
-# boxpush 0.11 (the full graph, 100 steps with calc: boxpush 0.11, the others ~0). Only
-# boxpush learned in both runs; the bounds sit about two standard errors below what was
-# measured, so a run that learns passes and one that does not fails.
+# boxpush 0.11. The full graph (100 steps with calc, 13.8 min under the benchmark lock):
+# gridnav +0.11, guess -0.09, boxpush +0.23, calc +0.03. Only boxpush learned clearly in
+# every run; the bounds sit about two standard errors below what was measured, so a run
+# that learns passes and one that does not fails. The test stays under the `learning`
+# marker (deselected by default): the suite's budget leaves ~4 min for it on CI's two
+# cores, a third of what the shortest run that learns takes, and the chat graph does not
+# learn every task yet.
 CHAT_GAMES = ("gridnav", "guess", "boxpush")
 CHAT_MIN_GAIN = {"boxpush": 0.05}  # tasks the quick run learns, and by how much at least
 CHAT_MIN_MEAN_GAIN = 0.05  # over the three games (measured 0.11)

@@ -191,3 +191,68 @@ def test_shapes_from_parquet_samples(tmp_path):
     assert shapes["guess"].turns == 3 and shapes["guess"].prompt_tokens == 11
     assert shapes["guess"].response_tokens == 3 and shapes["guess"].obs_tokens == 4
     assert shapes["gridnav"].turns == 1 and shapes["gridnav"].response_tokens == 4
+
+
+# -- the paper's experiments (rollart.sim.paper) ---------------------------------------------
+def _gpus(cfg):
+    return {p.tag: (p.gpu, p.count, p.tp) for p in cfg.cluster.inference}
+
+
+def test_paper_experiments_use_the_papers_clusters():
+    from rollart.sim import paper
+
+    exps = {e.key: e for e in paper.experiments(quick=False)}
+    aff = exps["affinity_vs_h20"].configs
+    assert _gpus(aff["Qwen3-32B/hetero"]) == {"H800": ("H800", 64, 4), "H20": ("H20", 24, 4)}
+    assert _gpus(aff["Qwen3-8B/H20"]) == {"H20": ("H20", 208, 1)}
+    assert _gpus(aff["Qwen3-14B/H800"]) == {"H800": ("H800", 72, 2)}
+    routes = {t.name: t.affinity.pools for t in aff["Qwen3-8B/hetero"].graph.tasks}
+    assert routes == {"swe": ("H800",), "web": ("H800",), "reason": ("H20",),
+                      "game": ("H20",)}
+    modes = exps["async_vs_sync"].configs
+    assert {c.run_mode for c in modes.values()} == {"sync", "sync+", "async"}
+    alphas = {c.graph.algo.alpha for c in exps["alpha_gain"].configs.values()}
+    assert alphas == {1, 2, 3, 4, 5, 6}
+    pd_cfg = exps["pd_gain"].configs
+    assert _gpus(pd_cfg["1P3D/pd"]) == {"P": ("H800", 8, 1), "D": ("H800", 24, 1)}
+    assert _gpus(pd_cfg["2P2D/colo"]) == {"H800": ("H800", 32, 1)}
+    assert pd_cfg["2P2D/pd"].graph.tasks[0].affinity.prefill == "P"
+    kinds = {c.cluster.reward.kind for c in exps["serverless_util"].configs.values()}
+    assert kinds == {"dedicated", "elastic"}
+
+
+def test_scale_configuration_is_3000_gpus_at_one_to_five():
+    from rollart.sim import paper
+
+    cfg = paper.scale_config(quick=False)
+    gen = sum(p.count for p in cfg.cluster.inference)
+    assert cfg.cluster.gpus == 3000 and gen == 5 * cfg.cluster.trainer_gpus
+    assert cfg.graph.algo.alpha == 1 and cfg.cluster.env[0].slots >= 10000
+
+
+def test_mooncake_pull_from_the_stated_rates():
+    from rollart.sim import paper
+
+    pulls = paper.mooncake_pull()
+    for name, params in (("Qwen3-8B", 8.2e9), ("Qwen3-32B", 32.8e9)):
+        assert pulls[name] == pytest.approx(0.05 + params * 2 / 12.5e9 + params * 2 / 4e12)
+
+
+def test_a_tiny_experiment_runs_through_the_simulator():
+    """The figure is the ratio of the two simulated throughputs, in the table."""
+    from rollart.sim import paper, simulate
+
+    tasks = [paper._task(t, None) for t in ("game", "reason")]
+    cluster = paper._cluster({"H20": ("H20", 4)}, trainer_gpus=4, env_slots=64)
+    configs = {f"x/{m}": paper._config(cluster, paper._graph(tasks, ("H20",), groups=4),
+                                       "Qwen3-8B", steps=2, mode=m)
+               for m in ("sync", "async")}
+    exp = paper.Experiment("tiny", "tiny async vs sync", (1.0, 2.0), configs,
+                           paper._Ratio("async", "sync"))
+    out = paper.run(exp)
+    again = {k: simulate(c) for k, c in configs.items()}
+    ratio = again["x/async"].throughput["trajectories_s"] / \
+        again["x/sync"].throughput["trajectories_s"]
+    assert out["values"] == {"x": pytest.approx(ratio)}  # deterministic per seed
+    assert out["sim"] == (pytest.approx(ratio), pytest.approx(ratio))
+    assert "| tiny async vs sync |" in paper.table({"tiny": out})

@@ -166,12 +166,17 @@ def _linear_fit(xs, ys) -> tuple[float, float]:
 
 
 def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: int = 3,
-                   workdir: str | None = None) -> EngineFit:
+                   workdir: str | None = None, overlapped: bool = False) -> EngineFit:
     """The torch engine's decode step and prefill times for the built-in tiny model at
     fixed batch sizes (one thread, as ``InferenceWorker`` runs it), fitted as
-    ``GenCost`` overheads on the CPU's roofline; one trainer update (GRPO on a batch of
-    the default graph's size, KL reference included) per token count, fitted as
-    ``TrainCost``; a weight put + get through the file store."""
+    ``GenCost`` overheads on the CPU's roofline; trainer updates (GRPO on a batch of the
+    default graph's size, KL reference included, then the weight put) at two lengths,
+    fitted as ``TrainCost``; a weight put + get through the file store.
+
+    ``overlapped``: the engine is measured while a trainer update loop runs in another
+    process, and the trainer while an engine loop does — what each gets on this
+    machine when both run at once, as in an async run on 2 cores (the simulator has no
+    model of CPUs shared between pools)."""
     import torch
 
     torch.set_num_threads(1)
@@ -182,35 +187,55 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
         engine = TorchEngine(path, max_batch=max(batches), prefix_cache=0)
         spec = _tiny_spec(engine.model)
         gpu = _cpu_peaks()
-        roof = GenCost(spec, gpu, mfu=1.0, mbu=1.0)
-        vocab = engine.vocab_size
-        _gen_time(engine, 2, prompt, 4, vocab)  # warm
-        decode, prefill = {}, {}
-        for b in batches:
-            short = statistics.median(_gen_time(engine, b, prompt, 1, vocab)
-                                      for _ in range(repeats))
-            long = statistics.median(_gen_time(engine, b, prompt, new + 1, vocab)
-                                     for _ in range(repeats))
-            decode[b] = max(long - short, 1e-9) / new
-            prefill[(b, prompt)] = short
-        ctx = prompt + new / 2  # mean context per row while decoding
-        resid = {b: t - roof.decode_step_s(b, b * ctx) for b, t in decode.items()}
-        step, row = (max(0.0, v) for v in _linear_fit(list(resid), list(resid.values())))
-        base = GenCost(spec, gpu, mfu=1.0, mbu=1.0, step_overhead_s=step,
-                       row_overhead_s=row)
-        # prefill: what the decode fit leaves, per prompt token (least squares through 0)
-        left = {(r, n): t - base.prefill_s(r * n, 0, rows=r) for (r, n), t in prefill.items()}
-        per_token = max(0.0, sum(v * r * n for (r, n), v in left.items())
-                        / sum((r * n) ** 2 for r, n in left))
-        gen = replace(base, prefill_token_overhead_s=per_token)
-        train, train_points = _measure_trainer(path, spec, gpu, Path(tmp))
+        with _load("train_loop", path, overlapped):
+            decode, prefill = _engine_points(engine, batches, prompt, new, repeats)
+        gen = _fit_gen(spec, gpu, decode, prefill, prompt + new / 2)
+        with _load("engine_loop", path, overlapped):
+            train, train_points = _measure_trainer(path, spec, gpu, Path(tmp))
         weights = _measure_weights(engine, Path(tmp))
         reward_s = _measure_reward()
+    ctx = prompt + new / 2
     errors = [abs(gen.decode_step_s(b, b * ctx) - t) / t for b, t in decode.items()]
     errors += [abs(gen.prefill_s(r * n, 0, rows=r) - t) / t for (r, n), t in prefill.items()]
     errors += [abs(train.step_s(n) - t) / t for n, t in train_points.items()]
     return EngineFit(gpu, gen, train, weights, reward_s, decode, prefill, train_points,
                      max(errors))
+
+
+def _engine_points(engine, batches, prompt: int, new: int, repeats: int):
+    """Seconds per decode step by batch, and per prefill (rows, tokens): medians."""
+    vocab = engine.vocab_size
+    _gen_time(engine, 2, prompt, 4, vocab)  # warm
+    decode, prefill = {}, {}
+    for b in batches:
+        short = statistics.median(_gen_time(engine, b, prompt, 1, vocab)
+                                  for _ in range(repeats))
+        long = statistics.median(_gen_time(engine, b, prompt, new + 1, vocab)
+                                 for _ in range(repeats))
+        decode[b] = max(long - short, 1e-9) / new
+        prefill[(b, prompt)] = short
+    return decode, prefill
+
+
+def _fit_gen(spec: ModelSpec, gpu: GPUSpec, decode: dict, prefill: dict,
+             ctx: float) -> GenCost:
+    """Overheads over the roofline: per decode step and per row (least squares on what
+    the roofline leaves), then per prefill token (through 0, on what that leaves)."""
+    roof = GenCost(spec, gpu, mfu=1.0, mbu=1.0)
+    resid = {b: t - roof.decode_step_s(b, b * ctx) for b, t in decode.items()}
+    step, row = (max(0.0, v) for v in _linear_fit(list(resid), list(resid.values())))
+    base = GenCost(spec, gpu, mfu=1.0, mbu=1.0, step_overhead_s=step, row_overhead_s=row)
+    left = {(r, n): t - base.prefill_s(r * n, 0, rows=r) for (r, n), t in prefill.items()}
+    per_token = max(0.0, sum(v * r * n for (r, n), v in left.items())
+                    / sum((r * n) ** 2 for r, n in left))
+    return replace(base, prefill_token_overhead_s=per_token)
+
+
+def _load(fn: str, path: str, on: bool):
+    """A background load (``_Background``) when ``on``, else nothing."""
+    from contextlib import nullcontext
+
+    return _Background(fn, path) if on else nullcontext()
 
 
 def _build_model(tmp: Path) -> str:
@@ -331,13 +356,18 @@ def measure_shapes(run_dir) -> dict:
 
 
 # -- the simulator configured as this laptop ----------------------------------------------
-def laptop_sim_config(graph, fit: EngineFit, control: ControlPlane, shapes: dict,
+OVERLAPPING_MODES = ("async", "one-off", "areal")  # trainer steps while rollout runs
+
+
+def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
                       steps: int, mode: str, seed: int = 0):
     """``resources/laptop.py`` as a ``SimConfig``: one inference worker (the graph's
     inference tags on the CPU engine, batching ``Policy.max_batch``), one env manager
     with ``Rollout.env_concurrency`` slots, one reward slot on the rollout worker, the
-    trainer on a process of its own; costs from ``measure_engine`` and
-    ``measure_control_plane``."""
+    trainer on a process of its own; costs from ``measure_engine`` (``fits["alone"]``
+    for modes that stop rollout while training, ``fits["overlapped"]`` for those that
+    train while rolling out: two processes on 2 cores) and ``measure_control_plane``."""
+    fit = fits["overlapped" if mode in OVERLAPPING_MODES else "alone"]
     from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
     from rollart.types import CPU_ENV
 
@@ -377,37 +407,32 @@ def _real_throughput(rows: list[dict]) -> float:
     return rows[-1]["traj/trained"] / rows[-1]["time"]
 
 
-def calibration(quick: bool = True, steps: int | None = None, warmup_steps: int | None = None,
-                redundancy: float = 1.5, seed: int = 0, log=print) -> dict:
-    """Measure, probe, run for real, simulate; return the figures side by side.
-
-    On ``resources/laptop.py`` with the default multitask graph, one inference pool
-    (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
-    ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks,
-    (2) a 2-step async probe on other seeds for the tasks' shapes, (3) real ``sync`` and
-    ``async`` runs of ``steps`` steps (async with ``redundancy``× members), (4) the
-    simulator configured from (1) and (2) only. Returns ``real``, ``sim``, ``errors``
-    (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the
-    largest)."""
+def measure_real(quick: bool = True, steps: int | None = None,
+                 warmup_steps: int | None = None, redundancy: float = 1.5, seed: int = 0,
+                 log=print) -> dict:
+    """Steps (1)–(3) of ``calibration``: the micro-benchmarks, the probe and the real
+    runs. Returns ``fits`` (``alone``, ``overlapped``: ``measure_engine``), ``control``, ``shapes``, ``real`` (trained trajectories/s per
+    mode), ``graphs`` (the graph each mode ran) and ``steps``."""
     from distributed import Client
 
     import rollart
     from rollart.cli import quiet
     from rollart.env.faults import straggler_profile, with_faults
-    from rollart.sim import simulate
 
     quiet()
     steps = steps or (8 if quick else 20)
     base, _ = rollart.load_graph("multitask")
     base = replace(base, rollout=replace(base.rollout, inference_pools=("H800",)))
-    warmup_steps = base.policy.warmup_steps if warmup_steps is None else warmup_steps
+    if warmup_steps is None:  # the format warm-up; quick: a shorter one (both modes and
+        warmup_steps = 100 if quick else base.policy.warmup_steps  # the probe share it)
     tasks = tuple(with_faults(t, straggler_profile(seed=i)) for i, t in enumerate(base.tasks))
     res = rollart.load_resources("laptop")
-    t_begin = time.time()
-    fit = measure_engine()
-    log(f"engine fit: decode {fit.decode_points} prefill {fit.prefill_points} "
-        f"train {fit.train_points} fit_error={fit.fit_error:.3f}")
-    real = {}
+    fits = {"alone": measure_engine(), "overlapped": measure_engine(overlapped=True)}
+    for name, fit in fits.items():
+        log(f"engine fit ({name}): decode {_fmt(fit.decode_points)} prefill "
+            f"{_fmt(fit.prefill_points)} train {_fmt(fit.train_points)} "
+            f"fit_error={fit.fit_error:.3f}")
+    real, graphs = {}, {}
     with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
             Client(cluster) as client:
         control = measure_control_plane(client)
@@ -421,22 +446,119 @@ def calibration(quick: bool = True, steps: int | None = None, warmup_steps: int 
         shapes = measure_shapes(Path(tmp) / "probe")
         log("shapes: " + ", ".join(f"{k}={v}" for k, v in shapes.items()))
         for mode in ("sync", "async"):
-            graph = _graph(base, tasks, model, mode, steps, redundancy, seed)
-            result = rollart.train(graph, client=client, run_dir=Path(tmp) / mode,
+            graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, seed)
+            result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
                                    progress=False, eval_seeds=0)
             real[mode] = _real_throughput(result.metrics)
-            log(f"real {mode}: {real[mode]:.2f} traj/s over {result.metrics[-1]['time']:.1f}s")
+            log(f"real {mode}: {real[mode]:.2f} traj/s over "
+                f"{result.metrics[-1]['time']:.1f}s")
+    return {"fits": fits, "control": control, "shapes": shapes, "real": real,
+            "graphs": graphs, "steps": steps, "seed": seed}
+
+
+def _fmt(points: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v * 1e3:.1f}ms" for k, v in points.items()) + "}"
+
+
+def predict(measured: dict, log=print) -> dict:
+    """Step (4): the simulator configured from ``measured`` (``measure_real``'s
+    micro-benchmarks and shapes, not its real figures) per mode; trajectories/s."""
+    from rollart.sim import simulate
+
     sim, results = {}, {}
-    for mode in ("sync", "async"):
-        graph = _graph(base, tasks, model, mode, steps, redundancy, seed)
-        results[mode] = simulate(laptop_sim_config(graph, fit, control, shapes, steps, mode,
-                                                   seed))
+    for mode, graph in measured["graphs"].items():
+        cfg = laptop_sim_config(graph, measured["fits"], measured["control"],
+                                measured["shapes"], measured["steps"], mode,
+                                measured["seed"])
+        results[mode] = simulate(cfg)
         sim[mode] = results[mode].throughput["trajectories_s"]
         log(f"sim {mode}: {sim[mode]:.2f} traj/s ({results[mode].summary()})")
+    return {"sim": sim, "results": results}
+
+
+def calibration(quick: bool = True, log=print, **options) -> dict:
+    """Measure, probe, run for real, simulate; return the figures side by side.
+
+    On ``resources/laptop.py`` with the default multitask graph, one inference pool
+    (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
+    ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks,
+    (2) a 2-step async probe on other seeds for the tasks' shapes, (3) real ``sync`` and
+    ``async`` runs (async with 1.5× members), (4) the simulator configured from (1) and
+    (2) only. ``options`` go to ``measure_real``. Returns ``real``, ``sim``, ``errors``
+    (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the
+    largest)."""
+    t0 = time.time()
+    measured = measure_real(quick, log=log, **options)
+    predicted = predict(measured, log=log)
+    real, sim = dict(measured["real"]), dict(predicted["sim"])
     real["async_vs_sync"] = real["async"] / real["sync"]
     sim["async_vs_sync"] = sim["async"] / sim["sync"]
     errors = {k: abs(sim[k] - real[k]) / real[k] for k in real}
     return {"real": real, "sim": sim, "errors": errors,
-            "calibration_error": max(errors.values()), "engine_fit_error": fit.fit_error,
-            "control": control, "shapes": shapes, "steps": steps,
-            "wall_s": time.time() - t_begin}
+            "calibration_error": max(errors.values()),
+            "engine_fit_error": max(f.fit_error for f in measured["fits"].values()),
+            "control": measured["control"],
+            "shapes": measured["shapes"], "steps": measured["steps"],
+            "results": predicted["results"], "wall_s": time.time() - t0}
+
+
+# -- contention: the trainer's process and the rollout's process at once --------------------
+def train_loop(path: str, seconds: float) -> None:
+    """Trainer updates on the default graph's batch for ``seconds`` (the load an async
+    run's trainer process puts on this machine while rollout goes on)."""
+    import rollart
+    from rollart.trainer import Trainer
+
+    graph, _ = rollart.load_graph("multitask")
+    algo = graph.algo
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(path, str(Path(tmp) / "w"), algo, seed=0, threads=1)
+        trainer.ref_model = trainer._frozen_copy().eval()
+        batch = _batch(algo.batch_size, 20, 44, algo.group_size,
+                       trainer.model.config.vocab_size)
+        trainer._update(batch)
+        print("ready", flush=True)
+        end = time.time() + seconds
+        while time.time() < end:
+            trainer._update(batch)
+            trainer._put_weights()
+
+
+def engine_loop(path: str, seconds: float) -> None:
+    """The engine generating continuously at batch 16 for ``seconds``."""
+    import torch
+
+    from rollart.rollout.engine import TorchEngine
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(path, max_batch=64, prefix_cache=0)
+    _gen_time(engine, 16, 48, 8, engine.vocab_size)
+    print("ready", flush=True)
+    end = time.time() + seconds
+    while time.time() < end:
+        _gen_time(engine, 16, 48, 8, engine.vocab_size)
+
+
+class _Background:
+    """``fn(path, seconds)`` of this module in a separate Python process."""
+
+    def __init__(self, fn: str, path: str, seconds: float = 600.0):
+        import subprocess
+        import sys
+
+        code = (f"import torch; torch.set_num_threads(1)\n"
+                f"from rollart.sim.calibrate import {fn}\n{fn}({path!r}, {seconds})")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        if self.proc.stdout.readline().strip() != "ready":  # set up, now loading the CPU
+            self.proc.kill()
+            raise RuntimeError(f"the background {fn} did not start (exit code "
+                               f"{self.proc.wait()})")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()

@@ -20,7 +20,11 @@ PD splits, the figures); what it does not state is assumed here and said so in e
   ``swe``/``web`` are prefill-heavy (long contexts re-read each turn), ``reason``/``game``
   decode-heavy; with hardware affinity the first go to H800, the others to H20.
 * **Parallelism**: TP 1 / 2 / 4 for Qwen3-8B / 14B / 32B on every GPU type.
-* **Batch**: GRPO groups of 8, 32 groups per step, α = 1 unless the experiment varies it.
+* **Batch**: GRPO groups of 8, 256 groups per step (2,048 trajectories: async keeps
+  ``max(α, 1)`` steps' worth of groups in flight, ~23 per inference worker for 8B on
+  88 GPUs), α = 1 unless the experiment varies it.
+* **Reward**: rule-based (lognormal, median 50 ms) on 16 dedicated CPU workers, except
+  in the serverless experiment (an LLM judge).
 * **Trainer**: 32 H800 (the paper's 96 H800 + 32 H20 cluster minus the 64 H800 + 24
   H20 rollout pools, 8 H20 left out), MFU 0.4.
 
@@ -83,7 +87,7 @@ def _task(name: str, affinity: Affinity | None):
     return replace(get_task("gridnav"), name=name, affinity=affinity)
 
 
-def _graph(tasks, pools, *, groups: int = 32, group_size: int = 8, alpha: int = 1,
+def _graph(tasks, pools, *, groups: int = 256, group_size: int = 8, alpha: int = 1,
            redundancy: float = 1.0, env_slots: int = 4096, name: str = "paper"):
     from rollart import GRPO, Graph
     from rollart.graph import Rollout
@@ -95,8 +99,11 @@ def _graph(tasks, pools, *, groups: int = 32, group_size: int = 8, alpha: int = 
                  mode="async")
 
 
+RULE_REWARD = RewardCost(call=Latency("lognormal", seconds=0.05, sigma=0.5), workers=16)
+
+
 def _costs(model: str, **changes) -> Costs:
-    return Costs(model=MODELS[model], **changes)
+    return Costs(model=MODELS[model], **{"reward": RULE_REWARD, **changes})
 
 
 def _cluster(pools: dict, *, trainer_gpus: int = 32, env_slots: int = 4096,
@@ -104,7 +111,8 @@ def _cluster(pools: dict, *, trainer_gpus: int = 32, env_slots: int = 4096,
     """``pools``: ``{tag: (gpu type, count)}``, TP by the model."""
     tp = MODEL_TP[model]
     inf = tuple(GPUPool(tag, gpu, count, tp=tp) for tag, (gpu, count) in pools.items())
-    return ClusterSpec(inf, (EnvPool("CPU_ENV", env_slots),), reward or RewardPool(),
+    return ClusterSpec(inf, (EnvPool("CPU_ENV", env_slots),),
+                       reward or RewardPool("dedicated", workers=16),
                        trainer_gpus=trainer_gpus, trainer_gpu="H800")
 
 
@@ -132,6 +140,11 @@ class _Ratio:
         return out
 
 
+def _groups(quick: bool) -> int:
+    """Groups per step: 256 (2,048 trajectories), 64 in quick runs (2 cores, minutes)."""
+    return 64 if quick else 256
+
+
 def _models(quick: bool) -> tuple[str, ...]:
     return ("Qwen3-8B", "Qwen3-32B") if quick else tuple(MODEL_TP)
 
@@ -141,17 +154,17 @@ def affinity(quick: bool = True, steps: int = 2) -> list[Experiment]:
     """Hardware affinity: 64 H800 + 24 H20 (prefill-heavy tasks on H800, decode-heavy on
     H20) vs 208 H20 and vs 72 H800 running everything (paper: 1.30–1.68× and
     1.12–1.37×)."""
-    configs = {}
+    configs, g = {}, _groups(quick)
     for m in _models(quick):
         routed = [_task(t, Affinity(pools=("H800",))) for t in PREFILL_HEAVY] + \
                  [_task(t, Affinity(pools=("H20",))) for t in DECODE_HEAVY]
         hetero = _cluster({"H800": ("H800", 64), "H20": ("H20", 24)}, model=m)
-        configs[f"{m}/hetero"] = _config(hetero, _graph(routed, ("H800", "H20")), m,
+        configs[f"{m}/hetero"] = _config(hetero, _graph(routed, ("H800", "H20"), groups=g), m,
                                          steps=steps)
         for gpu, n in (("H20", 208), ("H800", 72)):
             plain = [_task(t, None) for t in TASKS]
             configs[f"{m}/{gpu}"] = _config(_cluster({gpu: (gpu, n)}, model=m),
-                                            _graph(plain, (gpu,)), m, steps=steps)
+                                            _graph(plain, (gpu,), groups=g), m, steps=steps)
     note = ("cost-equal clusters as the paper pairs them; tasks routed by their measured "
             "shape (prefill-heavy → H800); async, α = 1")
     return [Experiment("affinity_vs_h20", "affinity: 64 H800 + 24 H20 vs 208 H20",
@@ -163,13 +176,13 @@ def affinity(quick: bool = True, steps: int = 2) -> list[Experiment]:
 def modes(quick: bool = True, steps: int = 3) -> list[Experiment]:
     """rollart's async vs Sync (2.65–4.58×) and Sync+ vs Sync (1.40–2.40×) on the
     paper's 96 H800 + 32 H20 cluster (64 H800 + 24 H20 rollout, 32 H800 trainer)."""
-    configs = {}
+    configs, g = {}, _groups(quick)
     for m in _models(quick):
         routed = [_task(t, Affinity(pools=("H800",))) for t in PREFILL_HEAVY] + \
                  [_task(t, Affinity(pools=("H20",))) for t in DECODE_HEAVY]
         cluster = _cluster({"H800": ("H800", 64), "H20": ("H20", 24)}, model=m)
         for mode in ("sync", "sync+", "async"):
-            configs[f"{m}/{mode}"] = _config(cluster, _graph(routed, ("H800", "H20")), m,
+            configs[f"{m}/{mode}"] = _config(cluster, _graph(routed, ("H800", "H20"), groups=g), m,
                                              steps=steps, mode=mode)
     note = ("Sync: a barrier at every turn and training after rollout; Sync+: "
             "trajectory-level env interaction, rollout paused while training and "
@@ -187,7 +200,7 @@ def env_interaction(quick: bool = True, steps: int = 2) -> list[Experiment]:
     median 1 / 4 / 16 s (σ = 1) injected into the ``game`` task mix."""
     from rollart.sim.costs import EnvCost
 
-    configs = {}
+    configs, g = {}, _groups(quick)
     medians = (1.0, 4.0) if quick else (1.0, 4.0, 16.0)
     shapes = {t: replace(SHAPES[t], env="injected") for t in TASKS}
     for med in medians:
@@ -197,7 +210,7 @@ def env_interaction(quick: bool = True, steps: int = 2) -> list[Experiment]:
         for mode in ("sync", "sync+"):
             tasks = [_task(t, None) for t in TASKS]
             configs[f"{med:g}s/{mode}"] = _config(
-                _cluster({"H20": ("H20", 64)}), _graph(tasks, ("H20",)), "Qwen3-8B",
+                _cluster({"H20": ("H20", 64)}), _graph(tasks, ("H20",), groups=g), "Qwen3-8B",
                 steps=steps, mode=mode, shapes=shapes, env={"*": env, "injected": env})
     return [Experiment("traj_vs_batched", "trajectory-level vs batched env interaction",
                        (1.23, 2.27), configs, _Ratio("sync+", "sync"),
@@ -208,12 +221,12 @@ def env_interaction(quick: bool = True, steps: int = 2) -> list[Experiment]:
 def redundancy(quick: bool = True, steps: int = 3) -> list[Experiment]:
     """Redundant environments (paper: up to 1.62×): async with 1.25× / 1.5× / 2× members
     per group (the fastest ``group_size`` kept) vs none, on the sandbox-heavy mix."""
-    configs = {}
+    configs, g = {}, _groups(quick)
     factors = (1.0, 1.5) if quick else (1.0, 1.25, 1.5, 2.0)
     tasks = [_task(t, None) for t in TASKS]
     for f in factors:
         configs[f"x/r{f:g}"] = _config(_cluster({"H20": ("H20", 64)}),
-                                       _graph(tasks, ("H20",), redundancy=f), "Qwen3-8B",
+                                       _graph(tasks, ("H20",), redundancy=f, groups=g), "Qwen3-8B",
                                        steps=steps)
     figure = _Best([f"r{f:g}" for f in factors[1:]], "r1")
     return [Experiment("redundancy_gain", "redundant envs vs none", (1.0, 1.62), configs,
@@ -238,13 +251,13 @@ class _Best:
 def alpha(quick: bool = True, steps: int = 4) -> list[Experiment]:
     """The staleness bound α from 1 to 6 (paper: up to 1.22×): async throughput at each
     α over α = 1."""
-    configs = {}
+    configs, g = {}, _groups(quick)
     alphas = (1, 2, 6) if quick else (1, 2, 3, 4, 5, 6)
     routed = [_task(t, Affinity(pools=("H800",))) for t in PREFILL_HEAVY] + \
              [_task(t, Affinity(pools=("H20",))) for t in DECODE_HEAVY]
     for a in alphas:
         configs[f"x/a{a}"] = _config(_cluster({"H800": ("H800", 64), "H20": ("H20", 24)}),
-                                     _graph(routed, ("H800", "H20"), alpha=a), "Qwen3-8B",
+                                     _graph(routed, ("H800", "H20"), alpha=a, groups=g), "Qwen3-8B",
                                      steps=steps)
     return [Experiment("alpha_gain", "α = 6 vs α = 1", (1.0, 1.22), configs,
                        _Best([f"a{a}" for a in alphas[1:]], "a1"),
@@ -255,18 +268,18 @@ def pd(quick: bool = True, steps: int = 2) -> list[Experiment]:
     """Prefill-decode disaggregation in units of 4 H800 (paper: 1.03–1.21×): 1P3D and
     2P2D (prefill on P, decode on D, KV moved) vs the same GPUs serving whole requests,
     on the prefill-heavy tasks (long multi-turn contexts)."""
-    configs = {}
+    configs, g = {}, _groups(quick)
     units = 8  # 32 H800
     tasks = PREFILL_HEAVY + ("game",)
     shapes = {t: SHAPES[t] for t in tasks}
     for p, d in ((1, 3), (2, 2)):
         pd_tasks = [_task(t, Affinity(prefill="P", decode="D")) for t in tasks]
         cluster = _cluster({"P": ("H800", p * units), "D": ("H800", d * units)})
-        configs[f"{p}P{d}D/pd"] = _config(cluster, _graph(pd_tasks, ("P", "D")),
+        configs[f"{p}P{d}D/pd"] = _config(cluster, _graph(pd_tasks, ("P", "D"), groups=g),
                                           "Qwen3-8B", steps=steps, shapes=shapes)
         plain = [_task(t, None) for t in tasks]
         configs[f"{p}P{d}D/colo"] = _config(
-            _cluster({"H800": ("H800", (p + d) * units)}), _graph(plain, ("H800",)),
+            _cluster({"H800": ("H800", (p + d) * units)}), _graph(plain, ("H800",), groups=g),
             "Qwen3-8B", steps=steps, shapes=shapes)
     return [Experiment("pd_gain", "PD 1P3D / 2P2D vs colocated", (1.03, 1.21), configs,
                        _Ratio("pd", "colo"), "32 H800, Qwen3-8B, swe + web + game")]
@@ -276,14 +289,14 @@ def serverless(quick: bool = True, steps: int = 3) -> list[Experiment]:
     """Reward utilisation (paper: 6% on dedicated reward GPUs → 88% serverless): an LLM
     judge reward (lognormal, median 2 s per call) on 8 dedicated workers vs the elastic
     pool (cold start 5 s, scale to zero)."""
-    configs = {}
+    configs, g = {}, _groups(quick)
     tasks = [_task(t, None) for t in TASKS]
     judge = Latency("lognormal", seconds=2.0, sigma=0.5)
     for kind in ("dedicated", "elastic"):
         reward = RewardPool(kind, workers=8, max_workers=64, idle_timeout=10.0)
         cost = RewardCost(call=judge, elastic=kind == "elastic", workers=8)
         configs[f"x/{kind}"] = _config(
-            _cluster({"H20": ("H20", 64)}, reward=reward), _graph(tasks, ("H20",)),
+            _cluster({"H20": ("H20", 64)}, reward=reward), _graph(tasks, ("H20",), groups=g),
             "Qwen3-8B", steps=steps, reward=cost)
     return [Experiment("serverless_util", "reward pool utilisation: dedicated → elastic",
                        (0.06, 0.88), configs, _reward_util,

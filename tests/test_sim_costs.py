@@ -256,3 +256,21 @@ def test_a_tiny_experiment_runs_through_the_simulator():
     assert out["values"] == {"x": pytest.approx(ratio)}  # deterministic per seed
     assert out["sim"] == (pytest.approx(ratio), pytest.approx(ratio))
     assert "| tiny async vs sync |" in paper.table({"tiny": out})
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_engine_and_trainer_measured_into_laptop_costs(overlapped):
+    """The micro-benchmark's fit: positive finite rates, the bundle the laptop's
+    simulated pools read (every inference tag on the CPU), with and without a
+    background trainer/engine process loading the machine."""
+    from rollart.sim.calibrate import measure_engine
+
+    fit = measure_engine(batches=(1, 8), new=4, repeats=1, overlapped=overlapped)
+    assert set(fit.decode_points) == {1, 8} and all(t > 0 for t in fit.decode_points.values())
+    costs = fit.costs()
+    gen = costs.gen_for("cpu", 1, tag="H800")
+    assert gen is fit.gen and gen.model.name == "tiny"
+    for v in (gen.decode_step_s(8, 8 * 50), gen.prefill_s(96, rows=2),
+              costs.train_for("cpu", 1).step_s(5000), fit.weights.pull_s(gen.model)):
+        assert math.isfinite(v) and v > 0
+    assert costs.env_for(None).name == "laptop" and fit.reward_s > 0

@@ -355,6 +355,22 @@ def measure_shapes(run_dir) -> dict:
     return shapes
 
 
+def in_situ_trainer(fit: EngineFit, rows: list[dict], shapes: dict,
+                    batch_size: int) -> EngineFit:
+    """``fit`` with the trainer's per-step overhead taken from a probe run's metrics:
+    the median of ``trainer/step_s - trainer/wait_s`` (update, weight put, confirm,
+    store gc, as the trainer actor runs them beside rollout), first step left out,
+    minus the fitted FLOP part for the shapes' tokens."""
+    later = rows[1:] or rows
+    step = statistics.median(r["trainer/step_s"] - r["trainer/wait_s"] for r in later)
+    tokens = batch_size * statistics.fmean(
+        s.prompt_tokens + s.turns * s.response_tokens + (s.turns - 1) * s.obs_tokens
+        for s in shapes.values())
+    flops_part = fit.train.step_s(int(tokens)) - fit.train.overhead_s
+    train = replace(fit.train, overhead_s=max(0.0, step - flops_part))
+    return replace(fit, train=train)
+
+
 # -- the simulator configured as this laptop ----------------------------------------------
 OVERLAPPING_MODES = ("async", "one-off", "areal")  # trainer steps while rollout runs
 
@@ -440,11 +456,14 @@ def measure_real(quick: bool = True, steps: int | None = None,
             f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
             "tasks/s")
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
-        probe = _graph(base, tasks, model, "async", 2, redundancy, seed + 1000)
-        rollart.train(probe, client=client, run_dir=Path(tmp) / "probe", progress=False,
-                      eval_seeds=0)
+        probe = _graph(base, tasks, model, "async", 3, redundancy, seed + 1000)
+        rows = rollart.train(probe, client=client, run_dir=Path(tmp) / "probe",
+                             progress=False, eval_seeds=0).metrics
         shapes = measure_shapes(Path(tmp) / "probe")
-        log("shapes: " + ", ".join(f"{k}={v}" for k, v in shapes.items()))
+        fits["overlapped"] = in_situ_trainer(fits["overlapped"], rows, shapes,
+                                             base.algo.batch_size)
+        log("shapes: " + ", ".join(f"{k}={v}" for k, v in shapes.items()) + "; trainer "
+            f"in situ: {fits['overlapped'].train.overhead_s:.3f}s overhead a step")
         for mode in ("sync", "async"):
             graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, seed)
             result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
@@ -482,7 +501,8 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     On ``resources/laptop.py`` with the default multitask graph, one inference pool
     (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
     ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks,
-    (2) a 2-step async probe on other seeds for the tasks' shapes, (3) real ``sync`` and
+    (2) a 3-step async probe on other seeds for the tasks' shapes and the trainer's step
+    beside rollout (``in_situ_trainer``), (3) real ``sync`` and
     ``async`` runs (async with 1.5× members), (4) the simulator configured from (1) and
     (2) only. ``options`` go to ``measure_real``. Returns ``real``, ``sim``, ``errors``
     (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the

@@ -274,3 +274,26 @@ def test_engine_and_trainer_measured_into_laptop_costs(overlapped):
               costs.train_for("cpu", 1).step_s(5000), fit.weights.pull_s(gen.model)):
         assert math.isfinite(v) and v > 0
     assert costs.env_for(None).name == "laptop" and fit.reward_s > 0
+
+
+def test_in_situ_trainer_overhead_from_probe_metrics():
+    """The probe's trainer step beside rollout (first step left out) less the FLOP part
+    of the fitted rate at the shapes' tokens becomes the per-step overhead."""
+    from rollart.sim.calibrate import EngineFit, in_situ_trainer
+    from rollart.sim.config import TaskShape
+
+    cpu = GPUSpec("cpu", 1e10, 1e10, 1e9)
+    train = TrainCost(MODELS["tiny"], cpu, gpus=1, mfu=1.0, overhead_s=0.05)
+    fit = EngineFit(cpu, GenCost(MODELS["tiny"], cpu), train, WeightSync("tcp"), 1e-6,
+                    {}, {}, {}, 0.0)
+    rows = [{"trainer/step_s": 9.0, "trainer/wait_s": 0.0},  # start-up: left out
+            {"trainer/step_s": 2.5, "trainer/wait_s": 0.5},
+            {"trainer/step_s": 3.0, "trainer/wait_s": 0.2},
+            {"trainer/step_s": 2.4, "trainer/wait_s": 0.1}]
+    shapes = {"a": TaskShape(turns=3, prompt_tokens=20, obs_tokens=10, response_tokens=2),
+              "b": TaskShape(turns=1, prompt_tokens=30, obs_tokens=0, response_tokens=4)}
+    tokens = 96 * ((20 + 6 + 20) + 34) / 2
+    flops_part = 6 * MODELS["tiny"].params * int(tokens) / 1e10
+    out = in_situ_trainer(fit, rows, shapes, batch_size=96)
+    assert out.train.overhead_s == pytest.approx(2.3 - flops_part)  # median of 2.0 2.8 2.3
+    assert out.gen is fit.gen and fit.train.overhead_s == 0.05  # a copy

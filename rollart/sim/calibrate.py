@@ -6,11 +6,13 @@ produces cost objects of ``rollart.sim.costs`` (``ControlPlane``, the ``cpu``
 calibration table. Called by ``benchmarks/cluster_sim.py`` and tests.
 
 The order keeps prediction honest: ``measure_control_plane`` and ``measure_engine``
-are micro-benchmarks (an actor ping, a task, the engine at fixed batch sizes, one
-trainer update); a short probe run on other seeds gives the workload's shape (turns and
-tokens per turn per task, which the env and policy decide); only then are the real
-``sync`` and ``async`` runs made, and the simulator, configured as this laptop from the
-measurements alone, predicts them. Nothing is fitted to the runs being predicted.
+are micro-benchmarks (an actor ping, a task, the engine at fixed batch sizes, trainer
+updates; alone and with the other process loading the CPU, as in an async run on 2
+cores); a short probe run on other seeds gives the workload's shape (turns and tokens
+per turn per task, which the env and policy decide) and the trainer's step beside
+rollout; only then are the real ``sync`` and ``async`` runs made, and the simulator,
+configured as this laptop from the measurements alone, predicts them. Nothing is
+fitted to the runs being predicted.
 """
 
 from __future__ import annotations

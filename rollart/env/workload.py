@@ -51,7 +51,9 @@ from rollart.env.faults import Latency
 from rollart.env.tasks import Task, get_task
 
 BLOCK = bytes(64 * 1024)  # one unit of CPU work: SHA-256 of 64 KiB
-BLOCKS_PER_SECOND = 20_000  # ~this machine's idle-core rate (1.3 GB/s), fixed, not measured at run time
+# blocks one idle core of the 2-core reference machine hashes per second (~1.3 GB/s):
+# a constant, so a step is a fixed amount of work (it takes longer on a busy machine)
+BLOCKS_PER_SECOND = 20_000
 _HANDLES = itertools.count(1)
 _LOCK = threading.Lock()
 _POOLS: dict = {}  # (env factory, Workload) -> list of idle warm sandboxes

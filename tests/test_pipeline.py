@@ -4,6 +4,7 @@ never reach the trainer; ``sync+`` has no turn barrier and stops rollout while t
 trainer steps; ``areal`` never aborts and starts no group beyond its bound."""
 
 import threading
+import time
 from dataclasses import replace
 
 import pyarrow.compute as pc
@@ -310,6 +311,35 @@ def _launch_order(run_dir) -> list[tuple[int, int]]:
     return out
 
 
+def test_async_groups_start_on_the_version_the_trainer_published(local_cluster, tmp_path,
+                                                                  monkeypatch):
+    """A group taken up when a step's take frees its slot starts on the version that step
+    published, not on the one a worker still held while loading it (its first turns
+    would be a version older, and with alpha 1 the group dropped a step later). Workers
+    here read weights as slowly as worker processes on a busy laptop do."""
+    from rollart.rollout.worker import InferenceWorker
+
+    real = InferenceWorker._fetch
+
+    def slow_fetch(self, target):
+        time.sleep(0.3)  # in the worker's prefetch thread, as a slow store read
+        return real(self, target)
+
+    monkeypatch.setattr(InferenceWorker, "_fetch", slow_fetch)  # in-process workers
+    result = train(_quick("async"), client=local_cluster, run_dir=tmp_path / "async",
+                   progress=False, eval_seeds=0)
+    _adds_up(result.metrics)
+    samples = read_samples(result.run_dir)
+    oldest: dict[str, int] = {}
+    for gid, v in zip(samples["group_id"].to_pylist(), samples["version"].to_pylist()):
+        if v >= 0:
+            oldest[gid] = min(v, oldest.get(gid, v))
+    launches = [(f"g{i:06d}", n) for i, n in _launch_order(result.run_dir)]
+    late = [(g, n, oldest[g]) for g, n in launches if g in oldest and oldest[g] < n]
+    assert not late, late  # (group, updates published before it started, its oldest)
+    assert all(r["traj/dropped"] == 0 for r in result.metrics)
+
+
 def test_areal_never_aborts_and_starts_no_group_beyond_its_bound(local_cluster, tmp_path):
     graph = _quick("areal", redundancy=1.5)
     result = train(graph, client=local_cluster, run_dir=tmp_path / "areal", progress=False,
@@ -329,40 +359,32 @@ def test_areal_never_aborts_and_starts_no_group_beyond_its_bound(local_cluster, 
     assert all("trainer/staleness_max" in r for r in rows)  # reported, may exceed alpha
 
 
-@pytest.mark.parametrize("mode", ["sync+", "areal"])
-def test_new_modes_survive_losing_env_inference_and_trainer_workers(tmp_path, mode):
-    """tests/test_recovery.py's run (an env, an inference and the trainer's worker die)
-    in the new modes: the run completes, the ledger adds up with nothing left in
-    flight, no trajectory is trained twice."""
-    from distributed import Client
+def _nice_of_threads() -> set:
+    import os
 
-    from rollart.types import CPU_ENV, H20, TRAIN
-    from test_recovery import _killer, chaos_resources
+    return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}
 
-    faults = Faults(step=0.002, fail_prob=0.05, seed=1)
-    graph = Graph(name=f"t-recovery-{mode}", tasks=(with_faults("gridnav", faults),),
-                  steps=7, mode=mode, checkpoint_every=2, policy=Policy(warmup_steps=0),
-                  algo=GRPO(group_size=2, groups_per_step=3),
-                  rollout=Rollout(env_step_timeout=2.0, redundancy=1.5))
-    killed: list = []
-    with chaos_resources().make_cluster() as cluster, Client(cluster) as client:
-        plan = [(1, CPU_ENV), (3, H20), (5, TRAIN)]
-        t = threading.Thread(target=_killer, args=(cluster, client, tmp_path / "run",
-                                                   plan, killed), daemon=True)
-        t.start()
-        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
-                       eval_seeds=0)
-        t.join(5)
-    assert [tag for tag, _ in killed] == [CPU_ENV, H20, TRAIN]
-    rows = result.metrics
-    assert [r["step"] for r in rows] == list(range(1, 8))
-    for r in rows:
-        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
-    assert {e["role"] for e in result.recovery} == {"env", "inference", "trainer"}
-    final = result.final_counts
-    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
-    samples = read_samples(result.run_dir)
-    trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
-    assert len(trained) == len(set(trained))
-    if mode == "areal":
-        assert all(r["traj/aborted"] == 0 for r in rows)
+
+def test_rollout_processes_on_the_trainers_host_yield_the_cpu_to_it():
+    """``rollart.pipeline.priority``: on a process cluster every worker but the trainer's
+    gets nice 10 on all its threads; the driver and the trainer keep theirs."""
+    from distributed import Client, LocalCluster
+
+    from rollart.pipeline.priority import ROLLOUT_NICE, yield_to_trainer
+
+    before = _nice_of_threads()
+    with LocalCluster(n_workers=3, threads_per_worker=2, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        trainer, *rollout = sorted(client.scheduler_info()["workers"])
+        assert sorted(yield_to_trainer(client, trainer)) == rollout
+        nice = client.run(_nice_of_threads)
+    assert nice[trainer] == before and _nice_of_threads() == before
+    assert all(nice[a] == {ROLLOUT_NICE} for a in rollout)
+
+
+def test_an_in_process_cluster_is_left_alone(local_cluster):
+    from rollart.pipeline.priority import yield_to_trainer
+
+    before = _nice_of_threads()
+    trainer = sorted(local_cluster.scheduler_info()["workers"])[0]
+    assert yield_to_trainer(local_cluster, trainer) == [] and _nice_of_threads() == before

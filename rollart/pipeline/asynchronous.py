@@ -12,9 +12,14 @@ Built by ``rollart.pipeline.make_pipeline``.
 
 from __future__ import annotations
 
+import logging
+import time
+
 from rollart.buffer.slots import Capacity, Slots, StartBound
 from rollart.pipeline.base import Pipeline
 from rollart.staleness import StalenessBound
+
+logger = logging.getLogger(__name__)
 
 
 def slot_capacity(algo) -> int:
@@ -40,12 +45,26 @@ class AsyncPipeline(Pipeline):
         self.takers: dict[int, tuple] = {}  # id(manager) -> (manager, holder, future)
         self._slotted = None  # the buffer handle that has this run's slots
         self._holders = 0
+        self.yielded: list[str] = []  # workers that yield the CPU to the trainer
 
     def state(self) -> dict:
         """The buffer draws the groups: its sequence (ours until slots are opened)."""
         if self._slotted is not None:
             return self.ask_buffer("slot_state") or self.sequence.state()
         return self.sequence.state()
+
+    def trainer_first(self) -> None:
+        """Rollout processes on the trainer's host yield the CPU to it
+        (``rollart.pipeline.priority``); best effort: a failure is logged."""
+        from distributed import default_client
+
+        from rollart.pipeline.priority import yield_to_trainer
+
+        try:
+            self.yielded = yield_to_trainer(default_client(),
+                                            self.actors.placement["trainer"][0])
+        except Exception as e:  # noqa: BLE001 - a speed-up, never a reason to stop
+            logger.warning("could not give the trainer's host to the trainer first: %r", e)
 
     def admission(self):
         """The buffer's admission policy: ``slot_capacity`` groups at once."""
@@ -56,6 +75,8 @@ class AsyncPipeline(Pipeline):
         re-created one gets them again), every live env manager takes work, and an env
         manager that was lost has its groups handed back. Local checks only: no call
         unless something changed."""
+        if self._slotted is None:  # once: the trainer first on a shared host
+            self.trainer_first()
         if self._slotted is not self.actors.buffer:
             admission = self.admission()
             slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
@@ -98,9 +119,19 @@ class AsyncPipeline(Pipeline):
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.keep_taking)
-        min_version = StalenessBound(self.graph.algo.alpha).min_version(metrics["version"])
+        version = metrics["version"]
+        asked = self.ask_versions(version)
+        min_version = StalenessBound(self.graph.algo.alpha).min_version(version)
         metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
                                                                 min_version))
+        # the next step's take frees the slots its batch held, and the groups that start
+        # then must start on ``version``: on a worker still loading it their first turns
+        # would be a version older, and the step after next would drop the whole group
+        # as too stale (alpha 1) while the trainer waits for a replacement. Rollout in
+        # flight goes on meanwhile; only the take waits.
+        t0 = time.monotonic()
+        self.wait_workers(version, asked)
+        metrics["rollout/version_wait_s"] = time.monotonic() - t0
         return metrics
 
 

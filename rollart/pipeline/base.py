@@ -278,19 +278,27 @@ class Pipeline(abc.ABC):
                        "%s", step, out)
         return out
 
-    def wait_workers(self, version: int) -> None:
+    def ask_versions(self, version: int) -> list:
+        """Ask every live inference worker for ``version`` now (``wait_version`` makes
+        it look in the weight store at once instead of at its next poll); returns
+        ``[(worker, future), ...]`` for ``wait_workers``."""
+        out = []
+        for w, _, _ in list(self.actors.workers):
+            try:
+                out.append((w, w.wait_version(version)))
+            except Exception as e:  # noqa: BLE001 - its actor is gone?
+                if not self.lost(e, w):
+                    raise
+        return out
+
+    def wait_workers(self, version: int, asked: list | None = None) -> None:
         """Until every live inference worker holds ``version`` (they find it in the
-        weight store themselves). A worker lost meanwhile is skipped (its replacement
+        weight store themselves; all are asked at once: ``ask_versions``, or ``asked``
+        from an earlier call). A worker lost meanwhile is skipped (its replacement
         loads the newest version); one that fails to load it is asked again while the
         stall check (``check_versions``) bounds the wait."""
-        for w, _, _ in list(self.actors.workers):
+        for w, fut in (self.ask_versions(version) if asked is None else asked):
             while True:
-                try:
-                    fut = w.wait_version(version)
-                except Exception as e:  # noqa: BLE001 - its actor is gone?
-                    if self.lost(e, w):
-                        break
-                    raise
                 self.until_done(fut)  # heals; a stall raises here
                 try:
                     fut.result()
@@ -301,6 +309,12 @@ class Pipeline(abc.ABC):
                     logger.warning("inference worker %s: %s; waiting on", w._address, e)
                     time.sleep(0.25)
                     self.heal()
+                try:
+                    fut = w.wait_version(version)
+                except Exception as e:  # noqa: BLE001 - its actor is gone?
+                    if self.lost(e, w):
+                        break
+                    raise
 
     def call_managers(self, method: str, *args) -> list:
         """``method(*args)`` on every live env manager; lost ones are skipped."""

@@ -1,0 +1,54 @@
+"""The new modes recover as the others do (tests/test_recovery.py's run: an env, an
+inference and the trainer's worker die mid-run) in ``sync+`` and ``areal``. A module of
+its own: its in-process cluster must not run while another module's client is open (a
+second in-process cluster's actor calls hung then, as in tests/test_durability.py)."""
+
+import threading
+
+import pyarrow.compute as pc
+import pytest
+
+from rollart import GRPO, Graph, Policy, Rollout, train
+from rollart.buffer import read_samples
+from rollart.buffer.ledger import STATES
+from rollart.env.faults import Faults, with_faults
+
+
+@pytest.mark.parametrize("mode", ["sync+", "areal"])
+def test_new_modes_survive_losing_env_inference_and_trainer_workers(tmp_path, mode):
+    """tests/test_recovery.py's run (an env, an inference and the trainer's worker die)
+    in the new modes: the run completes, the ledger adds up with nothing left in
+    flight, no trajectory is trained twice."""
+    from distributed import Client
+
+    from rollart.types import CPU_ENV, H20, TRAIN
+    from test_recovery import _killer, chaos_resources
+
+    faults = Faults(step=0.002, fail_prob=0.05, seed=1)
+    graph = Graph(name=f"t-recovery-{mode}", tasks=(with_faults("gridnav", faults),),
+                  steps=7, mode=mode, checkpoint_every=2, policy=Policy(warmup_steps=0),
+                  algo=GRPO(group_size=2, groups_per_step=3),
+                  rollout=Rollout(env_step_timeout=2.0, redundancy=1.5))
+    killed: list = []
+    with chaos_resources().make_cluster() as cluster, Client(cluster) as client:
+        plan = [(1, CPU_ENV), (3, H20), (5, TRAIN)]
+        t = threading.Thread(target=_killer, args=(cluster, client, tmp_path / "run",
+                                                   plan, killed), daemon=True)
+        t.start()
+        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
+                       eval_seeds=0)
+        t.join(5)
+    assert [tag for tag, _ in killed] == [CPU_ENV, H20, TRAIN]
+    rows = result.metrics
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    for r in rows:
+        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+    assert {e["role"] for e in result.recovery} == {"env", "inference", "trainer"}
+    final = result.final_counts
+    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
+    assert len(trained) == len(set(trained))
+    if mode == "areal":
+        assert all(r["traj/aborted"] == 0 for r in rows)
+

@@ -128,7 +128,7 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
                     rollout=replace(base.rollout, redundancy=redundancy))
     client.run(drain_pools, on_error="return")  # no run inherits another's warm sandboxes
     ckpt_s: dict[int, float] = {}
-    run_dir = out / label.replace("@", "_r").replace("+", "plus")
+    run_dir = out / f"{label.replace('@', '_r').replace('+', 'plus')}-seed{seed}"
     with timed_checkpoints(ckpt_s):
         result = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
                                eval_seeds=0)
@@ -141,8 +141,9 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
     return {"label": label, "seed": seed, "clock": t, "snapshots": snaps,
             "traj_per_s": last["traj/trained"] / t[last["step"]],
             "wall_s": t[last["step"]], "ckpt_s": sum(ckpt_s.values()),
-            "fail_per_step": env["reset_failures"] / max(env["steps"], 1),
-            "reuse": env["reused"] / max(env["resets"], 1), "run_dir": str(run_dir)}
+            "fail_per_step": env.get("reset_failures", 0) / max(env.get("steps", 0), 1),
+            "reuse": env.get("reused", 0) / max(env.get("resets", 0), 1),
+            "run_dir": str(run_dir)}
 
 
 def _sum_stats(per_worker: dict) -> dict:

@@ -98,18 +98,20 @@ def test_every_actor_ran_on_its_tag(run):
 
 # -- the chat graph ----------------------------------------------------------------------
 # graphs/chat.py:quick (the three games in chat format on the chat toy, 60 steps after
-# its 150-step warm-up) on the laptop layout in-process: 13 min on the shared 2-core
-# machine. Measured held-out gains (128 seeds) of that run: gridnav 0.05, guess 0.16,
-# boxpush 0.11. The full graph (100 steps with calc, 13.8 min under the benchmark lock):
-# gridnav +0.11, guess -0.09, boxpush +0.23, calc +0.03. Only boxpush learned clearly in
-# every run; the bounds sit about two standard errors below what was measured, so a run
-# that learns passes and one that does not fails. The test stays under the `learning`
-# marker (deselected by default): the suite's budget leaves ~4 min for it on CI's two
-# cores, a third of what the shortest run that learns takes, and the chat graph does not
-# learn every task yet.
+# its 150-step warm-up) on the laptop layout (the CLI's worker processes): 6.0 min under
+# the lock on the shared 2-core machine (load ~3), held-out gains (128 seeds): gridnav
+# 0.23 -> 0.30,
+# guess 0.38 -> 0.48, boxpush 0.31 -> 0.45 (an earlier run, before the template cache
+# and the async slots fix, 13 min: 0.05, 0.16, 0.11). The full graph (100 steps with
+# calc, 13.8 min): gridnav +0.11, guess -0.09, boxpush +0.23, calc +0.03. The bounds sit
+# about two standard errors (one is ~0.057 for a gain, ~0.033 for the mean of three)
+# below the last quick run, so a run that learns passes and one that does not fails.
+# The test stays under the `learning` marker (deselected by default): the suite leaves
+# ~4 min for it on CI's two cores, the run takes 6 shared, and the full chat graph does
+# not learn every task yet (guess, calc).
 CHAT_GAMES = ("gridnav", "guess", "boxpush")
-CHAT_MIN_GAIN = {"boxpush": 0.05}  # tasks the quick run learns, and by how much at least
-CHAT_MIN_MEAN_GAIN = 0.05  # over the three games (measured 0.11)
+CHAT_MIN_GAIN = {"boxpush": 0.03}  # tasks the quick run learns, and by how much at least
+CHAT_MIN_MEAN_GAIN = 0.04  # over the three games (measured 0.10)
 TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n")
 
 
@@ -125,8 +127,8 @@ def chat_run(tmp_path_factory):
     return result
 
 
-@pytest.mark.learning  # ~8 min on 2 idle cores: deselected by default (python -m pytest -m learning)
-@pytest.mark.timeout(1800)  # the fixture's run: ~8 min on 2 idle cores, 20 when shared
+@pytest.mark.learning  # ~6 min on 2 shared cores: deselected by default (python -m pytest -m learning)
+@pytest.mark.timeout(1800)  # the fixture's run: ~6 min on 2 shared cores, 13 when busier
 def test_chat_graph_learns_above_the_warmup_policy(chat_run):
     ev = chat_run.evaluation
     print("chat held-out success, warm-up -> trained:", ev)

@@ -58,8 +58,8 @@ def graph() -> Graph:
     return Graph(
         name="chat",
         tasks=tasks(),
-        # the format is learned by ~150 warm-up steps (the tool call's JSON included);
-        # 300 cost 6.5 min on two loaded cores
+        # the format is learned by ~150 warm-up steps (the tool call's JSON included; the
+        # copy of the question into its code is not: 1 call in 128 right after 150)
         policy=Policy(model=None, conversation="chat", warmup_steps=150),
         algo=GRPO(group_size=8, groups_per_step=12, lr=5e-4, kl_coef=0.05),
         steps=100,

@@ -9,7 +9,10 @@ mode        one trainer step
             ``redundancy`` × members each, extras cancelled; the trainer takes any
             ``alpha``-fresh complete groups; workers pick up the new version from the
             weight store and swap it in at the next decode step; members that can no
-            longer meet the bound are aborted and replaced.
+            longer meet the bound are aborted and replaced. A step's take (which
+            frees its slots) waits until every worker holds the version just
+            published, and rollout processes on the trainer's host yield the CPU to
+            the trainer (``rollart.pipeline.priority``).
 ``areal``   AReaL's scheme: asynchronous like ``async`` (slots, redundancy, weights
             swapped in mid-trajectory), but the bound is checked only when a group
             starts: groups started ≤ ``(version + alpha + 1) * groups_per_step``

@@ -21,6 +21,10 @@ from rollart.staleness import StalenessBound
 
 logger = logging.getLogger(__name__)
 
+# s: the longest a step's take waits for the workers to hold the version just published
+# (a load takes ~0.02 s on the laptop; a worker that cannot load is the stall check's)
+VERSION_WAIT_S = 2.0
+
 
 def slot_capacity(algo) -> int:
     """Groups in flight or buffered at once in async mode: ``max(alpha, 1)`` steps' worth.
@@ -130,9 +134,18 @@ class AsyncPipeline(Pipeline):
         # as too stale (alpha 1) while the trainer waits for a replacement. Rollout in
         # flight goes on meanwhile; only the take waits.
         t0 = time.monotonic()
-        self.wait_workers(version, asked)
+        self.wait_briefly(asked, t0 + VERSION_WAIT_S)
         metrics["rollout/version_wait_s"] = time.monotonic() - t0
         return metrics
+
+    def wait_briefly(self, asked: list, deadline: float) -> None:
+        """Wait for the ``ask_versions`` futures until ``deadline`` (healing meanwhile);
+        a worker that fails to load, or is slower, is left to the stall check
+        (``rollart.watchdog``) rather than holding the trainer back."""
+        for _, fut in asked:
+            while not fut.done() and time.monotonic() < deadline:
+                self.heal()
+                time.sleep(0.01)
 
 
 class AReaLPipeline(AsyncPipeline):

@@ -26,6 +26,7 @@ from rollart.buffer.buffer import TAKE_KEY
 from rollart.buffer.schema import from_table
 from rollart.model import load_model, load_tokenizer
 from rollart.resources import set_worker_threads
+from rollart.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.losses import grpo_loss, token_logprobs
 from rollart.trainer.warmup import run_warmup
@@ -120,7 +121,7 @@ class Trainer:
 
     async def _train_step(self, buffer, step: int, timeout: float | None) -> dict:
         t0 = time.perf_counter()
-        min_version = self.version - self.algo.alpha
+        min_version = StalenessBound(self.algo.alpha).min_version(self.version)
         table = await buffer.get_table(self.algo.groups_per_step, min_version,
                                        timeout=timeout, trained_step=step)
         batch = await self._run(from_table, table)  # off the event loop, as compute is

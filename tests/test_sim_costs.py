@@ -1,5 +1,5 @@
 """The simulator's cost models (rollart.sim.costs) against hand-computed figures, and the
-calibration's measurements (rollart.sim.calibrate) on a real in-process cluster."""
+calibration's measurements (rollart.sim.measure) on a real in-process cluster."""
 
 import math
 import random
@@ -79,7 +79,7 @@ def test_tiny_model_spec_matches_a_real_kv_cache(tmp_path):
     from transformers import DynamicCache
 
     from rollart.model import build_tiny_model, load_model
-    from rollart.sim.calibrate import _tiny_spec
+    from rollart.sim.measure import _tiny_spec
 
     path = build_tiny_model(str(tmp_path / "m"), ["a b c d e f g"], hidden_size=64)
     model = load_model(path)
@@ -159,7 +159,7 @@ def test_costs_bundle_builds_pool_costs_and_says_what_to_change():
 
 
 def test_control_plane_measured_on_a_real_cluster(local_cluster):
-    from rollart.sim.calibrate import measure_control_plane
+    from rollart.sim.measure import measure_control_plane
 
     cp = measure_control_plane(local_cluster, n=20, burst=40)
     for v in (cp.actor_call_s, cp.task_s, cp.scheduler_tasks_s):
@@ -169,7 +169,7 @@ def test_control_plane_measured_on_a_real_cluster(local_cluster):
 
 def test_shapes_from_parquet_samples(tmp_path):
     from rollart.buffer.schema import to_record_batch, write_parquet
-    from rollart.sim.calibrate import measure_shapes
+    from rollart.sim.measure import measure_shapes
     from rollart.types import Trajectory
 
     def traj(i, task, prompt, gens, obs):
@@ -263,7 +263,7 @@ def test_engine_and_trainer_measured_into_laptop_costs(overlapped):
     """The micro-benchmark's fit: positive finite rates, the bundle the laptop's
     simulated pools read (every inference tag on the CPU), with and without a
     background trainer/engine process loading the machine."""
-    from rollart.sim.calibrate import measure_engine
+    from rollart.sim.measure import measure_engine
 
     fit = measure_engine(batches=(1, 8), new=4, repeats=1, overlapped=overlapped)
     assert set(fit.decode_points) == {1, 8} and all(t > 0 for t in fit.decode_points.values())
@@ -279,7 +279,7 @@ def test_engine_and_trainer_measured_into_laptop_costs(overlapped):
 def test_in_situ_trainer_overhead_from_probe_metrics():
     """The probe's trainer step beside rollout (first step left out) less the FLOP part
     of the fitted rate at the shapes' tokens becomes the per-step overhead."""
-    from rollart.sim.calibrate import EngineFit, in_situ_trainer
+    from rollart.sim.measure import EngineFit, in_situ_trainer
     from rollart.sim.config import TaskShape
 
     cpu = GPUSpec("cpu", 1e10, 1e10, 1e9)

@@ -29,7 +29,15 @@ What is simulated (and what is aggregated to stay fast at thousands of GPUs):
   while generating (``WeightSync``), stall for the exposed part and re-prefill their
   in-flight contexts; members the bound rules out are aborted and replaced.
 * **Control plane**: Dask messages counted per turn and per step, their cost
-  (``ControlPlane``) summed into scheduler, driver and env-manager loop load.
+  (``ControlPlane``) summed into scheduler, driver and env-manager loop load, and each
+  round trip charged as latency on the path that waits for it (a turn's generation
+  call, a group's acquire, a trajectory's reward task and buffer put, the trainer's
+  get_table, the lockstep driver's train and weight-version calls).
+* **Env managers' event loops**: each manager is one asyncio loop, a capacity-1
+  resource; every turn holds it ``Costs.manager_turn_s`` (its Python: prompt building,
+  tokenising, bookkeeping), so a manager's trajectories queue for it; with
+  ``ControlPlane.near`` (env managers and inference workers in one process, as
+  ``resources/laptop.py`` runs them) the workers pause as long (one GIL).
 """
 
 from __future__ import annotations
@@ -104,10 +112,26 @@ class Group:
 
 
 class Manager:
-    """A simulated ``EnvManager``: its env pool's slots and its own ``Router`` copy."""
+    """A simulated ``EnvManager``: its env pool's slots, its own ``Router`` copy, and its
+    event loop (one asyncio loop shared by all its trajectories: a capacity-1 resource
+    each turn holds for ``Costs.manager_turn_s``)."""
 
-    def __init__(self, name: str, slots: simpy.Resource, meter: Meter, router: Router):
+    def __init__(self, env, name: str, slots: simpy.Resource, meter: Meter, router: Router,
+                 near: tuple = ()):
         self.name, self.slots, self.meter, self.router = name, slots, meter, router
+        self.loop = simpy.Resource(env, capacity=1)
+        self.loop_busy = 0.0
+        self.near = near  # inference workers in this manager's process (one GIL)
+
+    def turn(self, env, seconds: float):
+        """One turn's Python on the loop: wait for it, hold it ``seconds`` (the workers
+        of its process wait for the GIL as long)."""
+        with self.loop.request() as req:
+            yield req
+            for w in self.near:
+                w.stall(seconds)
+            yield env.timeout(seconds)
+        self.loop_busy += seconds
 
 
 class Cluster:
@@ -134,13 +158,14 @@ class Cluster:
         self.pool_of = {p.tag: p for p in cfg.cluster.inference}
         routes = task_routes(self.graph.tasks)
         tags = [w.tag for w in self.workers]
+        near = tuple(self.workers) if self.costs.control.near else ()
         self.managers: dict[str, list[Manager]] = {}
         for ep in cfg.cluster.env:
             res = simpy.Resource(self.env, capacity=max(1, ep.slots))
             meter = self.meters[ep.tag] = Meter(ep.slots, dt)
             n = ep.managers or -(-ep.slots // max(1, self.graph.rollout.env_concurrency))
-            self.managers[ep.tag] = [Manager(f"{ep.tag}-{i}", res, meter,
-                                             Router(tags, routes))
+            self.managers[ep.tag] = [Manager(self.env, f"{ep.tag}-{i}", res, meter,
+                                             Router(tags, routes), near)
                                      for i in range(max(1, n))]
         self._rr: Counter = Counter()
         self.reward = RewardSim(self.env, cfg.cluster.reward, self.costs.reward,
@@ -174,30 +199,38 @@ class Cluster:
         self._rr[tag] += 1
         return pool[i % len(pool)]
 
-    def start_group(self, work, barrier=None, redundancy: Redundancy | None = None) -> Group:
+    def start_group(self, work, barrier=None, redundancy: Redundancy | None = None,
+                    delay: float = 0.0) -> Group:
+        """Start ``work``'s group; its first members wait ``delay`` (the acquire call's
+        round trip) before they take a slot."""
         grp = Group(self.env, work, self.manager_for(work.task), barrier)
         self.groups[grp.gid] = grp
         start, grp.backups, grp.backup_at = (redundancy or Redundancy()).plan(grp.need)
-        self.launch(grp, start)
+        self.launch(grp, start, delay)
         return grp
 
-    def launch(self, grp: Group, n: int) -> None:
+    def launch(self, grp: Group, n: int, delay: float = 0.0) -> None:
         self.msgs["ledger"] += 1  # buffer.launched(ids): one actor call per launch
         self.counts["launched"] += n
         for _ in range(n):
             m = Member(f"{grp.gid}-{grp.next_index}", grp)
             grp.next_index += 1
             grp.members[m.id] = m
-            m.proc = self.env.process(self.member(m))
+            m.proc = self.env.process(self.member(m, delay))
 
-    def member(self, m: Member):
-        grp, env = m.group, self.env
+    def member(self, m: Member, delay: float = 0.0):
+        """One trajectory: slot, reset, turns (the manager's loop, generation, env
+        step), reward, buffer put; each control-plane round trip on its path."""
+        grp, env, cp = m.group, self.env, self.costs.control
         shape = self.cfg.shape(grp.task.name)
         ec = self.costs.env_for(shape.env)
-        mgr = grp.manager
-        slot = mgr.slots.request()
+        mgr, turn_s = grp.manager, self.costs.manager_turn_s
+        slot = None
         t0 = None
         try:
+            if delay > 0:
+                yield env.timeout(delay)
+            slot = mgr.slots.request()
             yield slot
             t0 = env.now
             yield env.timeout(ec.sample_reset(self.rng_env))
@@ -205,6 +238,8 @@ class Cluster:
             for turn in range(shape.turns):
                 if grp.barrier is not None:
                     yield grp.barrier.wait()
+                if turn_s > 0:
+                    yield from mgr.turn(env, turn_s)
                 out = self.sample_out(shape)
                 yield from self.generate(m, mgr.router, grp.task.name, context, out)
                 context += out
@@ -220,8 +255,10 @@ class Cluster:
                 grp.barrier.leave()
                 m.state = "left"
             if not m.failed:
-                self.reward_msgs()
+                if self.reward_msgs():
+                    yield env.timeout(cp.task_s)
                 yield self.reward.call()
+            yield env.timeout(cp.actor_call_s)  # buffer.put / record_failed
             state = FAILED if m.failed else DELIVERED
         except simpy.Interrupt as stop:
             state = stop.cause
@@ -230,9 +267,9 @@ class Cluster:
             if grp.barrier is not None and m.state != "left":
                 grp.barrier.leave()
         finally:
-            if slot.triggered:
+            if slot is not None and slot.triggered:
                 mgr.slots.release(slot)
-            else:
+            elif slot is not None:
                 slot.cancel()
             if t0 is not None:
                 mgr.meter.add(t0, env.now)
@@ -247,13 +284,17 @@ class Cluster:
         return max(1, int(round(mean * draw)))
 
     def generate(self, m: Member, router: Router, task: str, context: int, out: int):
-        """One turn's generation through the runtime's router (PD when it says so)."""
-        env = self.env
+        """One turn's generation through the runtime's router (PD when it says so); each
+        call's round trip (``ControlPlane.generate_s``; the KV fetch: an actor call)
+        before its request reaches the worker."""
+        env, call_s = self.env, self.costs.control.generate_s
         aff = router.disaggregated(task)
         new = router.new_tokens(m.id, context)
         if aff is None:
             idx = router.route(m.id, task, self.inference_pools, tokens=new + out)
             router.count_reuse(m.id, idx, context, new)
+            if call_s > 0:
+                yield env.timeout(call_s)
             req = self._send(m, idx, Req(env, new, context - new, context, out), task, "gen")
             try:
                 yield req.event
@@ -263,6 +304,8 @@ class Cluster:
         else:
             p = router.route(m.id, pools=(aff.prefill,), tokens=new)
             router.count_reuse(m.id, p, context, new)
+            if call_s > 0:
+                yield env.timeout(call_s)
             req = self._send(m, p, Req(env, new, context - new, context, 0, "prefill"),
                              task, "prefill")
             try:
@@ -272,7 +315,8 @@ class Cluster:
             router.served(m.id, context)
             oldest = req.version
             kv = self.costs.model.kv_bytes_per_token * context
-            yield env.timeout(self.costs.weights.latency_s + kv / self.costs.weights.bytes_s)
+            yield env.timeout(self.costs.weights.latency_s + kv / self.costs.weights.bytes_s
+                              + self.costs.control.actor_call_s + call_s)  # fetch, call
             d = router.route(None, pools=(aff.decode,), tokens=out)
             req = self._send(m, d, Req(env, 0, context, context, out, "decode"), task,
                              "decode")
@@ -297,9 +341,11 @@ class Cluster:
         w.submit(req)
         return req
 
-    def reward_msgs(self) -> None:
+    def reward_msgs(self) -> bool:
+        """Count the reward's message; True when it runs as a Dask task."""
         local = self.graph.rollout.local_reward and self.cfg.cluster.reward.kind == "dedicated"
         self.msgs["reward_task" if not local else "reward_local"] += 1
+        return not local
 
     def settle(self, m: Member, state: str) -> None:
         """``EnvManager._member``'s bookkeeping for a member that ended as ``state``."""
@@ -386,6 +432,7 @@ class Cluster:
     def train(self, batch: list[Group]):
         """One trainer step on ``batch``: the update, then the weight push."""
         t0 = self.env.now
+        yield self.env.timeout(self.costs.control.actor_call_s)  # get_table's round trip
         members = [m for g in batch for m in g.delivered]
         tokens = sum(m.tokens for m in members)
         for m in members:

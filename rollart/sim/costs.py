@@ -7,7 +7,7 @@ CPU share), ``RewardCost`` (per call; dedicated vs elastic with cold starts),
 ``TrainCost`` (a trainer step from 6·params·tokens FLOPs), ``WeightSync`` (push/pull over
 TCP or RDMA), ``ControlPlane`` (Dask per-message costs) and ``Costs``, the bundle. The
 ``cpu`` GPU entry, the laptop's ``GenCost``/``TrainCost`` and the control-plane figures
-come from ``rollart.sim.calibrate`` (measured on this machine); ``rollart.sim.paper``
+come from ``rollart.sim.measure`` (measured on this machine); ``rollart.sim.paper``
 builds the paper's experiments from the rest.
 
 Assumptions (every figure here is either a public datasheet number or stated as ours):
@@ -152,7 +152,10 @@ class GenCost:
     plus every row's KV, ``(weight_bytes + kv_bytes·context) / (tp_hbm·mbu)``, and turns
     compute-bound when ``2·params·batch / (tp_flops·mfu)`` is larger. ``step_overhead_s``
     and ``row_overhead_s`` (0 for GPUs; measured for the CPU engine, whose tiny model is
-    bound by Python, not arithmetic) add a fixed and a per-row cost per forward.
+    bound by Python, not arithmetic) add a fixed and a per-row cost per forward;
+    ``request_overhead_s`` (0 for GPUs; measured in situ for the CPU engine by
+    ``rollart.sim.calibrate.in_situ_engine``) a fixed cost per request the worker admits
+    (its serving loop: queueing, sampling set-up, stop checks, the result's hand-off).
     """
 
     model: ModelSpec
@@ -163,8 +166,12 @@ class GenCost:
     step_overhead_s: float = 0.0
     row_overhead_s: float = 0.0
     prefill_token_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
 
     def __post_init__(self):
+        if self.request_overhead_s < 0:
+            raise ValueError(f"GenCost.request_overhead_s must be ≥ 0, got "
+                             f"{self.request_overhead_s!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"GenCost.tp must be an int >= 1, got {self.tp!r}")
         _fraction(self, "mfu", "mbu")
@@ -362,15 +369,31 @@ class ControlPlane:
     """Dask's per-message costs: an actor method round trip (worker to worker, no
     scheduler), a scheduler task round trip (submit → run → result), and the scheduler's
     capacity in tasks/s (one process, one event loop). Defaults: measured on this
-    machine by ``rollart.sim.calibrate.measure_control_plane`` (2 loaded cores)."""
+    machine by ``rollart.sim.measure.measure_control_plane`` (2 loaded cores).
+
+    The simulator charges each message's round trip as latency on the path that waits
+    for it (``rollart.sim.cluster``): ``actor_call_s`` per generation request (PD: the
+    prefill, the KV fetch and the decode call), per group's acquire, per trajectory's
+    buffer put, per trainer get_table / mark_trained and per driver call the trainer or
+    the weight wait sits on; ``task_s`` per reward run as a Dask task. ``near``: the env
+    managers call the inference workers in their own process (``rollart.near``, as
+    ``resources/laptop.py`` places them), so a generation request is a local call and
+    costs no round trip, and a turn's Python on a manager's loop pauses those workers'
+    engines as long (one process, one GIL: ``Costs.manager_turn_s``)."""
 
     actor_call_s: float = 1.1e-3
     task_s: float = 11e-3
     scheduler_tasks_s: float = 400.0
     msgs_per_task: int = 7
+    near: bool = False
 
     def __post_init__(self):
         _positive(self, "actor_call_s", "task_s", "scheduler_tasks_s", "msgs_per_task")
+
+    @property
+    def generate_s(self) -> float:
+        """A generation request's round trip (0 when the call is ``near``)."""
+        return 0.0 if self.near else self.actor_call_s
 
     def scheduler_load(self, tasks_per_s: float) -> float:
         """Share of the scheduler's capacity that ``tasks_per_s`` uses (1 = saturated)."""
@@ -401,6 +424,14 @@ class Costs:
     train_mfu: float = 0.4
     weights: WeightSync = field(default_factory=WeightSync)
     control: ControlPlane = field(default_factory=ControlPlane)
+    # CPU seconds each turn holds its env manager's event loop (one asyncio loop per
+    # manager, shared by all its trajectories: prompt building, tokenising, bookkeeping);
+    # measured on this laptop by rollart.sim.measure.measure_turn_overhead; 0: not charged
+    manager_turn_s: float = 0.0
+
+    def __post_init__(self):
+        if self.manager_turn_s < 0:
+            raise ValueError(f"Costs.manager_turn_s must be ≥ 0 (got {self.manager_turn_s})")
 
     def gen_for(self, gpu: str, tp: int = 1, tag: str | None = None) -> GenCost:
         for key in (tag, gpu):

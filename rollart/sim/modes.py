@@ -17,6 +17,10 @@ defines them, each a simpy process over a ``rollart.sim.cluster.Cluster``.
 ``sync``    As ``sync+`` with a barrier per turn and no extras.
 ==========  =========================================================================
 
+Each driver call a mode waits on (lockstep modes: train_step, the gathered
+wait_version) costs ``ControlPlane.actor_call_s`` of latency; async's acquire delays the
+group's start by one round trip.
+
 Consumes the cluster's state and policy objects; produces trainer steps. Called by
 ``rollart.sim.cluster.simulate``.
 """
@@ -50,7 +54,8 @@ def asynchronous(cl, areal: bool = False):
             if work is None:
                 return
             cl.msgs["acquire"] += 1
-            cl.start_group(work, redundancy=cl.redundancy)
+            cl.start_group(work, redundancy=cl.redundancy,
+                           delay=cl.costs.control.actor_call_s)  # take_work's round trip
 
     def released(grp) -> None:  # a slot frees: the managers take work (take_work)
         slots.release(grp.gid)
@@ -98,11 +103,14 @@ def synchronous(cl, lockstep: bool = True):
     """``sync`` (lockstep) / ``sync+`` (each trajectory on its own, with extras)."""
     seq = _sequence(cl)
     red = None if lockstep else cl.redundancy
+    call_s = cl.costs.control.actor_call_s
     for _ in range(cl.cfg.steps):
         yield cl.env.all_of(_batch(cl, seq, lockstep, red))
         batch = yield from _take_all(cl)
+        yield cl.env.timeout(call_s)  # the driver's train_step call
         yield from cl.train(batch)
-        cl.msgs["driver"] += len(cl.workers)  # wait_version per worker
+        cl.msgs["driver"] += len(cl.workers)  # wait_version per worker (gathered)
+        yield cl.env.timeout(call_s)
         yield cl.publish(wait=True)
 
 

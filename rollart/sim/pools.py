@@ -10,6 +10,8 @@ completes — never per decode step. Between two wake-ups its batch is fixed, so
 row advances ``elapsed / step_s`` tokens, with ``step_s = decode_step_s(batch, context
 at the phase's midpoint)``. New arrivals are prefilled together in one phase that pauses
 decoding (vLLM's default: prefill first), their cached prefix (sticky routing) excluded.
+A worker sharing its process with an env manager (``ControlPlane.near``: one GIL) pauses
+for each turn's Python on that manager's loop (``SimWorker.stall``).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class SimWorker:
         self.busy = 0.0
         self._load = None  # (version, exposed seconds, [done events]) waiting to run
         self.loads = 0
+        self._stall = 0.0  # co-located Python's CPU the engine waits out next
+        self.stalled = 0.0
 
     # -- requests -----------------------------------------------------------------------
     def submit(self, req: Req) -> simpy.Event:
@@ -128,6 +132,19 @@ class SimWorker:
             self._next()
         return done
 
+    def stall(self, seconds: float) -> None:
+        """Python of the same process (a co-located env manager's turn) holds the GIL
+        for ``seconds``: a busy engine pauses that long (decode is cut at once, a
+        prefill or load in progress finishes first); an idle one loses nothing."""
+        if seconds <= 0 or not (self.active or self.pending or self._phase is not None):
+            return
+        self._stall += seconds
+        if self._phase == "decode":
+            self._advance()
+            self._phase = None
+        if self._phase is None:
+            self._next()
+
     # -- the batching loop (callbacks, no process) --------------------------------------
     def _advance(self) -> None:
         """Decode progress since the phase started, then end the phase."""
@@ -159,6 +176,8 @@ class SimWorker:
             self.meter.add(self._t, self.env.now)
             self.busy += self.env.now - self._t
             self._admit()
+        elif phase == "stall":
+            self.stalled += self.env.now - self._t
         elif phase == "load":
             self.meter.add(self._t, self.env.now)
             self.busy += self.env.now - self._t
@@ -171,6 +190,10 @@ class SimWorker:
 
     def _next(self) -> None:
         if self._phase is not None:
+            return
+        if self._stall > 0:
+            pause, self._stall, self._step = self._stall, 0.0, 0.0
+            self._at(pause, "stall")
             return
         if self._load is not None:
             self._loading, self._load = self._load, None
@@ -198,14 +221,17 @@ class SimWorker:
             self._at(math.ceil(n - 1e-9) * self._step, "decode")
 
     def _prefill_s(self, batch: list[Req]) -> float:
+        """One admission phase: the batch's prefill and each request's fixed cost."""
+        admit = len(batch) * self.gen.request_overhead_s
         news = [r.new for r in batch if r.kind != "decode"]
         if not news:  # KV arrived from a prefill worker: only the first step's launch
-            return self.gen.decode_step_s(len(batch), sum(r.prompt for r in batch))
+            return self.gen.decode_step_s(len(batch), sum(r.prompt for r in batch)) + admit
         total = sum(news)
         self.prefill_tokens += total
         # one batched prefill: the attention term of each row exactly (cached + new/2)
         weighted = sum(r.new * (r.cached + r.new / 2) for r in batch if r.kind != "decode")
-        return self.gen.prefill_s(total, int(weighted / total - total / 2), rows=len(news))
+        return self.gen.prefill_s(total, int(weighted / total - total / 2),
+                                  rows=len(news)) + admit
 
     def _admit(self) -> None:
         for r in self._batch:

@@ -16,7 +16,8 @@ Control-plane model (messages per turn and per step, costs from ``ControlPlane``
 * the driver: lockstep modes launch each group and wait for each worker's version;
   async asks every manager to abort after each step.
 
-The scheduler's load is its messages per second over its capacity
+``manager_loop_busy`` is the busiest env manager loop's share of the run held by turns
+(``Costs.manager_turn_s`` each). The scheduler's load is its messages per second over its capacity
 (``scheduler_tasks_s × msgs_per_task``); ``saturates_at_gpus`` extrapolates the GPU
 count at which it reaches 1, everything scaling with the cluster.
 """
@@ -63,6 +64,8 @@ def control(cl, horizon: float) -> dict:
         "managers": managers,
         "manager_loop_load": 2 * (m["generate"] + m["ledger"] + m["kv_fetch"]) *
         cp.actor_call_s / horizon / managers if horizon else 0.0,
+        "manager_loop_busy": max((mgr.loop_busy for v in cl.managers.values() for mgr in v),
+                                 default=0.0) / horizon if horizon else 0.0,
         "buffer_loop_load": (m["ledger"] + m["acquire"]) * cp.actor_call_s / horizon
         if horizon else 0.0,
         "saturates_at_gpus": gpus / sched_load if sched_load > 0 else float("inf"),
@@ -103,5 +106,8 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
         extra={"prefix_reuse": sum(reuse) / len(reuse) if reuse else 0.0,
                "reward_cold_starts": r.cold_starts,
                "weight_loads": sum(w.loads for w in cl.workers),
+               "engine_stalled_s": sum(w.stalled for w in cl.workers),
+               "engine_busy_s": sum(w.busy for w in cl.workers),
+               "turns": cl.counts["turn_requests"],
                "worker_busy": spread,
                "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes})

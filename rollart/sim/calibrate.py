@@ -10,9 +10,12 @@ The order keeps prediction honest: ``measure_control_plane`` and ``measure_engin
 are micro-benchmarks (an actor ping, a task, the engine at fixed batch sizes, trainer
 updates; alone and with the other process loading the CPU, as in an async run on 2
 cores); a short probe run on other seeds gives the workload's shape (turns and tokens
-per turn per task, which the env and policy decide) and the trainer's step beside
-rollout; only then are the real ``sync`` and ``async`` runs made, and the simulator,
-configured as this laptop from the measurements alone, predicts them. Nothing is
+per turn per task, which the env and policy decide), the trainer's step beside rollout
+(``in_situ_trainer``) and the engine's per-request cost beside rollout (its busy time,
+``in_situ_engine``); a second probe with one trajectory live at a time gives the env
+manager's per-turn loop time (its ``rollout/turn_overhead_s``); only then are the real
+``sync`` and ``async`` runs made, and the simulator, configured as this laptop from the
+measurements alone, predicts them. Nothing is
 fitted to the runs being predicted.
 """
 
@@ -25,10 +28,11 @@ from pathlib import Path
 
 from rollart.sim.costs import ControlPlane
 from rollart.sim.measure import (EngineFit, in_situ_trainer, measure_control_plane,
-                                 measure_engine, measure_shapes)
+                                 measure_engine, measure_shapes, measure_turn_overhead)
 
 __all__ = ["EngineFit", "calibration", "laptop_sim_config", "measure_control_plane",
-           "measure_engine", "measure_real", "measure_shapes", "predict"]
+           "measure_engine", "measure_real", "measure_shapes", "measure_turn_overhead",
+           "predict"]
 
 
 # -- the simulator configured as this laptop ----------------------------------------------
@@ -36,13 +40,16 @@ OVERLAPPING_MODES = ("async", "one-off", "areal")  # trainer steps while rollout
 
 
 def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
-                      steps: int, mode: str, seed: int = 0):
+                      steps: int, mode: str, seed: int = 0, turn_s: float = 0.0):
     """``resources/laptop.py`` as a ``SimConfig``: one inference worker (the graph's
     inference tags on the CPU engine, batching ``Policy.max_batch``), one env manager
     with ``Rollout.env_concurrency`` slots, one reward slot on the rollout worker, the
     trainer on a process of its own; costs from ``measure_engine`` (``fits["alone"]``
     for modes that stop rollout while training, ``fits["overlapped"]`` for those that
-    train while rolling out: two processes on 2 cores) and ``measure_control_plane``."""
+    train while rolling out: two processes on 2 cores) and ``measure_control_plane``
+    (generation calls ``near``: the env manager and the inference worker share one
+    process, ``rollart.near``; buffer, trainer and driver calls are actor round trips);
+    ``turn_s``: each turn's hold on the env manager's loop (``measure_turn_overhead``)."""
     fit = fits["overlapped" if mode in OVERLAPPING_MODES else "alone"]
     from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
     from rollart.types import CPU_ENV
@@ -52,8 +59,9 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
     cluster = ClusterSpec(pools, (EnvPool(CPU_ENV, graph.rollout.env_concurrency),),
                           RewardPool("dedicated", workers=1), trainer_gpus=1,
                           trainer_gpu="cpu")
-    return SimConfig(cluster, graph, costs=fit.costs(control), shapes=shapes, seed=seed,
-                     steps=steps, mode=mode)
+    costs = replace(fit.costs(replace(control, near=True)), manager_turn_s=turn_s)
+    return SimConfig(cluster, graph, costs=costs, shapes=shapes, seed=seed, steps=steps,
+                     mode=mode)
 
 
 # -- (c) the calibration: real runs beside the simulator ------------------------------------
@@ -83,12 +91,47 @@ def _real_throughput(rows: list[dict]) -> float:
     return rows[-1]["traj/trained"] / rows[-1]["time"]
 
 
+def _lone_turn_s(base, tasks, model: str, client, tmp: Path, seed: int) -> float:
+    """The env manager's per-turn loop time with one trajectory live at a time
+    (``env_concurrency=1``, 2 groups a step, 2 steps, other seeds): no other turn to
+    queue behind on its loop and an idle engine while it runs, so the probe's
+    ``rollout/turn_overhead_s`` (``measure_turn_overhead``) is the turn's own Python,
+    which the simulator then queues on the loop and serialises with the engine."""
+    import rollart
+
+    g = _graph(base, tasks, model, "async", 2, 1.0, seed)
+    g = replace(g, algo=replace(g.algo, groups_per_step=2),
+                rollout=replace(g.rollout, env_concurrency=1))
+    rows = rollart.train(g, client=client, run_dir=tmp / "lone", progress=False,
+                         eval_seeds=0).metrics
+    return measure_turn_overhead(rows)
+
+
+def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: float,
+                   probe, rows: list[dict]) -> dict:
+    """``fits`` with the engine's per-request cost beside rollout and training, from the
+    probe run (async, its own seeds): its engine's busy seconds a turn (the last row's
+    ``rollout/engine_busy_s / rollout/turns``) less what the simulator, configured from
+    ``fits`` alone, makes of that same probe (busy + GIL stalls a turn), as
+    ``GenCost.request_overhead_s`` on both fits (``alone`` and ``overlapped``)."""
+    from rollart.sim import simulate
+
+    real = rows[-1]["rollout/engine_busy_s"] / max(rows[-1]["rollout/turns"], 1)
+    r = simulate(laptop_sim_config(probe, fits, control, shapes, len(rows), "async",
+                                   probe.seed, turn_s))
+    sim = (r.extra["engine_busy_s"] + r.extra["engine_stalled_s"]) / max(r.extra["turns"], 1)
+    extra = max(0.0, real - sim)
+    return {k: replace(f, gen=replace(f.gen, request_overhead_s=extra))
+            for k, f in fits.items()}
+
+
 def measure_real(quick: bool = True, steps: int | None = None,
                  warmup_steps: int | None = None, redundancy: float = 1.5, seed: int = 0,
                  log=print) -> dict:
     """Steps (1)–(3) of ``calibration``: the micro-benchmarks, the probe and the real
-    runs. Returns ``fits`` (``alone``, ``overlapped``: ``measure_engine``), ``control``, ``shapes``, ``real`` (trained trajectories/s per
-    mode), ``graphs`` (the graph each mode ran) and ``steps``."""
+    runs. Returns ``fits`` (``alone``, ``overlapped``: ``measure_engine``), ``control``,
+    ``shapes``, ``turn_s`` (``_lone_turn_s``), ``real`` (trained trajectories/s per mode),
+    ``graphs`` (the graph each mode ran), ``steps`` and ``seed``."""
     from distributed import Client
 
     import rollart
@@ -122,8 +165,12 @@ def measure_real(quick: bool = True, steps: int | None = None,
         shapes = measure_shapes(Path(tmp) / "probe")
         fits["overlapped"] = in_situ_trainer(fits["overlapped"], rows, shapes,
                                              base.algo.batch_size)
+        turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 2000)
+        fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
         log("shapes: " + ", ".join(f"{k}={v}" for k, v in shapes.items()) + "; trainer "
-            f"in situ: {fits['overlapped'].train.overhead_s:.3f}s overhead a step")
+            f"in situ: {fits['overlapped'].train.overhead_s:.3f}s overhead a step; env "
+            f"manager loop: {turn_s * 1e3:.2f} ms a turn; engine in situ: "
+            f"{fits['alone'].gen.request_overhead_s * 1e3:.2f} ms a request")
         for mode in ("sync", "async"):
             graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, seed)
             result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
@@ -132,7 +179,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
             log(f"real {mode}: {real[mode]:.2f} traj/s over "
                 f"{result.metrics[-1]['time']:.1f}s")
     return {"fits": fits, "control": control, "shapes": shapes, "real": real,
-            "graphs": graphs, "steps": steps, "seed": seed}
+            "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s}
 
 
 def _fmt(points: dict) -> str:
@@ -148,7 +195,7 @@ def predict(measured: dict, log=print) -> dict:
     for mode, graph in measured["graphs"].items():
         cfg = laptop_sim_config(graph, measured["fits"], measured["control"],
                                 measured["shapes"], measured["steps"], mode,
-                                measured["seed"])
+                                measured["seed"], measured.get("turn_s", 0.0))
         results[mode] = simulate(cfg)
         sim[mode] = results[mode].throughput["trajectories_s"]
         log(f"sim {mode}: {sim[mode]:.2f} traj/s ({results[mode].summary()})")
@@ -161,10 +208,11 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     On ``resources/laptop.py`` with the default multitask graph, one inference pool
     (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
     ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks,
-    (2) a 3-step async probe on other seeds for the tasks' shapes and the trainer's step
-    beside rollout (``in_situ_trainer``), (3) real ``sync`` and
-    ``async`` runs (async with 1.5× members), (4) the simulator configured from (1) and
-    (2) only. ``options`` go to ``measure_real``. Returns ``real``, ``sim``, ``errors``
+    (2) a 3-step async probe on other seeds for the tasks' shapes, the trainer's step
+    beside rollout (``in_situ_trainer``) and the engine's per-request cost beside
+    rollout (``in_situ_engine``), and a run with one trajectory live at a time for the
+    env manager's per-turn loop time (``_lone_turn_s``), (3) real ``sync`` and ``async``
+    runs (async with 1.5× members), (4) the simulator configured from (1) and (2) only. ``options`` go to ``measure_real``. Returns ``real``, ``sim``, ``errors``
     (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the
     largest)."""
     t0 = time.time()
@@ -177,6 +225,6 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     return {"real": real, "sim": sim, "errors": errors,
             "calibration_error": max(errors.values()),
             "engine_fit_error": max(f.fit_error for f in measured["fits"].values()),
-            "control": measured["control"],
+            "control": measured["control"], "turn_s": measured["turn_s"],
             "shapes": measured["shapes"], "steps": measured["steps"],
             "results": predicted["results"], "wall_s": time.time() - t0}

@@ -4,15 +4,16 @@
 Consumes a Dask client (control plane), the built-in tiny model, the default graph and a
 probe run's Parquet and metrics; produces ``ControlPlane``, an ``EngineFit`` (the
 ``cpu`` ``GPUSpec`` with a fitted ``GenCost``, a ``TrainCost``, a ``WeightSync``, the
-reward call), the tasks' ``TaskShape`` and the trainer's step beside rollout.
+reward call), the tasks' ``TaskShape``, the trainer's step beside rollout and the env
+manager's per-turn loop time.
 Called by ``rollart.sim.calibrate`` (which then checks the simulator against real runs)
 and tests.
 
 ``measure_control_plane`` and ``measure_engine`` are micro-benchmarks (an actor ping, a
 task, the engine at fixed batch sizes, trainer updates; alone and with the other process
 loading the CPU, as in an async run on 2 cores: ``train_loop`` / ``engine_loop`` in a
-``_Background`` process). ``measure_shapes`` and ``in_situ_trainer`` read a short probe
-run on other seeds than the runs predicted.
+``_Background`` process). ``measure_shapes``, ``in_situ_trainer`` and
+``measure_turn_overhead`` read a short probe run on other seeds than the runs predicted.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rollart.sim.costs import (GPUS, ControlPlane, Costs, GenCost, GPUSpec, Mode
                                RewardCost, TrainCost, WeightSync, laptop_env)
 
 __all__ = ["EngineFit", "in_situ_trainer", "measure_control_plane", "measure_engine",
-           "measure_shapes"]
+           "measure_shapes", "measure_turn_overhead"]
 
 BATCHES = (1, 4, 16, 64)
 
@@ -355,6 +356,19 @@ def measure_shapes(run_dir) -> dict:
         shapes[task] = TaskShape(turns=max(1, round(turns)), prompt_tokens=round(prompt),
                                  obs_tokens=round(obs), response_tokens=max(1, round(gen)))
     return shapes
+
+
+def measure_turn_overhead(rows: list[dict]) -> float:
+    """The env manager's per-turn loop time from a probe run's metrics: its last row's
+    ``rollout/turn_overhead_s`` (every turn's wall time less its generation and env
+    time, averaged over the run's turns: the manager's Python — prompt building,
+    tokenising the generation and the observation, bookkeeping — as it ran on the
+    manager's one event loop, waits for that loop and for the process's GIL
+    included)."""
+    if not rows or "rollout/turn_overhead_s" not in rows[-1]:
+        raise KeyError("the probe run's metrics have no rollout/turn_overhead_s: run it "
+                       "with the env managers' stats (rollart.train reports them per step)")
+    return float(rows[-1]["rollout/turn_overhead_s"])
 
 
 def in_situ_trainer(fit: EngineFit, rows: list[dict], shapes: dict,

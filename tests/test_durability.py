@@ -414,6 +414,86 @@ def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path
     assert (c["trained"], c["taken"], c["lost_in_step"], c["buffered"]) == (48, 0, 0, 0)
 
 
+class _DiesAfterPublishing:
+    """Fault injection: a real ``Trainer`` whose process exits (as a SIGKILL would end
+    it) at step 2 right after its update was published, before the buffer heard of it."""
+
+    @staticmethod
+    def make():
+        from rollart.trainer.trainer import Trainer
+
+        class DiesAfterPublishing(Trainer):
+            async def _confirm(self, buffer, step, take):
+                if step == 2:
+                    import os
+
+                    os._exit(1)
+                return await super()._confirm(buffer, step, take)
+        return DiesAfterPublishing
+
+
+def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_path):
+    """The trainer's process dies after step 2's update was published but before it
+    confirmed the batch: the update is in the weights its replacement loads, so step 2
+    stands with the batch the buffer handed out, and is not re-run (a re-run trained a
+    second batch under the same step number, which no trainer record vouched for)."""
+    import dataclasses
+    import sys
+
+    import cloudpickle
+    import pyarrow.compute as pc
+    from distributed import Client
+
+    from rollart import GRPO, Graph, Policy
+    from rollart.buffer.schema import batch_digest
+    from rollart.pipeline import AsyncPipeline
+    from rollart.recovery import Supervisor
+    from rollart.resources import Pool, Resources, workers_with
+    from rollart.stages import Actors, Stages
+    from rollart.types import TRAIN
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the class, to workers
+    graph = Graph(name="t-published", tasks=("gridnav",), policy=Policy(warmup_steps=0),
+                  algo=GRPO(group_size=4, groups_per_step=4, alpha=1, micro_batch_tokens=0))
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),
+                           Pool("trainer", tag=TRAIN, kind="trainer")),
+                    processes=True, dashboard_address=":0")
+    run = tmp_path / "run"
+    rng = random.Random(1)
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        stages = Stages(client, graph, tiny_model, run)
+        spec = dataclasses.replace(stages.spec("trainer"), cls=_DiesAfterPublishing.make())
+        trainer = stages.submit(spec, workers_with(client, TRAIN)[0], None).result()
+        buf = client.submit(SampleBuffer, str(run), actor=True,
+                            workers=workers_with(client, CPU_ENV)).result()
+        actors = Actors(trainer, buf, [], [])
+        pipeline = AsyncPipeline(actors, graph)
+        pipeline.supervisor = Supervisor(stages, actors)  # replaces it from the real spec
+        assert trainer.publish().result() == 0
+        ids = []
+        for g in range(16):  # four steps' worth: a re-run of step 2 still lets 3 finish
+            trajs = [_long(f"g{g:02d}", i, rng, (0, 0, 1, 2)[g // 4]) for i in range(4)]
+            ids += [t.traj_id for t in trajs]
+            _put(buf, trajs)
+        steps = [pipeline.train(s) for s in (1, 2, 3)]
+        assert pipeline.trainer_recoveries == 1 and actors.trainer is not trainer
+        c = buf.counts().result()
+        buf.close().result()
+    assert [m["version"] for m in steps] == [1, 2, 3]
+    assert steps[1].get("trainer/published_before_loss") == 1
+    samples = read_samples(str(run))
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    by_step: dict[int, list[str]] = {}
+    for t, s in zip(trained["traj_id"].to_pylist(), trained["trained_step"].to_pylist()):
+        by_step.setdefault(s, []).append(t)
+    assert sorted(by_step) == [1, 2, 3]
+    for step, m in zip((1, 2, 3), steps):  # each step's rows are the batch it reports
+        assert len(by_step[step]) == m["trainer/batch_size"] == 16, step
+        assert batch_digest(by_step[step]) == m["trainer/batch_sha1"], step
+    assert sorted(trained["traj_id"].to_pylist()) == sorted(ids[:48])
+    assert (c["trained"], c["taken"], c["buffered"]) == (48, 0, 16)
+
+
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
 def test_both_trainer_backends_confirm_after_publishing(backend, local_cluster, tiny_model,
                                                         tmp_path):

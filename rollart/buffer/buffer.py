@@ -37,7 +37,7 @@ import pyarrow as pa
 from rollart.buffer.backpressure import Backpressure
 from rollart.buffer.group import Group, Taken, restate
 from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
-from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
+from rollart.buffer.schema import SCHEMA, batch_digest, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
 from rollart.staleness import within
 from rollart.types import Trajectory, TrajState
@@ -241,7 +241,9 @@ class SampleBuffer(Backpressure):
         ``min_version`` holds a newer version than the batch was taken for (only that
         step's update can have published it), else buffered again."""
         if min_version > self._taken[step].min_version:
-            return {"trained": self._confirm(step), "buffered": 0}
+            ids = [t for g in self._taken[step].groups for t in _ids(g.arrow())]
+            return {"trained": self._confirm(step), "buffered": 0,
+                    "batch_sha1": batch_digest(ids)}
         return {"trained": 0, "buffered": self._release(step)}
 
     def _counts_now(self) -> dict[str, int]:
@@ -359,8 +361,9 @@ class SampleBuffer(Backpressure):
         """Step ``step`` was lost with its trainer; its replacement trains at
         ``min_version`` (= its version - alpha). If that trainer holds a newer version
         than the batch was taken for, the lost step's update was published: the rows
-        are ``trained``. Otherwise its groups are buffered again, first in line for the
-        re-run step. Returns ``{"trained": n, "buffered": n}`` (rows)."""
+        are ``trained`` (and ``batch_sha1`` their digest: the step is done, not re-run).
+        Otherwise its groups are buffered again, first in line for the re-run step.
+        Returns ``{"trained": n, "buffered": n}`` (rows)."""
         async with self._condition:
             if step not in self._taken:
                 return {"trained": 0, "buffered": 0}

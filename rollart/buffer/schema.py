@@ -138,3 +138,13 @@ def read_parts(run_dir_or_url: str) -> pa.Table:
     if not tables:
         return SCHEMA.empty_table()
     return pa.concat_tables(tables)
+
+
+def batch_digest(traj_ids) -> str:
+    """A short fingerprint of which trajectories a step trained on (order-free): compare
+    it with the Parquet rows ``trained`` at that step (16 hex digits of a SHA-1 over the
+    sorted ids, one per line). The trainer reports it per step; the buffer for a step
+    whose trainer was lost after publishing (``SampleBuffer.release_taken``)."""
+    import hashlib
+
+    return hashlib.sha1("\n".join(sorted(traj_ids)).encode()).hexdigest()[:16]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollart.buffer.buffer import TAKE_KEY
-from rollart.buffer.schema import from_table
+from rollart.buffer.schema import batch_digest, from_table  # noqa: F401 (re-exported)
 from rollart.model import load_model, load_tokenizer
 from rollart.resources import set_worker_threads
 from rollart.staleness import StalenessBound
@@ -335,13 +334,6 @@ def collate(batch, pad_id: int):
         mask[i, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
         behaviour[i, p:p + r] = torch.tensor(t.logprobs, dtype=torch.float32)
     return ids, attn, mask, behaviour
-
-
-def batch_digest(traj_ids) -> str:
-    """A short fingerprint of which trajectories a step trained on (order-free): compare
-    it with the Parquet rows ``trained`` at that step (16 hex digits of a SHA-1 over the
-    sorted ids, one per line)."""
-    return hashlib.sha1("\n".join(sorted(traj_ids)).encode()).hexdigest()[:16]
 
 
 def batch_metrics(batch, trainer_version: int) -> dict:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -345,10 +346,15 @@ def _kill_when_taken(cluster, client, buf, addr, log):
     log.append(lose_worker(cluster, client, addr, restart_after=0.5))
 
 
-def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path):
-    import hashlib
+@contextlib.contextmanager
+def _trainer_and_buffer(tiny_model, run, name: str, trainer_cls=None):
+    """A cluster of worker processes (env, trainer), a trainer (``trainer_cls`` in place
+    of the graph's, if given) that published v0, a buffer on the env worker and an async
+    pipeline over them with a Supervisor; yields ``(cluster, client, pipeline)``. Worker
+    processes: a kill is a SIGKILL (an in-process worker's closed trainer would finish
+    its step and publish, as a worker cut off by the network might)."""
+    import dataclasses
 
-    import pyarrow.compute as pc
     from distributed import Client
 
     from rollart import GRPO, Graph, Policy
@@ -358,25 +364,35 @@ def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path
     from rollart.stages import Actors, Stages
     from rollart.types import TRAIN
 
-    graph = Graph(name="t-killed", tasks=("gridnav",), policy=Policy(warmup_steps=0),
+    graph = Graph(name=name, tasks=("gridnav",), policy=Policy(warmup_steps=0),
                   algo=GRPO(group_size=4, groups_per_step=4, alpha=1, micro_batch_tokens=0))
-    # worker processes: the kill is a SIGKILL (an in-process worker's closed trainer would
-    # finish its step and publish, as a worker cut off by the network might)
     res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),
                            Pool("trainer", tag=TRAIN, kind="trainer")),
                     processes=True, dashboard_address=":0")
-    run = tmp_path / "run"
-    rng = random.Random(0)
     with res.make_cluster() as cluster, Client(cluster) as client:
         stages = Stages(client, graph, tiny_model, run)
-        t_addr = workers_with(client, TRAIN)[0]
-        trainer = stages.submit(stages.spec("trainer"), t_addr, None).result()
+        spec = stages.spec("trainer")
+        if trainer_cls is not None:
+            spec = dataclasses.replace(spec, cls=trainer_cls)
+        trainer = stages.submit(spec, workers_with(client, TRAIN)[0], None).result()
         buf = client.submit(SampleBuffer, str(run), actor=True,
                             workers=workers_with(client, CPU_ENV)).result()
         actors = Actors(trainer, buf, [], [])
         pipeline = AsyncPipeline(actors, graph)
-        pipeline.supervisor = Supervisor(stages, actors)
+        pipeline.supervisor = Supervisor(stages, actors)  # replaces from the graph's spec
         assert trainer.publish().result() == 0
+        yield cluster, client, pipeline
+
+
+def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path):
+    import hashlib
+
+    import pyarrow.compute as pc
+
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    with _trainer_and_buffer(tiny_model, run, "t-killed") as (cluster, client, pipeline):
+        actors, trainer, buf = pipeline.actors, pipeline.actors.trainer, pipeline.actors.buffer
         ids = []
         for g in range(12):  # three steps' worth (the third's fresh enough for version 2)
             trajs = [_long(f"g{g:02d}", i, rng, 0 if g < 8 else 1) for i in range(4)]
@@ -437,39 +453,19 @@ def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_p
     confirmed the batch: the update is in the weights its replacement loads, so step 2
     stands with the batch the buffer handed out, and is not re-run (a re-run trained a
     second batch under the same step number, which no trainer record vouched for)."""
-    import dataclasses
     import sys
 
     import cloudpickle
     import pyarrow.compute as pc
-    from distributed import Client
 
-    from rollart import GRPO, Graph, Policy
     from rollart.buffer.schema import batch_digest
-    from rollart.pipeline import AsyncPipeline
-    from rollart.recovery import Supervisor
-    from rollart.resources import Pool, Resources, workers_with
-    from rollart.stages import Actors, Stages
-    from rollart.types import TRAIN
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the class, to workers
-    graph = Graph(name="t-published", tasks=("gridnav",), policy=Policy(warmup_steps=0),
-                  algo=GRPO(group_size=4, groups_per_step=4, alpha=1, micro_batch_tokens=0))
-    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),
-                           Pool("trainer", tag=TRAIN, kind="trainer")),
-                    processes=True, dashboard_address=":0")
     run = tmp_path / "run"
     rng = random.Random(1)
-    with res.make_cluster() as cluster, Client(cluster) as client:
-        stages = Stages(client, graph, tiny_model, run)
-        spec = dataclasses.replace(stages.spec("trainer"), cls=_DiesAfterPublishing.make())
-        trainer = stages.submit(spec, workers_with(client, TRAIN)[0], None).result()
-        buf = client.submit(SampleBuffer, str(run), actor=True,
-                            workers=workers_with(client, CPU_ENV)).result()
-        actors = Actors(trainer, buf, [], [])
-        pipeline = AsyncPipeline(actors, graph)
-        pipeline.supervisor = Supervisor(stages, actors)  # replaces it from the real spec
-        assert trainer.publish().result() == 0
+    with _trainer_and_buffer(tiny_model, run, "t-published",
+                             _DiesAfterPublishing.make()) as (_, _, pipeline):
+        actors, trainer, buf = pipeline.actors, pipeline.actors.trainer, pipeline.actors.buffer
         ids = []
         for g in range(16):  # four steps' worth: a re-run of step 2 still lets 3 finish
             trajs = [_long(f"g{g:02d}", i, rng, (0, 0, 1, 2)[g // 4]) for i in range(4)]

@@ -19,7 +19,8 @@ from rollart.env.tasks import get_task
 from rollart.rollout.routing import Router
 from rollart.sim import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape, simulate
 from rollart.sim.cluster import Cluster
-from rollart.sim.costs import MODELS, Costs, EnvCost, RewardCost, TrainCost, WeightSync
+from rollart.sim.costs import (GPUS, MODELS, ControlPlane, Costs, EnvCost, GenCost, GPUSpec,
+                               RewardCost, TrainCost, WeightSync)
 from rollart.staleness import StalenessBound
 from rollart.types import H20, H800
 
@@ -215,3 +216,81 @@ def test_cluster_sim_benchmark_tiny(tmp_path):
     assert got["gpus"] == 3000 and got["async_vs_sync"] > 0 and got["pd_gain"] > 0
     assert (tmp_path / "sim_utilisation.png").stat().st_size > 1000
     assert (tmp_path / "sim_staleness.png").stat().st_size > 1000
+
+
+# -- control-plane latency, the env managers' loops, the shared GIL ----------------------
+INSTANT = GPUSpec("instant", flops=1e19, hbm_bytes_s=1e19, mem_bytes=1e15)  # ~1e-8 s a step
+TURNS, RESET, STEP, REWARD_S, CALL = 3, 1.0, 0.5, 0.2, 0.01
+QWEN3_8B_WEIGHT_BYTES = MODELS["Qwen3-8B"].params * 2  # BF16
+H20_HBM_BYTES_S = 4.0e12
+
+
+def _lockstep_run(groups=1, managers=None, turn_s=0.0, near=False, call=CALL):
+    """A sync run of one step whose engine and trainer take no time: what is left is the
+    env, the reward and what the test charges (control plane, loop time)."""
+    costs = _costs(FIXED, train_s=0.0).with_(
+        gpus={"instant": INSTANT}, reward=RewardCost(call=Latency("fixed", REWARD_S)),
+        control=ControlPlane(actor_call_s=call, near=near), manager_turn_s=turn_s)
+    cluster = ClusterSpec((GPUPool(H20, "instant", 1),),
+                          (EnvPool("CPU_ENV", 64, managers=managers),),
+                          RewardPool("dedicated", workers=8), trainer_gpus=1,
+                          trainer_gpu="instant")
+    shape = TaskShape(turns=TURNS, prompt_tokens=10, obs_tokens=5, response_tokens=4)
+    g = _graph(mode="sync", groups=groups, size=2, steps=1, inference_pools=(H20,))
+    return simulate(SimConfig(cluster, g, costs, shapes={"gridnav": shape}, steps=1))
+
+
+def test_a_turn_pays_its_generation_calls_round_trip_and_the_step_its_calls():
+    """One group of two identical members in lockstep (one path): the step ends after
+    the reset, every turn's generation call (an actor round trip unless near) and env
+    step, the reward, the buffer put, then the driver's train_step and the trainer's
+    get_table calls, then the weight push (16.4 GB at 1 PB/s); engine and trainer cost
+    nothing here."""
+    far, near = _lockstep_run(), _lockstep_run(near=True)
+    push = QWEN3_8B_WEIGHT_BYTES / 1e15
+    path = RESET + TURNS * STEP + REWARD_S + 3 * CALL + push  # put, train_step, get_table
+    assert near.sim_time_s == pytest.approx(path, abs=1e-6)
+    assert far.sim_time_s == pytest.approx(path + TURNS * CALL, abs=1e-6)
+    slow = _lockstep_run(call=0.1, near=True)
+    assert slow.sim_time_s - near.sim_time_s == pytest.approx(3 * (0.1 - CALL), abs=1e-6)
+
+
+def test_an_env_managers_loop_serialises_its_trajectories_turns():
+    """Two groups of two in lockstep, each turn holding its manager's loop 50 ms: on one
+    manager the four holds of a turn run one after another (the last member generates
+    4 × 50 ms after the barrier opens), on two managers two by two."""
+    c = 0.05
+    base = _lockstep_run(groups=2, managers=1)
+    one = _lockstep_run(groups=2, managers=1, turn_s=c)
+    two = _lockstep_run(groups=2, managers=2, turn_s=c)
+    assert one.sim_time_s - base.sim_time_s == pytest.approx(TURNS * 4 * c, abs=1e-6)
+    assert two.sim_time_s - base.sim_time_s == pytest.approx(TURNS * 2 * c, abs=1e-6)
+    assert one.control["manager_loop_busy"] == pytest.approx(
+        4 * TURNS * c / one.sim_time_s, rel=1e-6)
+
+
+def test_a_co_located_turn_pauses_a_busy_engine_and_not_an_idle_one():
+    """``SimWorker.stall``: the GIL taken by the manager's Python for 30 ms delays a
+    request by exactly that when it comes during the request's admission, by that and
+    at most one decode step's rounding when it cuts a decode phase; an idle worker
+    loses nothing."""
+    import simpy
+
+    from rollart.sim.pools import Meter, Req, SimWorker
+
+    gen = GenCost(MODELS["Qwen3-8B"], GPUS["H20"], mbu=0.7, step_overhead_s=0.01)
+    step = QWEN3_8B_WEIGHT_BYTES / (H20_HBM_BYTES_S * 0.7) + 0.01  # batch 1, no KV yet
+    done = {}
+    for when in (None, 0.0, 0.05):
+        env = simpy.Environment()
+        w = SimWorker(env, 0, H20, gen, 8, Meter(1, 1.0))
+        w.stall(1.0)  # idle: nothing to pause
+        req = Req(env, 0, 0, 0, 20, "decode")  # KV already there: decode only
+        w.submit(req)
+        if when is not None:
+            env.timeout(when).callbacks.append(lambda _e, w=w: w.stall(0.03))
+        env.run(until=req.event)
+        done[when] = env.now
+        assert w.stalled == pytest.approx(0.0 if when is None else 0.03)
+    assert done[0.0] - done[None] == pytest.approx(0.03, abs=1e-9)
+    assert 0.03 - 1e-9 <= done[0.05] - done[None] <= 0.03 + step

@@ -81,7 +81,10 @@ def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_al
         pipe = make_pipeline(actors, graph)
         pipe.supervisor = Supervisor(stages, actors)
         steps = [pipe.step(s) for s in range(1, 4)]
-        real = {tag: w.stats().result() for w, tag, _ in actors.workers}
+        # decode side first: what it received by then was sent by then, and rollout goes
+        # on (async), so the prefill side read after it has sent at least as much
+        order = sorted(actors.workers, key=lambda w: w[1] != H20)
+        real = {tag: w.stats().result() for w, tag, _ in order}
     finally:
         _shutdown(actors)
     sim = simulate(SimConfig(_cluster(), graph, _costs(), steps=3, record=True,
@@ -94,7 +97,9 @@ def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_al
     # runtime: H800 only prefilled (guess's PD prefills: KV sent, nothing generated), so
     # gridnav never ran there; H20 decoded guess (KV received) and generated gridnav
     assert real[H800]["tokens_generated"] == 0 and real[H800]["kv_sent"] > 0, real[H800]
-    assert real[H20]["kv_received"] == real[H800]["kv_sent"]
+    # every KV decoded on H20 came from an H800 prefill (some prefills may still wait for
+    # their decode, or their member was cancelled)
+    assert 0 < real[H20]["kv_received"] <= real[H800]["kv_sent"], (real[H20], real[H800])
     assert real[H20]["tokens_generated"] > 0
     # simulator: the same routes, phase by phase
     assert set(sim.decisions) == {("sim_guess", H800, "prefill"),

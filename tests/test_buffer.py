@@ -13,6 +13,7 @@ import pytest
 from rollart.buffer import SCHEMA, SampleBuffer, from_table, read_samples, to_record_batch
 from rollart.buffer import schema as schema_mod
 from rollart.buffer import write_parquet
+from rollart.buffer.schema import batch_digest
 from rollart.types import CPU_ENV, Trajectory
 
 distributed = pytest.importorskip("distributed")
@@ -140,8 +141,10 @@ def test_taken_until_confirmed_release_and_stale_confirmations():
         assert await buf.mark_trained(1, again.schema.metadata[TAKE_KEY].decode()) == 4
         assert await buf.mark_trained(1) == 0  # nothing taken for step 1 any more
         # published before the trainer died: its replacement is one version on
-        await buf.get_table(1, 2, trained_step=2)
-        assert await buf.release_taken(2, 3) == {"trained": 2, "buffered": 0}
+        late = await buf.get_table(1, 2, trained_step=2)
+        settled = await buf.release_taken(2, 3)  # the step stands: its batch and digest
+        assert settled == {"trained": 2, "buffered": 0,
+                           "batch_sha1": batch_digest(late.column("traj_id").to_pylist())}
         c = await buf.counts()
         check_invariant(c)
         assert (c["taken"], c["trained"], c["buffered"]) == (0, 6, 0)

@@ -258,22 +258,7 @@ class Pipeline(abc.ABC):
             logger.warning("trainer step %d lost its trainer (%r); replacing it", step, error)
             version = self.supervisor.replace_trainer()  # then re-run this step
             self.trainer_recoveries += 1
-            settled = self.release_taken(step, version)
-            if settled.get("trained"):  # it published before it died: the step is done
-                return self.published_step(step, version, settled)
-
-    def published_step(self, step: int, version: int, settled: dict) -> dict:
-        """Step ``step``'s trainer died after publishing ``version`` (its update is in
-        the weights the new trainer loaded): the step is recorded, not re-run (a re-run
-        would train a second batch under the same step number). Its loss figures died
-        with the trainer; the batch's size and digest come from the buffer."""
-        logger.warning("step %d: its trainer published v%d before it was lost; the step "
-                       "stands (batch of %d from the buffer's record)", step, version,
-                       settled["trained"])
-        self.watchdog.stepped(version, time.monotonic())
-        return {"version": version, "trainer/batch_size": settled["trained"],
-                "trainer/batch_sha1": settled.get("batch_sha1", ""),
-                "trainer/published_before_loss": 1}
+            self.release_taken(step, version)
 
     def release_taken(self, step: int, version: int) -> dict:
         """Step ``step`` lost its trainer; the new one holds ``version``. The batch the

@@ -346,6 +346,18 @@ def _kill_when_taken(cluster, client, buf, addr, log):
     log.append(lose_worker(cluster, client, addr, restart_after=0.5))
 
 
+def _trained_by_step(run):
+    """The ``trained`` rows of ``run`` (an Arrow table) and their ids per trained_step."""
+    import pyarrow.compute as pc
+
+    samples = read_samples(str(run))
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    by_step: dict[int, list[str]] = {}
+    for t, s in zip(trained["traj_id"].to_pylist(), trained["trained_step"].to_pylist()):
+        by_step.setdefault(s, []).append(t)
+    return trained, by_step
+
+
 @contextlib.contextmanager
 def _trainer_and_buffer(tiny_model, run, name: str, trainer_cls=None):
     """A cluster of worker processes (env, trainer), a trainer (``trainer_cls`` in place
@@ -387,8 +399,6 @@ def _trainer_and_buffer(tiny_model, run, name: str, trainer_cls=None):
 def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path):
     import hashlib
 
-    import pyarrow.compute as pc
-
     run = tmp_path / "run"
     rng = random.Random(0)
     with _trainer_and_buffer(tiny_model, run, "t-killed") as (cluster, client, pipeline):
@@ -412,11 +422,7 @@ def test_trainer_killed_mid_step_trains_nothing_unpublished(tiny_model, tmp_path
         third = pipeline.train(3)
         c = buf.counts().result()
         buf.close().result()
-    samples = read_samples(str(run))
-    trained = samples.filter(pc.equal(samples["state"], "trained"))
-    by_step: dict[int, list[str]] = {}
-    for t, s in zip(trained["traj_id"].to_pylist(), trained["trained_step"].to_pylist()):
-        by_step.setdefault(s, []).append(t)
+    trained, by_step = _trained_by_step(run)
     # every trained row belongs to a published update, and each update's rows are
     # exactly the batch the trainer reports it trained on
     assert sorted(by_step) == [1, 2, 3]
@@ -460,7 +466,6 @@ def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_p
     import sys
 
     import cloudpickle
-    import pyarrow.compute as pc
 
     from rollart.buffer.schema import batch_digest
 
@@ -481,11 +486,7 @@ def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_p
         buf.close().result()
     assert [m["version"] for m in steps] == [1, 2, 3]
     assert steps[1].get("trainer/published_before_loss") == 1
-    samples = read_samples(str(run))
-    trained = samples.filter(pc.equal(samples["state"], "trained"))
-    by_step: dict[int, list[str]] = {}
-    for t, s in zip(trained["traj_id"].to_pylist(), trained["trained_step"].to_pylist()):
-        by_step.setdefault(s, []).append(t)
+    trained, by_step = _trained_by_step(run)
     assert sorted(by_step) == [1, 2, 3]
     for step, m in zip((1, 2, 3), steps):  # each step's rows are the batch it reports
         assert len(by_step[step]) == m["trainer/batch_size"] == 16, step

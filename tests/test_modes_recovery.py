@@ -3,15 +3,12 @@ inference and the trainer's worker die mid-run) in ``sync+`` and ``areal``. A mo
 its own: its in-process cluster must not run while another module's client is open (a
 second in-process cluster's actor calls hung then, as in tests/test_durability.py)."""
 
-import threading
-
 import pyarrow.compute as pc
 import pytest
 
-from rollart import GRPO, Graph, Policy, Rollout, train
+from rollart import GRPO
 from rollart.buffer import read_samples
 from rollart.buffer.ledger import STATES
-from rollart.env.faults import Faults, with_faults
 
 
 @pytest.mark.parametrize("mode", ["sync+", "areal"])
@@ -19,25 +16,11 @@ def test_new_modes_survive_losing_env_inference_and_trainer_workers(tmp_path, mo
     """tests/test_recovery.py's run (an env, an inference and the trainer's worker die)
     in the new modes: the run completes, the ledger adds up with nothing left in
     flight, no trajectory is trained twice."""
-    from distributed import Client
-
     from rollart.types import CPU_ENV, H20, TRAIN
-    from test_recovery import _killer, chaos_resources
+    from test_recovery import run_losing_env_inference_and_trainer
 
-    faults = Faults(step=0.002, fail_prob=0.05, seed=1)
-    graph = Graph(name=f"t-recovery-{mode}", tasks=(with_faults("gridnav", faults),),
-                  steps=7, mode=mode, checkpoint_every=2, policy=Policy(warmup_steps=0),
-                  algo=GRPO(group_size=2, groups_per_step=3),
-                  rollout=Rollout(env_step_timeout=2.0, redundancy=1.5))
-    killed: list = []
-    with chaos_resources().make_cluster() as cluster, Client(cluster) as client:
-        plan = [(1, CPU_ENV), (3, H20), (5, TRAIN)]
-        t = threading.Thread(target=_killer, args=(cluster, client, tmp_path / "run",
-                                                   plan, killed), daemon=True)
-        t.start()
-        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
-                       eval_seeds=0)
-        t.join(5)
+    result, killed = run_losing_env_inference_and_trainer(
+        tmp_path, f"t-recovery-{mode}", mode=mode, algo=GRPO(group_size=2, groups_per_step=3))
     assert [tag for tag, _ in killed] == [CPU_ENV, H20, TRAIN]
     rows = result.metrics
     assert [r["step"] for r in rows] == list(range(1, 8))

@@ -48,17 +48,19 @@ def _killer(cluster, client, run_dir, plan, log):
         log.append((tag, lose_worker(cluster, client, addr, restart_after=0.5)))
 
 
-def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
+def run_losing_env_inference_and_trainer(tmp_path, name: str, **graph_kwargs):
+    """A 7-step gridnav run (5% env failures, 1.5x redundancy, a checkpoint every 2
+    steps) on ``chaos_resources`` in which an env, an H20 and the trainer's worker are
+    killed after steps 1, 3 and 5; returns ``(result, killed)``. Also used by
+    tests/test_modes_recovery.py."""
     from distributed import Client
 
     faults = Faults(step=0.002, fail_prob=0.05, seed=1)
-    graph = Graph(name="t-recovery", tasks=(with_faults("gridnav", faults),), steps=7,
+    graph = Graph(name=name, tasks=(with_faults("gridnav", faults),), steps=7,
                   checkpoint_every=2, policy=Policy(warmup_steps=0),
-                  algo=GRPO(group_size=2, groups_per_step=3, alpha=1),
-                  rollout=Rollout(env_step_timeout=2.0, redundancy=1.5))
-    res = chaos_resources()
+                  rollout=Rollout(env_step_timeout=2.0, redundancy=1.5), **graph_kwargs)
     killed: list = []
-    with res.make_cluster() as cluster, Client(cluster) as client:
+    with chaos_resources().make_cluster() as cluster, Client(cluster) as client:
         plan = [(1, CPU_ENV), (3, H20), (5, TRAIN)]
         t = threading.Thread(target=_killer, args=(cluster, client, tmp_path / "run",
                                                    plan, killed), daemon=True)
@@ -66,6 +68,12 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
         result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
                        eval_seeds=0)
         t.join(5)
+    return result, killed
+
+
+def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
+    result, killed = run_losing_env_inference_and_trainer(
+        tmp_path, "t-recovery", algo=GRPO(group_size=2, groups_per_step=3, alpha=1))
     assert [tag for tag, _ in killed] == [CPU_ENV, H20, TRAIN]
     rows = result.metrics
     assert [r["step"] for r in rows] == list(range(1, 8))

@@ -268,10 +268,12 @@ def key(runner: str) -> str:
 
 def ratios(runs: dict) -> dict:
     """One workload's figures: each rollart mode against TRL (time: TRL ÷ mode, so > 1
-    means rollart reached the target sooner; throughput: mode ÷ TRL)."""
+    means rollart reached the target sooner; throughput: mode ÷ TRL), and every
+    runner's own time, held-out success and trained trajectories/s (``tps_``)."""
     trl = runs["trl"]
     out = {f"t_{key(r)}": run["time_to_target_s"] for r, run in runs.items()}
     out.update({f"heldout_{key(r)}": run["heldout_final"] for r, run in runs.items()})
+    out.update({f"tps_{key(r)}": run["traj_per_s"] for r, run in runs.items()})
     for m in (r for r in runs if r != "trl"):
         out[f"speedup_{key(m)}"] = speedup(trl["time_to_target_s"], runs[m]["time_to_target_s"])
         out[f"throughput_{key(m)}"] = runs[m]["traj_per_s"] / trl["traj_per_s"]
@@ -307,6 +309,74 @@ def combine(per_seed: list[dict]) -> dict:
         out.update({f"{k}_each": "/".join(f"{d[k]:.3g}" for d in per_seed)
                     for k in per_seed[0] if k.startswith(("speedup_", "t_"))})
     return out
+
+
+SETTING_KEYS = ("target", "conversation", "eval_every", "eval_seeds", "redundancy",
+                "resources", "inference_pools")
+
+
+def parse_result(line: str) -> dict:
+    """A ``RESULT k=v ...`` line as a dict (numbers as floats, ``inf``/``nan`` too).
+
+    >>> parse_result("RESULT t_trl_no_latency=inf heldout_trl_no_latency=0.5 seeds=0")
+    {'t_trl_no_latency': inf, 'heldout_trl_no_latency': 0.5, 'seeds': '0'}
+    """
+    out: dict = {}
+    for item in line.split()[1:]:
+        k, _, v = item.partition("=")
+        try:
+            out[k] = v if k == "seeds" else float(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def aggregate(results: list[dict]) -> dict:
+    """Several runs' RESULT figures (one seed each, as ``--seeds 1 --seed N`` prints)
+    combined: each per-run figure's median over the runs (nan entries left out, as in
+    ``combine``) with its range (``_min``/``_max``), the verdict recomputed from the
+    median times, and the seeds joined. Runs whose settings differ (target, held-out
+    seeds, steps, ...) are refused: a median over different settings means nothing.
+    """
+    import statistics
+
+    fixed = [k for k in results[0] if k in SETTING_KEYS or k.startswith("steps_")]
+    for k in fixed:
+        if len({r.get(k) for r in results}) > 1:
+            raise SystemExit(f"runs with different {k} ({[r.get(k) for r in results]}): "
+                             "aggregate only runs of the same settings")
+    per_run = [k for k, v in results[0].items() if isinstance(v, float) and k not in fixed
+               and k not in ("trl_threads", "total_s")]
+    out: dict = {}
+    for k in per_run:
+        vals = [r[k] for r in results if k in r and not math.isnan(r[k])]
+        out[k] = statistics.median(vals) if vals else math.nan
+        out[f"{k}_min"] = min(vals) if vals else math.nan
+        out[f"{k}_max"] = max(vals) if vals else math.nan
+    workloads = [k[len("steps_"):] for k in fixed if k.startswith("steps_")]
+    for w in workloads:
+        modes = [m for m in MODES if f"t_{key(m)}_{w}" in out]
+        out.update(verdict(out, w, modes))
+    out["seeds"] = "/".join(str(r["seeds"]) for r in results)
+    out["trl_threads"] = "/".join(f"{r.get('trl_threads', math.nan):g}" for r in results)
+    out.update({k: results[0][k] for k in fixed})
+    out["total_s"] = sum(r.get("total_s", 0.0) for r in results)
+    return out
+
+
+def aggregate_files(paths: list[str]) -> dict:
+    """``--aggregate``: the RESULT line of each file (a run's saved output), combined
+    and printed as one RESULT line."""
+    results = []
+    for path in paths:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("RESULT ")]
+        if len(lines) != 1:
+            raise SystemExit(f"{path}: {len(lines)} RESULT lines; give one run's output per file")
+        results.append(parse_result(lines[0]))
+    figures = aggregate(results)
+    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in figures.items()))
+    return figures
 
 
 def parse_args(argv):
@@ -347,6 +417,9 @@ def parse_args(argv):
                    help="raw: the word-level toy, obs/action text concatenated; chat: the "
                    "chat toy (ChatML template), rollart Policy(conversation='chat') and "
                    "TRL's tool loop rendered by the same template")
+    p.add_argument("--aggregate", nargs="+", metavar="FILE", default=None,
+                   help="run nothing: combine the RESULT lines of these saved outputs "
+                   "(one seed each) into medians with their min and max")
     return p.parse_args(argv)
 
 
@@ -365,6 +438,8 @@ def settings(a) -> Settings:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.aggregate:
+        return {"result": aggregate_files(a.aggregate)}
     s = settings(a)
     workloads = [w for w in a.workloads.split(",") if w]
     modes = [m for m in a.modes.split(",") if m]

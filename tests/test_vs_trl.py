@@ -186,6 +186,7 @@ def test_time_to_a_heldout_target_is_fixed_and_misses_are_reported():
     r = vs_trl.ratios(runs)
     assert r["speedup_async"] == 2.0 and r["speedup_sync"] == 0.0
     assert r["throughput_async"] == 3.0
+    assert (r["tps_trl"], r["tps_async"], r["t_sync"]) == (10.0, 30.0, math.inf)
     figures = {f"{k}_w": v for k, v in r.items()}
     v = vs_trl.verdict(figures, "w", ("sync", "async"))
     assert v == {"best_mode_w": "async", "trl_faster_than_w": "sync"}
@@ -253,3 +254,44 @@ def test_benchmark_chat_runs_end_to_end(capsys):
         assert run["tokens_per_s"] > 0
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
     assert len(line) == 1 and "conversation=chat" in line[0]
+
+
+def test_aggregate_takes_medians_and_ranges_of_one_seed_runs(tmp_path):
+    """--aggregate FILE...: the RESULT lines of single-seed runs (as `--seeds 1 --seed N`
+    prints them) become medians with min and max, the verdict follows the median times
+    (a seed that missed counts inf, a both-missed nan is left out), and runs of different
+    settings are refused."""
+    vs_trl = _load("vs_trl")
+    runs = [  # (t_trl, t_async, t_sync, speedup_sync, heldout_async, tps_async)
+        ("30", "10", "inf", "0", "0.6", "20"), ("50", "inf", "inf", "nan", "0.4", "40"),
+        ("40", "20", "60", "0.667", "0.5", "30")]
+    paths = []
+    for n, (trl, asy, syn, sp, ho, tps) in enumerate(runs):
+        path = tmp_path / f"seed{n}.log"
+        path.write_text(f"seed {n}: noise\nRESULT speedup_sync_w={sp} t_trl_w={trl} "
+                        f"t_async_w={asy} t_sync_w={syn} heldout_async_w={ho} "
+                        f"tps_async_w={tps} best_mode_w=x seeds={n} target=0.5 "
+                        f"conversation=raw steps_w=60 eval_seeds=64 trl_threads=1 "
+                        f"total_s=300\n")
+        paths.append(str(path))
+    agg = vs_trl.aggregate_files(paths)
+    assert (agg["t_trl_w"], agg["t_trl_w_min"], agg["t_trl_w_max"]) == (40.0, 30.0, 50.0)
+    assert (agg["t_async_w"], agg["t_async_w_max"]) == (20.0, math.inf)
+    assert agg["t_sync_w"] == math.inf and agg["t_sync_w_min"] == 60.0
+    assert agg["speedup_sync_w"] == pytest.approx(0.3335)  # the nan seed left out
+    assert agg["heldout_async_w"] == 0.5 and agg["tps_async_w_min"] == 20.0
+    assert (agg["best_mode_w"], agg["trl_faster_than_w"]) == ("async", "sync")
+    assert agg["seeds"] == "0/1/2" and agg["target"] == 0.5 and agg["total_s"] == 900
+    assert "steps_w_min" not in agg and "target_min" not in agg
+    other = tmp_path / "other.log"
+    other.write_text(Path(paths[0]).read_text().replace("target=0.5", "target=0.4"))
+    with pytest.raises(SystemExit, match="different target"):
+        vs_trl.aggregate_files(paths[:2] + [str(other)])
+    with pytest.raises(SystemExit, match="0 RESULT lines"):
+        vs_trl.aggregate_files([str(tmp_path / "seed0.log"), str(_empty(tmp_path))])
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.log"
+    path.write_text("no result here\n")
+    return path

@@ -297,3 +297,61 @@ def test_in_situ_trainer_overhead_from_probe_metrics():
     out = in_situ_trainer(fit, rows, shapes, batch_size=96)
     assert out.train.overhead_s == pytest.approx(2.3 - flops_part)  # median of 2.0 2.8 2.3
     assert out.gen is fit.gen and fit.train.overhead_s == 0.05  # a copy
+
+
+class _FirstSleeps:
+    """gridnav whose first instance (since ``made.clear()``) takes 1 s a step: the
+    straggler a redundant group cancels in the middle of its env step."""
+
+    made: list = []
+
+    def __new__(cls):
+        from rollart.env.builtin.gridnav import GridNavEnv
+
+        env = GridNavEnv()
+        first = not cls.made
+        cls.made.append(env)
+        if first:
+            step = env.step
+
+            def slow(action):
+                import time
+
+                time.sleep(1.0)
+                return step(action)
+
+            env.step = slow
+        return env
+
+
+def test_turn_overhead_leaves_out_the_generation_of_a_cancelled_turn(local_cluster,
+                                                                     tiny_model, tmp_path):
+    """``rollout/turn_overhead_s`` (what ``measure_turn_overhead`` reads) is a completed
+    turn's wall time less its generation and env time. A redundant member cancelled in
+    its env step after its generation has no completed turn, so its generation must not
+    count either: it did (the metric came out negative in async runs)."""
+    from rollart.buffer import SampleBuffer
+    from rollart.env.manager import EnvManager
+    from rollart.env.tasks import Task
+    from rollart.model import load_model
+    from rollart.reward import success_reward
+    from rollart.rollout import InferenceWorker, LLMProxy
+    from rollart.types import CPU_ENV, H800
+    from rollart.weights import WeightStore
+
+    c = local_cluster
+    store = str(tmp_path / "weights")
+    WeightStore(store).put(0, load_model(tiny_model).state_dict())
+    worker = c.submit(InferenceWorker, tiny_model, store, pool=H800, actor=True,
+                      resources={H800: 1}, key="iw-overhead").result()
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-overhead").result()
+    mgr = c.submit(EnvManager, LLMProxy([(worker, H800)]), buf, tiny_model,
+                   actor=True, resources={CPU_ENV: 1}, key="mgr-overhead").result()
+    _FirstSleeps.made.clear()
+    task = Task(name="overhead", env_factory=_FirstSleeps, reward_fn=success_reward,
+                max_turns=1)
+    mgr.run_group(task, 5, "overhead", 1, redundancy=2.0).result()
+    stats = mgr.stats().result()
+    assert stats["cancelled"] == 1 and stats["turns"] == 1  # the straggler's never ended
+    assert stats["turn_overhead_s"] >= 0.0, stats["turn_overhead_s"]

@@ -235,7 +235,7 @@ class TrajectoryRunner:
                     self.counts["truncated"] += 1
                     return
                 t0 = time.perf_counter()
-                env_before = traj.env_time
+                env_before, gen_before = traj.env_time, traj.gen_time
                 text = await self._generate(task, conv, traj, turn)
                 calls = tool_calls(text) if tools else []
                 if calls:
@@ -243,8 +243,12 @@ class TrajectoryRunner:
                     done = False
                 else:
                     done = await self._env_turn(task, env, text, conv, ep, traj)
+                # counted per completed turn, all three together: a member cancelled
+                # between its generation and the end of its env step has no turn here,
+                # so its generation time must not count either
                 self.turns += 1
                 self.turn_seconds += time.perf_counter() - t0
+                self.gen_seconds += traj.gen_time - gen_before
                 self.env_seconds += traj.env_time - env_before
                 if done:
                     return
@@ -264,7 +268,6 @@ class TrajectoryRunner:
                                         task=task.name)
         gen = time.perf_counter() - t0
         traj.gen_time += gen
-        self.gen_seconds += gen
         return conv.add_generation(res.token_ids, res.logprobs, res.versions,
                                    res.finish_reason)
 

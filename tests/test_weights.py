@@ -166,8 +166,20 @@ def test_prefetch_then_swap_under_load(store, model_dir):
     long = [GenRequest([3 + i, 4, 5 + i], max_new_tokens=400, temperature=1.0, seed=i)
             for i in range(6)]
 
+    engines = []
+
+    def hold_until_v2(n):
+        # the batch must still be decoding when v2 arrives, however slow the fetch is
+        # under load: from round 300 on, the decode thread waits (<= 60 s) for v2 staged
+        if n >= 300 and engines:
+            eng, deadline = engines[0], time.monotonic() + 60
+            while eng.version < 2 and eng.pending_version != 2 and time.monotonic() < deadline:
+                time.sleep(0.002)
+
     async def scenario():
-        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8)
+        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8,
+                            engine_options={"step_callback": hold_until_v2})
+        engines.append(w.engine)
         tasks = [asyncio.ensure_future(w.generate(r)) for r in long]
         seen = []
         for v in (1, 2):

@@ -19,7 +19,6 @@ the ``InferenceWorker`` actor owns one engine and calls it from its engine threa
 from __future__ import annotations
 
 import inspect
-import threading
 import time
 from typing import Callable
 
@@ -30,14 +29,12 @@ from rollart.model import load_model, load_tokenizer
 from rollart.rollout import pd
 from rollart.rollout.batch import _Batch
 from rollart.rollout.lean import LeanForward, unsupported
+from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
 from rollart.types import GenRequest, GenResult
 
-#: ``on_update(version, error)``: called on the thread that applied (or failed to apply)
-#: a requested update; ``error`` is ``None`` on success.
-UpdateHook = Callable[[int, "BaseException | None"], None]
 
 
-class TorchEngine:
+class TorchEngine(StagedUpdates):
     """One model + tokenizer that turns ``GenRequest``s into ``GenResult``s.
 
     Batching is continuous (``serve``): rows join at decode-step boundaries and leave the
@@ -67,7 +64,7 @@ class TorchEngine:
         self.version = int(version)
         self.max_batch = max(1, int(max_batch))
         self.step_callback = step_callback
-        self.on_update = on_update
+        self._init_updates(on_update)
         # decode steps between two admissions into a running batch: arrivals meanwhile
         # are prefilled together (one forward) instead of one prefill each
         self.admit_every = max(1, int(admit_every))
@@ -85,9 +82,6 @@ class TorchEngine:
             else None
         self._rng = torch.Generator()
         self._rng.seed()  # unseeded requests differ between engines
-        self._update_lock = threading.Lock()
-        self._pending_update: tuple[dict[str, torch.Tensor], int] | None = None
-        self.update_error: tuple[int, BaseException] | None = None  # last failed apply
         self.tokens_generated = 0
         self.requests = 0
         self.batches = 0
@@ -95,7 +89,6 @@ class TorchEngine:
         self.busy_seconds = 0.0
         self.suspends = 0  # weight swaps applied in the middle of a chunk
         self.recompute_tokens = 0  # context tokens re-prefilled after those swaps
-        self.stall_seconds = 0.0  # time spent applying updates + re-prefilling
         # per-trajectory KV kept for the next turn (rollart.rollout.pd); 0 = off
         self.prefix_cache = pd.PrefixCache(prefix_cache) if prefix_cache else None
 
@@ -244,95 +237,23 @@ class TorchEngine:
 
         return serve_all(self, requests, handoffs)
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the weights in place now (all keys must match) and set ``version``.
-
-        A pending ``request_update`` for ``version`` or older is dropped.
-        """
-        sd = self._check_state_dict(state_dict)
-        self._copy_in(sd, version)
-        with self._update_lock:
-            if self._pending_update is not None and self._pending_update[1] <= int(version):
-                self._pending_update = None
-
-    def request_update(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Stage new weights; thread-safe, returns at once.
-
-        Keys and shapes are checked here (``KeyError`` / ``ValueError`` to the caller) and
-        tensors are moved to the model's device and dtype on the calling thread, so the
-        swap itself is a plain copy. The update is applied at the next decode-step
-        boundary of a running ``generate``, or before the next chunk (or by
-        ``apply_pending_update``) when idle. A newer request replaces one not applied yet;
-        a request older than the pending one is ignored.
-        """
-        sd = self._check_state_dict(state_dict)
-        own = self.model.state_dict()
-        staged = {k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
-                  for k, v in sd.items()}
-        with self._update_lock:
-            if self._pending_update is None or int(version) >= self._pending_update[1]:
-                self._pending_update = (staged, int(version))
-
-    @property
-    def pending_version(self) -> int | None:
-        """The version staged by ``request_update`` and not applied yet, if any."""
-        pending = self._pending_update
-        return None if pending is None else pending[1]
-
-    def apply_pending_update(self) -> int | None:
-        """Apply a staged update now (for an idle engine); return its version or ``None``.
-
-        Raises if the copy fails (the weights keep their old version then).
-        """
-        return self._apply_pending(raise_errors=True)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the current weights."""
         return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
 
     # -- weights -----------------------------------------------------------------------
-    def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Drop a tied head, check keys and shapes; return what is to be copied in."""
+    def _stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Check keys and shapes (a tied head dropped); move to the model's device/dtype."""
         own = self.model.state_dict()
-        tied = _tied(self.model)
-        sd = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
-        expected = {k for k in own if not (tied and k == "lm_head.weight")}
-        missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - own.keys())
-        if missing or unexpected:
-            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-        wrong = [k for k, v in sd.items() if tuple(v.shape) != tuple(own[k].shape)]
-        if wrong:
-            raise ValueError(f"state dict shapes do not match the model for {wrong[:5]}")
-        return sd
+        sd = check_state_dict(state_dict, {k: tuple(v.shape) for k, v in own.items()},
+                              tied=_tied(self.model))
+        return {k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
+                for k, v in sd.items()}
 
     def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
         with torch.inference_mode(False), torch.no_grad():
             self.model.load_state_dict(sd, strict=False)
         self.version = int(version)
-
-    def _apply_pending(self, *, raise_errors: bool) -> int | None:
-        """Swap in the staged weights, if any; report to ``on_update``."""
-        with self._update_lock:
-            pending, self._pending_update = self._pending_update, None
-        if pending is None:
-            return None
-        sd, version = pending
-        t0 = time.perf_counter()
-        try:
-            self._copy_in(sd, version)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - reported, generation goes on
-            error = exc
-            self.update_error = (version, exc)
-        self.stall_seconds += time.perf_counter() - t0
-        if self.on_update is not None:
-            self.on_update(version, error)
-        if error is not None:
-            if raise_errors:
-                raise error
-            return None
-        return version
 
     # -- internals ---------------------------------------------------------------------
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
 from typing import Callable
 
@@ -41,9 +40,8 @@ import torch
 
 from rollart.model import check_model_folder, load_tokenizer
 from rollart.rollout.batch import hits_stop_string
+from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
 from rollart.types import GenRequest, GenResult
-
-UpdateHook = Callable[[int, "BaseException | None"], None]
 
 
 def _set_env_defaults() -> None:
@@ -69,7 +67,7 @@ def _refresh_tied_head(worker) -> bool:
     return True
 
 
-class VLLMEngine:
+class VLLMEngine(StagedUpdates):
     """vLLM generation with the ``TorchEngine`` interface (see the module docstring).
 
     ``engine_kwargs`` go to ``vllm.EngineArgs`` (e.g. ``block_size``,
@@ -89,7 +87,7 @@ class VLLMEngine:
         self.version = int(version)
         self.max_batch = max(1, int(max_batch))
         self.step_callback = step_callback
-        self.on_update = on_update
+        self._init_updates(on_update)
         self.tokenizer = load_tokenizer(model_path)
         config = AutoConfig.from_pretrained(self.model_path)
         self.vocab_size = int(config.vocab_size)
@@ -107,11 +105,8 @@ class VLLMEngine:
         self._threads = torch.get_num_threads()
         self._shapes = _folder_shapes(self.model_path)
         self._ids = itertools.count()
-        self._update_lock = threading.Lock()
-        self._pending_update: tuple[dict[str, torch.Tensor], int] | None = None
         self._aborted: set[int] = set()  # id() of requests asked to stop
         self._weights: dict[str, torch.Tensor] | None = None  # last loaded (None: folder)
-        self.update_error: tuple[int, BaseException] | None = None
         self.tokens_generated = 0
         self.requests = 0
         self.batches = 0
@@ -119,7 +114,6 @@ class VLLMEngine:
         self.busy_seconds = 0.0
         self.suspends = 0
         self.recompute_tokens = 0
-        self.stall_seconds = 0.0
         self.aborts = 0
 
     # -- public API (same contract as TorchEngine) ---------------------------------------
@@ -243,29 +237,6 @@ class VLLMEngine:
         with self._update_lock:
             self._aborted.add(id(req))
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load HF-named weights in place now and set ``version``."""
-        sd = self._stage(state_dict)
-        self._copy_in(sd, version)
-        with self._update_lock:
-            if self._pending_update is not None and self._pending_update[1] <= int(version):
-                self._pending_update = None
-
-    def request_update(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Stage new weights (checked and converted here); applied at the next boundary."""
-        sd = self._stage(state_dict)
-        with self._update_lock:
-            if self._pending_update is None or int(version) >= self._pending_update[1]:
-                self._pending_update = (sd, int(version))
-
-    @property
-    def pending_version(self) -> int | None:
-        pending = self._pending_update
-        return None if pending is None else pending[1]
-
-    def apply_pending_update(self) -> int | None:
-        return self._apply_pending(raise_errors=True)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The HF-named weights last loaded (the model folder's until an update)."""
         if self._weights is None:
@@ -280,16 +251,8 @@ class VLLMEngine:
 
     # -- weights -------------------------------------------------------------------------
     def _stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Drop a tied head, check names and shapes against the folder, copy to CPU fp32."""
-        sd = {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
-        expected = {k for k in self._shapes if not (self.tied and k == "lm_head.weight")}
-        missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
-        if missing or unexpected:
-            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-        wrong = [k for k, v in sd.items() if tuple(v.shape) != self._shapes[k]]
-        if wrong:
-            raise ValueError(f"state dict shapes do not match the model for {wrong[:5]}")
+        """Check names and shapes against the folder (a tied head dropped); CPU copies."""
+        sd = check_state_dict(state_dict, self._shapes, tied=self.tied)
         return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
     def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
@@ -301,28 +264,6 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self._weights = sd
         self.version = int(version)
-
-    def _apply_pending(self, *, raise_errors: bool) -> int | None:
-        with self._update_lock:
-            pending, self._pending_update = self._pending_update, None
-        if pending is None:
-            return None
-        sd, version = pending
-        t0 = time.perf_counter()
-        try:
-            self._copy_in(sd, version)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - reported, generation goes on
-            error = exc
-            self.update_error = (version, exc)
-        self.stall_seconds += time.perf_counter() - t0
-        if self.on_update is not None:
-            self.on_update(version, error)
-        if error is not None:
-            if raise_errors:
-                raise error
-            return None
-        return version
 
     # -- the decode loop -----------------------------------------------------------------
     def _add(self, row: int, req: GenRequest, done: int, context: list[int]) -> str:

@@ -155,6 +155,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-calibration", action="store_true", help="skip the real runs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "figures"),
                     help="folder for the plots")
+    ap.add_argument("--calibration-only", action="store_true",
+                    help="the calibration alone (no paper experiments, no 3,000-GPU run)")
+    ap.add_argument("--save-measured", default=None, metavar="PATH",
+                    help="write the calibration's measurements and real runs' metrics "
+                         "(cloudpickle) to PATH, to look at the prediction again")
     args = ap.parse_args(argv)
     t0 = time.time()
     out = Path(args.out)
@@ -166,7 +171,7 @@ def main(argv=None) -> dict:
         from rollart.sim.calibrate import calibration
 
         try:
-            cal = calibration(quick=args.quick)
+            cal = calibration(quick=args.quick, save=args.save_measured)
         except Exception as e:  # noqa: BLE001 - report it; the simulated figures still run
             print(f"calibration failed: {type(e).__name__}: {e}")
             figures["calibration_error"] = float("nan")
@@ -174,6 +179,9 @@ def main(argv=None) -> dict:
             print(f"calibration: real {cal['real']} sim {cal['sim']} errors "
                   f"{cal['errors']} ({cal['wall_s']:.0f}s)")
             figures["calibration_error"] = cal["calibration_error"]
+    if args.calibration_only:
+        print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
+        return figures
     t_sim = time.perf_counter()
     paper = run_paper(args.tiny)
     for key in RESULT_KEYS:

@@ -352,6 +352,7 @@ class Pipeline(abc.ABC):
         return {
             "rollout/tokens_generated": sum(w["tokens_generated"] for w in ws),
             "rollout/engine_busy_s": sum(w["busy_seconds"] for w in ws),
+            "rollout/requests": sum(w.get("requests", 0) for w in ws),  # admitted
             "rollout/suspends": sum(w.get("suspends", 0) for w in ws),
             "rollout/turns": turns,
             "rollout/backups": sum(m.get("backups", 0) for m in ms),  # backup_after

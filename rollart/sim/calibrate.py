@@ -110,19 +110,79 @@ def _lone_turn_s(base, tasks, model: str, client, tmp: Path, seed: int) -> float
 def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: float,
                    probe, rows: list[dict]) -> dict:
     """``fits`` with the engine's per-request cost beside rollout and training, from the
-    probe run (async, its own seeds): its engine's busy seconds a turn (the last row's
-    ``rollout/engine_busy_s / rollout/turns``) less what the simulator, configured from
-    ``fits`` alone, makes of that same probe (busy + GIL stalls a turn), as
-    ``GenCost.request_overhead_s`` on both fits (``alone`` and ``overlapped``)."""
+    probe run (async, its own seeds): its engine's busy seconds per request it admitted
+    (the last row's ``rollout/engine_busy_s / rollout/requests``) less what the
+    simulator, configured from ``fits`` alone, makes of that same probe (busy + GIL
+    stalls per admitted request, ``SimWorker.admitted``), as
+    ``GenCost.request_overhead_s`` on both fits (``alone`` and ``overlapped``). One unit
+    on both sides, the one the simulator charges it in: a request admitted (a cancelled
+    redundant member's request costs the engine as much as a completed turn's)."""
     from rollart.sim import simulate
 
-    real = rows[-1]["rollout/engine_busy_s"] / max(rows[-1]["rollout/turns"], 1)
+    last = rows[-1]
+    if "rollout/requests" not in last:
+        raise KeyError("the probe's metrics have no rollout/requests (the engines' "
+                       "admitted requests): run it with this rollart's pipeline stats")
+    real = last["rollout/engine_busy_s"] / max(last["rollout/requests"], 1)
     r = simulate(laptop_sim_config(probe, fits, control, shapes, len(rows), "async",
                                    probe.seed, turn_s))
-    sim = (r.extra["engine_busy_s"] + r.extra["engine_stalled_s"]) / max(r.extra["turns"], 1)
+    sim = (r.extra["engine_busy_s"] + r.extra["engine_stalled_s"]) / \
+        max(r.extra["requests"], 1)
     extra = max(0.0, real - sim)
     return {k: replace(f, gen=replace(f.gen, request_overhead_s=extra))
             for k, f in fits.items()}
+
+
+# -- per-component figures: where each run's time went, real beside simulated -----------------
+def real_components(rows: list[dict]) -> dict:
+    """A real run's figures by component from its metrics rows (cumulative counters in
+    the last row): wall seconds, the engine's busy share and busy ms per admitted
+    request, requests and completed turns, the trainer's step beside rollout and its
+    wait (medians, first step left out), members launched / cancelled / failed, trained."""
+    import statistics
+
+    last, later = rows[-1], rows[1:] or rows
+    wall = last["time"]
+    busy = last["rollout/engine_busy_s"]
+    req = last.get("rollout/requests", 0)
+    return {"wall_s": wall, "step_s": wall / len(rows), "engine_busy": busy / wall,
+            "busy_ms_per_request": 1e3 * busy / max(req, 1), "requests": req,
+            "turns": last["rollout/turns"],
+            "train_s": statistics.median(r["trainer/step_s"] - r["trainer/wait_s"]
+                                         for r in later),
+            "train_wait_s": statistics.median(r["trainer/wait_s"] for r in later),
+            "launched": last["traj/launched"], "cancelled": last["traj/cancelled"],
+            "failed": last["traj/failed"], "trained": last["traj/trained"]}
+
+
+def sim_components(r) -> dict:
+    """``real_components``'s figures from a ``SimResult`` (the engine's busy includes its
+    GIL stalls, as the real engine's busy clock does; the trainer's step is its busy
+    time a step; its wait is not tracked and left as ``nan``)."""
+    x = r.extra
+    busy = x["engine_busy_s"] + x["engine_stalled_s"]
+    wall = r.sim_time_s
+    return {"wall_s": wall, "step_s": wall / max(r.steps, 1),
+            "engine_busy": busy / wall if wall else 0.0,
+            "busy_ms_per_request": 1e3 * busy / max(x["requests"], 1),
+            "requests": x["requests"], "turns": x["turns"],
+            "train_s": r.utilisation["trainer"] * wall / max(r.steps, 1),
+            "train_wait_s": float("nan"), "launched": r.aborts["launched"],
+            "cancelled": r.aborts["cancelled"], "failed": r.aborts["failed"],
+            "trained": r.trained}
+
+
+def components_table(real: dict, sim: dict) -> str:
+    """One line per figure: real and simulated per mode (``{mode: components}``)."""
+    keys = list(next(iter(real.values())))
+    lines = ["figure " + " ".join(f"{m}:real {m}:sim" for m in real)]
+    for k in keys:
+        cells = []
+        for m in real:
+            for v in (real[m][k], sim.get(m, {}).get(k, float("nan"))):
+                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+        lines.append(f"{k} " + " ".join(cells))
+    return "\n".join(lines)
 
 
 def measure_real(quick: bool = True, steps: int | None = None,
@@ -151,7 +211,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
         log(f"engine fit ({name}): decode {_fmt(fit.decode_points)} prefill "
             f"{_fmt(fit.prefill_points)} train {_fmt(fit.train_points)} "
             f"fit_error={fit.fit_error:.3f}")
-    real, graphs = {}, {}
+    real, graphs, real_rows = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
             Client(cluster) as client:
         control = measure_control_plane(client)
@@ -176,10 +236,12 @@ def measure_real(quick: bool = True, steps: int | None = None,
             result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
                                    progress=False, eval_seeds=0)
             real[mode] = _real_throughput(result.metrics)
+            real_rows[mode] = result.metrics
             log(f"real {mode}: {real[mode]:.2f} traj/s over "
                 f"{result.metrics[-1]['time']:.1f}s")
     return {"fits": fits, "control": control, "shapes": shapes, "real": real,
-            "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s}
+            "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s,
+            "rows": real_rows, "probe_rows": rows}
 
 
 def _fmt(points: dict) -> str:
@@ -216,8 +278,17 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the
     largest)."""
     t0 = time.time()
+    save = options.pop("save", None)
     measured = measure_real(quick, log=log, **options)
+    if save:  # the measurements, to look at the prediction again without re-running
+        import cloudpickle
+
+        Path(save).write_bytes(cloudpickle.dumps(measured))
     predicted = predict(measured, log=log)
+    comps = {"real": {m: real_components(rs) for m, rs in measured["rows"].items()},
+             "sim": {m: sim_components(r) for m, r in predicted["results"].items()}}
+    log("components (real beside simulated):\n" + components_table(comps["real"],
+                                                                    comps["sim"]))
     real, sim = dict(measured["real"]), dict(predicted["sim"])
     real["async_vs_sync"] = real["async"] / real["sync"]
     sim["async_vs_sync"] = sim["async"] / sim["sync"]
@@ -227,4 +298,5 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
             "engine_fit_error": max(f.fit_error for f in measured["fits"].values()),
             "control": measured["control"], "turn_s": measured["turn_s"],
             "shapes": measured["shapes"], "steps": measured["steps"],
-            "results": predicted["results"], "wall_s": time.time() - t0}
+            "results": predicted["results"], "components": comps,
+            "wall_s": time.time() - t0}

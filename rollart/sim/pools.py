@@ -93,6 +93,7 @@ class SimWorker:
         self._batch: list[Req] = []
         self.tokens_out = 0
         self.prefill_tokens = 0
+        self.admitted = 0  # requests taken into a batch (the engine's ``requests``)
         self.busy = 0.0
         self._load = None  # (version, exposed seconds, [done events]) waiting to run
         self.loads = 0
@@ -210,6 +211,7 @@ class SimWorker:
         if self.pending and room > 0:
             batch = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
             self._batch = batch
+            self.admitted += len(batch)
             self._step = 0.0
             self._at(self._prefill_s(batch), "prefill")
             return

@@ -109,5 +109,6 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
                "engine_stalled_s": sum(w.stalled for w in cl.workers),
                "engine_busy_s": sum(w.busy for w in cl.workers),
                "turns": cl.counts["turn_requests"],
+               "requests": sum(w.admitted for w in cl.workers),
                "worker_busy": spread,
                "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes})

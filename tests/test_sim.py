@@ -299,3 +299,18 @@ def test_a_co_located_turn_pauses_a_busy_engine_and_not_an_idle_one():
         assert w.stalled == pytest.approx(0.0 if when is None else 0.03)
     assert done[0.0] - done[None] == pytest.approx(0.03, abs=1e-9)
     assert 0.03 - 1e-9 <= done[0.05] - done[None] <= 0.03 + step
+
+
+def test_members_draw_their_length_from_measured_episodes():
+    """``TaskShape.episodes``: each member plays one measured ``(turns, tokens per
+    turn)``; with one episode every member is that one (the shape's own ``turns`` and
+    ``response_tokens`` unused), with two lengths both occur."""
+    g = _graph(mode="sync", groups=4, size=4, steps=1)
+    plain = _run(g, shapes={"gridnav": TaskShape(turns=2, response_tokens=4)})
+    one = _run(g, shapes={"gridnav": TaskShape(turns=7, response_tokens=99,
+                                               episodes=((2, 4.0),))})
+    assert one.extra["turns"] == plain.extra["turns"] == 4 * 4 * 2
+    assert one.sim_time_s == pytest.approx(plain.sim_time_s)
+    two = _run(g, shapes={"gridnav": TaskShape(episodes=((1, 4.0), (5, 4.0)))})
+    assert 16 * 1 < two.extra["turns"] < 16 * 5
+    assert (two.extra["turns"] - 16) % 4 == 0  # each member 1 or 5 turns

@@ -191,6 +191,9 @@ def test_shapes_from_parquet_samples(tmp_path):
     assert shapes["guess"].turns == 3 and shapes["guess"].prompt_tokens == 11
     assert shapes["guess"].response_tokens == 3 and shapes["guess"].obs_tokens == 4
     assert shapes["gridnav"].turns == 1 and shapes["gridnav"].response_tokens == 4
+    # every trajectory's own length and generation per turn, for the simulator to draw
+    assert sorted(shapes["guess"].episodes) == [(3, 2.0), (3, 4.0)]
+    assert shapes["gridnav"].episodes == ((1, 4.0),)
 
 
 # -- the paper's experiments (rollart.sim.paper) ---------------------------------------------

@@ -219,7 +219,10 @@ def measure_real(quick: bool = True, steps: int | None = None,
             f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
             "tasks/s")
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
-        probe = _graph(base, tasks, model, "async", 3, redundancy, seed + 1000)
+        # the probe runs without redundant members: its samples are then the tasks'
+        # episodes unselected (with extras the fastest are kept, the long ones cancelled,
+        # and the shapes would be too short for every mode)
+        probe = _graph(base, tasks, model, "async", 3, 1.0, seed + 1000)
         rows = rollart.train(probe, client=client, run_dir=Path(tmp) / "probe",
                              progress=False, eval_seeds=0).metrics
         shapes = measure_shapes(Path(tmp) / "probe")
@@ -227,7 +230,8 @@ def measure_real(quick: bool = True, steps: int | None = None,
                                              base.algo.batch_size)
         turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 2000)
         fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
-        log("shapes: " + ", ".join(f"{k}={v}" for k, v in shapes.items()) + "; trainer "
+        log("shapes: " + ", ".join(f"{k}={replace(v, episodes=len(v.episodes))}"
+                                   for k, v in shapes.items()) + "; trainer "
             f"in situ: {fits['overlapped'].train.overhead_s:.3f}s overhead a step; env "
             f"manager loop: {turn_s * 1e3:.2f} ms a turn; engine in situ: "
             f"{fits['alone'].gen.request_overhead_s * 1e3:.2f} ms a request")

@@ -235,12 +235,13 @@ class Cluster:
             t0 = env.now
             yield env.timeout(ec.sample_reset(self.rng_env))
             context = shape.prompt_tokens
-            for turn in range(shape.turns):
+            turns, mean_out = shape.draw(self.rng_gen)
+            for turn in range(turns):
                 if grp.barrier is not None:
                     yield grp.barrier.wait()
                 if turn_s > 0:
                     yield from mgr.turn(env, turn_s)
-                out = self.sample_out(shape)
+                out = self.sample_out(shape, mean_out)
                 yield from self.generate(m, mgr.router, grp.task.name, context, out)
                 context += out
                 latency, failed = ec.sample_step(self.rng_env)
@@ -248,7 +249,7 @@ class Cluster:
                 if failed:
                     m.failed = True
                     break
-                if turn + 1 < shape.turns:
+                if turn + 1 < turns:
                     context += shape.obs_tokens
             m.tokens = context
             if grp.barrier is not None:
@@ -276,8 +277,8 @@ class Cluster:
             mgr.router.release(m.id)
         self.settle(m, state)
 
-    def sample_out(self, shape) -> int:
-        mean = shape.response_tokens
+    def sample_out(self, shape, mean: float | None = None) -> int:
+        mean = shape.response_tokens if mean is None else mean
         if shape.spread <= 0:
             return max(1, int(mean))
         draw = (1 - shape.spread) + shape.spread * self.rng_gen.expovariate(1.0)

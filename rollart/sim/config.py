@@ -157,7 +157,10 @@ class TaskShape:
     time): ``turns`` per trajectory, the first prompt's tokens, each later observation's
     tokens, tokens generated per turn (mean; exponential spread when ``spread`` > 0),
     and the env cost profile (a key of the bundle's env profiles, or ``None`` for the
-    bundle's default)."""
+    bundle's default). ``episodes``: measured ``(turns, tokens generated per turn)`` of
+    real trajectories (``rollart.sim.measure.measure_shapes``); when given, each member
+    draws one of them (its length and its generations' mean) in place of ``turns`` and
+    ``response_tokens``, so episode lengths vary as the env and policy made them."""
 
     turns: int = 5
     prompt_tokens: int = 512
@@ -165,6 +168,14 @@ class TaskShape:
     response_tokens: int = 256
     spread: float = 0.0
     env: str | None = None
+    episodes: tuple = ()
+
+    def draw(self, rng) -> tuple[int, float]:
+        """One member's ``(turns, mean tokens generated per turn)``."""
+        if self.episodes:
+            turns, out = self.episodes[rng.randrange(len(self.episodes))]
+            return max(1, int(turns)), float(out)
+        return self.turns, float(self.response_tokens)
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,10 @@ def _measure_reward() -> float:
 def measure_shapes(run_dir) -> dict:
     """Per task a ``rollart.sim.config.TaskShape`` from a run's Parquet samples: mean
     turns (rounded), first-prompt tokens, generated tokens per turn, observation tokens
-    per later turn (trajectories that reached the buffer)."""
+    per later turn, and every trajectory's ``(turns, generated tokens per turn)`` as
+    ``episodes`` (the simulator draws one per member) — trajectories that reached the
+    buffer (so a run without redundancy gives them unselected: with redundant members
+    the fastest are kept and the long episodes cancelled)."""
     import pyarrow.parquet as pq
 
     from rollart.sim.config import TaskShape
@@ -353,8 +356,11 @@ def measure_shapes(run_dir) -> dict:
         obs = statistics.fmean((len(r["response_ids"]) - sum(r["loss_mask"]))
                                / max(1, r["num_turns"] - 1) for r in rs)
         prompt = statistics.fmean(len(r["prompt_ids"]) for r in rs)
+        episodes = tuple((int(r["num_turns"]), sum(r["loss_mask"]) / r["num_turns"])
+                         for r in rs)
         shapes[task] = TaskShape(turns=max(1, round(turns)), prompt_tokens=round(prompt),
-                                 obs_tokens=round(obs), response_tokens=max(1, round(gen)))
+                                 obs_tokens=round(obs), response_tokens=max(1, round(gen)),
+                                 episodes=episodes)
     return shapes
 
 

@@ -267,12 +267,17 @@ def lose_worker(cluster, client, address: str, restart_after: float | None = 0.0
     ``SpecCluster`` die as a crash would. A worker process gets SIGKILL (its Nanny starts
     a fresh one); an in-process worker is closed abruptly and, unless ``restart_after``
     is None, a fresh worker with the same spec starts after that many seconds (what a
-    Nanny does). Returns the worker's name."""
+    Nanny does). Returns the worker's name. Safe to call from several threads at once.
+
+    The cluster forgets a worker the scheduler lost by itself, after
+    ``distributed.deploy.lost-worker-timeout`` (15 s): a restart later than that (a long
+    ``restart_after``, or a close slowed by a busy loop) finds its name already gone, so
+    the restart drops it only if it is still there, on the cluster's own loop."""
     import os
     import signal
     from distributed import Nanny
 
-    name = next(n for n, w in cluster.workers.items()
+    name = next(n for n, w in list(cluster.workers.items())
                 if getattr(w, "worker_address", None) == address or
                 getattr(w, "address", None) == address)
     w = cluster.workers[name]
@@ -283,6 +288,14 @@ def lose_worker(cluster, client, address: str, restart_after: float | None = 0.0
     cluster.sync(w.close, executor_wait=False, nanny=False, reason="rollart: worker lost")
     if restart_after is not None:
         time.sleep(restart_after)
-        del cluster.workers[name]
-        cluster.sync(cluster._correct_state)
+        cluster.sync(_restart, cluster, name, w)
     return name
+
+
+async def _restart(cluster, name: str, closed) -> None:
+    """Start a fresh worker for ``name`` from its spec (``lose_worker``), on the
+    cluster's loop: the closed worker ``closed`` leaves ``cluster.workers`` unless the
+    cluster dropped it already (or a replacement holds the name)."""
+    if cluster.workers.get(name) is closed:
+        del cluster.workers[name]
+    await cluster._correct_state()

@@ -180,3 +180,38 @@ def test_chaos_run_outlasts_a_slow_restart(tmp_path):
     assert result["killed"] == "CPU_ENV", result  # seed 2: an env worker after step 2
     assert 8 <= float(result["max_recovery_s"]) < 120, stdout
     assert int(result["steps"]) > 3 and result["lost"] == "0", result
+
+
+def test_lose_worker_twice_at_once_while_the_cluster_forgets_lost_workers():
+    """Two in-process workers lost at once (chaos.py's random kill beside its mid-step
+    trainer kill), each restarted after a pause longer than the cluster's own
+    ``distributed.deploy.lost-worker-timeout``: a ``SpecCluster`` drops a worker the
+    scheduler lost from ``cluster.workers`` after that timeout, so ``lose_worker``'s
+    restart found the name gone (``KeyError 'env-1'``, the killer thread died and the
+    worker never came back). Both come back under their names, and the cluster closes."""
+    import dask
+    from distributed import Client
+
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env", workers=2),),
+                    processes=False, dashboard_address=":0")
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "50ms"}), \
+            res.make_cluster() as cluster, Client(cluster) as client:
+        before = sorted(workers_with(client, CPU_ENV))
+        names, errors = [], []
+
+        def lose(addr):
+            try:
+                names.append(lose_worker(cluster, client, addr, restart_after=0.5))
+            except Exception as e:  # noqa: BLE001 - the assertion below names it
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=lose, args=(a,)) for a in before]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and sorted(names) == sorted(cluster.worker_spec), errors
+        client.wait_for_workers(2, timeout=60)
+        after = sorted(workers_with(client, CPU_ENV))
+        assert len(after) == 2 and not set(after) & set(before)
+        assert sorted(cluster.workers) == sorted(cluster.worker_spec)

@@ -358,3 +358,21 @@ def test_turn_overhead_leaves_out_the_generation_of_a_cancelled_turn(local_clust
     stats = mgr.stats().result()
     assert stats["cancelled"] == 1 and stats["turns"] == 1  # the straggler's never ended
     assert stats["turn_overhead_s"] >= 0.0, stats["turn_overhead_s"]
+
+
+def test_overlapped_engine_is_timed_at_the_rollout_nice_value_in_its_own_thread():
+    """The async run lowers its rollout processes' priority (rollart.pipeline.priority);
+    the overlapped micro-benchmark times the engine so too, without touching the
+    caller's thread."""
+    import os
+    import threading
+
+    from rollart.pipeline.priority import ROLLOUT_NICE
+    from rollart.sim.measure import _rollout_niced
+
+    def mine():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = mine()
+    assert _rollout_niced(True, mine) == max(ROLLOUT_NICE, before)
+    assert _rollout_niced(False, mine) == before and mine() == before

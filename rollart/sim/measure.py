@@ -179,7 +179,8 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
     ``overlapped``: the engine is measured while a trainer update loop runs in another
     process, and the trainer while an engine loop does — what each gets on this
     machine when both run at once, as in an async run on 2 cores (the simulator has no
-    model of CPUs shared between pools)."""
+    model of CPUs shared between pools); the engine side at the rollout processes' nice
+    value (``rollart.pipeline.priority.ROLLOUT_NICE``), as the async run sets it."""
     import torch
 
     torch.set_num_threads(1)
@@ -191,7 +192,10 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
         spec = _tiny_spec(engine.model)
         gpu = _cpu_peaks()
         with _load("train_loop", path, overlapped):
-            decode, prefill = _engine_points(engine, batches, prompt, new, repeats)
+            # overlapped: at the rollout processes' nice value, as an async run on a
+            # shared host gives them (rollart.pipeline.priority), in a thread of its own
+            decode, prefill = _rollout_niced(overlapped, _engine_points, engine, batches,
+                                             prompt, new, repeats)
         gen = _fit_gen(spec, gpu, decode, prefill, prompt + new / 2)
         with _load("engine_loop", path, overlapped):
             train, train_points = _measure_trainer(path, spec, gpu, Path(tmp))
@@ -203,6 +207,38 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
     errors += [abs(train.step_s(n) - t) / t for n, t in train_points.items()]
     return EngineFit(gpu, gen, train, weights, reward_s, decode, prefill, train_points,
                      max(errors))
+
+
+def _rollout_niced(on: bool, fn, *args):
+    """``fn(*args)``; when ``on``, in a thread at ``ROLLOUT_NICE`` (Linux sets nice per
+    thread, so this process's other threads keep theirs; the thread ends with it)."""
+    if not on:
+        return fn(*args)
+    import os
+    import threading
+
+    from rollart.pipeline.priority import ROLLOUT_NICE
+
+    out: dict = {}
+
+    def run():
+        try:
+            tid = threading.get_native_id()
+            if os.getpriority(os.PRIO_PROCESS, tid) < ROLLOUT_NICE:  # raised, never lowered
+                os.setpriority(os.PRIO_PROCESS, tid, ROLLOUT_NICE)
+        except (AttributeError, OSError):  # not Linux: as the process runs
+            pass
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="rollart-measure-niced")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _engine_points(engine, batches, prompt: int, new: int, repeats: int):
@@ -416,12 +452,16 @@ def train_loop(path: str, seconds: float) -> None:
 
 
 def engine_loop(path: str, seconds: float) -> None:
-    """The engine generating continuously at batch 16 for ``seconds``."""
+    """The engine generating continuously at batch 16 for ``seconds``, at the rollout
+    processes' nice value (``rollart.pipeline.priority.lower_priority``), as an async
+    run's rollout process beside its trainer."""
     import torch
 
+    from rollart.pipeline.priority import lower_priority
     from rollart.rollout.engine import TorchEngine
 
     torch.set_num_threads(1)
+    lower_priority()
     engine = TorchEngine(path, max_batch=64, prefix_cache=0)
     _gen_time(engine, 16, 48, 8, engine.vocab_size)
     print("ready", flush=True)

@@ -91,10 +91,16 @@ def decode(tokenizer, ids: Iterable[int]) -> str:
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 #: tool-call tags: added tokens, not special, so decoded text keeps them for the parser
 CHAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds exactly this
-# pipeline when AutoTokenizer loads the folder, so ids survive that reload)
-_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
-                r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2's pre-tokenizer split, except that a word never takes the whitespace before it
+# (Qwen2: ``[^\r\n\p{L}\p{N}]?\p{L}+``, so " right" is one token and "right" another).
+# Here an observation's "goal 2 right" holds the very token an assistant's "right" is, as
+# in the word-level toy: a tiny model with no pretraining learns to copy a word of its
+# input (the same id, through the tied embeddings) from reward within minutes, while
+# mapping " right" to "right" is a second thing it must learn first (the chat graph's
+# gridnav and boxpush learned several times slower with Qwen2's split). ids survive
+# AutoTokenizer's reload (it keeps the folder's pre-tokenizer; tests/test_chat_model.py).
+CHAT_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\s\p{L}\p{N}]?\p{L}+|\p{N}|"""
+              r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user "
                   "query.\n\nYou are provided with function signatures within "
                   "<tools></tools> XML tags:\n<tools>")
@@ -141,8 +147,9 @@ TEMPLATE_TEXT = ("system\n", "user\n", "assistant\n", TOOLS_PREAMBLE, TOOLS_SUFF
 
 def build_chat_tokenizer(corpus: Iterable[str], vocab_size: int = 1024
                          ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on ``corpus`` (Qwen2's pre-tokenizer: every
-    byte is representable, digits are single tokens) with ``CHAT_SPECIALS``,
+    """A byte-level BPE tokenizer trained on ``corpus`` (Qwen2's pre-tokenizer with words
+    split from the space before them, ``CHAT_SPLIT``: every byte is representable, digits
+    are single tokens) with ``CHAT_SPECIALS``,
     ``CHAT_TAGS`` and ``CHAT_TEMPLATE``; ``eos`` is ``<|im_end|>``."""
     if vocab_size < 300:
         raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials + merges), got "
@@ -151,7 +158,7 @@ def build_chat_tokenizer(corpus: Iterable[str], vocab_size: int = 1024
                                end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(CHAT_SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -100,9 +100,28 @@ def test_layout_specials_and_size(chat_dir):
     assert 300 < len(tok) <= 1024 + len(CHAT_TAGS)
     assert len(encode(tok, "right")) == 1  # merges learned from the tasks' text
     # the template's own text is weighed in the merges: the tools system turn is short
+    # (~3.5 characters a token: each space before a word is a token of its own)
     system = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                      tools=[python_tool()], tokenize=False)
-    assert len(encode(tok, system)) < len(system) / 4
+    assert len(encode(tok, system)) < len(system) / 3
+
+
+def test_a_word_of_an_observation_is_the_token_of_that_action(chat_dir):
+    """The chat toy copies an action word from its observation as the same id (as the
+    word-level toy does): Qwen2's split made it " right" in the observation and "right"
+    as the assistant's action, two unrelated ids for a model with no pretraining."""
+    tok = load_tokenizer(chat_dir)
+    for obs, action in (("gridnav : goal 2 right 1 up . act :", "up"),
+                        ("gridnav : goal 3 left . act :", "left"),
+                        ("boxpush : box 2 right . target 4 right . act :", "right"),
+                        ("guess : higher . left 6 8 9 7 . act :", "7")):
+        ids = encode(tok, action)
+        assert len(ids) == 1 and ids[0] in encode(tok, obs), (obs, action)
+    # the assistant's text as the template renders it holds the same id
+    msgs = [{"role": "user", "content": "gridnav : goal 2 right . act :"},
+            {"role": "assistant", "content": "right"}]
+    rendered = encode(tok, tok.apply_chat_template(msgs, tokenize=False))
+    assert rendered.count(encode(tok, "right")[0]) == 2
 
 
 def test_decode_round_trip_keeps_tool_tags(chat_dir):

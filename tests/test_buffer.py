@@ -142,9 +142,16 @@ def test_taken_until_confirmed_release_and_stale_confirmations():
         assert await buf.mark_trained(1) == 0  # nothing taken for step 1 any more
         # published before the trainer died: its replacement is one version on
         late = await buf.get_table(1, 2, trained_step=2)
-        settled = await buf.release_taken(2, 3)  # the step stands: its batch and digest
-        assert settled == {"trained": 2, "buffered": 0,
-                           "batch_sha1": batch_digest(late.column("traj_id").to_pylist())}
+        # the step stands: its batch's digest and the trainer's figures for it (its
+        # update was computed on v4, the rows are v3)
+        settled = await buf.release_taken(2, 3, 4)
+        ids, rewards = late.column("traj_id").to_pylist(), late.column("reward").to_pylist()
+        figures = settled.pop("metrics")
+        assert settled == {"trained": 2, "buffered": 0, "batch_sha1": batch_digest(ids)}
+        task = late.column("task")[0].as_py()
+        assert figures[f"reward/{task}"] == pytest.approx(sum(rewards) / 2)
+        assert (figures["trainer/batch_size"], figures["trainer/batch_sha1"],
+                figures["trainer/staleness_max"]) == (2, batch_digest(ids), 1)
         c = await buf.counts()
         check_invariant(c)
         assert (c["taken"], c["trained"], c["buffered"]) == (0, 6, 0)

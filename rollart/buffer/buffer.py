@@ -11,7 +11,8 @@ A step that was lost is settled by ``release_taken(s, min_version)`` (the pipeli
 after it replaced the trainer) or, failing that, by the next ``get_table``: if the
 trainer that asks already holds a newer version than the one the batch was taken for,
 only the lost step's own update can have published it, so the batch is ``trained``;
-otherwise its groups go back to the front of the queue for the re-run step.
+otherwise its groups go back to the front of the queue for the re-run step (that
+bookkeeping: ``rollart.buffer.taken.TakenBatches``, mixed in here).
 
 The buffer keeps the run's ``Ledger`` (``rollart.buffer.ledger``; managers report
 launches, cancellations and aborts here) and, when ``run_dir`` is set, makes it durable
@@ -37,8 +38,9 @@ import pyarrow as pa
 from rollart.buffer.backpressure import Backpressure
 from rollart.buffer.group import Group, Taken, restate
 from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
-from rollart.buffer.schema import SCHEMA, batch_digest, from_table, to_record_batch
+from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
+from rollart.buffer.taken import TakenBatches, _ids
 from rollart.staleness import within
 from rollart.types import Trajectory, TrajState
 
@@ -54,11 +56,7 @@ def _is_failed(traj: Trajectory) -> bool:
     return getattr(traj.state, "value", traj.state) == failed or traj.outcome == failed
 
 
-def _ids(batches: list[pa.RecordBatch]) -> list[str]:
-    return [t for b in batches for t in b.column("traj_id").to_pylist()]
-
-
-class SampleBuffer(Backpressure):
+class SampleBuffer(TakenBatches, Backpressure):
     """Groups trajectories by ``group_id`` and serves bounded-stale GRPO batches.
 
     Use as a Dask actor: ``client.submit(SampleBuffer, run_dir, actor=True)``; after its
@@ -216,36 +214,6 @@ class SampleBuffer(Backpressure):
         table = pa.Table.from_batches(out, schema=SCHEMA)
         return table.replace_schema_metadata({**SCHEMA.metadata, TAKE_KEY: taken.take})
 
-    def _confirm(self, step: int, state: TrajState = TrajState.TRAINED) -> int:
-        """Step ``step``'s taken rows leave as ``state``; returns how many."""
-        taken = self._taken.pop(step, None)
-        for g in taken.groups if taken else ():
-            self._leave(g.arrow(), state, step, durable=True)
-        if taken and state == TrajState.TRAINED:
-            self._published(len(taken.groups))  # the admission counts it (backpressure)
-        return taken.rows if taken else 0
-
-    def _release(self, step: int) -> int:
-        """Step ``step``'s taken groups go back to the front of the queue, in order."""
-        taken = self._taken.pop(step)
-        for g in reversed(taken.groups):
-            for traj_id in _ids(g.arrow()):
-                self.ledger.move(traj_id, BUFFERED)
-            self._complete[g.group_id] = g
-            self._complete.move_to_end(g.group_id, last=False)
-            self._rehold(g.group_id)
-        return taken.rows
-
-    def _settle(self, step: int, min_version: int) -> dict[str, int]:
-        """A taken batch whose confirmation will not come: ``trained`` if a trainer at
-        ``min_version`` holds a newer version than the batch was taken for (only that
-        step's update can have published it), else buffered again."""
-        if min_version > self._taken[step].min_version:
-            ids = [t for g in self._taken[step].groups for t in _ids(g.arrow())]
-            return {"trained": self._confirm(step), "buffered": 0,
-                    "batch_sha1": batch_digest(ids)}
-        return {"trained": 0, "buffered": self._release(step)}
-
     def _counts_now(self) -> dict[str, int]:
         ledger = self.ledger.check()
         return {
@@ -338,42 +306,6 @@ class SampleBuffer(Backpressure):
         await self.store.wait(fut)  # taken is durable before the trainer sees the batch
         await self.store.maybe_flush()
         return batch
-
-    async def mark_trained(self, step: int, take: str | None = None) -> int:
-        """The trainer published the update of step ``step``: its taken rows become
-        ``trained`` (durably, before this returns). ``take``: the batch's
-        ``TAKE_KEY`` metadata; a confirmation for another hand-out of ``step`` than the
-        one taken now is refused (its step was settled, and maybe re-run, meanwhile).
-        Returns rows confirmed; 0 when nothing (or another hand-out) is taken for it."""
-        async with self._condition:
-            taken = self._taken.get(step)
-            if taken is not None and take is not None and take != taken.take:
-                logger.warning("step %d: a confirmation for hand-out %s refused (%s is "
-                               "taken now)", step, take, taken.take)
-                return 0
-            n = self._confirm(step)
-            fut = self._entry() if n else None
-        await self.store.wait(fut)
-        await self.store.maybe_flush()
-        return n
-
-    async def release_taken(self, step: int, min_version: int) -> dict[str, int]:
-        """Step ``step`` was lost with its trainer; its replacement trains at
-        ``min_version`` (= its version - alpha). If that trainer holds a newer version
-        than the batch was taken for, the lost step's update was published: the rows
-        are ``trained`` (and ``batch_sha1`` their digest: the step is done, not re-run).
-        Otherwise its groups are buffered again, first in line for the re-run step.
-        Returns ``{"trained": n, "buffered": n}`` (rows)."""
-        async with self._condition:
-            if step not in self._taken:
-                return {"trained": 0, "buffered": 0}
-            out = self._settle(step, min_version)
-            if out["buffered"]:
-                self._condition.notify_all()
-            fut = self._entry()
-        await self.store.wait(fut)
-        await self.store.maybe_flush()
-        return out
 
     async def abort_older_than(self, min_version: int) -> int:
         """Drop groups (complete or not) whose arrived members are older than

@@ -148,3 +148,29 @@ def batch_digest(traj_ids) -> str:
     import hashlib
 
     return hashlib.sha1("\n".join(sorted(traj_ids)).encode()).hexdigest()[:16]
+
+
+def batch_metrics(batch, trainer_version: int) -> dict:
+    """Per-task reward and success, staleness and sizes of a trained batch (a list of
+    ``Trajectory``; ``trainer_version``: the version its update was computed on). The
+    trainer reports them per step; the pipeline for a step whose trainer was lost after
+    publishing, from the buffer (``SampleBuffer.release_taken``)."""
+    from collections import defaultdict
+
+    by_task = defaultdict(list)
+    for t in batch:
+        by_task[t.task].append(t)
+    out = {}
+    for task, ts in sorted(by_task.items()):
+        out[f"reward/{task}"] = sum(t.reward for t in ts) / len(ts)
+        out[f"success/{task}"] = sum(t.outcome == "success" for t in ts) / len(ts)
+    stale = [trainer_version - t.version for t in batch]
+    out["trainer/staleness_mean"] = sum(stale) / len(stale)
+    out["trainer/staleness_max"] = max(stale)
+    for k in sorted(set(stale)):  # the staleness histogram of this batch
+        out[f"trainer/staleness/{k}"] = stale.count(k)
+    out["trainer/batch_size"] = len(batch)
+    out["trainer/batch_sha1"] = batch_digest([t.traj_id for t in batch])
+    out["rollout/turns_mean"] = sum(t.num_turns for t in batch) / len(batch)
+    out["reward/mean"] = sum(t.reward for t in batch) / len(batch)
+    return out

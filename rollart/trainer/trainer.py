@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollart.buffer.buffer import TAKE_KEY
-from rollart.buffer.schema import batch_digest, from_table  # noqa: F401 (re-exported)
+from rollart.buffer.schema import batch_digest, batch_metrics, from_table  # noqa: F401 (re-exported)
 from rollart.model import load_model, load_tokenizer
 from rollart.resources import set_worker_threads
 from rollart.staleness import StalenessBound
@@ -334,24 +334,3 @@ def collate(batch, pad_id: int):
         mask[i, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
         behaviour[i, p:p + r] = torch.tensor(t.logprobs, dtype=torch.float32)
     return ids, attn, mask, behaviour
-
-
-def batch_metrics(batch, trainer_version: int) -> dict:
-    """Per-task reward and success, staleness and sizes of a trained batch."""
-    by_task = defaultdict(list)
-    for t in batch:
-        by_task[t.task].append(t)
-    out = {}
-    for task, ts in sorted(by_task.items()):
-        out[f"reward/{task}"] = sum(t.reward for t in ts) / len(ts)
-        out[f"success/{task}"] = sum(t.outcome == "success" for t in ts) / len(ts)
-    stale = [trainer_version - t.version for t in batch]
-    out["trainer/staleness_mean"] = sum(stale) / len(stale)
-    out["trainer/staleness_max"] = max(stale)
-    for k in sorted(set(stale)):  # the staleness histogram of this batch
-        out[f"trainer/staleness/{k}"] = stale.count(k)
-    out["trainer/batch_size"] = len(batch)
-    out["trainer/batch_sha1"] = batch_digest([t.traj_id for t in batch])
-    out["rollout/turns_mean"] = sum(t.num_turns for t in batch) / len(batch)
-    out["reward/mean"] = sum(t.reward for t in batch) / len(batch)
-    return out

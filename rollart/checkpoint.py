@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import tempfile
 from dataclasses import dataclass, field
 
 import fsspec
+
+logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "step-"
 MARKER = "COMPLETE"
@@ -137,10 +140,8 @@ def save(url: str, step: int, actors, *, pipeline=None, graph=None, resources=No
     fs, root = fsspec.core.url_to_fs(path)
     if fs.exists(f"{root}/{MARKER}"):
         fs.rm(f"{root}/{MARKER}")  # rewriting the same step: invalid until done again
-    call = _wait(f"checkpoint step {step} at {path}")
-    files = dict(call(actors.trainer.save_state(path), actors.trainer, "save its state"))
-    files.update(call(actors.buffer.snapshot(path), actors.buffer, "snapshot the buffer"))
-    version = call(actors.trainer.stats(), actors.trainer, "report its version")["version"]
+    files, version = _actor_files(path, actors, pipeline,
+                                  _wait(f"checkpoint step {step} at {path}", pipeline))
     state = {"step": int(step), "version": int(version), "elapsed": float(elapsed),
              "python_rng": _jsonable(random.getstate()), **(extra or {})}
     if pipeline is not None:
@@ -214,17 +215,50 @@ def restore(ckpt: Checkpoint, actors, *, pipeline=None) -> None:
         random.setstate(_tupled(ckpt.state["python_rng"]))
 
 
-def _wait(context: str):
+def _actor_files(path: str, actors, pipeline, call) -> tuple[dict, int]:
+    """The trainer's and the buffer's files of a checkpoint, and the trainer's version.
+    A worker of either lost meanwhile (the trainer's after its step returned, as
+    ``benchmarks/chaos.py``'s mid-step kill of an in-process worker can land) is healed
+    once by the pipeline's supervisor, then the files are written again: the trainer
+    re-created (it holds the newest published weights: the step's update) or the
+    buffer's replacement waited for. Without a supervisor the loss is the caller's."""
+    for attempt in range(2):
+        try:
+            files = dict(call(actors.trainer.save_state(path), actors.trainer,
+                              "save its state"))
+            files.update(call(actors.buffer.snapshot(path), actors.buffer,
+                              "snapshot the buffer"))
+            return files, call(actors.trainer.stats(), actors.trainer,
+                               "report its version")["version"]
+        except Exception as e:  # noqa: BLE001 - a lost worker is healed below, once
+            sup = getattr(pipeline, "supervisor", None)
+            if attempt or sup is None or not pipeline.lost(e):
+                raise
+            logger.warning("checkpoint %s: a worker was lost (%r); healing, then "
+                           "writing it again", path, e)
+            if sup.alive(actors.trainer):
+                sup.wait_for_buffer()
+            else:
+                sup.replace_trainer()
+                pipeline.trainer_recoveries += 1
+    raise AssertionError("unreachable")
+
+
+def _wait(context: str, pipeline=None):
     """``call(future, actor, doing)``: the future's result within ``rollart.waits.call``
-    seconds, else ``StuckError`` naming the actor, its worker and ``context``."""
+    seconds, else ``StuckError`` naming the actor, its worker and ``context``. With a
+    ``pipeline``, a call whose actor's worker left the cluster fails at once
+    (``Pipeline.result``) instead of waiting on Dask's connect time-out."""
     from rollart.waits import Waits, bounded
 
     seconds = Waits.from_config().call
+    wait = getattr(pipeline, "result", None)
 
     def call(fut, actor, doing: str):
         who = f"the {getattr(actor, '_cls', type(actor)).__name__} on " \
               f"{getattr(actor, '_address', '?')}"
-        return bounded(fut, seconds, f"{who} did not {doing} ({context})")
+        how = None if wait is None else (lambda f, s: wait(f, actor, timeout=s))
+        return bounded(fut, seconds, f"{who} did not {doing} ({context})", wait=how)
     return call
 
 

@@ -6,8 +6,9 @@ thread is blocked) or a call that never returns would leave a run waiting with n
 ``StuckError`` naming ``what`` is stuck (the actor, its worker, its pool) and the
 setting that raises the bound. ``Waits`` holds the bounds, read from Dask's config
 ``rollart.waits``. Used by ``rollart.stages`` (placing and reconciling actors),
-``rollart.recovery`` (restoring a trainer) and ``rollart.control`` (warm-up, first
-publish, saves).
+``rollart.recovery`` (restoring a trainer), ``rollart.control`` (warm-up, first
+publish, saves) and ``rollart.checkpoint``; ``close_bounded`` closes a client and its
+cluster within a bound (``benchmarks/chaos.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded"]
+__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded"]
 
 CONFIG = "rollart.waits"  # Dask config section of ``Waits``
 
@@ -82,11 +83,13 @@ class Bounded:
             raise _stuck(self.what, self.seconds, self.setting) from None
 
 
-def bounded(fut, seconds: float, what: str, setting: str = "call"):
+def bounded(fut, seconds: float, what: str, setting: str = "call", wait=None):
     """``fut.result()`` within ``seconds``; else ``StuckError`` saying ``what`` is stuck
-    (``"the Trainer on ADDR (TRAIN) did not start"``) and how to raise the bound."""
+    (``"the Trainer on ADDR (TRAIN) did not start"``) and how to raise the bound.
+    ``wait(fut, seconds)``, if given, waits instead of ``fut.result`` (e.g.
+    ``rollart.pipeline.Pipeline.result``, which gives up on a lost worker at once)."""
     try:
-        return fut.result(timeout=seconds)
+        return fut.result(timeout=seconds) if wait is None else wait(fut, seconds)
     except TimeoutError:
         raise _stuck(what, seconds, setting) from None
 
@@ -97,3 +100,30 @@ def _stuck(what: str, seconds: float, setting: str) -> StuckError:
         f"{what} within {seconds:g} s; see that worker's log (its `dask worker` output, "
         f"or the dashboard's Info page). If it is only slow, raise the bound: "
         f"dask.config.set({{'{CONFIG}.{setting}': S}}) or {env}=S")
+
+
+def close_bounded(client, cluster, seconds: float = 120.0) -> None:
+    """Close ``client``, then ``cluster``, each within ``seconds``; else ``StuckError``
+    naming which did not close and what was still pending on the cluster's event loop
+    (an in-process cluster's workers, scheduler and client share it), instead of a wait
+    with no word or a bare "join timed out"."""
+    for what, close in (("the Dask client", client.close), ("the cluster", cluster.close)):
+        try:
+            close(timeout=seconds)
+        except (TimeoutError, OSError) as e:  # "join timed out" is a TimeoutError
+            raise StuckError(f"{what} did not close within {seconds:g} s ({e!r}); still "
+                             f"pending on its event loop: {_pending(cluster)}") from e
+
+
+def _pending(cluster, most: int = 12) -> str:
+    """The coroutines of the tasks still pending on ``cluster``'s loop (best effort)."""
+    import asyncio
+
+    try:
+        tasks = list(asyncio.all_tasks(cluster.loop.asyncio_loop))
+    except Exception as e:  # noqa: BLE001 - a diagnostic only: the loop may be gone
+        return f"(not readable: {e!r})"
+    names = sorted(getattr(t.get_coro(), "__qualname__", repr(t)) for t in tasks
+                   if not t.done())
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more or "nothing"

@@ -454,10 +454,6 @@ class _DiesAfterPublishing:
         return DiesAfterPublishing
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, open: a trainer lost after publishing has "
-                   "its step re-run (a second batch under one step number). Recording the step "
-                   "from the buffer's settled batch made in-process chaos runs hang at cluster "
-                   "close (tests/test_recovery.py::test_chaos_script_short); not yet understood")
 def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_path):
     """The trainer's process dies after step 2's update was published but before it
     confirmed the batch: the update is in the weights its replacement loads, so step 2
@@ -486,6 +482,8 @@ def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_p
         buf.close().result()
     assert [m["version"] for m in steps] == [1, 2, 3]
     assert steps[1].get("trainer/published_before_loss") == 1
+    # its figures from the buffer's record: rewards 0, 1, 0, 1 in each group of 4
+    assert (steps[1]["step"], steps[1]["reward/gridnav"]) == (2, 0.5)
     trained, by_step = _trained_by_step(run)
     assert sorted(by_step) == [1, 2, 3]
     for step, m in zip((1, 2, 3), steps):  # each step's rows are the batch it reports
@@ -493,6 +491,91 @@ def test_a_trainer_lost_after_publishing_records_its_step_once(tiny_model, tmp_p
         assert batch_digest(by_step[step]) == m["trainer/batch_sha1"], step
     assert sorted(trained["traj_id"].to_pylist()) == sorted(ids[:48])
     assert (c["trained"], c["taken"], c["buffered"]) == (48, 0, 16)
+
+
+def test_a_trainer_lost_after_its_step_is_replaced_for_the_checkpoint(tiny_model, tmp_path):
+    """The trainer's worker dies after its step returned, before that step's checkpoint
+    (chaos.py's mid-step kill can land there): the checkpoint heals the run (a new
+    trainer, holding the step's published version) and is written, where it ended the
+    run with "Worker holding Actor was lost"."""
+    from rollart import checkpoint
+    from rollart.recovery import lose_worker
+
+    rng = random.Random(2)
+    with _trainer_and_buffer(tiny_model, tmp_path / "run", "t-ckpt") as (
+            cluster, client, pipeline):
+        actors, trainer, buf = pipeline.actors, pipeline.actors.trainer, pipeline.actors.buffer
+        for g in range(4):
+            _put(buf, [_long(f"g{g}", i, rng, 0) for i in range(4)])
+        first = pipeline.train(1)
+        lose_worker(cluster, client, trainer._address)  # SIGKILL: worker processes
+        path = checkpoint.save(str(tmp_path / "ckpt"), 1, actors, pipeline=pipeline)
+        assert actors.trainer is not trainer and pipeline.trainer_recoveries == 1
+        buf.close().result()
+    ckpt = checkpoint.load(path)
+    assert (first["version"], ckpt.step, ckpt.version) == (1, 1, 1)
+
+
+def test_a_call_on_a_worker_closed_just_now_fails_over_at_once(tiny_model, tmp_path):
+    """The driver asks the sample buffer for its counts again and again while the
+    buffer's in-process worker closes (chaos.py's trainer kill: the buffer lives on the
+    trainer's worker). A call that reached the scheduler just as the worker closed was
+    retried by it until Dask's connect time-out (300 s in chaos.py, the setting here):
+    the run sat in ``Pipeline.counts`` and was killed as hung. Now every call answers
+    within seconds: from the old buffer, or from the one recovered on the other worker."""
+    import dask
+    from distributed import Client
+
+    from rollart import GRPO, Graph, Policy
+    from rollart.handles import handle
+    from rollart.pipeline import AsyncPipeline
+    from rollart.recovery import Supervisor, lose_worker
+    from rollart.resources import Pool, Resources, workers_with
+    from rollart.stages import Actors, Stages
+    from rollart.types import BUFFER, REWARD, TRAIN
+
+    graph = Graph(name="t-closed", tasks=("gridnav",), policy=Policy(warmup_steps=0),
+                  algo=GRPO(group_size=2, groups_per_step=1))
+    res = Resources(pools=(Pool("reward", tag=REWARD, kind="reward", extra_tags={BUFFER: 1}),
+                           Pool("trainer", tag=TRAIN, kind="trainer")),
+                    processes=False, dashboard_address=":0")
+    with dask.config.set({"distributed.comm.timeouts.connect": "300s"}), \
+            res.make_cluster() as cluster, Client(cluster) as client:
+        stages = Stages(client, graph, tiny_model, tmp_path / "run")
+        old = workers_with(client, BUFFER)[0]
+        buf = handle(stages.submit(stages.spec("buffer"), old, None).result())
+        actors = Actors(None, buf, [], [])
+        pipeline = AsyncPipeline(actors, graph)
+        pipeline.supervisor = Supervisor(stages, actors)
+        _put(buf, [make("g0", i, 0) for i in range(2)], size=2)
+        killer = threading.Thread(target=lose_worker, args=(cluster, client, old),
+                                  kwargs={"restart_after": None})
+        slowest, calls, stop = [0.0], [], threading.Event()
+
+        def ask():
+            while not stop.is_set():
+                t0 = time.monotonic()
+                calls.append(pipeline.counts()["traj/buffered"])
+                slowest[0] = max(slowest[0], time.monotonic() - t0)
+
+        def answered(n: int, within: float) -> bool:
+            end = time.monotonic() + within
+            while len(calls) < n and time.monotonic() < end:
+                time.sleep(0.01)
+            return len(calls) >= n
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        assert answered(3, 30)
+        killer.start()  # the calls go on while the worker closes
+        killer.join(60)
+        assert answered(len(calls) + 20, 90), f"a counts call hung ({len(calls)} answered)"
+        stop.set()
+        asker.join(30)
+        assert slowest[0] < 30 and set(calls) == {2}, (slowest, calls)
+        assert actors.buffer is not buf and actors.buffer._address == \
+            workers_with(client, TRAIN)[0]
+        actors.buffer.close().result()
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatron"])

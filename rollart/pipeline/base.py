@@ -45,6 +45,16 @@ from rollart.watchdog import Watchdog
 logger = logging.getLogger(__name__)
 
 
+class ActorGone(OSError):
+    """A call's actor left the cluster while the driver waited (``Pipeline.result``)."""
+
+
+def describe(actor) -> str:
+    """``"the SampleBuffer on ADDR"``: an actor handle, for messages."""
+    return f"the {getattr(actor, '_cls', type(actor)).__name__} on " \
+           f"{getattr(actor, '_address', '?')}"
+
+
 class Pipeline(abc.ABC):
     """Shared by the modes: picks (task, seed) for groups, updates weights, counts."""
 
@@ -95,13 +105,42 @@ class Pipeline(abc.ABC):
     def ask_buffer(self, method: str, *args):
         """``buffer.method(*args).result()``; if the buffer's worker was lost, once more
         on the buffer the supervisor re-creates (``Supervisor.wait_for_buffer``)."""
+        buf = self.actors.buffer
         try:
-            return getattr(self.actors.buffer, method)(*args).result()
+            return self.result(getattr(buf, method)(*args), buf)
         except Exception as e:  # noqa: BLE001
-            if not self.lost(e, self.actors.buffer):
+            if not self.lost(e, buf):
                 raise
         self.supervisor.wait_for_buffer()
-        return getattr(self.actors.buffer, method)(*args).result()
+        buf = self.actors.buffer
+        return self.result(getattr(buf, method)(*args), buf)
+
+    def result(self, fut, actor, timeout: float | None = None):
+        """``fut.result()`` of a call on ``actor``; ``OSError`` as soon as the scheduler
+        no longer lists ``actor``'s worker (with a supervisor), ``TimeoutError`` after
+        ``timeout`` s. A call made just as an in-process worker closed is proxied by the
+        scheduler, which retries connecting to the closed address until Dask's connect
+        time-out (``distributed.comm.timeouts.connect``: 30 s; 300 s in
+        ``benchmarks/chaos.py``, where a run sat in ``counts`` after the trainer's worker
+        was closed mid-step): the driver gives up on a lost worker instead."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.5 if end is None else min(0.5, max(end - time.monotonic(), 0.01))
+            try:
+                return fut.result(timeout=wait)
+            except TimeoutError:
+                if fut.done():
+                    raise  # the call's own TimeoutError
+                if end is not None and time.monotonic() >= end:
+                    raise TimeoutError(f"{describe(actor)} gave no answer within "
+                                       f"{timeout:g} s") from None
+                self.check_alive(actor)
+
+    def check_alive(self, actor) -> None:
+        """``OSError`` if ``actor``'s worker left the cluster (see ``result``)."""
+        if self.supervisor is not None and actor._address not in self.supervisor.live():
+            raise ActorGone(f"Unable to contact Actor's worker {actor._address}: it left "
+                          "the cluster")
 
     def heal(self) -> None:
         if self.supervisor is not None:
@@ -154,7 +193,7 @@ class Pipeline(abc.ABC):
         out = []
         for w, tag, addr in list(self.actors.workers):
             try:
-                st = w.stats().result(timeout=30)
+                st = self.result(w.stats(), w, timeout=30)
             except Exception as e:  # noqa: BLE001
                 if not self.lost(e, w):
                     raise
@@ -163,18 +202,25 @@ class Pipeline(abc.ABC):
                         "load_error": st.get("load_error")})
         return out
 
-    def until_done(self, fut, while_waiting=None) -> None:
+    def until_done(self, fut, while_waiting=None, actor=None) -> None:
         """Wait for ``fut``, healing and checking for failure storms (and calling
-        ``while_waiting``) meanwhile; errors raised here are not ``fut``'s."""
+        ``while_waiting``) meanwhile; errors raised here are not ``fut``'s, except an
+        ``OSError`` once ``actor`` (the one called, if given) left the cluster
+        (``result``)."""
+        checked = time.monotonic()
         while not fut.done():
             if while_waiting is not None:
                 while_waiting()
             self.heal()
+            if actor is not None and time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                if not fut.done():
+                    self.check_alive(actor)
             time.sleep(0.02)
 
-    def wait(self, fut):
-        """``fut.result()`` once done (``until_done``)."""
-        self.until_done(fut)
+    def wait(self, fut, actor=None):
+        """``fut.result()`` once done (``until_done``; ``actor``: the one called)."""
+        self.until_done(fut, actor=actor)
         return fut.result()
 
     def lost(self, error: BaseException, actor=None) -> bool:
@@ -235,7 +281,11 @@ class Pipeline(abc.ABC):
             except Exception as e:  # noqa: BLE001 - its actor is gone: judged below
                 fut, error = None, e
             if fut is not None:
-                self.until_done(fut, while_waiting)
+                try:
+                    self.until_done(fut, while_waiting, trainer)
+                except ActorGone as e:
+                    fut, error = None, e
+            if fut is not None:
                 try:
                     metrics = fut.result()
                 except Exception as e:  # noqa: BLE001
@@ -258,22 +308,46 @@ class Pipeline(abc.ABC):
             logger.warning("trainer step %d lost its trainer (%r); replacing it", step, error)
             version = self.supervisor.replace_trainer()  # then re-run this step
             self.trainer_recoveries += 1
-            self.release_taken(step, version)
+            settled = self.release_taken(step, version)
+            if settled.get("trained"):  # it published before it died: the step is done
+                return self.published_step(step, version, settled)
+
+    def published_step(self, step: int, version: int, settled: dict) -> dict:
+        """Step ``step``'s trainer died after publishing ``version`` (its update is in
+        the weights the new trainer loaded): the step is recorded, not re-run (a re-run
+        would train a second batch under the same step number). Its loss figures died
+        with the trainer; the batch's figures (size, digest, per-task reward and
+        success, staleness) come from the buffer's record of it."""
+        logger.warning("step %d: its trainer published v%d before it was lost; the step "
+                       "stands (batch of %d from the buffer's record)", step, version,
+                       settled["trained"])
+        self.watchdog.stepped(version, time.monotonic())
+        return {**settled.get("metrics", {}), "step": step, "version": version,
+                "trainer/batch_size": settled["trained"],
+                "trainer/batch_sha1": settled.get("batch_sha1", ""),
+                "trainer/published_before_loss": 1}
 
     def release_taken(self, step: int, version: int) -> dict:
         """Step ``step`` lost its trainer; the new one holds ``version``. The batch the
         lost step took goes back to the buffer for the re-run (or is ``trained``, if the
-        lost step published ``version`` before it died). A buffer lost meanwhile is left
-        to its recovery: its next ``get_table`` settles the batch the same way."""
-        try:
-            out = self.actors.buffer.release_taken(
-                step, StalenessBound(self.graph.algo.alpha).min_version(version)).result()
-        except Exception as e:  # noqa: BLE001
-            if not self.lost(e, self.actors.buffer):
-                raise
-            logger.warning("step %d: the buffer was lost too (%r); its next get_table "
-                           "settles the taken batch", step, e)
-            return {}
+        lost step published ``version`` before it died). A buffer lost meanwhile is asked
+        once more when its replacement is up (its journal keeps the taken batch); lost
+        again, its next ``get_table`` settles the batch the same way."""
+        min_version = StalenessBound(self.graph.algo.alpha).min_version(version)
+        for attempt in range(2):
+            buf = self.actors.buffer
+            try:
+                out = self.result(buf.release_taken(step, min_version, version - 1), buf)
+                break
+            except Exception as e:  # noqa: BLE001
+                if not self.lost(e, buf):
+                    raise
+                if attempt:
+                    logger.warning("step %d: the buffer was lost again (%r); its next "
+                                   "get_table settles the taken batch", step, e)
+                    return {}
+            # lost meanwhile: the recovered buffer keeps the taken batch (its journal)
+            self.supervisor.wait_for_buffer()
         logger.warning("step %d: its taken batch was settled after the trainer was lost: "
                        "%s", step, out)
         return out
@@ -299,7 +373,10 @@ class Pipeline(abc.ABC):
         stall check (``check_versions``) bounds the wait."""
         for w, fut in (self.ask_versions(version) if asked is None else asked):
             while True:
-                self.until_done(fut)  # heals; a stall raises here
+                try:
+                    self.until_done(fut, actor=w)  # heals; a stall raises here
+                except ActorGone:
+                    break
                 try:
                     fut.result()
                     break
@@ -327,7 +404,7 @@ class Pipeline(abc.ABC):
                     raise
         for m, f in futs:
             try:
-                out.append(f.result())
+                out.append(self.result(f, m))
             except Exception as e:
                 if not self.lost(e, m):
                     raise
@@ -343,7 +420,7 @@ class Pipeline(abc.ABC):
         ws = []
         for w, _, _ in list(self.actors.workers):
             try:
-                ws.append(w.stats().result())
+                ws.append(self.result(w.stats(), w))
             except Exception as e:
                 if not self.lost(e, w):
                     raise
@@ -382,7 +459,7 @@ class Pipeline(abc.ABC):
         restarted = []
         for fut, groups, mgr in batch:
             try:
-                self.wait(fut)
+                self.wait(fut, mgr)
             except Exception as e:
                 if not self.lost(e, mgr):
                     raise
@@ -412,7 +489,7 @@ class Pipeline(abc.ABC):
         restarting its missing members with ``redundancy`` if its manager is lost."""
         while fut is not None:
             try:
-                self.wait(fut)
+                self.wait(fut, self.placed[gid][1])
                 break
             except Exception as e:
                 if not self.lost(e, self.placed[gid][1]):

@@ -2,6 +2,7 @@
 tags are checked, actors land on their tags, and PD moves the KV between two processes."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +47,8 @@ def dask_processes(tmp_path_factory):
     dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
     procs = [subprocess.Popen(dask + ["--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                       "--scheduler-file", str(sched_file)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)]
     try:
         deadline = time.time() + 60
         while not sched_file.exists() and time.time() < deadline:
@@ -57,18 +59,19 @@ def dask_processes(tmp_path_factory):
                  str(sched_file), "--resources", resources, "--nthreads", "1",
                  "--no-dashboard", "--host", "127.0.0.1", "--name", f"w-{tag}",
                  "--memory-limit", "0"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))
         with Client(scheduler_file=str(sched_file), timeout=60) as c:
             c.wait_for_workers(len(WORKERS), timeout=120)
             yield c
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
+    finally:  # SIGKILL each group (a Nanny and its worker): a graceful stop is not
+        for p in reversed(procs):  # under test, and each worker's took seconds
             try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -84,8 +87,9 @@ def test_real_workers_tags_placement_and_pd(dask_processes, model_dir, tmp_path)
         check_cluster(c, Graph(name="big", tasks=(big,)), "resources/scheduler.py")
 
     store = str(tmp_path / "w")
-    actors = {t: c.submit(InferenceWorker, str(model_dir), store, pool=t, threads=1,
-                          actor=True, resources={t: 1}).result() for t in (H800, H20)}
+    starting = {t: c.submit(InferenceWorker, str(model_dir), store, pool=t, threads=1,
+                            actor=True, resources={t: 1}) for t in (H800, H20)}
+    actors = {t: f.result() for t, f in starting.items()}  # both load side by side
     try:
         for t, a in actors.items():
             assert a.stats().result()["address"] == workers_with(c, t)[0]

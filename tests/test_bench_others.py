@@ -39,8 +39,11 @@ def test_kv_transfer_tiny():
     for k in ("raw_gibps_1", "tcp_gibps_1", "pd_vs_raw_tcp", "pd_vs_colo_prefill",
               "pd_vs_colo_decode", "rps_pd_prefill", "rps_colo_decode"):
         assert 0 < r[k] < math.inf, (k, r)
+    # the RESULT line has 3 decimals: their rounding on top of 1 % (a loaded machine
+    # moves 1 MiB at a few hundredths of a GiB/s, where 0.0005 is over 1 %)
+    tol = 0.01 + 0.0005 / r["tcp_gibps_1"] + 0.0005 / r["raw_gibps_1"]
     assert math.isclose(r["pd_vs_raw_tcp"], r["tcp_gibps_1"] / r["raw_gibps_1"],
-                        rel_tol=0.01)
+                        rel_tol=tol), r
     # the tiny model (2 layers, K and V of 128 fp32 per token) moves 2 KiB per prompt
     # token: 384 for the prefill-heavy shape, 16 for the decode-heavy one
     assert r["kv_kib_per_req_prefill"] == 768 and r["kv_kib_per_req_decode"] == 32

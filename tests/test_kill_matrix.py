@@ -92,13 +92,15 @@ class HandStarted:
         os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
+        """SIGKILL each process group (a Nanny and its worker; the scheduler): a graceful
+        stop is not under test here, and one waits out each worker's Nanny (seconds)."""
         for p in reversed(self.procs):
             try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)  # its own session: start_new_session
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait(30)
         for f in self.logs:
             f.close()
 

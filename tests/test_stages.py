@@ -303,7 +303,9 @@ def _hold_the_worker() -> bool:
 def test_a_hung_actor_start_is_named_within_its_bound(tiny_model, tmp_path):
     """The H20 worker's only slot is held by a task that never ends, so the
     InferenceWorker placed there never starts: ``Stages.start`` says which actor, on
-    which worker and pool, within ``rollart.waits.start`` (set through Dask's config)."""
+    which worker and pool, within ``rollart.waits.start`` (set through Dask's config; 10 s:
+    time for the trainer and the other engines to start on a loaded machine, and no more
+    of a wait than that)."""
     import dask
 
     from rollart.waits import StuckError
@@ -316,9 +318,9 @@ def test_a_hung_actor_start_is_named_within_its_bound(tiny_model, tmp_path):
         while not c.processing(workers=[h20])[h20]:  # it holds the slot now
             time.sleep(0.05)
         try:
-            with dask.config.set({"rollart.waits.start": 20}):
+            with dask.config.set({"rollart.waits.start": 10}):
                 stages = Stages(c, graph, tiny_model, tmp_path)
-            assert stages.waits.start == 20
+            assert stages.waits.start == 10
             t0 = time.monotonic()
             with pytest.raises(StuckError) as e:
                 stages.start()
@@ -328,7 +330,7 @@ def test_a_hung_actor_start_is_named_within_its_bound(tiny_model, tmp_path):
             blocker.result(timeout=30)
     assert f"the InferenceWorker on {h20} (H20) did not start within" in str(e.value)
     assert "rollart.waits.start" in str(e.value) and "worker's log" in str(e.value)
-    assert 19 < took < 60, took  # bounded: the start's 20 s, not forever
+    assert 9.5 < took < 50, took  # bounded: the start's 10 s, not forever
 
 
 def test_a_hung_warmup_ends_within_its_bound_through_the_progress_bar():

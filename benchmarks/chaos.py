@@ -398,6 +398,7 @@ def main() -> None:
     from rollart.buffer.ledger import STATES
     from rollart.cli import quiet
     from rollart.types import CPU_ENV, H20, H800, TRAIN
+    from rollart.waits import close_bounded
 
     quiet()
     import dask
@@ -418,7 +419,9 @@ def main() -> None:
     kills: list = []
     t0 = time.time()
     restart = None if args.processes else args.restart_after
-    with chaos_resources(args.processes).make_cluster() as cluster, Client(cluster) as c:
+    cluster = chaos_resources(args.processes).make_cluster()
+    c = Client(cluster)
+    try:
         t = threading.Thread(target=killer, daemon=True, args=(
             cluster, c, run_dir, at_step, tag, kills, restart))
         t.start()
@@ -432,6 +435,8 @@ def main() -> None:
         # the step budget is a ceiling: stopper ends the run (see the module docstring)
         graph = chaos_graph(steps + 10_000, args.seed, args.env_fail, env_log=str(env_log))
         result = train(graph, client=c, run_dir=run_dir, progress=False, eval_seeds=0)
+    finally:  # bounded: a close that hangs says what was still pending
+        close_bounded(c, cluster)
     wall = time.time() - t0
     final = result.final_counts
     gap = final["launched"] - sum(final[s] for s in STATES)

@@ -3,6 +3,7 @@ trainer's worker die during one short async run on an in-process tagged cluster;
 completes, every lost actor is replaced, the ledger adds up with nothing left in flight,
 and no trajectory is trained twice."""
 
+import re
 import threading
 import time
 
@@ -172,14 +173,16 @@ def test_chaos_run_outlasts_a_slow_restart(tmp_path):
     """The flake's cause (max_recovery_s=inf under load): the killed env worker came back
     after the run's last step had already finished on the surviving one, so no
     replacement was ever made. Forced here: it comes back 8 s after the kill at step 2
-    of 3; the run goes on until the replacement exists, and reports its time."""
-    # the slow restart alone: no mid-step trainer kill beside it (the two kills in a
-    # 3-step in-process run raced in lose_worker: KeyError 'env-1', then a hung close)
-    result, stdout = _chaos(tmp_path, "--steps", "3", "--seed", "2", "--restart-after", "8",
-                            "--trainer-kill-step", "0")
+    of 3; the run goes on until the replacement exists, and reports its time. The
+    trainer's worker is killed mid-step too (during step 2), restarting as slowly: the
+    two kills raced in lose_worker (KeyError 'env-1', the env worker never came back)
+    and a call on the closed trainer's worker then sat out Dask's connect time-out."""
+    result, stdout = _chaos(tmp_path, "--steps", "3", "--seed", "2", "--restart-after", "8")
     assert result["killed"] == "CPU_ENV", result  # seed 2: an env worker after step 2
+    assert len(re.findall(r"killed \S+ \(", stdout)) == 2, stdout
     assert 8 <= float(result["max_recovery_s"]) < 120, stdout
     assert int(result["steps"]) > 3 and result["lost"] == "0", result
+    assert result["duplicated"] == "0" and result["trained_unreported"] == "0", result
 
 
 def test_lose_worker_twice_at_once_while_the_cluster_forgets_lost_workers():

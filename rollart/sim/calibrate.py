@@ -8,15 +8,17 @@ laptop) and the calibration table (``calibration``). Called by
 
 The order keeps prediction honest: ``measure_control_plane`` and ``measure_engine``
 are micro-benchmarks (an actor ping, a task, the engine at fixed batch sizes, trainer
-updates; alone and with the other process loading the CPU, as in an async run on 2
-cores); a short probe run on other seeds gives the workload's shape (turns and tokens
-per turn per task, which the env and policy decide), the trainer's step beside rollout
-(``in_situ_trainer``) and the engine's per-request cost beside rollout (its busy time,
-``in_situ_engine``); a second probe with one trajectory live at a time gives the env
-manager's per-turn loop time (its ``rollout/turn_overhead_s``); only then are the real
-``sync`` and ``async`` runs made, and the simulator, configured as this laptop from the
-measurements alone, predicts them. Nothing is
-fitted to the runs being predicted.
+updates, alone): they give each cost's shape. Then, for each mode, a 3-step probe of
+that mode on other seeds just before the run it stands for gives what the mode adds on
+this shared machine: the trainer's step as that mode runs it (``in_situ_trainer``) and
+the engine's busy time per admitted request beyond what the simulator makes of the
+probe (``in_situ_engine``: the serving loop, the trainer beside rollout, the rollout
+processes' nice value in async, the other agents' load at that moment). The sync probe
+(no redundant members) also gives the workload's shape (each trajectory's turns and
+tokens, ``measure_shapes``), and a run with one trajectory live at a time the env
+manager's per-turn loop time (its ``rollout/turn_overhead_s``). Only then is each real
+run made, and the simulator, configured as this laptop from the measurements alone,
+predicts it. Nothing is fitted to the runs being predicted.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
     (generation calls ``near``: the env manager and the inference worker share one
     process, ``rollart.near``; buffer, trainer and driver calls are actor round trips);
     ``turn_s``: each turn's hold on the env manager's loop (``measure_turn_overhead``)."""
-    fit = fits["overlapped" if mode in OVERLAPPING_MODES else "alone"]
+    fit = fits[_fit_key(mode)]
     from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
     from rollart.types import CPU_ENV
 
@@ -109,14 +111,15 @@ def _lone_turn_s(base, tasks, model: str, client, tmp: Path, seed: int) -> float
 
 def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: float,
                    probe, rows: list[dict]) -> dict:
-    """``fits`` with the engine's per-request cost beside rollout and training, from the
-    probe run (async, its own seeds): its engine's busy seconds per request it admitted
-    (the last row's ``rollout/engine_busy_s / rollout/requests``) less what the
-    simulator, configured from ``fits`` alone, makes of that same probe (busy + GIL
-    stalls per admitted request, ``SimWorker.admitted``), as
-    ``GenCost.request_overhead_s`` on both fits (``alone`` and ``overlapped``). One unit
-    on both sides, the one the simulator charges it in: a request admitted (a cancelled
-    redundant member's request costs the engine as much as a completed turn's)."""
+    """``fits`` with the engine's per-request cost beside rollout, from a probe run of
+    ``probe.mode`` (its own seeds, just before the run it stands for): its engine's busy
+    seconds per request it admitted (the last row's ``rollout/engine_busy_s /
+    rollout/requests``) less what the simulator, configured from ``fits`` alone, makes
+    of that same probe (busy + GIL stalls per admitted request, ``SimWorker.admitted``),
+    as ``GenCost.request_overhead_s`` on the fit that mode uses (``alone`` for the
+    lockstep modes, ``overlapped`` for those that train while rolling out). One unit on
+    both sides, the one the simulator charges it in: a request admitted (a cancelled
+    redundant member's request costs the engine as a completed turn's does)."""
     from rollart.sim import simulate
 
     last = rows[-1]
@@ -124,13 +127,17 @@ def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: floa
         raise KeyError("the probe's metrics have no rollout/requests (the engines' "
                        "admitted requests): run it with this rollart's pipeline stats")
     real = last["rollout/engine_busy_s"] / max(last["rollout/requests"], 1)
-    r = simulate(laptop_sim_config(probe, fits, control, shapes, len(rows), "async",
+    r = simulate(laptop_sim_config(probe, fits, control, shapes, len(rows), probe.mode,
                                    probe.seed, turn_s))
     sim = (r.extra["engine_busy_s"] + r.extra["engine_stalled_s"]) / \
         max(r.extra["requests"], 1)
-    extra = max(0.0, real - sim)
-    return {k: replace(f, gen=replace(f.gen, request_overhead_s=extra))
-            for k, f in fits.items()}
+    key = _fit_key(probe.mode)
+    f = fits[key]
+    return {**fits, key: replace(f, gen=replace(f.gen, request_overhead_s=max(0.0, real - sim)))}
+
+
+def _fit_key(mode: str) -> str:
+    return "overlapped" if mode in OVERLAPPING_MODES else "alone"
 
 
 # -- per-component figures: where each run's time went, real beside simulated -----------------
@@ -206,11 +213,17 @@ def measure_real(quick: bool = True, steps: int | None = None,
         warmup_steps = 100 if quick else base.policy.warmup_steps  # the probe share it)
     tasks = tuple(with_faults(t, straggler_profile(seed=i)) for i, t in enumerate(base.tasks))
     res = rollart.load_resources("laptop")
-    fits = {"alone": measure_engine(), "overlapped": measure_engine(overlapped=True)}
-    for name, fit in fits.items():
-        log(f"engine fit ({name}): decode {_fmt(fit.decode_points)} prefill "
-            f"{_fmt(fit.prefill_points)} train {_fmt(fit.train_points)} "
-            f"fit_error={fit.fit_error:.3f}")
+    # one micro-benchmark of the engine and trainer, alone: the shape of their costs
+    # (per decode step, per row, per prefill token; per trained token). What each mode
+    # adds on this shared machine (the trainer beside rollout, the rollout processes'
+    # nice value, the serving loop) comes from that mode's probe below: the overlapped
+    # micro-benchmark (measure_engine(overlapped=True)) swung 10x between its own points
+    # under the other agents' load (fit_error 3e8 at load average 13, 15:49)
+    alone = measure_engine()
+    fits = {"alone": alone, "overlapped": alone}
+    log(f"engine fit: decode {_fmt(alone.decode_points)} prefill "
+        f"{_fmt(alone.prefill_points)} train {_fmt(alone.train_points)} "
+        f"fit_error={alone.fit_error:.3f}")
     real, graphs, real_rows = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
             Client(cluster) as client:
@@ -219,23 +232,28 @@ def measure_real(quick: bool = True, steps: int | None = None,
             f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
             "tasks/s")
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
-        # the probe runs without redundant members: its samples are then the tasks'
-        # episodes unselected (with extras the fastest are kept, the long ones cancelled,
-        # and the shapes would be too short for every mode)
-        probe = _graph(base, tasks, model, "async", 3, 1.0, seed + 1000)
-        rows = rollart.train(probe, client=client, run_dir=Path(tmp) / "probe",
-                             progress=False, eval_seeds=0).metrics
-        shapes = measure_shapes(Path(tmp) / "probe")
-        fits["overlapped"] = in_situ_trainer(fits["overlapped"], rows, shapes,
-                                             base.algo.batch_size)
-        turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 2000)
-        fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
-        log("shapes: " + ", ".join(f"{k}={replace(v, episodes=len(v.episodes))}"
-                                   for k, v in shapes.items()) + "; trainer "
-            f"in situ: {fits['overlapped'].train.overhead_s:.3f}s overhead a step; env "
-            f"manager loop: {turn_s * 1e3:.2f} ms a turn; engine in situ: "
-            f"{fits['alone'].gen.request_overhead_s * 1e3:.2f} ms a request")
-        for mode in ("sync", "async"):
+        shapes, turn_s, probes = None, 0.0, {}
+        for i, mode in enumerate(("sync", "async")):
+            # each mode's probe (3 steps, other seeds) just before the run it stands for:
+            # the trainer's step and the engine's per-request cost as that mode runs
+            # them on this machine now; the sync probe (no redundant members) also gives
+            # the shapes, its samples being the tasks' episodes unselected (with extras
+            # the fastest are kept and the long ones cancelled)
+            probe = _graph(base, tasks, model, mode, 3, redundancy, seed + 1000 * (i + 1))
+            rows = rollart.train(probe, client=client, run_dir=Path(tmp) / f"probe-{mode}",
+                                 progress=False, eval_seeds=0).metrics
+            probes[mode] = rows
+            if shapes is None:
+                shapes = measure_shapes(Path(tmp) / f"probe-{mode}")
+                turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 9000)
+            key = _fit_key(mode)
+            fits[key] = in_situ_trainer(fits[key], rows, shapes, base.algo.batch_size)
+            fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
+            log(f"probe {mode}: shapes " + ", ".join(
+                f"{k}={replace(v, episodes=len(v.episodes))}" for k, v in shapes.items())
+                + f"; trainer in situ: {fits[key].train.overhead_s:.3f}s overhead a step; "
+                f"env manager loop: {turn_s * 1e3:.2f} ms a turn; engine in situ: "
+                f"{fits[key].gen.request_overhead_s * 1e3:.2f} ms a request")
             graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, seed)
             result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
                                    progress=False, eval_seeds=0)
@@ -245,7 +263,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
                 f"{result.metrics[-1]['time']:.1f}s")
     return {"fits": fits, "control": control, "shapes": shapes, "real": real,
             "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s,
-            "rows": real_rows, "probe_rows": rows}
+            "rows": real_rows, "probe_rows": probes}
 
 
 def _fmt(points: dict) -> str:
@@ -273,14 +291,17 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
 
     On ``resources/laptop.py`` with the default multitask graph, one inference pool
     (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
-    ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks,
-    (2) a 3-step async probe on other seeds for the tasks' shapes, the trainer's step
-    beside rollout (``in_situ_trainer``) and the engine's per-request cost beside
-    rollout (``in_situ_engine``), and a run with one trajectory live at a time for the
-    env manager's per-turn loop time (``_lone_turn_s``), (3) real ``sync`` and ``async``
-    runs (async with 1.5× members), (4) the simulator configured from (1) and (2) only. ``options`` go to ``measure_real``. Returns ``real``, ``sim``, ``errors``
-    (relative: throughput per mode and async ÷ sync) and ``calibration_error`` (the
-    largest)."""
+    ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks
+    (alone), (2) per mode, a 3-step probe of that mode on other seeds (the trainer's
+    step, ``in_situ_trainer``; the engine's per-request cost, ``in_situ_engine``; the
+    sync probe also the tasks' episodes, ``measure_shapes``, followed by a run with one
+    trajectory live at a time for the env manager's per-turn loop time,
+    ``_lone_turn_s``), then (3) that mode's real run (``sync``; ``async`` with 1.5×
+    members), (4) the simulator configured from (1) and (2) only. ``options`` go to
+    ``measure_real`` (``save``: a path for the measurements, cloudpickled). Returns
+    ``real``, ``sim``, ``errors`` (relative: throughput per mode and async ÷ sync),
+    ``calibration_error`` (the largest) and ``components`` (``real_components`` /
+    ``sim_components`` per mode)."""
     t0 = time.time()
     save = options.pop("save", None)
     measured = measure_real(quick, log=log, **options)

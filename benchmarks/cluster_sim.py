@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 RESULT_KEYS = ("affinity_vs_h20", "affinity_vs_h800", "async_vs_sync", "syncplus_vs_sync",
-               "pd_gain", "redundancy_gain")
+               "pd_gain", "redundancy_gain", "alpha_gain", "alpha_gain_fixed_slots")
 
 
 def _plt():

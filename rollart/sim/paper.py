@@ -255,13 +255,22 @@ def alpha(quick: bool = True, steps: int = 4) -> list[Experiment]:
     alphas = (1, 2, 6) if quick else (1, 2, 3, 4, 5, 6)
     routed = [_task(t, Affinity(pools=("H800",))) for t in PREFILL_HEAVY] + \
              [_task(t, Affinity(pools=("H20",))) for t in DECODE_HEAVY]
+    fixed = {}
     for a in alphas:
         configs[f"x/a{a}"] = _config(_cluster({"H800": ("H800", 64), "H20": ("H20", 24)}),
                                      _graph(routed, ("H800", "H20"), alpha=a, groups=g), "Qwen3-8B",
                                      steps=steps)
-    return [Experiment("alpha_gain", "α = 6 vs α = 1", (1.0, 1.22), configs,
-                       _Best([f"a{a}" for a in alphas[1:]], "a1"),
-                       "the modes experiment's cluster, Qwen3-8B")]
+        # α as a staleness bound only: the groups in flight or buffered held at two
+        # steps' worth for every α (what α = 1 needs to roll the next batch out while
+        # the trainer steps), where rollart's slot rule grows them with α
+        fixed[f"x/a{a}"] = replace(configs[f"x/a{a}"], slot_capacity=2 * g)
+    best = _Best([f"a{a}" for a in alphas[1:]], "a1")
+    return [Experiment("alpha_gain", "α = 6 vs α = 1", (1.0, 1.22), configs, best,
+                       "the modes experiment's cluster, Qwen3-8B; rollart's slots: "
+                       "max(α, 1) steps' worth of groups"),
+            Experiment("alpha_gain_fixed_slots", "α = 6 vs α = 1, slots fixed", (1.0, 1.22),
+                       fixed, best, "as above, slots fixed at 2 steps' worth of groups "
+                       "for every α (α bounds staleness only)")]
 
 
 def pd(quick: bool = True, steps: int = 2) -> list[Experiment]:

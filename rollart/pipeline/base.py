@@ -17,7 +17,9 @@ it waits, hands the groups of an env manager that was lost back to the buffer
 another manager (the others), and re-runs a step whose trainer was lost on a re-created
 trainer, after the buffer put that step's ``taken`` batch back
 (``SampleBuffer.release_taken``: the re-run trains it; a batch is ``trained`` only once
-an update with it was published).
+an update with it was published), or records it once if the lost trainer had published
+it (``published_step``). A call whose actor's worker left the cluster fails at once
+(``result``: the scheduler would retry connecting to it until Dask's connect time-out).
 
 A run that stops progressing says so (the rules: ``rollart.watchdog``): the last
 ``Rollout.failure_streak_limit`` trajectories all failed → ``FailureStormError``; for
@@ -47,12 +49,6 @@ logger = logging.getLogger(__name__)
 
 class ActorGone(OSError):
     """A call's actor left the cluster while the driver waited (``Pipeline.result``)."""
-
-
-def describe(actor) -> str:
-    """``"the SampleBuffer on ADDR"``: an actor handle, for messages."""
-    return f"the {getattr(actor, '_cls', type(actor)).__name__} on " \
-           f"{getattr(actor, '_address', '?')}"
 
 
 class Pipeline(abc.ABC):
@@ -129,11 +125,11 @@ class Pipeline(abc.ABC):
             try:
                 return fut.result(timeout=wait)
             except TimeoutError:
-                if fut.done():
-                    raise  # the call's own TimeoutError
+                if fut.done():  # done meanwhile, or the call's own TimeoutError
+                    return fut.result()
                 if end is not None and time.monotonic() >= end:
-                    raise TimeoutError(f"{describe(actor)} gave no answer within "
-                                       f"{timeout:g} s") from None
+                    raise TimeoutError(f"the actor on {actor._address} gave no answer "
+                                       f"within {timeout:g} s") from None
                 self.check_alive(actor)
 
     def check_alive(self, actor) -> None:

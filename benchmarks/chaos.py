@@ -338,18 +338,30 @@ def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
             "env_ended": sum(ended.values()), "unmapped_settled": unmapped}
 
 
-def should_stop(steps_done: int, steps: int, replaced: int, kills: int, killing: bool,
+def should_stop(steps_done: int, steps: int, replaced: int, needed: int, killing: bool,
                 waited: float, wait: float) -> bool:
-    """Stop the run once it has ``steps`` steps and each kill has its replacement
-    (``replaced``: the metrics' ``recovery/actors_replaced``), or ``wait`` s after
-    ``steps`` without one (then the RESULT shows the missing recovery).
+    """Stop the run once it has ``steps`` steps and each kill has its replacements
+    (``replaced``: the metrics' ``recovery/actors_replaced``; ``needed``: the actors
+    the kills took, ``replacements_needed``), or ``wait`` s after ``steps`` without them
+    (then the RESULT shows the missing recovery).
 
     >>> should_stop(5, 5, 0, 1, False, 3.0, 120.0), should_stop(6, 5, 1, 1, False, 4.0, 120.0)
     (False, True)
     """
     if steps_done < steps or killing:
         return False
-    return replaced >= kills or waited >= wait
+    return replaced >= needed or waited >= wait
+
+
+def replacements_needed(kills: list[dict]) -> int:
+    """Actors the ``kills`` took (``ROLES``): a TRAIN worker takes the trainer and the
+    buffer, so counting one replacement per kill stopped a run with a TRAIN kill and an
+    env kill as soon as the trainer and buffer were back, before the env worker was.
+
+    >>> replacements_needed([{"tag": "TRAIN"}, {"tag": "CPU_ENV"}])
+    3
+    """
+    return sum(len(ROLES.get(k["tag"], {"?"})) for k in kills)
 
 
 def stopper(run_dir: Path, steps: int, kills: list, killer_threads, wait: float,
@@ -366,7 +378,8 @@ def stopper(run_dir: Path, steps: int, kills: list, killer_threads, wait: float,
         waited = time.monotonic() - since if since is not None else 0.0
         replaced = rows[-1].get("recovery/actors_replaced", 0) if rows else 0
         killing = len(kills) < n_kills and any(k.is_alive() for k in killer_threads)
-        if should_stop(len(rows), steps, replaced, len(kills), killing, waited, wait):
+        if should_stop(len(rows), steps, replaced, replacements_needed(kills), killing,
+                       waited, wait):
             request_stop(run_dir.name)
             return
         time.sleep(0.05)

@@ -16,7 +16,7 @@ import rollart
 
 
 def main(steps: int = 30, warmup_steps: int | None = None, run_dir: str | None = None,
-         processes: bool = True):
+         processes: bool = True, eval_seeds: int = 32):
     graph, _ = rollart.load_graph("gridnav")
     graph = replace(graph, steps=steps)
     if warmup_steps is not None:
@@ -26,7 +26,7 @@ def main(steps: int = 30, warmup_steps: int | None = None, run_dir: str | None =
         resources = replace(resources, processes=False, dashboard_address=":0")
     with resources.make_cluster() as cluster, Client(cluster) as client:
         print("dashboard:", client.dashboard_link)
-        result = rollart.train(graph, client=client, run_dir=run_dir, eval_seeds=32)
+        result = rollart.train(graph, client=client, run_dir=run_dir, eval_seeds=eval_seeds)
     print("run directory:", result.run_dir)
     print("last step reward:", {k: round(v, 2) for k, v in result.metrics[-1].items()
                                 if k.startswith("reward/")})

@@ -27,8 +27,9 @@ actor lost          what happens
                     ``trained`` row's update is rolled back and rollout never goes back
                     in version (``--resume`` differs: it truncates to the checkpoint).
                     The lost step's batch was ``taken``, not ``trained``: it is buffered
-                    again for the re-run (or ``trained``, if the lost step published
-                    its update before dying; ``lost_in_step`` if the bound rules it out).
+                    again for the re-run (``lost_in_step`` if the bound rules it out) or,
+                    if the lost step published its update before dying, ``trained`` and
+                    the step recorded once from the buffer's record, not re-run.
 ``SampleBuffer``    holds the ledger, off the env pool (the ``BUFFER`` tag; on the
                     trainer's worker in ``resources/local.py`` and ``laptop.py``, which
                     then loses both). Its journal is durable (``rollart.buffer.journal``),

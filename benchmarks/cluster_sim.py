@@ -16,6 +16,8 @@ the 3,000-GPU run, two plots and one RESULT line.
    run) and ``sim_staleness.png`` (trained trajectories by versions behind).
 
 ``--no-calibration`` skips step 1 (no real runs; ``calibration_error=nan``);
+``--calibration-only`` runs step 1 alone; ``--save-measured PATH`` keeps its measurements
+and the real runs' metrics (cloudpickle) to look at the prediction again;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
 """

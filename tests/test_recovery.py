@@ -218,3 +218,33 @@ def test_lose_worker_twice_at_once_while_the_cluster_forgets_lost_workers():
         after = sorted(workers_with(client, CPU_ENV))
         assert len(after) == 2 and not set(after) & set(before)
         assert sorted(cluster.workers) == sorted(cluster.worker_spec)
+
+
+def test_close_bounded_says_what_kept_the_loop_from_stopping(caplog):
+    """A task on an in-process cluster's loop that outlives every cancellation (as an
+    actor's left on a worker closed in-process can) kept the loop's thread from stopping:
+    the cluster's close raised a bare "join timed out". ``close_bounded`` closes the
+    client and the cluster, and names the task that was still pending."""
+    import asyncio
+    import logging
+
+    from distributed import Client
+
+    from rollart.waits import close_bounded
+
+    async def stubborn_env_call():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),),
+                    processes=False, dashboard_address=":0")
+    cluster = res.make_cluster()
+    client = Client(cluster)
+    cluster.loop.add_callback(lambda: asyncio.ensure_future(stubborn_env_call()))
+    with caplog.at_level(logging.WARNING, logger="rollart.waits"):
+        close_bounded(client, cluster, seconds=60)
+    assert str(cluster.status) == "Status.closed" and client.status == "closed"
+    assert "stubborn_env_call" in caplog.text, caplog.text

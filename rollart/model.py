@@ -94,11 +94,11 @@ CHAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 # Qwen2's pre-tokenizer split, except that a word never takes the whitespace before it
 # (Qwen2: ``[^\r\n\p{L}\p{N}]?\p{L}+``, so " right" is one token and "right" another).
 # Here an observation's "goal 2 right" holds the very token an assistant's "right" is, as
-# in the word-level toy: a tiny model with no pretraining learns to copy a word of its
-# input (the same id, through the tied embeddings) from reward within minutes, while
-# mapping " right" to "right" is a second thing it must learn first (the chat graph's
-# gridnav and boxpush learned several times slower with Qwen2's split). ids survive
-# AutoTokenizer's reload (it keeps the folder's pre-tokenizer; tests/test_chat_model.py).
+# in the word-level toy, so copying a word of the input is the same id (through the tied
+# embeddings) for a model with no pretraining, not a mapping " right" -> "right" it must
+# learn first. (Alone this did not make the chat toy learn to copy: README, "Bring your
+# own model".) ids survive AutoTokenizer's reload (it keeps the folder's pre-tokenizer;
+# tests/test_chat_model.py).
 CHAT_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\s\p{L}\p{N}]?\p{L}+|\p{N}|"""
               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user "

@@ -12,9 +12,9 @@ tag, so the sample buffer goes on the trainer's worker, its first fallback:
   random step (in-process: closed, then a fresh worker with the same spec starts after
   1 s; ``--processes``: SIGKILL, and its Nanny restarts it);
 * and the trainer's worker is killed mid-step (``--trainer-kill-step K``, on by
-  default): after step K's row is written, half a step's time into step K+1, while
-  that step runs (its row not written yet; the RESULT's ``trainer_mid_step`` says it
-  was).
+  default): after step K's row is written, once step K+1 has taken its batch (or half
+  a step's time into it), while that step runs (its row not written yet; the RESULT's
+  ``trainer_mid_step`` says it was).
 
 It prints the kills, the recoveries and one line
 
@@ -195,8 +195,10 @@ def killer(cluster, client, run_dir: Path, at_step: int, tag: str, kills: list,
 def trainer_killer(cluster, client, run_dir: Path, after_step: int, kills: list,
                    restart_after: float | None) -> None:
     """Kill the trainer's worker while step ``after_step + 1`` runs: once step
-    ``after_step``'s row is written, wait half the mean step time so far, and kill if
-    that step's row is still not there (``mid_step``)."""
+    ``after_step``'s row is written, as soon as the buffer (on the same worker) holds
+    that step's batch ``taken`` (``_took``), or half the mean step time so far if that
+    is not seen first; ``mid_step``: that step's row is still not there. (Waiting only
+    the half step let a fast step finish first: ``trainer_mid_step=0``.)"""
     from rollart.recovery import lose_worker
     from rollart.resources import workers_with
     from rollart.types import TRAIN
@@ -204,9 +206,16 @@ def trainer_killer(cluster, client, run_dir: Path, after_step: int, kills: list,
     while len(_rows(run_dir)) < after_step:
         time.sleep(0.02)
     rows = _rows(run_dir)
-    time.sleep(0.5 * rows[after_step - 1]["time"] / after_step)
-    mid_step = len(_rows(run_dir)) == after_step
     addr = workers_with(client, TRAIN)[-1]
+    deadline = time.monotonic() + 0.5 * rows[after_step - 1]["time"] / after_step
+    while time.monotonic() < deadline and len(_rows(run_dir)) == after_step:
+        try:
+            if client.run(_took, step=after_step + 1, workers=[addr])[addr]:
+                break
+        except Exception:  # noqa: BLE001 - the worker is busy or gone: poll again
+            pass
+        time.sleep(0.01)
+    mid_step = len(_rows(run_dir)) == after_step
     kills.append({"tag": TRAIN, "address": addr, "at": time.time(),
                   "after_step": after_step, "mid_step": mid_step})
     kills[-1]["worker"] = name = lose_worker(cluster, client, addr,
@@ -214,6 +223,13 @@ def trainer_killer(cluster, client, run_dir: Path, after_step: int, kills: list,
     print(f"killed {name} (TRAIN, {addr}) during step {after_step + 1}"
           f"{'' if mid_step else ' (its row was already written: not mid-step)'}",
           flush=True)
+
+
+def _took(step: int, dask_worker=None) -> bool:
+    """On a worker (``client.run``): does an actor there (the buffer) hold a batch
+    ``taken`` for trainer step ``step``?"""
+    return any(step in (getattr(a, "_taken", None) or {})
+               for a in dask_worker.state.actors.values())
 
 
 def read_env_log(log_dir: Path) -> list[dict]:

@@ -376,3 +376,43 @@ def test_overlapped_engine_is_timed_at_the_rollout_nice_value_in_its_own_thread(
     before = mine()
     assert _rollout_niced(True, mine) == max(ROLLOUT_NICE, before)
     assert _rollout_niced(False, mine) == before and mine() == before
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_in_situ_engine_cost_is_per_admitted_request_on_the_modes_fit(mode):
+    """The probe's engine busy seconds per admitted request (``rollout/requests``) less
+    the simulator's for the same probe becomes ``request_overhead_s`` on the fit that
+    mode uses; simulating the probe again with it gives the probe's cost per admitted
+    request (async: 1.5x members, so requests and completed turns differ)."""
+    from dataclasses import replace as _replace
+
+    import rollart
+    from rollart.sim import simulate
+    from rollart.sim.calibrate import in_situ_engine, laptop_sim_config
+    from rollart.sim.config import TaskShape
+    from rollart.sim.measure import EngineFit
+
+    cpu = GPUSpec("cpu", 1e10, 1e10, 1e9)
+    fit = EngineFit(cpu, GenCost(MODELS["tiny"], cpu, step_overhead_s=1e-3),
+                    TrainCost(MODELS["tiny"], cpu, gpus=1, mfu=1.0, overhead_s=0.5),
+                    WeightSync("tcp"), 1e-4, {}, {}, {}, 0.0)
+    fits = {"alone": fit, "overlapped": fit}
+    base, _ = rollart.load_graph("multitask")
+    probe = _replace(base, mode=mode, steps=3,
+                     rollout=_replace(base.rollout, inference_pools=("H800",),
+                                      redundancy=1.5 if mode == "async" else 1.0))
+    shapes = {t.name: TaskShape(turns=4, prompt_tokens=20, obs_tokens=10,
+                                response_tokens=3) for t in probe.tasks}
+    cp = ControlPlane(actor_call_s=1e-3, task_s=5e-3)
+    rows = [{"rollout/engine_busy_s": 30.0, "rollout/requests": 3000,
+             "rollout/turns": 2500}] * 3  # 10 ms a request
+    out = in_situ_engine(fits, cp, shapes, 0.0, probe, rows)
+    key, other = ("overlapped", "alone") if mode == "async" else ("alone", "overlapped")
+    assert out[key].gen.request_overhead_s > 0 and out[other] is fit
+    again = simulate(laptop_sim_config(probe, out, cp, shapes, 3, mode, probe.seed))
+    x = again.extra
+    per_request = (x["engine_busy_s"] + x["engine_stalled_s"]) / x["requests"]
+    assert per_request == pytest.approx(0.010, rel=0.05)
+    with pytest.raises(KeyError, match="rollout/requests"):
+        in_situ_engine(fits, cp, shapes, 0.0, probe, [{"rollout/engine_busy_s": 1.0,
+                                                        "rollout/turns": 10}])

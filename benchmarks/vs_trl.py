@@ -167,21 +167,24 @@ def warm_model(path: Path, task, steps: int, seed: int = 0,
 
 
 # -- TRL ------------------------------------------------------------------------------
-def run_trl(model_dir: str, s: Settings, task, faults, out_dir: str, threads: int):
-    """TRL's run in a fresh process (``_trl_env.run_trl``), so that neither its imports
-    nor its GIL-heavy training touch the Dask scheduler that lives in this process.
-    Returns ``(rows, snapshots)``."""
+def run_trl(model_dir: str, jobs: list[tuple[Settings, object, str]], task, threads: int):
+    """TRL's runs (one per ``(settings, faults, out_dir)`` job, one after another) in one
+    fresh process (``_trl_env.run_trl``), so that neither its imports nor its GIL-heavy
+    training touch the Dask scheduler that lives in this process; the imports are paid
+    once for every workload (each run's clock starts at its first trainer step).
+    Returns ``[(rows, snapshots)]`` in job order."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from dataclasses import asdict
 
     import _trl_env
 
-    seeds = group_seeds(s.seed, s.steps * s.groups_per_step)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_trl_env.run_trl, model_dir, asdict(s), task.name, faults, seeds,
-                           out_dir, threads).result()
+        futures = [pool.submit(_trl_env.run_trl, model_dir, asdict(s), task.name, faults,
+                               group_seeds(s.seed, s.steps * s.groups_per_step), out_dir,
+                               threads) for s, faults, out_dir in jobs]
+        return [f.result() for f in futures]
 
 
 # -- rollart --------------------------------------------------------------------------
@@ -508,12 +511,13 @@ def run_seed(s: Settings, base, workloads: list[str], modes: list[str], a):
         print(f"warm-up: {s.warmup_steps} steps in {time.time() - t0:.0f}s; TRL uses "
               f"{threads} torch thread(s); {s}", flush=True)
         faults = {w: latency_faults(s.seed) if w == "latency" else None for w in workloads}
-        for w in workloads:
-            t0 = time.time()
-            raw[w]["trl"] = run_trl(model, s.workload(w), base, faults[w],
-                                    str(tmp / f"trl-{w}"), threads)
-            print(f"{w:10s} trl   ran {len(raw[w]['trl'][0])} steps "
-                  f"(run {time.time() - t0:.0f}s)", flush=True)
+        t0 = time.time()
+        trl = run_trl(model, [(s.workload(w), faults[w], str(tmp / f"trl-{w}"))
+                              for w in workloads], base, threads)
+        for w, run in zip(workloads, trl):
+            raw[w]["trl"] = run
+            print(f"{w:10s} trl   ran {len(run[0])} steps", flush=True)
+        print(f"TRL's process, every workload: {time.time() - t0:.0f}s", flush=True)
         order = list(modes)
         random.Random(s.seed).shuffle(order)
         res = rollart.load_resources(a.resources)

@@ -4,17 +4,41 @@
 >>> # result = rollart.train()          # the default multi-task graph on a local cluster
 """
 
-from rollart.affinity import (Affinity, AffinityError, env_affinity, reward_affinity,
-                              task_affinity)
-from rollart.api import Run, start_run
-from rollart.cli import quiet
-from rollart.control import RunResult, train
-from rollart.env.faults import Faults, Latency, straggler_profile, with_faults
-from rollart.env.tasks import BUILTIN_TASKS, Task, get_task
-from rollart.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
-from rollart.resources import Pool, Resources, ResourcesError, ResourceTagError, load_resources
-from rollart.reward.offload import http_reward, serverless
-from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN, Episode, StepResult, Trajectory
+import importlib
+
+# Names are imported on first use (PEP 562), so ``import rollart.types`` or an env
+# worker's ``rollart.env`` does not pay for torch and transformers (~5 s of CPU a
+# process); ``from rollart import train`` works as before.
+_EXPORTS = {
+    "rollart.affinity": ("Affinity", "AffinityError", "env_affinity", "reward_affinity",
+                         "task_affinity"),
+    "rollart.api": ("Run", "start_run"),
+    "rollart.cli": ("quiet",),
+    "rollart.control": ("RunResult", "train"),
+    "rollart.env.faults": ("Faults", "Latency", "straggler_profile", "with_faults"),
+    "rollart.env.tasks": ("BUILTIN_TASKS", "Task", "get_task"),
+    "rollart.graph": ("GRPO", "Graph", "GraphError", "Policy", "Rollout", "load_graph"),
+    "rollart.resources": ("Pool", "Resources", "ResourcesError", "ResourceTagError",
+                          "load_resources"),
+    "rollart.reward.offload": ("http_reward", "serverless"),
+    "rollart.types": ("CPU_ENV", "H20", "H800", "REWARD", "TRAIN", "Episode", "StepResult",
+                      "Trajectory"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollart' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __version__ = "0.1.0"
 

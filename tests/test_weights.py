@@ -133,6 +133,19 @@ def test_master_retries_when_its_port_is_taken(monkeypatch):
         taken.close()
 
 
+@pytest.mark.mooncake
+def test_stopping_the_master_closes_this_process_s_clients():
+    """Their teardown needs the master: left open, a process hung 8-17 s at exit."""
+    _mooncake_or_skip()
+    with mc.MooncakeMaster() as m:
+        store = WeightStore(m.url("closing", segment_mb=16, buffer_mb=8))
+        store.put(0, weights(0))
+        assert store.latest() == 0
+        addr = f"{m.host}:{m.rpc_port}"
+        assert [k for k in mc._clients if k[0] == addr]
+    assert not [k for k in mc._clients if k[0] == addr]
+
+
 def test_clear_errors():
     with pytest.raises(mc.MooncakeError, match="no mooncake_master executable"):
         mc.MooncakeMaster(binary="/no/such/mooncake_master").start()

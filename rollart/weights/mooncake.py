@@ -22,6 +22,7 @@ on CPU machines) and the system library ``libibverbs1``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -33,6 +34,8 @@ import uuid
 from urllib.parse import parse_qs, urlencode, urlparse
 
 from rollart.weights.store import WeightStore
+
+logger = logging.getLogger(__name__)
 
 MAX_READERS = 64
 DEFAULT_SEGMENT_MB = 512  # publisher: memory that holds the live versions
@@ -136,6 +139,10 @@ class MooncakeMaster:
                             f"{self.retries} tries: " + " | ".join(errors))
 
     def stop(self) -> None:
+        """Close this process's clients of this master (their teardown needs it alive:
+        against a stopped master it hangs 8-17 s at exit), then stop it."""
+        if self.rpc_port is not None:
+            close_clients(f"{self.host}:{self.rpc_port}")
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -196,6 +203,20 @@ def _client(master: str, metadata: str, publisher: bool, segment_mb: int, buffer
                                 "running and reachable?")
         _clients[key] = store
         return store
+
+
+def close_clients(master: str) -> int:
+    """Close and forget this process's clients of ``master`` (``HOST:PORT``); returns how
+    many. A later store on that address connects afresh."""
+    with _clients_lock:
+        keys = [k for k in _clients if k[0] == master]
+        stores = [_clients.pop(k) for k in keys]
+    for store in stores:
+        try:
+            store.close()
+        except Exception as e:  # noqa: BLE001 - closing is best effort; say so
+            logger.warning("closing a Mooncake client of %s failed: %r", master, e)
+    return len(stores)
 
 
 class MooncakeWeightStore(WeightStore):

@@ -101,11 +101,12 @@ def test_every_actor_ran_on_its_tag(run):
 # its 150-step warm-up) on the laptop layout (the CLI's worker processes): 6.0 min under
 # the lock on the shared 2-core machine (load ~3), held-out gains (128 seeds): gridnav
 # 0.23 -> 0.30, guess 0.38 -> 0.48, boxpush 0.31 -> 0.45 (an earlier run, before the
-# template cache and the async slots fix, 13 min: 0.05, 0.16, 0.11); those quick figures
-# predate the chat toy's tokenizer change (rollart.model.CHAT_SPLIT). The full graph (100
-# steps with calc, after that change, 22.8 min at load 5-8): gridnav +0.17, guess +0.06,
+# template cache and the async slots fix, 13 min: 0.05, 0.16, 0.11). After the chat toy's
+# tokenizer change (rollart.model.CHAT_SPLIT; 6.9 min under the lock, load 2.5-3.7):
+# gridnav 0.20 -> 0.20, guess 0.34 -> 0.38, boxpush 0.36 -> 0.50 (the bounds hold). The
+# full graph (100 steps with calc, 22.8 min at load 5-8): gridnav +0.17, guess +0.06,
 # boxpush +0.19, calc -0.02. The bounds sit about two standard errors (one is ~0.057 for
-# a gain, ~0.033 for the mean of three) below the last quick run, so a run that learns
+# a gain, ~0.033 for the mean of three) below the quick runs, so a run that learns
 # passes and one that does not fails.
 # The test stays under the `learning` marker (deselected by default): the suite leaves
 # ~4 min for it on CI's two cores, the run takes 6 shared, and the full chat graph does

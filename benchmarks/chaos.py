@@ -370,14 +370,18 @@ def should_stop(steps_done: int, steps: int, replaced: int, needed: int, killing
 
 
 def replacements_needed(kills: list[dict]) -> int:
-    """Actors the ``kills`` took (``ROLES``): a TRAIN worker takes the trainer and the
-    buffer, so counting one replacement per kill stopped a run with a TRAIN kill and an
-    env kill as soon as the trainer and buffer were back, before the env worker was.
+    """Actors the ``kills`` took (``ROLES``), each killed tag counted once: a TRAIN
+    worker takes the trainer and the buffer, so counting one replacement per kill
+    stopped a run with a TRAIN kill and an env kill as soon as the trainer and buffer
+    were back, before the env worker was; and two kills of one worker (``--processes``:
+    the random kill after the mid-step one) may be recovered from at once, so counting
+    each kill's actors waited the whole ``--recovery-wait`` for replacements that never
+    came (157 steps instead of 9).
 
-    >>> replacements_needed([{"tag": "TRAIN"}, {"tag": "CPU_ENV"}])
+    >>> replacements_needed([{"tag": "TRAIN"}, {"tag": "CPU_ENV"}, {"tag": "TRAIN"}])
     3
     """
-    return sum(len(ROLES.get(k["tag"], {"?"})) for k in kills)
+    return sum(len(ROLES.get(tag, {tag})) for tag in {k["tag"] for k in kills})
 
 
 def stopper(run_dir: Path, steps: int, kills: list, killer_threads, wait: float,

@@ -4,7 +4,7 @@
 >>> # result = rollart.train()          # the default multi-task graph on a local cluster
 """
 
-import importlib
+from rollart._lazy import lazy_exports
 
 # Names are imported on first use (PEP 562), so ``import rollart.types`` or an env
 # worker's ``rollart.env`` does not pay for torch and transformers (~5 s of CPU a
@@ -27,13 +27,7 @@ _EXPORTS = {
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollart' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _WHERE)
 
 
 def __dir__() -> list[str]:

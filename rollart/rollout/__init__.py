@@ -6,7 +6,7 @@ actor per inference worker; env managers reach the workers through an ``LLMProxy
 prefill worker to the decode worker over Dask's comms) implement PD disaggregation.
 """
 
-import importlib
+from rollart._lazy import lazy_exports
 
 # imported on first use: ``rollart.rollout.base`` (engine names, read by rollart.graph)
 # and ``routing`` must not pull in torch
@@ -14,12 +14,4 @@ _WHERE = {"InferenceWorker": "rollart.rollout.worker", "LLMProxy": "rollart.roll
           "TorchEngine": "rollart.rollout.engine"}
 
 
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollart.rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-__all__ = ["InferenceWorker", "LLMProxy", "TorchEngine"]
+__getattr__ = lazy_exports(globals(), _WHERE)

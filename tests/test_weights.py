@@ -196,11 +196,14 @@ def test_prefetch_then_swap_under_load(store, model_dir):
         tasks = [asyncio.ensure_future(w.generate(r)) for r in long]
         seen = []
         for v in (1, 2):
-            store.put(v, perturbed(engine, seed=v))  # the trainer publishes, no waiting
-            for _ in range(2000):  # wait until decoding advanced a bit
-                if (await w.stats())["decode_steps"] >= 20 * v:
-                    break
+            # publish only once decoding is under way: put before the first await, v1 was
+            # in the store before the rows were admitted, and the worker's store watch
+            # could swap it in with no row live (no suspend; seen under load)
+            deadline = time.monotonic() + 60  # wait until decoding advanced a bit
+            while (await w.stats())["decode_steps"] < 20 * v:
+                assert time.monotonic() < deadline, "decoding did not advance in 60 s"
                 await asyncio.sleep(0.005)
+            store.put(v, perturbed(engine, seed=v))  # the trainer publishes, no waiting
             steps_before = (await w.stats())["decode_steps"]
             await w.update_weights(v)
             assert await w.wait_version(v, timeout=60) == v

@@ -623,24 +623,11 @@ def _chat_task(name, env, max_new_tokens=40, max_turns=3):
 
 
 @pytest.fixture(scope="module")
-def chat_rollout(local_cluster, chat_folder, tmp_path_factory):
-    from rollart.buffer import SampleBuffer
-    from rollart.env.manager import EnvManager
-    from rollart.model import load_model
-    from rollart.rollout import InferenceWorker, LLMProxy
-    from rollart.types import CPU_ENV, H800
-    from rollart.weights import WeightStore
-
-    c = local_cluster
-    store = str(tmp_path_factory.mktemp("w") / "weights")
-    WeightStore(store).put(0, load_model(chat_folder).state_dict())
-    worker = c.submit(InferenceWorker, chat_folder, store, pool=H800, actor=True,
-                      resources={H800: 1}, key="iw-chat").result()
-    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-chat").result()
-    mgr = c.submit(EnvManager, LLMProxy([(worker, H800)]), buf, chat_folder,
-                   temperature=1e-3, conversation="chat", system_prompt="you add numbers",
-                   actor=True, resources={CPU_ENV: 1}, key="mgr-chat").result()
+def chat_rollout(local_cluster, chat_folder, tmp_path_factory, rollout_actors):
+    mgr, buf, _ = rollout_actors(local_cluster, chat_folder,
+                                 tmp_path_factory.mktemp("w") / "weights", "chat",
+                                 temperature=1e-3, conversation="chat",
+                                 system_prompt="you add numbers")
     return mgr, buf
 
 

@@ -10,17 +10,12 @@ import time
 
 import pytest
 
-from rollart.buffer import SampleBuffer
 from rollart.env.builtin.gridnav import GridNavEnv
-from rollart.env.manager import EnvManager
 from rollart.env.tasks import Task
-from rollart.model import load_model
 from rollart.reward import SERVERLESS, LLMJudge, RewardFailed, serverless
 from rollart.reward.dispatch import RewardDispatcher
 from rollart.reward.elastic import ElasticPool, pool_stats, reward_metrics, start_pools
-from rollart.rollout import InferenceWorker, LLMProxy
-from rollart.types import CPU_ENV, H20, H800, Episode
-from rollart.weights import WeightStore
+from rollart.types import H20, H800, Episode
 
 MAX = 2
 
@@ -164,17 +159,10 @@ def _task(name, reward):
 
 
 @pytest.fixture(scope="module")
-def manager(local_cluster, tiny_model, tmp_path_factory, pool):
-    c = local_cluster
-    store = str(tmp_path_factory.mktemp("w") / "weights")
-    WeightStore(store).put(0, load_model(tiny_model).state_dict())
-    workers = [(c.submit(InferenceWorker, tiny_model, store, pool=tag, actor=True,
-                         resources={tag: 1}, key=f"iw-sl-{tag}").result(), tag)
-               for tag in (H800, H20)]
-    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-sl").result()
-    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-sl").result()
+def manager(local_cluster, tiny_model, tmp_path_factory, pool, rollout_actors):
+    mgr, buf, _ = rollout_actors(local_cluster, tiny_model,
+                                 tmp_path_factory.mktemp("w") / "weights", "sl",
+                                 pools=(H800, H20))
     return mgr, buf
 
 

@@ -11,11 +11,10 @@ from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.manager import EnvManager
 from rollart.env.trajectory import TokenLog
 from rollart.env.tasks import BUILTIN_TASKS, Task
-from rollart.model import load_model, load_tokenizer
+from rollart.model import load_tokenizer
 from rollart.reward import success_reward
-from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.rollout import LLMProxy
 from rollart.types import CPU_ENV, H20, H800, REWARD
-from rollart.weights import WeightStore
 
 
 class RaisingEnv(GridNavEnv):
@@ -93,18 +92,11 @@ def _task(name, env=GridNavEnv, reward=success_reward):
 
 
 @pytest.fixture(scope="module")
-def rollout(local_cluster, tiny_model, tmp_path_factory):
-    c = local_cluster
-    store = str(tmp_path_factory.mktemp("w") / "weights")
-    WeightStore(store).put(0, load_model(tiny_model).state_dict())
-    workers = [(c.submit(InferenceWorker, tiny_model, store, pool=tag, actor=True,
-                         resources={tag: 1}, key=f"iw-{tag}").result(), tag)
-               for tag in (H800, H20)]
-    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-mgr").result()
-    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, env_step_timeout=0.5,
-                   actor=True, resources={CPU_ENV: 1}, key="mgr").result()
-    return c, mgr, buf, workers
+def rollout(local_cluster, tiny_model, tmp_path_factory, rollout_actors):
+    mgr, buf, workers = rollout_actors(local_cluster, tiny_model,
+                                       tmp_path_factory.mktemp("w") / "weights", "mgr",
+                                       pools=(H800, H20), env_step_timeout=0.5)
+    return local_cluster, mgr, buf, workers
 
 
 def _trajs(buf):

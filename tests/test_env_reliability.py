@@ -9,15 +9,12 @@ import time
 
 import pytest
 
-from rollart.buffer import SampleBuffer
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.manager import EnvManager
 from rollart.env.tasks import Task
-from rollart.model import load_model
 from rollart.reward import success_reward
-from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.rollout import LLMProxy
 from rollart.types import CPU_ENV, H20, H800
-from rollart.weights import WeightStore
 
 
 class HangUntilClosed(GridNavEnv):
@@ -75,17 +72,11 @@ def _task(name, env, max_turns=3):
 
 
 @pytest.fixture(scope="module")
-def setup(local_cluster, tiny_model, tmp_path_factory):
+def setup(local_cluster, tiny_model, tmp_path_factory, rollout_actors):
     c = local_cluster
-    store = str(tmp_path_factory.mktemp("w") / "weights")
-    WeightStore(store).put(0, load_model(tiny_model).state_dict())
-    workers = [(c.submit(InferenceWorker, tiny_model, store, pool=tag, actor=True,
-                         resources={tag: 1}, key=f"rel-iw-{tag}").result(), tag)
-               for tag in (H800, H20)]
-    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="rel-buf").result()
-    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, env_step_timeout=0.3,
-                   env_threads=2, actor=True, resources={CPU_ENV: 1}, key="rel-mgr").result()
+    mgr, buf, workers = rollout_actors(c, tiny_model, tmp_path_factory.mktemp("w") / "weights",
+                                       "rel", pools=(H800, H20), env_step_timeout=0.3,
+                                       env_threads=2)
     timed = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, trajectory_timeout=1.0,
                      actor=True, resources={CPU_ENV: 1}, key="rel-mgr-timed").result()
     return c, mgr, buf, timed

@@ -328,29 +328,16 @@ class _FirstSleeps:
 
 
 def test_turn_overhead_leaves_out_the_generation_of_a_cancelled_turn(local_cluster,
-                                                                     tiny_model, tmp_path):
+                                                                     tiny_model, tmp_path,
+                                                                     rollout_actors):
     """``rollout/turn_overhead_s`` (what ``measure_turn_overhead`` reads) is a completed
     turn's wall time less its generation and env time. A redundant member cancelled in
     its env step after its generation has no completed turn, so its generation must not
     count either: it did (the metric came out negative in async runs)."""
-    from rollart.buffer import SampleBuffer
-    from rollart.env.manager import EnvManager
     from rollart.env.tasks import Task
-    from rollart.model import load_model
     from rollart.reward import success_reward
-    from rollart.rollout import InferenceWorker, LLMProxy
-    from rollart.types import CPU_ENV, H800
-    from rollart.weights import WeightStore
 
-    c = local_cluster
-    store = str(tmp_path / "weights")
-    WeightStore(store).put(0, load_model(tiny_model).state_dict())
-    worker = c.submit(InferenceWorker, tiny_model, store, pool=H800, actor=True,
-                      resources={H800: 1}, key="iw-overhead").result()
-    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-overhead").result()
-    mgr = c.submit(EnvManager, LLMProxy([(worker, H800)]), buf, tiny_model,
-                   actor=True, resources={CPU_ENV: 1}, key="mgr-overhead").result()
+    mgr, _, _ = rollout_actors(local_cluster, tiny_model, tmp_path / "weights", "overhead")
     _FirstSleeps.made.clear()
     task = Task(name="overhead", env_factory=_FirstSleeps, reward_fn=success_reward,
                 max_turns=1)

@@ -222,26 +222,26 @@ def _actor_files(path: str, actors, pipeline, call) -> tuple[dict, int]:
     once by the pipeline's supervisor, then the files are written again: the trainer
     re-created (it holds the newest published weights: the step's update) or the
     buffer's replacement waited for. Without a supervisor the loss is the caller's."""
-    for attempt in range(2):
-        try:
-            files = dict(call(actors.trainer.save_state(path), actors.trainer,
-                              "save its state"))
-            files.update(call(actors.buffer.snapshot(path), actors.buffer,
-                              "snapshot the buffer"))
-            return files, call(actors.trainer.stats(), actors.trainer,
-                               "report its version")["version"]
-        except Exception as e:  # noqa: BLE001 - a lost worker is healed below, once
-            sup = getattr(pipeline, "supervisor", None)
-            if attempt or sup is None or not pipeline.lost(e):
-                raise
-            logger.warning("checkpoint %s: a worker was lost (%r); healing, then "
-                           "writing it again", path, e)
-            if sup.alive(actors.trainer):
-                sup.wait_for_buffer()
-            else:
-                sup.replace_trainer()
-                pipeline.trainer_recoveries += 1
-    raise AssertionError("unreachable")
+    def write() -> tuple[dict, int]:
+        files = dict(call(actors.trainer.save_state(path), actors.trainer, "save its state"))
+        files.update(call(actors.buffer.snapshot(path), actors.buffer, "snapshot the buffer"))
+        return files, call(actors.trainer.stats(), actors.trainer, "report its version")[
+            "version"]
+
+    sup = getattr(pipeline, "supervisor", None)
+    try:
+        return write()
+    except Exception as e:  # noqa: BLE001 - a lost worker is healed below, once
+        if sup is None or not pipeline.lost(e):
+            raise
+        logger.warning("checkpoint %s: a worker was lost (%r); healing, then writing it "
+                       "again", path, e)
+    if sup.alive(actors.trainer):
+        sup.wait_for_buffer()
+    else:
+        sup.replace_trainer()
+        pipeline.trainer_recoveries += 1
+    return write()
 
 
 def _wait(context: str, pipeline=None):

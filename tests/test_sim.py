@@ -301,6 +301,54 @@ def test_a_co_located_turn_pauses_a_busy_engine_and_not_an_idle_one():
     assert 0.03 - 1e-9 <= done[0.05] - done[None] <= 0.03 + step
 
 
+def test_a_colocated_prefill_stalls_the_decode_batch_and_a_decode_worker_pays_one_step():
+    """Prefill-decode interference, by hand on H800 (8B): a row decoding 100 tokens
+    alone ends at ``prefill(1000) + 100 steps``; a 5,000-token prompt arriving after its
+    40th step is prefilled with decoding paused, so the row ends exactly that prefill
+    later (40 steps at the first phase's midpoint context, 60 at the second's). On a
+    decode-only (PD) worker the same arrival brings its KV: it costs the row one decode
+    step at batch 1 over its 5,000 tokens of context, not a prefill."""
+    import simpy
+
+    from rollart.sim.pools import Meter, Req, SimWorker
+
+    m, h800 = MODELS["Qwen3-8B"], GPUS["H800"]
+    gen = GenCost(m, h800)
+    flops, hbm = 989e12 * 0.5, 3.35e12 * 0.7
+
+    def step(ctx):  # batch 1: one read of the weights and the row's KV
+        return (m.params * 2 + m.kv_bytes_per_token * ctx) / hbm
+
+    def prefill(n):  # compute-bound: 2·params·n + attention over n/2 on average
+        return (2 * m.params * n + 4 * m.layers * m.attn_width * n * n / 2) / flops
+
+    assert gen.decode_step_s(1, 1050) == pytest.approx(step(1050))
+    assert gen.prefill_s(5000) == pytest.approx(prefill(5000))
+    at = prefill(1000) + 40 * step(1050)  # the row's 40th step ends
+    ends = {}
+    for arrival in (None, "full", "decode"):
+        env = simpy.Environment()
+        w = SimWorker(env, 0, "H800", gen, 8, Meter(1, 1.0))
+        row = Req(env, 1000, 0, 1000, 100)
+        w.submit(row)
+        if arrival == "full":  # colocated: the new request's prompt is prefilled here
+            other = Req(env, 5000, 0, 5000, 0)
+        elif arrival == "decode":  # PD: prefilled elsewhere, its KV moved here
+            other = Req(env, 0, 5000, 5000, 1, "decode")
+        if arrival is not None:
+            env.timeout(at).callbacks.append(lambda _e, o=other, w=w: w.submit(o))
+        env.run(until=row.event)
+        ends[arrival] = env.now
+    assert ends[None] == pytest.approx(prefill(1000) + 100 * step(1050))
+    assert ends["full"] == pytest.approx(at + prefill(5000) + 60 * step(1040 + 30))
+    assert ends["full"] - ends[None] > 0.9 * prefill(5000) > 0.15
+    # the decode worker: the arrival's first step (batch 1 over its 5,000 tokens), one
+    # step of both rows (its last token), then the row's 59 left alone
+    both = (m.params * 2 + m.kv_bytes_per_token * (1040 + 5000 + 1)) / hbm
+    assert ends["decode"] == pytest.approx(at + step(5000) + both + 59 * step(1070))
+    assert ends["decode"] - ends[None] < 0.1 * (ends["full"] - ends[None])
+
+
 def test_members_draw_their_length_from_measured_episodes():
     """``TaskShape.episodes``: each member plays one measured ``(turns, tokens per
     turn)``; with one episode every member is that one (the shape's own ``turns`` and

@@ -261,14 +261,12 @@ def test_a_tiny_experiment_runs_through_the_simulator():
     assert "| tiny async vs sync |" in paper.table({"tiny": out})
 
 
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_engine_and_trainer_measured_into_laptop_costs(overlapped):
+def test_engine_and_trainer_measured_into_laptop_costs():
     """The micro-benchmark's fit: positive finite rates, the bundle the laptop's
-    simulated pools read (every inference tag on the CPU), with and without a
-    background trainer/engine process loading the machine."""
+    simulated pools read (every inference tag on the CPU)."""
     from rollart.sim.measure import measure_engine
 
-    fit = measure_engine(batches=(1, 8), new=4, repeats=1, overlapped=overlapped)
+    fit = measure_engine(batches=(1, 8), new=4, repeats=1)
     assert set(fit.decode_points) == {1, 8} and all(t > 0 for t in fit.decode_points.values())
     costs = fit.costs()
     gen = costs.gen_for("cpu", 1, tag="H800")
@@ -347,24 +345,6 @@ def test_turn_overhead_leaves_out_the_generation_of_a_cancelled_turn(local_clust
     assert stats["turn_overhead_s"] >= 0.0, stats["turn_overhead_s"]
 
 
-def test_overlapped_engine_is_timed_at_the_rollout_nice_value_in_its_own_thread():
-    """The async run lowers its rollout processes' priority (rollart.pipeline.priority);
-    the overlapped micro-benchmark times the engine so too, without touching the
-    caller's thread."""
-    import os
-    import threading
-
-    from rollart.pipeline.priority import ROLLOUT_NICE
-    from rollart.sim.measure import _rollout_niced
-
-    def mine():
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    before = mine()
-    assert _rollout_niced(True, mine) == max(ROLLOUT_NICE, before)
-    assert _rollout_niced(False, mine) == before and mine() == before
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_in_situ_engine_cost_is_per_admitted_request_on_the_modes_fit(mode):
     """The probe's engine busy seconds per admitted request (``rollout/requests``) less
@@ -383,7 +363,7 @@ def test_in_situ_engine_cost_is_per_admitted_request_on_the_modes_fit(mode):
     fit = EngineFit(cpu, GenCost(MODELS["tiny"], cpu, step_overhead_s=1e-3),
                     TrainCost(MODELS["tiny"], cpu, gpus=1, mfu=1.0, overhead_s=0.5),
                     WeightSync("tcp"), 1e-4, {}, {}, {}, 0.0)
-    fits = {"alone": fit, "overlapped": fit}
+    fits = {"lockstep": fit, "overlapping": fit}
     base, _ = rollart.load_graph("multitask")
     probe = _replace(base, mode=mode, steps=3,
                      rollout=_replace(base.rollout, inference_pools=("H800",),
@@ -394,7 +374,8 @@ def test_in_situ_engine_cost_is_per_admitted_request_on_the_modes_fit(mode):
     rows = [{"rollout/engine_busy_s": 30.0, "rollout/requests": 3000,
              "rollout/turns": 2500}] * 3  # 10 ms a request
     out = in_situ_engine(fits, cp, shapes, 0.0, probe, rows)
-    key, other = ("overlapped", "alone") if mode == "async" else ("alone", "overlapped")
+    key, other = ("overlapping", "lockstep") if mode == "async" else \
+        ("lockstep", "overlapping")
     assert out[key].gen.request_overhead_s > 0 and out[other] is fit
     again = simulate(laptop_sim_config(probe, out, cp, shapes, 3, mode, probe.seed))
     x = again.extra

@@ -46,9 +46,10 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
     """``resources/laptop.py`` as a ``SimConfig``: one inference worker (the graph's
     inference tags on the CPU engine, batching ``Policy.max_batch``), one env manager
     with ``Rollout.env_concurrency`` slots, one reward slot on the rollout worker, the
-    trainer on a process of its own; costs from ``measure_engine`` (``fits["alone"]``
-    for modes that stop rollout while training, ``fits["overlapped"]`` for those that
-    train while rolling out: two processes on 2 cores) and ``measure_control_plane``
+    trainer on a process of its own; costs from ``measure_engine`` with each mode's
+    in-situ figures (``fits["lockstep"]`` for modes that stop rollout while training,
+    from the sync probe; ``fits["overlapping"]`` for those that train while rolling
+    out, from the async probe) and ``measure_control_plane``
     (generation calls ``near``: the env manager and the inference worker share one
     process, ``rollart.near``; buffer, trainer and driver calls are actor round trips);
     ``turn_s``: each turn's hold on the env manager's loop (``measure_turn_overhead``)."""
@@ -116,8 +117,9 @@ def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: floa
     seconds per request it admitted (the last row's ``rollout/engine_busy_s /
     rollout/requests``) less what the simulator, configured from ``fits`` alone, makes
     of that same probe (busy + GIL stalls per admitted request, ``SimWorker.admitted``),
-    as ``GenCost.request_overhead_s`` on the fit that mode uses (``alone`` for the
-    lockstep modes, ``overlapped`` for those that train while rolling out). One unit on
+    as ``GenCost.request_overhead_s`` on the fit that mode uses (``lockstep`` for the
+    modes that stop rollout while training, ``overlapping`` for those that train while
+    rolling out). One unit on
     both sides, the one the simulator charges it in: a request admitted (a cancelled
     redundant member's request costs the engine as a completed turn's does)."""
     from rollart.sim import simulate
@@ -137,7 +139,7 @@ def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: floa
 
 
 def _fit_key(mode: str) -> str:
-    return "overlapped" if mode in OVERLAPPING_MODES else "alone"
+    return "overlapping" if mode in OVERLAPPING_MODES else "lockstep"
 
 
 # -- per-component figures: where each run's time went, real beside simulated -----------------
@@ -196,7 +198,8 @@ def measure_real(quick: bool = True, steps: int | None = None,
                  warmup_steps: int | None = None, redundancy: float = 1.5, seed: int = 0,
                  log=print) -> dict:
     """Steps (1)–(3) of ``calibration``: the micro-benchmarks, the probe and the real
-    runs. Returns ``fits`` (``alone``, ``overlapped``: ``measure_engine``), ``control``,
+    runs. Returns ``fits`` (``lockstep``, ``overlapping``: ``measure_engine`` with the
+    sync / async probe's in-situ figures), ``control``,
     ``shapes``, ``turn_s`` (``_lone_turn_s``), ``real`` (trained trajectories/s per mode),
     ``graphs`` (the graph each mode ran), ``steps`` and ``seed``."""
     from distributed import Client
@@ -216,11 +219,10 @@ def measure_real(quick: bool = True, steps: int | None = None,
     # one micro-benchmark of the engine and trainer, alone: the shape of their costs
     # (per decode step, per row, per prefill token; per trained token). What each mode
     # adds on this shared machine (the trainer beside rollout, the rollout processes'
-    # nice value, the serving loop) comes from that mode's probe below: the overlapped
-    # micro-benchmark (measure_engine(overlapped=True)) swung 10x between its own points
-    # under the other agents' load (fit_error 3e8 at load average 13, 15:49)
+    # nice value, the serving loop) comes from that mode's probe below, onto the fit
+    # of the modes it stands for
     alone = measure_engine()
-    fits = {"alone": alone, "overlapped": alone}
+    fits = {"lockstep": alone, "overlapping": alone}
     log(f"engine fit: decode {_fmt(alone.decode_points)} prefill "
         f"{_fmt(alone.prefill_points)} train {_fmt(alone.train_points)} "
         f"fit_error={alone.fit_error:.3f}")

@@ -10,10 +10,13 @@ Called by ``rollart.sim.calibrate`` (which then checks the simulator against rea
 and tests.
 
 ``measure_control_plane`` and ``measure_engine`` are micro-benchmarks (an actor ping, a
-task, the engine at fixed batch sizes, trainer updates; alone and with the other process
-loading the CPU, as in an async run on 2 cores: ``train_loop`` / ``engine_loop`` in a
-``_Background`` process). ``measure_shapes``, ``in_situ_trainer`` and
-``measure_turn_overhead`` read a short probe run on other seeds than the runs predicted.
+task, the engine at fixed batch sizes, trainer updates, alone: the shape of each cost).
+``measure_shapes``, ``in_situ_trainer`` and ``measure_turn_overhead`` read a short probe
+run on other seeds than the runs predicted; what a mode adds on this shared machine (the
+trainer beside rollout, the rollout processes' nice value) comes from that probe
+(``rollart.sim.calibrate.in_situ_engine``), not from a micro-benchmark under a
+synthetic load, whose points swung 10x against each other under the other agents' load
+(15:49, load average 13).
 """
 
 from __future__ import annotations
@@ -169,18 +172,13 @@ def _linear_fit(xs, ys) -> tuple[float, float]:
 
 
 def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: int = 3,
-                   workdir: str | None = None, overlapped: bool = False) -> EngineFit:
+                   workdir: str | None = None) -> EngineFit:
     """The torch engine's decode step and prefill times for the built-in tiny model at
     fixed batch sizes (one thread, as ``InferenceWorker`` runs it), fitted as
     ``GenCost`` overheads on the CPU's roofline; trainer updates (GRPO on a batch of the
     default graph's size, KL reference included, then the weight put) at two lengths,
-    fitted as ``TrainCost``; a weight put + get through the file store.
-
-    ``overlapped``: the engine is measured while a trainer update loop runs in another
-    process, and the trainer while an engine loop does — what each gets on this
-    machine when both run at once, as in an async run on 2 cores (the simulator has no
-    model of CPUs shared between pools); the engine side at the rollout processes' nice
-    value (``rollart.pipeline.priority.ROLLOUT_NICE``), as the async run sets it."""
+    fitted as ``TrainCost``; a weight put + get through the file store. Alone: nothing
+    else of rollart's runs meanwhile."""
     import torch
 
     torch.set_num_threads(1)
@@ -191,14 +189,9 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
         engine = TorchEngine(path, max_batch=max(batches), prefix_cache=0)
         spec = _tiny_spec(engine.model)
         gpu = _cpu_peaks()
-        with _load("train_loop", path, overlapped):
-            # overlapped: at the rollout processes' nice value, as an async run on a
-            # shared host gives them (rollart.pipeline.priority), in a thread of its own
-            decode, prefill = _rollout_niced(overlapped, _engine_points, engine, batches,
-                                             prompt, new, repeats)
+        decode, prefill = _engine_points(engine, batches, prompt, new, repeats)
         gen = _fit_gen(spec, gpu, decode, prefill, prompt + new / 2)
-        with _load("engine_loop", path, overlapped):
-            train, train_points = _measure_trainer(path, spec, gpu, Path(tmp))
+        train, train_points = _measure_trainer(path, spec, gpu, Path(tmp))
         weights = _measure_weights(engine, Path(tmp))
         reward_s = _measure_reward()
     ctx = prompt + new / 2
@@ -207,38 +200,6 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
     errors += [abs(train.step_s(n) - t) / t for n, t in train_points.items()]
     return EngineFit(gpu, gen, train, weights, reward_s, decode, prefill, train_points,
                      max(errors))
-
-
-def _rollout_niced(on: bool, fn, *args):
-    """``fn(*args)``; when ``on``, in a thread at ``ROLLOUT_NICE`` (Linux sets nice per
-    thread, so this process's other threads keep theirs; the thread ends with it)."""
-    if not on:
-        return fn(*args)
-    import os
-    import threading
-
-    from rollart.pipeline.priority import ROLLOUT_NICE
-
-    out: dict = {}
-
-    def run():
-        try:
-            tid = threading.get_native_id()
-            if os.getpriority(os.PRIO_PROCESS, tid) < ROLLOUT_NICE:  # raised, never lowered
-                os.setpriority(os.PRIO_PROCESS, tid, ROLLOUT_NICE)
-        except (AttributeError, OSError):  # not Linux: as the process runs
-            pass
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - raised in the caller
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="rollart-measure-niced")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _engine_points(engine, batches, prompt: int, new: int, repeats: int):
@@ -268,13 +229,6 @@ def _fit_gen(spec: ModelSpec, gpu: GPUSpec, decode: dict, prefill: dict,
     per_token = max(0.0, sum(v * r * n for (r, n), v in left.items())
                     / sum((r * n) ** 2 for r, n in left))
     return replace(base, prefill_token_overhead_s=per_token)
-
-
-def _load(fn: str, path: str, on: bool):
-    """A background load (``_Background``) when ``on``, else nothing."""
-    from contextlib import nullcontext
-
-    return _Background(fn, path) if on else nullcontext()
 
 
 def _build_model(tmp: Path) -> str:
@@ -362,7 +316,6 @@ def _measure_reward() -> float:
     return statistics.median(times)
 
 
-
 # -- the workload's shape, from a probe run ------------------------------------------------
 def measure_shapes(run_dir) -> dict:
     """Per task a ``rollart.sim.config.TaskShape`` from a run's Parquet samples: mean
@@ -427,69 +380,3 @@ def in_situ_trainer(fit: EngineFit, rows: list[dict], shapes: dict,
     flops_part = fit.train.step_s(int(tokens)) - fit.train.overhead_s
     train = replace(fit.train, overhead_s=max(0.0, step - flops_part))
     return replace(fit, train=train)
-
-
-# -- contention: the trainer's process and the rollout's process at once --------------------
-def train_loop(path: str, seconds: float) -> None:
-    """Trainer updates on the default graph's batch for ``seconds`` (the load an async
-    run's trainer process puts on this machine while rollout goes on)."""
-    import rollart
-    from rollart.trainer import Trainer
-
-    graph, _ = rollart.load_graph("multitask")
-    algo = graph.algo
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(path, str(Path(tmp) / "w"), algo, seed=0, threads=1)
-        trainer.ref_model = trainer._frozen_copy().eval()
-        batch = _batch(algo.batch_size, 20, 44, algo.group_size,
-                       trainer.model.config.vocab_size)
-        trainer._update(batch)
-        print("ready", flush=True)
-        end = time.time() + seconds
-        while time.time() < end:
-            trainer._update(batch)
-            trainer._put_weights()
-
-
-def engine_loop(path: str, seconds: float) -> None:
-    """The engine generating continuously at batch 16 for ``seconds``, at the rollout
-    processes' nice value (``rollart.pipeline.priority.lower_priority``), as an async
-    run's rollout process beside its trainer."""
-    import torch
-
-    from rollart.pipeline.priority import lower_priority
-    from rollart.rollout.engine import TorchEngine
-
-    torch.set_num_threads(1)
-    lower_priority()
-    engine = TorchEngine(path, max_batch=64, prefix_cache=0)
-    _gen_time(engine, 16, 48, 8, engine.vocab_size)
-    print("ready", flush=True)
-    end = time.time() + seconds
-    while time.time() < end:
-        _gen_time(engine, 16, 48, 8, engine.vocab_size)
-
-
-class _Background:
-    """``fn(path, seconds)`` of this module in a separate Python process."""
-
-    def __init__(self, fn: str, path: str, seconds: float = 600.0):
-        import subprocess
-        import sys
-
-        code = (f"import torch; torch.set_num_threads(1)\n"
-                f"from rollart.sim.measure import {fn}\n{fn}({path!r}, {seconds})")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
-        if self.proc.stdout.readline().strip() != "ready":  # set up, now loading the CPU
-            self.proc.kill()
-            raise RuntimeError(f"the background {fn} did not start (exit code "
-                               f"{self.proc.wait()})")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()

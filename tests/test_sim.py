@@ -349,6 +349,33 @@ def test_a_colocated_prefill_stalls_the_decode_batch_and_a_decode_worker_pays_on
     assert ends["decode"] - ends[None] < 0.1 * (ends["full"] - ends[None])
 
 
+def test_a_weight_load_re_prefills_each_in_flight_row_over_its_own_context():
+    """A new version reaches a worker holding four rows of 8,000 tokens (H800, 8B): the
+    load re-prefills each row's context (four × 8,000 with attention over 4,000 on
+    average), by hand 1.21 s; it was charged as one 32,000-token sequence (attention over
+    16,000: 1.67 s)."""
+    import simpy
+
+    from rollart.sim.pools import Meter, Req, SimWorker
+
+    m = MODELS["Qwen3-8B"]
+    gen = GenCost(m, GPUS["H800"])
+    env = simpy.Environment()
+    w = SimWorker(env, 0, "H800", gen, 8, Meter(1, 1.0))
+    w.load(1, 0.0)  # an idle worker's load: no rows to recompute, 0 s
+    for _ in range(4):  # queued behind it; KV already there (PD decode rows): one step
+        w.submit(Req(env, 0, 8000, 8000, 1000, "decode"))
+    loaded = []  # version 2 arrives during their admission and waits for its end
+    env.timeout(1e-6).callbacks.append(lambda _e: loaded.append(w.load(2, 0.0)))
+    env.run(until=2e-6)
+    env.run(until=loaded[0])
+    first = (m.params * 2 + m.kv_bytes_per_token * 32_000) / (3.35e12 * 0.7)
+    recompute = (2 * m.params * 32_000 + 4 * 4 * m.layers * m.attn_width * 8000 * 4000) \
+        / (989e12 * 0.5)
+    assert env.now == pytest.approx(first + recompute)
+    assert recompute == pytest.approx(1.21, abs=0.01) and w.version == 2 and w.loads == 2
+
+
 def test_members_draw_their_length_from_measured_episodes():
     """``TaskShape.episodes``: each member plays one measured ``(turns, tokens per
     turn)``; with one episode every member is that one (the shape's own ``turns`` and

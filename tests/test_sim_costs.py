@@ -61,6 +61,26 @@ def test_prefix_cache_removes_the_cached_tokens_prefill():
     assert reuse < full / 3
 
 
+def test_a_batched_prefill_charges_each_rows_attention_over_its_own_context():
+    """Ten rows of 1,000 new tokens after 9,000 cached each (compute-bound on H800):
+    attention is each row's 1,000 × 9,500, not 10,000 × 95,000 of one long sequence
+    (what the batch cost came to before); four rows of 10 new tokens after 5,000 cached
+    are memory-bound: one read of the weights and of every row's 5,010 tokens of KV."""
+    m = MODELS["Qwen3-8B"]
+    g = GenCost(m, GPUS["H800"])
+    kv = 2 * 36 * 8 * 128 * 2
+    flops = 2 * QWEN3_8B_PARAMS * 10_000 + 10 * 4 * 36 * 4096 * 1000 * (9000 + 500)
+    assert g.prefill_batch_s([(1000, 9000)] * 10) == pytest.approx(
+        flops / (H800_FLOPS * 0.5), rel=1e-9)
+    one_sequence = 4 * 36 * 4096 * 10_000 * (90_000 + 5000)
+    assert g.prefill_batch_s([(1000, 9000)] * 10) < 0.5 * one_sequence / (H800_FLOPS * 0.5)
+    small = g.prefill_batch_s([(10, 5000)] * 4)
+    assert small == pytest.approx((QWEN3_8B_PARAMS * 2 + kv * 4 * 5010) / (3.35e12 * 0.7),
+                                  rel=1e-9)
+    assert g.prefill_batch_s([(3000, 500)]) == pytest.approx(g.prefill_s(3000, 500))
+    assert g.prefill_batch_s([(0, 100)]) == 0.0
+
+
 def test_tensor_parallelism_divides_the_work_at_its_stated_efficiency():
     m = MODELS["Qwen3-32B"]
     one, four = GenCost(m, GPUS["H20"]), GenCost(m, GPUS["H20"], tp=4)

@@ -191,8 +191,9 @@ class GenCost:
         return self.gpu.hbm_bytes_s * self.mbu * self._scale
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0, rows: int = 1) -> float:
-        """Seconds to prefill ``new_tokens`` (over ``rows`` requests) after
-        ``cached_tokens`` of context already in the prefix cache."""
+        """Seconds to prefill one sequence's ``new_tokens`` after ``cached_tokens`` of
+        context already in the prefix cache (``rows`` only counts the per-row overhead;
+        a batch of requests: ``prefill_batch_s``)."""
         if new_tokens <= 0:
             return 0.0
         m = self.model
@@ -203,6 +204,23 @@ class GenCost:
             / self.bytes_s
         return max(compute, memory) + self.step_overhead_s + rows * self.row_overhead_s \
             + new_tokens * self.prefill_token_overhead_s
+
+    def prefill_batch_s(self, rows) -> float:
+        """Seconds to prefill ``rows`` (``(new_tokens, cached_tokens)`` per request) in one
+        batched forward: each row's attention over its own context (``new · (cached +
+        new/2)``), not over the batch's tokens as one sequence; one read of the weights
+        and of every row's KV; the fixed, per-row and per-token overheads once each."""
+        rows = [(int(n), int(c)) for n, c in rows if n > 0]
+        if not rows:
+            return 0.0
+        m = self.model
+        new = sum(n for n, _ in rows)
+        flops = 2 * m.params * new + \
+            4 * m.layers * m.attn_width * sum(n * (c + n / 2) for n, c in rows)
+        kv = m.kv_bytes_per_token * sum(n + c for n, c in rows)
+        return max(flops / self.flops_s, (m.weight_bytes + kv) / self.bytes_s) + \
+            self.step_overhead_s + len(rows) * self.row_overhead_s + \
+            new * self.prefill_token_overhead_s
 
     def decode_step_s(self, batch: int, context_tokens: int = 0) -> float:
         """Seconds for one decode step of ``batch`` rows whose KV caches hold

@@ -196,7 +196,7 @@ def measure_engine(batches=BATCHES, prompt: int = 48, new: int = 24, repeats: in
         reward_s = _measure_reward()
     ctx = prompt + new / 2
     errors = [abs(gen.decode_step_s(b, b * ctx) - t) / t for b, t in decode.items()]
-    errors += [abs(gen.prefill_s(r * n, 0, rows=r) - t) / t for (r, n), t in prefill.items()]
+    errors += [abs(gen.prefill_batch_s([(n, 0)] * r) - t) / t for (r, n), t in prefill.items()]
     errors += [abs(train.step_s(n) - t) / t for n, t in train_points.items()]
     return EngineFit(gpu, gen, train, weights, reward_s, decode, prefill, train_points,
                      max(errors))
@@ -225,7 +225,7 @@ def _fit_gen(spec: ModelSpec, gpu: GPUSpec, decode: dict, prefill: dict,
     resid = {b: t - roof.decode_step_s(b, b * ctx) for b, t in decode.items()}
     step, row = (max(0.0, v) for v in _linear_fit(list(resid), list(resid.values())))
     base = GenCost(spec, gpu, mfu=1.0, mbu=1.0, step_overhead_s=step, row_overhead_s=row)
-    left = {(r, n): t - base.prefill_s(r * n, 0, rows=r) for (r, n), t in prefill.items()}
+    left = {(r, n): t - base.prefill_batch_s([(n, 0)] * r) for (r, n), t in prefill.items()}
     per_token = max(0.0, sum(v * r * n for (r, n), v in left.items())
                     / sum((r * n) ** 2 for r, n in left))
     return replace(base, prefill_token_overhead_s=per_token)

@@ -200,8 +200,7 @@ class SimWorker:
             self._loading, self._load = self._load, None
             version, exposed, _ = self._loading
             self.version = version
-            ctx = sum(int(r.context) for r in self.active)
-            recompute = self.gen.prefill_s(ctx, 0, rows=len(self.active)) if ctx else 0.0
+            recompute = self.gen.prefill_batch_s((int(r.context), 0) for r in self.active)
             self._step = 0.0
             self._at(exposed + recompute, "load")
             return
@@ -228,12 +227,10 @@ class SimWorker:
         news = [r.new for r in batch if r.kind != "decode"]
         if not news:  # KV arrived from a prefill worker: only the first step's launch
             return self.gen.decode_step_s(len(batch), sum(r.prompt for r in batch)) + admit
-        total = sum(news)
-        self.prefill_tokens += total
-        # one batched prefill: the attention term of each row exactly (cached + new/2)
-        weighted = sum(r.new * (r.cached + r.new / 2) for r in batch if r.kind != "decode")
-        return self.gen.prefill_s(total, int(weighted / total - total / 2),
-                                  rows=len(news)) + admit
+        self.prefill_tokens += sum(news)
+        # one batched prefill: each row's attention over its own context
+        return self.gen.prefill_batch_s((r.new, r.cached) for r in batch
+                                        if r.kind != "decode") + admit
 
     def _admit(self) -> None:
         for r in self._batch:

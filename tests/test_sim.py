@@ -301,13 +301,14 @@ def test_a_co_located_turn_pauses_a_busy_engine_and_not_an_idle_one():
     assert 0.03 - 1e-9 <= done[0.05] - done[None] <= 0.03 + step
 
 
-def test_a_colocated_prefill_stalls_the_decode_batch_and_a_decode_worker_pays_one_step():
+def test_a_colocated_prefill_stalls_the_decode_batch_and_a_decode_arrival_joins_it():
     """Prefill-decode interference, by hand on H800 (8B): a row decoding 100 tokens
     alone ends at ``prefill(1000) + 100 steps``; a 5,000-token prompt arriving after its
     40th step is prefilled with decoding paused, so the row ends exactly that prefill
     later (40 steps at the first phase's midpoint context, 60 at the second's). On a
-    decode-only (PD) worker the same arrival brings its KV: it costs the row one decode
-    step at batch 1 over its 5,000 tokens of context, not a prefill."""
+    decode-only (PD) worker the same arrival brings its KV and joins the running batch:
+    the row pays only the arrival's KV read in the one step they share, not a prefill
+    (it paid a step of the arrival's own before they shared one)."""
     import simpy
 
     from rollart.sim.pools import Meter, Req, SimWorker
@@ -342,10 +343,10 @@ def test_a_colocated_prefill_stalls_the_decode_batch_and_a_decode_worker_pays_on
     assert ends[None] == pytest.approx(prefill(1000) + 100 * step(1050))
     assert ends["full"] == pytest.approx(at + prefill(5000) + 60 * step(1040 + 30))
     assert ends["full"] - ends[None] > 0.9 * prefill(5000) > 0.15
-    # the decode worker: the arrival's first step (batch 1 over its 5,000 tokens), one
-    # step of both rows (its last token), then the row's 59 left alone
+    # the decode worker: one step of both rows (the arrival's one token), then the
+    # row's 59 left alone
     both = (m.params * 2 + m.kv_bytes_per_token * (1040 + 5000 + 1)) / hbm
-    assert ends["decode"] == pytest.approx(at + step(5000) + both + 59 * step(1070))
+    assert ends["decode"] == pytest.approx(at + both + 59 * step(1070))
     assert ends["decode"] - ends[None] < 0.1 * (ends["full"] - ends[None])
 
 
@@ -362,18 +363,16 @@ def test_a_weight_load_re_prefills_each_in_flight_row_over_its_own_context():
     gen = GenCost(m, GPUS["H800"])
     env = simpy.Environment()
     w = SimWorker(env, 0, "H800", gen, 8, Meter(1, 1.0))
-    w.load(1, 0.0)  # an idle worker's load: no rows to recompute, 0 s
-    for _ in range(4):  # queued behind it; KV already there (PD decode rows): one step
+    for _ in range(4):  # KV already there (PD decode rows): they join one batch at 0
         w.submit(Req(env, 0, 8000, 8000, 1000, "decode"))
-    loaded = []  # version 2 arrives during their admission and waits for its end
-    env.timeout(1e-6).callbacks.append(lambda _e: loaded.append(w.load(2, 0.0)))
+    loaded = []  # a new version 1 µs later: decoding suspended, the rows re-prefilled
+    env.timeout(1e-6).callbacks.append(lambda _e: loaded.append(w.load(1, 0.0)))
     env.run(until=2e-6)
     env.run(until=loaded[0])
-    first = (m.params * 2 + m.kv_bytes_per_token * 32_000) / (3.35e12 * 0.7)
     recompute = (2 * m.params * 32_000 + 4 * 4 * m.layers * m.attn_width * 8000 * 4000) \
         / (989e12 * 0.5)
-    assert env.now == pytest.approx(first + recompute)
-    assert recompute == pytest.approx(1.21, abs=0.01) and w.version == 2 and w.loads == 2
+    assert env.now == pytest.approx(1e-6 + recompute)
+    assert recompute == pytest.approx(1.21, abs=0.01) and w.version == 1 and w.loads == 1
 
 
 def test_members_draw_their_length_from_measured_episodes():

@@ -225,8 +225,8 @@ class SimWorker:
         """One admission phase: the batch's prefill and each request's fixed cost."""
         admit = len(batch) * self.gen.request_overhead_s
         news = [r.new for r in batch if r.kind != "decode"]
-        if not news:  # KV arrived from a prefill worker: only the first step's launch
-            return self.gen.decode_step_s(len(batch), sum(r.prompt for r in batch)) + admit
+        if not news:  # KV arrived from a prefill worker: the rows join the running
+            return admit  # batch and decode in its next step (no phase of their own)
         self.prefill_tokens += sum(news)
         # one batched prefill: each row's attention over its own context
         return self.gen.prefill_batch_s((r.new, r.cached) for r in batch

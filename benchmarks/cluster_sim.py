@@ -20,6 +20,10 @@ the 3,000-GPU run, two plots and one RESULT line.
 and the real runs' metrics (cloudpickle) to look at the prediction again;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
+``--diagnostics`` adds, after the paper's table, the affinity and PD experiments with
+the GPUs on the critical path (``rollart.sim.diagnose``: envs instant, then also 4 steps
+of slots; diagnostic variants, not the paper's workload) and their roofline figures,
+and ends them with a ``DIAGNOSTIC key=value ...`` line before the RESULT line.
 """
 
 from __future__ import annotations
@@ -133,6 +137,56 @@ def async_two_steps_of_slots(log=print) -> float:
     return sum(ratios) / len(ratios)
 
 
+def run_diagnostics(log=print) -> dict:
+    """``rollart.sim.diagnose``: each model's roofline table, the saturated (roofline)
+    ratios, and the affinity and PD experiments with envs instant (and 4 steps of
+    slots) through the simulator; ``{key: mean ratio}``."""
+    from rollart.sim import diagnose, paper
+
+    for model in ("Qwen3-8B", "Qwen3-32B"):
+        log(diagnose.roofline_table(model))
+    out = {}
+    routed = {t: "H800" for t in paper.PREFILL_HEAVY} | {t: "H20" for t in paper.DECODE_HEAVY}
+    for model in ("Qwen3-8B", "Qwen3-32B"):
+        het = diagnose.saturated({"H800": ("H800", 64), "H20": ("H20", 24)}, routed, model, 512)
+        for gpu, n in (("H20", 208), ("H800", 72)):
+            one = diagnose.saturated({gpu: (gpu, n)}, dict.fromkeys(routed, gpu), model, 512)
+            out[f"roofline_affinity_vs_{gpu.lower()}/{model}"] = het / one
+    tasks = paper.PREFILL_HEAVY + ("game",)
+    shapes = {t: paper.SHAPES[t] for t in tasks}
+    colo = diagnose.saturated({"H800": ("H800", 32)}, dict.fromkeys(tasks, "H800"),
+                              "Qwen3-8B", 512, shapes)
+    for p, d in ((1, 3), (2, 2)):
+        split = diagnose.saturated({"P": ("H800", 8 * p), "D": ("H800", 8 * d)}, {},
+                                   "Qwen3-8B", 512, shapes, dict.fromkeys(tasks, ("P", "D")))
+        out[f"roofline_pd_gain/{p}P{d}D"] = split / colo
+    log("roofline (GPUs saturated, 512 trajectories in flight): "
+        + " ".join(f"{k}={v:.3g}" for k, v in out.items()))
+    figures = {f"roofline_{k}": _mean({m: v for m, v in out.items()
+                                        if m.startswith(f"roofline_{k}/")})
+               for k in ("affinity_vs_h20", "affinity_vs_h800", "pd_gain")}
+    results, cache = {}, {}
+    for exp in diagnose.diagnostics(quick=True):
+        results[exp.key] = paper.run(exp, cache)
+        r = results[exp.key]
+        log(f"{exp.key}: sim {r['values']} paper {r['paper']} ({r['wall_s']:.1f}s) "
+            + _utilisation(exp, cache))
+        figures[exp.key] = _mean(r["values"])
+    log(paper.table(results))
+    return figures
+
+
+def _utilisation(exp, cache: dict) -> str:
+    """Each config's GPU pools' busy share, from ``paper.run``'s cache."""
+    parts = []
+    for label in exp.configs:
+        r = cache[(id(exp.configs), label)]
+        gpu = {k: round(v, 2) for k, v in r.utilisation.items()
+               if k not in ("CPU_ENV", "reward", "trainer")}
+        parts.append(f"{label} {gpu}")
+    return "; ".join(parts)
+
+
 def run_scale(tiny: bool, log=print):
     from rollart.sim import simulate
     from rollart.sim.paper import scale_config
@@ -159,6 +213,9 @@ def main(argv=None) -> dict:
                     help="folder for the plots")
     ap.add_argument("--calibration-only", action="store_true",
                     help="the calibration alone (no paper experiments, no 3,000-GPU run)")
+    ap.add_argument("--diagnostics", action="store_true",
+                    help="also the affinity and PD experiments with the GPUs on the "
+                         "critical path (rollart.sim.diagnose) and a DIAGNOSTIC line")
     ap.add_argument("--save-measured", default=None, metavar="PATH",
                     help="write the calibration's measurements and real runs' metrics "
                          "(cloudpickle) to PATH, to look at the prediction again")
@@ -196,6 +253,9 @@ def main(argv=None) -> dict:
         print(table(paper))
     if not args.tiny:
         figures["async2_vs_sync"] = async_two_steps_of_slots()
+    if args.diagnostics and not args.tiny:
+        diag = run_diagnostics()
+        print("DIAGNOSTIC " + " ".join(f"{k}={_fmt(v)}" for k, v in diag.items()))
     cfg, scale = run_scale(args.tiny)
     figures["gpus"] = scale.gpus
     figures["sim_wall_s"] = time.perf_counter() - t_sim

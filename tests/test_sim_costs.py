@@ -404,3 +404,41 @@ def test_in_situ_engine_cost_is_per_admitted_request_on_the_modes_fit(mode):
     with pytest.raises(KeyError, match="rollout/requests"):
         in_situ_engine(fits, cp, shapes, 0.0, probe, [{"rollout/engine_busy_s": 1.0,
                                                         "rollout/turns": 10}])
+
+
+def test_roofline_diagnostics_by_hand():
+    """``trajectory_gpu_s``: a two-turn trajectory's prefills (the prompt, then the
+    observation and the last generated token after the cached rest; all of the previous
+    output when it was decoded elsewhere) and its tokens' shares of decode steps;
+    ``saturated``: GPUs over the slowest pool's worker-seconds, prefill and decode on
+    their own pools with PD; ``gpu_bound``: the same configs with instant envs."""
+    from dataclasses import replace
+
+    from rollart.sim import diagnose, paper
+    from rollart.sim.config import TaskShape
+
+    gen = GenCost(MODELS["Qwen3-8B"], GPUS["H800"])
+    shape = TaskShape(turns=2, prompt_tokens=100, obs_tokens=10, response_tokens=3)
+    pre = gen.prefill_s(100) + gen.prefill_s(11, 102)
+    dec = sum(gen.decode_step_s(2, 2 * c) / 2 for c in (100, 101, 102, 113, 114, 115))
+    assert diagnose.trajectory_gpu_s(shape, gen, 2) == pytest.approx((pre, dec))
+    apart = gen.prefill_s(100) + gen.prefill_s(13, 100)
+    assert diagnose.trajectory_gpu_s(shape, gen, 2, outputs_cached=False)[0] == \
+        pytest.approx(apart)
+    shapes = {"t": shape}
+    one = diagnose.saturated({"A": ("H800", 8)}, {"t": "A"}, "Qwen3-8B", 16, shapes)
+    assert one == pytest.approx(8 / (pre + dec))
+    split = diagnose.saturated({"P": ("H800", 4), "D": ("H800", 4)}, {}, "Qwen3-8B", 16,
+                               shapes, split={"t": ("P", "D")})
+    dec4 = diagnose.trajectory_gpu_s(shape, gen, 4)[1]
+    assert split == pytest.approx(1 / max(apart / 4, dec4 / 4))
+    exp = paper.pd(quick=True, steps=1)[0]
+    for slots in (None, 3):
+        diag = diagnose.gpu_bound(exp, slots)
+        for label, cfg in diag.configs.items():
+            base = exp.configs[label]
+            assert cfg.costs.env_for(None) is diagnose.INSTANT_ENV
+            assert cfg.costs.env_for("sandbox") is diagnose.INSTANT_ENV
+            assert {k: replace(v, env=None) for k, v in base.shapes.items()} == cfg.shapes
+            assert cfg.cluster == base.cluster and cfg.graph == base.graph
+            assert cfg.slot_capacity == (slots and slots * base.graph.algo.groups_per_step)

@@ -236,8 +236,12 @@ def main(argv=None) -> dict:
             figures["calibration_error"] = float("nan")
         else:
             print(f"calibration: real {cal['real']} sim {cal['sim']} errors "
-                  f"{cal['errors']} ({cal['wall_s']:.0f}s)")
+                  f"{cal['errors']} ({cal['wall_s']:.0f}s); at the probes' CPU stretch: "
+                  f"sim {cal['sim_probe_stretch']} errors {cal['errors_probe_stretch']}; "
+                  f"stretch {cal['stretch']}")
             figures["calibration_error"] = cal["calibration_error"]
+            figures["calibration_error_probe_stretch"] = \
+                cal["calibration_error_probe_stretch"]
     if args.calibration_only:
         print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
         return figures

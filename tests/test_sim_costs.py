@@ -442,3 +442,46 @@ def test_roofline_diagnostics_by_hand():
             assert {k: replace(v, env=None) for k, v in base.shapes.items()} == cfg.shapes
             assert cfg.cluster == base.cluster and cfg.graph == base.graph
             assert cfg.slot_capacity == (slots and slots * base.graph.algo.groups_per_step)
+
+
+def test_cpu_stretch_from_schedstat_and_costs_scaled_by_it():
+    """``stretch``: (run + wait) / run over the threads alive at both readings (a thread
+    that ended or began between them counts for nothing); the kernel's counters of this
+    process grow with a busy loop; ``scaled``: every CPU cost of the laptop ``k`` times
+    as long (engine, trainer, weight store, reward, control plane, env manager's turn),
+    nothing for a ratio that is not a number."""
+    import sys
+
+    from rollart.sim import contention
+    from rollart.sim.measure import EngineFit
+
+    before = {(1, 1): (1.0, 0.5), (1, 2): (2.0, 0.0), (1, 3): (9.0, 9.0)}
+    after = {(1, 1): (3.0, 1.5), (1, 2): (4.0, 1.0), (1, 4): (5.0, 5.0)}
+    assert contention.stretch(before, after) == pytest.approx((4 + 2) / 4)
+    assert math.isnan(contention.stretch({}, after))
+    if sys.platform.startswith("linux"):
+        t0 = contention.thread_clocks()
+        sum(i * i for i in range(300_000))
+        t1 = contention.thread_clocks()
+        key = next(k for k in t1 if k in t0 and t1[k][0] > t0[k][0])
+        assert contention.stretch(t0, t1) >= 1.0 and key[0] > 0
+    cpu = GPUSpec("cpu", 1e10, 1e10, 1e9)
+    fit = EngineFit(cpu, GenCost(MODELS["tiny"], cpu, step_overhead_s=1e-3,
+                                 row_overhead_s=1e-4, prefill_token_overhead_s=1e-5,
+                                 request_overhead_s=2e-3),
+                    TrainCost(MODELS["tiny"], cpu, gpus=1, mfu=1.0, overhead_s=0.5),
+                    WeightSync("tcp", tcp_bytes_s=1e8, latency_s=0.01), 1e-4, {}, {}, {}, 0.0)
+    cp = ControlPlane(actor_call_s=1e-3, task_s=5e-3, scheduler_tasks_s=400.0)
+    fit2, cp2, turn2 = contention.scaled(fit, cp, 4e-4, 1.5)
+    assert fit2.gen.decode_step_s(8, 400) == pytest.approx(1.5 * fit.gen.decode_step_s(8, 400))
+    assert fit2.gen.prefill_batch_s([(50, 10)] * 3) + fit2.gen.request_overhead_s == \
+        pytest.approx(1.5 * (fit.gen.prefill_batch_s([(50, 10)] * 3) + 2e-3))
+    assert fit2.train.step_s(5000) == pytest.approx(1.5 * fit.train.step_s(5000))
+    assert fit2.weights.pull_s(MODELS["tiny"]) == pytest.approx(
+        1.5 * fit.weights.pull_s(MODELS["tiny"]))
+    assert (fit2.reward_s, cp2.actor_call_s, cp2.task_s, cp2.scheduler_tasks_s, turn2) == \
+        pytest.approx((1.5e-4, 1.5e-3, 7.5e-3, 400 / 1.5, 6e-4))
+    costs = fit2.costs(cp2)
+    assert costs.env_for(None) == fit.costs(cp).env_for(None)  # env latency: not CPU
+    assert costs.gpus["cpu"] is fit2.gpu
+    assert contention.scaled(fit, cp, 4e-4, float("nan")) == (fit, cp, 4e-4)

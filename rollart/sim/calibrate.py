@@ -18,7 +18,12 @@ processes' nice value in async, the other agents' load at that moment). The sync
 tokens, ``measure_shapes``), and a run with one trajectory live at a time the env
 manager's per-turn loop time (its ``rollout/turn_overhead_s``). Only then is each real
 run made, and the simulator, configured as this laptop from the measurements alone,
-predicts it. Nothing is fitted to the runs being predicted.
+predicts it. Nothing is fitted to the runs being predicted. One figure is read during
+each run (and each probe): the kernel's CPU stretch of rollart's threads ((run +
+run-queue wait) / run, ``rollart.sim.contention``), which says how much the machine's
+other load slowed every CPU cost; the prediction scales the laptop's CPU costs by the
+run's stretch over its probe's (a stated model, no fit), and the prediction at the
+probe's stretch is reported beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from rollart.sim.contention import cluster_clocks, scaled, stretch
 from rollart.sim.costs import ControlPlane
 from rollart.sim.measure import (EngineFit, in_situ_trainer, measure_control_plane,
                                  measure_engine, measure_shapes, measure_turn_overhead)
@@ -234,7 +240,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
             f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
             "tasks/s")
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
-        shapes, turn_s, probes = None, 0.0, {}
+        shapes, turn_s, probes, stretches = None, 0.0, {}, {}
         for i, mode in enumerate(("sync", "async")):
             # each mode's probe (3 steps, other seeds) just before the run it stands for:
             # the trainer's step and the engine's per-request cost as that mode runs
@@ -242,8 +248,10 @@ def measure_real(quick: bool = True, steps: int | None = None,
             # the shapes, its samples being the tasks' episodes unselected (with extras
             # the fastest are kept and the long ones cancelled)
             probe = _graph(base, tasks, model, mode, 3, redundancy, seed + 1000 * (i + 1))
+            clocks = cluster_clocks(client)
             rows = rollart.train(probe, client=client, run_dir=Path(tmp) / f"probe-{mode}",
                                  progress=False, eval_seeds=0).metrics
+            stretches[mode] = {"probe": stretch(clocks, cluster_clocks(client))}
             probes[mode] = rows
             if shapes is None:
                 shapes = measure_shapes(Path(tmp) / f"probe-{mode}")
@@ -257,15 +265,18 @@ def measure_real(quick: bool = True, steps: int | None = None,
                 f"env manager loop: {turn_s * 1e3:.2f} ms a turn; engine in situ: "
                 f"{fits[key].gen.request_overhead_s * 1e3:.2f} ms a request")
             graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, seed)
+            clocks = cluster_clocks(client)
             result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
                                    progress=False, eval_seeds=0)
+            stretches[mode]["run"] = stretch(clocks, cluster_clocks(client))
             real[mode] = _real_throughput(result.metrics)
             real_rows[mode] = result.metrics
             log(f"real {mode}: {real[mode]:.2f} traj/s over "
-                f"{result.metrics[-1]['time']:.1f}s")
+                f"{result.metrics[-1]['time']:.1f}s; CPU stretch (run + wait) / run: "
+                f"probe {stretches[mode]['probe']:.3f}, run {stretches[mode]['run']:.3f}")
     return {"fits": fits, "control": control, "shapes": shapes, "real": real,
             "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s,
-            "rows": real_rows, "probe_rows": probes}
+            "rows": real_rows, "probe_rows": probes, "stretch": stretches}
 
 
 def _fmt(points: dict) -> str:
@@ -274,18 +285,29 @@ def _fmt(points: dict) -> str:
 
 def predict(measured: dict, log=print) -> dict:
     """Step (4): the simulator configured from ``measured`` (``measure_real``'s
-    micro-benchmarks and shapes, not its real figures) per mode; trajectories/s."""
+    micro-benchmarks, probes and shapes, not its real figures) per mode, the laptop's
+    CPU costs scaled by the run's CPU stretch over its probe's
+    (``rollart.sim.contention.scaled``); trajectories/s, and ``sim_probe_stretch``: the
+    same unscaled."""
     from rollart.sim import simulate
 
-    sim, results = {}, {}
+    sim, results, plain = {}, {}, {}
     for mode, graph in measured["graphs"].items():
-        cfg = laptop_sim_config(graph, measured["fits"], measured["control"],
-                                measured["shapes"], measured["steps"], mode,
-                                measured["seed"], measured.get("turn_s", 0.0))
-        results[mode] = simulate(cfg)
+        fits, control = dict(measured["fits"]), measured["control"]
+        turn_s, key = measured.get("turn_s", 0.0), _fit_key(mode)
+        args = (measured["shapes"], measured["steps"], mode, measured["seed"])
+        r = simulate(laptop_sim_config(graph, fits, control, *args, turn_s))
+        plain[mode] = r.throughput["trajectories_s"]
+        # the CPU costs at the run's contention: run stretch / probe stretch (the model
+        # of rollart.sim.contention); 1 where there is no schedstat
+        s = measured.get("stretch", {}).get(mode, {})
+        k = s.get("run", float("nan")) / s.get("probe", float("nan"))
+        fits[key], control, turn_s = scaled(fits[key], control, turn_s, k)
+        results[mode] = simulate(laptop_sim_config(graph, fits, control, *args, turn_s))
         sim[mode] = results[mode].throughput["trajectories_s"]
-        log(f"sim {mode}: {sim[mode]:.2f} traj/s ({results[mode].summary()})")
-    return {"sim": sim, "results": results}
+        log(f"sim {mode}: {sim[mode]:.2f} traj/s at the run's CPU stretch (x{k:.3f} the "
+            f"probe's), {plain[mode]:.2f} at the probe's ({results[mode].summary()})")
+    return {"sim": sim, "results": results, "sim_probe_stretch": plain}
 
 
 def calibration(quick: bool = True, log=print, **options) -> dict:
@@ -299,10 +321,13 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     sync probe also the tasks' episodes, ``measure_shapes``, followed by a run with one
     trajectory live at a time for the env manager's per-turn loop time,
     ``_lone_turn_s``), then (3) that mode's real run (``sync``; ``async`` with 1.5×
-    members), (4) the simulator configured from (1) and (2) only. ``options`` go to
+    members), (4) the simulator configured from (1) and (2), its CPU costs at each
+    run's CPU stretch over its probe's (``predict``). ``options`` go to
     ``measure_real`` (``save``: a path for the measurements, cloudpickled). Returns
     ``real``, ``sim``, ``errors`` (relative: throughput per mode and async ÷ sync),
-    ``calibration_error`` (the largest) and ``components`` (``real_components`` /
+    ``calibration_error`` (the largest), the same at the probe's stretch
+    (``sim_probe_stretch``, ``errors_probe_stretch``, ``calibration_error_probe_stretch``),
+    ``stretch`` (per mode, probe and run) and ``components`` (``real_components`` /
     ``sim_components`` per mode)."""
     t0 = time.time()
     save = options.pop("save", None)
@@ -320,8 +345,14 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     real["async_vs_sync"] = real["async"] / real["sync"]
     sim["async_vs_sync"] = sim["async"] / sim["sync"]
     errors = {k: abs(sim[k] - real[k]) / real[k] for k in real}
+    plain = dict(predicted["sim_probe_stretch"])
+    plain["async_vs_sync"] = plain["async"] / plain["sync"]
+    plain_errors = {k: abs(plain[k] - real[k]) / real[k] for k in real}
     return {"real": real, "sim": sim, "errors": errors,
             "calibration_error": max(errors.values()),
+            "sim_probe_stretch": plain, "errors_probe_stretch": plain_errors,
+            "calibration_error_probe_stretch": max(plain_errors.values()),
+            "stretch": measured.get("stretch", {}),
             "engine_fit_error": max(f.fit_error for f in measured["fits"].values()),
             "control": measured["control"], "turn_s": measured["turn_s"],
             "shapes": measured["shapes"], "steps": measured["steps"],

@@ -21,7 +21,7 @@ and the real runs' metrics (cloudpickle) to look at the prediction again;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
 ``--diagnostics`` adds, after the paper's table, the affinity and PD experiments with
-the GPUs on the critical path (``rollart.sim.diagnose``: envs instant, then also 4 steps
+the GPUs on the critical path (``rollart.sim.diagnose``: envs instant, then also 2 steps
 of slots; diagnostic variants, not the paper's workload) and their roofline figures,
 and ends them with a ``DIAGNOSTIC key=value ...`` line before the RESULT line.
 """
@@ -139,7 +139,7 @@ def async_two_steps_of_slots(log=print) -> float:
 
 def run_diagnostics(log=print) -> dict:
     """``rollart.sim.diagnose``: each model's roofline table, the saturated (roofline)
-    ratios, and the affinity and PD experiments with envs instant (and 4 steps of
+    ratios, and the affinity and PD experiments with envs instant (and 2 steps of
     slots) through the simulator; ``{key: mean ratio}``."""
     from rollart.sim import diagnose, paper
 

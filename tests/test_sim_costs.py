@@ -445,8 +445,8 @@ def test_roofline_diagnostics_by_hand():
 
 
 def test_cpu_stretch_from_schedstat_and_costs_scaled_by_it():
-    """``stretch``: (run + wait) / run over the threads alive at both readings (a thread
-    that ended or began between them counts for nothing); the kernel's counters of this
+    """``stretch``: (run + wait) / run over the threads alive at the second reading (one
+    begun in between counts from zero, one that ended is lost); the kernel's counters of this
     process grow with a busy loop; ``scaled``: every CPU cost of the laptop ``k`` times
     as long (engine, trainer, weight store, reward, control plane, env manager's turn),
     nothing for a ratio that is not a number."""
@@ -457,8 +457,8 @@ def test_cpu_stretch_from_schedstat_and_costs_scaled_by_it():
 
     before = {(1, 1): (1.0, 0.5), (1, 2): (2.0, 0.0), (1, 3): (9.0, 9.0)}
     after = {(1, 1): (3.0, 1.5), (1, 2): (4.0, 1.0), (1, 4): (5.0, 5.0)}
-    assert contention.stretch(before, after) == pytest.approx((4 + 2) / 4)
-    assert math.isnan(contention.stretch({}, after))
+    assert contention.stretch(before, after) == pytest.approx((9 + 7) / 9)
+    assert contention.stretch(after, after) != contention.stretch(after, after)  # none ran
     if sys.platform.startswith("linux"):
         t0 = contention.thread_clocks()
         sum(i * i for i in range(300_000))
@@ -472,7 +472,7 @@ def test_cpu_stretch_from_schedstat_and_costs_scaled_by_it():
                     TrainCost(MODELS["tiny"], cpu, gpus=1, mfu=1.0, overhead_s=0.5),
                     WeightSync("tcp", tcp_bytes_s=1e8, latency_s=0.01), 1e-4, {}, {}, {}, 0.0)
     cp = ControlPlane(actor_call_s=1e-3, task_s=5e-3, scheduler_tasks_s=400.0)
-    fit2, cp2, turn2 = contention.scaled(fit, cp, 4e-4, 1.5)
+    fit2, cp2, turn2 = contention.scaled(fit, cp, 4e-4, 1.5)  # both processes alike
     assert fit2.gen.decode_step_s(8, 400) == pytest.approx(1.5 * fit.gen.decode_step_s(8, 400))
     assert fit2.gen.prefill_batch_s([(50, 10)] * 3) + fit2.gen.request_overhead_s == \
         pytest.approx(1.5 * (fit.gen.prefill_batch_s([(50, 10)] * 3) + 2e-3))
@@ -485,3 +485,53 @@ def test_cpu_stretch_from_schedstat_and_costs_scaled_by_it():
     assert costs.env_for(None) == fit.costs(cp).env_for(None)  # env latency: not CPU
     assert costs.gpus["cpu"] is fit2.gpu
     assert contention.scaled(fit, cp, 4e-4, float("nan")) == (fit, cp, 4e-4)
+    rollout, _, _ = contention.scaled(fit, cp, 4e-4, 2.0, float("nan"))  # trainer as is
+    assert rollout.train == fit.train and rollout.weights == fit.weights
+    assert rollout.gen.request_overhead_s == pytest.approx(4e-3)
+    trainer, cp3, turn3 = contention.scaled(fit, cp, 4e-4, 1.0, 3.0)
+    assert trainer.train.step_s(5000) == pytest.approx(3 * fit.train.step_s(5000))
+    assert trainer.gen == fit.gen and (cp3, turn3) == (cp, 4e-4)
+    per = contention.stretches({"a": before, "b": {}}, {"a": after, "b": after},
+                               {"rollout": "a", "trainer": "b", "lost": "c"})
+    assert per["rollout"] == pytest.approx(16 / 9) and per["trainer"] == pytest.approx(
+        (3 + 4 + 5 + 1.5 + 1 + 5) / (3 + 4 + 5))  # b's threads all new
+    assert math.isnan(per["lost"])
+
+
+def test_cpu_clocks_and_roles_of_a_real_laptop_cluster():
+    """On ``resources/laptop.py``'s cluster: the rollout worker (``CPU_ENV``) and the
+    trainer's (``TRAIN``) are told apart, and each worker process reports its threads'
+    kernel clocks, which a task's busy loop on the rollout worker advances."""
+    import sys
+
+    from distributed import Client
+
+    import rollart
+    from rollart.sim import contention
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("schedstat is Linux's")
+    res = rollart.load_resources("laptop")
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        procs = contention.roles(client)
+        assert set(procs) == {"rollout", "trainer"} and len(set(procs.values())) == 2
+        before = contention.cluster_clocks(client)
+        assert set(procs.values()) <= set(before) and "client" in before
+        client.submit(_busy, 0.3, resources={"CPU_ENV": 1}, pure=False).result()
+        after = contention.cluster_clocks(client)
+        got = contention.stretches(before, after, procs)
+        assert got["rollout"] >= 1.0
+        # the 0.3 s of CPU the task spent there (on a thread the pool may have started
+        # for it, so every thread's counter, new ones from 0)
+        ran = sum(r for r, _ in after[procs["rollout"]].values()) - \
+            sum(r for r, _ in before[procs["rollout"]].values())
+        assert ran >= 0.25
+
+
+def _busy(seconds: float) -> int:
+    import time
+
+    end, n = time.thread_time() + seconds, 0  # this thread's CPU, not the process's
+    while time.thread_time() < end:
+        n += 1
+    return n

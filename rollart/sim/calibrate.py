@@ -22,18 +22,19 @@ predicts it. Nothing is fitted to the runs being predicted. One figure is read d
 each run (and each probe): the kernel's CPU stretch of rollart's threads ((run +
 run-queue wait) / run, ``rollart.sim.contention``), which says how much the machine's
 other load slowed every CPU cost; the prediction scales the laptop's CPU costs by the
-run's stretch over its probe's (a stated model, no fit), and the prediction at the
-probe's stretch is reported beside it.
+run's stretch over its probe's, per process (the rollout worker's, the trainer's; a
+stated model, no fit), and the prediction at the probe's stretch is reported beside it.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+from math import nan
 from dataclasses import replace
 from pathlib import Path
 
-from rollart.sim.contention import cluster_clocks, scaled, stretch
+from rollart.sim.contention import cluster_clocks, roles, scaled, stretches
 from rollart.sim.costs import ControlPlane
 from rollart.sim.measure import (EngineFit, in_situ_trainer, measure_control_plane,
                                  measure_engine, measure_shapes, measure_turn_overhead)
@@ -240,7 +241,8 @@ def measure_real(quick: bool = True, steps: int | None = None,
             f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
             "tasks/s")
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
-        shapes, turn_s, probes, stretches = None, 0.0, {}, {}
+        shapes, turn_s, probes, stretch = None, 0.0, {}, {}
+        procs = roles(client)  # the rollout worker's and the trainer's processes
         for i, mode in enumerate(("sync", "async")):
             # each mode's probe (3 steps, other seeds) just before the run it stands for:
             # the trainer's step and the engine's per-request cost as that mode runs
@@ -251,7 +253,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
             clocks = cluster_clocks(client)
             rows = rollart.train(probe, client=client, run_dir=Path(tmp) / f"probe-{mode}",
                                  progress=False, eval_seeds=0).metrics
-            stretches[mode] = {"probe": stretch(clocks, cluster_clocks(client))}
+            stretch[mode] = {"probe": stretches(clocks, cluster_clocks(client), procs)}
             probes[mode] = rows
             if shapes is None:
                 shapes = measure_shapes(Path(tmp) / f"probe-{mode}")
@@ -268,15 +270,20 @@ def measure_real(quick: bool = True, steps: int | None = None,
             clocks = cluster_clocks(client)
             result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
                                    progress=False, eval_seeds=0)
-            stretches[mode]["run"] = stretch(clocks, cluster_clocks(client))
+            stretch[mode]["run"] = stretches(clocks, cluster_clocks(client), procs)
             real[mode] = _real_throughput(result.metrics)
             real_rows[mode] = result.metrics
             log(f"real {mode}: {real[mode]:.2f} traj/s over "
-                f"{result.metrics[-1]['time']:.1f}s; CPU stretch (run + wait) / run: "
-                f"probe {stretches[mode]['probe']:.3f}, run {stretches[mode]['run']:.3f}")
+                f"{result.metrics[-1]['time']:.1f}s; CPU stretch (run + wait) / run, "
+                f"probe / run: {_stretch_fmt(stretch[mode])}")
     return {"fits": fits, "control": control, "shapes": shapes, "real": real,
             "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s,
-            "rows": real_rows, "probe_rows": probes, "stretch": stretches}
+            "rows": real_rows, "probe_rows": probes, "stretch": stretch}
+
+
+def _stretch_fmt(s: dict) -> str:
+    return ", ".join(f"{role} {s['probe'].get(role, nan):.3f} / {s['run'].get(role, nan):.3f}"
+                     for role in ("rollout", "trainer"))
 
 
 def _fmt(points: dict) -> str:
@@ -301,12 +308,15 @@ def predict(measured: dict, log=print) -> dict:
         # the CPU costs at the run's contention: run stretch / probe stretch (the model
         # of rollart.sim.contention); 1 where there is no schedstat
         s = measured.get("stretch", {}).get(mode, {})
-        k = s.get("run", float("nan")) / s.get("probe", float("nan"))
-        fits[key], control, turn_s = scaled(fits[key], control, turn_s, k)
+        k = {role: s.get("run", {}).get(role, nan) / s.get("probe", {}).get(role, nan)
+             for role in ("rollout", "trainer")}
+        fits[key], control, turn_s = scaled(fits[key], control, turn_s, k["rollout"],
+                                            k["trainer"])
         results[mode] = simulate(laptop_sim_config(graph, fits, control, *args, turn_s))
         sim[mode] = results[mode].throughput["trajectories_s"]
-        log(f"sim {mode}: {sim[mode]:.2f} traj/s at the run's CPU stretch (x{k:.3f} the "
-            f"probe's), {plain[mode]:.2f} at the probe's ({results[mode].summary()})")
+        log(f"sim {mode}: {sim[mode]:.2f} traj/s at the run's CPU stretch (rollout "
+            f"x{k['rollout']:.3f}, trainer x{k['trainer']:.3f} the probe's), "
+            f"{plain[mode]:.2f} at the probe's ({results[mode].summary()})")
     return {"sim": sim, "results": results, "sim_probe_stretch": plain}
 
 

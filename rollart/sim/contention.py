@@ -12,10 +12,12 @@ The model (stated, not fitted): a CPU-bound cost's wall time is its CPU time tim
 stretch ``(run + wait) / run`` of the threads doing it. The laptop's CPU costs are
 measured (micro-benchmarks, then the per-mode probe's in-situ figures) at the probe's
 stretch; the real run they stand for may meet another one as the other processes on
-the machine come and go, so the calibration measures each run's stretch over the
-run (the kernel's counters of rollart's own threads, not any figure of the run's
-throughput) and scales the CPU costs by ``run stretch / probe stretch``. Env latency
-(``asyncio.sleep`` in the benchmark's profile) is not CPU and is not scaled.
+the machine come and go, so the calibration measures each run's stretch over the run,
+per process (the rollout worker: engine, env manager, rewards; the trainer's), from
+the kernel's counters of rollart's own threads (not any figure of the run's
+throughput), and scales each process's CPU costs by its ``run stretch / probe
+stretch``. Env latency (``asyncio.sleep`` in the benchmark's profile) is not CPU and is
+not scaled.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-__all__ = ["cluster_clocks", "scaled", "stretch", "thread_clocks"]
+__all__ = ["cluster_clocks", "roles", "scaled", "stretch", "stretches", "thread_clocks"]
 
 
 def thread_clocks() -> dict:
@@ -45,47 +47,72 @@ def thread_clocks() -> dict:
 
 
 def cluster_clocks(client=None) -> dict:
-    """``thread_clocks`` of this process and of every worker process of ``client``'s
-    cluster, merged."""
-    out = thread_clocks()
+    """``{process: thread_clocks()}``: ``"client"`` for this process and, with
+    ``client``, each worker process of its cluster by address."""
+    out = {"client": thread_clocks()}
     if client is not None:
-        for clocks in client.run(thread_clocks).values():
-            out.update(clocks)
+        out.update(client.run(thread_clocks))
     return out
 
 
 def stretch(before: dict, after: dict) -> float:
-    """``(run + wait) / run`` between two ``cluster_clocks`` readings, over the threads
-    alive at both (1.0: never waited; ``nan`` when none ran)."""
+    """``(run + wait) / run`` between two ``thread_clocks`` readings, over the threads
+    alive at the second (one started in between from zero; one that ended is lost);
+    1.0: never waited; ``nan`` when none ran."""
     run = wait = 0.0
     for key, (r1, w1) in after.items():
-        if key in before:
-            r0, w0 = before[key]
-            run, wait = run + max(0.0, r1 - r0), wait + max(0.0, w1 - w0)
+        r0, w0 = before.get(key, (0.0, 0.0))
+        run, wait = run + max(0.0, r1 - r0), wait + max(0.0, w1 - w0)
     return (run + wait) / run if run > 0 else float("nan")
 
 
-def scaled(fit, control, turn_s: float, k: float):
-    """``(fit, control, turn_s)`` with every CPU cost ``k`` times as long: the engine's
-    overheads and rates, the trainer's, the weight store's, the reward call, the
-    control plane's per-message costs and capacity, the env manager's turn."""
-    if not (k > 0):  # nan (no schedstat) or nonsense: as measured
-        return fit, control, turn_s
-    gpu = replace(fit.gpu, flops=fit.gpu.flops / k, hbm_bytes_s=fit.gpu.hbm_bytes_s / k)
-    gen = replace(fit.gen, gpu=gpu, step_overhead_s=fit.gen.step_overhead_s * k,
-                  row_overhead_s=fit.gen.row_overhead_s * k,
-                  prefill_token_overhead_s=fit.gen.prefill_token_overhead_s * k,
-                  request_overhead_s=fit.gen.request_overhead_s * k)
-    tgpu = fit.train.gpu
-    train = replace(fit.train, gpu=replace(tgpu, flops=tgpu.flops / k,
-                                           hbm_bytes_s=tgpu.hbm_bytes_s / k),
-                    overhead_s=fit.train.overhead_s * k)
-    weights = replace(fit.weights, latency_s=fit.weights.latency_s * k,
-                      tcp_bytes_s=fit.weights.tcp_bytes_s / k,
-                      rdma_bytes_s=fit.weights.rdma_bytes_s / k)
-    fit = replace(fit, gpu=gpu, gen=gen, train=train, weights=weights,
-                  reward_s=fit.reward_s * k)
-    control = replace(control, actor_call_s=control.actor_call_s * k,
-                      task_s=control.task_s * k,
-                      scheduler_tasks_s=control.scheduler_tasks_s / k)
-    return fit, control, turn_s * k
+def roles(client) -> dict:
+    """``{"rollout": address, "trainer": address}``: the worker holding the ``CPU_ENV``
+    resource (env manager, co-located engines, rewards) and the one holding ``TRAIN``."""
+    from rollart.types import CPU_ENV, TRAIN
+
+    out = {}
+    for addr, w in client.scheduler_info()["workers"].items():
+        res = w.get("resources", {})
+        if CPU_ENV in res:
+            out.setdefault("rollout", addr)
+        if TRAIN in res:
+            out.setdefault("trainer", addr)
+    return out
+
+
+def stretches(before: dict, after: dict, roles: dict) -> dict:
+    """``{role: stretch}`` of the processes ``roles`` names (``{role: process}``, a key
+    of ``cluster_clocks``) between two ``cluster_clocks`` readings."""
+    return {role: stretch(before.get(proc, {}), after.get(proc, {}))
+            for role, proc in roles.items()}
+
+
+def scaled(fit, control, turn_s: float, k: float, k_train: float | None = None):
+    """``(fit, control, turn_s)`` with the rollout process's CPU costs ``k`` times as
+    long (the engine's overheads and rates, the reward call, the control plane's
+    per-message costs and capacity, the env manager's turn) and the trainer process's
+    ``k_train`` times (its step, its weight puts and the store's reads; ``None``:
+    ``k``); a ratio that is not a positive number leaves its costs as measured."""
+    k_train = k if k_train is None else k_train
+    if k > 0:
+        gpu = replace(fit.gpu, flops=fit.gpu.flops / k, hbm_bytes_s=fit.gpu.hbm_bytes_s / k)
+        gen = replace(fit.gen, gpu=gpu, step_overhead_s=fit.gen.step_overhead_s * k,
+                      row_overhead_s=fit.gen.row_overhead_s * k,
+                      prefill_token_overhead_s=fit.gen.prefill_token_overhead_s * k,
+                      request_overhead_s=fit.gen.request_overhead_s * k)
+        fit = replace(fit, gpu=gpu, gen=gen, reward_s=fit.reward_s * k)
+        control = replace(control, actor_call_s=control.actor_call_s * k,
+                          task_s=control.task_s * k,
+                          scheduler_tasks_s=control.scheduler_tasks_s / k)
+        turn_s *= k
+    if k_train > 0:
+        tgpu = fit.train.gpu
+        train = replace(fit.train, gpu=replace(tgpu, flops=tgpu.flops / k_train,
+                                               hbm_bytes_s=tgpu.hbm_bytes_s / k_train),
+                        overhead_s=fit.train.overhead_s * k_train)
+        weights = replace(fit.weights, latency_s=fit.weights.latency_s * k_train,
+                          tcp_bytes_s=fit.weights.tcp_bytes_s / k_train,
+                          rdma_bytes_s=fit.weights.rdma_bytes_s / k_train)
+        fit = replace(fit, train=train, weights=weights)
+    return fit, control, turn_s

@@ -312,7 +312,6 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             metrics = _step(client, pipeline, step, run_dir)
             metrics.update(pipeline.counts())
             metrics.update(pipeline.rollout_stats())
-            metrics["rollout/group_errors"] = len(pipeline.errors)
             if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
                 metrics.update(reward_metrics(client, pools, actors.managers))
             metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)

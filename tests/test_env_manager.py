@@ -380,3 +380,41 @@ def test_take_work_runs_what_the_buffers_slots_allow_and_ends_with_the_buffer(
     buf.close().result()
     assert loop.result(timeout=30)["groups_taken"] == 3
     mgr.close().result()
+
+
+def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
+        rollout, tiny_model):
+    """A group whose ``run_group`` raises inside ``take_work`` (here: its member ids are
+    already in the buffer's ledger, so registering them is an ``AccountingError``) ends
+    at the buffer with its error and counts in the manager's ``group_errors``; the run's
+    ``rollout/group_errors`` metric includes it (it counted only the driver's own
+    ``take_work`` errors, so a group lost this way was a 0 in metrics.jsonl)."""
+    from rollart import GRPO, Graph
+    from rollart.buffer.slots import GroupSequence, Slots
+    from rollart.pipeline import make_pipeline
+    from rollart.stages import Actors
+
+    c, _, _, workers = rollout
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-errors").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
+                   resources={CPU_ENV: 1}, key="mgr-errors").result()
+    task = _task("clash")
+    graph = Graph(name="errors", tasks=(task,), mode="async",
+                  algo=GRPO(group_size=2, groups_per_step=1))
+    pipeline = make_pipeline(Actors(None, buf, [(w, tag, w._address) for w, tag in workers],
+                                    [mgr]), graph)
+    assert pipeline.rollout_stats()["rollout/group_errors"] == 0
+    buf.open_slots(Slots(2, GroupSequence([task], None, seed=3, group_size=2))).result()
+    buf.launched(["g000001-0"]).result()  # the second group's first member id
+    loop = mgr.take_work("m", None)
+    deadline = time.monotonic() + 60
+    while mgr.stats().result()["group_errors"] < 1:
+        assert time.monotonic() < deadline and not loop.done()
+        time.sleep(0.05)
+    stats = pipeline.rollout_stats()
+    assert stats["rollout/group_errors"] == 1
+    assert buf.counts().result()["groups_complete"] <= 1  # g000001 never completes
+    buf.close().result()
+    loop.result(timeout=30)
+    mgr.close().result()

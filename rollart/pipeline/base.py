@@ -428,6 +428,11 @@ class Pipeline(abc.ABC):
             "rollout/requests": sum(w.get("requests", 0) for w in ws),  # admitted
             "rollout/suspends": sum(w.get("suspends", 0) for w in ws),
             "rollout/turns": turns,
+            # a group that ended in error: the env managers' own (a run_group that raised
+            # in take_work) and the driver's (a take_work loop that raised); cumulative
+            # per live manager (a replaced manager starts again at 0)
+            "rollout/group_errors": len(self.errors) + sum(m.get("group_errors", 0)
+                                                           for m in ms),
             "rollout/backups": sum(m.get("backups", 0) for m in ms),  # backup_after
             # plain rewards run on the env manager's own worker vs as Dask tasks
             "rollout/rewards_here": sum(m.get("rewards_here", 0) for m in ms),

@@ -20,10 +20,11 @@ the 3,000-GPU run, two plots and one RESULT line.
 and the real runs' metrics (cloudpickle) to look at the prediction again;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
-``--diagnostics`` adds, after the paper's table, the affinity and PD experiments with
-the GPUs on the critical path (``rollart.sim.diagnose``: envs instant, then also 2 steps
-of slots; diagnostic variants, not the paper's workload) and their roofline figures,
-and ends them with a ``DIAGNOSTIC key=value ...`` line before the RESULT line.
+``--diagnostics`` adds, after the paper's table, the headline affinity and PD configs
+over 5 seeds, the affinity and PD experiments with the GPUs on the critical path
+(``rollart.sim.diagnose``: envs instant, then also 2 steps of slots; diagnostic
+variants, not the paper's workload) and their roofline figures, and ends them with a
+``DIAGNOSTIC key=value ...`` line before the RESULT line.
 """
 
 from __future__ import annotations
@@ -137,10 +138,14 @@ def async_two_steps_of_slots(log=print) -> float:
     return sum(ratios) / len(ratios)
 
 
+SEEDS = range(5)  # the headline affinity / PD configs' seeds in --diagnostics
+
+
 def run_diagnostics(log=print) -> dict:
     """``rollart.sim.diagnose``: each model's roofline table, the saturated (roofline)
-    ratios, and the affinity and PD experiments with envs instant (and 2 steps of
-    slots) through the simulator; ``{key: mean ratio}``."""
+    ratios, the headline affinity and PD configs over ``SEEDS`` (ratio of mean
+    throughputs, the baseline's spread), and the affinity and PD experiments with envs
+    instant (and 2 steps of slots) through the simulator; ``{key: mean ratio}``."""
     from rollart.sim import diagnose, paper
 
     for model in ("Qwen3-8B", "Qwen3-32B"):
@@ -165,6 +170,13 @@ def run_diagnostics(log=print) -> dict:
     figures = {f"roofline_{k}": _mean({m: v for m, v in out.items()
                                         if m.startswith(f"roofline_{k}/")})
                for k in ("affinity_vs_h20", "affinity_vs_h800", "pd_gain")}
+    for exp in paper.affinity(quick=True) + paper.pd(quick=True):
+        spread = diagnose.over_seeds(exp, SEEDS)
+        log(f"{exp.key} over seeds {list(SEEDS)} (the headline configs): "
+            + " ".join(f"{p}: ratio of means {r:.3g}, baseline spread {s:.1%}"
+                       for p, (r, s) in spread.items()))
+        figures[f"{exp.key}_{len(SEEDS)}seeds"] = _mean({p: r for p, (r, _) in spread.items()})
+        figures[f"{exp.key}_{len(SEEDS)}seeds_spread"] = max(s for _, s in spread.values())
     results, cache = {}, {}
     for exp in diagnose.diagnostics(quick=True):
         results[exp.key] = paper.run(exp, cache)

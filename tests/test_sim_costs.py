@@ -535,3 +535,24 @@ def _busy(seconds: float) -> int:
     while time.thread_time() < end:
         n += 1
     return n
+
+
+def test_over_seeds_is_the_ratio_of_mean_throughputs_and_the_spread_of_the_baseline():
+    from statistics import fmean, pstdev
+    from dataclasses import replace
+
+    from rollart.sim import diagnose, paper, simulate
+
+    tasks = [paper._task(t, None) for t in ("game", "reason")]
+    cluster = paper._cluster({"H20": ("H20", 4)}, trainer_gpus=4, env_slots=64)
+    configs = {f"x/{m}": paper._config(cluster, paper._graph(tasks, ("H20",), groups=4),
+                                       "Qwen3-8B", steps=2, mode=m)
+               for m in ("sync", "async")}
+    exp = paper.Experiment("tiny", "tiny async vs sync", (1.0, 2.0), configs,
+                           paper._Ratio("async", "sync"))
+    got = diagnose.over_seeds(exp, seeds=(0, 1))
+    t = {m: [simulate(replace(configs[f"x/{m}"], seed=s)).throughput["trajectories_s"]
+             for s in (0, 1)] for m in ("sync", "async")}
+    assert set(got) == {"x"} and len(set(t["sync"])) == 2  # the seeds draw differently
+    assert got["x"] == pytest.approx((fmean(t["async"]) / fmean(t["sync"]),
+                                      pstdev(t["sync"]) / fmean(t["sync"])))

@@ -3,11 +3,12 @@ gives when the GPUs, not the envs, are on the critical path.
 
 Consumes ``rollart.sim.paper``'s experiments, task shapes and cost bundles; produces
 diagnostic ``Experiment`` variants (``gpu_bound``, ``diagnostics``: envs made instant,
-optionally more slots; never the headline workload) and roofline figures computed from
-the ``GenCost`` formulas directly: one trajectory's prefill and decode worker-seconds
-per GPU type (``trajectory_gpu_s``, ``roofline_table``) and the rate a cluster sustains
-with its GPUs the bottleneck (``saturated``). Called by ``benchmarks/cluster_sim.py
---diagnostics`` and tests.
+optionally more slots; never the headline workload), the headline's figures over
+several seeds (``over_seeds``: how much of one seed's figure is the draw) and roofline
+figures computed from the ``GenCost`` formulas directly: one trajectory's prefill and
+decode worker-seconds per GPU type (``trajectory_gpu_s``, ``roofline_table``) and the
+rate a cluster sustains with its GPUs the bottleneck (``saturated``). Called by
+``benchmarks/cluster_sim.py --diagnostics`` and tests.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from rollart.sim.config import TaskShape
 from rollart.sim.costs import EnvCost
 from rollart.sim.paper import MODEL_TP, SHAPES, Experiment, _costs, affinity, pd
 
-__all__ = ["INSTANT_ENV", "diagnostics", "gpu_bound", "roofline_table", "saturated",
-           "trajectory_gpu_s"]
+__all__ = ["INSTANT_ENV", "diagnostics", "gpu_bound", "over_seeds", "roofline_table",
+           "saturated", "trajectory_gpu_s"]
 
 INSTANT_ENV = EnvCost("instant", reset=Latency("fixed", seconds=0.01),
                       step=Latency("fixed", seconds=0.01), fail_prob=0.0, cpu_share=0.0)
@@ -123,3 +124,26 @@ def roofline_table(model: str = "Qwen3-8B", rows: int = 16) -> str:
         lines.append(f"| {task} | {h800[0]:.2f} + {h800[1]:.2f} | {h20[0]:.2f} + "
                      f"{h20[1]:.2f} | {sum(h20) / sum(h800):.2f} |")
     return "\n".join(lines)
+
+
+def over_seeds(exp: Experiment, seeds=range(5)) -> dict:
+    """``exp``'s configs at each of ``seeds`` (the env draws, failures and token spreads
+    change with the seed; ``exp.figure`` a ratio of two kinds of config per point, as
+    affinity's and PD's are): per point, the ratio of the seeds' mean throughputs and
+    the denominator config's spread over the seeds (population std / mean), as
+    ``{point: (ratio, spread)}``: how much of a single-seed figure is the draw."""
+    from statistics import fmean, pstdev
+
+    from rollart.sim import simulate
+
+    num, den = exp.figure.num, exp.figure.den
+    tput = {label: [simulate(replace(cfg, seed=s)).throughput["trajectories_s"]
+                    for s in seeds] for label, cfg in exp.configs.items()
+            if label.rpartition("/")[2] in (num, den)}
+    out = {}
+    for label, values in tput.items():
+        point, _, kind = label.rpartition("/")
+        if kind == num and f"{point}/{den}" in tput:
+            d = tput[f"{point}/{den}"]
+            out[point] = (fmean(values) / fmean(d), pstdev(d) / fmean(d))
+    return out

@@ -538,8 +538,8 @@ def _busy(seconds: float) -> int:
 
 
 def test_over_seeds_is_the_ratio_of_mean_throughputs_and_the_spread_of_the_baseline():
-    from statistics import fmean, pstdev
     from dataclasses import replace
+    from statistics import fmean, pstdev
 
     from rollart.sim import diagnose, paper, simulate
 

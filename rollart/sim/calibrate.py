@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from math import nan
 from dataclasses import replace
+from math import nan
 from pathlib import Path
 
 from rollart.sim.contention import cluster_clocks, roles, scaled, stretches

@@ -91,17 +91,15 @@ def decode(tokenizer, ids: Iterable[int]) -> str:
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 #: tool-call tags: added tokens, not special, so decoded text keeps them for the parser
 CHAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-# Qwen2's pre-tokenizer split: a word takes the one space (or punctuation mark) before it,
-# so an observation's "goal 2 right" is "goal", " ", "2", " right" (digits are tokens of
-# their own). The chat toy's format warm-up writes each assistant message
-# after a space (``rollart.env.corpus.ASSISTANT_LEAD``), so its action " right" is the
-# very token the observation names, and copying a word of the input is the same id
-# (through the tied embeddings) for a model with no pretraining. An earlier split kept
-# every space a token of its own (so "right" was one id in both): a game conversation
-# twice as long, and the toy stopped learning to copy (README, "Bring your own model":
-# isolating probes). ids survive AutoTokenizer's reload (it keeps the folder's
-# pre-tokenizer; tests/test_chat_model.py).
-CHAT_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+# Qwen2's pre-tokenizer split, except that a word never takes the whitespace before it
+# (Qwen2: ``[^\r\n\p{L}\p{N}]?\p{L}+``, so " right" is one token and "right" another).
+# Here an observation's "goal 2 right" holds the very token an assistant's "right" is, as
+# in the word-level toy, so copying a word of the input is the same id (through the tied
+# embeddings) for a model with no pretraining, not a mapping " right" -> "right" it must
+# learn first. (Alone this did not make the chat toy learn to copy: README, "Bring your
+# own model".) ids survive AutoTokenizer's reload (it keeps the folder's pre-tokenizer;
+# tests/test_chat_model.py).
+CHAT_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\s\p{L}\p{N}]?\p{L}+|\p{N}|"""
               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user "
                   "query.\n\nYou are provided with function signatures within "
@@ -149,9 +147,9 @@ TEMPLATE_TEXT = ("system\n", "user\n", "assistant\n", TOOLS_PREAMBLE, TOOLS_SUFF
 
 def build_chat_tokenizer(corpus: Iterable[str], vocab_size: int = 1024
                          ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on ``corpus`` (Qwen2's pre-tokenizer split,
-    ``CHAT_SPLIT``: every byte is representable, digits are single tokens, a word takes
-    the space before it) with ``CHAT_SPECIALS``,
+    """A byte-level BPE tokenizer trained on ``corpus`` (Qwen2's pre-tokenizer with words
+    split from the space before them, ``CHAT_SPLIT``: every byte is representable, digits
+    are single tokens) with ``CHAT_SPECIALS``,
     ``CHAT_TAGS`` and ``CHAT_TEMPLATE``; ``eos`` is ``<|im_end|>``."""
     if vocab_size < 300:
         raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials + merges), got "

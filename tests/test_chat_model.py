@@ -53,8 +53,7 @@ def test_corpus_has_the_tasks_text_without_a_vocabulary(corpus):
     assert any(t.startswith("gridnav : goal") for t in corpus)
     assert any(t.startswith("boxpush") for t in corpus)
     assert json.dumps(python_tool()) in corpus  # the tool declaration
-    # the warm-up's assistant messages: after ASSISTANT_LEAD (a space)
-    calls = [t for t in corpus if t.startswith(" <tool_call>")]
+    calls = [t for t in corpus if t.startswith("<tool_call>")]
     assert calls and all(isinstance(parse_tool_calls(c)[0], ToolCall) for c in calls)
     # repeats are kept (BPE counts them): the declaration is in every calc episode
     assert corpus.count(json.dumps(python_tool())) == 6
@@ -62,7 +61,7 @@ def test_corpus_has_the_tasks_text_without_a_vocabulary(corpus):
 
 def test_tool_results_follow_their_calls():
     texts = task_texts(calc_tool_task(tool_format="hermes"), range(8))
-    calls = [i for i, t in enumerate(texts) if t.startswith(" <tool_call>")]
+    calls = [i for i, t in enumerate(texts) if t.startswith("<tool_call>")]
     assert calls
     for i in calls:  # the sandbox ran the call; its result is the next text
         code = parse_tool_calls(texts[i])[0].arguments["code"]
@@ -99,8 +98,9 @@ def test_layout_specials_and_size(chat_dir):
     for tag in (*CHAT_SPECIALS, *CHAT_TAGS):
         assert len(encode(tok, tag)) == 1, tag  # one token each
     assert 300 < len(tok) <= 1024 + len(CHAT_TAGS)
-    assert len(encode(tok, " right")) == 1  # merges learned from the tasks' text
+    assert len(encode(tok, "right")) == 1  # merges learned from the tasks' text
     # the template's own text is weighed in the merges: the tools system turn is short
+    # (~3.5 characters a token: each space before a word is a token of its own)
     system = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                      tools=[python_tool()], tokenize=False)
     assert len(encode(tok, system)) < len(system) / 3
@@ -108,26 +108,20 @@ def test_layout_specials_and_size(chat_dir):
 
 def test_a_word_of_an_observation_is_the_token_of_that_action(chat_dir):
     """The chat toy copies an action word from its observation as the same id (as the
-    word-level toy does): its split (Qwen2's) glues a space to the word after it, and
-    the format warm-up writes each action after a space (``ASSISTANT_LEAD``), so the
-    observation's " right" is the action's token. (A bare "right" is another id, and the
-    split that made every space a token of its own doubled a game conversation's length.)"""
-    from rollart.env.corpus import ASSISTANT_LEAD
-
+    word-level toy does): Qwen2's split made it " right" in the observation and "right"
+    as the assistant's action, two unrelated ids for a model with no pretraining."""
     tok = load_tokenizer(chat_dir)
     for obs, action in (("gridnav : goal 2 right 1 up . act :", "up"),
                         ("gridnav : goal 3 left . act :", "left"),
-                        ("boxpush : box 2 right . target 4 right . act :", "right")):
-        ids = encode(tok, ASSISTANT_LEAD + action)
+                        ("boxpush : box 2 right . target 4 right . act :", "right"),
+                        ("guess : higher . left 6 8 9 7 . act :", "7")):
+        ids = encode(tok, action)
         assert len(ids) == 1 and ids[0] in encode(tok, obs), (obs, action)
-        assert encode(tok, action) != ids  # the bare word is another token
-    # a number is a token of its own, after the space's
-    assert encode(tok, ASSISTANT_LEAD + "7")[-1] in encode(tok, "guess : left 6 8 9 7 . act :")
     # the assistant's text as the template renders it holds the same id
     msgs = [{"role": "user", "content": "gridnav : goal 2 right . act :"},
-            {"role": "assistant", "content": ASSISTANT_LEAD + "right"}]
+            {"role": "assistant", "content": "right"}]
     rendered = encode(tok, tok.apply_chat_template(msgs, tokenize=False))
-    assert rendered.count(encode(tok, ASSISTANT_LEAD + "right")[0]) == 2
+    assert rendered.count(encode(tok, "right")[0]) == 2
 
 
 def test_decode_round_trip_keeps_tool_tags(chat_dir):

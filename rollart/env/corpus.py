@@ -21,12 +21,6 @@ from rollart.env.protocol import env_tools
 from rollart.env.tasks import Task, get_task
 from rollart.env.tools import ToolError, check_call, parse_tool_calls
 
-#: the chat toy's warm-up writes each assistant message after this: its tokenizer
-#: (``rollart.model.CHAT_SPLIT``, Qwen2's split) glues a space to the word after it, so
-#: " right" is the token an observation's "... 2 right ..." holds, and the action the
-#: warm-up teaches is that id (``Task.parse_action`` strips it again)
-ASSISTANT_LEAD = " "
-
 
 def chat_corpus(tasks: Iterable[str | Task], seeds: Iterable[int] = range(24)) -> list[str]:
     """Texts of ``tasks`` played with their ``warmup_action`` over ``seeds``, in a
@@ -60,7 +54,7 @@ def task_texts(task: Task, seeds: Iterable[int]) -> list[str]:
             for _ in range(task.max_turns):
                 out.append(obs)
                 action = task.warmup_action(rng, obs)
-                out.append(ASSISTANT_LEAD + action)
+                out.append(action)
                 calls = parse_tool_calls(action) if tools else []
                 if calls:  # the runner's tool turn: results come back, the env waits
                     obs = "\n".join(_run(env, call, tools) for call in calls)

@@ -20,7 +20,6 @@ import random
 import torch
 
 from rollart.env.conversation import ConversationFormat, TokenLog
-from rollart.env.corpus import ASSISTANT_LEAD
 from rollart.env.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
@@ -58,9 +57,7 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
                     counts["truncated"] = counts.get("truncated", 0) + 1
                 break
             action = task.warmup_action(rng, obs)
-            # chat: the toy's action after a space, the token its observations hold
-            text = conv.add_text_generation(
-                ASSISTANT_LEAD + action if fmt.mode == "chat" else action)
+            text = conv.add_text_generation(action)
             calls = tool_calls(text) if tools else []
             if calls:  # a tool turn, as rollout plays it: results come back as messages
                 results = _run_tools(task, env, tools, calls)

@@ -261,17 +261,24 @@ def test_mooncake_pull_from_the_stated_rates():
         assert pulls[name] == pytest.approx(0.05 + params * 2 / 12.5e9 + params * 2 / 4e12)
 
 
-def test_a_tiny_experiment_runs_through_the_simulator():
-    """The figure is the ratio of the two simulated throughputs, in the table."""
-    from rollart.sim import paper, simulate
+def _tiny_experiment():
+    """Async vs sync on 4 H20 (two tasks, 4 groups, 2 steps): ``(experiment, configs)``."""
+    from rollart.sim import paper
 
     tasks = [paper._task(t, None) for t in ("game", "reason")]
     cluster = paper._cluster({"H20": ("H20", 4)}, trainer_gpus=4, env_slots=64)
     configs = {f"x/{m}": paper._config(cluster, paper._graph(tasks, ("H20",), groups=4),
                                        "Qwen3-8B", steps=2, mode=m)
                for m in ("sync", "async")}
-    exp = paper.Experiment("tiny", "tiny async vs sync", (1.0, 2.0), configs,
-                           paper._Ratio("async", "sync"))
+    return paper.Experiment("tiny", "tiny async vs sync", (1.0, 2.0), configs,
+                            paper._Ratio("async", "sync")), configs
+
+
+def test_a_tiny_experiment_runs_through_the_simulator():
+    """The figure is the ratio of the two simulated throughputs, in the table."""
+    from rollart.sim import paper, simulate
+
+    exp, configs = _tiny_experiment()
     out = paper.run(exp)
     again = {k: simulate(c) for k, c in configs.items()}
     ratio = again["x/async"].throughput["trajectories_s"] / \
@@ -541,15 +548,9 @@ def test_over_seeds_is_the_ratio_of_mean_throughputs_and_the_spread_of_the_basel
     from dataclasses import replace
     from statistics import fmean, pstdev
 
-    from rollart.sim import diagnose, paper, simulate
+    from rollart.sim import diagnose, simulate
 
-    tasks = [paper._task(t, None) for t in ("game", "reason")]
-    cluster = paper._cluster({"H20": ("H20", 4)}, trainer_gpus=4, env_slots=64)
-    configs = {f"x/{m}": paper._config(cluster, paper._graph(tasks, ("H20",), groups=4),
-                                       "Qwen3-8B", steps=2, mode=m)
-               for m in ("sync", "async")}
-    exp = paper.Experiment("tiny", "tiny async vs sync", (1.0, 2.0), configs,
-                           paper._Ratio("async", "sync"))
+    exp, configs = _tiny_experiment()
     got = diagnose.over_seeds(exp, seeds=(0, 1))
     t = {m: [simulate(replace(configs[f"x/{m}"], seed=s)).throughput["trajectories_s"]
              for s in (0, 1)] for m in ("sync", "async")}

@@ -193,17 +193,11 @@ class GenCost:
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0, rows: int = 1) -> float:
         """Seconds to prefill one sequence's ``new_tokens`` after ``cached_tokens`` of
         context already in the prefix cache (``rows`` only counts the per-row overhead;
-        a batch of requests: ``prefill_batch_s``)."""
+        a batch of requests: ``prefill_batch_s``, of which this is the one-row case)."""
         if new_tokens <= 0:
             return 0.0
-        m = self.model
-        flops = 2 * m.params * new_tokens + \
-            4 * m.layers * m.attn_width * new_tokens * (cached_tokens + new_tokens / 2)
-        compute = flops / self.flops_s
-        memory = (m.weight_bytes + m.kv_bytes_per_token * (cached_tokens + new_tokens)) \
-            / self.bytes_s
-        return max(compute, memory) + self.step_overhead_s + rows * self.row_overhead_s \
-            + new_tokens * self.prefill_token_overhead_s
+        return self.prefill_batch_s([(new_tokens, cached_tokens)]) + \
+            (rows - 1) * self.row_overhead_s
 
     def prefill_batch_s(self, rows) -> float:
         """Seconds to prefill ``rows`` (``(new_tokens, cached_tokens)`` per request) in one

@@ -8,7 +8,7 @@ laptop) and the calibration table (``calibration``). Called by
 
 The order keeps prediction honest: ``measure_control_plane`` and ``measure_engine``
 are micro-benchmarks (an actor ping, a task, the engine at fixed batch sizes, trainer
-updates, alone): they give each cost's shape. Then, for each mode, a ``PROBE_STEPS`` probe of
+updates, alone): they give each cost's shape. Then, for each mode, a 3-step probe of
 that mode on other seeds just before the run it stands for gives what the mode adds on
 this shared machine: the trainer's step as that mode runs it (``in_situ_trainer``) and
 the engine's busy time per admitted request beyond what the simulator makes of the
@@ -201,19 +201,9 @@ def components_table(real: dict, sim: dict) -> str:
     return "\n".join(lines)
 
 
-#: steps of each real run (quick / full) and of each mode's probe. Over three
-#: consecutive quick calibrations on one quiet machine (2026-12-01 22:49-22:58, a4af89e)
-#: with 8-step runs and 3-step probes, the real async/sync ratio itself read 2.38, 2.98
-#: and 2.52, and the async trainer's in-situ overhead (a median of the probe's last two
-#: steps) 1.01, 1.00 and 0.56 s: sampling noise of the measurement larger than the
-#: bound it is held to; twice the steps halve its variance
-RUN_STEPS = {True: 16, False: 20}
-PROBE_STEPS = 6
-
-
 def measure_real(quick: bool = True, steps: int | None = None,
                  warmup_steps: int | None = None, redundancy: float = 1.5, seed: int = 0,
-                 probe_steps: int = PROBE_STEPS, log=print) -> dict:
+                 log=print) -> dict:
     """Steps (1)–(3) of ``calibration``: the micro-benchmarks, the probe and the real
     runs. Returns ``fits`` (``lockstep``, ``overlapping``: ``measure_engine`` with the
     sync / async probe's in-situ figures), ``control``,
@@ -226,7 +216,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
     from rollart.env.faults import straggler_profile, with_faults
 
     quiet()
-    steps = steps or RUN_STEPS[bool(quick)]
+    steps = steps or (8 if quick else 20)
     base, _ = rollart.load_graph("multitask")
     base = replace(base, rollout=replace(base.rollout, inference_pools=("H800",)))
     if warmup_steps is None:  # the format warm-up; quick: a shorter one (both modes and
@@ -254,13 +244,12 @@ def measure_real(quick: bool = True, steps: int | None = None,
         shapes, turn_s, probes, stretch = None, 0.0, {}, {}
         procs = roles(client)  # the rollout worker's and the trainer's processes
         for i, mode in enumerate(("sync", "async")):
-            # each mode's probe (probe_steps, other seeds) just before the run it stands for:
+            # each mode's probe (3 steps, other seeds) just before the run it stands for:
             # the trainer's step and the engine's per-request cost as that mode runs
             # them on this machine now; the sync probe (no redundant members) also gives
             # the shapes, its samples being the tasks' episodes unselected (with extras
             # the fastest are kept and the long ones cancelled)
-            probe = _graph(base, tasks, model, mode, probe_steps, redundancy,
-                           seed + 1000 * (i + 1))
+            probe = _graph(base, tasks, model, mode, 3, redundancy, seed + 1000 * (i + 1))
             clocks = cluster_clocks(client)
             rows = rollart.train(probe, client=client, run_dir=Path(tmp) / f"probe-{mode}",
                                  progress=False, eval_seeds=0).metrics
@@ -337,7 +326,7 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     On ``resources/laptop.py`` with the default multitask graph, one inference pool
     (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
     ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks
-    (alone), (2) per mode, a ``PROBE_STEPS`` probe of that mode on other seeds (the trainer's
+    (alone), (2) per mode, a 3-step probe of that mode on other seeds (the trainer's
     step, ``in_situ_trainer``; the engine's per-request cost, ``in_situ_engine``; the
     sync probe also the tasks' episodes, ``measure_shapes``, followed by a run with one
     trajectory live at a time for the env manager's per-turn loop time,

@@ -409,8 +409,14 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     buf.launched(["g000001-0"]).result()  # the second group's first member id
     loop = mgr.take_work("m", None)
     deadline = time.monotonic() + 60
-    while mgr.stats().result()["group_errors"] < 1:
-        assert time.monotonic() < deadline and not loop.done()
+    while True:
+        # read done() before the count: the loop counts the group's error before it
+        # ends, so a loop found done beforehand has its count in the stats read next
+        # (read the other way round, a loop ending in between failed the wait)
+        ended = loop.done()
+        if mgr.stats().result()["group_errors"] >= 1:
+            break
+        assert time.monotonic() < deadline and not ended
         time.sleep(0.05)
     stats = pipeline.rollout_stats()
     assert stats["rollout/group_errors"] == 1

@@ -424,3 +424,41 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     buf.close().result()
     loop.result(timeout=30)
     mgr.close().result()
+
+
+class PutFailsOnce(SampleBuffer):
+    """The real buffer, but the first delivery raises (a disk full, a bug)."""
+
+    puts = 0
+
+    async def put(self, traj, group_size):
+        self.puts += 1
+        if self.puts == 1:
+            raise OSError("no space left on device (injected)")
+        return await super().put(traj, group_size)
+
+
+def test_a_member_that_raises_ends_its_group_with_the_error_instead_of_hanging(
+        rollout, tiny_model):
+    """A member whose delivery raises (not a trajectory's failure: the buffer's ``put``
+    here) ends its group: ``run_group`` raises with the error naming the member, the
+    other members are settled as cancelled, nothing is left in flight but the member
+    that raised. (Before, the exception ended only that member's task: this group
+    returned one member short without a word, and a group whose last member raised
+    never ended.)"""
+    c, _, _, workers = rollout
+    buf = c.submit(PutFailsOnce, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-put-fails").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
+                   resources={CPU_ENV: 1}, key="mgr-put-fails").result()
+    with pytest.raises(RuntimeError, match=r"group boom ended: member boom-\d: OSError: "
+                                           r"no space left on device"):
+        mgr.run_group(_task("boom"), 5, "boom", 3).result(timeout=60)
+    counts = buf.counts().result()
+    assert counts["launched"] == 3
+    assert counts["in_flight"] == 1  # the member that raised: orphaned at the run's end
+    assert counts["cancelled"] + counts["received"] == 2
+    assert mgr.stats().result()["groups_running"] == 0
+    # the manager keeps working: the next group delivers in full
+    summary = mgr.run_group(_task("after"), 6, "after", 2).result(timeout=60)
+    assert len(summary["outcomes"]) == 2

@@ -67,6 +67,7 @@ class _GroupRun:
     outcomes: list = field(default_factory=list)
     rewards: list = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None  # the first member that raised (not a trajectory's failure)
 
     def __post_init__(self):
         if self.need < 0:
@@ -284,6 +285,9 @@ class EnvManager:
 
     # -- group lifecycle ----------------------------------------------------------------
     async def _launch(self, grp: _GroupRun, n: int) -> None:
+        if grp.error is not None:  # the group is ending: no replacement, no backup
+            self._maybe_done(grp)
+            return
         ids = [f"{grp.group_id}-{grp.next_index + i}" for i in range(n)]
         grp.next_index += n
         # while the ledger registers them they are neither jobs nor deliveries: count
@@ -326,10 +330,28 @@ class EnvManager:
     async def _finish(self, grp: _GroupRun) -> dict:
         await grp.done.wait()
         self._groups.pop(grp.group_id, None)
+        if grp.error is not None:  # take_work ends the group at the buffer with it
+            raise RuntimeError(f"group {grp.group_id} ended: {grp.error}")
         return {"group_id": grp.group_id, "task": grp.task.name, "rewards": grp.rewards,
                 "outcomes": grp.outcomes}
 
     async def _member(self, grp: _GroupRun, traj_id: str) -> None:
+        """One member, contained: a member that raises (not a trajectory's failure,
+        which the runner returns as ``failed``: a buffer call that raised, a bug) ends its
+        group: the rest are cancelled and ``run_group`` raises with the error, which
+        ``take_work`` reports to the buffer (``end_group``). Left to propagate, the
+        exception ended only this task: the group ended one member short without a word,
+        or, when it was the last one running, never ended."""
+        try:
+            await self._run_member(grp, traj_id)
+        except Exception as e:  # noqa: BLE001 - contained: the group ends with it
+            msg = f"member {traj_id}: {type(e).__name__}: {e}"
+            logger.warning("%s", msg)
+            grp.error = grp.error or msg
+            self._cancel_rest(grp)
+            self._maybe_done(grp)
+
+    async def _run_member(self, grp: _GroupRun, traj_id: str) -> None:
         traj = None
         try:
             async with self._slots:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,7 @@ def test_raw_copy_delivers_every_byte_into_its_preallocated_buffer(monkeypatch):
     assert len(raw["seconds"]) == 3 and all(0 < t < 10 for t in raw["seconds"])
 
 
+@pytest.mark.bench
 def test_kv_transfer_tiny():
     r = _bench("kv_transfer", "--quick", "--mib", "1", "--repeats", "2", "--reps", "1",
                "--requests", "2")
@@ -50,6 +53,7 @@ def test_kv_transfer_tiny():
     assert 0 < r["prefix_reuse"] <= 1 and 0 <= r["prefix_reuse_nosticky"] <= 1
 
 
+@pytest.mark.bench
 def test_reward_pool_tiny():
     from rollart.reward.offload import ServerlessConfig
 
@@ -70,6 +74,7 @@ def test_reward_pool_tiny():
                         / r["worker_s_dedicated_threads"], rel_tol=0.01)
 
 
+@pytest.mark.bench
 def test_weight_sync_tiny():
     r = _bench("weight_sync", "--updates", "1", "--hidden", "64", "--layers", "1",
                "--load", "2", "--prompt", "32", "--turns", "2", "--batch", "4",

@@ -128,6 +128,7 @@ def test_a_mode_that_never_reaches_the_target_counts_inf(monkeypatch):
     assert list(out)[:len(REQUIRED)] == list(REQUIRED)
 
 
+@pytest.mark.bench
 def test_pipeline_benchmark_tiny():
     """Two modes, one seed, one step; the target below the warm-up's success, so both
     reach it at their first checkpoint and every ratio is finite."""

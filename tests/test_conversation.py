@@ -729,6 +729,7 @@ def test_run_warmup_trains_in_the_chat_format_within_the_model_context(chat_fold
 
 
 # -- the rendering benchmark ---------------------------------------------------------------
+@pytest.mark.bench
 def test_chat_render_benchmark_tiny():
     import subprocess
     import sys

@@ -141,6 +141,7 @@ def _planted(chaos, tmp_path) -> dict:
     return chaos.audit(run, metrics, events)
 
 
+@pytest.mark.bench
 def test_chaos_script_short(tmp_path):
     """The chaos soak (benchmarks/chaos.py), short, with the trainer's worker killed
     mid-step and one more worker killed: nothing lost, nothing trained twice, counted

@@ -92,6 +92,7 @@ def test_unknown_policy_says_what_to_use():
     assert POLICIES == ("random", "heuristic", "optimal")
 
 
+@pytest.mark.bench
 def test_baselines_script_quick():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "baselines.py"),
                           "--quick", "--tasks", "gridnav,guess,boxpush"], cwd=ROOT,

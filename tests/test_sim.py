@@ -199,6 +199,7 @@ def test_cluster_spec_from_a_resources_file():
     assert spec.trainer_gpus == 1 and spec.reward.workers == 8
 
 
+@pytest.mark.bench
 def test_cluster_sim_benchmark_tiny(tmp_path):
     """benchmarks/cluster_sim.py --tiny: no real runs, the modes and PD experiments cut
     to a smoke test, the 3,000-GPU cluster with two groups; its RESULT line and plots."""

@@ -209,6 +209,7 @@ def test_trl_snapshot_is_a_model_folder_rollart_evaluates(tiny_model, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_benchmark_runs_end_to_end(capsys):
     """Both workloads × TRL, rollart sync+, sync, async with tiny settings; every
     runner's snapshots evaluated on the held-out seeds."""
@@ -240,6 +241,7 @@ def test_benchmark_runs_end_to_end(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_benchmark_chat_runs_end_to_end(capsys):
     """--conversation chat: TRL's tool loop and rollart's chat conversations on the chat
     toy, tiny settings; every runner's snapshots evaluated in chat form."""

@@ -18,7 +18,11 @@ processes' nice value in async, the other agents' load at that moment). The sync
 tokens, ``measure_shapes``), and a run with one trajectory live at a time the env
 manager's per-turn loop time (its ``rollout/turn_overhead_s``). Only then is each real
 run made, and the simulator, configured as this laptop from the measurements alone,
-predicts it. Nothing is fitted to the runs being predicted. One figure is read during
+predicts it. Probe and run are repeated over three seeds, as ``benchmarks/pipeline.py``
+runs each mode, and the figures compared are the benchmark's: the median over the
+seeds per mode, and async ÷ sync of those medians (one 8-step run's own async ÷ sync
+read 2.38, 2.98 and 2.52 on one quiet machine and one commit: a single run is too noisy
+to hold a 15% bound). Nothing is fitted to the runs being predicted. One figure is read during
 each run (and each probe): the kernel's CPU stretch of rollart's threads ((run +
 run-queue wait) / run, ``rollart.sim.contention``), which says how much the machine's
 other load slowed every CPU cost; the prediction scales the laptop's CPU costs by the
@@ -28,6 +32,7 @@ stated model, no fit), and the prediction at the probe's stretch is reported bes
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -203,12 +208,15 @@ def components_table(real: dict, sim: dict) -> str:
 
 def measure_real(quick: bool = True, steps: int | None = None,
                  warmup_steps: int | None = None, redundancy: float = 1.5, seed: int = 0,
-                 log=print) -> dict:
-    """Steps (1)–(3) of ``calibration``: the micro-benchmarks, the probe and the real
-    runs. Returns ``fits`` (``lockstep``, ``overlapping``: ``measure_engine`` with the
-    sync / async probe's in-situ figures), ``control``,
-    ``shapes``, ``turn_s`` (``_lone_turn_s``), ``real`` (trained trajectories/s per mode),
-    ``graphs`` (the graph each mode ran), ``steps`` and ``seed``."""
+                 trials: int = 3, log=print) -> dict:
+    """Steps (1)–(3) of ``calibration``: the micro-benchmarks, then ``trials`` rounds of
+    probe and real run per mode (seeds ``seed``, ``seed + 1``, …, as
+    ``benchmarks/pipeline.py`` runs every mode on each of its seeds). Returns
+    ``control``, ``shapes`` and ``turn_s`` (``_lone_turn_s``), measured once, ``steps``,
+    and ``trials``: per round its ``seed``, ``fits`` (``lockstep``, ``overlapping``:
+    ``measure_engine`` with that round's sync / async probe's in-situ figures), ``real``
+    (trained trajectories/s per mode), ``graphs`` (the graph each mode ran), ``rows``
+    (the runs' metrics), ``probe_rows`` and ``stretch`` (per mode, probe and run)."""
     from distributed import Client
 
     import rollart
@@ -229,11 +237,10 @@ def measure_real(quick: bool = True, steps: int | None = None,
     # nice value, the serving loop) comes from that mode's probe below, onto the fit
     # of the modes it stands for
     alone = measure_engine()
-    fits = {"lockstep": alone, "overlapping": alone}
     log(f"engine fit: decode {_fmt(alone.decode_points)} prefill "
         f"{_fmt(alone.prefill_points)} train {_fmt(alone.train_points)} "
         f"fit_error={alone.fit_error:.3f}")
-    real, graphs, real_rows = {}, {}, {}
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
             Client(cluster) as client:
         control = measure_control_plane(client)
@@ -241,44 +248,57 @@ def measure_real(quick: bool = True, steps: int | None = None,
             f"{control.task_s * 1e3:.2f} ms, scheduler {control.scheduler_tasks_s:.0f} "
             "tasks/s")
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
-        shapes, turn_s, probes, stretch = None, 0.0, {}, {}
+        shapes, turn_s = None, 0.0
         procs = roles(client)  # the rollout worker's and the trainer's processes
-        for i, mode in enumerate(("sync", "async")):
-            # each mode's probe (3 steps, other seeds) just before the run it stands for:
-            # the trainer's step and the engine's per-request cost as that mode runs
-            # them on this machine now; the sync probe (no redundant members) also gives
-            # the shapes, its samples being the tasks' episodes unselected (with extras
-            # the fastest are kept and the long ones cancelled)
-            probe = _graph(base, tasks, model, mode, 3, redundancy, seed + 1000 * (i + 1))
-            clocks = cluster_clocks(client)
-            rows = rollart.train(probe, client=client, run_dir=Path(tmp) / f"probe-{mode}",
-                                 progress=False, eval_seeds=0).metrics
-            stretch[mode] = {"probe": stretches(clocks, cluster_clocks(client), procs)}
-            probes[mode] = rows
-            if shapes is None:
-                shapes = measure_shapes(Path(tmp) / f"probe-{mode}")
-                turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 9000)
-            key = _fit_key(mode)
-            fits[key] = in_situ_trainer(fits[key], rows, shapes, base.algo.batch_size)
-            fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
-            log(f"probe {mode}: shapes " + ", ".join(
-                f"{k}={replace(v, episodes=len(v.episodes))}" for k, v in shapes.items())
-                + f"; trainer in situ: {fits[key].train.overhead_s:.3f}s overhead a step; "
-                f"env manager loop: {turn_s * 1e3:.2f} ms a turn; engine in situ: "
-                f"{fits[key].gen.request_overhead_s * 1e3:.2f} ms a request")
-            graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, seed)
-            clocks = cluster_clocks(client)
-            result = rollart.train(graphs[mode], client=client, run_dir=Path(tmp) / mode,
-                                   progress=False, eval_seeds=0)
-            stretch[mode]["run"] = stretches(clocks, cluster_clocks(client), procs)
-            real[mode] = _real_throughput(result.metrics)
-            real_rows[mode] = result.metrics
-            log(f"real {mode}: {real[mode]:.2f} traj/s over "
-                f"{result.metrics[-1]['time']:.1f}s; CPU stretch (run + wait) / run, "
-                f"probe / run: {_stretch_fmt(stretch[mode])}")
-    return {"fits": fits, "control": control, "shapes": shapes, "real": real,
-            "graphs": graphs, "steps": steps, "seed": seed, "turn_s": turn_s,
-            "rows": real_rows, "probe_rows": probes, "stretch": stretch}
+        for t in range(trials):
+            run_seed, fits = seed + t, {"lockstep": alone, "overlapping": alone}
+            real, graphs, real_rows, probes, stretch = {}, {}, {}, {}, {}
+            for i, mode in enumerate(("sync", "async")):
+                # each mode's probe (3 steps, other seeds) just before the run it stands
+                # for: the trainer's step and the engine's per-request cost as that mode
+                # runs them on this machine now; the first sync probe (no redundant
+                # members) also gives the shapes, its samples being the tasks' episodes
+                # unselected (with extras the fastest are kept and the long ones
+                # cancelled)
+                probe = _graph(base, tasks, model, mode, 3, redundancy,
+                               run_seed + 1000 * (i + 1))
+                where = Path(tmp) / f"probe-{mode}-{t}"
+                rows, probe_stretch = _timed_train(client, probe, where, procs)
+                stretch[mode], probes[mode] = {"probe": probe_stretch}, rows
+                if shapes is None:
+                    shapes = measure_shapes(where)
+                    turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 9000)
+                key = _fit_key(mode)
+                fits[key] = in_situ_trainer(fits[key], rows, shapes, base.algo.batch_size)
+                fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
+                log(f"[{t + 1}/{trials}] probe {mode}: " + (", ".join(
+                    f"{k}={replace(v, episodes=len(v.episodes))}"
+                    for k, v in shapes.items()) + "; " if t == 0 and i == 0 else "")
+                    + f"trainer in situ: {fits[key].train.overhead_s:.3f}s overhead a "
+                    f"step; env manager loop: {turn_s * 1e3:.2f} ms a turn; engine in "
+                    f"situ: {fits[key].gen.request_overhead_s * 1e3:.2f} ms a request")
+                graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, run_seed)
+                real_rows[mode], stretch[mode]["run"] = _timed_train(
+                    client, graphs[mode], Path(tmp) / f"{mode}-{t}", procs)
+                real[mode] = _real_throughput(real_rows[mode])
+                log(f"[{t + 1}/{trials}] real {mode} (seed {run_seed}): {real[mode]:.2f} "
+                    f"traj/s over {real_rows[mode][-1]['time']:.1f}s; CPU stretch (run + "
+                    f"wait) / run, probe / run: {_stretch_fmt(stretch[mode])}")
+            rounds.append({"seed": run_seed, "fits": fits, "real": real, "graphs": graphs,
+                           "rows": real_rows, "probe_rows": probes, "stretch": stretch})
+    return {"control": control, "shapes": shapes, "turn_s": turn_s, "steps": steps,
+            "trials": rounds}
+
+
+def _timed_train(client, graph, run_dir: Path, procs: dict) -> tuple[list, dict]:
+    """``rollart.train`` of ``graph`` on ``client`` (no held-out evaluation): its metrics
+    rows and the CPU stretch of the processes ``procs`` names over it (``stretches``)."""
+    import rollart
+
+    clocks = cluster_clocks(client)
+    rows = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
+                         eval_seeds=0).metrics
+    return rows, stretches(clocks, cluster_clocks(client), procs)
 
 
 def _stretch_fmt(s: dict) -> str:
@@ -290,34 +310,46 @@ def _fmt(points: dict) -> str:
     return "{" + ", ".join(f"{k}: {v * 1e3:.1f}ms" for k, v in points.items()) + "}"
 
 
-def predict(measured: dict, log=print) -> dict:
-    """Step (4): the simulator configured from ``measured`` (``measure_real``'s
-    micro-benchmarks, probes and shapes, not its real figures) per mode, the laptop's
-    CPU costs scaled by the run's CPU stretch over its probe's
-    (``rollart.sim.contention.scaled``); trajectories/s, and ``sim_probe_stretch``: the
-    same unscaled."""
+def predict(measured: dict, trial: dict, log=print) -> dict:
+    """Step (4) for one round of ``measured["trials"]``: the simulator configured from
+    ``measured`` (``measure_real``'s micro-benchmarks, shapes and that round's probes,
+    not its real figures) per mode, the laptop's CPU costs scaled by the run's CPU
+    stretch over its probe's (``rollart.sim.contention.scaled``); trajectories/s, and
+    ``sim_probe_stretch``: the same unscaled."""
     from rollart.sim import simulate
 
     sim, results, plain = {}, {}, {}
-    for mode, graph in measured["graphs"].items():
-        fits, control = dict(measured["fits"]), measured["control"]
+    for mode, graph in trial["graphs"].items():
+        fits, control = dict(trial["fits"]), measured["control"]
         turn_s, key = measured.get("turn_s", 0.0), _fit_key(mode)
-        args = (measured["shapes"], measured["steps"], mode, measured["seed"])
+        args = (measured["shapes"], measured["steps"], mode, trial["seed"])
         r = simulate(laptop_sim_config(graph, fits, control, *args, turn_s))
         plain[mode] = r.throughput["trajectories_s"]
         # the CPU costs at the run's contention: run stretch / probe stretch (the model
         # of rollart.sim.contention); 1 where there is no schedstat
-        s = measured.get("stretch", {}).get(mode, {})
+        s = trial.get("stretch", {}).get(mode, {})
         k = {role: s.get("run", {}).get(role, nan) / s.get("probe", {}).get(role, nan)
              for role in ("rollout", "trainer")}
         fits[key], control, turn_s = scaled(fits[key], control, turn_s, k["rollout"],
                                             k["trainer"])
         results[mode] = simulate(laptop_sim_config(graph, fits, control, *args, turn_s))
         sim[mode] = results[mode].throughput["trajectories_s"]
-        log(f"sim {mode}: {sim[mode]:.2f} traj/s at the run's CPU stretch (rollout "
-            f"x{k['rollout']:.3f}, trainer x{k['trainer']:.3f} the probe's), "
-            f"{plain[mode]:.2f} at the probe's ({results[mode].summary()})")
+        log(f"seed {trial['seed']}: sim {mode}: {sim[mode]:.2f} traj/s at the run's CPU "
+            f"stretch (rollout x{k['rollout']:.3f}, trainer x{k['trainer']:.3f} the "
+            f"probe's), {plain[mode]:.2f} at the probe's ({results[mode].summary()})")
     return {"sim": sim, "results": results, "sim_probe_stretch": plain}
+
+
+def _figures(per_mode: list[dict]) -> dict:
+    """Median trajectories/s per mode over rounds, and async ÷ sync of the medians (as
+    ``benchmarks/pipeline.py`` reports ``throughput_vs_sync``)."""
+    out = {m: statistics.median(d[m] for d in per_mode) for m in per_mode[0]}
+    out["async_vs_sync"] = out["async"] / out["sync"]
+    return out
+
+
+def _errors(sim: dict, real: dict) -> dict:
+    return {k: abs(sim[k] - real[k]) / real[k] for k in real}
 
 
 def calibration(quick: bool = True, log=print, **options) -> dict:
@@ -326,19 +358,23 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     On ``resources/laptop.py`` with the default multitask graph, one inference pool
     (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
     ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks
-    (alone), (2) per mode, a 3-step probe of that mode on other seeds (the trainer's
-    step, ``in_situ_trainer``; the engine's per-request cost, ``in_situ_engine``; the
-    sync probe also the tasks' episodes, ``measure_shapes``, followed by a run with one
-    trajectory live at a time for the env manager's per-turn loop time,
-    ``_lone_turn_s``), then (3) that mode's real run (``sync``; ``async`` with 1.5×
-    members), (4) the simulator configured from (1) and (2), its CPU costs at each
-    run's CPU stretch over its probe's (``predict``). ``options`` go to
-    ``measure_real`` (``save``: a path for the measurements, cloudpickled). Returns
-    ``real``, ``sim``, ``errors`` (relative: throughput per mode and async ÷ sync),
-    ``calibration_error`` (the largest), the same at the probe's stretch
-    (``sim_probe_stretch``, ``errors_probe_stretch``, ``calibration_error_probe_stretch``),
-    ``stretch`` (per mode, probe and run) and ``components`` (``real_components`` /
-    ``sim_components`` per mode)."""
+    (alone), then ``trials`` rounds (3; seeds 0, 1, 2) of (2) per mode, a 3-step probe
+    of that mode on other seeds (the trainer's step, ``in_situ_trainer``; the engine's
+    per-request cost, ``in_situ_engine``; the first sync probe also the tasks' episodes,
+    ``measure_shapes``, followed by a run with one trajectory live at a time for the env
+    manager's per-turn loop time, ``_lone_turn_s``), then (3) that mode's real run
+    (``sync``; ``async`` with 1.5× members); (4) per round the simulator configured from
+    (1) and that round's (2), its CPU costs at each run's CPU stretch over its probe's
+    (``predict``). The figures compared are the benchmark's: per mode the median over
+    the rounds of trajectories/s, real beside simulated, and async ÷ sync of those
+    medians. ``options`` go to ``measure_real`` (``trials``; ``save``: a path for the
+    measurements, cloudpickled). Returns ``real``, ``sim``, ``errors`` (relative:
+    throughput per mode and async ÷ sync), ``calibration_error`` (the largest), the same
+    at the probes' stretch (``sim_probe_stretch``, ``errors_probe_stretch``,
+    ``calibration_error_probe_stretch``), ``round_errors`` (each round's own largest
+    error, real beside its own prediction), ``stretch`` (per round and mode, probe and
+    run) and ``components`` (``real_components`` / ``sim_components`` per round and
+    mode)."""
     t0 = time.time()
     save = options.pop("save", None)
     measured = measure_real(quick, log=log, **options)
@@ -346,25 +382,31 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
         import cloudpickle
 
         Path(save).write_bytes(cloudpickle.dumps(measured))
-    predicted = predict(measured, log=log)
-    comps = {"real": {m: real_components(rs) for m, rs in measured["rows"].items()},
-             "sim": {m: sim_components(r) for m, r in predicted["results"].items()}}
-    log("components (real beside simulated):\n" + components_table(comps["real"],
-                                                                    comps["sim"]))
-    real, sim = dict(measured["real"]), dict(predicted["sim"])
-    real["async_vs_sync"] = real["async"] / real["sync"]
-    sim["async_vs_sync"] = sim["async"] / sim["sync"]
-    errors = {k: abs(sim[k] - real[k]) / real[k] for k in real}
-    plain = dict(predicted["sim_probe_stretch"])
-    plain["async_vs_sync"] = plain["async"] / plain["sync"]
-    plain_errors = {k: abs(plain[k] - real[k]) / real[k] for k in real}
+    rounds = measured["trials"]
+    predicted = [predict(measured, tr, log=log) for tr in rounds]
+    comps = []
+    for tr, p in zip(rounds, predicted):
+        comps.append({"real": {m: real_components(rs) for m, rs in tr["rows"].items()},
+                      "sim": {m: sim_components(r) for m, r in p["results"].items()}})
+        log(f"components, seed {tr['seed']} (real beside simulated):\n"
+            + components_table(comps[-1]["real"], comps[-1]["sim"]))
+    real = _figures([tr["real"] for tr in rounds])
+    sim = _figures([p["sim"] for p in predicted])
+    plain = _figures([p["sim_probe_stretch"] for p in predicted])
+    errors, plain_errors = _errors(sim, real), _errors(plain, real)
+    round_errors = [max(_errors(_figures([p["sim"]]), _figures([tr["real"]])).values())
+                    for tr, p in zip(rounds, predicted)]
+    log("per round (real beside its own prediction): calibration_error "
+        + ", ".join(f"seed {tr['seed']} {e:.3f}" for tr, e in zip(rounds, round_errors)))
     return {"real": real, "sim": sim, "errors": errors,
             "calibration_error": max(errors.values()),
             "sim_probe_stretch": plain, "errors_probe_stretch": plain_errors,
             "calibration_error_probe_stretch": max(plain_errors.values()),
-            "stretch": measured.get("stretch", {}),
-            "engine_fit_error": max(f.fit_error for f in measured["fits"].values()),
+            "round_errors": round_errors,
+            "stretch": [tr["stretch"] for tr in rounds],
+            "engine_fit_error": max(f.fit_error for tr in rounds
+                                    for f in tr["fits"].values()),
             "control": measured["control"], "turn_s": measured["turn_s"],
             "shapes": measured["shapes"], "steps": measured["steps"],
-            "results": predicted["results"], "components": comps,
+            "results": [p["results"] for p in predicted], "components": comps,
             "wall_s": time.time() - t0}

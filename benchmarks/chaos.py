@@ -55,10 +55,16 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _chaos_audit.py
+
+from _chaos_audit import (audit, check_trainer_record, digest_of,  # noqa: E402,F401
+                          read_env_log, reported_subset)
 
 
 #: the actors a killed worker of each tag takes with it (the buffer lives on TRAIN here)
@@ -230,128 +236,6 @@ def _took(step: int, dask_worker=None) -> bool:
     ``taken`` for trainer step ``step``?"""
     return any(step in (getattr(a, "_taken", None) or {})
                for a in dask_worker.state.actors.values())
-
-
-def read_env_log(log_dir: Path) -> list[dict]:
-    """Every line the ``RecordedEnv``s wrote (a killed process's last line may be cut)."""
-    import json
-
-    out = []
-    for path in sorted(log_dir.glob("env-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line cut by SIGKILL
-    return out
-
-
-def digest_of(ids) -> str:
-    """``rollart.trainer.trainer.batch_digest``, recomputed here from the rows."""
-    import hashlib
-
-    return hashlib.sha1("\n".join(sorted(ids)).encode()).hexdigest()[:16]
-
-
-def reported_subset(ids: list[str], size: int, digest: str) -> list[str] | None:
-    """The ``size`` ids among ``ids`` whose digest is the trainer's, if any: whole GRPO
-    groups first (ids ``{group}-{k}``), then any combination while there are few."""
-    import itertools
-    import math
-    from collections import defaultdict
-
-    groups = defaultdict(list)
-    for t in ids:
-        groups[t.rsplit("-", 1)[0]].append(t)
-    members = list(groups.values())
-    for r in range(1, len(members) + 1):
-        for pick in itertools.combinations(members, r):
-            chosen = [t for g in pick for t in g]
-            if len(chosen) == size and digest_of(chosen) == digest:
-                return chosen
-    if math.comb(len(ids), size) <= 200_000:
-        return next((list(c) for c in itertools.combinations(sorted(ids), size)
-                     if digest_of(c) == digest), None)
-    return None
-
-
-def check_trainer_record(trained_at: dict, metrics: list[dict]) -> tuple[int, int, int]:
-    """The trainer's report of each step against the rows ``trained`` there: returns
-    ``(lost_trained, trained_unreported, mismatched_steps)`` (module docstring)."""
-    lost_trained = unreported = mismatched = 0
-    for m in metrics:
-        got, size = trained_at.get(m["step"], []), m["trainer/batch_size"]
-        if digest_of(got) == m["trainer/batch_sha1"]:
-            continue
-        mismatched += 1
-        if len(got) > size and reported_subset(got, size, m["trainer/batch_sha1"]):
-            unreported += len(got) - size  # trained at this step by a lost trainer step
-        elif len(got) >= size:  # the trainer's batch is not among them: none vouched for
-            lost_trained += size
-        else:
-            lost_trained += size - len(got)
-    unreported += sum(len(v) for k, v in trained_at.items()
-                      if k not in {m["step"] for m in metrics})
-    return lost_trained, unreported, mismatched
-
-
-def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
-    """``lost`` and ``duplicated`` from the env record, the rows and the trainer's
-    report (module docstring), without the ledger's totals."""
-    from collections import Counter, defaultdict
-
-    from rollart.buffer import read_samples
-    from rollart.buffer.journal import read_ledger
-    from rollart.buffer.schema import read_parts
-
-    rows = read_samples(str(run_dir)).to_pydict()
-    trained_at = defaultdict(list)  # step -> ids trained there (rows)
-    seed_of: dict[str, tuple] = {}  # group id -> (task, seed)
-    settled = Counter()  # (task, seed) -> rows/ids that say what became of them
-    left = 0
-    for t, task, g, seed, state, step, err in zip(
-            rows["traj_id"], rows["task"], rows["group_id"], rows["seed"], rows["state"],
-            rows["trained_step"], rows["error"]):
-        seed_of[g] = (task, seed)
-        if state == "trained":
-            trained_at[step].append(t)
-        if state in ("trained", "dropped") or (state == "failed" and err):
-            settled[(task, seed)] += 1
-        elif state in ("buffered", "taken"):  # durable, still in the buffer: not lost
-            settled[(task, seed)] += 1
-            left += 1
-    with_row = set(rows["traj_id"])
-    unmapped = 0
-    for t, (state, _) in read_ledger(str(run_dir)).latest.items():
-        if t in with_row or state not in ("cancelled", "aborted", "failed"):
-            continue
-        key = seed_of.get(t.rsplit("-", 1)[0])
-        if key is None:
-            unmapped += 1
-        else:
-            settled[key] += 1
-    lost_trained, unreported, mismatched = check_trainer_record(trained_at, metrics)
-    ended = Counter((e["task"], e["seed"]) for e in env_events if e["ev"] == "end")
-    # ids settled without a row in groups with no row at all (all lost with their
-    # worker) have no known seed: they may account for any seed's shortfall
-    short = sum(max(n - settled[k], 0) for k, n in ended.items())
-    lost_completed = max(short - unmapped, 0)
-    parts = read_parts(str(run_dir)).to_pydict()
-    steps_of = defaultdict(set)
-    for t, state, step in zip(parts["traj_id"], parts["state"], parts["trained_step"]):
-        if state == "trained":
-            steps_of[t].add(step)
-    twice = sum(len(v) > 1 for v in steps_of.values())
-    reported = sum(m["trainer/batch_size"] for m in metrics)
-    distinct = len({t for ids in trained_at.values() for t in ids})
-    excess = max(reported - (distinct - unreported) - lost_trained, 0)
-    return {"lost": lost_trained + lost_completed,
-            "duplicated": twice + excess, "lost_trained": lost_trained,
-            "trained_unreported": unreported, "lost_completed": lost_completed,
-            "left_buffered": left,
-            "mismatched_steps": mismatched, "env_episodes": sum(
-                e["ev"] == "start" for e in env_events),
-            "env_ended": sum(ended.values()), "unmapped_settled": unmapped}
 
 
 def should_stop(steps_done: int, steps: int, replaced: int, needed: int, killing: bool,

@@ -39,7 +39,9 @@ from rollart.buffer.ledger import STATES
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
 distributed = pytest.importorskip("distributed")
-pytestmark = pytest.mark.slow
+# deselected from the default suite (setup.cfg; ~3-4 min on 2 cores): .ci/run runs it as
+# a step of its own, `python -m pytest -m matrix tests/test_kill_matrix.py`
+pytestmark = [pytest.mark.slow, pytest.mark.matrix]
 
 TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN)
 # (layout, tag of the worker killed, roles that must come back within the run); laptop's

@@ -22,8 +22,8 @@ predicts it. Probe and run are repeated over three seeds, as ``benchmarks/pipeli
 runs each mode, and the figures compared are the benchmark's: the median over the
 seeds per mode, and async ÷ sync of those medians (one 8-step run's own async ÷ sync
 read 2.38, 2.98 and 2.52 on one quiet machine and one commit: a single run is too noisy
-to hold a 15% bound). Nothing is fitted to the runs being predicted. One figure is read during
-each run (and each probe): the kernel's CPU stretch of rollart's threads ((run +
+to hold a 15% bound). Nothing is fitted to the runs being predicted. One figure is read
+during each run (and each probe): the kernel's CPU stretch of rollart's threads ((run +
 run-queue wait) / run, ``rollart.sim.contention``), which says how much the machine's
 other load slowed every CPU cost; the prediction scales the laptop's CPU costs by the
 run's stretch over its probe's, per process (the rollout worker's, the trainer's; a
@@ -208,12 +208,12 @@ def components_table(real: dict, sim: dict) -> str:
 
 def measure_real(quick: bool = True, steps: int | None = None,
                  warmup_steps: int | None = None, redundancy: float = 1.5, seed: int = 0,
-                 trials: int = 3, log=print) -> dict:
-    """Steps (1)–(3) of ``calibration``: the micro-benchmarks, then ``trials`` rounds of
+                 rounds: int = 3, log=print) -> dict:
+    """Steps (1)–(3) of ``calibration``: the micro-benchmarks, then ``rounds`` rounds of
     probe and real run per mode (seeds ``seed``, ``seed + 1``, …, as
     ``benchmarks/pipeline.py`` runs every mode on each of its seeds). Returns
     ``control``, ``shapes`` and ``turn_s`` (``_lone_turn_s``), measured once, ``steps``,
-    and ``trials``: per round its ``seed``, ``fits`` (``lockstep``, ``overlapping``:
+    and ``rounds``: per round its ``seed``, ``fits`` (``lockstep``, ``overlapping``:
     ``measure_engine`` with that round's sync / async probe's in-situ figures), ``real``
     (trained trajectories/s per mode), ``graphs`` (the graph each mode ran), ``rows``
     (the runs' metrics), ``probe_rows`` and ``stretch`` (per mode, probe and run)."""
@@ -240,7 +240,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
     log(f"engine fit: decode {_fmt(alone.decode_points)} prefill "
         f"{_fmt(alone.prefill_points)} train {_fmt(alone.train_points)} "
         f"fit_error={alone.fit_error:.3f}")
-    rounds = []
+    done = []
     with tempfile.TemporaryDirectory() as tmp, res.make_cluster() as cluster, \
             Client(cluster) as client:
         control = measure_control_plane(client)
@@ -250,7 +250,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
         model = _warm_model(Path(tmp), base.tasks, warmup_steps)
         shapes, turn_s = None, 0.0
         procs = roles(client)  # the rollout worker's and the trainer's processes
-        for t in range(trials):
+        for t in range(rounds):
             run_seed, fits = seed + t, {"lockstep": alone, "overlapping": alone}
             real, graphs, real_rows, probes, stretch = {}, {}, {}, {}, {}
             for i, mode in enumerate(("sync", "async")):
@@ -268,26 +268,27 @@ def measure_real(quick: bool = True, steps: int | None = None,
                 if shapes is None:
                     shapes = measure_shapes(where)
                     turn_s = _lone_turn_s(base, tasks, model, client, Path(tmp), seed + 9000)
+                    log("shapes (first sync probe): " + ", ".join(
+                        f"{k}={replace(v, episodes=len(v.episodes))}"
+                        for k, v in shapes.items()))
                 key = _fit_key(mode)
                 fits[key] = in_situ_trainer(fits[key], rows, shapes, base.algo.batch_size)
                 fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows)
-                log(f"[{t + 1}/{trials}] probe {mode}: " + (", ".join(
-                    f"{k}={replace(v, episodes=len(v.episodes))}"
-                    for k, v in shapes.items()) + "; " if t == 0 and i == 0 else "")
-                    + f"trainer in situ: {fits[key].train.overhead_s:.3f}s overhead a "
-                    f"step; env manager loop: {turn_s * 1e3:.2f} ms a turn; engine in "
-                    f"situ: {fits[key].gen.request_overhead_s * 1e3:.2f} ms a request")
+                log(f"[{t + 1}/{rounds}] probe {mode}: trainer in situ: "
+                    f"{fits[key].train.overhead_s:.3f}s overhead a step; env manager loop: "
+                    f"{turn_s * 1e3:.2f} ms a turn; engine in situ: "
+                    f"{fits[key].gen.request_overhead_s * 1e3:.2f} ms a request")
                 graphs[mode] = _graph(base, tasks, model, mode, steps, redundancy, run_seed)
                 real_rows[mode], stretch[mode]["run"] = _timed_train(
                     client, graphs[mode], Path(tmp) / f"{mode}-{t}", procs)
                 real[mode] = _real_throughput(real_rows[mode])
-                log(f"[{t + 1}/{trials}] real {mode} (seed {run_seed}): {real[mode]:.2f} "
+                log(f"[{t + 1}/{rounds}] real {mode} (seed {run_seed}): {real[mode]:.2f} "
                     f"traj/s over {real_rows[mode][-1]['time']:.1f}s; CPU stretch (run + "
                     f"wait) / run, probe / run: {_stretch_fmt(stretch[mode])}")
-            rounds.append({"seed": run_seed, "fits": fits, "real": real, "graphs": graphs,
-                           "rows": real_rows, "probe_rows": probes, "stretch": stretch})
+            done.append({"seed": run_seed, "fits": fits, "real": real, "graphs": graphs,
+                         "rows": real_rows, "probe_rows": probes, "stretch": stretch})
     return {"control": control, "shapes": shapes, "turn_s": turn_s, "steps": steps,
-            "trials": rounds}
+            "rounds": done}
 
 
 def _timed_train(client, graph, run_dir: Path, procs: dict) -> tuple[list, dict]:
@@ -311,7 +312,7 @@ def _fmt(points: dict) -> str:
 
 
 def predict(measured: dict, trial: dict, log=print) -> dict:
-    """Step (4) for one round of ``measured["trials"]``: the simulator configured from
+    """Step (4) for one round of ``measured["rounds"]``: the simulator configured from
     ``measured`` (``measure_real``'s micro-benchmarks, shapes and that round's probes,
     not its real figures) per mode, the laptop's CPU costs scaled by the run's CPU
     stretch over its probe's (``rollart.sim.contention.scaled``); trajectories/s, and
@@ -358,7 +359,7 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     On ``resources/laptop.py`` with the default multitask graph, one inference pool
     (H800) and straggling envs (``straggler_profile(seed=i)`` per task), as
     ``benchmarks/pipeline.py`` runs it: (1) control-plane and engine micro-benchmarks
-    (alone), then ``trials`` rounds (3; seeds 0, 1, 2) of (2) per mode, a 3-step probe
+    (alone), then ``rounds`` rounds (3; seeds 0, 1, 2) of (2) per mode, a 3-step probe
     of that mode on other seeds (the trainer's step, ``in_situ_trainer``; the engine's
     per-request cost, ``in_situ_engine``; the first sync probe also the tasks' episodes,
     ``measure_shapes``, followed by a run with one trajectory live at a time for the env
@@ -367,7 +368,7 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
     (1) and that round's (2), its CPU costs at each run's CPU stretch over its probe's
     (``predict``). The figures compared are the benchmark's: per mode the median over
     the rounds of trajectories/s, real beside simulated, and async ÷ sync of those
-    medians. ``options`` go to ``measure_real`` (``trials``; ``save``: a path for the
+    medians. ``options`` go to ``measure_real`` (``rounds``; ``save``: a path for the
     measurements, cloudpickled). Returns ``real``, ``sim``, ``errors`` (relative:
     throughput per mode and async ÷ sync), ``calibration_error`` (the largest), the same
     at the probes' stretch (``sim_probe_stretch``, ``errors_probe_stretch``,
@@ -382,7 +383,7 @@ def calibration(quick: bool = True, log=print, **options) -> dict:
         import cloudpickle
 
         Path(save).write_bytes(cloudpickle.dumps(measured))
-    rounds = measured["trials"]
+    rounds = measured["rounds"]
     predicted = [predict(measured, tr, log=log) for tr in rounds]
     comps = []
     for tr, p in zip(rounds, predicted):

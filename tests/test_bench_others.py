@@ -1,5 +1,5 @@
-"""benchmarks/kv_transfer.py, reward_pool.py and weight_sync.py run tiny and report
-figures that make sense (their full runs are scripts, not tests: see the README)."""
+"""benchmarks/kv_transfer.py, reward_pool.py, weight_sync.py and calc_copy.py run tiny and
+report figures that make sense (their full runs are scripts, not tests: see the README)."""
 
 import importlib
 import math
@@ -89,3 +89,29 @@ def test_weight_sync_tiny():
         assert math.isclose(r[f"stall_{s}"], 1 - r[f"tok_s_{s}"] / r["tok_s_base"],
                             rel_tol=0.01, abs_tol=1e-3)
         assert r[f"put_s_{s}"] > 0  # the trainer did publish to this store
+
+
+def test_calc_copy_scores_a_turn_by_what_it_holds_of_the_question(monkeypatch):
+    """benchmarks/calc_copy.py's scoring of one generated turn (the Hermes call format)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from calc_copy import score
+
+    from rollart.env.tools import format_tool_call
+
+    right = score(format_tool_call("python", {"code": "4 - 6"}), "4 - 6")
+    assert right == {"calls": True, "copies": True, "digit1": True, "op": True,
+                     "digit2": True}
+    wrong = score(format_tool_call("python", {"code": "4 + 8"}), "4 - 6")
+    assert wrong == {"calls": True, "copies": False, "digit1": True, "op": False,
+                     "digit2": False}
+    answer = score("answer 7", "4 - 6")
+    assert not any(answer.values())
+
+
+@pytest.mark.bench
+def test_calc_copy_tiny():
+    r = _bench("calc_copy", "--steps", "4", "--every", "2", "--probes", "4")
+    assert r["steps"] == 4 and r["probes"] == 4
+    for k in ("calls", "copies", "digit1", "op", "digit2"):
+        assert 0 <= r[k] <= 4, (k, r)
+    assert r["copies"] <= min(r["calls"], r["digit1"], r["op"], r["digit2"]), r

@@ -1,0 +1,127 @@
+"""Does the chat toy's format warm-up learn to copy calc's question into its tool call?
+
+``graphs/chat.py``'s ``calc`` pays off only when the model's first call holds the
+question (``what is 4 - 6 ?`` -> ``{"code": "4 - 6"}``): the warm-up demonstrates that on
+every episode (``calc_hermes_warmup_action``), and RL has nothing to reinforce until the
+model does it. This script builds the chat toy as ``rollart train graphs/chat.py`` does
+(``chat_corpus`` of the graph's tasks, ``build_tiny_model(..., chat=True)``), runs
+rollart's own ``run_warmup`` on it and, every ``--every`` steps, samples the first turn
+of ``--probes`` unseen calc episodes (temperature 1, as the held-out evaluation): how many
+turns call the tool, how many calls hold the whole question, and how many hold each of
+its three words in place (chance: ~1/9 per digit, 1/3 for the operator). No cluster.
+Ends with one line
+
+    RESULT steps=… calls=… copies=… digit1=… op=… digit2=… probes=…
+
+(the last checkpoint's counts).
+
+    python benchmarks/calc_copy.py --quick                      # 20 steps, 16 probes
+    python benchmarks/calc_copy.py --steps 300                  # the graph's four tasks
+    python benchmarks/calc_copy.py --steps 300 --only calc --obs-weight 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def score(text: str, question: str) -> dict:
+    """What one generated turn ``text`` got of ``question`` (``"4 - 6"``): a tool call, the
+    whole question as its ``code``, and each of the question's three words in place."""
+    code = re.search(r'"code": "([^"]*)"', text)
+    words = (code.group(1).split() if code else []) + ["", "", ""]
+    hits = {"calls": "<tool_call>" in text,
+            "copies": code is not None and code.group(1).strip() == question}
+    for name, want, got in zip(("digit1", "op", "digit2"), question.split(), words):
+        hits[name] = want == got
+    return hits
+
+
+def probe(model, tok, fmt, task, seeds) -> dict:
+    """First-turn calls of ``task`` on ``seeds``: counts of calls, whole and partial copies."""
+    import torch
+
+    from rollart.env.adapters.tool import _question
+    from rollart.env.conversation import TokenLog
+    from rollart.env.protocol import env_tools
+
+    counts = {"calls": 0, "copies": 0, "digit1": 0, "op": 0, "digit2": 0}
+    model.eval()
+    with torch.no_grad():
+        for seed in seeds:
+            env = task.env_factory()
+            obs = env.reset(seed)
+            question = _question(obs)
+            ids = torch.tensor([fmt.start(TokenLog(), task, obs, env_tools(env)).log.ids])
+            out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=True,
+                                 top_p=1.0, temperature=1.0, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+            text = tok.decode(out[0, ids.size(1):], skip_special_tokens=True)
+            for name, hit in score(text, question).items():
+                counts[name] += hit
+            env.close()
+    model.train()
+    return counts
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="20 warm-up steps, 16 probes")
+    p.add_argument("--steps", type=int, default=None, help="warm-up steps (default 300)")
+    p.add_argument("--every", type=int, default=None, help="probe every N steps")
+    p.add_argument("--probes", type=int, default=None, help="calc episodes a probe samples")
+    p.add_argument("--only", default=None, help="warm up on these tasks only (e.g. calc)")
+    p.add_argument("--obs-weight", type=float, default=1.0,
+                   help="run_warmup's obs_weight (0: loss on the model's turns only)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    steps = a.steps or (20 if a.quick else 300)
+    every = a.every or (10 if a.quick else 50)
+    n_probes = a.probes or (16 if a.quick else 64)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from graphs.chat import tasks as chat_tasks
+    from rollart.env.conversation import ConversationFormat
+    from rollart.env.corpus import chat_corpus
+    from rollart.model import build_tiny_model
+    from rollart.trainer.warmup import run_warmup
+
+    torch.manual_seed(a.seed)
+    tasks = chat_tasks()
+    calc = next(t for t in tasks if t.name == "calc")
+    trained = [t for t in tasks if a.only is None or t.name in a.only.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(tmp, chat_corpus(tasks), chat=True, seed=a.seed)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+    fmt = ConversationFormat(tok, "chat", max_context=2048)
+    seeds = range(5_000_000, 5_000_000 + n_probes)  # not among the warm-up's seeds
+    t0, last = time.time(), {}
+
+    def on_step(n):
+        if n % every == 0 or n == steps:
+            last.update(probe(model, tok, fmt, calc, seeds), steps=n)
+            print(f"step {n:4d}  " + "  ".join(f"{k} {last[k]}/{n_probes}" for k in
+                  ("calls", "copies", "digit1", "op", "digit2"))
+                  + f"  ({time.time() - t0:.0f} s)", flush=True)
+
+    run_warmup(model, tok, trained, steps=steps, batch_size=32, lr=a.lr, seed=a.seed,
+               obs_weight=a.obs_weight, conversation="chat", on_step=on_step)
+    figures = dict(last, probes=n_probes)
+    print("RESULT " + " ".join(f"{k}={figures[k]}" for k in
+                               ("steps", "calls", "copies", "digit1", "op", "digit2", "probes")))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -31,13 +31,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+#: what a probe counts, in the order it prints them
+KEYS = ("calls", "copies", "digit1", "op", "digit2")
+
 
 def score(text: str, question: str) -> dict:
     """What one generated turn ``text`` got of ``question`` (``"4 - 6"``): a tool call, the
-    whole question as its ``code``, and each of the question's three words in place."""
+    whole question as its ``code``, and each of the question's three words in place
+    (``code`` is read as written, also from a call the env would reject as malformed)."""
+    from rollart.env.tools import has_tool_call
+
     code = re.search(r'"code": "([^"]*)"', text)
     words = (code.group(1).split() if code else []) + ["", "", ""]
-    hits = {"calls": "<tool_call>" in text,
+    hits = {"calls": has_tool_call(text),
             "copies": code is not None and code.group(1).strip() == question}
     for name, want, got in zip(("digit1", "op", "digit2"), question.split(), words):
         hits[name] = want == got
@@ -52,7 +58,7 @@ def probe(model, tok, fmt, task, seeds) -> dict:
     from rollart.env.conversation import TokenLog
     from rollart.env.protocol import env_tools
 
-    counts = {"calls": 0, "copies": 0, "digit1": 0, "op": 0, "digit2": 0}
+    counts = dict.fromkeys(KEYS, 0)
     model.eval()
     with torch.no_grad():
         for seed in seeds:
@@ -111,15 +117,13 @@ def main(argv=None) -> dict:
     def on_step(n):
         if n % every == 0 or n == steps:
             last.update(probe(model, tok, fmt, calc, seeds), steps=n)
-            print(f"step {n:4d}  " + "  ".join(f"{k} {last[k]}/{n_probes}" for k in
-                  ("calls", "copies", "digit1", "op", "digit2"))
+            print(f"step {n:4d}  " + "  ".join(f"{k} {last[k]}/{n_probes}" for k in KEYS)
                   + f"  ({time.time() - t0:.0f} s)", flush=True)
 
     run_warmup(model, tok, trained, steps=steps, batch_size=32, lr=a.lr, seed=a.seed,
                obs_weight=a.obs_weight, conversation="chat", on_step=on_step)
     figures = dict(last, probes=n_probes)
-    print("RESULT " + " ".join(f"{k}={figures[k]}" for k in
-                               ("steps", "calls", "copies", "digit1", "op", "digit2", "probes")))
+    print("RESULT " + " ".join(f"{k}={figures[k]}" for k in ("steps", *KEYS, "probes")))
     return figures
 
 

@@ -15,9 +15,16 @@ Ends with one line
 
 (the last checkpoint's counts).
 
+``--echo`` asks the simpler question first: can the toy learn to copy at all? It warms up
+on ``echo`` alone, a task defined here (``echo : say 4 * right . act :`` -> ``4 *
+right``: 2-4 words drawn from the four tasks' digits, operators and directions), and
+counts the probes' exact repeats; it ends with ``RESULT steps=… echoes=… probes=…``.
+``--lr`` and ``--layers`` vary the warm-up's learning rate and the toy's depth.
+
     python benchmarks/calc_copy.py --quick                      # 20 steps, 16 probes
     python benchmarks/calc_copy.py --steps 300                  # the graph's four tasks
     python benchmarks/calc_copy.py --steps 300 --only calc --obs-weight 0
+    python benchmarks/calc_copy.py --echo --steps 450 --lr 1e-3   # a pure copy task
 """
 
 from __future__ import annotations
@@ -33,6 +40,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: what a probe counts, in the order it prints them
 KEYS = ("calls", "copies", "digit1", "op", "digit2")
+#: what the echo task's observations draw from: the four tasks' digits, operators, moves
+ECHO_WORDS = (*"123456789", "+", "-", "*", "left", "right", "up", "down")
+
+
+class EchoEnv:
+    """``echo : say <2-4 words> . act :``; one turn, success when the words come back."""
+
+    def reset(self, seed: int) -> str:
+        import random
+
+        rng = random.Random(seed)
+        self.words = " ".join(rng.choice(ECHO_WORDS) for _ in range(rng.randint(2, 4)))
+        return f"echo : say {self.words} . act :"
+
+    def step(self, action: str):
+        from rollart.types import StepResult
+
+        right = action.strip() == self.words
+        return StepResult("echo : done .", float(right), True, {"success": right})
+
+    def close(self) -> None:
+        pass
+
+
+def echo_action(rng, observation: str) -> str:
+    """The demonstration: the words between ``say`` and ``.``."""
+    words = observation.split()
+    return " ".join(words[words.index("say") + 1:words.index(".")])
+
+
+def echo_task():
+    from rollart.env.tasks import Task
+    from rollart.reward.functions import env_return
+
+    return Task(name="echo", env_factory=EchoEnv, reward_fn=env_return, max_turns=1,
+                max_new_tokens=12, warmup_action=echo_action)
 
 
 def score(text: str, question: str) -> dict:
@@ -51,27 +94,31 @@ def score(text: str, question: str) -> dict:
 
 
 def probe(model, tok, fmt, task, seeds) -> dict:
-    """First-turn calls of ``task`` on ``seeds``: counts of calls, whole and partial copies."""
+    """First turns of ``task`` on ``seeds``: counts of calls, whole and partial copies of
+    calc's question, or (``task`` echo) of exact repeats."""
     import torch
 
     from rollart.env.adapters.tool import _question
     from rollart.env.conversation import TokenLog
     from rollart.env.protocol import env_tools
 
-    counts = dict.fromkeys(KEYS, 0)
+    counts = dict.fromkeys(("echoes",) if task.name == "echo" else KEYS, 0)
     model.eval()
     with torch.no_grad():
         for seed in seeds:
             env = task.env_factory()
             obs = env.reset(seed)
-            question = _question(obs)
+            question = env.words if task.name == "echo" else _question(obs)
             ids = torch.tensor([fmt.start(TokenLog(), task, obs, env_tools(env)).log.ids])
             out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=True,
                                  top_p=1.0, temperature=1.0, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id)
             text = tok.decode(out[0, ids.size(1):], skip_special_tokens=True)
-            for name, hit in score(text, question).items():
-                counts[name] += hit
+            if task.name == "echo":
+                counts["echoes"] += text.strip() == question
+            else:
+                for name, hit in score(text, question).items():
+                    counts[name] += hit
             env.close()
     model.train()
     return counts
@@ -86,7 +133,10 @@ def main(argv=None) -> dict:
     p.add_argument("--only", default=None, help="warm up on these tasks only (e.g. calc)")
     p.add_argument("--obs-weight", type=float, default=1.0,
                    help="run_warmup's obs_weight (0: loss on the model's turns only)")
+    p.add_argument("--echo", action="store_true",
+                   help="warm up on the echo task alone and count its exact repeats")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--layers", type=int, default=2, help="the toy's layers (graph: 2)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     steps = a.steps or (20 if a.quick else 300)
@@ -103,11 +153,13 @@ def main(argv=None) -> dict:
     from rollart.trainer.warmup import run_warmup
 
     torch.manual_seed(a.seed)
-    tasks = chat_tasks()
-    calc = next(t for t in tasks if t.name == "calc")
-    trained = [t for t in tasks if a.only is None or t.name in a.only.split(",")]
+    tasks = chat_tasks() + ((echo_task(),) if a.echo else ())
+    probed = tasks[-1] if a.echo else next(t for t in tasks if t.name == "calc")
+    trained = [probed] if a.echo else [t for t in tasks
+                                        if a.only is None or t.name in a.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(tmp, chat_corpus(tasks), chat=True, seed=a.seed)
+        path = build_tiny_model(tmp, chat_corpus(tasks), chat=True, seed=a.seed,
+                                num_layers=a.layers)
         model = AutoModelForCausalLM.from_pretrained(path)
         tok = AutoTokenizer.from_pretrained(path)
     fmt = ConversationFormat(tok, "chat", max_context=2048)
@@ -116,14 +168,16 @@ def main(argv=None) -> dict:
 
     def on_step(n):
         if n % every == 0 or n == steps:
-            last.update(probe(model, tok, fmt, calc, seeds), steps=n)
-            print(f"step {n:4d}  " + "  ".join(f"{k} {last[k]}/{n_probes}" for k in KEYS)
+            counts = probe(model, tok, fmt, probed, seeds)
+            last.update(counts, steps=n)
+            print(f"step {n:4d}  " + "  ".join(f"{k} {v}/{n_probes}" for k, v in counts.items())
                   + f"  ({time.time() - t0:.0f} s)", flush=True)
 
     run_warmup(model, tok, trained, steps=steps, batch_size=32, lr=a.lr, seed=a.seed,
                obs_weight=a.obs_weight, conversation="chat", on_step=on_step)
     figures = dict(last, probes=n_probes)
-    print("RESULT " + " ".join(f"{k}={figures[k]}" for k in ("steps", *KEYS, "probes")))
+    keys = ("echoes",) if a.echo else KEYS
+    print("RESULT " + " ".join(f"{k}={figures[k]}" for k in ("steps", *keys, "probes")))
     return figures
 
 

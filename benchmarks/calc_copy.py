@@ -19,7 +19,8 @@ Ends with one line
 on ``echo`` alone, a task defined here (``echo : say 4 * right . act :`` -> ``4 *
 right``: 2-4 words drawn from the four tasks' digits, operators and directions), and
 counts the probes' exact repeats; it ends with ``RESULT steps=… echoes=… probes=…``.
-``--lr`` and ``--layers`` vary the warm-up's learning rate and the toy's depth.
+``--lr`` varies the warm-up's learning rate; ``--layers``, ``--heads`` and ``--hidden`` the
+toy's depth, attention heads and width.
 
     python benchmarks/calc_copy.py --quick                      # 20 steps, 16 probes
     python benchmarks/calc_copy.py --steps 300                  # the graph's four tasks
@@ -137,6 +138,8 @@ def main(argv=None) -> dict:
                    help="warm up on the echo task alone and count its exact repeats")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--layers", type=int, default=2, help="the toy's layers (graph: 2)")
+    p.add_argument("--heads", type=int, default=4, help="the toy's attention heads (graph: 4)")
+    p.add_argument("--hidden", type=int, default=128, help="the toy's width (graph: 128)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     steps = a.steps or (20 if a.quick else 300)
@@ -159,7 +162,8 @@ def main(argv=None) -> dict:
                                         if a.only is None or t.name in a.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(tmp, chat_corpus(tasks), chat=True, seed=a.seed,
-                                num_layers=a.layers)
+                                num_layers=a.layers, num_heads=a.heads,
+                                hidden_size=a.hidden)
         model = AutoModelForCausalLM.from_pretrained(path)
         tok = AutoTokenizer.from_pretrained(path)
     fmt = ConversationFormat(tok, "chat", max_context=2048)

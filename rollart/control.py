@@ -275,7 +275,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         waits, on = stages.waits, f"on {actors.trainer._address}"
         info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
             graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
-            **p.conversation_options()), waits.warmup(p.warmup_steps),
+            threads=p.warmup_threads, **p.conversation_options()), waits.warmup(p.warmup_steps),
             f"the trainer's warm-up ({p.warmup_steps} steps) {on} did not finish",
             "warmup-step"), p.warmup_steps, progress)
         warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),

@@ -63,6 +63,9 @@ class Policy:
     warmup_steps: int = 300  # supervised format warm-up of the built-in model (0 = none)
     warmup_batch: int = 32
     warmup_lr: float = 3e-3
+    # torch threads for the warm-up on the trainer's host (None: every core that host gives
+    # the trainer's process; nothing else of the run computes before the first weights)
+    warmup_threads: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     max_batch: int = 64  # requests batched together by one inference worker
@@ -87,6 +90,10 @@ class Policy:
         _numbers(self, "warmup_lr", "temperature", "top_p")
         _check(self.warmup_batch >= 1, f"Policy.warmup_batch must be ≥ 1, got "
                f"{self.warmup_batch}")
+        _check(self.warmup_threads is None or (isinstance(self.warmup_threads, int)
+                                                and self.warmup_threads >= 1),
+               f"Policy.warmup_threads must be None (every core of the trainer's host) or "
+               f"an int ≥ 1, got {self.warmup_threads!r}")
         _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
                f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
         _check(self.temperature > 0, f"Policy.temperature must be > 0 for RL sampling, "

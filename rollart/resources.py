@@ -257,6 +257,15 @@ def check_tags(client, needs: dict[str, float], source: str, needed_by: str = "t
                 f"has {best}; raise that pool's slots in {source}")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where the
+    platform has none)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def set_worker_threads(threads: int | None) -> None:
     """Limit torch/OMP threads in the current process (each actor calls this)."""
     if not threads:

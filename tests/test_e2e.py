@@ -4,10 +4,9 @@ the chat graph (``graphs/chat.py:quick``) learns too, and its Parquet rows decod
 well-formed ChatML conversations with the loss mask exactly on the assistant's tokens.
 
 Marked ``learning`` (the default graph's 80-step run is ~6 min on 2 cores, the chat
-graph's ~7): deselected from ``python -m pytest``, whose suite stays within its 15-minute
-budget; ``.ci/run`` runs the default graph's part as a step of its own
-(``python -m pytest -m learning tests/test_e2e.py -k "not chat"``), and
-``python -m pytest -m learning`` runs both.
+graph's ~5): deselected from ``python -m pytest``, whose suite stays within its 15-minute
+budget; ``.ci/run`` runs both as a step of its own
+(``python -m pytest -m learning tests/test_e2e.py``).
 """
 
 import json
@@ -112,12 +111,18 @@ def test_every_actor_ran_on_its_tag(run):
 # boxpush +0.19, calc -0.02. The bounds sit about two standard errors (one is ~0.057 for
 # a gain, ~0.033 for the mean of three) below the quick runs, so a run that learns
 # passes and one that does not fails.
-# The test stays under the `learning` marker (deselected by default): the suite leaves
-# ~4 min for it on CI's two cores, the run takes 6 shared, and the full chat graph does
-# not learn every task yet (guess, calc).
+# With the warm-up at lr 1e-3 (graphs/chat.py WARMUP_LR; the figures above were at 3e-3):
+# gridnav 0.16 -> 0.46 (+0.30), guess 0.38 -> 0.53 (+0.15), boxpush 0.27 -> 0.47 (+0.20),
+# 4.7 min in all for this test on the 2-core machine, 2026-12-02 22:24 UTC (one run; the
+# full graph's three seeds at 1e-3 are in the README). The bounds sit two or more standard
+# errors below that: gridnav and boxpush must gain, guess must not fall, and the mean of
+# the three must gain 0.08 (a run that does not learn has a mean near 0, sd ~0.035).
+# The test stays under the `learning` marker (deselected by default, ~5 min); .ci/run
+# runs it as its own step. The full chat graph does not learn calc yet (README).
 CHAT_GAMES = ("gridnav", "guess", "boxpush")
-CHAT_MIN_GAIN = {"boxpush": 0.03}  # tasks the quick run learns, and by how much at least
-CHAT_MIN_MEAN_GAIN = 0.04  # over the three games (measured 0.10)
+# the least gain per task the quick run must show
+CHAT_MIN_GAIN = {"gridnav": 0.05, "guess": -0.05, "boxpush": 0.05}
+CHAT_MIN_MEAN_GAIN = 0.08  # over the three games (measured 0.22)
 TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n")
 
 

@@ -53,6 +53,8 @@ def test_unknown_task_name_lists_known():
     (lambda: GRPO(off_policy="vtrace"), "off_policy"),
     (lambda: GRPO(groups_per_step="4"), "groups_per_step"),
     (lambda: Policy(temperature=0), "temperature"),
+    (lambda: Policy(warmup_threads=0), "warmup_threads"),
+    (lambda: Policy(warmup_threads=1.5), "warmup_threads"),
     (lambda: Rollout(inference_pools=()), "inference_pools"),
     (lambda: Graph(name="x", steps=0), "steps"),
     (lambda: Graph(name="x", tasks=()), "tasks"),

@@ -212,3 +212,27 @@ def test_micro_batched_update_equals_the_whole_batch_update(tiny_model, tmp_path
     scale = max(float(g.abs().max()) for g in g_whole.values())
     for k in g_whole:  # the accumulated (clipped) gradient is the whole batch's
         torch.testing.assert_close(g_micro[k], g_whole[k], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_warmup_runs_on_its_own_thread_count_and_restores_the_trainers(tiny_model,
+                                                                       tmp_path):
+    # the laptop layout gives the trainer 1 thread, sized for sharing the host with
+    # rollout; the warm-up runs before rollout computes, on every core (or
+    # Policy.warmup_threads), and RL steps then run on the trainer's count again
+    import asyncio
+
+    from rollart.resources import usable_cores
+    from rollart.trainer import Trainer
+
+    trainer = Trainer(tiny_model, str(tmp_path / "weights"),
+                      GRPO(group_size=2, groups_per_step=2))
+    seen = []
+    trainer._warmup_step = lambda n: seen.append(torch.get_num_threads())
+    in_executor = lambda: trainer._pool.submit(torch.get_num_threads).result()  # noqa: E731
+    trainer._pool.submit(torch.set_num_threads, 1).result()
+    tasks = [BUILTIN_TASKS["gridnav"]]
+    asyncio.run(trainer.warmup(tasks, 2, 2, 1e-3, threads=3))
+    assert seen == [3, 3] and in_executor() == 1
+    asyncio.run(trainer.warmup(tasks, 1, 2, 1e-3))
+    assert seen[-1] == usable_cores() and in_executor() == 1
+    trainer._pool.shutdown()

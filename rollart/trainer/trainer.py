@@ -24,7 +24,7 @@ import torch
 from rollart.buffer.buffer import TAKE_KEY
 from rollart.buffer.schema import batch_digest, batch_metrics, from_table  # noqa: F401 (re-exported)
 from rollart.model import load_model, load_tokenizer
-from rollart.resources import set_worker_threads
+from rollart.resources import set_worker_threads, usable_cores
 from rollart.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.losses import grpo_loss, token_logprobs
@@ -32,6 +32,19 @@ from rollart.trainer.warmup import run_warmup
 from rollart.weights import WeightStore
 
 logger = logging.getLogger(__name__)
+
+
+def with_threads(threads: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on ``threads`` torch threads, then the thread's count as it
+    was. Call it in the thread that computes: under OpenMP the count is per thread, so
+    setting it from another thread (the actor's event loop) would not reach the trainer's
+    executor."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(before)
 
 
 class Trainer:
@@ -90,11 +103,16 @@ class Trainer:
 
     # -- actor methods ------------------------------------------------------------------
     async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0,
-                     **conversation):
+                     threads: int | None = None, **conversation):
         """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``), in
-        the rollout's conversation format (``Policy.conversation_options()``)."""
-        losses = await self._run(run_warmup, self.model, self.tokenizer, list(tasks),
-                                 steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+        the rollout's conversation format (``Policy.conversation_options()``), on
+        ``threads`` torch threads (``Policy.warmup_threads``; None: every core this
+        process may use). The warm-up runs before anything else of the run computes
+        (rollout waits for the first weights), so the trainer's own thread limit, sized
+        for sharing the host with rollout, is lifted for it and restored after."""
+        losses = await self._run(with_threads, threads or usable_cores(), run_warmup,
+                                 self.model, self.tokenizer, list(tasks), steps=steps,
+                                 batch_size=batch_size, lr=lr, seed=seed,
                                  on_step=self._warmup_step, **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
         return {"warmup/loss_first": losses[0] if losses else None,

@@ -19,7 +19,13 @@ Ends with one line
 on ``echo`` alone, a task defined here (``echo : say 4 * right . act :`` -> ``4 *
 right``: 2-4 words drawn from the four tasks' digits, operators and directions), and
 counts the probes' exact repeats; it ends with ``RESULT steps=… echoes=… probes=…``.
-``--lr`` varies the warm-up's learning rate; ``--layers``, ``--heads`` and ``--hidden`` the
+``--no-tools`` asks whether the context's length is what holds the copy back: calc with
+its tool undeclared, so the template writes no system turn and the question sits ~30
+tokens into the context instead of ~250 (the calls are still demonstrated and scored the
+same; the env, seeing no declared tool, answers them with an error, so only the first
+turn, the one probed, is as in the graph). ``--also-bare`` keeps calc as the graph has it
+(probed) and adds that bare calc to the warm-up's tasks: does a copy learned in the short
+context carry over to the long one? ``--lr`` varies the warm-up's learning rate; ``--layers``, ``--heads`` and ``--hidden`` the
 toy's depth, attention heads and width.
 
     python benchmarks/calc_copy.py --quick                      # 20 steps, 16 probes
@@ -36,6 +42,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,6 +70,19 @@ class EchoEnv:
 
     def close(self) -> None:
         pass
+
+
+def bare_calc_task(task):
+    """``task`` (calc) with its env's tool undeclared (``--no-tools``)."""
+    from functools import partial
+
+    from rollart.env.adapters.tool import CalcToolEnv
+
+    class BareCalcEnv(CalcToolEnv):
+        tools = ()  # shadows CalcToolEnv.tools: no tools= for the template
+
+    return replace(task, env_factory=partial(BareCalcEnv, max_turns=task.max_turns,
+                                             name=task.name))
 
 
 def echo_action(rng, observation: str) -> str:
@@ -136,6 +156,10 @@ def main(argv=None) -> dict:
                    help="run_warmup's obs_weight (0: loss on the model's turns only)")
     p.add_argument("--echo", action="store_true",
                    help="warm up on the echo task alone and count its exact repeats")
+    p.add_argument("--no-tools", action="store_true",
+                   help="calc with its tool undeclared: no system turn (a short context)")
+    p.add_argument("--also-bare", action="store_true",
+                   help="warm up on calc with and without its tool declared; probe calc")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--layers", type=int, default=2, help="the toy's layers (graph: 2)")
     p.add_argument("--heads", type=int, default=4, help="the toy's attention heads (graph: 4)")
@@ -156,12 +180,18 @@ def main(argv=None) -> dict:
     from rollart.trainer.warmup import run_warmup
 
     torch.manual_seed(a.seed)
-    tasks = chat_tasks() + ((echo_task(),) if a.echo else ())
+    tasks = tuple(bare_calc_task(t) if a.no_tools and t.name == "calc" else t
+                  for t in chat_tasks()) + ((echo_task(),) if a.echo else ())
+    if a.also_bare:
+        calc = next(t for t in tasks if t.name == "calc")
+        tasks += (replace(bare_calc_task(calc), name="calc-bare"),)
     probed = tasks[-1] if a.echo else next(t for t in tasks if t.name == "calc")
-    trained = [probed] if a.echo else [t for t in tasks
-                                        if a.only is None or t.name in a.only.split(",")]
+    trained = [probed] if a.echo else [t for t in tasks if a.only is None
+                                        or t.name.split("-")[0] in a.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(tmp, chat_corpus(tasks), chat=True, seed=a.seed,
+        # the toy's BPE from the graph's tasks (and echo's), as the graph builds it
+        corpus = chat_corpus([t for t in tasks if t.name != "calc-bare"])
+        path = build_tiny_model(tmp, corpus, chat=True, seed=a.seed,
                                 num_layers=a.layers, num_heads=a.heads,
                                 hidden_size=a.hidden)
         model = AutoModelForCausalLM.from_pretrained(path)

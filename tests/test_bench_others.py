@@ -109,9 +109,37 @@ def test_calc_copy_scores_a_turn_by_what_it_holds_of_the_question(monkeypatch):
 
 
 @pytest.mark.bench
-def test_calc_copy_tiny():
-    r = _bench("calc_copy", "--steps", "4", "--every", "2", "--probes", "4")
+@pytest.mark.parametrize("variant", [(), ("--also-bare",)])
+def test_calc_copy_tiny(variant):
+    r = _bench("calc_copy", "--steps", "4", "--every", "2", "--probes", "4", *variant)
     assert r["steps"] == 4 and r["probes"] == 4
     for k in ("calls", "copies", "digit1", "op", "digit2"):
         assert 0 <= r[k] <= 4, (k, r)
     assert r["copies"] <= min(r["calls"], r["digit1"], r["op"], r["digit2"]), r
+
+
+def test_calc_copy_bare_calc_puts_the_question_near_the_call(monkeypatch, tmp_path):
+    """``--no-tools``: calc with its tool undeclared renders no system turn, so the question
+    sits a few dozen tokens before the demonstrated call instead of ~250 (the graph's)."""
+    import random
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    from calc_copy import bare_calc_task
+
+    from graphs.chat import tasks as chat_tasks
+    from rollart.env.conversation import ConversationFormat
+    from rollart.env.corpus import chat_corpus
+    from rollart.model import build_tiny_model, load_tokenizer
+    from rollart.trainer.warmup import play_random
+
+    tasks = chat_tasks()
+    calc = next(t for t in tasks if t.name == "calc")
+    tok = load_tokenizer(build_tiny_model(tmp_path / "toy", chat_corpus(tasks), chat=True))
+    fmt = ConversationFormat(tok, "chat", max_context=2048)
+    real = tok.decode(play_random(calc, tok, 3, random.Random(3), fmt).ids)
+    bare = tok.decode(play_random(bare_calc_task(calc), tok, 3, random.Random(3), fmt).ids)
+    call = '"arguments": {"code": "'
+    assert "<|im_start|>system" in real and "<|im_start|>system" not in bare
+    assert call in real and call in bare
+    assert bare.index(call) < 200 < real.index(call) - bare.index(call)

@@ -121,6 +121,33 @@ def test_in_place_update_equals_torch_engine_on_new_weights(engines):
     assert set(eng.state_dict()) >= {k for k in new if k != "lm_head.weight"}
 
 
+def test_an_update_loaded_on_a_fresh_thread_serves_the_new_weights(engines):
+    """A thread that never ran torch's per-thread OpenMP set-up (an inference worker's
+    engine thread, a user's thread) loads the weights: what the engine then generates
+    is still the torch engine's output on those weights (it was not, once the engine
+    had generated on another thread, and the next tests' outputs were wrong too)."""
+    import threading
+
+    ref, eng = engines
+    eng.generate(greedy())  # decodes on this thread first
+    new = scrambled(ref.state_dict(), 13)
+    ref.load_state_dict(new, version=eng.version + 1)
+    errors = []
+
+    def load():
+        try:
+            eng.load_state_dict(new, version=ref.version)
+        except Exception as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    if errors:
+        raise errors[0]
+    assert_same(eng.generate(greedy()), ref.generate(greedy()))
+
+
 def test_update_mid_batch_suspends_and_recomputes_like_torch_engine(engines):
     ref, eng = engines
     v = eng.version

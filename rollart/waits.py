@@ -8,16 +8,20 @@ setting that raises the bound. ``Waits`` holds the bounds, read from Dask's conf
 ``rollart.waits``. Used by ``rollart.stages`` (placing and reconciling actors),
 ``rollart.recovery`` (restoring a trainer), ``rollart.control`` (warm-up, first
 publish, saves) and ``rollart.checkpoint``; ``close_bounded`` closes a client and its
-cluster within a bound (``benchmarks/chaos.py``).
+cluster within a bound (``benchmarks/chaos.py``); ``result_unless`` waits on a Dask
+future from a thread that its waiter can release.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded"]
+__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded",
+           "result_unless"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +143,33 @@ def _pending(cluster, most: int = 12) -> str:
                    if not t.done())
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(names[:most]) + more or "nothing"
+
+
+#: how often a thread waiting on a Dask future looks whether its waiter gave up (s)
+POLL_S = 0.5
+
+
+def result_unless(fut, stop: threading.Event, poll: float = POLL_S):
+    """``fut.result()`` for a thread (``asyncio.to_thread``) of a coroutine whose Dask
+    client is synchronous; raises ``asyncio.CancelledError`` once ``stop`` is set (the
+    coroutine gave up: cancelled, timed out) before the result is in.
+
+    A plain ``fut.result()`` has no end when the cluster closes first (the result can no
+    longer arrive, and the client's loop is gone): its thread stayed blocked for good,
+    and the event loop's shutdown, which waits for its executor's threads, never ended.
+    Seen in CI: an in-process cluster closed after a stopped run raised "join timed out",
+    and the process never exited (a reward's ``to_thread(fut.result)`` of a cancelled
+    trajectory). The task's own error (a ``TimeoutError`` too) is raised as it is."""
+    done = threading.Event()
+    fut.add_done_callback(lambda _: done.set())
+    while not done.wait(poll):
+        if stop.is_set():
+            raise asyncio.CancelledError(f"gave up waiting for {fut.key}")
+    while True:
+        try:
+            return fut.result(timeout=poll)  # its value (fetched) or its own error
+        except TimeoutError:
+            if fut.status != "finished":  # "error": the task raised it itself
+                raise
+            if stop.is_set():  # a fetch that cannot end (the cluster closed)
+                raise asyncio.CancelledError(f"gave up fetching {fut.key}") from None

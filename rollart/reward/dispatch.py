@@ -20,6 +20,7 @@ its own wait: the batch, and the Dask gather other trajectories ride on, go on.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections import deque
@@ -31,6 +32,7 @@ from rollart.reward.offload import (
     encode_request,
     score_batch,
 )
+from rollart.waits import result_unless
 
 
 class RewardDispatcher:
@@ -152,17 +154,21 @@ class RewardDispatcher:
         key = f"serverless-{self.reward.name}-{uuid.uuid4().hex[:12]}"
         fut = client.submit(score_batch, self.reward, items, pure=False, key=key,
                             resources={self.config.pool: 1})
+        stop = threading.Event()  # releases the waiting thread once this wait ends
         if client.asynchronous:
             waiter = asyncio.ensure_future(_result(fut))
         else:
-            waiter = asyncio.ensure_future(asyncio.to_thread(fut.result))
+            waiter = asyncio.ensure_future(asyncio.to_thread(result_unless, fut, stop))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.config.timeout)
         except asyncio.TimeoutError:
-            waiter.add_done_callback(_swallow)
             if fut.status == "pending":  # not in a gather yet: safe to cancel
                 fut.cancel()
             raise
+        finally:
+            stop.set()
+            if not waiter.done():
+                waiter.add_done_callback(_swallow)
 
     async def _http(self, items: list) -> tuple[list, list]:
         """One POST of JSON to the endpoint (tornado's client: no thread per request)."""

@@ -90,6 +90,9 @@ def test_faults_float_shorthand_and_profiles():
     ({"fail_prob": 0.6, "hang_prob": 0.6}, "lower them so their sum is <= 1"),
     ({"step": -0.1}, "Faults.step is -0.1; use a delay >= 0"),
     ({"hang_seconds": -1}, "hang_seconds is -1; use a value >= 0"),
+    ({"hang_seeds": 5}, "hang_seeds must be episode seeds"),
+    ({"fail_seeds": ("7",)}, "fail_seeds must be episode seeds"),
+    ({"fail_seeds": (3, 4), "hang_seeds": [4]}, "share \\[4\\]"),
 ])
 def test_faults_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -103,6 +106,28 @@ def test_decisions_reproducible_per_seed_and_turn():
     assert plans != [plan_step(replace(f, seed=8), 11, t) for t in range(1, 200)]
     fails, hangs = sum(p.fail for p in plans), sum(p.hang for p in plans)
     assert 30 < fails < 90 and 15 < hangs < 65 and not any(p.fail and p.hang for p in plans)
+
+
+def test_named_seeds_fail_or_hang_on_their_first_step_in_every_instance():
+    """``fail_seeds`` / ``hang_seeds``: the first step of those episodes, whatever the
+    instance (the members of a group and their replacements); other steps and seeds
+    follow the probabilities (none here)."""
+    f = Faults(fail_seeds=[11], hang_seeds=(12,), seed=5)
+    assert f.fail_seeds == (11,)  # a list is kept as a tuple: Faults stays hashable
+    for instance in range(4):
+        assert plan_step(f, 11, 1, instance).fail and not plan_step(f, 11, 1, instance).hang
+        assert plan_step(f, 12, 1, instance).hang and not plan_step(f, 12, 1, instance).fail
+        assert not any(plan_step(f, 11, t, instance).fail or plan_step(f, 12, t, instance).hang
+                       for t in range(2, 6))
+        assert not any(plan_step(f, 13, t, instance).fail or plan_step(f, 13, t, instance).hang
+                       for t in range(1, 6))
+    env = FaultyEnv(GridNavEnv(), replace(f, hang_seconds=0.05))
+    env.reset(12)
+    with pytest.raises(InjectedFault, match="injected hang of 0.05s at turn 1"):
+        env.step("up")
+    env.reset(11)
+    with pytest.raises(InjectedFault, match="injected failure at turn 1 of episode seed 11"):
+        env.step("up")
 
 
 def test_env_failures_follow_the_plan_in_both_paths():

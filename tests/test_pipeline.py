@@ -14,6 +14,7 @@ from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
 from rollart.buffer.journal import entries
 from rollart.buffer.ledger import STATES
+from rollart.buffer.slots import GroupSequence
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.faults import Faults, Latency, with_faults
 from rollart.env.tasks import get_task
@@ -81,9 +82,16 @@ def test_modes_imply_their_bound():
 
 @slow
 def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_path):
-    faults = Faults(step=0.002, fail_prob=0.05, hang_prob=0.03, hang_seconds=30.0, seed=3)
-    graph = replace(_graph("async", redundancy=1.5, env_step_timeout=0.5),
-                    tasks=tuple(with_faults(t, faults) for t in ("gridnav", "guess")))
+    """Random crashes and hangs, plus one group whose every member fails and one whose
+    every member hangs on its first step: those two meet their fault whatever the timing
+    (a randomly hung member can instead be cancelled when its group fills first, and then
+    no time-out happened: this test failed so once in CI)."""
+    graph = _graph("async", redundancy=1.5, env_step_timeout=0.5)
+    seq = GroupSequence(("gridnav", "guess"), None, graph.seed, graph.algo.group_size)
+    first = [seq.next()[1] for _ in range(3)]  # the first groups' episode seeds
+    faults = Faults(step=0.002, fail_prob=0.05, hang_prob=0.03, hang_seconds=30.0, seed=3,
+                    fail_seeds=(first[0],), hang_seeds=(first[1],))
+    graph = replace(graph, tasks=tuple(with_faults(t, faults) for t in ("gridnav", "guess")))
     result = train(graph, client=local_cluster, run_dir=tmp_path / "faulty", progress=False,
                    eval_seeds=0)
     rows = result.metrics
@@ -91,9 +99,13 @@ def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_p
         assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
     assert rows[-1]["traj/failed"] > 0  # injected crashes and hangs (time-outs) happened
     samples = read_samples(result.run_dir)
-    errors = samples.filter(pc.equal(samples["state"], "failed"))["error"].to_pylist()
+    failed = samples.filter(pc.equal(samples["state"], "failed"))
+    errors = failed["error"].to_pylist()
     assert any("injected failure" in e for e in errors)
     assert any("env_step_timeout" in e for e in errors)
+    by_seed = dict(zip(failed["seed"].to_pylist(), errors))
+    assert "injected failure at turn 1" in by_seed[first[0]]
+    assert "env_step_timeout" in by_seed[first[1]]
     trained = samples.filter(pc.equal(samples["state"], "trained"))
     assert 0 < trained.num_rows <= 4 * 3 * 2  # failed members are never trained on
 

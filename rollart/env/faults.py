@@ -13,7 +13,10 @@ Every decision (latency samples, fail, hang) comes from
 episode seed, env instance, turn) always behaves the same, whatever the timing. The
 instance number (0 for a ``FaultyEnv`` made directly; 0, 1, 2, … per process for those a
 ``FaultyEnvFactory`` makes) lets the members of one GRPO group — same episode seed —
-straggle differently, as separate sandboxes do.
+straggle differently, as separate sandboxes do. ``fail_seeds`` / ``hang_seeds`` name
+episodes that fail / hang on their first step in every instance (a bad task, a sandbox
+image that never answers): a whole group, replacements included, then meets the fault
+whatever the timing and the instance numbering.
 """
 
 from __future__ import annotations
@@ -106,7 +109,9 @@ class Faults:
 
     ``startup`` delays the first reset of each env instance (a container pull);
     ``step`` is added to every step; a step raises ``InjectedFault`` with probability
-    ``fail_prob`` and hangs for ``hang_seconds`` with probability ``hang_prob``.
+    ``fail_prob`` and hangs for ``hang_seconds`` with probability ``hang_prob``. The first
+    step of an episode whose seed is in ``fail_seeds`` / ``hang_seeds`` fails / hangs in
+    every instance.
     """
 
     startup: Latency | float = 0.0
@@ -115,6 +120,8 @@ class Faults:
     hang_prob: float = 0.0
     hang_seconds: float = 3600.0
     seed: int = 0
+    fail_seeds: tuple[int, ...] = ()
+    hang_seeds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         startup = _as_latency(self.startup, "startup") or Latency("fixed")
@@ -133,6 +140,16 @@ class Faults:
             raise ValueError(f"Faults.hang_seconds is {self.hang_seconds}; use a value >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"Faults.seed must be an int, got {self.seed!r}")
+        for name in ("fail_seeds", "hang_seeds"):
+            seeds = getattr(self, name)
+            if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__iter__") or any(
+                    isinstance(x, bool) or not isinstance(x, int) for x in seeds):
+                raise ValueError(f"Faults.{name} must be episode seeds (ints), got {seeds!r}")
+            object.__setattr__(self, name, tuple(seeds))
+        both = sorted(set(self.fail_seeds) & set(self.hang_seeds))
+        if both:
+            raise ValueError(f"Faults.fail_seeds and hang_seeds share {both[:5]}; an "
+                             "episode's first step either fails or hangs")
 
 
 def none() -> Faults:
@@ -169,6 +186,10 @@ def plan_step(faults: Faults, episode_seed: Any, turn: int, instance: int = 0) -
     latency = faults.step.sample(rng) if faults.step is not None else 0.0
     fail = u < faults.fail_prob
     hang = not fail and u < faults.fail_prob + faults.hang_prob
+    if turn == 1 and episode_seed in faults.fail_seeds:
+        fail, hang = True, False
+    elif turn == 1 and episode_seed in faults.hang_seeds:
+        fail, hang = False, True
     return StepPlan(latency, fail, hang)
 
 

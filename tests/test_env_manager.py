@@ -382,6 +382,29 @@ def test_take_work_runs_what_the_buffers_slots_allow_and_ends_with_the_buffer(
     mgr.close().result()
 
 
+def test_closing_a_manager_ends_its_take_work_with_its_summary(rollout, tiny_model):
+    """``close()`` while ``take_work`` waits for a slot: the call returns its summary. It
+    raised: the cancellation dropped the call's connection, and the scheduler relaying
+    the call logged "broadcast to ... failed: CommClosedError" at the end of every run."""
+    from rollart.buffer.slots import GroupSequence, Slots
+
+    c, _, _, workers = rollout
+    buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
+                   key="buf-closing").result()
+    mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
+                   resources={CPU_ENV: 1}, key="mgr-closing").result()
+    buf.open_slots(Slots(1, GroupSequence([_task("closing")], None, seed=6,
+                                          group_size=2))).result()
+    loop = mgr.take_work("m", None)
+    deadline = time.monotonic() + 60
+    while buf.counts().result()["groups_complete"] < 1:  # then it waits for a slot
+        assert time.monotonic() < deadline and not loop.done()
+        time.sleep(0.05)
+    mgr.close().result()
+    assert loop.result(timeout=30) == {"groups_taken": 1, "running": 0}
+    buf.close().result()
+
+
 def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
         rollout, tiny_model):
     """A group whose ``run_group`` raises inside ``take_work`` (here: its member ids are

@@ -143,27 +143,38 @@ class EnvManager:
         self._taking = asyncio.current_task()
         jobs: set[asyncio.Task] = set()
         try:
-            while not self._closing:
-                try:
-                    work = await self.buffer.acquire(holder, tasks)
-                except Exception as e:  # noqa: BLE001 - the buffer's worker was lost?
-                    if self._closing:
-                        break
-                    logger.warning("acquire on the sample buffer failed (%r); waiting for "
-                                   "its replacement", e)
-                    await self._new_buffer(5.0)
-                    continue
-                if work is False:  # the buffer closes, or counts this holder lost
-                    break
-                if work is None:
-                    continue  # no slot freed meanwhile: ask again
-                self.counts["groups_taken"] += 1
-                job = asyncio.ensure_future(self._run_work(work, redundancy, backup_after))
-                jobs.add(job)
-                job.add_done_callback(jobs.discard)
+            await self._take(holder, tasks, redundancy, backup_after, jobs)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # close() stopped the loop: end as when the buffer closes. Left to propagate,
+            # the cancellation dropped this call's connection, and the scheduler relaying
+            # it logged "broadcast to ... failed: CommClosedError" at the end of every run
         finally:
             self._taking = None
         return {"groups_taken": self.counts["groups_taken"], "running": len(jobs)}
+
+    async def _take(self, holder: str, tasks, redundancy: float, backup_after,
+                    jobs: set) -> None:
+        """``take_work``'s loop: acquire work from the buffer, start each group."""
+        while not self._closing:
+            try:
+                work = await self.buffer.acquire(holder, tasks)
+            except Exception as e:  # noqa: BLE001 - the buffer's worker was lost?
+                if self._closing:
+                    break
+                logger.warning("acquire on the sample buffer failed (%r); waiting for "
+                               "its replacement", e)
+                await self._new_buffer(5.0)
+                continue
+            if work is False:  # the buffer closes, or counts this holder lost
+                break
+            if work is None:
+                continue  # no slot freed meanwhile: ask again
+            self.counts["groups_taken"] += 1
+            job = asyncio.ensure_future(self._run_work(work, redundancy, backup_after))
+            jobs.add(job)
+            job.add_done_callback(jobs.discard)
 
     async def _run_work(self, work, redundancy: float, backup_after) -> None:
         try:

@@ -25,13 +25,17 @@ tokens into the context instead of ~250 (the calls are still demonstrated and sc
 same; the env, seeing no declared tool, answers them with an error, so only the first
 turn, the one probed, is as in the graph). ``--also-bare`` keeps calc as the graph has it
 (probed) and adds that bare calc to the warm-up's tasks: does a copy learned in the short
-context carry over to the long one? ``--lr`` varies the warm-up's learning rate; ``--layers``, ``--heads`` and ``--hidden`` the
-toy's depth, attention heads and width.
+context carry over to the long one, when both are in every batch? ``--bare-first N`` is a
+curriculum: N steps on that bare calc alone first (``--bare-obs-weight``: its own
+``obs_weight``), then ``--steps`` as asked (the probe, always the real calc, counts N +
+the steps). ``--lr`` varies the warm-up's learning rate;
+``--layers``, ``--heads`` and ``--hidden`` the toy's depth, attention heads and width.
 
     python benchmarks/calc_copy.py --quick                      # 20 steps, 16 probes
     python benchmarks/calc_copy.py --steps 300                  # the graph's four tasks
     python benchmarks/calc_copy.py --steps 300 --only calc --obs-weight 0
     python benchmarks/calc_copy.py --echo --steps 450 --lr 1e-3   # a pure copy task
+    python benchmarks/calc_copy.py --only calc --obs-weight 0 --lr 1e-3 --bare-first 200
 """
 
 from __future__ import annotations
@@ -160,6 +164,11 @@ def main(argv=None) -> dict:
                    help="calc with its tool undeclared: no system turn (a short context)")
     p.add_argument("--also-bare", action="store_true",
                    help="warm up on calc with and without its tool declared; probe calc")
+    p.add_argument("--bare-first", type=int, default=0, metavar="N",
+                   help="a curriculum: N warm-up steps on calc with its tool undeclared "
+                        "first (the question near the call), then --steps as asked")
+    p.add_argument("--bare-obs-weight", type=float, default=None,
+                   help="--bare-first's obs_weight (default: --obs-weight)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--layers", type=int, default=2, help="the toy's layers (graph: 2)")
     p.add_argument("--heads", type=int, default=4, help="the toy's attention heads (graph: 4)")
@@ -200,13 +209,25 @@ def main(argv=None) -> dict:
     seeds = range(5_000_000, 5_000_000 + n_probes)  # not among the warm-up's seeds
     t0, last = time.time(), {}
 
-    def on_step(n):
-        if n % every == 0 or n == steps:
+    total = a.bare_first + steps
+
+    def on_step(n, offset=a.bare_first):
+        n += offset
+        if n % every == 0 or n == total:
             counts = probe(model, tok, fmt, probed, seeds)
             last.update(counts, steps=n)
             print(f"step {n:4d}  " + "  ".join(f"{k} {v}/{n_probes}" for k, v in counts.items())
                   + f"  ({time.time() - t0:.0f} s)", flush=True)
 
+    if a.bare_first:  # the curriculum's first stage: the short context only
+        bare = [replace(bare_calc_task(t), name="calc-bare") for t in trained
+                if t.name == "calc"]
+        if not bare:
+            p.error("--bare-first needs calc among the warmed-up tasks")
+        first_w = a.obs_weight if a.bare_obs_weight is None else a.bare_obs_weight
+        run_warmup(model, tok, bare, steps=a.bare_first, batch_size=32, lr=a.lr,
+                   seed=a.seed + 1, obs_weight=first_w, conversation="chat",
+                   on_step=lambda n: on_step(n, offset=0))
     run_warmup(model, tok, trained, steps=steps, batch_size=32, lr=a.lr, seed=a.seed,
                obs_weight=a.obs_weight, conversation="chat", on_step=on_step)
     figures = dict(last, probes=n_probes)

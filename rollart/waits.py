@@ -8,8 +8,9 @@ setting that raises the bound. ``Waits`` holds the bounds, read from Dask's conf
 ``rollart.waits``. Used by ``rollart.stages`` (placing and reconciling actors),
 ``rollart.recovery`` (restoring a trainer), ``rollart.control`` (warm-up, first
 publish, saves) and ``rollart.checkpoint``; ``close_bounded`` closes a client and its
-cluster within a bound (``benchmarks/chaos.py``); ``result_unless`` waits on a Dask
-future from a thread that its waiter can release.
+cluster within a bound (``benchmarks/chaos.py``); ``wait_result`` waits on a Dask
+future from a coroutine within a time-out, whatever the client (``result_unless``: the
+synchronous client's thread, which the wait releases when it ends).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded",
-           "result_unless"]
+           "result_unless", "wait_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +174,31 @@ def result_unless(fut, stop: threading.Event, poll: float = POLL_S):
                 raise
             if stop.is_set():  # a fetch that cannot end (the cluster closed)
                 raise asyncio.CancelledError(f"gave up fetching {fut.key}") from None
+
+
+async def wait_result(fut, client, timeout: float):
+    """``fut``'s result from a coroutine within ``timeout`` s (``asyncio.TimeoutError``
+    after). The wait is shielded: a time-out or a cancellation here does not cancel a
+    gather the client may share with other waits. With a synchronous ``client`` the wait
+    runs in a thread (``result_unless``) that ends when this wait does; a waiter left
+    behind ends unread."""
+    stop = threading.Event()
+    if client.asynchronous:
+        waiter = asyncio.ensure_future(_awaited(fut))
+    else:
+        waiter = asyncio.ensure_future(asyncio.to_thread(result_unless, fut, stop))
+    try:
+        return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+    finally:
+        stop.set()
+        if not waiter.done():
+            waiter.add_done_callback(_swallow)
+
+
+async def _awaited(fut):
+    return await fut
+
+
+def _swallow(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -42,7 +42,7 @@ from rollart.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
 from rollart.reward.offload import is_serverless
 from rollart.types import Episode, GenRequest, TrajState, Trajectory
-from rollart.waits import result_unless
+from rollart.waits import wait_result
 
 __all__ = ["StepTimeout", "TokenLog", "TrajectoryRunner", "TurnBarrier", "check_calls",
            "request_seed", "score_episode", "tool_calls"]
@@ -362,20 +362,11 @@ class TrajectoryRunner:
         key = f"reward-{task.name}-{traj_id}-{uuid.uuid4().hex[:8]}"  # unique across runs
         fut = client.submit(score_episode, task.reward_fn, episode, resources={tag: 1},
                             pure=False, key=key)
-        stop = threading.Event()  # releases the waiting thread once this wait ends
-        if client.asynchronous:
-            waiter = asyncio.ensure_future(_result(fut))
-        else:
-            waiter = asyncio.ensure_future(asyncio.to_thread(result_unless, fut, stop))
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.reward_timeout)
+            return await wait_result(fut, client, self.reward_timeout)
         except asyncio.TimeoutError:
             raise StepTimeout(f"reward {task.reward_fn!r} took longer than reward_timeout="
                                f"{self.reward_timeout}s") from None
-        finally:
-            stop.set()
-            if not waiter.done():
-                waiter.add_done_callback(_swallow)
 
     def _slots_here(self, tag: str) -> asyncio.Semaphore | None:
         """The reward slots of this worker for ``tag`` (as many as the worker has of the
@@ -418,16 +409,6 @@ class TrajectoryRunner:
             except asyncio.CancelledError:  # timed out, or the trajectory was cancelled
                 self._held(cfut)
                 raise
-
-
-async def _result(fut):
-    return await fut
-
-
-def _swallow(task: asyncio.Future) -> None:
-    """A waiter left behind (its trajectory timed out or was cancelled) ends unread."""
-    if not task.cancelled():
-        task.exception()
 
 
 def tool_calls(text: str) -> list:

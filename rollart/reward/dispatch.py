@@ -20,7 +20,6 @@ its own wait: the batch, and the Dask gather other trajectories ride on, go on.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from collections import deque
@@ -32,7 +31,7 @@ from rollart.reward.offload import (
     encode_request,
     score_batch,
 )
-from rollart.waits import result_unless
+from rollart.waits import wait_result
 
 
 class RewardDispatcher:
@@ -154,21 +153,12 @@ class RewardDispatcher:
         key = f"serverless-{self.reward.name}-{uuid.uuid4().hex[:12]}"
         fut = client.submit(score_batch, self.reward, items, pure=False, key=key,
                             resources={self.config.pool: 1})
-        stop = threading.Event()  # releases the waiting thread once this wait ends
-        if client.asynchronous:
-            waiter = asyncio.ensure_future(_result(fut))
-        else:
-            waiter = asyncio.ensure_future(asyncio.to_thread(result_unless, fut, stop))
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.config.timeout)
+            return await wait_result(fut, client, self.config.timeout)
         except asyncio.TimeoutError:
             if fut.status == "pending":  # not in a gather yet: safe to cancel
                 fut.cancel()
             raise
-        finally:
-            stop.set()
-            if not waiter.done():
-                waiter.add_done_callback(_swallow)
 
     async def _http(self, items: list) -> tuple[list, list]:
         """One POST of JSON to the endpoint (tornado's client: no thread per request)."""
@@ -225,12 +215,3 @@ class Dispatchers:
 def _resolve(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
-
-
-def _swallow(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-async def _result(fut):
-    return await fut

@@ -48,7 +48,7 @@ system turn before the question: with the tool undeclared, calc alone copies who
 questions 46 times in 64 after 300 steps at 1e-3, with it 0 (``calc_copy.py
 --no-tools``, one seed). Learned first, the short-context copy carries over: 200 steps
 on that bare calc alone (loss on the model's turns only, 34 s) before this graph's
-warm-up, and 30 and 8 of 64 first calls hold the whole question (seeds 0, 1; 0 and 0
+warm-up, and 30, 8 and 39 of 64 first calls hold the whole question (seeds 0-2; 0 each
 without; ``calc_copy.py --bare-first 200 --bare-obs-weight 0 --steps 150``). That
 first stage is not part of this graph's warm-up yet.
 

@@ -72,6 +72,10 @@ TOOL_TOKENS = 32
 #: the format warm-up's learning rate (the raw graph's is Policy's default, 3e-3, at which
 #: this toy barely learns to copy from its context: see the module docstring)
 WARMUP_LR = 1e-3
+#: the warm-up's first stage (Policy.warmup_bare_tool_steps): calc alone with its tool
+#: undeclared, loss on the model's turns only, before the 150 steps on every task; it
+#: teaches the copy of calc's question into the call (see the module docstring)
+BARE_TOOL_STEPS = 200
 
 
 def tasks() -> tuple:
@@ -90,7 +94,7 @@ def graph() -> Graph:
         # copies are not: 1 call in ~300 holds the question, 1 answer in ~30 the tool's
         # result, where the warm-up's episodes hold them always and half the time)
         policy=Policy(model=None, conversation="chat", warmup_steps=150,
-                      warmup_lr=WARMUP_LR),
+                      warmup_bare_tool_steps=BARE_TOOL_STEPS, warmup_lr=WARMUP_LR),
         algo=GRPO(group_size=8, groups_per_step=12, lr=5e-4, kl_coef=0.05),
         steps=100,
     )
@@ -99,4 +103,5 @@ def graph() -> Graph:
 def quick() -> Graph:
     """A shorter run (the slow end-to-end test): the three games, fewer steps."""
     g = graph()
-    return replace(g, name="chat-quick", tasks=g.tasks[:3], steps=60)
+    return replace(g, name="chat-quick", tasks=g.tasks[:3], steps=60,
+                   policy=replace(g.policy, warmup_bare_tool_steps=0))  # no tool task

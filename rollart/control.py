@@ -108,7 +108,7 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
     chat = graph.policy.conversation == "chat"
     corpus = chat_corpus(graph.tasks) if chat else task_corpus(graph.tasks)
     out = build_tiny_model(str(run_dir / "init_model"), corpus, chat=chat, seed=graph.seed)
-    return out, graph.policy.warmup_steps > 0
+    return out, graph.policy.warmup_steps + graph.policy.warmup_bare_tool_steps > 0
 
 
 def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
@@ -272,15 +272,19 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
         p = graph.policy
+        total = p.warmup_steps + p.warmup_bare_tool_steps
         waits, on = stages.waits, f"on {actors.trainer._address}"
         info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
             graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
-            threads=p.warmup_threads, **p.conversation_options()), waits.warmup(p.warmup_steps),
-            f"the trainer's warm-up ({p.warmup_steps} steps) {on} did not finish",
-            "warmup-step"), p.warmup_steps, progress)
+            threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
+            **p.conversation_options()), waits.warmup(total),
+            f"the trainer's warm-up ({total} steps) {on} did not finish",
+            "warmup-step"), total, progress)
         warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
                              waits.call, f"the trainer {on} did not save the warm-up model")
-        print(f"warm-up: {p.warmup_steps} format steps, loss {info['warmup/loss_first']:.3f}"
+        bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
+                if p.warmup_bare_tool_steps else "")
+        print(f"warm-up: {total} format steps{bare}, loss {info['warmup/loss_first']:.3f}"
               f" -> {info['warmup/loss_last']:.3f}")
     with phase("loading the first weights on the inference workers", progress):
         v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "

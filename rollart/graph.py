@@ -66,6 +66,11 @@ class Policy:
     # torch threads for the warm-up on the trainer's host (None: every core that host gives
     # the trainer's process; nothing else of the run computes before the first weights)
     warmup_threads: int | None = None
+    # chat: warm-up steps before the ones above, on the tasks whose envs declare tools,
+    # alone, with the tool list left out of the template (the observation right before
+    # the call) and the loss on the model's turns only: teaches a small model to copy an
+    # observation into its tool call (rollart.trainer.warmup.run_warmup; 0 = none)
+    warmup_bare_tool_steps: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     max_batch: int = 64  # requests batched together by one inference worker
@@ -85,8 +90,8 @@ class Policy:
         _check(self.model is None or isinstance(self.model, str),
                f"Policy.model must be a path to a Hugging Face model folder or None, "
                f"got {self.model!r}")
-        _numbers(self, "warmup_steps", "warmup_batch", "max_batch", "admit_every",
-                 integer=True)
+        _numbers(self, "warmup_steps", "warmup_bare_tool_steps", "warmup_batch", "max_batch",
+                 "admit_every", integer=True)
         _numbers(self, "warmup_lr", "temperature", "top_p")
         _check(self.warmup_batch >= 1, f"Policy.warmup_batch must be ≥ 1, got "
                f"{self.warmup_batch}")
@@ -96,6 +101,14 @@ class Policy:
                f"an int ≥ 1, got {self.warmup_threads!r}")
         _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
                f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
+        _check(isinstance(self.warmup_bare_tool_steps, int)
+               and self.warmup_bare_tool_steps >= 0,
+               f"Policy.warmup_bare_tool_steps must be an int ≥ 0, got "
+               f"{self.warmup_bare_tool_steps!r}")
+        _check(self.warmup_bare_tool_steps == 0 or self.conversation != "raw",
+               f"Policy.warmup_bare_tool_steps={self.warmup_bare_tool_steps} needs the chat "
+               "format (tools reach the model through its chat template); with "
+               "conversation='raw' set it to 0")
         _check(self.temperature > 0, f"Policy.temperature must be > 0 for RL sampling, "
                f"got {self.temperature!r}")
         _check(0 < self.top_p <= 1, f"Policy.top_p must be in (0, 1], got {self.top_p!r}")

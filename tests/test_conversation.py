@@ -728,6 +728,82 @@ def test_run_warmup_trains_in_the_chat_format_within_the_model_context(chat_fold
     assert len(losses) == 2 and all(l == l and l > 0 for l in losses)  # finite, trained
 
 
+def _add_task():
+    """AddEnv with a warm-up policy that calls the tool, then answers with its result."""
+    return Task(name="add", env_factory=AddEnv, reward_fn=tool_reward, max_turns=3,
+                max_new_tokens=40,
+                warmup_action=lambda rng, obs: CALL_ADD if obs == Q_ADD else obs)
+
+
+def test_warmup_with_tools_undeclared_renders_no_tool_list_and_still_runs_the_calls(chatml):
+    from rollart.trainer.warmup import play_random
+
+    fmt = ConversationFormat(chatml, "chat")
+    declared = chatml.decode(play_random(_add_task(), chatml, 1, random.Random(0), fmt).ids)
+    log = play_random(_add_task(), chatml, 1, random.Random(0), fmt, declare_tools=False)
+    bare = chatml.decode(log.ids)
+    assert declared.startswith("<|im_start|>system\n# Tools\n<tools>")
+    assert bare.startswith(f"<|im_start|>user\n{Q_ADD}<|im_end|>\n<|im_start|>assistant\n"
+                           f"{CALL_ADD}<|im_end|>")  # the question right before the call
+    # the call still ran: its result came back as a tool message and was answered
+    assert "<tool_response>\n5\n</tool_response>" in bare
+    assert bare.endswith("<|im_start|>assistant\n5<|im_end|>")
+    assert declared.endswith(bare[len("<|im_start|>"):])  # the same episode after the tools
+    generated = chatml.decode([t for t, m in zip(log.response_ids, log.loss_mask) if m])
+    assert generated == f"{CALL_ADD}<|im_end|>5<|im_end|>"
+
+
+def test_run_warmup_trains_the_tool_tasks_bare_first_on_their_turns_only(chat_folder):
+    import torch
+
+    from rollart.model import load_model, load_tokenizer
+    from rollart.trainer import warmup
+
+    model, tok = load_model(chat_folder), load_tokenizer(chat_folder)
+    game, add = _warm_task(_Env), _add_task()
+    seen = []
+    real = warmup.warmup_batch
+
+    def spy(tasks, *args):
+        seen.append(([t.name for t in tasks], args[-1]))  # the stage's tasks, declare_tools
+        return real(tasks, *args)
+
+    steps = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warmup, "warmup_batch", spy)
+        # lr 0: the weights stay as they are, so each loss can be recomputed below
+        losses = warmup.run_warmup(model, tok, [game, add], steps=1, batch_size=4, lr=0.0,
+                                   seed=7, conversation="chat", bare_tool_steps=2,
+                                   on_step=steps.append)
+    assert steps == [1, 2, 3] and len(losses) == 3
+    assert seen == [(["add"], False)] * 2 + [(["warm", "add"], True)]
+
+    fmt = ConversationFormat(tok, "chat", max_context=512)
+    ids, attn, mask = real([add], tok, 4, random.Random(8), fmt, {}, False)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                            ids[:, 1:].reshape(-1), reduction="none")
+    nll = nll.view(ids.size(0), -1)
+    turns = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # the model's turns only
+    everything = (nll * attn[:, 1:]).sum() / attn[:, 1:].sum()
+    assert losses[0] == pytest.approx(turns.item(), rel=1e-4)
+    assert abs(turns.item() - everything.item()) > 0.1  # the weighting is what differs
+
+
+def test_bare_tool_warmup_names_what_to_fix(chat_folder):
+    from rollart.model import load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup
+
+    model, tok = load_model(chat_folder), load_tokenizer(chat_folder)
+    with pytest.raises(ValueError, match=r"no task's env declares tools \(warm\): set it to 0"):
+        run_warmup(model, tok, [_warm_task(_Env)], steps=1, batch_size=2, lr=1e-3,
+                   conversation="chat", bare_tool_steps=3)
+    with pytest.raises(ValueError, match="needs the chat format.*'raw': set it to 0"):
+        run_warmup(model, tok, [_add_task()], steps=1, batch_size=2, lr=1e-3,
+                   conversation="raw", bare_tool_steps=3)
+
+
 # -- the rendering benchmark ---------------------------------------------------------------
 @pytest.mark.bench
 def test_chat_render_benchmark_tiny():

@@ -103,20 +103,24 @@ class Trainer:
 
     # -- actor methods ------------------------------------------------------------------
     async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0,
-                     threads: int | None = None, **conversation):
+                     threads: int | None = None, bare_tool_steps: int = 0, **conversation):
         """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``), in
         the rollout's conversation format (``Policy.conversation_options()``), on
         ``threads`` torch threads (``Policy.warmup_threads``; None: every core this
         process may use). The warm-up runs before anything else of the run computes
         (rollout waits for the first weights), so the trainer's own thread limit, sized
-        for sharing the host with rollout, is lifted for it and restored after."""
+        for sharing the host with rollout, is lifted for it and restored after.
+        ``bare_tool_steps`` (``Policy.warmup_bare_tool_steps``) come first; the progress
+        counter counts both stages."""
         losses = await self._run(with_threads, threads or usable_cores(), run_warmup,
                                  self.model, self.tokenizer, list(tasks), steps=steps,
                                  batch_size=batch_size, lr=lr, seed=seed,
+                                 bare_tool_steps=bare_tool_steps,
                                  on_step=self._warmup_step, **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
         return {"warmup/loss_first": losses[0] if losses else None,
-                "warmup/loss_last": losses[-1] if losses else None, "warmup/steps": steps}
+                "warmup/loss_last": losses[-1] if losses else None,
+                "warmup/steps": steps + bare_tool_steps}
 
     def _warmup_step(self, n: int) -> None:
         self.warmup_done = n

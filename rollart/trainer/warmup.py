@@ -34,9 +34,11 @@ class WarmupEnvError(RuntimeError):
 
 def play_random(task, tokenizer, seed: int, rng: random.Random,
                 fmt: ConversationFormat | None = None,
-                counts: dict | None = None) -> TokenLog:
+                counts: dict | None = None, declare_tools: bool = True) -> TokenLog:
     """One episode of ``task`` under its random valid-action policy, as token ids in the
     conversation format ``fmt`` (default: ``"auto"`` for ``tokenizer``, 2048 tokens).
+    ``declare_tools=False`` leaves the env's tools out of the template (no tool list
+    before the first observation) and still runs the calls the episode makes.
 
     An episode that outgrows the context budget stops there (``counts["truncated"]``
     counts it); an env that raises or returns the wrong types raises ``WarmupEnvError``.
@@ -50,7 +52,7 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
     try:
         obs = check_observation(_env_call(task, "reset", env.reset, seed), env)
         tools = env_tools(env) if fmt.mode == "chat" else []
-        conv = fmt.start(log, task, obs, tools)
+        conv = fmt.start(log, task, obs, tools if declare_tools else [])
         for _ in range(task.max_turns):
             if conv.truncated or not conv.room(task.max_new_tokens):
                 if counts is not None:
@@ -107,15 +109,29 @@ def _close_quietly(env) -> None:
 
 
 def warmup_batch(tasks, tokenizer, batch_size: int, rng: random.Random,
-                 fmt: ConversationFormat | None = None, counts: dict | None = None):
+                 fmt: ConversationFormat | None = None, counts: dict | None = None,
+                 declare_tools: bool = True):
     """``(input_ids, attention_mask, loss_mask)`` for ``batch_size`` random episodes."""
     fmt = fmt or ConversationFormat(tokenizer)
     logs = []
     for _ in range(batch_size):
         task = rng.choice(tasks)
         logs.append(play_random(task, tokenizer, rng.randrange(1_000_000, 2_000_000), rng,
-                                fmt, counts))
+                                fmt, counts, declare_tools))
     return pad_logs(logs, tokenizer.pad_token_id)
+
+
+def tool_tasks(tasks) -> list:
+    """The tasks whose env declares tools (one env of each is made and closed)."""
+    out = []
+    for task in tasks:
+        env = _env_call(task, "env_factory", without_faults(task).env_factory)
+        try:
+            if env_tools(env):
+                out.append(task)
+        finally:
+            _close_quietly(env)
+    return out
 
 
 def pad_logs(logs, pad_id: int):
@@ -135,13 +151,22 @@ def pad_logs(logs, pad_id: int):
 def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: float,
                seed: int = 0, obs_weight: float = 1.0, conversation: str = "auto",
                system_prompt: str | None = None, max_context: int | None = None,
-               on_step=None) -> list[float]:
+               bare_tool_steps: int = 0, on_step=None) -> list[float]:
     """Supervised steps on random valid actions; returns the loss curve (``on_step(n)``
     after each step: the trainer's progress counter).
 
     Episodes are rendered in the rollout's conversation format (``conversation``,
     ``system_prompt``: ``rollart.env.conversation``), within ``max_context`` tokens (the
     model config's ``max_position_embeddings`` by default).
+
+    ``bare_tool_steps`` (``Policy.warmup_bare_tool_steps``; chat format only) come first:
+    steps on the tasks whose env declares tools, alone, rendered without the tool list
+    (the observation right before the model's call instead of after a long system turn)
+    and with the loss on the model's turns only; then ``steps`` on every task, as
+    rollout renders them. The chat toy learns to copy an observation into its tool call
+    in the short context and keeps the copy in the long one, where 150 steps of the
+    second stage alone did not teach it (README, "Bring your own model"). Each stage has
+    its own optimizer.
     """
     # an HF model's config, or the HF config a Megatron GPTModel was built from
     config = getattr(model, "config", None) or getattr(model, "hf_config", None)
@@ -149,29 +174,45 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     fmt = ConversationFormat(tokenizer, conversation, system_prompt=system_prompt,
                              max_context=budget,
                              model_path=getattr(config, "_name_or_path", None))
+    stages = []
+    if bare_tool_steps:
+        if fmt.mode != "chat":
+            raise ValueError(f"Policy.warmup_bare_tool_steps={bare_tool_steps} needs the "
+                             f"chat format (tools reach the model through its chat "
+                             f"template), but the conversation is {fmt.mode!r}: set it to 0")
+        bare = tool_tasks(tasks)
+        if not bare:
+            raise ValueError(f"Policy.warmup_bare_tool_steps={bare_tool_steps}, but no "
+                             f"task's env declares tools ({', '.join(t.name for t in tasks)}"
+                             "): set it to 0")
+        stages.append((bare, bare_tool_steps, 0.0, False, seed + 1))
+    stages.append((list(tasks), steps, obs_weight, True, seed))
     counts: dict = {}
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
+    losses: list[float] = []
     model.train()
-    for _ in range(steps):
-        ids, attn, mask = warmup_batch(tasks, tokenizer, batch_size, rng, fmt, counts)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
-            reduction="none").view(ids.size(0), -1)
-        # Actions carry full weight; every other token (the env's text) is language-
-        # modelled too, so the model learns to read observations instead of learning
-        # that its output may ignore them (the random actions are context-free).
-        target_mask = mask[:, 1:] + obs_weight * (attn[:, 1:] - mask[:, 1:]).clamp(min=0)
-        loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(len(losses))
+    for stage_tasks, n_steps, weight, declare, stage_seed in stages:
+        rng = random.Random(stage_seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for _ in range(n_steps):
+            ids, attn, mask = warmup_batch(stage_tasks, tokenizer, batch_size, rng, fmt,
+                                           counts, declare)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
+                reduction="none").view(ids.size(0), -1)
+            # Actions carry full weight; every other token (the env's text) is language-
+            # modelled too (``obs_weight``), so the model learns to read observations
+            # instead of learning that its output may ignore them (the random actions are
+            # context-free).
+            target_mask = mask[:, 1:] + weight * (attn[:, 1:] - mask[:, 1:]).clamp(min=0)
+            loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(len(losses))
     model.eval()
     if counts.get("truncated"):
         logger.warning("warm-up: %d episodes cut at the context budget of %d tokens",

@@ -11,9 +11,10 @@ turns call the tool, how many calls hold the whole question, and how many hold e
 its three words in place (chance: ~1/9 per digit, 1/3 for the operator). No cluster.
 Ends with one line
 
-    RESULT steps=… calls=… copies=… digit1=… op=… digit2=… probes=…
+    RESULT steps=… calls=… copies=… digit1=… op=… digit2=… answers=… probes=…
 
-(the last checkpoint's counts).
+(the last checkpoint's counts; ``answers``: after the right call and the tool's result,
+the turn that answers with that result, RL's second copy).
 
 ``--echo`` asks the simpler question first: can the toy learn to copy at all? It warms up
 on ``echo`` alone, a task defined here (``echo : say 4 * right . act :`` -> ``4 *
@@ -28,7 +29,9 @@ turn, the one probed, is as in the graph). ``--also-bare`` keeps calc as the gra
 context carry over to the long one, when both are in every batch? ``--bare-first N`` is a
 curriculum: N steps on that bare calc alone first (``--bare-obs-weight``: its own
 ``obs_weight``), then ``--steps`` as asked (the probe, always the real calc, counts N +
-the steps). ``--lr`` varies the warm-up's learning rate;
+the steps). ``--bare-tool-steps N`` is rollart's own version of that first stage
+(``Policy.warmup_bare_tool_steps``, as ``graphs/chat.py`` sets it: the calls run and
+answered, ``obs_weight`` 0). ``--lr`` varies the warm-up's learning rate;
 ``--layers``, ``--heads`` and ``--hidden`` the toy's depth, attention heads and width.
 
     python benchmarks/calc_copy.py --quick                      # 20 steps, 16 probes
@@ -36,6 +39,7 @@ the steps). ``--lr`` varies the warm-up's learning rate;
     python benchmarks/calc_copy.py --steps 300 --only calc --obs-weight 0
     python benchmarks/calc_copy.py --echo --steps 450 --lr 1e-3   # a pure copy task
     python benchmarks/calc_copy.py --only calc --obs-weight 0 --lr 1e-3 --bare-first 200
+    python benchmarks/calc_copy.py --steps 150 --lr 1e-3 --bare-tool-steps 200  # the graph's
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: what a probe counts, in the order it prints them
-KEYS = ("calls", "copies", "digit1", "op", "digit2")
+KEYS = ("calls", "copies", "digit1", "op", "digit2", "answers")
 #: what the echo task's observations draw from: the four tasks' digits, operators, moves
 ECHO_WORDS = (*"123456789", "+", "-", "*", "left", "right", "up", "down")
 
@@ -120,12 +124,22 @@ def score(text: str, question: str) -> dict:
 
 def probe(model, tok, fmt, task, seeds) -> dict:
     """First turns of ``task`` on ``seeds``: counts of calls, whole and partial copies of
-    calc's question, or (``task`` echo) of exact repeats."""
+    calc's question, or (``task`` echo) of exact repeats. ``answers``: the turn after a
+    right call and its result (the demonstrated call, the tool's real output), counted
+    when it is ``answer <that result>``."""
     import torch
 
     from rollart.env.adapters.tool import _question
     from rollart.env.conversation import TokenLog
     from rollart.env.protocol import env_tools
+    from rollart.env.tools import format_tool_call
+
+    def sample(ids):
+        ids = torch.tensor([ids])
+        out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=True,
+                             top_p=1.0, temperature=1.0, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        return tok.decode(out[0, ids.size(1):], skip_special_tokens=True)
 
     counts = dict.fromkeys(("echoes",) if task.name == "echo" else KEYS, 0)
     model.eval()
@@ -134,16 +148,17 @@ def probe(model, tok, fmt, task, seeds) -> dict:
             env = task.env_factory()
             obs = env.reset(seed)
             question = env.words if task.name == "echo" else _question(obs)
-            ids = torch.tensor([fmt.start(TokenLog(), task, obs, env_tools(env)).log.ids])
-            out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=True,
-                                 top_p=1.0, temperature=1.0, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-            text = tok.decode(out[0, ids.size(1):], skip_special_tokens=True)
+            conv = fmt.start(TokenLog(), task, obs, env_tools(env))
+            text = sample(conv.log.ids)
             if task.name == "echo":
                 counts["echoes"] += text.strip() == question
             else:
                 for name, hit in score(text, question).items():
                     counts[name] += hit
+                conv.add_text_generation(format_tool_call("python", {"code": question}))
+                result = env.call_tool("python", {"code": question})
+                conv.add_tool_results([result])
+                counts["answers"] += sample(conv.log.ids).strip() == f"answer {result}"
             env.close()
     model.train()
     return counts
@@ -169,6 +184,9 @@ def main(argv=None) -> dict:
                         "first (the question near the call), then --steps as asked")
     p.add_argument("--bare-obs-weight", type=float, default=None,
                    help="--bare-first's obs_weight (default: --obs-weight)")
+    p.add_argument("--bare-tool-steps", type=int, default=0, metavar="N",
+                   help="rollart's own first stage (Policy.warmup_bare_tool_steps): N steps "
+                        "on calc, tool undeclared, obs_weight 0, inside run_warmup")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--layers", type=int, default=2, help="the toy's layers (graph: 2)")
     p.add_argument("--heads", type=int, default=4, help="the toy's attention heads (graph: 4)")
@@ -209,7 +227,7 @@ def main(argv=None) -> dict:
     seeds = range(5_000_000, 5_000_000 + n_probes)  # not among the warm-up's seeds
     t0, last = time.time(), {}
 
-    total = a.bare_first + steps
+    total = a.bare_first + a.bare_tool_steps + steps
 
     def on_step(n, offset=a.bare_first):
         n += offset
@@ -229,7 +247,8 @@ def main(argv=None) -> dict:
                    seed=a.seed + 1, obs_weight=first_w, conversation="chat",
                    on_step=lambda n: on_step(n, offset=0))
     run_warmup(model, tok, trained, steps=steps, batch_size=32, lr=a.lr, seed=a.seed,
-               obs_weight=a.obs_weight, conversation="chat", on_step=on_step)
+               obs_weight=a.obs_weight, conversation="chat", on_step=on_step,
+               bare_tool_steps=a.bare_tool_steps)
     figures = dict(last, probes=n_probes)
     keys = ("echoes",) if a.echo else KEYS
     print("RESULT " + " ".join(f"{k}={figures[k]}" for k in ("steps", *keys, "probes")))

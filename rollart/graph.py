@@ -20,7 +20,7 @@ from rollart.env.tasks import get_task
 from rollart.resources import _find_file, _load_module
 from rollart.rollout.base import ENGINES
 from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLICY, REWARD,
-                           TRAIN)
+                           SCALE_REWARDS, TRAIN)
 
 DEFAULT_GRAPH = "multitask"
 MODES = ("async", "areal", "one-off", "sync+", "sync")  # see rollart.pipeline
@@ -162,6 +162,11 @@ class GRPO:
     # padded tokens (gradients accumulate; the loss is the same token mean): less
     # padding and bounded memory. 0: the whole batch at once
     micro_batch_tokens: int = 4096
+    # how a group's centred rewards are scaled into advantages: "group" (its std: GRPO),
+    # "batch" (the std of the whole batch's rewards), "none" (Dr. GRPO); with "group" a
+    # group whose rewards differ only by a small penalty weighs as much as one with a
+    # success (rollart.trainer.advantages)
+    scale_rewards: str = "group"
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_step"):
@@ -185,6 +190,8 @@ class GRPO:
         _check(0 < self.clip_eps < 1, f"GRPO.clip_eps must be in (0, 1), got {self.clip_eps}")
         _check(self.kl_coef >= 0, f"GRPO.kl_coef must be ≥ 0, got {self.kl_coef!r}")
         _check(self.max_grad_norm > 0, "GRPO.max_grad_norm must be > 0")
+        _check(self.scale_rewards in SCALE_REWARDS, f"GRPO.scale_rewards must be one of "
+               f"{SCALE_REWARDS}, got {self.scale_rewards!r}")
         _check(self.off_policy in OFF_POLICY, f"GRPO.off_policy must be one of "
                f"{OFF_POLICY}, got {self.off_policy!r}")
         _check(self.is_cap >= 1, f"GRPO.is_cap must be ≥ 1, got {self.is_cap!r}")

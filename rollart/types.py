@@ -31,6 +31,8 @@ ALL_TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN, BUFFER)
 #: off-policy corrections of the policy loss (see ``rollart.trainer.losses``: why the default)
 OFF_POLICY = ("decoupled", "tis", "ppo")
 DEFAULT_OFF_POLICY = "ppo"
+#: how GRPO scales a group's centred rewards (``rollart.trainer.advantages``)
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 class TrajState(str, enum.Enum):

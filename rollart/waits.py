@@ -40,9 +40,10 @@ class Waits:
 
     ``start``: an actor's constructor (it loads a model: raise it for a large one);
     ``call``: one call on an actor (publish, a weight load, a checkpoint, a save);
-    the warm-up: ``call + warmup_step × (Policy.warmup_steps + warmup_bare_tool_steps)``. Set them through Dask's
-    config, e.g. ``dask.config.set({"rollart.waits.start": 1800})`` or the environment
-    variable ``DASK_ROLLART__WAITS__START=1800`` (in the driver's process).
+    the warm-up: ``call + warmup_step × (Policy.warmup_steps +
+    warmup_bare_tool_steps)``. Set them through Dask's config, e.g.
+    ``dask.config.set({"rollart.waits.start": 1800})`` or the environment variable
+    ``DASK_ROLLART__WAITS__START=1800`` (in the driver's process).
 
     >>> Waits(call=60, warmup_step=2).warmup(100)
     260.0

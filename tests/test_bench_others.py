@@ -110,11 +110,12 @@ def test_calc_copy_scores_a_turn_by_what_it_holds_of_the_question(monkeypatch):
 
 @pytest.mark.bench
 @pytest.mark.parametrize("variant, steps", [((), 4), (("--also-bare",), 4),
-                                            (("--only", "calc", "--bare-first", "2"), 6)])
+                                            (("--only", "calc", "--bare-first", "2"), 6),
+                                            (("--bare-tool-steps", "2"), 6)])
 def test_calc_copy_tiny(variant, steps):
     r = _bench("calc_copy", "--steps", "4", "--every", "2", "--probes", "4", *variant)
     assert r["steps"] == steps and r["probes"] == 4  # a curriculum's first stage counts
-    for k in ("calls", "copies", "digit1", "op", "digit2"):
+    for k in ("calls", "copies", "digit1", "op", "digit2", "answers"):
         assert 0 <= r[k] <= 4, (k, r)
     assert r["copies"] <= min(r["calls"], r["digit1"], r["op"], r["digit2"]), r
 

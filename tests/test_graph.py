@@ -51,6 +51,7 @@ def test_unknown_task_name_lists_known():
     (lambda: GRPO(group_size=1), "group_size must be ≥ 2"),
     (lambda: GRPO(alpha=-1), "alpha"),
     (lambda: GRPO(off_policy="vtrace"), "off_policy"),
+    (lambda: GRPO(scale_rewards="std"), "scale_rewards must be one of"),
     (lambda: GRPO(groups_per_step="4"), "groups_per_step"),
     (lambda: Policy(temperature=0), "temperature"),
     (lambda: Policy(warmup_threads=0), "warmup_threads"),

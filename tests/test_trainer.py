@@ -28,6 +28,25 @@ def test_advantages_are_group_normalised():
     assert adv[4:].abs().max() == 0  # equal rewards: no signal
 
 
+def test_advantage_scales_weigh_a_penalty_only_group_against_a_success_group():
+    rewards = [1, 0, 0, 0, 0, 0, 0, -0.1]  # a success; then a group with one penalty
+    groups = ["a"] * 4 + ["b"] * 4
+    by = {s: compute_advantages(rewards, groups, scale=s) for s in ("group", "batch", "none")}
+    # group: each group's advantages have unit spread, so the penalty weighs as the success
+    assert float(by["group"][7]) == pytest.approx(-float(by["group"][0]), rel=1e-4)
+    # batch / none: the rewards' own scale between groups (10x), centred per group
+    for s in ("batch", "none"):
+        a = by[s]
+        assert float(a[0]) == pytest.approx(-10 * float(a[7]), rel=1e-4)
+        assert abs(float(a[:4].sum())) < 1e-6 and abs(float(a[4:].sum())) < 1e-6
+    assert float(by["none"][0]) == pytest.approx(0.75)
+    std = torch.tensor(rewards, dtype=torch.float64).std(unbiased=False).item()
+    assert float(by["batch"][0]) == pytest.approx(0.75 / std, rel=1e-4)
+    assert compute_advantages(rewards, groups, scale=True).tolist() == by["group"].tolist()
+    with pytest.raises(ValueError, match="scale must be one of"):
+        compute_advantages(rewards, groups, scale="std")
+
+
 def test_loss_on_policy_equals_negative_mean_advantage():
     logp = torch.log(torch.full((2, 3), 0.5, requires_grad=True))
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -159,6 +178,26 @@ def test_trainer_actor_steps_from_buffer_and_publishes(local_cluster, tiny_model
     where = c.run(lambda dask_worker: list(dask_worker.state.actors))
     trainer_worker = [a for a, keys in where.items() if "trainer-test" in keys]
     assert c.scheduler_info()["workers"][trainer_worker[0]]["resources"].get(TRAIN) == 1
+
+
+def test_the_trainer_scales_advantages_as_its_algo_says(tiny_model, tmp_path, monkeypatch):
+    from rollart.trainer import Trainer
+    from rollart.trainer import trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.compute_advantages
+
+    def spy(rewards, groups, **kw):
+        seen.append(kw.get("scale"))
+        return real(rewards, groups, **kw)
+
+    monkeypatch.setattr(trainer_mod, "compute_advantages", spy)
+    batch = [_traj([3, 4, 5], [6, 7], [1, 1], [-1.0, -1.0], group="g", reward=r)
+             for r in (1.0, 0.0)]
+    for scale in ("batch", "none"):
+        algo = GRPO(group_size=2, groups_per_step=1, scale_rewards=scale)
+        Trainer(tiny_model, str(tmp_path / scale), algo, seed=0)._update(batch)
+    assert seen == ["batch", "none"]
 
 
 def test_micro_batches_sort_by_length_and_bound_padded_tokens():

@@ -281,7 +281,8 @@ class Trainer:
     def _update(self, batch) -> dict:
         """One optimizer step on ``batch``: the token-mean GRPO loss over the whole batch,
         its gradient accumulated over length-sorted micro-batches."""
-        adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch])
+        adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
+                                 scale=self.algo.scale_rewards)
         parts = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in batch],
                               self.algo.micro_batch_tokens)
         collated = [collate([batch[i] for i in part], self.tokenizer.pad_token_id)

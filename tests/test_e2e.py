@@ -118,7 +118,10 @@ def test_every_actor_ran_on_its_tag(run):
 # errors below that: gridnav and boxpush must gain, guess must not fall, and the mean of
 # the three must gain 0.08 (a run that does not learn has a mean near 0, sd ~0.035).
 # The test stays under the `learning` marker (deselected by default, ~5 min); .ci/run
-# runs it as its own step. The full chat graph does not learn calc yet (README).
+# runs it as its own step. The graph's GRPO scales advantages by the batch's reward std
+# since 2026-12-03 (scale_rewards="batch", for calc; these bounds were measured with the
+# per-group std, and the full graph's games gained as much or more with "batch" on three
+# seeds: README). The full chat graph's calc learns on two seeds of three (README).
 CHAT_GAMES = ("gridnav", "guess", "boxpush")
 # the least gain per task the quick run must show
 CHAT_MIN_GAIN = {"gridnav": 0.05, "guess": -0.05, "boxpush": 0.05}

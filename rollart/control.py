@@ -108,7 +108,7 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
     chat = graph.policy.conversation == "chat"
     corpus = chat_corpus(graph.tasks) if chat else task_corpus(graph.tasks)
     out = build_tiny_model(str(run_dir / "init_model"), corpus, chat=chat, seed=graph.seed)
-    return out, graph.policy.warmup_steps + graph.policy.warmup_bare_tool_steps > 0
+    return out, graph.policy.warmup_total_steps > 0
 
 
 def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
@@ -272,7 +272,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
         p = graph.policy
-        total = p.warmup_steps + p.warmup_bare_tool_steps
+        total = p.warmup_total_steps
         waits, on = stages.waits, f"on {actors.trainer._address}"
         info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
             graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,

@@ -101,8 +101,7 @@ class Policy:
                f"an int ≥ 1, got {self.warmup_threads!r}")
         _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
                f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
-        _check(isinstance(self.warmup_bare_tool_steps, int)
-               and self.warmup_bare_tool_steps >= 0,
+        _check(self.warmup_bare_tool_steps >= 0,  # an int: _numbers above
                f"Policy.warmup_bare_tool_steps must be an int ≥ 0, got "
                f"{self.warmup_bare_tool_steps!r}")
         _check(self.warmup_bare_tool_steps == 0 or self.conversation != "raw",
@@ -127,6 +126,11 @@ class Policy:
         _check(self.max_context is None or self.max_context >= 2,
                f"Policy.max_context must be ≥ 2 tokens or None (the model config's "
                f"max_position_embeddings), got {self.max_context!r}")
+
+    @property
+    def warmup_total_steps(self) -> int:
+        """Every warm-up step: the first stage's (``warmup_bare_tool_steps``) and the rest."""
+        return self.warmup_steps + self.warmup_bare_tool_steps
 
     def conversation_options(self) -> dict:
         """How trajectories become token ids (``rollart.env.conversation``): the same

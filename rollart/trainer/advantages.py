@@ -13,10 +13,6 @@ import torch
 from rollart.types import SCALE_REWARDS
 
 
-#: how a group's centred rewards are scaled (``GRPO.scale_rewards``)
-SCALES = SCALE_REWARDS
-
-
 def compute_advantages(rewards, group_ids, eps: float = 1e-6,
                        scale: str | bool = "group") -> torch.Tensor:
     """``r - mean(group)``, scaled: ``"group"`` (``True``) divides by the group's std
@@ -36,8 +32,8 @@ def compute_advantages(rewards, group_ids, eps: float = 1e-6,
     [0.5, -0.5, 0.05, -0.05]
     """
     scale = {True: "group", False: "none"}.get(scale, scale)
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale must be one of {SCALE_REWARDS}, got {scale!r}")
     r = torch.as_tensor(rewards, dtype=torch.float64)
     members: dict = defaultdict(list)
     for i, g in enumerate(group_ids):

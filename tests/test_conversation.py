@@ -6,6 +6,7 @@ import json
 import logging
 import pickle
 import random
+import threading
 import warnings
 
 import pytest
@@ -497,6 +498,54 @@ def test_warmup_truncates_a_huge_observation_with_bounded_memory(chatml):
     assert int(mask.sum()) == 3 * 2  # one answer digit + its end token per episode
 
 
+class _PairedEnv(_Env):
+    """Resets only when another episode resets at the same time (else times out)."""
+
+    meet = threading.Barrier(2, timeout=10)
+
+    def reset(self, seed):
+        self.meet.wait()
+        return super().reset(seed)
+
+
+def test_warmup_plays_a_batch_on_threads_and_the_batch_does_not_depend_on_them(chatml):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollart.trainer.warmup import warmup_batch
+
+    fmt = ConversationFormat(chatml, "chat")
+    alone = warmup_batch([_warm_task(_Env)], chatml, 6, random.Random(3), fmt)
+    with ThreadPoolExecutor(4) as pool:
+        threaded = warmup_batch([_warm_task(_Env)], chatml, 6, random.Random(3), fmt,
+                                pool=pool)
+        # two episodes in flight at once, or _PairedEnv's reset times out
+        warmup_batch([_warm_task(_PairedEnv)], chatml, 4, random.Random(0), fmt, pool=pool)
+    for a, b in zip(alone, threaded):
+        assert a.equal(b)
+    assert len({tuple(row.tolist()) for row in alone[0]}) > 1  # random actions differ
+
+
+def test_run_warmup_is_the_same_on_one_episode_thread_or_four(chat_folder):
+    from rollart.model import load_model, load_tokenizer
+    from rollart.trainer.warmup import WarmupEnvError, run_warmup
+
+    tok = load_tokenizer(chat_folder)
+    runs = []
+    for threads in (1, 4):
+        model = load_model(chat_folder)
+        losses = run_warmup(model, tok, [_warm_task(_Env), _add_task()], steps=3,
+                            batch_size=4, lr=1e-2, seed=5, conversation="chat",
+                            bare_tool_steps=2, episode_threads=threads)
+        runs.append((losses, model.state_dict()))
+    (losses1, state1), (losses4, state4) = runs
+    assert losses1 == losses4 and len(losses1) == 5
+    assert all(state1[k].equal(state4[k]) for k in state1)
+    # an env that fails on an episode thread stops the warm-up, named
+    with pytest.raises(WarmupEnvError, match=r"task 'warm'.*reset"):
+        run_warmup(load_model(chat_folder), tok, [_warm_task(RaisingResetEnv)], steps=2,
+                   batch_size=4, lr=1e-2, conversation="chat")
+
+
 def test_warmup_in_chat_form_trains_the_template_tokens_the_policy_emits(chatml):
     from rollart.trainer.warmup import play_random
 
@@ -765,7 +814,7 @@ def test_run_warmup_trains_the_tool_tasks_bare_first_on_their_turns_only(chat_fo
     real = warmup.warmup_batch
 
     def spy(tasks, *args):
-        seen.append(([t.name for t in tasks], args[-1]))  # the stage's tasks, declare_tools
+        seen.append(([t.name for t in tasks], args[-2]))  # the stage's tasks, declare_tools
         return real(tasks, *args)
 
     steps = []

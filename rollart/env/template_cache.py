@@ -31,6 +31,7 @@ _SENTINEL = "\x00ROLLART{}\x00"
 # two contents per message: plain, and one a trimming template would change
 _PROBE_CONTENTS = ("probe text . 1", " probe\nwith lines \n")
 _TRANSFORMS = ((lambda s: s), str.strip)
+_MISSING = object()
 _MAX_KEYS = 512  # distinct kinds kept (system prompts x tools x roles): bounded memory
 
 
@@ -65,11 +66,15 @@ class TemplateCache:
 
     # -- building and checking pieces ---------------------------------------------------
     def _get(self, key, build):
-        if key not in self._pieces:
+        # safe from several threads (the warm-up plays episodes on threads): a kind two
+        # threads miss at once is built twice, the same pieces; a clear between another
+        # thread's store and its read cannot lose what that thread returns
+        found = self._pieces.get(key, _MISSING)
+        if found is _MISSING:
             if len(self._pieces) >= _MAX_KEYS:
                 self._pieces.clear()
-            self._pieces[key] = build()
-        return self._pieces[key]
+            found = self._pieces[key] = build()
+        return found
 
     def _encode(self, found, contents: list[str]) -> list[int]:
         pieces, transform = found[0], found[1]

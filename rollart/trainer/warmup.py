@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
@@ -110,15 +111,30 @@ def _close_quietly(env) -> None:
 
 def warmup_batch(tasks, tokenizer, batch_size: int, rng: random.Random,
                  fmt: ConversationFormat | None = None, counts: dict | None = None,
-                 declare_tools: bool = True):
-    """``(input_ids, attention_mask, loss_mask)`` for ``batch_size`` random episodes."""
+                 declare_tools: bool = True, pool: Executor | None = None):
+    """``(input_ids, attention_mask, loss_mask)`` for ``batch_size`` random episodes.
+
+    ``rng`` draws each episode's task, env seed and action seed, in order; the episodes
+    are then played on ``pool``'s threads (one after another without it). The batch is
+    the same either way: each episode has its own ``random.Random``.
+    """
     fmt = fmt or ConversationFormat(tokenizer)
-    logs = []
-    for _ in range(batch_size):
-        task = rng.choice(tasks)
-        logs.append(play_random(task, tokenizer, rng.randrange(1_000_000, 2_000_000), rng,
-                                fmt, counts, declare_tools))
-    return pad_logs(logs, tokenizer.pad_token_id)
+    specs = [(rng.choice(tasks), rng.randrange(1_000_000, 2_000_000), rng.getrandbits(64))
+             for _ in range(batch_size)]
+
+    def play(spec):
+        task, seed, action_seed = spec
+        mine: dict = {}
+        log = play_random(task, tokenizer, seed, random.Random(action_seed), fmt, mine,
+                          declare_tools)
+        return log, mine.get("truncated", 0)
+
+    played = list(pool.map(play, specs)) if pool is not None else [play(s) for s in specs]
+    if counts is not None:
+        cut = sum(n for _, n in played)
+        if cut:
+            counts["truncated"] = counts.get("truncated", 0) + cut
+    return pad_logs([log for log, _ in played], tokenizer.pad_token_id)
 
 
 def tool_tasks(tasks) -> list:
@@ -151,7 +167,8 @@ def pad_logs(logs, pad_id: int):
 def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: float,
                seed: int = 0, obs_weight: float = 1.0, conversation: str = "auto",
                system_prompt: str | None = None, max_context: int | None = None,
-               bare_tool_steps: int = 0, on_step=None) -> list[float]:
+               bare_tool_steps: int = 0, episode_threads: int = 4,
+               on_step=None) -> list[float]:
     """Supervised steps on random valid actions; returns the loss curve (``on_step(n)``
     after each step: the trainer's progress counter).
 
@@ -167,6 +184,11 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     in the short context and keeps the copy in the long one, where 150 steps of the
     second stage alone did not teach it (README, "Bring your own model"). Each stage has
     its own optimizer.
+
+    Batches are played ahead on threads while the model computes the step before:
+    ``episode_threads`` episodes at a time (env steps and tool calls, such as calc's
+    sandboxed ``python`` subprocess, wait outside the GIL), one batch ahead. The batches
+    do not depend on the thread count (``warmup_batch``).
     """
     # an HF model's config, or the HF config a Megatron GPTModel was built from
     config = getattr(model, "config", None) or getattr(model, "hf_config", None)
@@ -190,31 +212,44 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     counts: dict = {}
     losses: list[float] = []
     model.train()
-    for stage_tasks, n_steps, weight, declare, stage_seed in stages:
-        rng = random.Random(stage_seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in range(n_steps):
-            ids, attn, mask = warmup_batch(stage_tasks, tokenizer, batch_size, rng, fmt,
-                                           counts, declare)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
-                reduction="none").view(ids.size(0), -1)
-            # Actions carry full weight; every other token (the env's text) is language-
-            # modelled too (``obs_weight``), so the model learns to read observations
-            # instead of learning that its output may ignore them (the random actions are
-            # context-free).
-            target_mask = mask[:, 1:] + weight * (attn[:, 1:] - mask[:, 1:]).clamp(min=0)
-            loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step(len(losses))
+    with ThreadPoolExecutor(max(1, episode_threads), "rollart-warmup-episode") as episodes, \
+            ThreadPoolExecutor(1, "rollart-warmup-batch") as ahead:
+        for stage_tasks, n_steps, weight, declare, stage_seed in stages:
+            rng = random.Random(stage_seed)
+
+            def batch(stage_tasks=stage_tasks, declare=declare, rng=rng):
+                # one batch in flight at a time, so the stage's rng is drawn in order
+                return ahead.submit(warmup_batch, stage_tasks, tokenizer, batch_size, rng,
+                                    fmt, counts, declare, episodes)
+
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            upcoming = batch() if n_steps else None
+            for i in range(n_steps):
+                ids, attn, mask = upcoming.result()
+                upcoming = batch() if i + 1 < n_steps else None
+                losses.append(_step(model, opt, ids, attn, mask, weight))
+                if on_step is not None:
+                    on_step(len(losses))
     model.eval()
     if counts.get("truncated"):
         logger.warning("warm-up: %d episodes cut at the context budget of %d tokens",
                        counts["truncated"], budget)
     return losses
+
+
+def _step(model, opt, ids, attn, mask, obs_weight: float) -> float:
+    """One supervised step; returns its loss."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
+        reduction="none").view(ids.size(0), -1)
+    # Actions carry full weight; every other token (the env's text) is language-modelled
+    # too (``obs_weight``), so the model learns to read observations instead of learning
+    # that its output may ignore them (the random actions are context-free).
+    target_mask = mask[:, 1:] + obs_weight * (attn[:, 1:] - mask[:, 1:]).clamp(min=0)
+    loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()

@@ -65,15 +65,17 @@ def start_dedicated(client, cluster) -> str:
     from distributed import Nanny, Worker
 
     from rollart.reward.elastic import ElasticPool
+    from rollart.resources import worker_nanny
 
-    processes = any(s.get("cls") is Nanny for s in cluster.worker_spec.values())
+    processes = any(isinstance(s.get("cls"), type) and issubclass(s["cls"], Nanny)
+                    for s in cluster.worker_spec.values())
     name = f"elastic-{DEDICATED.lower()}-0"
     assert ElasticPool(cluster, DEDICATED).prefix + "-0" == name
     options = {"nthreads": 1, "resources": {DEDICATED: 1}, "name": name,
                "memory_limit": 0}
     if processes:
         options["env"] = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cluster.worker_spec[name] = {"cls": Nanny if processes else Worker,
+    cluster.worker_spec[name] = {"cls": worker_nanny() if processes else Worker,
                                  "options": options}
     cluster.sync(cluster._correct_state)
     deadline = time.time() + 120

@@ -1,5 +1,7 @@
 """Pool declarations, cluster start-up with tagged workers, and the tag check."""
 
+import sys
+
 import pytest
 from distributed import Client, LocalCluster
 
@@ -76,3 +78,50 @@ def test_pool_validation():
     with pytest.raises(ResourcesError, match="repeat"):
         Resources(pools=(Pool("a", tag=H20, kind="bandwidth_gpu"),
                          Pool("a", tag=REWARD, kind="reward")))
+
+
+def _mmapped_blocks_for_4_mib():
+    """(MALLOC_MMAP_THRESHOLD_ as this process sees it, glibc blocks a 4 MiB malloc
+    mmapped): glibc's own count, ``mallinfo2().hblks``."""
+    import ctypes
+    import os
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    before = libc.mallinfo2().hblks
+    buf = ctypes.create_string_buffer(4 << 20)
+    after = libc.mallinfo2().hblks
+    del buf
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_"), after - before
+
+
+def _one_process_worker(cls=None):
+    if cls is None:  # rollart's own pools
+        res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env"),), processes=True,
+                        dashboard_address=":0")
+        cluster = res.make_cluster()
+    else:
+        cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                               dashboard_address=":0")
+    with cluster, Client(cluster) as client:
+        (got,) = client.run(_mmapped_blocks_for_4_mib).values()
+    return got
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_worker_processes_keep_big_tensors_out_of_mmap(monkeypatch):
+    from rollart.resources import MMAP_THRESHOLD
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    # Dask's own nanny: its MALLOC_TRIM_THRESHOLD_ freezes the mmap threshold at 128 KiB
+    assert _one_process_worker(cls=LocalCluster) == (None, 1)
+    # rollart's: 4 MiB comes from the heap, not a fresh mmap (and a page fault per page)
+    assert _one_process_worker() == (str(MMAP_THRESHOLD), 0)
+    # a value in the environment wins
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert _one_process_worker() == ("131072", 1)

@@ -220,7 +220,8 @@ class ElasticPool(AdaptiveCore):
         if processes is None:
             from distributed import Nanny
 
-            processes = any(s.get("cls") is Nanny for s in cluster.worker_spec.values())
+            processes = any(isinstance(s.get("cls"), type) and issubclass(s["cls"], Nanny)
+                            for s in cluster.worker_spec.values())
         self.processes = processes
         self.cold_starts = 0
         self.cold_start_seconds: list[float] = []
@@ -266,7 +267,9 @@ class ElasticPool(AdaptiveCore):
                                      len(self.plan), target)
 
     async def scale_up(self, n: int) -> None:
-        from distributed import Nanny, Worker
+        from distributed import Worker
+
+        from rollart.resources import worker_nanny
 
         while len(self.plan) < min(n, self.maximum):
             name = f"{self.prefix}-{self._i}"
@@ -276,7 +279,7 @@ class ElasticPool(AdaptiveCore):
             if self.processes:
                 t = str(self.threads)
                 options["env"] = {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t}
-            self.cluster.worker_spec[name] = {"cls": Nanny if self.processes else Worker,
+            self.cluster.worker_spec[name] = {"cls": worker_nanny() if self.processes else Worker,
                                               "options": options}
             self._asked[name] = time.time()
             self.cold_starts += 1

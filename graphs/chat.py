@@ -103,7 +103,11 @@ def graph() -> Graph:
         # copies are not: 1 call in ~300 holds the question, 1 answer in ~30 the tool's
         # result, where the warm-up's episodes hold them always and half the time)
         policy=Policy(model=None, conversation="chat", warmup_steps=150,
-                      warmup_bare_tool_steps=BARE_TOOL_STEPS, warmup_lr=WARMUP_LR),
+                      warmup_bare_tool_steps=BARE_TOOL_STEPS, warmup_lr=WARMUP_LR,
+                      # calc's tool runs a subprocess per call: play the warm-up's episodes
+                      # on threads, one batch ahead (the stream every figure since 03caaef
+                      # was measured with)
+                      warmup_episode_threads=4),
         # advantages over the batch's reward std, not each group's: calc's groups whose
         # rewards differ only by 0.1 invalid-call penalties then weigh a tenth of one with
         # a success, not as much (with "group", RL stopped calling the tool on 2 seeds of 3)

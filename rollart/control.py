@@ -277,6 +277,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
             graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
             threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
+            episode_threads=p.warmup_episode_threads,
             **p.conversation_options()), waits.warmup(total),
             f"the trainer's warm-up ({total} steps) {on} did not finish",
             "warmup-step"), total, progress)

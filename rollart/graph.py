@@ -66,6 +66,11 @@ class Policy:
     # torch threads for the warm-up on the trainer's host (None: every core that host gives
     # the trainer's process; nothing else of the run computes before the first weights)
     warmup_threads: int | None = None
+    # threads that play the warm-up's episodes, one batch ahead of the model's step (env
+    # steps and tool calls wait outside the GIL); None: one after another in the step, the
+    # episode stream of earlier releases (an int gives each episode its own rng: the same
+    # batches for any thread count, another stream than None's)
+    warmup_episode_threads: int | None = None
     # chat: warm-up steps before the ones above, on the tasks whose envs declare tools,
     # alone, with the tool list left out of the template (the observation right before
     # the call) and the loss on the model's turns only: teaches a small model to copy an
@@ -99,6 +104,10 @@ class Policy:
                                                 and self.warmup_threads >= 1),
                f"Policy.warmup_threads must be None (every core of the trainer's host) or "
                f"an int ≥ 1, got {self.warmup_threads!r}")
+        _check(self.warmup_episode_threads is None or (
+            isinstance(self.warmup_episode_threads, int) and self.warmup_episode_threads >= 1),
+               f"Policy.warmup_episode_threads must be None (episodes one after another) or "
+               f"an int ≥ 1, got {self.warmup_episode_threads!r}")
         _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
                f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
         _check(self.warmup_bare_tool_steps >= 0,  # an int: _numbers above

@@ -514,7 +514,8 @@ def test_warmup_plays_a_batch_on_threads_and_the_batch_does_not_depend_on_them(c
     from rollart.trainer.warmup import warmup_batch
 
     fmt = ConversationFormat(chatml, "chat")
-    alone = warmup_batch([_warm_task(_Env)], chatml, 6, random.Random(3), fmt)
+    with ThreadPoolExecutor(1) as one:
+        alone = warmup_batch([_warm_task(_Env)], chatml, 6, random.Random(3), fmt, pool=one)
     with ThreadPoolExecutor(4) as pool:
         threaded = warmup_batch([_warm_task(_Env)], chatml, 6, random.Random(3), fmt,
                                 pool=pool)
@@ -814,7 +815,7 @@ def test_run_warmup_trains_the_tool_tasks_bare_first_on_their_turns_only(chat_fo
     real = warmup.warmup_batch
 
     def spy(tasks, *args):
-        seen.append(([t.name for t in tasks], args[-2]))  # the stage's tasks, declare_tools
+        seen.append(([t.name for t in tasks], args[-1]))  # the stage's tasks, declare_tools
         return real(tasks, *args)
 
     steps = []

@@ -103,7 +103,8 @@ class Trainer:
 
     # -- actor methods ------------------------------------------------------------------
     async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0,
-                     threads: int | None = None, bare_tool_steps: int = 0, **conversation):
+                     threads: int | None = None, bare_tool_steps: int = 0,
+                     episode_threads: int | None = None, **conversation):
         """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``), in
         the rollout's conversation format (``Policy.conversation_options()``), on
         ``threads`` torch threads (``Policy.warmup_threads``; None: every core this
@@ -116,6 +117,7 @@ class Trainer:
                                  self.model, self.tokenizer, list(tasks), steps=steps,
                                  batch_size=batch_size, lr=lr, seed=seed,
                                  bare_tool_steps=bare_tool_steps,
+                                 episode_threads=episode_threads,
                                  on_step=self._warmup_step, **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
         return {"warmup/loss_first": losses[0] if losses else None,

@@ -114,11 +114,19 @@ def warmup_batch(tasks, tokenizer, batch_size: int, rng: random.Random,
                  declare_tools: bool = True, pool: Executor | None = None):
     """``(input_ids, attention_mask, loss_mask)`` for ``batch_size`` random episodes.
 
-    ``rng`` draws each episode's task, env seed and action seed, in order; the episodes
-    are then played on ``pool``'s threads (one after another without it). The batch is
-    the same either way: each episode has its own ``random.Random``.
+    Without ``pool`` the episodes are played one after another, all drawing from ``rng``
+    (the stream of earlier releases). With ``pool``, ``rng`` draws each episode's task,
+    env seed and action seed, in order, and the episodes are played on the pool's threads,
+    each with its own ``random.Random``: the same batch for any number of threads.
     """
     fmt = fmt or ConversationFormat(tokenizer)
+    if pool is None:
+        logs = []
+        for _ in range(batch_size):
+            task = rng.choice(tasks)
+            logs.append(play_random(task, tokenizer, rng.randrange(1_000_000, 2_000_000),
+                                    rng, fmt, counts, declare_tools))
+        return pad_logs(logs, tokenizer.pad_token_id)
     specs = [(rng.choice(tasks), rng.randrange(1_000_000, 2_000_000), rng.getrandbits(64))
              for _ in range(batch_size)]
 
@@ -129,7 +137,7 @@ def warmup_batch(tasks, tokenizer, batch_size: int, rng: random.Random,
                           declare_tools)
         return log, mine.get("truncated", 0)
 
-    played = list(pool.map(play, specs)) if pool is not None else [play(s) for s in specs]
+    played = list(pool.map(play, specs))
     if counts is not None:
         cut = sum(n for _, n in played)
         if cut:
@@ -167,7 +175,7 @@ def pad_logs(logs, pad_id: int):
 def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: float,
                seed: int = 0, obs_weight: float = 1.0, conversation: str = "auto",
                system_prompt: str | None = None, max_context: int | None = None,
-               bare_tool_steps: int = 0, episode_threads: int = 4,
+               bare_tool_steps: int = 0, episode_threads: int | None = None,
                on_step=None) -> list[float]:
     """Supervised steps on random valid actions; returns the loss curve (``on_step(n)``
     after each step: the trainer's progress counter).
@@ -185,10 +193,11 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     second stage alone did not teach it (README, "Bring your own model"). Each stage has
     its own optimizer.
 
-    Batches are played ahead on threads while the model computes the step before:
-    ``episode_threads`` episodes at a time (env steps and tool calls, such as calc's
-    sandboxed ``python`` subprocess, wait outside the GIL), one batch ahead. The batches
-    do not depend on the thread count (``warmup_batch``).
+    ``episode_threads`` (``Policy.warmup_episode_threads``): batches are played ahead on
+    that many threads while the model computes the step before (env steps and tool calls,
+    such as calc's sandboxed ``python`` subprocess, wait outside the GIL), one batch ahead;
+    the batches do not depend on the thread count (``warmup_batch``). ``None``: each batch
+    is played in its step, one episode after another (another episode stream).
     """
     # an HF model's config, or the HF config a Megatron GPTModel was built from
     config = getattr(model, "config", None) or getattr(model, "hf_config", None)
@@ -212,13 +221,17 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     counts: dict = {}
     losses: list[float] = []
     model.train()
-    with ThreadPoolExecutor(max(1, episode_threads), "rollart-warmup-episode") as episodes, \
+    threaded = episode_threads is not None
+    with ThreadPoolExecutor(episode_threads or 1, "rollart-warmup-episode") as episodes, \
             ThreadPoolExecutor(1, "rollart-warmup-batch") as ahead:
         for stage_tasks, n_steps, weight, declare, stage_seed in stages:
             rng = random.Random(stage_seed)
 
             def batch(stage_tasks=stage_tasks, declare=declare, rng=rng):
                 # one batch in flight at a time, so the stage's rng is drawn in order
+                if not threaded:  # played now, in the step
+                    return _Done(warmup_batch(stage_tasks, tokenizer, batch_size, rng, fmt,
+                                              counts, declare))
                 return ahead.submit(warmup_batch, stage_tasks, tokenizer, batch_size, rng,
                                     fmt, counts, declare, episodes)
 
@@ -235,6 +248,16 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
         logger.warning("warm-up: %d episodes cut at the context budget of %d tokens",
                        counts["truncated"], budget)
     return losses
+
+
+class _Done:
+    """A batch played in the step (``episode_threads=None``), shaped like a future."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def _step(model, opt, ids, attn, mask, obs_weight: float) -> float:

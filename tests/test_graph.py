@@ -56,6 +56,8 @@ def test_unknown_task_name_lists_known():
     (lambda: Policy(temperature=0), "temperature"),
     (lambda: Policy(warmup_threads=0), "warmup_threads"),
     (lambda: Policy(warmup_threads=1.5), "warmup_threads"),
+    (lambda: Policy(warmup_episode_threads=0), "warmup_episode_threads"),
+    (lambda: Policy(warmup_episode_threads=2.0), "warmup_episode_threads"),
     (lambda: Policy(warmup_bare_tool_steps=-1), "warmup_bare_tool_steps must be an int"),
     (lambda: Policy(warmup_bare_tool_steps=5, conversation="raw"),
      "warmup_bare_tool_steps=5 needs the chat format.*set it to 0"),

@@ -814,9 +814,9 @@ def test_run_warmup_trains_the_tool_tasks_bare_first_on_their_turns_only(chat_fo
     seen = []
     real = warmup.warmup_batch
 
-    def spy(tasks, *args):
+    def spy(tasks, *args, **kwargs):
         seen.append(([t.name for t in tasks], args[-1]))  # the stage's tasks, declare_tools
-        return real(tasks, *args)
+        return real(tasks, *args, **kwargs)
 
     steps = []
     with pytest.MonkeyPatch.context() as mp:

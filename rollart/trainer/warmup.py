@@ -14,6 +14,8 @@ the method. Called by the trainer actor before RL starts.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import random
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -221,25 +223,18 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     counts: dict = {}
     losses: list[float] = []
     model.train()
-    threaded = episode_threads is not None
-    with ThreadPoolExecutor(episode_threads or 1, "rollart-warmup-episode") as episodes, \
-            ThreadPoolExecutor(1, "rollart-warmup-batch") as ahead:
+    with contextlib.ExitStack() as stack:
+        episodes = ahead = None
+        if episode_threads is not None:
+            episodes = stack.enter_context(
+                ThreadPoolExecutor(episode_threads, "rollart-warmup-episode"))
+            ahead = stack.enter_context(ThreadPoolExecutor(1, "rollart-warmup-batch"))
         for stage_tasks, n_steps, weight, declare, stage_seed in stages:
-            rng = random.Random(stage_seed)
-
-            def batch(stage_tasks=stage_tasks, declare=declare, rng=rng):
-                # one batch in flight at a time, so the stage's rng is drawn in order
-                if not threaded:  # played now, in the step
-                    return _Done(warmup_batch(stage_tasks, tokenizer, batch_size, rng, fmt,
-                                              counts, declare))
-                return ahead.submit(warmup_batch, stage_tasks, tokenizer, batch_size, rng,
-                                    fmt, counts, declare, episodes)
-
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-            upcoming = batch() if n_steps else None
-            for i in range(n_steps):
-                ids, attn, mask = upcoming.result()
-                upcoming = batch() if i + 1 < n_steps else None
+            make = functools.partial(warmup_batch, stage_tasks, tokenizer, batch_size,
+                                     random.Random(stage_seed), fmt, counts, declare,
+                                     pool=episodes)
+            for ids, attn, mask in _batches(make, n_steps, ahead):
                 losses.append(_step(model, opt, ids, attn, mask, weight))
                 if on_step is not None:
                     on_step(len(losses))
@@ -250,14 +245,18 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     return losses
 
 
-class _Done:
-    """A batch played in the step (``episode_threads=None``), shaped like a future."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
+def _batches(make, n: int, ahead: Executor | None):
+    """``n`` batches of ``make()``; with ``ahead``, each is made there while the caller
+    uses the one before (one in flight at a time, so the stage's rng is drawn in order)."""
+    if ahead is None:
+        for _ in range(n):
+            yield make()
+        return
+    upcoming = ahead.submit(make) if n else None
+    for i in range(n):
+        batch = upcoming.result()
+        upcoming = ahead.submit(make) if i + 1 < n else None
+        yield batch
 
 
 def _step(model, opt, ids, attn, mask, obs_weight: float) -> float:

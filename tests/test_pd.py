@@ -10,7 +10,8 @@ from distributed import Client, Scheduler, SpecCluster, Worker
 
 from rollart.affinity import Affinity
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
-from rollart.rollout.pd import KVHandoff, PrefixCache, pack
+from rollart.rollout import pd
+from rollart.rollout.pd import KVHandoff, PrefixCache, pack, plan_prefill
 from rollart.types import H20, H800, GenRequest
 
 
@@ -68,6 +69,105 @@ def test_prefix_cache_reuses_a_trajectorys_context(model_dir):
     eng.generate([GenRequest(second[0].prompt_ids + [5], 2, temperature=0.0,
                              cache_key=second[0].cache_key)])
     assert pc.hits == 2
+
+
+def _cost(chunks, lengths, call):
+    return sum(call + len(c) * max(lengths[i] for i in c) for c in chunks)
+
+
+def _cuts(n):
+    """Every way to cut ``range(n)`` into contiguous runs."""
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in _cuts(n - first):
+            yield [list(range(first))] + [[first + i for i in c] for c in rest]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefill_plan_is_the_cheapest_cut_of_the_sorted_rows(seed):
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 3, 12, 20, 40, 245, 250]) for _ in range(rng.randint(1, 8))]
+    chunks = plan_prefill(lengths, call_tokens=32)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    cheapest = min(_cost([[order[i] for i in c] for c in cut], lengths, 32)
+                   for cut in _cuts(len(lengths)))
+    assert _cost(chunks, lengths, 32) == cheapest
+
+
+def test_prefill_plan_sends_a_long_prompt_alone():
+    lengths = [12, 9, 245, 11, 10, 14, 8, 13]  # one first turn among follow-up turns
+    assert sorted(map(sorted, plan_prefill(lengths, 32))) == [[0, 1, 3, 4, 5, 6, 7], [2]]
+    assert plan_prefill([10] * 6, 32) == [[0, 1, 2, 3, 4, 5]]
+    assert len(plan_prefill(lengths, 10_000)) == 1  # calls dearer than any padding
+    assert plan_prefill([], 32) == []
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_prefill_shares_equal_prompts_and_splits_by_length(model_dir, lean):
+    """Every row of one batched prefill (equal first-turn prompts, cached prefixes, one
+    long prompt) continues exactly as if it had been prefilled alone: same next-token
+    logits and same KV at its real columns. Equal prompts are forwarded once."""
+    eng = TorchEngine(model_dir, lean=lean)
+    assert (eng.lean is not None) == lean
+    first = greedy((3, 4), new=3, key="t")
+    out = eng.generate(first)  # their KV is cached for the next turn
+    group = [3, 5, 7, 9, 11]  # a group's members: one prompt
+    reqs = [GenRequest(r.prompt_ids + o.token_ids + [8, 9], 4, cache_key=r.cache_key)
+            for r, o in zip(first, out)]
+    reqs += [GenRequest(list(group), 4, cache_key=f"g{i}") for i in range(3)]
+    reqs += [GenRequest([3 + i % 15 for i in range(40)], 4, cache_key="long")]
+    hits = [eng.prefix_cache.lookup(r, eng.version) for r in reqs]
+    assert [h is not None for h in hits] == [True, True, False, False, False, False]
+    before = (eng.prefill_tokens, eng.prefill_padded, eng.prefill_shared)
+    logits, mask, next_pos, cache = pd.prefill(eng, [r.prompt_ids for r in reqs], hits)
+    assert eng.prefill_shared - before[2] == 2
+    # a cached row forwards its last generated token (not in its cache) and [8, 9]
+    assert eng.prefill_tokens - before[0] == 3 + 3 + 5 + 40
+    padded = eng.prefill_padded - before[1]
+    assert padded < 4 * 40  # the 40-token prompt did not pad the short rows to its length
+    for i, req in enumerate(reqs):
+        want_logits, want_mask, want_pos, want_cache = pd.prefill(eng, [req.prompt_ids])
+        torch.testing.assert_close(logits[i], want_logits[0], rtol=1e-5, atol=1e-5)
+        assert int(next_pos[i]) == int(want_pos[0]) == len(req.prompt_ids)
+        cols = mask[i].bool()
+        assert int(cols.sum()) == len(req.prompt_ids)
+        for got, want in zip(pd.cache_layers(cache), pd.cache_layers(want_cache)):
+            torch.testing.assert_close(got[0][i][:, cols], want[0][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[1][i][:, cols], want[1][0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_sharing_its_prefill_samples_as_if_alone(model_dir):
+    """A group's members (one prompt, their own seeds) share one prefill forward and
+    still draw their own samples: the tokens and log-probs of each equal its
+    generation alone."""
+    eng, alone = TorchEngine(model_dir), TorchEngine(model_dir)
+    group = [GenRequest([4, 6, 8, 10, 12, 5], 8, temperature=1.0, seed=100 + i,
+                        cache_key=f"m{i}") for i in range(6)]
+    together = eng.generate(group)
+    assert eng.prefill_shared == 5
+    for req, got in zip(group, together):
+        want = alone.generate([req])[0]
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert len({tuple(r.token_ids) for r in together}) > 1  # their own samples
+
+
+def test_a_failed_prefill_reaches_the_rows_it_was_for(model_dir):
+    """An error in the prefill of rows joining the batch is delivered to those rows
+    (their callers would otherwise wait for a result that never comes)."""
+    eng = TorchEngine(model_dir)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("prefill exploded")
+
+    eng._forward = broken
+    with pytest.raises(RuntimeError, match="prefill exploded"):
+        eng.generate(greedy((3, 5)))
 
 
 def test_prefix_cache_is_bounded_and_checks_tokens():

@@ -444,6 +444,11 @@ class Pipeline(abc.ABC):
             "rollout/prefix_reuse": sum(w.get("prefix_hit_tokens", 0) for w in ws)
             / max(sum(w.get("prefix_prompt_tokens", 0) for w in ws), 1),
             "rollout/kv_bytes_moved": sum(w.get("kv_bytes_received", 0) for w in ws),
+            # prefill: padding computed per token forwarded; rows that shared another's
+            # forward (a group's equal first prompts; cumulative)
+            "rollout/prefill_padding": _ratio(sum(w.get("prefill_padded", 0) for w in ws),
+                                              sum(w.get("prefill_tokens", 0) for w in ws)),
+            "rollout/prefill_shared": sum(w.get("prefill_shared", 0) for w in ws),
         }
 
     def run_batch(self, groups: list[tuple]):
@@ -497,3 +502,8 @@ class Pipeline(abc.ABC):
                     raise
                 fut = self.restart_group(gid, redundancy)
         self.placed.pop(gid, None)
+
+
+def _ratio(padded: int, tokens: int) -> float:
+    """Padding computed per token forwarded (0 when nothing was forwarded)."""
+    return padded / tokens - 1.0 if tokens else 0.0

@@ -63,7 +63,7 @@ class _Batch:
             if all(r.handoff.version == eng.version for r in remote):
                 start = pd.merge_rows(eng, [r.handoff for r in remote])
             else:  # made under other weights: recompute here
-                start = eng._prefill([r.req.prompt_ids for r in remote])
+                start = pd.prefill(eng, [r.req.prompt_ids for r in remote])
                 eng.recompute_tokens += sum(len(r.req.prompt_ids) for r in remote)
             for r in remote:
                 r.handoff = True  # only "came from a handoff" is needed from now on
@@ -78,10 +78,11 @@ class _Batch:
             return
         width = max(self.mask.shape[1], mask.shape[1])
         for old, add in zip(self.cache.layers, cache.layers):
-            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(add.keys, width)])
-            old.values = torch.cat([_left_pad(old.values, width),
-                                    _left_pad(add.values, width)])
-        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+            old.keys = torch.cat([pd.left_pad(old.keys, width),
+                                  pd.left_pad(add.keys, width)])
+            old.values = torch.cat([pd.left_pad(old.values, width),
+                                    pd.left_pad(add.values, width)])
+        self.mask = torch.cat([pd.left_pad(self.mask, width), pd.left_pad(mask, width)])
         self.logits = torch.cat([self.logits, logits])
         self.next_pos = torch.cat([self.next_pos, next_pos])
         self.rows = self.rows + new
@@ -158,7 +159,7 @@ class _Batch:
         """Rebuild the KV cache of every row (prompt + tokens so far) under the current
         weights; return the number of context tokens re-prefilled."""
         contexts = [list(r.req.prompt_ids) + r.tokens for r in self.rows]
-        self.logits, self.mask, self.next_pos, self.cache = self.engine._prefill(contexts)
+        self.logits, self.mask, self.next_pos, self.cache = pd.prefill(self.engine, contexts)
         return sum(len(c) for c in contexts)
 
 
@@ -174,17 +175,6 @@ def hits_stop_string(tokenizer, tokens: list[int], stops) -> bool:
     window = 4 * max(len(s) for s in stops) + 4
     tail = tokenizer.decode(tokens[-window:], skip_special_tokens=False)
     return any(s in tail for s in stops)
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad ``t`` on the left of its sequence axis (-2 for KV, -1 for a mask)."""
-    axis = -2 if t.dim() == 4 else -1
-    short = width - t.shape[axis]
-    if short <= 0:
-        return t
-    shape = list(t.shape)
-    shape[axis] = short
-    return torch.cat([t.new_zeros(shape), t], dim=axis)
 
 
 def _pick(

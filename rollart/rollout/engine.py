@@ -89,6 +89,10 @@ class TorchEngine(StagedUpdates):
         self.busy_seconds = 0.0
         self.suspends = 0  # weight swaps applied in the middle of a chunk
         self.recompute_tokens = 0  # context tokens re-prefilled after those swaps
+        # prefill (rollart.rollout.pd.prefill): tokens forwarded, the same with the padding
+        # their chunks carried, rows that shared another row's forward (equal prompts)
+        self.prefill_tokens = self.prefill_padded = self.prefill_shared = 0
+        self.prefill_call_tokens = pd.PREFILL_CALL_TOKENS
         # per-trajectory KV kept for the next turn (rollart.rollout.pd); 0 = off
         self.prefix_cache = pd.PrefixCache(prefix_cache) if prefix_cache else None
 
@@ -154,6 +158,7 @@ class TorchEngine(StagedUpdates):
             if not b.rows:
                 self._apply_pending(raise_errors=False)
             t0 = time.perf_counter()
+            joining: list = []  # admitted, not yet live rows: told of a failure too
             try:
                 if abandoned is not None:
                     b.drop([j for j, row in enumerate(b.rows) if abandoned(row.tag)])
@@ -170,7 +175,9 @@ class TorchEngine(StagedUpdates):
                     except Exception as exc:  # noqa: BLE001 - goes back to that caller
                         deliver(item[1], exc)
                 if good:
+                    joining = good
                     b.admit(good)
+                    joining = []
                 for row in b.finish_empty():
                     deliver(row.tag, row.result())
                 if not b.rows:
@@ -197,8 +204,12 @@ class TorchEngine(StagedUpdates):
                     else:
                         b.step()
             except Exception as exc:  # noqa: BLE001 - every live row learns of it
-                for row in b.rows:
-                    deliver(row.tag, exc)
+                live = [row.tag for row in b.rows]
+                for tag in live:
+                    deliver(tag, exc)
+                for item in joining:  # the prefill that failed was theirs
+                    if not any(item[1] is tag for tag in live):
+                        deliver(item[1], exc)
                 b = _Batch(self)
             finally:
                 self.busy_seconds += time.perf_counter() - t0

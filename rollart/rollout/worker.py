@@ -282,6 +282,10 @@ class InferenceWorker:
             "prefix_hit_tokens": pc.hit_tokens if pc else 0,
             "prefix_prompt_tokens": pc.prompt_tokens if pc else 0,
             "prefix_reuse": pc.reuse_rate if pc else 0.0,
+            # rollart.rollout.pd.prefill (torch engine only)
+            "prefill_tokens": getattr(self.engine, "prefill_tokens", 0),
+            "prefill_padded": getattr(self.engine, "prefill_padded", 0),
+            "prefill_shared": getattr(self.engine, "prefill_shared", 0),
         }
 
     async def close(self) -> None:

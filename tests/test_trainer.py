@@ -200,6 +200,51 @@ def test_the_trainer_scales_advantages_as_its_algo_says(tiny_model, tmp_path, mo
     assert seen == ["batch", "none"]
 
 
+class _FullLogits(torch.nn.Module):
+    """A policy whose forward takes neither ``logits_to_keep`` nor ``use_cache`` (as
+    the Megatron wrapper's): full logits, cut by ``target_logprobs`` itself."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_target_logprobs_are_the_full_forwards_where_needed(tiny_model, wrap):
+    """Log-probs (and their gradients) at the needed positions equal the full forward's;
+    the columns no row needs are 0 (their logits are never computed: a Hugging Face
+    model gets ``logits_to_keep``)."""
+    from rollart.model import load_model
+    from rollart.trainer.losses import target_logprobs, token_logprobs
+
+    torch.manual_seed(0)
+    model = load_model(tiny_model)
+    policy = _FullLogits(model) if wrap else model
+    ids = torch.randint(3, 20, (3, 12))
+    attn = torch.ones_like(ids)
+    attn[2, 9:] = 0  # right padding
+    need = torch.zeros(3, 11, dtype=torch.bool)
+    need[0, 4:6] = need[1, 8] = need[2, 2] = True
+    got = target_logprobs(policy, ids, attn, need, temperature=0.7)
+    full = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1],
+                          ids[:, 1:], 0.7)
+    cols = need.any(0)
+    assert got.shape == (3, 11) and bool((got[:, ~cols] == 0).all())
+    torch.testing.assert_close(got[:, cols], full[:, cols], rtol=1e-5, atol=1e-5)
+    grads = []
+    for logp in (got, full):
+        model.zero_grad()
+        (logp * need).sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    nothing = target_logprobs(policy, ids, attn, torch.zeros_like(need))
+    assert nothing.requires_grad and float(nothing.detach().abs().sum()) == 0
+
+
 def test_micro_batches_sort_by_length_and_bound_padded_tokens():
     from rollart.trainer.trainer import micro_batches
 
@@ -251,6 +296,55 @@ def test_micro_batched_update_equals_the_whole_batch_update(tiny_model, tmp_path
     scale = max(float(g.abs().max()) for g in g_whole.values())
     for k in g_whole:  # the accumulated (clipped) gradient is the whole batch's
         torch.testing.assert_close(g_micro[k], g_whole[k], rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("kl_coef,tokens", [(0.0, 0), (0.1, 0), (0.1, 40)])
+def test_shared_prompt_update_equals_the_per_row_update(tiny_model, tmp_path, kl_coef,
+                                                        tokens):
+    """A group's members computed on their prompt's KV (the prompt forwarded once per
+    part) give the per-row forward's loss, statistics and gradient; rows without
+    a partner, and a group cut into parts by ``micro_batch_tokens``, included."""
+    from rollart.trainer import Trainer
+
+    rng = random.Random(1)
+    batch = []
+    for g in range(3):
+        prompt = [rng.randint(3, 20) for _ in range(rng.randint(3, 9))]
+        for i in range(4):
+            n_r = rng.randint(1, 12)
+            mask = [rng.random() < 0.7 for _ in range(n_r)]
+            batch.append(_traj(prompt, [rng.randint(3, 20) for _ in range(n_r)],
+                               [int(m) for m in mask],
+                               [-rng.random() * 3 if m else 0.0 for m in mask],
+                               group=f"g{g}", reward=rng.random()))
+    batch.append(_traj([5, 6, 7], [8, 9], [1, 1], [-1.0, -2.0], group="solo", reward=1.0))
+    out = {}
+    for share in (False, True):
+        algo = GRPO(group_size=4, groups_per_step=3, kl_coef=kl_coef,
+                    micro_batch_tokens=tokens)
+        tr = Trainer(tiny_model, str(tmp_path / f"w{share}"), algo, seed=0)
+        tr.share_prompts = share
+        if kl_coef:
+            tr.ref_model = tr._frozen_copy().eval()
+            with torch.no_grad():  # a reference that differs from the policy
+                for p in tr.ref_model.parameters():
+                    p.add_(0.01)
+        stats = tr._update(batch)
+        out[share] = (stats, {k: p.grad.clone() for k, p in tr.model.named_parameters()
+                              if p.grad is not None})
+    (plain, g_plain), (shared, g_shared) = out[False], out[True]
+    assert plain["trainer/shared_prompt_rows"] == 0
+    assert shared["trainer/shared_prompt_rows"] == 12  # every group's members; not "solo"
+    if tokens:  # a group's prompt + padded responses over 40 tokens: cut in parts
+        assert shared["trainer/micro_batches"] > 4
+    for k in ("trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/tokens"):
+        assert shared[k] == pytest.approx(plain[k], rel=1e-4, abs=1e-6), k
+    if kl_coef:
+        assert shared["trainer/kl"] == pytest.approx(plain["trainer/kl"], rel=1e-4)
+    scale = max(float(g.abs().max()) for g in g_plain.values())
+    assert g_shared.keys() == g_plain.keys()
+    for k in g_plain:
+        torch.testing.assert_close(g_shared[k], g_plain[k], rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_warmup_runs_on_its_own_thread_count_and_restores_the_trainers(tiny_model,

@@ -38,6 +38,9 @@ give the same gradient.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from rollart.types import DEFAULT_OFF_POLICY, OFF_POLICY
@@ -47,6 +50,95 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """Log-prob of each target token: ``logits[b, t]`` predicts ``targets[b, t]``."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def target_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, need: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """``token_logprobs`` of ``model`` on ``ids`` (``[B, T]``) where a loss needs them.
+
+    ``need`` (``[B, T-1]``, bool) marks the positions ``t`` whose prediction of
+    ``ids[:, t + 1]`` the loss uses. Returns ``[B, T-1]``: the log-probs at every column
+    some row needs, 0 at the others. Only those columns go through the output head and
+    the softmax (``logits_to_keep``, where the model's forward takes it: a Hugging Face
+    model applies its own head, softcapping included; others give full logits, cut here),
+    and no KV cache is built (``use_cache=False`` where the forward takes it).
+    """
+    cols = need.any(0).nonzero().squeeze(1)
+    empty = cols.numel() == 0
+    if empty:  # nothing needed: one column, zeroed, keeps the graph (a zero loss)
+        cols = cols.new_zeros(1)
+    kwargs = {}
+    takes_cache, takes_keep, _ = _forward_takes(type(model))
+    if takes_cache:
+        kwargs["use_cache"] = False
+    if takes_keep and cols.numel() < need.shape[1]:
+        logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols,
+                       **kwargs).logits
+    else:
+        logits = model(input_ids=ids, attention_mask=attn, **kwargs).logits[:, :-1][:, cols]
+    logp = token_logprobs(logits, ids[:, 1:][:, cols], temperature)
+    if empty:
+        logp = logp * 0.0
+    return logp.new_zeros(need.shape).index_copy(1, cols, logp)
+
+
+def shared_prompt_logprobs(model, prompt: torch.Tensor, resp: torch.Tensor,
+                           resp_attn: torch.Tensor, need: torch.Tensor,
+                           temperature: float = 1.0) -> torch.Tensor:
+    """``token_logprobs`` of ``model`` on responses that follow one shared prompt.
+
+    ``prompt`` is ``[1, P]``; ``resp``/``resp_attn``/``need`` are ``[n, R]``
+    (right-padded; ``need`` marks the response tokens the loss uses). The prompt goes
+    through the model once and its KV cache, repeated ``n`` times, carries the
+    responses (gradients flow back through it into the prompt's forward): what the
+    full forward of each ``prompt + response`` computes, for a group's members, with
+    the prompt computed once instead of ``n`` times. Returns ``[n, R]``, 0 where no
+    row needs a column. The model's forward must take ``position_ids`` and a cache
+    (``shares_prompts``).
+    """
+    n, width = resp.shape
+    plen = prompt.shape[1]
+    takes_cache, takes_keep, cache_arg = _forward_takes(type(model))
+    keep = {"logits_to_keep": 1} if takes_keep else {}
+    out = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), use_cache=True,
+                **keep)
+    first = out.logits[:, -1].expand(n, -1)  # predicts each response's first token
+    values = [token_logprobs(first, resp[:, 0], temperature)[:, None]]
+    where = [torch.zeros(1, dtype=torch.long)]
+    cols = need[:, 1:].any(0).nonzero().squeeze(1)  # response position j predicts j + 1
+    if cols.numel():
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        cache.batch_repeat_interleave(n)
+        attn = torch.cat([torch.ones((n, plen), dtype=resp_attn.dtype), resp_attn], dim=1)
+        pos = torch.arange(plen, plen + width)[None].expand(n, width)
+        kwargs = {cache_arg: cache, "use_cache": True}
+        if takes_keep and cols.numel() < width:
+            logits = model(input_ids=resp, attention_mask=attn, position_ids=pos,
+                           logits_to_keep=cols, **kwargs).logits
+        else:
+            logits = model(input_ids=resp, attention_mask=attn, position_ids=pos,
+                           **kwargs).logits[:, cols]
+        values.append(token_logprobs(logits, resp[:, 1:][:, cols], temperature))
+        where.append(cols + 1)
+    logp = torch.cat(values, dim=1)
+    return logp.new_zeros((n, width)).index_copy(1, torch.cat(where), logp)
+
+
+def shares_prompts(model) -> bool:
+    """Whether ``shared_prompt_logprobs`` can run ``model``: its forward takes
+    ``position_ids`` and a KV cache it returns (a Hugging Face causal LM)."""
+    takes_cache, _, cache_arg = _forward_takes(type(model))
+    params = inspect.signature(type(model).forward).parameters
+    return takes_cache and cache_arg is not None and "position_ids" in params
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes(cls) -> tuple[bool, bool, str | None]:
+    """Whether ``cls.forward`` takes ``use_cache`` and ``logits_to_keep``, and the name
+    of its KV-cache argument (``cache`` in transformers 5, ``past_key_values`` in 4)."""
+    params = inspect.signature(cls.forward).parameters
+    arg = next((a for a in ("cache", "past_key_values") if a in params), None)
+    return "use_cache" in params, "logits_to_keep" in params, arg
 
 
 def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps: float = 0.2,

@@ -27,7 +27,8 @@ from rollart.model import load_model, load_tokenizer
 from rollart.resources import set_worker_threads, usable_cores
 from rollart.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
-from rollart.trainer.losses import grpo_loss, token_logprobs
+from rollart.trainer.losses import (grpo_loss, shared_prompt_logprobs, shares_prompts,
+                                     target_logprobs)
 from rollart.trainer.warmup import run_warmup
 from rollart.weights import WeightStore
 
@@ -56,6 +57,9 @@ class Trainer:
 
     warmup_done = 0  # warm-up steps done: the driver reads it for its bar (an attribute
     # a Dask actor serves must exist on the class)
+    #: a group's members (equal prompts) are trained with their prompt computed once
+    #: (``_parts``); the result is the per-row forward's (up to float rounding)
+    share_prompts = True
 
     def __init__(self, model_path: str, store_url: str, algo, *, temperature: float = 1.0,
                  threads: int | None = None, seed: int = 0):
@@ -282,20 +286,20 @@ class Trainer:
     # -- compute (trainer thread) -------------------------------------------------------
     def _update(self, batch) -> dict:
         """One optimizer step on ``batch``: the token-mean GRPO loss over the whole batch,
-        its gradient accumulated over length-sorted micro-batches."""
+        its gradient accumulated over micro-batches (``_parts``)."""
         adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
                                  scale=self.algo.scale_rewards)
-        parts = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in batch],
-                              self.algo.micro_batch_tokens)
-        collated = [collate([batch[i] for i in part], self.tokenizer.pad_token_id)
-                    for part in parts]
-        counts = [float(c[2][:, 1:].sum()) for c in collated]
+        pad = self.tokenizer.pad_token_id
+        parts = self._parts(batch)
+        collated = [collate_shared([batch[i] for i in rows], pad) if shared
+                    else collate([batch[i] for i in rows], pad) for rows, shared in parts]
+        counts = [float(_loss_mask(c).sum()) for c in collated]
         total = max(sum(counts), 1.0)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, stats = 0.0, defaultdict(float)
-        for part, (ids, attn, mask, behaviour), n in zip(parts, collated, counts):
-            loss, part_stats = self._loss(ids, attn, mask, behaviour, adv[part])
+        for (rows, _), tensors, n in zip(parts, collated, counts):
+            loss, part_stats = self._loss(tensors, adv[rows])
             share = n / total  # each part's token mean, weighted by its tokens
             (loss * share).backward()
             loss_sum += loss.item() * share
@@ -308,22 +312,71 @@ class Trainer:
         stats.update({"trainer/loss": loss_sum, "trainer/grad_norm": float(grad_norm),
                       "trainer/tokens": int(sum(counts)),
                       "trainer/micro_batches": len(parts),
+                      "trainer/shared_prompt_rows": sum(len(r) for r, s in parts if s),
                       "trainer/adv_abs_mean": float(adv.abs().mean())})
         return dict(stats)
 
-    def _loss(self, ids, attn, mask, behaviour, adv):
-        """The GRPO loss (token mean) and its statistics on one collated micro-batch."""
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = token_logprobs(logits, ids[:, 1:], self.temperature)
+    def _parts(self, batch) -> list[tuple[list[int], bool]]:
+        """The batch's micro-batches: ``(rows, shared)``.
+
+        Rows whose prompts are equal (a GRPO group's members) go together, ``shared``:
+        their prompt is computed once (``shared_prompt_logprobs``), in parts whose prompt
+        plus padded responses stay within ``micro_batch_tokens``. The other rows, and all
+        of them when ``share_prompts`` is off or the model cannot share
+        (``shares_prompts``: e.g. the Megatron backend's), go in length-sorted parts
+        (``micro_batches``)."""
+        budget = self.algo.micro_batch_tokens
+        alone = list(range(len(batch)))
+        parts: list[tuple[list[int], bool]] = []
+        if self.share_prompts and shares_prompts(self.model) and \
+                (self.ref_model is None or shares_prompts(self.ref_model)):
+            groups: dict[tuple, list[int]] = defaultdict(list)
+            for i, t in enumerate(batch):
+                if t.prompt_ids and t.response_ids:
+                    groups[tuple(t.prompt_ids)].append(i)
+            shared = {i for rows in groups.values() if len(rows) > 1 for i in rows}
+            alone = [i for i in alone if i not in shared]
+            for prompt, rows in groups.items():
+                if len(rows) < 2:
+                    continue
+                room = max(budget - len(prompt), 1) if budget > 0 else 0
+                for cut in micro_batches([len(batch[i].response_ids) for i in rows], room):
+                    parts.append(([rows[k] for k in cut], True))
+        lengths = [len(batch[i].prompt_ids) + len(batch[i].response_ids) for i in alone]
+        parts += [([alone[k] for k in cut], False)
+                  for cut in micro_batches(lengths, budget) if cut]
+        return parts
+
+    def _loss(self, tensors, adv):
+        """The GRPO loss (token mean) and its statistics on one collated micro-batch:
+        ``collate``'s tensors, or ``collate_shared``'s (a shared prompt)."""
+        if len(tensors) == 5:
+            prompt, resp, attn, mask, behaviour = tensors
+            need = mask > 0
+
+            def logprobs(model):
+                return shared_prompt_logprobs(model, prompt, resp, attn, need,
+                                              self.temperature)
+        else:
+            ids, attn, mask, behaviour = tensors
+            mask, behaviour, need = mask[:, 1:], behaviour[:, 1:], mask[:, 1:] > 0
+
+            def logprobs(model):
+                return target_logprobs(model, ids, attn, need, self.temperature)
+        logp = logprobs(self.model)
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                ref_logp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
-        return grpo_loss(logp, behaviour[:, 1:], adv, mask[:, 1:],
+                ref_logp = logprobs(self.ref_model)
+        return grpo_loss(logp, behaviour, adv, mask,
                          clip_eps=self.algo.clip_eps, ref_logp=ref_logp,
                          kl_coef=self.algo.kl_coef, off_policy=self.algo.off_policy,
                          is_cap=self.algo.is_cap)
+
+
+def _loss_mask(tensors) -> torch.Tensor:
+    """The trained tokens of a collated micro-batch (``collate`` or ``collate_shared``)."""
+    return tensors[3] if len(tensors) == 5 else tensors[2][:, 1:]
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -339,6 +392,26 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             parts.append([i])
     return parts
+
+
+def collate_shared(batch, pad_id: int):
+    """``(prompt, responses, attention, loss_mask, behaviour_logp)`` of rows that share
+    their prompt: ``prompt`` ``[1, P]``, the rest ``[B, R]`` right-padded responses
+    (position ``j`` describes response token ``j``)."""
+    width = max(len(t.response_ids) for t in batch)
+    B = len(batch)
+    prompt = torch.tensor([list(batch[0].prompt_ids)], dtype=torch.long)
+    resp = torch.full((B, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.float32)
+    behaviour = torch.zeros((B, width), dtype=torch.float32)
+    for i, t in enumerate(batch):
+        r = len(t.response_ids)
+        resp[i, :r] = torch.tensor(t.response_ids, dtype=torch.long)
+        attn[i, :r] = 1
+        mask[i, :r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        behaviour[i, :r] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return prompt, resp, attn, mask, behaviour
 
 
 def collate(batch, pad_id: int):

@@ -27,6 +27,7 @@ from rollart.env.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
 from rollart.env.trajectory import check_calls, tool_calls
+from rollart.trainer.losses import target_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -261,14 +262,11 @@ def _batches(make, n: int, ahead: Executor | None):
 
 def _step(model, opt, ids, attn, mask, obs_weight: float) -> float:
     """One supervised step; returns its loss."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
-        reduction="none").view(ids.size(0), -1)
     # Actions carry full weight; every other token (the env's text) is language-modelled
     # too (``obs_weight``), so the model learns to read observations instead of learning
     # that its output may ignore them (the random actions are context-free).
     target_mask = mask[:, 1:] + obs_weight * (attn[:, 1:] - mask[:, 1:]).clamp(min=0)
+    nll = -target_logprobs(model, ids, attn, target_mask > 0)
     loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -28,7 +28,9 @@ def evaluate(model_path: str, tasks, seeds, *, temperature: float = 1.0,
     """
     from rollart.rollout.engine import TorchEngine
 
-    engine = TorchEngine(model_path, max_batch=max_batch)
+    seeds = list(seeds)
+    engine = TorchEngine(model_path, max_batch=max_batch,
+                         prefix_cache=max(512, len(seeds)))
     fmt = ConversationFormat(engine.tokenizer, conversation, system_prompt=system_prompt,
                              max_context=context_budget(model_path, max_context),
                              model_path=model_path)
@@ -43,7 +45,7 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
         tools = env_tools(env) if fmt.mode == "chat" else []
         conv = fmt.start(TokenLog(), task, env.reset(seed), tools)
         episodes.append({"env": env, "conv": conv, "tools": tools, "done": False,
-                         "success": False})
+                         "success": False, "key": f"eval-{task.name}-{seed}"})
     try:
         for turn in range(task.max_turns):
             live = [e for e in episodes if not e["done"]]
@@ -53,9 +55,11 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
             live = [e for e in live if not e["done"]]
             if not live:
                 break
+            # cache_key: an episode's next turn forwards only its new tokens (the
+            # engine's prefix cache, sized to the batch)
             reqs = [GenRequest(e["conv"].log.ids, task.max_new_tokens, temperature, 1.0,
                                fmt.stop_ids, request_seed(sample_seed, f"{task.name}-{i}", turn),
-                               stop_strings=task.stop)
+                               stop_strings=task.stop, cache_key=e["key"])
                     for i, e in enumerate(live)]
             for e, res in zip(live, engine.generate(reqs)):
                 text = e["conv"].add_generation(res.token_ids, finish_reason=res.finish_reason)

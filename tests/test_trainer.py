@@ -257,12 +257,28 @@ def test_micro_batches_sort_by_length_and_bound_padded_tokens():
     assert micro_batches(lengths, 0) == [list(range(6))]
 
 
+def _one_update(model_dir, weights, batch, kl_coef, tokens, share=True):
+    """``Trainer._update`` on ``batch`` from fresh weights: ``(stats, gradients)``; with
+    KL, against a reference that differs from the policy."""
+    from rollart.trainer import Trainer
+
+    algo = GRPO(group_size=4, groups_per_step=3, kl_coef=kl_coef, micro_batch_tokens=tokens)
+    tr = Trainer(model_dir, str(weights), algo, seed=0)
+    tr.share_prompts = share
+    if kl_coef:
+        tr.ref_model = tr._frozen_copy().eval()
+        with torch.no_grad():
+            for p in tr.ref_model.parameters():
+                p.add_(0.01)
+    stats = tr._update(batch)
+    return stats, {k: p.grad.clone() for k, p in tr.model.named_parameters()
+                   if p.grad is not None}
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 def test_micro_batched_update_equals_the_whole_batch_update(tiny_model, tmp_path, kl_coef):
     """Same token-mean loss, same gradient, same step: micro-batches only change how the
     batch is cut (and how much padding is computed)."""
-    from rollart.trainer import Trainer
-
     rng = random.Random(0)
     batch = []
     for g in range(3):
@@ -274,19 +290,9 @@ def test_micro_batched_update_equals_the_whole_batch_update(tiny_model, tmp_path
                       [-rng.random() * 3 if m else 0.0 for m in mask], group=f"g{g}",
                       reward=rng.random())
             batch.append(t)
-    out = {}
-    for tokens in (0, 24):
-        algo = GRPO(group_size=4, groups_per_step=3, kl_coef=kl_coef, micro_batch_tokens=tokens)
-        tr = Trainer(tiny_model, str(tmp_path / f"w{tokens}"), algo, seed=0)
-        if kl_coef:
-            tr.ref_model = tr._frozen_copy().eval()
-            with torch.no_grad():  # a reference that differs from the policy
-                for p in tr.ref_model.parameters():
-                    p.add_(0.01)
-        stats = tr._update(batch)
-        out[tokens] = (stats, {k: p.grad.clone() for k, p in tr.model.named_parameters()
-                               if p.grad is not None})
-    (whole, g_whole), (micro, g_micro) = out[0], out[24]
+    (whole, g_whole), (micro, g_micro) = (
+        _one_update(tiny_model, tmp_path / f"w{tokens}", batch, kl_coef, tokens)
+        for tokens in (0, 24))
     assert whole["trainer/micro_batches"] == 1 and micro["trainer/micro_batches"] > 3
     for k in ("trainer/loss", "trainer/grad_norm", "trainer/clip_frac", "trainer/tokens"):
         assert micro[k] == pytest.approx(whole[k], rel=1e-4, abs=1e-6), k
@@ -304,8 +310,6 @@ def test_shared_prompt_update_equals_the_per_row_update(tiny_model, tmp_path, kl
     """A group's members computed on their prompt's KV (the prompt forwarded once per
     part) give the per-row forward's loss, statistics and gradient; rows without
     a partner, and a group cut into parts by ``micro_batch_tokens``, included."""
-    from rollart.trainer import Trainer
-
     rng = random.Random(1)
     batch = []
     for g in range(3):
@@ -318,21 +322,9 @@ def test_shared_prompt_update_equals_the_per_row_update(tiny_model, tmp_path, kl
                                [-rng.random() * 3 if m else 0.0 for m in mask],
                                group=f"g{g}", reward=rng.random()))
     batch.append(_traj([5, 6, 7], [8, 9], [1, 1], [-1.0, -2.0], group="solo", reward=1.0))
-    out = {}
-    for share in (False, True):
-        algo = GRPO(group_size=4, groups_per_step=3, kl_coef=kl_coef,
-                    micro_batch_tokens=tokens)
-        tr = Trainer(tiny_model, str(tmp_path / f"w{share}"), algo, seed=0)
-        tr.share_prompts = share
-        if kl_coef:
-            tr.ref_model = tr._frozen_copy().eval()
-            with torch.no_grad():  # a reference that differs from the policy
-                for p in tr.ref_model.parameters():
-                    p.add_(0.01)
-        stats = tr._update(batch)
-        out[share] = (stats, {k: p.grad.clone() for k, p in tr.model.named_parameters()
-                              if p.grad is not None})
-    (plain, g_plain), (shared, g_shared) = out[False], out[True]
+    (plain, g_plain), (shared, g_shared) = (
+        _one_update(tiny_model, tmp_path / f"w{share}", batch, kl_coef, tokens, share)
+        for share in (False, True))
     assert plain["trainer/shared_prompt_rows"] == 0
     assert shared["trainer/shared_prompt_rows"] == 12  # every group's members; not "solo"
     if tokens:  # a group's prompt + padded responses over 40 tokens: cut in parts

@@ -70,21 +70,9 @@ class _Batch:
             self._join(remote, start)
 
     def _join(self, new: list[_Row], start) -> None:
-        logits, mask, next_pos, cache = start
         self.engine.batches += 1
-        if not self.rows:
-            self.rows, self.logits, self.mask, self.next_pos, self.cache = \
-                new, logits, mask, next_pos, cache
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-        for old, add in zip(self.cache.layers, cache.layers):
-            old.keys = torch.cat([pd.left_pad(old.keys, width),
-                                  pd.left_pad(add.keys, width)])
-            old.values = torch.cat([pd.left_pad(old.values, width),
-                                    pd.left_pad(add.values, width)])
-        self.mask = torch.cat([pd.left_pad(self.mask, width), pd.left_pad(mask, width)])
-        self.logits = torch.cat([self.logits, logits])
-        self.next_pos = torch.cat([self.next_pos, next_pos])
+        parts = [(self.logits, self.mask, self.next_pos, self.cache)] if self.rows else []
+        self.logits, self.mask, self.next_pos, self.cache = pd.concat_starts(parts + [start])
         self.rows = self.rows + new
 
     def finish_empty(self) -> list[_Row]:

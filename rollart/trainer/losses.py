@@ -128,8 +128,12 @@ def shares_prompts(model) -> bool:
     """Whether ``shared_prompt_logprobs`` can run ``model``: its forward takes
     ``position_ids`` and a KV cache it returns (a Hugging Face causal LM)."""
     takes_cache, _, cache_arg = _forward_takes(type(model))
-    params = inspect.signature(type(model).forward).parameters
-    return takes_cache and cache_arg is not None and "position_ids" in params
+    return takes_cache and cache_arg is not None and _takes_positions(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_positions(cls) -> bool:
+    return "position_ids" in inspect.signature(cls.forward).parameters
 
 
 @functools.lru_cache(maxsize=None)

@@ -62,15 +62,13 @@ def judge_model(path: Path, tasks, hidden: int, layers: int) -> str:
 def start_dedicated(client, cluster) -> str:
     """Start the always-on worker before the run, named as the ``DEDICATED`` pool's
     first worker, so that pool (max one worker) finds itself full and never scales."""
-    from distributed import Nanny, Worker
+    from distributed import Worker
 
     from rollart.reward.elastic import ElasticPool
     from rollart.resources import worker_nanny
 
-    processes = any(isinstance(s.get("cls"), type) and issubclass(s["cls"], Nanny)
-                    for s in cluster.worker_spec.values())
-    name = f"elastic-{DEDICATED.lower()}-0"
-    assert ElasticPool(cluster, DEDICATED).prefix + "-0" == name
+    pool = ElasticPool(cluster, DEDICATED)  # its naming and its reading of the cluster
+    processes, name = pool.processes, pool.prefix + "-0"
     options = {"nthreads": 1, "resources": {DEDICATED: 1}, "name": name,
                "memory_limit": 0}
     if processes:

@@ -41,6 +41,7 @@ import time
 
 from rollart.buffer.ledger import STATES
 from rollart.buffer.slots import GroupSequence
+from rollart.pipeline.figures import rollout_figures
 from rollart.staleness import StalenessBound
 from rollart.watchdog import Watchdog
 
@@ -412,7 +413,7 @@ class Pipeline(abc.ABC):
         return {f"traj/{k}": c[k] for k in ("launched", *STATES)}
 
     def rollout_stats(self) -> dict:
-        """Cumulative engine and env-manager figures (for throughput and busy fraction)."""
+        """Cumulative engine and env-manager figures (``rollart.pipeline.figures``)."""
         ws = []
         for w, _, _ in list(self.actors.workers):
             try:
@@ -420,36 +421,7 @@ class Pipeline(abc.ABC):
             except Exception as e:
                 if not self.lost(e, w):
                     raise
-        ms = self.call_managers("stats")
-        turns = sum(m["turns"] for m in ms)
-        return {
-            "rollout/tokens_generated": sum(w["tokens_generated"] for w in ws),
-            "rollout/engine_busy_s": sum(w["busy_seconds"] for w in ws),
-            "rollout/requests": sum(w.get("requests", 0) for w in ws),  # admitted
-            "rollout/suspends": sum(w.get("suspends", 0) for w in ws),
-            "rollout/turns": turns,
-            # a group that ended in error: the env managers' own (a run_group that raised
-            # in take_work) and the driver's (a take_work loop that raised); cumulative
-            # per live manager (a replaced manager starts again at 0)
-            "rollout/group_errors": len(self.errors) + sum(m.get("group_errors", 0)
-                                                           for m in ms),
-            "rollout/backups": sum(m.get("backups", 0) for m in ms),  # backup_after
-            # plain rewards run on the env manager's own worker vs as Dask tasks
-            "rollout/rewards_here": sum(m.get("rewards_here", 0) for m in ms),
-            "rollout/reward_tasks": sum(m.get("reward_tasks", 0) for m in ms),
-            "rollout/turn_overhead_s": sum(m["turn_overhead_s"] * m["turns"] for m in ms)
-            / max(turns, 1),
-            "env/step_p99_s": max((m["env_step_p99"] for m in ms), default=0.0),
-            # share of prompt tokens served from a worker's prefix cache; KV moved for PD
-            "rollout/prefix_reuse": sum(w.get("prefix_hit_tokens", 0) for w in ws)
-            / max(sum(w.get("prefix_prompt_tokens", 0) for w in ws), 1),
-            "rollout/kv_bytes_moved": sum(w.get("kv_bytes_received", 0) for w in ws),
-            # prefill: padding computed per token forwarded; rows that shared another's
-            # forward (a group's equal first prompts; cumulative)
-            "rollout/prefill_padding": _ratio(sum(w.get("prefill_padded", 0) for w in ws),
-                                              sum(w.get("prefill_tokens", 0) for w in ws)),
-            "rollout/prefill_shared": sum(w.get("prefill_shared", 0) for w in ws),
-        }
+        return rollout_figures(ws, self.call_managers("stats"), len(self.errors))
 
     def run_batch(self, groups: list[tuple]):
         """Start a lockstep batch, split across the env managers; returns futures."""
@@ -503,7 +475,3 @@ class Pipeline(abc.ABC):
                 fut = self.restart_group(gid, redundancy)
         self.placed.pop(gid, None)
 
-
-def _ratio(padded: int, tokens: int) -> float:
-    """Padding computed per token forwarded (0 when nothing was forwarded)."""
-    return padded / tokens - 1.0 if tokens else 0.0

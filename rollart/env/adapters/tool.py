@@ -1,11 +1,12 @@
 """A tool-use environment: the model calls a Python tool that runs in a sandboxed
 subprocess; results come back as tool messages.
 
-``run_python(code, limits)`` runs code in a fresh ``python -I`` child (empty environment,
-a temporary working directory, no stdin) that first caps itself with ``setrlimit``
-(CPU seconds, address space, file size, open files) and is killed at a wall-clock
-time-out; it returns ``ToolResult(ok, output)`` with stdout (or the error's last line),
-truncated. A lone expression's value is printed, like a REPL.
+``run_python(code, limits)`` runs code in a fresh process (``rollart.env.sandbox``:
+forked from a clean ``python -I`` zygote; empty environment, a temporary working
+directory, no stdin) that first caps itself with ``setrlimit`` (CPU seconds, address
+space, file size, open files) and is killed at a wall-clock time-out; it returns
+``ToolResult(ok, output)`` with stdout (or the error's last line), truncated. A lone
+expression's value is printed, like a REPL.
 
 ``CalcToolEnv`` is a task for it: ``calc : what is 7 * 8 ? use python or answer . act :``.
 It declares one tool, ``python`` (``{"code": string}``; ``rollart.env.protocol.ToolEnv``),
@@ -26,17 +27,14 @@ toy in raw mode; the default, as the ``calc`` name and ``graphs/ecosystem.py`` u
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from functools import partial
 
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
+from rollart.env.sandbox import run_code
 from rollart.env.tools import (
     ToolCall,
     ToolError,
@@ -64,51 +62,26 @@ class ToolResult:
     output: str
 
 
-_CHILD = """\
-import resource, sys
-cpu, mem = int(sys.argv[1]), int(sys.argv[2]) * 1024 * 1024
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
-code = sys.stdin.read()
-del resource, cpu, mem
-try:
-    tree = compile(code, "<tool>", "eval")
-except SyntaxError:
-    exec(compile(code, "<tool>", "exec"), {"__name__": "__tool__"})
-else:
-    value = eval(tree, {"__name__": "__tool__"})
-    if value is not None:
-        print(value)
-"""
-
-
-def run_python(code: str, limits: ToolLimits = ToolLimits()) -> ToolResult:
-    """Run ``code`` in a sandboxed subprocess under ``limits``.
+def run_python(code: str, limits: ToolLimits = ToolLimits(), fresh: bool = False) -> ToolResult:
+    """Run ``code`` sandboxed under ``limits`` (``rollart.env.sandbox``: a process forked
+    for the call from a clean zygote; ``fresh=True``: an interpreter started for it).
 
     >>> run_python("6 * 7")
     ToolResult(ok=True, output='42')
     >>> run_python("1 / 0").output
     'ZeroDivisionError: division by zero'
     """
-    with tempfile.TemporaryDirectory(prefix="rollart-tool-") as cwd:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-S", "-c", _CHILD, str(limits.cpu_seconds),
-                 str(limits.memory_mb)],
-                input=code, capture_output=True, text=True, cwd=cwd,
-                env={"PATH": os.defpath}, timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            return ToolResult(False, f"timeout after {limits.wall_seconds}s")
-    if proc.returncode == 0:
-        return ToolResult(True, proc.stdout.strip()[: limits.max_output])
-    err = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+    done = run_code(code, limits.cpu_seconds, limits.memory_mb, limits.wall_seconds, fresh)
+    if done.timed_out:
+        return ToolResult(False, f"timeout after {limits.wall_seconds}s")
+    if done.returncode == 0:
+        return ToolResult(True, done.stdout.strip()[: limits.max_output])
+    err = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         return ToolResult(False, f"cpu time limit of {limits.cpu_seconds}s exceeded")
-    if proc.returncode < 0:
-        return ToolResult(False, f"killed by signal {-proc.returncode}")
-    return ToolResult(False, (err[-1] if err else f"exit {proc.returncode}")
+    if done.returncode < 0:
+        return ToolResult(False, f"killed by signal {-done.returncode}")
+    return ToolResult(False, (err[-1] if err else f"exit {done.returncode}")
                       [: limits.max_output])
 
 

@@ -67,7 +67,31 @@ def _train(args) -> int:
         print(format_evaluation(result.evaluation))
     print("last step: " + " ".join(f"{k}={v:.3f}" for k, v in last.items()
                                    if k.startswith(("reward/", "success/"))))
+    if result.timings:
+        print(format_timings(result.timings))
     return 0
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def format_timings(t: dict) -> str:
+    """Where a run's wall time went (``RunResult.timings``), as ``train`` prints it.
+
+    >>> format_timings({"total_s": 300.0, "rl_s": 240.0, "rl_steps": 100, "other_s": 60.0})
+    'time: 5.0 min: 100 RL steps 4.0 min (2.40 s a step), the rest (start-up, saving) 60 s'
+    """
+    parts = []
+    if t.get("warmup_s"):
+        parts.append(f"warm-up {_span(t['warmup_s'])}")
+    if t.get("rl_steps"):
+        parts.append(f"{t['rl_steps']} RL steps {_span(t['rl_s'])} "
+                     f"({t['rl_s'] / t['rl_steps']:.2f} s a step)")
+    if t.get("evaluation_s"):
+        parts.append(f"evaluation {_span(t['evaluation_s'])}")
+    parts.append(f"the rest (start-up, saving) {_span(t.get('other_s', 0.0))}")
+    return f"time: {_span(t['total_s'])}: " + ", ".join(parts)
 
 
 def format_evaluation(ev: dict) -> str:

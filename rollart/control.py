@@ -60,6 +60,10 @@ class RunResult:
     evaluation: dict | None = None
     recovery: list = field(default_factory=list)  # lost actors replaced (rollart.recovery)
     final_counts: dict = field(default_factory=dict)  # the ledger after shutdown
+    #: where the run's wall time went, in seconds (``timings.json``): ``total_s``,
+    #: ``warmup_s``, ``rl_s`` and ``rl_steps`` (this session's), ``evaluation_s``, and
+    #: ``other_s`` (cluster and actor start-up, first weights, saving)
+    timings: dict = field(default_factory=dict)
 
 
 def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
@@ -144,6 +148,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     from rollart.preflight import (RunDirError, check_checkpoints, check_cluster_tags,
                                    check_run_dir, check_weight_store)
 
+    started = time.time()
     ckpt = None
     if resume is not None:
         if overwrite:
@@ -191,7 +196,7 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
                         eval_seeds=eval_seeds, resources_source=source,
                         store_url=weights_url, ckpt=ckpt, checkpoint_url=checkpoint_url,
-                        graph_source=graph_src, trackers=trackers)
+                        graph_source=graph_src, trackers=trackers, started=started)
 
 
 def override(graph: Graph, **changes) -> Graph:
@@ -248,9 +253,11 @@ def preload(client, graph: Graph) -> None:
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
              progress: bool, eval_seeds: int, resources_source: str,
              store_url: str | None = None, ckpt=None, checkpoint_url: str | None = None,
-             graph_source: str | None = None, trackers=None) -> RunResult:
+             graph_source: str | None = None, trackers=None,
+             started: float | None = None) -> RunResult:
     """Start actors, warm up, then alternate: keep groups flowing, step the trainer.
-    ``trackers`` (``rollart.trackers.Trackers``) get every metrics row as it is logged."""
+    ``trackers`` (``rollart.trackers.Trackers``) get every metrics row as it is logged;
+    ``started`` (``time.time()``) is when the run began, for ``RunResult.timings``."""
     from rollart import checkpoint
     from rollart.progress import phase, warmup_bar
     from rollart.samples import SampleFeed
@@ -259,6 +266,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     from rollart.reward.elastic import reward_metrics, start_pools
 
     trackers = trackers if trackers is not None else Trackers([])
+    started = time.time() if started is None else started
+    times = {"warmup_s": 0.0, "rl_s": 0.0, "rl_steps": 0, "evaluation_s": 0.0}
     stages = Stages(client, graph, model_path, run_dir, store_url=store_url)
     with phase("starting the actors (trainer, sample buffer, inference workers, env "
                "managers)", progress):
@@ -271,6 +280,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         if (run_dir / "warmup_model").is_dir():
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
+        t_warm = time.time()
         p = graph.policy
         total = p.warmup_total_steps
         waits, on = stages.waits, f"on {actors.trainer._address}"
@@ -285,6 +295,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                              waits.call, f"the trainer {on} did not save the warm-up model")
         bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
                 if p.warmup_bare_tool_steps else "")
+        times["warmup_s"] = time.time() - t_warm
         print(f"warm-up: {total} format steps{bare}, loss {info['warmup/loss_first']:.3f}"
               f" -> {info['warmup/loss_last']:.3f}")
     with phase("loading the first weights on the inference workers", progress):
@@ -309,7 +320,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     trackers.start(run_dir, run_dir.name, {
         "graph": {"source": graph_source, **graph.to_dict()},
         "resources": {"source": resources_source, **actors.placement}})
-    running = True
+    running, t_rl = True, time.time()
     try:
         bar = _progress(graph.steps, progress)
         bar.update(first - 1)
@@ -335,11 +346,13 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                                 resources={"source": resources_source, **actors.placement},
                                 elapsed=metrics["time"])
             bar.update(1)
+            times["rl_steps"] += 1
             bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in metrics.items()
                                          if k.startswith("reward/") and k != "reward/mean"))
             if not running:
                 break
         bar.close()
+        times["rl_s"] = time.time() - t_rl
         model_dir = bounded(actors.trainer.save(str(run_dir / "model")), stages.waits.call,
                             f"the trainer on {actors.trainer._address} did not save the "
                             "model")
@@ -359,9 +372,16 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir, recovery=events,
                        final_counts=final_counts)
     if eval_seeds:
+        t_eval = time.time()
         with phase(f"held-out evaluation ({eval_seeds} seeds per task)", progress):
             result.evaluation = _evaluate_run(graph, result, eval_seeds)
         (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
+        times["evaluation_s"] = time.time() - t_eval
+    times["total_s"] = time.time() - started
+    times["other_s"] = times["total_s"] - times["warmup_s"] - times["rl_s"] - times[
+        "evaluation_s"]
+    result.timings = {k: round(v, 2) for k, v in times.items()}
+    (run_dir / "timings.json").write_text(json.dumps(result.timings, indent=2))
     return result
 
 

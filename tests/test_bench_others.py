@@ -1,5 +1,6 @@
-"""benchmarks/kv_transfer.py, reward_pool.py, weight_sync.py and calc_copy.py run tiny and
-report figures that make sense (their full runs are scripts, not tests: see the README)."""
+"""benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py and
+calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
+not tests: see the README)."""
 
 import importlib
 import math
@@ -72,6 +73,22 @@ def test_reward_pool_tiny():
     assert 0 < r["worker_s_serverless_threads"] <= r["run_s_serverless_threads"] + 1
     assert math.isclose(r["worker_s_ratio_threads"], r["worker_s_serverless_threads"]
                         / r["worker_s_dedicated_threads"], rel_tol=0.01)
+
+
+@pytest.mark.bench
+def test_tool_sandbox_tiny():
+    """Both sandboxes answered every call right and built the same warm-up batches (the
+    script checks both), and the speed-ups are the ratios of the figures it printed."""
+    r = _bench("tool_sandbox", "--quick")
+    for side in ("fresh", "zygote"):
+        for k in ("seq_ms", "cpu_ms", "par_calls_s", "calc_batches_s"):
+            assert 0 < r[f"{k}_{side}"] < math.inf, (k, side, r)
+    assert math.isclose(r["seq_speedup"], r["seq_ms_fresh"] / r["seq_ms_zygote"], rel_tol=0.02)
+    assert math.isclose(r["par_speedup"], r["par_calls_s_zygote"] / r["par_calls_s_fresh"],
+                        rel_tol=0.02)
+    assert math.isclose(r["calc_speedup"],
+                        r["calc_batches_s_zygote"] / r["calc_batches_s_fresh"], rel_tol=0.02)
+    assert r["blocks"] == 1
 
 
 @pytest.mark.bench

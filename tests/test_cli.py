@@ -114,6 +114,10 @@ def test_second_run_in_the_same_dir(local_cluster, tiny_model, tmp_path):
     assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert WeightStore(str(run_dir / "weights")).versions() == [2, 3, 4]
+    # where the time went: this run's four steps, no warm-up (a model folder was given)
+    t = result.timings
+    assert json.loads((run_dir / "timings.json").read_text()) == t
+    assert t["rl_steps"] == 4 and t["warmup_s"] == 0 and 0 < t["rl_s"] < t["total_s"]
 
 
 def test_eval_on_a_folder_that_is_not_a_model(tmp_path, capsys):

@@ -48,7 +48,7 @@ list's ~219-token system turn sits before the question (with the tool undeclared
 alone copies 46 of 64 after 300 steps, with it 0: ``calc_copy.py --no-tools``).
 Learned first in that short context, it carries over: ``BARE_TOOL_STEPS``
 (``Policy.warmup_bare_tool_steps``: 300 steps on calc alone, tool undeclared, loss on
-the model's turns only, ~3 min on 2 cores) before the 150, and the warm-up policy's calls hold
+the model's turns only, 1.2-3 min on 2 cores) before the 150, and the warm-up policy's calls hold
 the whole question 49, 55 and 46 times in 64 (seeds 0-2; with 200 steps 53, 26 and
 38: ``benchmarks/calc_copy.py --steps 150 --lr 1e-3 --bare-tool-steps N --seed S``).
 Second, RL must not drop the tool for its penalties: with GRPO's per-group std, a calc
@@ -57,8 +57,8 @@ a success, and RL stopped calling the tool on two seeds of three (200 first-stag
 steps: calc's held-out success 0.12 -> 0.02, 0.03 -> 0.02; seed 2: 0.11 -> 0.43); with
 ``scale_rewards="batch"`` (the batch's std) it keeps calling and learns the copy and the
 answer (200 first-stage steps: seeds 0 and 2, 0.12 -> 0.46, 0.11 -> 0.43, not seed 1,
-whose warm-up copied least, 0.03 -> 0.06; 300, this graph: 0.27 -> 0.91, 0.08 -> 0.42,
-0.12 -> 0.81 on 256 held-out seeds).
+whose warm-up copied least, 0.03 -> 0.06; 300, this graph: 0.21 -> 0.61, 0.09 -> 0.47,
+0.12 -> 0.83 on 256 held-out seeds, commit 9ef1c22).
 
 The warm-up and step counts are sized for two shared CPU cores (``quick``: the
 slow end-to-end test's shorter run); the README's "Bring your own model" section has the

@@ -241,11 +241,10 @@ class _Zygote:
         self._close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with theirs:
-            self._cwd = tempfile.mkdtemp(prefix="rollart-zygote-")
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _ZYGOTE, str(theirs.fileno()),
                  str(KEEP_BYTES)],
-                pass_fds=(theirs.fileno(),), env=_sandbox_env(), cwd=self._cwd,
+                pass_fds=(theirs.fileno(),), env=_sandbox_env(), cwd="/",
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True)
         self._control, self._pid = ours, os.getpid()
@@ -261,10 +260,6 @@ class _Zygote:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-            try:
-                os.rmdir(self._cwd)
-            except OSError:
-                pass
         self._proc = None
 
     def submit(self, request: bytes) -> socket.socket:

@@ -259,11 +259,11 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     ``trackers`` (``rollart.trackers.Trackers``) get every metrics row as it is logged;
     ``started`` (``time.time()``) is when the run began, for ``RunResult.timings``."""
     from rollart import checkpoint
-    from rollart.progress import phase, warmup_bar
+    from rollart.progress import phase
     from rollart.samples import SampleFeed
     from rollart.trackers import Trackers
     from rollart.report import MetricsLog, plot_rewards
-    from rollart.reward.elastic import reward_metrics, start_pools
+    from rollart.reward.elastic import start_pools
 
     trackers = trackers if trackers is not None else Trackers([])
     started = time.time() if started is None else started
@@ -281,30 +281,10 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
         t_warm = time.time()
-        p = graph.policy
-        total = p.warmup_total_steps
-        waits, on = stages.waits, f"on {actors.trainer._address}"
-        info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
-            graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
-            threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
-            episode_threads=p.warmup_episode_threads,
-            **p.conversation_options()), waits.warmup(total),
-            f"the trainer's warm-up ({total} steps) {on} did not finish",
-            "warmup-step"), total, progress)
-        warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
-                             waits.call, f"the trainer {on} did not save the warm-up model")
-        bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
-                if p.warmup_bare_tool_steps else "")
+        warmup_dir = _warm_up(actors, stages, graph, run_dir, progress)
         times["warmup_s"] = time.time() - t_warm
-        print(f"warm-up: {total} format steps{bare}, loss {info['warmup/loss_first']:.3f}"
-              f" -> {info['warmup/loss_last']:.3f}")
     with phase("loading the first weights on the inference workers", progress):
-        v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
-                     f"{actors.trainer._address} did not publish its first weights")
-        for call in ("update_weights", "wait_version"):
-            for w, tag, addr in actors.workers:
-                bounded(getattr(w, call)(v0), stages.waits.call, f"the InferenceWorker "
-                        f"on {addr} ({tag}) did not load weights v{v0} ({call})")
+        _first_weights(actors, stages)
     pipeline = make_pipeline(actors, graph)
     pipeline.supervisor = Supervisor(stages, actors, checkpoint_url=checkpoint_url)
     log = MetricsLog(run_dir / "metrics.jsonl")
@@ -325,15 +305,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         bar = _progress(graph.steps, progress)
         bar.update(first - 1)
         for step in range(first, graph.steps + 1):
-            metrics = _step(client, pipeline, step, run_dir)
-            metrics.update(pipeline.counts())
-            metrics.update(pipeline.rollout_stats())
-            if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
-                metrics.update(reward_metrics(client, pools, actors.managers))
-            metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)
-            metrics["recovery/groups_restarted"] = pipeline.restarted_groups
-            metrics["rollout/groups_refilled"] = pipeline.refilled_groups
-            metrics["time"] = time.time() - t_start
+            metrics = _step_metrics(client, pipeline, step, run_dir, pools, t_start)
             running = monitor.step(metrics)  # False once rollart.metrics.request_stop(run)
             log.write(metrics)
             trackers.log_step(step, metrics)
@@ -383,6 +355,60 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     result.timings = {k: round(v, 2) for k, v in times.items()}
     (run_dir / "timings.json").write_text(json.dumps(result.timings, indent=2))
     return result
+
+
+def _warm_up(actors: Actors, stages: Stages, graph: Graph, run_dir: Path,
+             progress: bool) -> str:
+    """The built-in model's format warm-up on the trainer (``Trainer.warmup``, bounded by
+    ``Waits.warmup``), saved to ``RUN/warmup_model``; returns that folder."""
+    from rollart.progress import warmup_bar
+
+    p = graph.policy
+    total = p.warmup_total_steps
+    waits, on = stages.waits, f"on {actors.trainer._address}"
+    info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
+        graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
+        threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
+        episode_threads=p.warmup_episode_threads,
+        **p.conversation_options()), waits.warmup(total),
+        f"the trainer's warm-up ({total} steps) {on} did not finish",
+        "warmup-step"), total, progress)
+    warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
+                         waits.call, f"the trainer {on} did not save the warm-up model")
+    bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
+            if p.warmup_bare_tool_steps else "")
+    print(f"warm-up: {total} format steps{bare}, loss {info['warmup/loss_first']:.3f}"
+          f" -> {info['warmup/loss_last']:.3f}")
+    return warmup_dir
+
+
+def _first_weights(actors: Actors, stages: Stages) -> None:
+    """The trainer publishes its weights; every inference worker loads them."""
+    v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
+                 f"{actors.trainer._address} did not publish its first weights")
+    for call in ("update_weights", "wait_version"):
+        for w, tag, addr in actors.workers:
+            bounded(getattr(w, call)(v0), stages.waits.call, f"the InferenceWorker "
+                    f"on {addr} ({tag}) did not load weights v{v0} ({call})")
+
+
+def _step_metrics(client, pipeline, step: int, run_dir: Path, pools: list,
+                  t_start: float) -> dict:
+    """One pipeline step (``_step``) and its metrics row: the ledger's counts, rollout
+    figures, serverless reward pools, recovery counters and ``time`` since ``t_start``."""
+    from rollart.reward.elastic import reward_metrics
+
+    graph, actors = pipeline.graph, pipeline.actors
+    metrics = _step(client, pipeline, step, run_dir)
+    metrics.update(pipeline.counts())
+    metrics.update(pipeline.rollout_stats())
+    if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
+        metrics.update(reward_metrics(client, pools, actors.managers))
+    metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)
+    metrics["recovery/groups_restarted"] = pipeline.restarted_groups
+    metrics["rollout/groups_refilled"] = pipeline.refilled_groups
+    metrics["time"] = time.time() - t_start
+    return metrics
 
 
 def _step(client, pipeline, step: int, run_dir: Path) -> dict:

@@ -405,6 +405,13 @@ def test_closing_a_manager_ends_its_take_work_with_its_summary(rollout, tiny_mod
     buf.close().result()
 
 
+def _outcome(fut) -> str:
+    try:
+        return repr(fut.result(timeout=5))
+    except Exception as e:  # noqa: BLE001 - reported
+        return f"raised {type(e).__name__}: {e}"
+
+
 def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
         rollout, tiny_model):
     """A group whose ``run_group`` raises inside ``take_work`` (here: its member ids are
@@ -439,7 +446,9 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
         ended = loop.done()
         if mgr.stats().result()["group_errors"] >= 1:
             break
-        assert time.monotonic() < deadline and not ended
+        if ended:  # take_work ended before the group's error was counted: say how
+            pytest.fail(f"take_work ended first: {_outcome(loop)}")
+        assert time.monotonic() < deadline
         time.sleep(0.05)
     stats = pipeline.rollout_stats()
     assert stats["rollout/group_errors"] == 1

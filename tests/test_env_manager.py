@@ -425,10 +425,13 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     from rollart.stages import Actors
 
     c, _, _, workers = rollout
+    # keys of their own: test_error_text_is_kept_on_the_trajectory's "buf-errors" is a
+    # buffer it closed, and Dask hands back the actor of a key it still holds (once, in
+    # the full suite, take_work asked that closed buffer and ended at once)
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-errors").result()
+                   key="buf-take-errors").result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-errors").result()
+                   resources={CPU_ENV: 1}, key="mgr-take-errors").result()
     task = _task("clash")
     graph = Graph(name="errors", tasks=(task,), mode="async",
                   algo=GRPO(group_size=2, groups_per_step=1))

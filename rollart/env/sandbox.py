@@ -248,6 +248,8 @@ class _Zygote:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True)
         self._control, self._pid = ours, os.getpid()
+        if not self.starts:  # closed at exit; registered on first use, not at import
+            atexit.register(self.close)
         self.starts += 1
 
     def _close(self) -> None:
@@ -292,7 +294,6 @@ class _Zygote:
 
 
 _ZYGOTE_PROCESS = _Zygote()
-atexit.register(_ZYGOTE_PROCESS.close)
 
 
 def run_code(code: str, cpu_seconds: int, memory_mb: int, wall_seconds: float,

@@ -2,7 +2,7 @@
 heuristic and the optimal policy on every built-in task (``rollart.env.scripted``).
 
 These are the context of every success figure rollart reports: the same held-out seeds
-``rollart train`` evaluates on (``rollart.control.EVAL_SEED_BASE`` on, 64 per task as
+``rollart train`` evaluates on (``rollart.types.EVAL_SEED_BASE`` on, 64 per task as
 its default ``--eval-seeds``), played by scripted players instead of a model. No model
 and no cluster: it runs in seconds. Ends with one line
 

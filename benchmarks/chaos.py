@@ -2,7 +2,7 @@
 
 One async run of N trainer steps on a tagged cluster (two env workers; no ``BUFFER``
 tag, so the sample buffer goes on the trainer's worker, its first fallback:
-``rollart.stages.buffer_worker``) where
+``rollart.control.stages.buffer_worker``) where
 
 * about 20% of trajectories hit an injected env failure (per-step probability derived
   from the task's turns), and 2% of steps hang (cut by ``env_step_timeout``);
@@ -73,7 +73,7 @@ ROLES = {"CPU_ENV": {"env"}, "H800": {"inference"}, "H20": {"inference"},
 
 
 def chaos_resources(processes: bool):
-    from rollart.resources import Pool, Resources
+    from rollart.runtime.resources import Pool, Resources
     from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
     return Resources(pools=(
@@ -185,8 +185,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def killer(cluster, client, run_dir: Path, at_step: int, tag: str, kills: list,
            restart_after: float | None) -> None:
-    from rollart.recovery import lose_worker
-    from rollart.resources import workers_with
+    from rollart.control.supervisor import lose_worker
+    from rollart.runtime.resources import workers_with
 
     while len(_rows(run_dir)) < at_step:
         time.sleep(0.05)
@@ -205,8 +205,8 @@ def trainer_killer(cluster, client, run_dir: Path, after_step: int, kills: list,
     that step's batch ``taken`` (``_took``), or half the mean step time so far if that
     is not seen first; ``mid_step``: that step's row is still not there. (Waiting only
     the half step let a fast step finish first: ``trainer_mid_step=0``.)"""
-    from rollart.recovery import lose_worker
-    from rollart.resources import workers_with
+    from rollart.control.supervisor import lose_worker
+    from rollart.runtime.resources import workers_with
     from rollart.types import TRAIN
 
     while len(_rows(run_dir)) < after_step:
@@ -270,9 +270,9 @@ def replacements_needed(kills: list[dict]) -> int:
 
 def stopper(run_dir: Path, steps: int, kills: list, killer_threads, wait: float,
             n_kills: int = 1) -> None:
-    """Ask the run to stop (``rollart.metrics.request_stop``) when ``should_stop``
+    """Ask the run to stop (``rollart.observe.metrics.request_stop``) when ``should_stop``
     (the killers done: ``n_kills`` kills made, or their threads ended)."""
-    from rollart.metrics import request_stop
+    from rollart.observe.metrics import request_stop
 
     since = None
     while True:
@@ -313,9 +313,9 @@ def main() -> None:
 
     from rollart import train
     from rollart.buffer.ledger import STATES
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
     from rollart.types import CPU_ENV, H20, H800, TRAIN
-    from rollart.waits import close_bounded
+    from rollart.runtime.waits import close_bounded
 
     quiet()
     import dask

@@ -52,7 +52,7 @@ def trajectories(reqs, results, group_size: int):
 
 
 def rl_steps(args, model_path: str, store_url: str) -> dict:
-    from rollart.graph import GRPO
+    from rollart.config.graph import GRPO
     from rollart.rollout.vllm_engine import VLLMEngine
     from rollart.trainer import trainer_class
     from rollart.types import GenRequest

@@ -185,7 +185,7 @@ def dask_fetches(c, sizes: list[int], repeats: int, raw: dict | None = None) -> 
     """Per KV size, ``fetch_times`` on the client ``c``'s cluster (H800 → H20). With
     ``raw`` (a dict), each size's raw copies run just before its fetches, so both see
     the same load on the machine; they land in ``raw``."""
-    from rollart.resources import workers_with
+    from rollart.runtime.resources import workers_with
     from rollart.types import H20, H800
 
     out = {}
@@ -283,7 +283,7 @@ def pd_vs_colocated(host, ws, n: int, reps: int, decode_new: int) -> dict:
 
 def generation(c, quick: bool, reps: int, n: int) -> dict:
     """PD vs colocated and prefix reuse on the client ``c``'s cluster (H800, H20, CPU_ENV)."""
-    from rollart.affinity import Affinity
+    from rollart.policy.affinity import Affinity
     from rollart.model import build_tiny_model
     from rollart.rollout import InferenceWorker, LLMProxy
     from rollart.types import CPU_ENV, H20, H800

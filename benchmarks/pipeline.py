@@ -11,7 +11,7 @@ about once per 10 steps and are retried, pooled warm sandboxes; one scale factor
 Per seed (``--seeds``; the order of the runs shuffled by a seeded RNG and printed) each
 run trains ``--steps`` steps and keeps a checkpoint every ``--every`` steps. After the
 run (outside its timed window) each checkpoint's policy is evaluated on held-out seeds
-(``rollart.evaluate.evaluate``, seeds from ``rollart.control.EVAL_SEED_BASE``) and
+(``rollart.observe.evaluate.evaluate``, seeds from ``rollart.types.EVAL_SEED_BASE``) and
 mapped to the wall time its step finished (the metrics rows' ``time``, less the time
 the driver spent writing earlier checkpoints). A run's *time to target* is that of its
 first checkpoint at or above the target held-out success, which is fixed before any
@@ -88,10 +88,10 @@ def cached_warm_model(folder: str, tasks, steps: int) -> tuple[str, bool]:
 
 @contextlib.contextmanager
 def timed_checkpoints(durations: dict):
-    """Record how long the driver spends in each ``rollart.checkpoint.save`` (step ->
+    """Record how long the driver spends in each ``rollart.control.checkpoint.save`` (step ->
     seconds): the checkpoints exist for the held-out evaluation, so their time is taken
     out of the run's clock. The real ``save`` runs unchanged."""
-    from rollart import checkpoint
+    from rollart.control import checkpoint
 
     real = checkpoint.save
 
@@ -159,7 +159,7 @@ def _sum_stats(per_worker: dict) -> dict:
 def score(run: dict, tasks, seeds, target: float) -> dict:
     """Evaluate the run's checkpoints in step order until one reaches ``target``, and
     its last one; time to target (inf if none did) and the last held-out success."""
-    from rollart.evaluate import evaluate
+    from rollart.observe.evaluate import evaluate
 
     def heldout(path):
         success = evaluate(path, tasks, seeds)
@@ -272,7 +272,7 @@ def parse(argv) -> argparse.Namespace:
 
 def warm_up(a, tasks, seeds, tmp: str) -> tuple[str, float, float]:
     """The shared warm-up model, its held-out success and the target (fixed here)."""
-    from rollart.evaluate import evaluate
+    from rollart.observe.evaluate import evaluate
 
     t0 = time.time()
     model, reused = cached_warm_model(a.warm_cache or tmp, tasks, a.warmup_steps)
@@ -312,13 +312,13 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
 
 def main(argv=None) -> dict:
     a = parse(argv)
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
 
     quiet()
     from distributed import Client
 
     import rollart
-    from rollart.control import EVAL_SEED_BASE
+    from rollart.control.loop import EVAL_SEED_BASE
 
     base, _ = rollart.load_graph("multitask")
     base = replace(base, rollout=replace(base.rollout, inference_pools=("H800",)))

@@ -65,7 +65,7 @@ def start_dedicated(client, cluster) -> str:
     from distributed import Worker
 
     from rollart.reward.elastic import ElasticPool
-    from rollart.resources import worker_nanny
+    from rollart.runtime.resources import worker_nanny
 
     pool = ElasticPool(cluster, DEDICATED)  # its naming and its reading of the cluster
     processes, name = pool.processes, pool.prefix + "-0"
@@ -174,7 +174,7 @@ def main(argv=None) -> dict:
     if not kinds or set(kinds) - {"threads", "procs"}:
         raise SystemExit(f"--kinds takes threads and/or procs, got {a.kinds!r}")
 
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
 
     quiet()
     import rollart

@@ -17,7 +17,7 @@ gridnav: between the warm-up policy's ~0.3 and the optimal player's 1.0,
 Every runner saves its policy every ``eval_every`` steps (TRL: ``save_pretrained`` from
 a callback; rollart: its checkpoints, ``Graph.checkpoint_every``), both inside the timed
 window; after all runs, outside it, every snapshot is evaluated on the same held-out
-seeds (``rollart.evaluate`` on ``rollart.env.scripted.heldout_seeds``: the seeds
+seeds (``rollart.observe.evaluate`` on ``rollart.env.scripted.heldout_seeds``: the seeds
 ``rollart train`` evaluates on) and mapped to the wall time its step finished (counted
 from the first trainer step; set-up excluded for both). A runner's time to the target
 is the first snapshot at or above it; a runner that never gets there within its steps
@@ -226,7 +226,7 @@ def heldout_curve(start: float, snaps, task, s: Settings) -> list[tuple[int, flo
     through every snapshot, on the first ``eval_seeds`` held-out seeds."""
     from rollart.env.faults import without_faults
     from rollart.env.scripted import heldout_seeds
-    from rollart.evaluate import evaluate
+    from rollart.observe.evaluate import evaluate
 
     seeds = heldout_seeds(s.eval_seeds)
     plain = without_faults(task)
@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown workload/mode {bad}; workloads: {', '.join(WORKLOADS)}; "
                          f"modes: {', '.join(MODES)}")
 
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
 
     quiet()
     import warnings

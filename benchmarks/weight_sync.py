@@ -47,7 +47,7 @@ from pathlib import Path
 TRAINER = """
 import copy, json, os, random, sys, time
 import torch
-from rollart.graph import GRPO
+from rollart.config.graph import GRPO
 from rollart.trainer.trainer import Trainer
 from rollart.types import Trajectory
 from rollart.weights import WeightStore
@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
             "batch": a.batch, "group": min(8, a.batch)}
     context = a.prompt + a.turns * (a.tokens + a.obs)
 
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
 
     quiet()
     import torch

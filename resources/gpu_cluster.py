@@ -11,7 +11,7 @@ of its own (``BUFFER``), off the env pool. Started by ``rollart train --resource
 ``dask worker --resources`` and use ``resources/scheduler.py``.
 """
 
-from rollart.resources import Pool, Resources
+from rollart.runtime.resources import Pool, Resources
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 

@@ -14,7 +14,7 @@ through ``slurm_cluster(submit=False)`` and ``job_scripts``.)
 
 import os
 
-from rollart.resources import Resources, ResourcesError
+from rollart.runtime.resources import Resources, ResourcesError
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 #: pool tag -> (SLURM partition, number of jobs, extra #SBATCH lines)

@@ -5,7 +5,7 @@ placement is real on a laptop too; every turn then crosses processes (env manage
 inference worker) and is serialised twice. On a 2-core machine that comm is a large
 share of the work. Here one worker carries the environment pool, both inference tags and
 the reward pool: env managers and the inference workers share its event loop and call
-each other directly (``rollart.near``), and rewards run on its threads. The trainer
+each other directly (``rollart.runtime.near``), and rewards run on its threads. The trainer
 keeps its own process, so training overlaps rollout, and carries the ``BUFFER`` tag:
 the sample buffer (the run's ledger and unflushed samples) stays off the worker that
 holds the envs, the most failure-prone one.
@@ -13,7 +13,7 @@ holds the envs, the most failure-prone one.
     rollart train --resources laptop
 """
 
-from rollart.resources import Pool, Resources
+from rollart.runtime.resources import Pool, Resources
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 

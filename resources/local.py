@@ -10,10 +10,10 @@ the trainer's worker rather than a pool of its own: on 2 cores a sixth worker pr
 costs start-up time and memory (it imports rollart and torch like the others) for an
 actor that is mostly idle; the trainer's process is not an env worker (envs are the
 most failure-prone), and the trainer's batch pulls from a co-located buffer skip the
-comm (``rollart.near``).
+comm (``rollart.runtime.near``).
 """
 
-from rollart.resources import Pool, Resources
+from rollart.runtime.resources import Pool, Resources
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 

@@ -18,7 +18,7 @@ only as a last resort, with a warning): keep it off the env hosts.
 
 import os
 
-from rollart.resources import Resources
+from rollart.runtime.resources import Resources
 
 
 def resources() -> Resources:

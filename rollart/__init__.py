@@ -10,15 +10,15 @@ from rollart._lazy import lazy_exports
 # worker's ``rollart.env`` does not pay for torch and transformers (~5 s of CPU a
 # process); ``from rollart import train`` works as before.
 _EXPORTS = {
-    "rollart.affinity": ("Affinity", "AffinityError", "env_affinity", "reward_affinity",
+    "rollart.policy.affinity": ("Affinity", "AffinityError", "env_affinity", "reward_affinity",
                          "task_affinity"),
-    "rollart.api": ("Run", "start_run"),
-    "rollart.cli": ("quiet",),
-    "rollart.control": ("RunResult", "train"),
+    "rollart.app.api": ("Run", "start_run"),
+    "rollart.app.cli": ("quiet",),
+    "rollart.control.loop": ("RunResult", "train"),
     "rollart.env.faults": ("Faults", "Latency", "straggler_profile", "with_faults"),
     "rollart.env.tasks": ("BUILTIN_TASKS", "Task", "get_task"),
-    "rollart.graph": ("GRPO", "Graph", "GraphError", "Policy", "Rollout", "load_graph"),
-    "rollart.resources": ("Pool", "Resources", "ResourcesError", "ResourceTagError",
+    "rollart.config.graph": ("GRPO", "Graph", "GraphError", "Policy", "Rollout", "load_graph"),
+    "rollart.runtime.resources": ("Pool", "Resources", "ResourcesError", "ResourceTagError",
                           "load_resources"),
     "rollart.reward.offload": ("http_reward", "serverless"),
     "rollart.types": ("CPU_ENV", "H20", "H800", "REWARD", "TRAIN", "Episode", "StepResult",

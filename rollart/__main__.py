@@ -2,6 +2,6 @@
 
 import sys
 
-from rollart.cli import main
+from rollart.app.cli import main
 
 sys.exit(main())

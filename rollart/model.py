@@ -8,7 +8,7 @@ corpus, chat=True)`` — the chat toy: a byte-level BPE tokenizer trained on the
 template with tools, ``generation_config.json`` stopping on the end-of-turn token. Loads
 ``(tokenizer, model)`` from any folder (``load_tokenizer``: the folder's own tokenizer,
 BPE or SentencePiece; ``load_model`` in ``default_dtype`` of the device: bf16 where
-supported, fp32 on CPU). Called by examples/tests/``rollart.control`` to make a model
+supported, fp32 on CPU). Called by examples/tests/``rollart.control.loop`` to make a model
 offline, and by ``rollart.rollout.engine`` and the trainer to load one.
 ``check_model_folder`` turns a half-downloaded or mistyped folder, or one without an
 eos/end-of-turn token, into a clear ``ModelFolderError``.

@@ -28,6 +28,9 @@ BUFFER = "BUFFER"  #: the data of record (SampleBuffer: ledger, samples), off th
 INFERENCE_TAGS = (H800, H20)
 ALL_TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN, BUFFER)
 
+#: held-out seeds start here: training draws seeds < 1e6, the warm-up 1e6..2e6
+EVAL_SEED_BASE = 2_000_000
+
 #: off-policy corrections of the policy loss (see ``rollart.trainer.losses``: why the default)
 OFF_POLICY = ("decoupled", "tis", "ppo")
 DEFAULT_OFF_POLICY = "ppo"

@@ -34,7 +34,7 @@ def local_cluster():
     """``resources/local.py`` started in-process (threads, not processes) with a client."""
     from distributed import Client
 
-    from rollart.resources import load_resources
+    from rollart.runtime.resources import load_resources
 
     res = load_resources()
     res = replace(res, processes=False, dashboard_address=":0")

@@ -1,4 +1,4 @@
-"""A reward function in a module of its own: only ``rollart.control.preload`` imports it
+"""A reward function in a module of its own: only ``rollart.control.loop.preload`` imports it
 on the worker processes of ``tests/test_affinity_processes.py``."""
 
 

@@ -10,13 +10,13 @@ import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
 import rollart
-from rollart.affinity import (Affinity, AffinityError, affinity_of, check_cluster,
+from rollart.policy.affinity import (Affinity, AffinityError, affinity_of, check_cluster,
                               check_declared, env_affinity, env_tag, inference_tags,
                               reward_affinity, reward_tag, task_affinity, task_routes)
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import get_task
-from rollart.graph import GRPO, Graph, Policy
-from rollart.resources import Pool, Resources, load_resources
+from rollart.config.graph import GRPO, Graph, Policy
+from rollart.runtime.resources import Pool, Resources, load_resources
 from rollart.reward import success_reward
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
@@ -172,8 +172,8 @@ def test_missing_tag_on_a_running_cluster(tagged):
 
 
 def test_each_declared_stage_runs_on_its_tag(tagged, tiny_model, tmp_path):
-    from rollart.control import _shutdown, start_actors
-    from rollart.resources import workers_with
+    from rollart.control.loop import _shutdown, start_actors
+    from rollart.runtime.resources import workers_with
 
     c = tagged
     where = {t: workers_with(c, t)[0] for t in TAGS}

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
-from rollart.affinity import Affinity, AffinityError, check_cluster, env_affinity
+from rollart.policy.affinity import Affinity, AffinityError, check_cluster, env_affinity
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import get_task
-from rollart.graph import Graph
-from rollart.resources import workers_with
+from rollart.config.graph import Graph
+from rollart.runtime.resources import workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.types import CPU_ENV, H20, H800, REWARD, GenRequest
 
@@ -122,7 +122,7 @@ def test_preload_imports_rollart_and_the_task_modules_on_every_worker(dask_proce
 
     import preload_probe
 
-    from rollart.control import preload, task_modules
+    from rollart.control.loop import preload, task_modules
 
     c = dask_processes
     task = dataclasses.replace(get_task("gridnav"), reward_fn=preload_probe.probe_reward)
@@ -136,7 +136,7 @@ def test_preload_imports_rollart_and_the_task_modules_on_every_worker(dask_proce
     assert all(v == {"rollart": True, "preload_probe": True} for v in after.values())
 
     broken = dataclasses.replace(task, name="broken", reward_fn=_Unimportable())
-    with caplog.at_level("WARNING", logger="rollart.control"):
+    with caplog.at_level("WARNING", logger="rollart.control.loop"):
         preload(c, Graph(name="preload-broken", tasks=(broken,)))
     assert "no_such_module_for_preload" in caplog.text
 

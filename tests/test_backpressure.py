@@ -16,7 +16,7 @@ import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout
 from rollart.buffer import SampleBuffer
-from rollart.buffer.slots import Capacity, GroupSequence, Slots, StartBound
+from rollart.policy.admission import Capacity, GroupSequence, Slots, StartBound
 from rollart.env.tasks import get_task
 from rollart.types import Trajectory
 
@@ -99,7 +99,7 @@ def _counts(launched=10, in_flight=2, dropped=0, streak=0):
 
 
 def test_the_watchdog_names_each_way_a_run_stops_progressing():
-    from rollart.watchdog import Watchdog
+    from rollart.policy.watchdog import Watchdog
 
     ok = {"address": "w0", "pool": "H800", "version": 3, "load_error": None}
     dog = Watchdog(stall=5.0, streak_limit=4, alpha=1, now=0.0)
@@ -281,9 +281,9 @@ def _graph(name: str, **rollout) -> Graph:
 
 
 def _start(client, graph, model, run_dir):
-    from rollart.pipeline import make_pipeline
-    from rollart.recovery import Supervisor
-    from rollart.stages import Stages
+    from rollart.control.modes import make_pipeline
+    from rollart.control.supervisor import Supervisor
+    from rollart.control.stages import Stages
 
     stages = Stages(client, graph, model, run_dir)
     actors = stages.start()
@@ -294,7 +294,7 @@ def _start(client, graph, model, run_dir):
 
 
 def _stop(actors, extra=()):
-    from rollart.control import _shutdown
+    from rollart.control.loop import _shutdown
 
     _shutdown(actors)
     for w in extra:
@@ -341,7 +341,7 @@ def test_an_async_run_stays_within_its_slots_and_workers_follow_the_trainer(
 def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_path):
     """The workers read another weight store (stuck on v0): every group is too old for
     the trainer from step 3 on and is dropped, so no step completes."""
-    from rollart.recovery import StallError
+    from rollart.control.supervisor import StallError
     from rollart.rollout import InferenceWorker
 
     graph = _graph("bp-drop", stall_timeout=6.0)
@@ -374,7 +374,7 @@ def test_a_worker_that_cannot_load_new_versions_is_a_stall(local_cluster, tiny_m
     goes on on the others, and after stall_timeout it stops naming that worker."""
     from rollart.env.tasks import BUILTIN_TASKS, task_corpus
     from rollart.model import build_tiny_model
-    from rollart.recovery import StallError
+    from rollart.control.supervisor import StallError
     from rollart.rollout import InferenceWorker
 
     other = build_tiny_model(str(tmp_path / "other"), task_corpus(list(BUILTIN_TASKS)),

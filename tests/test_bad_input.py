@@ -9,14 +9,14 @@ import time
 import pytest
 
 from rollart import GRPO, Graph, Policy, Pool, Resources, Rollout, train
-from rollart.cli import main
+from rollart.app.cli import main
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.protocol import EnvOutputError, check_observation, check_step_result
 from rollart.env.tasks import Task, UnknownTaskError
-from rollart.graph import GraphError, load_graph
+from rollart.config.graph import GraphError, load_graph
 from rollart.model import ModelFolderError, build_tiny_model, check_model_folder
-from rollart.preflight import preflight
-from rollart.resources import ResourcesError, ResourceTagError, load_resources
+from rollart.config.preflight import preflight
+from rollart.runtime.resources import ResourcesError, ResourceTagError, load_resources
 from rollart.reward import RewardError, check_reward, success_reward
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
@@ -112,7 +112,7 @@ def _local(**workers) -> Resources:
                      processes=False, source="resources/mine.py")
 
 
-# -- settings that cannot work together (rollart.preflight) -----------------------------
+# -- settings that cannot work together (rollart.config.preflight) -----------------------------
 def test_zero_workers_in_a_required_pool():
     with pytest.raises(ResourceTagError, match="pool\\(s\\) \\['trainer'\\] in "
                        "resources/mine.py have workers=0; set workers ≥ 1"):
@@ -263,7 +263,7 @@ def test_unreadable_weight_version_is_named_and_skipped(tmp_path):
 
 
 def test_unreadable_checkpoint(tmp_path):
-    from rollart import checkpoint
+    from rollart.control import checkpoint
 
     path = checkpoint.step_dir(str(tmp_path), 3)
     os.makedirs(path)
@@ -288,7 +288,7 @@ def test_cli(argv, needle, capsys):
     assert err.startswith("rollart: error:") and needle in err
 
 
-# -- run directories and weight stores used by another run (rollart.preflight) ----------
+# -- run directories and weight stores used by another run (rollart.config.preflight) ----------
 def _old_run(path):
     (path / "samples").mkdir(parents=True)
     (path / "graph.json").write_text("{}")
@@ -298,7 +298,7 @@ def _old_run(path):
 
 
 def test_run_dir_holding_a_run_is_refused_or_overwritten(tmp_path):
-    from rollart.preflight import RunDirError, check_run_dir
+    from rollart.config.preflight import RunDirError, check_run_dir
 
     check_run_dir(tmp_path / "new")  # a fresh (or empty) folder is fine
     old = _old_run(tmp_path / "old")
@@ -311,7 +311,7 @@ def test_run_dir_holding_a_run_is_refused_or_overwritten(tmp_path):
 
 
 def test_overwrite_refuses_a_folder_that_is_not_a_run_dir(tmp_path):
-    from rollart.preflight import RunDirError, check_run_dir
+    from rollart.config.preflight import RunDirError, check_run_dir
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -327,7 +327,7 @@ def test_a_weight_store_of_another_run_is_refused(tmp_path):
     so its inference workers never loaded one. Refused now, or emptied with overwrite."""
     import torch
 
-    from rollart.preflight import RunDirError, check_weight_store
+    from rollart.config.preflight import RunDirError, check_weight_store
     from rollart.weights import WeightStore
 
     url, w = str(tmp_path / "weights"), {"w": torch.zeros(2)}
@@ -352,8 +352,8 @@ def test_a_weight_store_of_another_run_is_refused(tmp_path):
 
 
 def test_a_checkpoint_url_of_another_run_is_refused(tmp_path):
-    from rollart import checkpoint
-    from rollart.preflight import RunDirError, check_checkpoints
+    from rollart.control import checkpoint
+    from rollart.config.preflight import RunDirError, check_checkpoints
 
     path = checkpoint.step_dir(str(tmp_path), 40)
     os.makedirs(path)

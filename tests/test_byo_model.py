@@ -20,10 +20,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rollart.buffer import read_samples
-from rollart.cli import main
-from rollart.graph import load_graph
+from rollart.app.cli import main
+from rollart.config.graph import load_graph
 from rollart.model import load_tokenizer
-from rollart.resources import load_resources
+from rollart.runtime.resources import load_resources
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

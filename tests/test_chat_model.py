@@ -252,7 +252,7 @@ def test_chat_graph_actions_fit_their_token_budget(tmp_path):
     import random
 
     from rollart.env.tools import python_tool
-    from rollart.graph import load_graph
+    from rollart.config.graph import load_graph
 
     graph, src = load_graph("chat")
     assert src.endswith("graphs/chat.py") and graph.policy.conversation == "chat"

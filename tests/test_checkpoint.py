@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from rollart import GRPO, Graph, Policy, Rollout, train
-from rollart import checkpoint as ck
+from rollart.control import checkpoint as ck
 from rollart.buffer import read_samples
-from rollart.cli import main
+from rollart.app.cli import main
 from rollart.types import H800
 
 pytestmark = pytest.mark.slow

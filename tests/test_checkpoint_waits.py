@@ -9,8 +9,8 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 
-from rollart import checkpoint as ck
-from rollart.waits import StuckError
+from rollart.control import checkpoint as ck
+from rollart.runtime.waits import StuckError
 
 
 class Blocking:

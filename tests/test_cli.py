@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rollart.cli import main
+from rollart.app.cli import main
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -92,9 +92,9 @@ def test_second_run_in_the_same_dir(local_cluster, tiny_model, tmp_path):
     from dataclasses import replace
 
     from rollart import GRPO, Graph, Policy, Rollout
-    from rollart.api import start_run
-    from rollart.preflight import RunDirError
-    from rollart.report import read_metrics
+    from rollart.app.api import start_run
+    from rollart.config.preflight import RunDirError
+    from rollart.observe.report import read_metrics
     from rollart.types import H800
     from rollart.weights import WeightStore
 
@@ -127,7 +127,7 @@ def test_eval_on_a_folder_that_is_not_a_model(tmp_path, capsys):
         capsys.readouterr().err
     run = tmp_path / "run"  # a run dir whose training never saved model/
     run.mkdir()
-    from rollart.graph import load_graph
+    from rollart.config.graph import load_graph
 
     (run / "graph.json").write_text(json.dumps(
         {"source": "gridnav", **load_graph("gridnav")[0].to_dict()}))
@@ -143,7 +143,7 @@ def test_samples_of_a_missing_run(tmp_path, capsys):
 def test_quiet_turns_dask_info_off_and_verbose_on(monkeypatch):
     import logging
 
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
 
     monkeypatch.delenv("DASK_LOGGING__DISTRIBUTED", raising=False)
     quiet()
@@ -163,8 +163,8 @@ def test_cluster_start_shows_progress(capsys):
     connected, and the time it took (a real SpecCluster, in-process workers)."""
     from dataclasses import replace
 
-    from rollart.control import connect
-    from rollart.resources import load_resources
+    from rollart.control.loop import connect
+    from rollart.runtime.resources import load_resources
 
     res = replace(load_resources(), processes=False, dashboard_address=":0")
     n = sum(p.workers for p in res.pools)

@@ -397,7 +397,7 @@ def test_a_tokenizer_without_eos_or_end_of_turn_is_a_clear_error():
 
 
 def test_policy_checks_its_conversation_settings():
-    from rollart.graph import GraphError, Policy
+    from rollart.config.graph import GraphError, Policy
 
     assert Policy().conversation == "auto"
     with pytest.raises(GraphError, match="Policy.conversation must be one of"):
@@ -755,7 +755,7 @@ def test_chat_rollout_truncates_a_huge_observation_within_the_context(chat_rollo
 
 
 def test_evaluation_plays_the_same_chat_conversation_with_tool_turns(chat_folder):
-    from rollart.evaluate import evaluate
+    from rollart.observe.evaluate import evaluate
 
     add = _chat_task("add", AddEnv)
     out = evaluate(chat_folder, [add], seeds=range(3), temperature=1e-3,

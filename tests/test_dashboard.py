@@ -1,7 +1,7 @@
 """The RollArt dashboard page, Prometheus figures and ``rollart status``.
 
 Pure figure logic without a cluster; a separate ``dask scheduler --preload
-rollart.dashboard`` process fed through Dask's event topic; and (slow, browser) the page
+rollart.observe.dashboard`` process fed through Dask's event topic; and (slow, browser) the page
 in headless Chromium during a short real run, driven through the Client-first API.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.metrics import TOPIC, TOPIC_LIVE, fold, histogram
+from rollart.observe.metrics import TOPIC, TOPIC_LIVE, fold, histogram
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("ROLLART_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -70,7 +70,7 @@ def test_run_state_folds_messages():
 
 def test_page_fills_every_plot_from_a_run_state():
     pytest.importorskip("bokeh")
-    from rollart.dashboard.page import PLOTS, RollartPage
+    from rollart.observe.dashboard.page import PLOTS, RollartPage
 
     class Holder:
         runs = fold(_messages())
@@ -90,9 +90,9 @@ def test_page_shows_the_latest_decoded_trajectories_per_task():
     """The plugin keeps the newest ``rollart-samples`` message per run; the page's
     ``rollart-samples`` section shows its turns, escaped, grouped by task."""
     pytest.importorskip("bokeh")
-    from rollart.dashboard.page import RollartPage
-    from rollart.dashboard.plugin import RollartPlugin
-    from rollart.samples import TOPIC_SAMPLES
+    from rollart.observe.dashboard.page import RollartPage
+    from rollart.observe.dashboard.plugin import RollartPlugin
+    from rollart.observe.samples import TOPIC_SAMPLES
 
     def traj(task, seed, action):
         return {"traj_id": f"{task}-{seed}", "task": task, "seed": seed, "reward": 1.0,
@@ -124,14 +124,14 @@ def _get(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def separate_scheduler(tmp_path_factory):
-    """``dask scheduler --preload rollart.dashboard`` in its own process."""
+    """``dask scheduler --preload rollart.observe.dashboard`` in its own process."""
     d = tmp_path_factory.mktemp("sched")
     sfile = d / "scheduler.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
          "--port", "0", "--dashboard-address", "127.0.0.1:0", "--scheduler-file",
-         str(sfile), "--preload", "rollart.dashboard"],
+         str(sfile), "--preload", "rollart.observe.dashboard"],
         env=env, stdout=subprocess.DEVNULL, stderr=open(d / "log", "w"))
     deadline = time.time() + 300  # imports torch & co.: slow on a crowded machine
     while not sfile.exists():
@@ -151,7 +151,7 @@ def separate_scheduler(tmp_path_factory):
 def test_separate_scheduler_page_metrics_and_status(separate_scheduler, capsys):
     from distributed import Client
 
-    from rollart.cli import main
+    from rollart.app.cli import main
 
     address, http = separate_scheduler
     with Client(address) as client:
@@ -177,7 +177,7 @@ def test_status_without_plugin_reads_events(capsys):
     """A scheduler without rollart's plugin still keeps the events ``status`` reads."""
     from distributed import Client, LocalCluster
 
-    from rollart.cli import main
+    from rollart.app.cli import main
 
     with LocalCluster(n_workers=0, dashboard_address=":0", processes=False) as cluster, \
             Client(cluster) as client:
@@ -230,9 +230,9 @@ def test_dashboard_in_chromium_during_a_run(tmp_path, capsys):
     from distributed import Client
 
     import rollart
-    from rollart.api import start_run, wait_for_step
-    from rollart.cli import main
-    from rollart.dashboard.page import PLOTS
+    from rollart.app.api import start_run, wait_for_step
+    from rollart.app.cli import main
+    from rollart.observe.dashboard.page import PLOTS
 
     browser = _chromium()
     g, _ = rollart.load_graph("gridnav")

@@ -205,7 +205,7 @@ def test_a_compacted_journal_replays_and_recovers_identically(tmp_path):
 def two_workers():
     from distributed import Client
 
-    from rollart.resources import Pool, Resources
+    from rollart.runtime.resources import Pool, Resources
 
     res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env", workers=2),),
                     processes=False, dashboard_address=":0")
@@ -225,8 +225,8 @@ def _put(buf, trajs, size=4):
 
 
 def test_recover_after_the_buffers_worker_is_lost(two_workers, tmp_path):
-    from rollart.recovery import lose_worker
-    from rollart.resources import workers_with
+    from rollart.control.supervisor import lose_worker
+    from rollart.runtime.resources import workers_with
 
     cluster, client = two_workers
     old_addr, new_addr = workers_with(client, CPU_ENV)
@@ -336,7 +336,7 @@ def _long(gid: str, i: int, rng, version: int) -> Trajectory:
 
 def _kill_when_taken(cluster, client, buf, addr, log):
     """Kill the trainer's worker as soon as the buffer has a batch taken (mid-step)."""
-    from rollart.recovery import lose_worker
+    from rollart.control.supervisor import lose_worker
 
     deadline = time.monotonic() + 120
     while buf.counts().result()["taken"] == 0:
@@ -370,10 +370,10 @@ def _trainer_and_buffer(tiny_model, run, name: str, trainer_cls=None):
     from distributed import Client
 
     from rollart import GRPO, Graph, Policy
-    from rollart.pipeline import AsyncPipeline
-    from rollart.recovery import Supervisor
-    from rollart.resources import Pool, Resources, workers_with
-    from rollart.stages import Actors, Stages
+    from rollart.control.modes import AsyncPipeline
+    from rollart.control.supervisor import Supervisor
+    from rollart.runtime.resources import Pool, Resources, workers_with
+    from rollart.control.stages import Actors, Stages
     from rollart.types import TRAIN
 
     graph = Graph(name=name, tasks=("gridnav",), policy=Policy(warmup_steps=0),
@@ -498,8 +498,8 @@ def test_a_trainer_lost_after_its_step_is_replaced_for_the_checkpoint(tiny_model
     (chaos.py's mid-step kill can land there): the checkpoint heals the run (a new
     trainer, holding the step's published version) and is written, where it ended the
     run with "Worker holding Actor was lost"."""
-    from rollart import checkpoint
-    from rollart.recovery import lose_worker
+    from rollart.control import checkpoint
+    from rollart.control.supervisor import lose_worker
 
     rng = random.Random(2)
     with _trainer_and_buffer(tiny_model, tmp_path / "run", "t-ckpt") as (
@@ -527,11 +527,11 @@ def test_a_call_on_a_worker_closed_just_now_fails_over_at_once(tiny_model, tmp_p
     from distributed import Client
 
     from rollart import GRPO, Graph, Policy
-    from rollart.handles import handle
-    from rollart.pipeline import AsyncPipeline
-    from rollart.recovery import Supervisor, lose_worker
-    from rollart.resources import Pool, Resources, workers_with
-    from rollart.stages import Actors, Stages
+    from rollart.runtime.handles import handle
+    from rollart.control.modes import AsyncPipeline
+    from rollart.control.supervisor import Supervisor, lose_worker
+    from rollart.runtime.resources import Pool, Resources, workers_with
+    from rollart.control.stages import Actors, Stages
     from rollart.types import BUFFER, REWARD, TRAIN
 
     graph = Graph(name="t-closed", tasks=("gridnav",), policy=Policy(warmup_steps=0),
@@ -644,10 +644,10 @@ def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_mod
     from distributed import Client
 
     from rollart import GRPO, Graph, Policy, checkpoint
-    from rollart.pipeline import AsyncPipeline
-    from rollart.recovery import Supervisor, lose_worker
-    from rollart.resources import Pool, Resources, workers_with
-    from rollart.stages import Actors, Stages
+    from rollart.control.modes import AsyncPipeline
+    from rollart.control.supervisor import Supervisor, lose_worker
+    from rollart.runtime.resources import Pool, Resources, workers_with
+    from rollart.control.stages import Actors, Stages
     from rollart.types import TRAIN
     from rollart.weights import WeightStore
 
@@ -700,13 +700,14 @@ def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_mod
 
 
 def test_the_dashboards_state_chart_shows_taken_and_lost_in_step(local_cluster, tmp_path):
-    """``rollart.metrics.Monitor`` snapshots (the dashboard's state chart) count a batch
+    """``rollart.observe.monitor.Monitor`` snapshots (the dashboard's state chart) count a batch
     ``taken`` while its update is unpublished and ``lost_in_step`` once it is given up.
     (On the module's cluster: a second in-process cluster's actor calls hung once, with
     the first one's client still open.)"""
     from rollart import Graph
-    from rollart.metrics import TRAJ_STATES, Monitor
-    from rollart.stages import Actors
+    from rollart.observe.metrics import TRAJ_STATES
+    from rollart.observe.monitor import Monitor
+    from rollart.control.stages import Actors
 
     c = local_cluster
     buf = c.submit(SampleBuffer, str(tmp_path / "run"), actor=True,

@@ -19,7 +19,7 @@ from rollart import load_graph, train
 from rollart.buffer import read_samples
 from rollart.buffer.schema import SCHEMA
 from rollart.model import load_model
-from rollart.resources import cluster_tags, load_resources
+from rollart.runtime.resources import cluster_tags, load_resources
 
 # one 80-step training run shared by the module (in-process cluster: ~5 min on 2 cores,
 # with room for a slower CI machine). Measured held-out gains at 80 steps: gridnav 0.58,
@@ -44,7 +44,7 @@ def run(tmp_path_factory):
 
 
 # In the default suite again: with two steps' worth of async slots gridnav gained only
-# 0.055 / 0.078 (rollart.pipeline.asynchronous.slot_capacity says why); with one step's
+# 0.055 / 0.078 (rollart.control.modes.asynchronous.slot_capacity says why); with one step's
 # worth the same run gained gridnav 0.61, guess 0.21, boxpush 0.60.
 def test_reward_rises_above_the_warmup_policy_on_every_task(run):
     result, _ = run

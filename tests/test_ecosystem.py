@@ -12,7 +12,7 @@ for lib in ("gymnasium", "textarena", "gem", "reasoning_gym"):
 
 from rollart import load_graph, train  # noqa: E402
 from rollart.buffer import read_samples  # noqa: E402
-from rollart.resources import load_resources  # noqa: E402
+from rollart.runtime.resources import load_resources  # noqa: E402
 
 pytestmark = pytest.mark.slow  # ~1-2 min on 2 shared cores
 

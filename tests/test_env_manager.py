@@ -123,14 +123,14 @@ def test_group_flows_into_buffer_with_token_layout(rollout, tiny_model):
 
 
 def _near_kind(buf):
-    from rollart.near import near as _near
+    from rollart.runtime.near import near as _near
 
     return type(_near(buf)).__name__
 
 
 def test_a_buffer_on_the_managers_own_worker_is_called_without_a_round_trip(rollout):
     """The manager shares its worker with the buffer here: it calls the buffer object
-    directly (``rollart.near.Near``); from another worker the buffer stays a Dask actor handle."""
+    directly (``rollart.runtime.near.Near``); from another worker the buffer stays a Dask actor handle."""
     c, mgr, buf, _ = rollout
     assert c.submit(_near_kind, buf, resources={CPU_ENV: 1}, pure=False).result() == "Near"
     assert c.submit(_near_kind, buf, resources={REWARD: 1}, pure=False).result() == "Actor"
@@ -354,7 +354,7 @@ def test_take_work_runs_what_the_buffers_slots_allow_and_ends_with_the_buffer(
         rollout, tiny_model):
     """``take_work``: the manager takes a group whenever the buffer frees a slot, never
     more than the slots; the loop returns when the buffer closes."""
-    from rollart.buffer.slots import GroupSequence, Slots
+    from rollart.policy.admission import GroupSequence, Slots
 
     c, _, _, workers = rollout
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
@@ -386,7 +386,7 @@ def test_closing_a_manager_ends_its_take_work_with_its_summary(rollout, tiny_mod
     """``close()`` while ``take_work`` waits for a slot: the call returns its summary. It
     raised: the cancellation dropped the call's connection, and the scheduler relaying
     the call logged "broadcast to ... failed: CommClosedError" at the end of every run."""
-    from rollart.buffer.slots import GroupSequence, Slots
+    from rollart.policy.admission import GroupSequence, Slots
 
     c, _, _, workers = rollout
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
@@ -420,9 +420,9 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     ``rollout/group_errors`` metric includes it (it counted only the driver's own
     ``take_work`` errors, so a group lost this way was a 0 in metrics.jsonl)."""
     from rollart import GRPO, Graph
-    from rollart.buffer.slots import GroupSequence, Slots
-    from rollart.pipeline import make_pipeline
-    from rollart.stages import Actors
+    from rollart.policy.admission import GroupSequence, Slots
+    from rollart.control.modes import make_pipeline
+    from rollart.control.stages import Actors
 
     c, _, _, workers = rollout
     # keys of their own: test_error_text_is_kept_on_the_trajectory's "buf-errors" is a

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rollart.pipeline.figures import padding, rollout_figures
+from rollart.observe.figures import padding, rollout_figures
 
 
 def _manager(turns, overhead, p99, **more):

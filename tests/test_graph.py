@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from rollart.env.tasks import UnknownTaskError
-from rollart.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
+from rollart.config.graph import GRPO, Graph, GraphError, Policy, Rollout, load_graph
 
 
 def test_default_graph_is_multitask():
@@ -79,7 +79,7 @@ def test_variant_by_replace_and_to_dict():
     assert d["algo"]["alpha"] == 3 and d["steps"] == 5 and d["tasks"][0] == "gridnav"
 
 
-# -- one home for the staleness bound (rollart.graph.resolve_alpha) ---------------------
+# -- one home for the staleness bound (rollart.config.graph.resolve_alpha) ---------------------
 def test_unset_alpha_takes_the_modes_bound():
     assert Graph(name="x", mode="sync").algo.alpha == 0
     assert Graph(name="x", mode="one-off").algo.alpha == 1
@@ -103,7 +103,7 @@ def test_alpha_contradicting_a_baseline_mode_is_an_error(mode, alpha):
 
 def test_shipped_graphs_run_in_every_mode():
     """They leave alpha unset, so ``--mode sync`` / ``one-off`` need no ``--alpha``."""
-    from rollart.control import override
+    from rollart.control.loop import override
 
     for name in ("multitask", "gridnav"):
         g, _ = load_graph(name)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-LIGHT = "rollart.types, rollart.graph, rollart.buffer, rollart.reward.functions"
+LIGHT = "rollart.types, rollart.config.graph, rollart.buffer, rollart.reward.functions"
 
 
 def test_light_modules_do_not_import_torch():
@@ -24,7 +24,7 @@ def test_package_names_resolve_on_first_use():
     import rollart
     import rollart.rollout
 
-    assert rollart.train.__module__ == "rollart.control"
+    assert rollart.train.__module__ == "rollart.control.loop"
     assert rollart.H800 == "H800" and "Policy" in dir(rollart)
     assert rollart.rollout.TorchEngine.__module__ == "rollart.rollout.engine"
     for name in rollart.__all__:

@@ -131,7 +131,7 @@ class Layouts:
         return self.cluster, self.client
 
     def kill(self, addr: str) -> None:
-        from rollart.recovery import lose_worker
+        from rollart.control.supervisor import lose_worker
 
         if isinstance(self.cluster, HandStarted):
             self.cluster.kill(self.client, addr)
@@ -154,7 +154,7 @@ def layouts(tmp_path_factory):
 
 def _wait_for_tags(client, timeout: float = 300.0) -> None:
     """Every tag carried by a running worker (a killed one's Nanny restarts it)."""
-    from rollart.resources import workers_with
+    from rollart.runtime.resources import workers_with
 
     deadline = time.monotonic() + timeout
     while not all(workers_with(client, t) for t in TAGS):
@@ -163,7 +163,7 @@ def _wait_for_tags(client, timeout: float = 300.0) -> None:
 
 
 def _kill_after_step(layouts: Layouts, run_dir, step: int, tag: str, log: list) -> None:
-    from rollart.resources import workers_with
+    from rollart.runtime.resources import workers_with
 
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600

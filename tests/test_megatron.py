@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollart.graph import GRPO
+from rollart.config.graph import GRPO
 from rollart.trainer.megatron import hf_to_megatron, megatron_to_hf
 from rollart.types import Trajectory
 
@@ -204,7 +204,7 @@ def test_tensor_parallel_2_over_gloo_matches_hf(mg_model_dir, tmp_path):
 
 
 def test_policy_names_its_engine_and_trainer_backend():
-    from rollart.graph import GraphError, Policy
+    from rollart.config.graph import GraphError, Policy
     from rollart.trainer import Trainer, trainer_class
     from rollart.trainer.megatron import MegatronTrainer
 

@@ -1,5 +1,5 @@
 """``resources/laptop.py``: env managers and the inference workers share one worker and
-call each other directly (``rollart.near``), and a run still trains with
+call each other directly (``rollart.runtime.near``), and a run still trains with
 its accounting intact: redundant members cancelled mid-generation free their rows,
 nothing cancelled reaches the trainer."""
 
@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
-from rollart import near as near_module
+from rollart.runtime import near as near_module
 from rollart.buffer import read_samples
 from rollart.buffer.ledger import STATES
-from rollart.near import Near, near
+from rollart.runtime.near import Near, near
 
 pytestmark = pytest.mark.slow
 

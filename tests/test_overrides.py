@@ -3,9 +3,9 @@
 
 import pytest
 
-from rollart.cli import main
-from rollart.graph import GRPO, Graph, GraphError, load_graph
-from rollart.overrides import OverrideError, apply_overrides, parse_value, valid_keys
+from rollart.app.cli import main
+from rollart.config.graph import GRPO, Graph, GraphError, load_graph
+from rollart.config.overrides import OverrideError, apply_overrides, parse_value, valid_keys
 
 
 def test_each_kind_of_field_parses_to_its_type():

@@ -8,7 +8,7 @@ import torch
 from dask.sizeof import sizeof
 from distributed import Client, Scheduler, SpecCluster, Worker
 
-from rollart.affinity import Affinity
+from rollart.policy.affinity import Affinity
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
 from rollart.rollout import pd
 from rollart.rollout.pd import KVHandoff, PrefixCache, pack, plan_prefill

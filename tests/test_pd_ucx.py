@@ -11,7 +11,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from distributed import Client, Scheduler, SpecCluster, Worker  # noqa: E402
 
-from rollart.affinity import Affinity  # noqa: E402
+from rollart.policy.affinity import Affinity  # noqa: E402
 from rollart.rollout import InferenceWorker, LLMProxy  # noqa: E402
 from rollart.types import H20, H800, GenRequest  # noqa: E402
 

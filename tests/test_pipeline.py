@@ -14,11 +14,11 @@ from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
 from rollart.buffer.journal import entries
 from rollart.buffer.ledger import STATES
-from rollart.buffer.slots import GroupSequence
+from rollart.policy.admission import GroupSequence
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.faults import Faults, Latency, with_faults
 from rollart.env.tasks import get_task
-from rollart.graph import GraphError
+from rollart.config.graph import GraphError
 
 slow = pytest.mark.slow  # the first tests here take minutes; the new modes' do not
 
@@ -129,7 +129,7 @@ STOPS = {
 @pytest.mark.parametrize("case", sorted(STOPS))
 def test_a_run_that_cannot_progress_stops_with_the_reason(local_cluster, tmp_path, mode,
                                                           case):
-    from rollart import recovery
+    from rollart.control import supervisor as recovery
 
     faults, rollout, error, message, knob = STOPS[case]
     graph = replace(_graph(mode, **rollout),
@@ -384,11 +384,11 @@ def _nice_of_threads() -> set:
 
 
 def test_rollout_processes_on_the_trainers_host_yield_the_cpu_to_it():
-    """``rollart.pipeline.priority``: on a process cluster every worker but the trainer's
+    """``rollart.runtime.priority``: on a process cluster every worker but the trainer's
     gets nice 10 on all its threads; the driver and the trainer keep theirs."""
     from distributed import Client, LocalCluster
 
-    from rollart.pipeline.priority import ROLLOUT_NICE, yield_to_trainer
+    from rollart.runtime.priority import ROLLOUT_NICE, yield_to_trainer
 
     before = _nice_of_threads()
     with LocalCluster(n_workers=3, threads_per_worker=2, processes=True,
@@ -401,7 +401,7 @@ def test_rollout_processes_on_the_trainers_host_yield_the_cpu_to_it():
 
 
 def test_an_in_process_cluster_is_left_alone(local_cluster):
-    from rollart.pipeline.priority import yield_to_trainer
+    from rollart.runtime.priority import yield_to_trainer
 
     before = _nice_of_threads()
     trainer = sorted(local_cluster.scheduler_info()["workers"])[0]

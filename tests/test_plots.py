@@ -4,10 +4,10 @@ run directory's ``metrics.jsonl``; doctests of the figure helpers."""
 import doctest
 import json
 
-import rollart.metrics
-import rollart.plots
-from rollart.cli import main
-from rollart.plots import rates, staleness_counts
+import rollart.observe.metrics
+import rollart.observe.plots
+from rollart.app.cli import main
+from rollart.observe.plots import rates, staleness_counts
 
 
 def _rows(n=6):
@@ -23,7 +23,7 @@ def _rows(n=6):
 
 
 def test_doctests():
-    for module in (rollart.metrics, rollart.plots):
+    for module in (rollart.observe.metrics, rollart.observe.plots):
         assert doctest.testmod(module).failed == 0
 
 

@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from rollart.affinity import Affinity, classify
+from rollart.policy.affinity import Affinity, classify
 from rollart.rollout import LLMProxy
 from rollart.types import H20, H800, GenRequest, GenResult
 

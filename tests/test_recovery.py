@@ -1,4 +1,4 @@
-"""Lost workers mid-run (rollart.recovery): an env worker, an inference worker and the
+"""Lost workers mid-run (rollart.control.supervisor): an env worker, an inference worker and the
 trainer's worker die during one short async run on an in-process tagged cluster; the run
 completes, every lost actor is replaced, the ledger adds up with nothing left in flight,
 and no trajectory is trained twice."""
@@ -14,8 +14,8 @@ from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
 from rollart.buffer.ledger import STATES
 from rollart.env.faults import Faults, with_faults
-from rollart.recovery import lose_worker
-from rollart.resources import Pool, Resources, workers_with
+from rollart.control.supervisor import lose_worker
+from rollart.runtime.resources import Pool, Resources, workers_with
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 
 pytestmark = pytest.mark.slow
@@ -231,7 +231,7 @@ def test_close_bounded_says_what_kept_the_loop_from_stopping(caplog):
 
     from distributed import Client
 
-    from rollart.waits import close_bounded
+    from rollart.runtime.waits import close_bounded
 
     async def stubborn_env_call():
         while True:
@@ -245,7 +245,7 @@ def test_close_bounded_says_what_kept_the_loop_from_stopping(caplog):
     cluster = res.make_cluster()
     client = Client(cluster)
     cluster.loop.add_callback(lambda: asyncio.ensure_future(stubborn_env_call()))
-    with caplog.at_level(logging.WARNING, logger="rollart.waits"):
+    with caplog.at_level(logging.WARNING, logger="rollart.runtime.waits"):
         close_bounded(client, cluster, seconds=60)
     assert str(cluster.status) == "Status.closed" and client.status == "closed"
     assert "stubborn_env_call" in caplog.text, caplog.text

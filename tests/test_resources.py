@@ -5,7 +5,7 @@ import sys
 import pytest
 from distributed import Client, LocalCluster
 
-from rollart.resources import (Pool, Resources, ResourcesError, ResourceTagError, check_tags,
+from rollart.runtime.resources import (Pool, Resources, ResourcesError, ResourceTagError, check_tags,
                                cluster_tags, load_resources, workers_with)
 from rollart.types import ALL_TAGS, CPU_ENV, H20, H800, REWARD, TRAIN
 
@@ -53,10 +53,10 @@ def test_cluster_without_a_tag_is_refused_before_submitting():
     ("x = 1\n", "defines no resources"),
     ("def resources():\n    return 3\n", "returned int"),
     ("def resources(:\n", "could not load"),
-    ("from rollart.resources import Pool, Resources\n"
+    ("from rollart.runtime.resources import Pool, Resources\n"
      "def resources():\n    return Resources(pools=(Pool('a', tag='X', kind='gpu'),))\n",
      "kind 'gpu' is unknown"),
-    ("from rollart.resources import Resources\ndef resources():\n    return Resources()\n",
+    ("from rollart.runtime.resources import Resources\ndef resources():\n    return Resources()\n",
      "at least one Pool"),
 ])
 def test_malformed_resources_files(tmp_path, body, match):
@@ -115,7 +115,7 @@ def _one_process_worker(cls=None):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_worker_processes_keep_big_tensors_out_of_mmap(monkeypatch):
-    from rollart.resources import MMAP_THRESHOLD
+    from rollart.runtime.resources import MMAP_THRESHOLD
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     # Dask's own nanny: its MALLOC_TRIM_THRESHOLD_ freezes the mmap threshold at 128 KiB

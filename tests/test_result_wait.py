@@ -1,4 +1,4 @@
-"""``rollart.waits.result_unless``: a coroutine with a synchronous Dask client waits on a
+"""``rollart.runtime.waits.result_unless``: a coroutine with a synchronous Dask client waits on a
 future from a thread that its waiter can release. With a plain ``fut.result()`` there
 (a trajectory's remote reward, a serverless batch), a wait whose result could no longer
 arrive (the cluster closing under a cancelled trajectory: its client's loop gone) kept
@@ -14,7 +14,7 @@ import time
 import pytest
 from distributed import Client, LocalCluster
 
-from rollart.waits import result_unless
+from rollart.runtime.waits import result_unless
 
 
 GATE = threading.Event()  # the in-process worker's task waits on it (an Event does not pickle)

@@ -6,7 +6,7 @@ import pytest
 
 from rollart.env.conversation import ConversationFormat, TokenLog
 from rollart.env.tasks import get_task
-from rollart.samples import decode, format_trajectory, select
+from rollart.observe.samples import decode, format_trajectory, select
 
 
 def _row(fmt, task, turns):

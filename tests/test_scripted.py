@@ -27,7 +27,7 @@ GAMES = ("gridnav", "guess", "boxpush")
 
 
 def test_heldout_seeds_are_the_evaluations():
-    from rollart.control import EVAL_SEED_BASE
+    from rollart.types import EVAL_SEED_BASE
 
     assert list(heldout_seeds(3)) == [EVAL_SEED_BASE, EVAL_SEED_BASE + 1, EVAL_SEED_BASE + 2]
 

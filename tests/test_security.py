@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from rollart.resources import load_resources
+from rollart.runtime.resources import load_resources
 
 
 def _listening_hosts(cluster, client) -> set[str]:

@@ -13,15 +13,15 @@ from dataclasses import replace
 import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout
-from rollart.affinity import Affinity
+from rollart.policy.affinity import Affinity
 from rollart.env.faults import Latency
 from rollart.env.tasks import get_task
-from rollart.rollout.routing import Router
+from rollart.policy.routing import Router
 from rollart.sim import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape, simulate
 from rollart.sim.cluster import Cluster
 from rollart.sim.costs import (GPUS, MODELS, ControlPlane, Costs, EnvCost, GenCost, GPUSpec,
                                RewardCost, TrainCost, WeightSync)
-from rollart.staleness import StalenessBound
+from rollart.policy.staleness import StalenessBound
 from rollart.types import H20, H800
 
 FIXED = EnvCost("fixed", reset=Latency("fixed", 1.0), step=Latency("fixed", 0.5))
@@ -68,10 +68,10 @@ def test_the_simulator_calls_the_runtimes_policy_objects():
 
 def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_alpha(
         local_cluster, tiny_model, tmp_path):
-    from rollart.pipeline import make_pipeline
-    from rollart.recovery import Supervisor
-    from rollart.stages import Stages
-    from rollart.control import _shutdown
+    from rollart.control.modes import make_pipeline
+    from rollart.control.supervisor import Supervisor
+    from rollart.control.stages import Stages
+    from rollart.control.loop import _shutdown
 
     graph = _graph(_tasks(), steps=3)
     stages = Stages(local_cluster, graph, tiny_model, tmp_path / "run")
@@ -192,7 +192,7 @@ def test_the_elastic_reward_pool_is_busier_than_a_dedicated_one():
 
 
 def test_cluster_spec_from_a_resources_file():
-    from rollart.resources import load_resources
+    from rollart.runtime.resources import load_resources
 
     spec = ClusterSpec.from_resources(load_resources("gpu_cluster"))
     assert {p.tag: p.count for p in spec.inference} == {H800: 2, H20: 4}

@@ -1,4 +1,4 @@
-"""Each role declared once (rollart.stages): start places every spec, reconcile re-creates
+"""Each role declared once (rollart.control.stages): start places every spec, reconcile re-creates
 what was lost from the same spec. On real in-process (and, for the SIGKILL run, process)
 Dask clusters with tagged workers: task routes (PD) survive an inference-worker loss, a
 replacement env manager lands on its env pool, a Megatron trainer comes back as Megatron,
@@ -17,16 +17,16 @@ import pytest
 from distributed import Client
 
 from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
-from rollart.affinity import check_declared, env_affinity, env_tag, task_affinity, task_routes
+from rollart.policy.affinity import check_declared, env_affinity, env_tag, task_affinity, task_routes
 from rollart.buffer import read_samples
 from rollart.buffer.ledger import STATES
-from rollart.control import _shutdown
+from rollart.control.loop import _shutdown
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import get_task
-from rollart.recovery import Supervisor, lose_worker
-from rollart.preflight import check_cluster_tags, preflight
-from rollart.resources import Pool, Resources, cluster_tags, workers_with
-from rollart.stages import RoleSpec, Stages, buffer_worker
+from rollart.control.supervisor import Supervisor, lose_worker
+from rollart.config.preflight import check_cluster_tags, preflight
+from rollart.runtime.resources import Pool, Resources, cluster_tags, workers_with
+from rollart.control.stages import RoleSpec, Stages, buffer_worker
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 from rollart.weights import WeightStore
 
@@ -91,7 +91,7 @@ def test_buffer_worker_prefers_its_tag_then_non_env_roles(caplog):
                     last_resort=(CPU_ENV, BIG))
     live = {"e": {CPU_ENV: 1}, "t": {TRAIN: 1}, "r": {REWARD: 1}, "i": {H800: 1, H20: 1},
             "b": {BIG: 1}}
-    with caplog.at_level(logging.WARNING, logger="rollart.stages"):
+    with caplog.at_level(logging.WARNING, logger="rollart.control.stages"):
         assert buffer_worker({**live, "x": {BUFFER: 1}}, spec) == ("x", BUFFER)
         assert buffer_worker(live, spec) == ("t", TRAIN)
         two = {**live, "u": {TRAIN: 1}}
@@ -125,7 +125,7 @@ def test_buffer_is_not_on_an_env_worker(layout, tiny_model, tmp_path):
             assert actors.buffer.counts().result()["launched"] == 0  # it answers
             for m in actors.managers:  # in-process, the driver's own handle (no Handle:
                 # one bound to an in-process worker kept the cluster from closing); in a
-                # worker process a Handle (rollart.handles): tests/test_kill_matrix.py
+                # worker process a Handle (rollart.runtime.handles): tests/test_kill_matrix.py
                 kind, key = c.run(_buffer_kind, m.key, workers=[m._address])[m._address]
                 assert key == actors.buffer.key and kind in ("Actor", "Handle"), (kind, key)
         finally:
@@ -308,7 +308,7 @@ def test_a_hung_actor_start_is_named_within_its_bound(tiny_model, tmp_path):
     of a wait than that)."""
     import dask
 
-    from rollart.waits import StuckError
+    from rollart.runtime.waits import StuckError
 
     _RELEASE.clear()
     graph = small_graph()
@@ -336,8 +336,8 @@ def test_a_hung_actor_start_is_named_within_its_bound(tiny_model, tmp_path):
 def test_a_hung_warmup_ends_within_its_bound_through_the_progress_bar():
     """The warm-up's bound grows with its steps (``Waits.warmup``), and the progress bar
     that polls the warm-up's future stops at it with the warm-up named."""
-    from rollart.progress import warmup_bar
-    from rollart.waits import Bounded, StuckError, Waits
+    from rollart.observe.progress import warmup_bar
+    from rollart.runtime.waits import Bounded, StuckError, Waits
 
     assert Waits(call=10, warmup_step=2).warmup(50) == 110
     assert Waits(call=10, warmup_step=2).warmup(100) == 210
@@ -389,11 +389,11 @@ class _Caller:
 def test_a_call_to_an_actor_on_a_lost_worker_fails_at_once():
     """A plain Dask handle unpickled on a worker waits forever when the actor's worker
     dies mid-call (it awaits the re-creation of an actor pinned to a dead worker);
-    ``rollart.handles.Handle`` (what ``Stages`` gives every actor) raises ``OSError`` at
+    ``rollart.runtime.handles.Handle`` (what ``Stages`` gives every actor) raises ``OSError`` at
     once, so the proxy can re-route and a member can fail instead of holding a slot."""
     from distributed import LocalCluster
 
-    from rollart.handles import Handle, handle
+    from rollart.runtime.handles import Handle, handle
 
     # worker processes: in-process workers share the test's client, whose future of
     # the actor does hear of the loss

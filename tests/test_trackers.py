@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.trackers import TrackerError, make_trackers, scalars
+from rollart.observe.trackers import TrackerError, make_trackers, scalars
 
 ALL = "tensorboard,mlflow,wandb"
 
@@ -123,7 +123,7 @@ ROWS = [{"step": s, "version": s, "time": 1.25 * s, "reward/gridnav": s / 7,
 
 
 def _feed(run_dir, rows=ROWS):
-    from rollart.report import MetricsLog, plot_rewards
+    from rollart.observe.report import MetricsLog, plot_rewards
 
     trackers = make_trackers(ALL)
     params = {"graph": {"name": "g", "algo": {"lr": 5e-4}, "tasks": ["gridnav"]},
@@ -142,7 +142,7 @@ def test_three_trackers_hold_what_metrics_jsonl_holds(tmp_path, monkeypatch):
     for k in ("WANDB_MODE", "WANDB_DIR"):
         monkeypatch.delenv(k, raising=False)
     _feed(tmp_path)
-    from rollart.report import read_metrics
+    from rollart.observe.report import read_metrics
 
     want = expected(read_metrics(tmp_path))
     assert "trainer/batch_sha1" not in want and "trainer/kl" not in want  # text, NaN
@@ -162,7 +162,7 @@ def test_three_trackers_hold_what_metrics_jsonl_holds(tmp_path, monkeypatch):
 
 
 def test_missing_package_names_the_extra(monkeypatch, capsys):
-    from rollart.cli import main
+    from rollart.app.cli import main
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow now fails
     with pytest.raises(TrackerError, match=r"pip install 'rollart\[mlflow\]'"):
@@ -191,8 +191,8 @@ def _plugin_samples(dask_scheduler):
 @pytest.mark.slow
 def test_one_run_in_every_tracker_then_samples_and_eval(local_cluster, tmp_path, capsys):
     import rollart
-    from rollart.cli import main
-    from rollart.report import read_metrics
+    from rollart.app.cli import main
+    from rollart.observe.report import read_metrics
     from rollart.types import H800
 
     g, _ = rollart.load_graph("gridnav")
@@ -242,8 +242,8 @@ def test_one_run_in_every_tracker_then_samples_and_eval(local_cluster, tmp_path,
 
 def test_start_run_refuses_bad_overrides_and_trackers_before_starting(monkeypatch, tmp_path):
     """``start_run`` returns at once: bad input must raise there, not in its thread."""
-    from rollart.api import start_run
-    from rollart.graph import GraphError
+    from rollart.app.api import start_run
+    from rollart.config.graph import GraphError
 
     with pytest.raises(GraphError, match="Rollout.redundancy must be a factor"):
         start_run(None, "gridnav", run_dir=tmp_path / "a", overrides=["rollout.redundancy=9"])

@@ -10,7 +10,7 @@ import torch
 import rollart.trainer.advantages as advantages_mod
 from rollart.env.trajectory import TokenLog
 from rollart.env.tasks import BUILTIN_TASKS
-from rollart.graph import GRPO
+from rollart.config.graph import GRPO
 from rollart.model import load_tokenizer
 from rollart.trainer import collate, compute_advantages, grpo_loss
 from rollart.trainer.warmup import play_random, warmup_batch
@@ -346,7 +346,7 @@ def test_warmup_runs_on_its_own_thread_count_and_restores_the_trainers(tiny_mode
     # Policy.warmup_threads), and RL steps then run on the trainer's count again
     import asyncio
 
-    from rollart.resources import usable_cores
+    from rollart.runtime.resources import usable_cores
     from rollart.trainer import Trainer
 
     trainer = Trainer(tiny_model, str(tmp_path / "weights"),

@@ -228,7 +228,7 @@ def test_pipeline_trains_with_the_vllm_engine(tmp_path):
     from distributed import Client
 
     from rollart import GRPO, Graph, Policy, Rollout, train
-    from rollart.resources import load_resources
+    from rollart.runtime.resources import load_resources
 
     graph = Graph(name="t-vllm", tasks=("gridnav",), mode="sync", steps=2,
                   policy=Policy(warmup_steps=5, engine="vllm", max_batch=8),

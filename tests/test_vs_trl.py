@@ -147,7 +147,7 @@ def test_env_reward_and_latency_match_rollart(trl_env):
 
 def test_group_seeds_follow_rollart_pipeline():
     from rollart import GRPO, Graph
-    from rollart.pipeline import SyncPipeline
+    from rollart.control.modes import SyncPipeline
 
     vs_trl = _load("vs_trl")
     graph = Graph(name="g", tasks=("guess",), algo=GRPO(group_size=2, groups_per_step=2))
@@ -199,7 +199,7 @@ def test_trl_snapshot_is_a_model_folder_rollart_evaluates(tiny_model, tmp_path, 
     rollart's held-out evaluation exactly as the folder it came from."""
     from rollart.env.scripted import heldout_seeds
     from rollart.env.tasks import get_task
-    from rollart.evaluate import evaluate
+    from rollart.observe.evaluate import evaluate
     from rollart.model import load_model
 
     snap = trl_env.save_snapshot(load_model(tiny_model), tiny_model, str(tmp_path / "snap"))

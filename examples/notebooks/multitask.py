@@ -17,8 +17,8 @@ from distributed import Client
 import rollart
 
 rollart.quiet()  # Dask's INFO logs off (rollart.quiet(verbose=True): on)
-from rollart.api import wait_for_step
-from rollart.plots import render_report
+from rollart.app.api import wait_for_step
+from rollart.observe.plots import render_report
 
 STEPS = int(os.environ.get("ROLLART_NB_STEPS", 60))
 STOP_AT = int(os.environ.get("ROLLART_NB_STOP_AT", 40))  # stop early, gracefully

@@ -3,7 +3,7 @@
 The async pipeline hands the buffer its ``Slots`` once (``open_slots``: capacity
 ``max(alpha, 1) * groups_per_step`` and the run's ``GroupSequence``); each env manager then
 loops on ``acquire`` (``EnvManager.take_work``), which waits until a slot is free and
-returns the next group (``rollart.buffer.slots.Work``). A slot frees when its group
+returns the next group (``rollart.policy.admission.Work``). A slot frees when its group
 leaves the buffer: taken by the trainer, dropped as stale, or ended with nothing to
 train on. The driver never polls: it only reports an env manager it lost
 (``holder_lost``: that manager's groups are handed out again for their missing
@@ -37,7 +37,7 @@ def _group_index(group_id: str) -> int:
 class Backpressure:
     """Slot bookkeeping for ``SampleBuffer`` (see the module docstring)."""
 
-    _slots = None  # rollart.buffer.slots.Slots once open_slots was called
+    _slots = None  # rollart.policy.admission.Slots once open_slots was called
     _freed: asyncio.Event | None = None
     _dead: set | None = None  # holders reported lost: they take nothing more
     _closing = False

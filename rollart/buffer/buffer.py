@@ -41,7 +41,7 @@ from rollart.buffer.ledger import IN_FLIGHT, STATES, Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
 from rollart.buffer.taken import TakenBatches, _ids
-from rollart.staleness import within
+from rollart.policy.staleness import within
 from rollart.types import Trajectory, TrajState
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SampleBuffer(TakenBatches, Backpressure):
         # ignored: arrivals of orphaned ids (a recovered buffer's late members)
         self._counts = dict(received=0, orphaned=0, ignored=0)
         # failed arrivals since the last good one, and what the latest ones said (a run
-        # whose every trajectory fails is stopped by the pipeline: rollart.pipeline)
+        # whose every trajectory fails is stopped by the pipeline: rollart.control.modes)
         self._streak = 0
         self._recent_errors: deque[str] = deque(maxlen=5)
         self._cond: asyncio.Condition | None = None
@@ -418,7 +418,7 @@ class SampleBuffer(TakenBatches, Backpressure):
         return self.store.parts
 
     async def snapshot(self, url: str) -> dict:
-        """Write the buffer's part of a checkpoint under ``url`` (``rollart.checkpoint``;
+        """Write the buffer's part of a checkpoint under ``url`` (``rollart.control.checkpoint``;
         see ``rollart.buffer.restore.snapshot``). Returns the manifest entries."""
         from rollart.buffer.restore import snapshot
 

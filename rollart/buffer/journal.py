@@ -2,7 +2,7 @@
 
 Written by ``rollart.buffer.buffer.SampleBuffer`` (in its I/O thread); read back by a
 recovering buffer (``SampleBuffer(run_dir, recover=True)``, ``rollart.buffer.restore``)
-and by anything that analyses a run (``read_samples``: ``rollart.api``, tests,
+and by anything that analyses a run (``read_samples``: ``rollart.app.api``, tests,
 ``benchmarks/chaos.py``). Every path is an fsspec URL (local, ``memory://``, ...)::
 
     samples/part-{k:05d}.parquet  rows that LEFT the buffer (trained, dropped, failed,
@@ -32,7 +32,7 @@ group completes they are not durable: a recovered buffer counts them as lost). F
 crash left unreadable are skipped with a warning (their entry's changes count as never
 made).
 Folders ``*/after-resume-{k}/`` hold what a run lost after the checkpoint it was resumed
-from (``rollart.checkpoint``); readers ignore them.
+from (``rollart.control.checkpoint``); readers ignore them.
 
 Compaction (``compact``, at each checkpoint's snapshot, on the buffer's I/O thread after
 every entry before it is written): the entries written since the previous compaction

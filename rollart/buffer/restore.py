@@ -2,7 +2,7 @@
 dir's journal after the buffer's worker was lost.
 
 * ``snapshot(buf, url)`` / ``restore(buf, url)``: the buffer's part of a checkpoint
-  (``rollart.checkpoint``): ``buffer.parquet`` (every row held: buffered groups, complete
+  (``rollart.control.checkpoint``): ``buffer.parquet`` (every row held: buffered groups, complete
   or not, and taken ones) and ``buffer.json`` (counters, ledger totals, next part and
   journal entry, groups); a snapshot then compacts the journal entries written since the
   previous one (``journal.compact``). Called through ``SampleBuffer.snapshot/restore``.
@@ -39,7 +39,7 @@ async def snapshot(buf, url: str) -> dict:
     """Write ``buffer.parquet`` and ``buffer.json`` under ``url``; rows that already left
     are flushed to ``samples/`` (and the ledger journaled) first, so ``next_part`` and
     ``next_entry`` mark exactly which files belong to the checkpointed run."""
-    from rollart.checkpoint import write_bytes
+    from rollart.runtime.storage import write_bytes
 
     async with buf._condition:
         await buf.flush()

@@ -3,7 +3,7 @@
 A batch the trainer takes for step ``s`` (``get_table(..., trained_step=s)``) is held
 here as ``taken`` until the trainer confirms that the update trained on it was published
 (``mark_trained(s)``: the rows leave as ``trained``). A step that lost its trainer is
-settled instead (``release_taken(s, min_version)``, called by ``rollart.pipeline`` after
+settled instead (``release_taken(s, min_version)``, called by ``rollart.control.modes`` after
 it replaced the trainer, or the next ``get_table``): if the trainer that asks already
 holds a newer version than the batch was taken for, only the lost step's own update can
 have published it, so the rows are ``trained`` and the step stands (the pipeline records

@@ -4,7 +4,7 @@ Consumes a tokenizer (and, where there is one, its model folder's
 ``generation_config.json``), a ``Task`` and the env's text; produces a ``TokenLog``:
 prompt ids, then response ids with a loss mask, behaviour log-probs and versions.
 ``TrajectoryRunner`` (rollout), ``rollart.trainer.warmup.play_random`` and
-``rollart.evaluate`` all build their ids here, so a model is trained, warmed up and
+``rollart.observe.evaluate`` all build their ids here, so a model is trained, warmed up and
 evaluated on exactly one format.
 
 Two formats (``Policy.conversation``; ``"auto"`` picks ``chat`` when the tokenizer has

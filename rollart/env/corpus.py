@@ -6,7 +6,7 @@ the tools' JSON declarations, observations, actions, tool calls and tool results
 tool call is run with ``call_tool`` and does not step the env, as in the runner's tool
 turn). ``rollart.model.build_tiny_model(path, chat_corpus(tasks), chat=True)`` trains the
 byte-level BPE on it (the template's own text is added there), so no task needs a
-vocabulary list for chat. Called by ``rollart.control`` (the built-in model of a chat
+vocabulary list for chat. Called by ``rollart.control.loop`` (the built-in model of a chat
 graph) and by tests.
 """
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollart.env.redundancy import Redundancy
+from rollart.policy.redundancy import Redundancy
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
-from rollart.handles import Handle
+from rollart.runtime.handles import Handle
 from rollart.model import load_tokenizer
-from rollart.near import near
-from rollart.staleness import within
+from rollart.runtime.near import near
+from rollart.policy.staleness import within
 from rollart.types import TrajState
 
 logger = logging.getLogger(__name__)
@@ -210,13 +210,13 @@ class EnvManager:
 
     async def set_buffer(self, buffer) -> int:
         """Report to ``buffer`` from now on: the driver re-created a lost one, which
-        reloaded its durable state (``rollart.stages``, ``SampleBuffer(recover=True)``).
+        reloaded its durable state (``rollart.control.stages``, ``SampleBuffer(recover=True)``).
         That buffer closed every group that was not complete and counted its members in
         flight as failed (orphaned), so the groups running here end now: their members
         are cancelled (the new buffer ignores their late reports) and each ``run_group``
         returns. Returns how many groups ended."""
         # ``buffer`` may come as ``(cls, address, key)``: the Handle is then built here,
-        # bound to this worker (``rollart.stages`` hands it so at start: an actor object
+        # bound to this worker (``rollart.control.stages`` hands it so at start: an actor object
         # passed in-process arrives bound to the driver's client)
         if isinstance(buffer, tuple):
             buffer = Handle(*buffer)

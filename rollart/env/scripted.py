@@ -2,7 +2,7 @@
 
 Consumes a task (``rollart.env.tasks.get_task`` name or ``Task``) and episode seeds;
 produces success rates of three scripted players per task, on the same held-out seeds
-``rollart.evaluate`` uses (``heldout_seeds``: ``rollart.control.EVAL_SEED_BASE`` on):
+``rollart.observe.evaluate`` uses (``heldout_seeds``: ``rollart.types.EVAL_SEED_BASE`` on):
 
 * ``random`` — a uniformly random valid action (the format warm-up's own policy:
   ``Task.warmup_action``), whatever the observation says;
@@ -40,7 +40,7 @@ DIRECTIONS = ("up", "down", "left", "right")
 
 def heldout_seeds(n: int) -> range:
     """The held-out seeds ``rollart train`` evaluates on (``EVAL_SEED_BASE`` ...)."""
-    from rollart.control import EVAL_SEED_BASE
+    from rollart.types import EVAL_SEED_BASE
 
     return range(EVAL_SEED_BASE, EVAL_SEED_BASE + n)
 

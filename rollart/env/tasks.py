@@ -41,7 +41,7 @@ class Task:
     warmup_action: Callable[..., str] | None = None  # (rng, observation) -> action
     vocabulary: Callable[[], list[str]] | None = None
     description: str = ""
-    affinity: Any = None  # rollart.affinity.Affinity: where it generates (task_affinity)
+    affinity: Any = None  # rollart.policy.affinity.Affinity: where it generates (task_affinity)
     top_p: float | None = None  # per-task nucleus sampling (None = the policy's top_p)
     stop: tuple[str, ...] = ()  # stop strings: generation ends once one is produced
     system_prompt: str | None = None  # chat: the system message (overrides the policy's)

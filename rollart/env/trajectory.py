@@ -38,11 +38,11 @@ from rollart.env.conversation import ConversationFormat, TokenLog, cap_text
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
 from rollart.reward import check_reward
-from rollart.affinity import reward_tag
+from rollart.policy.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
 from rollart.reward.offload import is_serverless
 from rollart.types import Episode, GenRequest, TrajState, Trajectory
-from rollart.waits import wait_result
+from rollart.runtime.waits import wait_result
 
 __all__ = ["StepTimeout", "TokenLog", "TrajectoryRunner", "TurnBarrier", "check_calls",
            "request_seed", "score_episode", "tool_calls"]

@@ -31,7 +31,7 @@ from rollart.reward.offload import (
     encode_request,
     score_batch,
 )
-from rollart.waits import wait_result
+from rollart.runtime.waits import wait_result
 
 
 class RewardDispatcher:

@@ -15,7 +15,7 @@ handles of two clusters in one process can hang):
   retired, down to zero. The fixed pools of the cluster are never touched.
 
 ``start_pools(client, rewards)`` starts the pools that serverless rewards with
-``backend="pool"`` need (used by ``rollart.control``); ``ElasticPool.stop`` ends one.
+``backend="pool"`` need (used by ``rollart.control.loop``); ``ElasticPool.stop`` ends one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from distributed.deploy.adaptive_core import AdaptiveCore
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from rollart.reward.offload import SERVERLESS, is_serverless
-from rollart.reward.scaling import Scaling
+from rollart.policy.scaling import Scaling
 
 logger = logging.getLogger(__name__)
 MONITOR = "rollart-serverless"
@@ -232,7 +232,7 @@ class ElasticPool(AdaptiveCore):
 
     @property
     def scaling(self) -> Scaling:
-        """The scaling decision (``rollart.reward.scaling``) with this pool's settings."""
+        """The scaling decision (``rollart.policy.scaling``) with this pool's settings."""
         return Scaling(self.maximum, self.threads, self.idle_timeout)
 
     # -- AdaptiveCore's state ---------------------------------------------------------
@@ -269,7 +269,7 @@ class ElasticPool(AdaptiveCore):
     async def scale_up(self, n: int) -> None:
         from distributed import Worker
 
-        from rollart.resources import worker_nanny
+        from rollart.runtime.resources import worker_nanny
 
         while len(self.plan) < min(n, self.maximum):
             name = f"{self.prefix}-{self._i}"

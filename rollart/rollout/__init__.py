@@ -8,7 +8,7 @@ prefill worker to the decode worker over Dask's comms) implement PD disaggregati
 
 from rollart._lazy import lazy_exports
 
-# imported on first use: ``rollart.rollout.base`` (engine names, read by rollart.graph)
+# imported on first use: ``rollart.rollout.base`` (engine names, read by rollart.config.graph)
 # and ``routing`` must not pull in torch
 _WHERE = {"InferenceWorker": "rollart.rollout.worker", "LLMProxy": "rollart.rollout.proxy",
           "TorchEngine": "rollart.rollout.engine"}

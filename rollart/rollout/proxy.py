@@ -1,11 +1,11 @@
 """``LLMProxy``: routes each trajectory's generation calls to ``InferenceWorker`` s.
 
 Consumes ``(traj_id, GenRequest, pools, task)`` from an env manager; produces the
-worker's ``GenResult``. Every routing decision is its ``rollart.rollout.routing.Router``'s
+worker's ``GenResult``. Every routing decision is its ``rollart.policy.routing.Router``'s
 (the cluster simulator calls the same object); this module makes the actor calls.
 Routing, in order:
 
-1. **Task affinity** (``rollart.affinity``): a task pinned to pools uses only those; a
+1. **Task affinity** (``rollart.policy.affinity``): a task pinned to pools uses only those; a
    task with ``prefill=``/``decode=`` runs its prefill on one pool and its decode on the
    other (PD disaggregation: the KV cache goes from the prefill worker to the decode
    worker directly, ``rollart.rollout.kv``); an ``auto`` task goes to a compute pool
@@ -34,20 +34,20 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from rollart.affinity import BANDWIDTH_TAGS, COMPUTE_TAGS, Affinity
-from rollart.near import near
-from rollart.rollout.routing import Router, WorkerLostError  # noqa: F401 (re-exported)
+from rollart.policy.affinity import BANDWIDTH_TAGS, COMPUTE_TAGS, Affinity
+from rollart.runtime.near import near
+from rollart.policy.routing import Router, WorkerLostError  # noqa: F401 (re-exported)
 from rollart.types import GenRequest, GenResult
 
 
 class LLMProxy:
     """Affinity-, prefix- and load-aware router over ``[(actor_handle, pool_tag), ...]``.
 
-    ``routes``: ``{task name: Affinity}`` (``rollart.affinity.task_routes``);
+    ``routes``: ``{task name: Affinity}`` (``rollart.policy.affinity.task_routes``);
     ``sticky=False`` turns prefix stickiness off (for comparison); ``auto_ratio`` is the
     prompt/response ratio from which an ``auto`` task counts as prefill-heavy, decided
     after ``auto_min_turns`` observed turns. Every decision is its ``Router``'s
-    (``rollart.rollout.routing``); this object makes the actor calls.
+    (``rollart.policy.routing``); this object makes the actor calls.
     """
 
     def __init__(self, workers: list[tuple[Any, str]], routes: dict[str, Affinity] | None = None,
@@ -106,7 +106,7 @@ class LLMProxy:
 
     def _near_handle(self, idx: int):
         """Worker ``idx``'s handle, or its object when it shares this Dask worker
-        (``rollart.near``: no comm, e.g. on ``resources/laptop.py``)."""
+        (``rollart.runtime.near``: no comm, e.g. on ``resources/laptop.py``)."""
         actor = self.workers[idx][0]
         key = (idx, getattr(actor, "key", id(actor)))
         if key not in self._near:

@@ -1,11 +1,11 @@
 """rollart's cluster-scale simulator: a whole rollart cluster in simulated time.
 
 The simulator (``simulate(SimConfig) -> SimResult``, ``rollart.sim.cluster``) calls the
-same policy objects the runtime calls — routing (``rollart.rollout.routing.Router``),
-the staleness bound (``rollart.staleness.StalenessBound``), redundancy
-(``rollart.env.redundancy.Redundancy``), the buffer's slots
-(``rollart.buffer.slots.Slots``/``GroupSequence``), the elastic reward pool's scaling
-(``rollart.reward.scaling.Scaling``) — with the cost models of ``rollart.sim.costs`` in
+same policy objects the runtime calls — routing (``rollart.policy.routing.Router``),
+the staleness bound (``rollart.policy.staleness.StalenessBound``), redundancy
+(``rollart.policy.redundancy.Redundancy``), the buffer's slots
+(``rollart.policy.admission.Slots``/``GroupSequence``), the elastic reward pool's scaling
+(``rollart.policy.scaling.Scaling``) — with the cost models of ``rollart.sim.costs`` in
 place of engines, envs, rewards, trainer and weight transfers. ``rollart.sim.calibrate``
 measures this machine and checks the simulator against a real run;
 ``rollart.sim.paper`` holds the paper's experiments. ``benchmarks/cluster_sim.py`` runs

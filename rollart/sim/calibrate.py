@@ -63,7 +63,7 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
     from the sync probe; ``fits["overlapping"]`` for those that train while rolling
     out, from the async probe) and ``measure_control_plane``
     (generation calls ``near``: the env manager and the inference worker share one
-    process, ``rollart.near``; buffer, trainer and driver calls are actor round trips);
+    process, ``rollart.runtime.near``; buffer, trainer and driver calls are actor round trips);
     ``turn_s``: each turn's hold on the env manager's loop (``measure_turn_overhead``)."""
     fit = fits[_fit_key(mode)]
     from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
@@ -220,7 +220,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
     from distributed import Client
 
     import rollart
-    from rollart.cli import quiet
+    from rollart.app.cli import quiet
     from rollart.env.faults import straggler_profile, with_faults
 
     quiet()

@@ -17,7 +17,7 @@ What is simulated (and what is aggregated to stay fast at thousands of GPUs):
 * **Inference workers**: one ``SimWorker`` per worker (``tp`` GPUs) batching many
   requests continuously; it wakes only at arrivals and completions, never per decode
   step (``rollart.sim.pools``). Requests are routed by the runtime's ``Router``
-  (``rollart.rollout.routing``: affinity, auto classification, stickiness — its prefix
+  (``rollart.policy.routing``: affinity, auto classification, stickiness — its prefix
   cache spares the cached tokens' prefill — and least-loaded); PD (prefill pool → KV
   transfer at the weight link's rate → decode pool) follows the task's affinity.
 * **Reward** on a dedicated pool or the elastic pool (the runtime's ``Scaling``).
@@ -48,12 +48,12 @@ from collections import Counter, OrderedDict
 
 import simpy
 
-from rollart.affinity import env_tag, task_routes
-from rollart.env.redundancy import Redundancy
-from rollart.rollout.routing import Router
+from rollart.policy.affinity import env_tag, task_routes
+from rollart.policy.redundancy import Redundancy
+from rollart.policy.routing import Router
 from rollart.sim.config import SimConfig, SimConfigError, SimResult
 from rollart.sim.pools import Meter, Req, RewardSim, SimWorker
-from rollart.staleness import StalenessBound, WeightRule, within
+from rollart.policy.staleness import StalenessBound, WeightRule, within
 
 ABORTED, CANCELLED, FAILED, DELIVERED = "aborted", "cancelled", "failed", "delivered"
 

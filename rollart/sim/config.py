@@ -72,7 +72,7 @@ class EnvPool:
 @dataclass(frozen=True)
 class RewardPool:
     """Where rewards run. ``dedicated``: ``workers`` always held (e.g. reward GPUs);
-    ``elastic``: scales between 0 and ``max_workers`` by ``rollart.reward.scaling``,
+    ``elastic``: scales between 0 and ``max_workers`` by ``rollart.policy.scaling``,
     each new worker a cold start (``RewardCost``), retired after ``idle_timeout`` s."""
 
     kind: str = "dedicated"
@@ -195,7 +195,7 @@ class SimConfig:
     mode: str | None = None
     timeline_dt: float | None = None  # utilisation sample period (None: sim time / 200)
     record: bool = False
-    # async: groups in flight or buffered (None: the runtime's rollart.pipeline.slot_capacity)
+    # async: groups in flight or buffered (None: the runtime's rollart.policy.admission.slot_capacity)
     slot_capacity: int | None = None
     max_sim_s: float = 1e7  # stop if simulated time passes this (a stalled config)
 

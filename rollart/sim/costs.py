@@ -388,7 +388,7 @@ class ControlPlane:
     prefill, the KV fetch and the decode call), per group's acquire, per trajectory's
     buffer put, per trainer get_table / mark_trained and per driver call the trainer or
     the weight wait sits on; ``task_s`` per reward run as a Dask task. ``near``: the env
-    managers call the inference workers in their own process (``rollart.near``, as
+    managers call the inference workers in their own process (``rollart.runtime.near``, as
     ``resources/laptop.py`` places them), so a generation request is a local call and
     costs no round trip, and a turn's Python on a manager's loop pauses those workers'
     engines as long (one process, one GIL: ``Costs.manager_turn_s``)."""

@@ -1,9 +1,9 @@
-"""The simulated modes: how rollout and training interleave, as ``rollart.pipeline``
+"""The simulated modes: how rollout and training interleave, as ``rollart.control.modes``
 defines them, each a simpy process over a ``rollart.sim.cluster.Cluster``.
 
 ==========  =========================================================================
-``async``   The buffer's slots (``rollart.buffer.slots.Slots``, capacity
-            ``rollart.pipeline.slot_capacity``) pace rollout: a group starts when one
+``async``   The buffer's slots (``rollart.policy.admission.Slots``, capacity
+            ``rollart.policy.admission.slot_capacity``) pace rollout: a group starts when one
             frees; ``Redundancy`` extras; the trainer takes any ``alpha``-fresh groups
             (``StalenessBound``); workers pull each version while generating; members
             that can no longer meet the bound are aborted and replaced.
@@ -27,8 +27,8 @@ Consumes the cluster's state and policy objects; produces trainer steps. Called 
 
 from __future__ import annotations
 
-from rollart.buffer.slots import GroupSequence, Slots, StartBound, Work
-from rollart.env.redundancy import Redundancy
+from rollart.policy.admission import GroupSequence, Slots, StartBound, Work
+from rollart.policy.redundancy import Redundancy
 
 
 def _sequence(cl) -> GroupSequence:
@@ -38,7 +38,7 @@ def _sequence(cl) -> GroupSequence:
 
 def asynchronous(cl, areal: bool = False):
     """``async`` / ``areal``: slots pace rollout while the trainer steps."""
-    from rollart.pipeline import slot_capacity
+    from rollart.policy.admission import slot_capacity
 
     algo = cl.graph.algo
     if areal:

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from rollart.affinity import Affinity
+from rollart.policy.affinity import Affinity
 from rollart.env.tasks import get_task
 from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape
 from rollart.sim.costs import GPUS, MODELS, Costs, RewardCost, WeightSync
@@ -90,7 +90,7 @@ def _task(name: str, affinity: Affinity | None):
 def _graph(tasks, pools, *, groups: int = 256, group_size: int = 8, alpha: int = 1,
            redundancy: float = 1.0, env_slots: int = 4096, name: str = "paper"):
     from rollart import GRPO, Graph
-    from rollart.graph import Rollout
+    from rollart.config.graph import Rollout
 
     return Graph(name=name, tasks=tuple(tasks),
                  algo=GRPO(group_size=group_size, groups_per_step=groups, alpha=alpha),

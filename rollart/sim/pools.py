@@ -21,7 +21,7 @@ from collections import deque
 
 import simpy
 
-from rollart.reward.scaling import Scaling
+from rollart.policy.scaling import Scaling
 
 
 class Meter:

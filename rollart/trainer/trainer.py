@@ -24,8 +24,8 @@ import torch
 from rollart.buffer.buffer import TAKE_KEY
 from rollart.buffer.schema import batch_digest, batch_metrics, from_table  # noqa: F401 (re-exported)
 from rollart.model import load_model, load_tokenizer
-from rollart.resources import set_worker_threads, usable_cores
-from rollart.staleness import StalenessBound
+from rollart.runtime.resources import set_worker_threads, usable_cores
+from rollart.policy.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.losses import (grpo_loss, shared_prompt_logprobs, shares_prompts,
                                      target_logprobs)
@@ -199,7 +199,7 @@ class Trainer:
 
     async def save_state(self, url: str) -> dict:
         """Write this trainer's part of a checkpoint under ``url`` (see
-        ``rollart.checkpoint``): ``model/``, ``ref_model.safetensors``, ``trainer.pt``.
+        ``rollart.control.checkpoint``): ``model/``, ``ref_model.safetensors``, ``trainer.pt``.
         Returns their manifest entries."""
         return await self._run(self._save_state, url)
 
@@ -209,7 +209,7 @@ class Trainer:
         than the checkpoint's (``--resume``: a lost run's later updates are redone, and
         their rows set aside with them). A trainer replaced mid-run passes False: those
         versions hold updates whose rows are ``trained``, and it continues from the
-        newest of them (``rollart.recovery.Supervisor``)."""
+        newest of them (``rollart.control.supervisor.Supervisor``)."""
         return await self._run(self._load_state, url, truncate)
 
     async def stats(self) -> dict:
@@ -234,7 +234,7 @@ class Trainer:
 
         from safetensors.torch import save as st_save
 
-        from rollart.checkpoint import upload_dir, write_bytes
+        from rollart.runtime.storage import upload_dir, write_bytes
         from rollart.weights.store import _untie
 
         with tempfile.TemporaryDirectory(prefix="rollart-ckpt-") as tmp:

@@ -1,0 +1,1 @@
+"""Entry points: the CLI, the notebook API, run directories, evaluation."""

@@ -1,0 +1,284 @@
+"""The ``rollart`` command: ``train`` a graph, ``eval`` a model, look at a run's ``samples``,
+``report`` a run, ``status`` of live runs.
+
+``rollart train`` with no arguments trains the default multi-task graph on the local
+tagged cluster declared in ``resources/local.py``; ``--set FIELD=VALUE`` changes any
+graph field (``rollart.config.overrides``), ``--report-to`` sends the run to experiment trackers
+(``rollart.observe.trackers``). Dask's INFO logs are off unless ``--verbose`` (or a
+``DASK_LOGGING__DISTRIBUTED`` level you set). Errors in user input (graph, resources,
+model folder, tasks, overrides, trackers) print one readable line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def quiet(verbose: bool = False) -> None:
+    """Keep the terminal for the progress bar: Dask INFO logs and per-load bars off
+    (``verbose=True``: Dask's INFO logs on). A level set in ``DASK_LOGGING__DISTRIBUTED``
+    is kept. Set before any worker process starts, so the workers inherit it.
+
+    >>> # import rollart; rollart.quiet()    # first cell of a notebook
+    """
+    import logging
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if verbose:
+        os.environ["DASK_LOGGING__DISTRIBUTED"] = "info"
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    level = os.environ["DASK_LOGGING__DISTRIBUTED"].upper()
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    try:  # importing distributed configures its loggers (INFO): set the levels after it
+        import distributed  # noqa: F401
+    except ImportError:
+        pass
+    if not hasattr(logging, level) or not isinstance(getattr(logging, level), int):
+        level = "WARNING"
+    for name in ("distributed", "distributed.scheduler", "distributed.worker",
+                 "distributed.nanny", "distributed.core", "distributed.http",
+                 "distributed.deploy", "distributed.deploy.spec"):
+        logging.getLogger(name).setLevel(getattr(logging, level))
+
+
+def _train(args) -> int:
+    quiet(args.verbose)
+    from rollart.control.loop import train
+
+    result = train(args.graph, args.resources, steps=args.steps, model=args.model,
+                   seed=args.seed, alpha=args.alpha, mode=args.mode, run_dir=args.run_dir,
+                   progress=not args.no_progress, eval_seeds=args.eval_seeds,
+                   resume=args.resume, weights=args.weights,
+                   checkpoint_url=args.checkpoint_url, checkpoint_every=args.checkpoint_every,
+                   overwrite=args.overwrite, overrides=args.set, report_to=args.report_to)
+    last = result.metrics[-1] if result.metrics else {}
+    print(f"run directory: {result.run_dir}")
+    print(f"final model:   {result.model_dir}")
+    print(f"reward curve:  {result.run_dir}/reward.png")
+    if result.evaluation:
+        print(format_evaluation(result.evaluation))
+    print("last step: " + " ".join(f"{k}={v:.3f}" for k, v in last.items()
+                                   if k.startswith(("reward/", "success/"))))
+    if result.timings:
+        print(format_timings(result.timings))
+    return 0
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def format_timings(t: dict) -> str:
+    """Where a run's wall time went (``RunResult.timings``), as ``train`` prints it.
+
+    >>> format_timings({"total_s": 300.0, "rl_s": 240.0, "rl_steps": 100, "other_s": 60.0})
+    'time: 5.0 min: 100 RL steps 4.0 min (2.40 s a step), the rest (start-up, saving) 60 s'
+    """
+    parts = []
+    if t.get("warmup_s"):
+        parts.append(f"warm-up {_span(t['warmup_s'])}")
+    if t.get("rl_steps"):
+        parts.append(f"{t['rl_steps']} RL steps {_span(t['rl_s'])} "
+                     f"({t['rl_s'] / t['rl_steps']:.2f} s a step)")
+    if t.get("evaluation_s"):
+        parts.append(f"evaluation {_span(t['evaluation_s'])}")
+    parts.append(f"the rest (start-up, saving) {_span(t.get('other_s', 0.0))}")
+    return f"time: {_span(t['total_s'])}: " + ", ".join(parts)
+
+
+def format_evaluation(ev: dict) -> str:
+    """Held-out success per task (warm-up -> trained where both exist), as ``train`` and
+    ``eval`` print it."""
+    lines = [f"held-out success over {ev['seeds']} seeds per task (sampling, T=1):"]
+    for task, after in ev["trained"].items():
+        before = ev.get("warmup", {}).get(task)
+        b = f"{before:.2f} -> " if before is not None else ""
+        lines.append(f"  {task:10s} {b}{after:.2f}")
+    return "\n".join(lines)
+
+
+def _eval(args) -> int:
+    import json
+
+    quiet(args.verbose)
+    from rollart.app.runs import evaluate_target
+
+    ev = evaluate_target(args.target, args.graph, args.seeds)
+    print(json.dumps(ev, indent=1) if args.json else
+          f"model: {ev['model']}\ngraph: {ev['graph']}\n" + format_evaluation(ev))
+    return 0
+
+
+def _samples(args) -> int:
+    import json
+
+    quiet()
+    from rollart.observe.samples import format_trajectory, read_decoded
+
+    trajs = read_decoded(args.run, task=args.task, state=args.state, n=args.n)
+    if args.json:
+        print(json.dumps(trajs, indent=1, default=str))
+    elif not trajs:
+        print(f"no finished trajectories in {args.run} yet")
+    else:
+        print("\n\n".join(format_trajectory(t) for t in trajs))
+    return 0
+
+
+def _report(args) -> int:
+    from pathlib import Path
+
+    from rollart.observe.report import plot_rewards, read_metrics
+
+    rows = read_metrics(args.run)
+    out = plot_rewards(Path(args.run) / "metrics.jsonl", Path(args.run) / "reward.png")
+    print(f"{len(rows)} steps; reward curve written to {out}")
+    if not args.reward_only:
+        from rollart.observe.plots import render_report
+
+        for name, path in render_report(args.run).items():
+            print(f"{name + ':':12s}{path}")
+    return 0
+
+
+def _status(args) -> int:
+    import json
+
+    from distributed import Client
+
+    from rollart.observe.dashboard.status import fetch_state, format_status
+
+    with Client(args.scheduler, timeout=args.timeout) as client:
+        state = fetch_state(client)
+        if args.run:
+            state = {k: v for k, v in state.items() if k == args.run}
+        print(json.dumps(state, indent=1, default=str) if args.json else format_status(state))
+        if client.dashboard_link:
+            print(f"dashboard: {client.dashboard_link.rsplit('/', 1)[0]}/rollart",
+                  file=sys.stderr)
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int ≥ 1, got {text!r}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rollart.config.graph import MODES
+
+    p = argparse.ArgumentParser(prog="rollart", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a graph (default: the multi-task graph)")
+    t.add_argument("graph", nargs="?", default=None,
+                   help="graph file, name in graphs/, or module:function")
+    t.add_argument("--resources", default=None,
+                   help="resources file, name in resources/, or a scheduler address")
+    t.add_argument("--steps", type=int, default=None, help="trainer steps")
+    t.add_argument("--model", default=None, help="a Hugging Face model folder on disk")
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--mode", choices=MODES, default=None,
+                   help="async (default: trajectory-level, bounded staleness), areal "
+                        "(AReaL: bound checked when a trajectory starts, no abort), "
+                        "one-off (one-step off-policy), sync+ (trajectories run free, "
+                        "rollout stops while the trainer steps: the paper's main "
+                        "baseline) or sync (a barrier at every turn)")
+    t.add_argument("--alpha", type=int, default=None, help="staleness bound (versions)")
+    t.add_argument("--run-dir", default=None, help="where outputs go (default runs/NAME-TIME);"
+                   " a directory that holds a run is refused (see --resume, --overwrite)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete the outputs of the run already in --run-dir (and the "
+                        "versions in --weights, the checkpoints in --checkpoint-url) first")
+    t.add_argument("--eval-seeds", type=int, default=64,
+                   help="held-out episodes per task for the before/after evaluation (0: none)")
+    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--resume", default=None, metavar="RUN",
+                   help="continue the run directory RUN from its newest checkpoint "
+                        "(--steps is then the new total)")
+    t.add_argument("--weights", default=None, metavar="BACKEND",
+                   help="weight store: fsspec (default), mooncake (a local master on "
+                        "127.0.0.1), or a store URL (mooncake://HOST:PORT/PREFIX?metadata=…)")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="checkpoint every N steps (always at the end)")
+    t.add_argument("--checkpoint-url", default=None,
+                   help="where checkpoints go, any fsspec URL (default RUN/checkpoints)")
+    t.add_argument("--set", action="extend", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="change a graph field, e.g. --set algo.lr=1e-4 "
+                        "rollout.redundancy=1.5 policy.temperature=0.8 steps=40 "
+                        "(repeatable; graph.json records the result)")
+    t.add_argument("--report-to", default=None, metavar="TRACKERS",
+                   help="experiment trackers, comma-separated: tensorboard, mlflow, wandb "
+                        "(offline, under the run directory; extras rollart[NAME])")
+    t.add_argument("--verbose", action="store_true", help="show Dask's INFO logs")
+    t.set_defaults(func=_train)
+    e = sub.add_parser("eval", help="held-out success per task of a model folder or a "
+                       "run's final model (the evaluation train prints)")
+    e.add_argument("target", metavar="MODEL_OR_RUN",
+                   help="a run directory (its model/ and graph) or a model folder")
+    e.add_argument("graph", nargs="?", default=None,
+                   help="graph whose tasks to play (default: the run's, else the default "
+                        "graph)")
+    e.add_argument("--seeds", type=_positive, default=64, help="held-out episodes per task")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.add_argument("--verbose", action="store_true", help="show Dask's INFO logs")
+    e.set_defaults(func=_eval)
+    sm = sub.add_parser("samples", help="print a run's latest trajectories, decoded turn "
+                        "by turn")
+    sm.add_argument("run", help="run directory")
+    sm.add_argument("--task", default=None, help="only this task")
+    sm.add_argument("--state", default=None,
+                    help="only rows in this state (trained, dropped, failed, ...)")
+    sm.add_argument("-n", type=_positive, default=5, help="trajectories per task (latest)")
+    sm.add_argument("--json", action="store_true", help="print JSON")
+    sm.set_defaults(func=_samples)
+    r = sub.add_parser("report", help="render a run's plots (reward, throughput, "
+                       "staleness) to PNG and report.html")
+    r.add_argument("run", help="run directory")
+    r.add_argument("--reward-only", action="store_true", help="only reward.png")
+    r.set_defaults(func=_report)
+    st = sub.add_parser("status", help="print the live figures of the runs a scheduler "
+                        "knows about")
+    st.add_argument("--scheduler", required=True, help="scheduler address, tcp://HOST:PORT")
+    st.add_argument("--run", default=None, help="only this run (its directory name)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.add_argument("--timeout", default="10s", help="connect timeout")
+    st.set_defaults(func=_status)
+    return p
+
+
+def main(argv=None) -> int:
+    from rollart.control.checkpoint import CheckpointError
+    from rollart.env.tasks import UnknownTaskError
+    from rollart.config.graph import GraphError
+    from rollart.model import ModelFolderError
+    from rollart.config.preflight import RunDirError
+    from rollart.observe.samples import SampleQueryError
+    from rollart.runtime.resources import ResourcesError
+    from rollart.observe.trackers import TrackerError
+    from rollart.weights.mooncake import MooncakeError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
+            FileNotFoundError, CheckpointError, MooncakeError, RunDirError,
+            TrackerError, SampleQueryError) as e:
+        print(f"rollart: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""Graph definitions: what to train (task mix, policy, algorithm, bounds) as plain Python.
+
+A graph module in ``graphs/`` defines ``graph() -> Graph``; variants are functions that
+call another graph function and ``dataclasses.replace`` what differs. ``load_graph``
+resolves a CLI argument (a path, a bare name in ``graphs/``, or ``module:function``) to a
+validated ``Graph``. The control loop reads it; nothing here touches Dask or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from rollart.policy.affinity import inference_tags
+from rollart.policy.affinity import needs as affinity_needs
+from rollart.env.conversation import CONVERSATIONS
+from rollart.env.tasks import get_task
+from rollart.runtime.resources import find_file, load_module
+from rollart.rollout.base import ENGINES
+from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLICY, REWARD,
+                           SCALE_REWARDS, TRAIN)
+
+DEFAULT_GRAPH = "multitask"
+MODES = ("async", "areal", "one-off", "sync+", "sync")  # see rollart.control.modes
+TRAINER_BACKENDS = ("torch", "megatron")  # see rollart.trainer
+# the staleness bound of each mode when GRPO.alpha is left unset (None); the fixed
+# baselines imply theirs (sync and sync+ are on-policy, one-off one step behind), so
+# setting another is an error; async and areal take any bound
+MODE_ALPHA = {"async": 1, "areal": 1, "one-off": 1, "sync+": 0, "sync": 0}
+FREE_ALPHA = ("async", "areal")  # modes whose staleness bound is a setting
+LOCKSTEP_MODES = ("one-off", "sync")  # a turn barrier across each batch
+
+
+class GraphError(ValueError):
+    """A graph that cannot run; the message says what to change."""
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise GraphError(msg)
+
+
+def _numbers(obj, *names: str, integer: bool = False, optional: bool = False) -> None:
+    """Type-check settings before comparing them (``"1e-3" > 0`` would be a TypeError)."""
+    kinds = (int,) if integer else (int, float)
+    for name in names:
+        v = getattr(obj, name)
+        if optional and v is None:
+            continue
+        _check(isinstance(v, kinds) and not isinstance(v, bool),
+               f"{type(obj).__name__}.{name} must be {'an int' if integer else 'a number'}"
+               f"{' or None' if optional else ''}, got {type(v).__name__} {v!r}"
+               + ("; write it without quotes" if isinstance(v, str) else ""))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The model and how it samples. ``model=None`` builds the built-in tiny model."""
+
+    model: str | None = None
+    warmup_steps: int = 300  # supervised format warm-up of the built-in model (0 = none)
+    warmup_batch: int = 32
+    warmup_lr: float = 3e-3
+    # torch threads for the warm-up on the trainer's host (None: every core that host gives
+    # the trainer's process; nothing else of the run computes before the first weights)
+    warmup_threads: int | None = None
+    # threads that play the warm-up's episodes, one batch ahead of the model's step (env
+    # steps and tool calls wait outside the GIL); None: one after another in the step, the
+    # episode stream of earlier releases (an int gives each episode its own rng: the same
+    # batches for any thread count, another stream than None's)
+    warmup_episode_threads: int | None = None
+    # chat: warm-up steps before the ones above, on the tasks whose envs declare tools,
+    # alone, with the tool list left out of the template (the observation right before
+    # the call) and the loss on the model's turns only: teaches a small model to copy an
+    # observation into its tool call (rollart.trainer.warmup.run_warmup; 0 = none)
+    warmup_bare_tool_steps: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_batch: int = 64  # requests batched together by one inference worker
+    # torch engine: decode steps between admissions into a running batch (arrivals in
+    # between share one prefill; 1 = admit at every step)
+    admit_every: int = 4
+    engine: str = "torch"  # generation engine: "torch" | "vllm" (rollart.rollout.base)
+    trainer_backend: str = "torch"  # "torch" (HF model) | "megatron" (megatron-core GPTModel)
+    # how a trajectory becomes ids (rollart.env.conversation): "chat" renders messages
+    # with the tokenizer's chat template, "raw" concatenates text, "auto" = chat when the
+    # tokenizer has a template
+    conversation: str = "auto"
+    system_prompt: str | None = None  # chat: the system message (Task.system_prompt wins)
+    max_context: int | None = None  # context budget in tokens (None: the model config's)
+
+    def __post_init__(self):
+        _check(self.model is None or isinstance(self.model, str),
+               f"Policy.model must be a path to a Hugging Face model folder or None, "
+               f"got {self.model!r}")
+        _numbers(self, "warmup_steps", "warmup_bare_tool_steps", "warmup_batch", "max_batch",
+                 "admit_every", integer=True)
+        _numbers(self, "warmup_lr", "temperature", "top_p")
+        _check(self.warmup_batch >= 1, f"Policy.warmup_batch must be ≥ 1, got "
+               f"{self.warmup_batch}")
+        _check(self.warmup_threads is None or (isinstance(self.warmup_threads, int)
+                                                and self.warmup_threads >= 1),
+               f"Policy.warmup_threads must be None (every core of the trainer's host) or "
+               f"an int ≥ 1, got {self.warmup_threads!r}")
+        _check(self.warmup_episode_threads is None or (
+            isinstance(self.warmup_episode_threads, int) and self.warmup_episode_threads >= 1),
+               f"Policy.warmup_episode_threads must be None (episodes one after another) or "
+               f"an int ≥ 1, got {self.warmup_episode_threads!r}")
+        _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+               f"Policy.warmup_steps must be an int ≥ 0, got {self.warmup_steps!r}")
+        _check(self.warmup_bare_tool_steps >= 0,  # an int: _numbers above
+               f"Policy.warmup_bare_tool_steps must be an int ≥ 0, got "
+               f"{self.warmup_bare_tool_steps!r}")
+        _check(self.warmup_bare_tool_steps == 0 or self.conversation != "raw",
+               f"Policy.warmup_bare_tool_steps={self.warmup_bare_tool_steps} needs the chat "
+               "format (tools reach the model through its chat template); with "
+               "conversation='raw' set it to 0")
+        _check(self.temperature > 0, f"Policy.temperature must be > 0 for RL sampling, "
+               f"got {self.temperature!r}")
+        _check(0 < self.top_p <= 1, f"Policy.top_p must be in (0, 1], got {self.top_p!r}")
+        _check(self.max_batch >= 1, f"Policy.max_batch must be ≥ 1, got {self.max_batch!r}")
+        _check(self.admit_every >= 1,
+               f"Policy.admit_every must be ≥ 1, got {self.admit_every!r}")
+        _check(self.engine in ENGINES, f"Policy.engine must be one of {ENGINES}, "
+               f"got {self.engine!r}")
+        _check(self.trainer_backend in TRAINER_BACKENDS, f"Policy.trainer_backend must be "
+               f"one of {TRAINER_BACKENDS}, got {self.trainer_backend!r}")
+        _check(self.conversation in CONVERSATIONS, f"Policy.conversation must be one of "
+               f"{CONVERSATIONS}, got {self.conversation!r}")
+        _check(self.system_prompt is None or isinstance(self.system_prompt, str),
+               f"Policy.system_prompt must be a str or None, got {self.system_prompt!r}")
+        _numbers(self, "max_context", integer=True, optional=True)
+        _check(self.max_context is None or self.max_context >= 2,
+               f"Policy.max_context must be ≥ 2 tokens or None (the model config's "
+               f"max_position_embeddings), got {self.max_context!r}")
+
+    @property
+    def warmup_total_steps(self) -> int:
+        """Every warm-up step: the first stage's (``warmup_bare_tool_steps``) and the rest."""
+        return self.warmup_steps + self.warmup_bare_tool_steps
+
+    def conversation_options(self) -> dict:
+        """How trajectories become token ids (``rollart.env.conversation``): the same
+        keyword arguments for rollout (``EnvManager``), warm-up and evaluation."""
+        return {"conversation": self.conversation, "system_prompt": self.system_prompt,
+                "max_context": self.max_context}
+
+    def worker_options(self) -> dict:
+        """The ``InferenceWorker`` keyword arguments this policy implies."""
+        opts = {"max_batch": self.max_batch, "engine": self.engine}
+        if self.engine == "torch":
+            opts["engine_options"] = {"admit_every": self.admit_every}
+        return opts
+
+
+@dataclass(frozen=True)
+class GRPO:
+    """Group-relative policy optimisation settings."""
+
+    group_size: int = 8  # trajectories per group (same task and seed)
+    groups_per_step: int = 12  # groups per trainer step; batch = group_size * this
+    lr: float = 5e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the initial policy
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    # staleness bound: train on trajectories ≤ alpha versions old. None: the mode's
+    # (MODE_ALPHA: async 1, areal 1, one-off 1, sync+ 0, sync 0), resolved by resolve_alpha
+    alpha: int | None = None
+    off_policy: str = DEFAULT_OFF_POLICY  # staleness correction, one of OFF_POLICY
+    is_cap: float = 2.0  # truncation of the behaviour importance weight
+    # the trainer cuts a batch, sorted by length, into micro-batches of at most this many
+    # padded tokens (gradients accumulate; the loss is the same token mean): less
+    # padding and bounded memory. 0: the whole batch at once
+    micro_batch_tokens: int = 4096
+    # how a group's centred rewards are scaled into advantages: "group" (its std: GRPO),
+    # "batch" (the std of the whole batch's rewards), "none" (Dr. GRPO); with "group" a
+    # group whose rewards differ only by a small penalty weighs as much as one with a
+    # success (rollart.trainer.advantages)
+    scale_rewards: str = "group"
+
+    def __post_init__(self):
+        for name in ("group_size", "groups_per_step"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                   f"GRPO.{name} must be an int ≥ 1, got {v!r}")
+        _numbers(self, "micro_batch_tokens", integer=True)
+        _numbers(self, "alpha", integer=True, optional=True)
+        _check(self.micro_batch_tokens >= 0, f"GRPO.micro_batch_tokens must be ≥ 0 (0: "
+               f"no micro-batches), got {self.micro_batch_tokens!r}")
+        _numbers(self, "lr", "clip_eps", "kl_coef", "max_grad_norm", "weight_decay", "is_cap")
+        _check(self.group_size >= 2, f"GRPO.group_size must be ≥ 2 (group-normalised "
+               f"advantages need a group), got {self.group_size}")
+        _check(self.alpha is None or self.alpha >= 0,
+               f"GRPO.alpha (staleness bound) must be an int ≥ 0 or None (the mode's), "
+               f"got {self.alpha!r}")
+        # readers get an int: the async bound until a Graph resolves it for its mode
+        object.__setattr__(self, "alpha_given", self.alpha is not None)
+        object.__setattr__(self, "alpha", resolve_alpha(self))
+        _check(self.lr > 0, f"GRPO.lr must be > 0, got {self.lr!r}")
+        _check(0 < self.clip_eps < 1, f"GRPO.clip_eps must be in (0, 1), got {self.clip_eps}")
+        _check(self.kl_coef >= 0, f"GRPO.kl_coef must be ≥ 0, got {self.kl_coef!r}")
+        _check(self.max_grad_norm > 0, "GRPO.max_grad_norm must be > 0")
+        _check(self.scale_rewards in SCALE_REWARDS, f"GRPO.scale_rewards must be one of "
+               f"{SCALE_REWARDS}, got {self.scale_rewards!r}")
+        _check(self.off_policy in OFF_POLICY, f"GRPO.off_policy must be one of "
+               f"{OFF_POLICY}, got {self.off_policy!r}")
+        _check(self.is_cap >= 1, f"GRPO.is_cap must be ≥ 1, got {self.is_cap!r}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+
+def resolve_alpha(algo: GRPO, mode: str = "async", graph: str | None = None) -> int:
+    """The staleness bound of ``algo`` under ``mode``: the one place it is decided.
+
+    ``GRPO.alpha`` left unset (``alpha_given`` false) takes the mode's ``MODE_ALPHA``; a
+    set one is kept, and one that contradicts a baseline's bound is a ``GraphError``.
+
+    >>> resolve_alpha(GRPO(), "sync"), resolve_alpha(GRPO(alpha=3), "async")
+    (0, 3)
+    """
+    if not getattr(algo, "alpha_given", algo.alpha is not None):
+        return MODE_ALPHA[mode]
+    if mode not in FREE_ALPHA and algo.alpha != MODE_ALPHA[mode]:
+        where = f"graph {graph!r}: " if graph else ""
+        raise GraphError(
+            f"{where}GRPO.alpha={algo.alpha} contradicts mode={mode!r}, whose staleness "
+            f"bound is {MODE_ALPHA[mode]} ({mode} is defined by it). Leave GRPO.alpha "
+            f"unset (or set it to {MODE_ALPHA[mode]}), drop --alpha, or use "
+            f"mode='async' (--mode async) or 'areal' for a bound of {algo.alpha}")
+    return algo.alpha
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Where and how trajectories run."""
+
+    inference_pools: tuple[str, ...] = INFERENCE_TAGS
+    env_concurrency: int = 256  # trajectories one EnvManager runs at once
+    redundancy: float = 1.0  # async mode: launch this many × group_size members per group
+    # when the extra members start: None = with the group; a fraction f in (0, 1] = as
+    # backups, once f × group_size members are delivered (for the ones still running)
+    backup_after: float | None = None
+    env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
+    reward_timeout: float = 30.0
+    # a plain reward whose pool includes the env manager's own worker runs there, on a
+    # thread (as many at once as that worker has slots of the tag), instead of as a
+    # Dask task through the scheduler (~7 messages a trajectory); False: always a task
+    local_reward: bool = True
+    trajectory_timeout: float | None = None  # seconds for a whole trajectory (None: none)
+    # stop the run (FailureStormError) after this many failed trajectories in a row with
+    # none reaching the buffer; None: 4 × the trajectories of one trainer step; 0: never
+    failure_streak_limit: int | None = None
+    # stop the run (StallError) when trajectories are in flight but none has settled
+    # (delivered, failed, cancelled, ...) for this many seconds; None: twice the longest a
+    # trajectory may legitimately take (trajectory_timeout, or env_step_timeout × the
+    # longest task's turns + reward_timeout), at least 300 s; 0: never
+    stall_timeout: float | None = None
+
+    def __post_init__(self):
+        _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
+               f"Rollout.inference_pools must be a non-empty tuple of resource tags, "
+               f"got {self.inference_pools!r}")
+        _numbers(self, "env_concurrency", integer=True)
+        _numbers(self, "env_step_timeout", "reward_timeout", "redundancy")
+        _numbers(self, "trajectory_timeout", optional=True)
+        _numbers(self, "failure_streak_limit", integer=True, optional=True)
+        _check(self.failure_streak_limit is None or self.failure_streak_limit >= 0,
+               f"Rollout.failure_streak_limit must be ≥ 0 (0: never stop) or None, got "
+               f"{self.failure_streak_limit!r}")
+        _numbers(self, "stall_timeout", optional=True)
+        _check(self.stall_timeout is None or self.stall_timeout >= 0,
+               f"Rollout.stall_timeout must be ≥ 0 seconds (0: never stop) or None, got "
+               f"{self.stall_timeout!r}")
+        _check(isinstance(self.local_reward, bool),
+               f"Rollout.local_reward must be True or False, got {self.local_reward!r}")
+        _check(self.env_concurrency >= 1, "Rollout.env_concurrency must be ≥ 1")
+        _check(self.env_step_timeout > 0, "Rollout.env_step_timeout must be > 0 seconds")
+        _check(self.reward_timeout > 0, "Rollout.reward_timeout must be > 0 seconds")
+        _check(self.trajectory_timeout is None or self.trajectory_timeout > 0,
+               f"Rollout.trajectory_timeout must be > 0 seconds or None (no limit), got "
+               f"{self.trajectory_timeout!r}")
+        _check(isinstance(self.redundancy, (int, float)) and 1 <= self.redundancy <= 8,
+               f"Rollout.redundancy must be a factor in [1, 8], got {self.redundancy!r}")
+        _numbers(self, "backup_after", optional=True)
+        _check(self.backup_after is None or 0 < self.backup_after <= 1,
+               f"Rollout.backup_after must be a fraction in (0, 1] of the group (extra "
+               f"members start once that share is delivered) or None (they start with "
+               f"the group), got {self.backup_after!r}")
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A training run's definition. ``tasks`` are names of built-in tasks or ``Task`` s."""
+
+    name: str
+    tasks: tuple = ("gridnav", "guess", "boxpush")
+    task_weights: tuple[float, ...] | None = None
+    policy: Policy = field(default_factory=Policy)
+    algo: GRPO = field(default_factory=GRPO)
+    rollout: Rollout = field(default_factory=Rollout)
+    steps: int = 120
+    seed: int = 0
+    mode: str = "async"
+    checkpoint_every: int = 0
+
+    def __post_init__(self):
+        _check(isinstance(self.name, str) and self.name, "Graph.name must be a non-empty str")
+        _check(isinstance(self.tasks, (tuple, list)) and len(self.tasks) > 0,
+               f"Graph {self.name!r}: tasks must be a non-empty tuple of task names or "
+               f"Task objects, got {self.tasks!r}")
+        resolved = tuple(get_task(t) for t in self.tasks)  # raises UnknownTaskError
+        object.__setattr__(self, "tasks", resolved)
+        names = [t.name for t in resolved]
+        _check(len(set(names)) == len(names), f"Graph {self.name!r}: tasks repeat: {names}")
+        if self.task_weights is not None:
+            _check(isinstance(self.task_weights, (tuple, list)) and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool)
+                for w in self.task_weights),
+                f"Graph {self.name!r}: task_weights must be a tuple of numbers, one per "
+                f"task, got {self.task_weights!r}")
+            _check(len(self.task_weights) == len(resolved) and
+                   all(w >= 0 for w in self.task_weights) and sum(self.task_weights) > 0,
+                   f"Graph {self.name!r}: task_weights must have one weight ≥ 0 per task "
+                   f"({len(resolved)}), not all zero; got {self.task_weights!r}")
+        for attr, cls in (("policy", Policy), ("algo", GRPO), ("rollout", Rollout)):
+            _check(isinstance(getattr(self, attr), cls),
+                   f"Graph.{attr} must be a rollart.{cls.__name__}, "
+                   f"got {type(getattr(self, attr)).__name__}")
+        _numbers(self, "steps", "seed", "checkpoint_every", integer=True)
+        _check(self.checkpoint_every >= 0, f"Graph.checkpoint_every must be ≥ 0 (0 = never), "
+               f"got {self.checkpoint_every}")
+        _check(isinstance(self.steps, int) and self.steps >= 1,
+               f"Graph.steps must be an int ≥ 1, got {self.steps!r}")
+        _check(self.mode in MODES, f"Graph.mode {self.mode!r} is not one of {MODES}")
+        alpha = resolve_alpha(self.algo, self.mode, self.name)
+        if alpha != self.algo.alpha:  # unset: this mode's bound (and still unset)
+            algo = replace(self.algo, alpha=alpha)
+            object.__setattr__(algo, "alpha_given", False)
+            object.__setattr__(self, "algo", algo)
+
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    def needs(self) -> dict[str, float]:
+        """Resource tags this graph's actors and tasks ask for (one unit each)."""
+        tags = {t: 1 for t in self.rollout.inference_pools}
+        tags.update({CPU_ENV: 1, REWARD: 1, TRAIN: 1})
+        tags.update({t: 1 for t in inference_tags(self)})  # + declared affinities
+        tags.update({t: 1 for t in affinity_needs(self)})
+        return tags
+
+    def to_dict(self) -> dict:
+        """A JSON-friendly description (tasks by name), saved in the run directory."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "tasks":
+                v = [t.name for t in v]
+            elif hasattr(v, "__dataclass_fields__"):
+                v = {g.name: getattr(v, g.name) for g in fields(v)}
+            out[f.name] = v
+        return out
+
+
+def load_graph(spec: str | Graph | None = None) -> tuple[Graph, str]:
+    """Resolve ``spec`` to ``(graph, source)``.
+
+    ``None`` → ``graphs/multitask.py``; ``"gridnav"`` → ``graphs/gridnav.py``;
+    ``"path/to/file.py"``; ``"package.module:function"``.
+    """
+    if isinstance(spec, Graph):
+        return spec, "<python>"
+    spec = DEFAULT_GRAPH if spec is None else str(spec)
+    fn_name = "graph"
+    if ":" in spec and not Path(spec).exists():
+        spec, fn_name = spec.rsplit(":", 1)
+    if "/" not in spec and not spec.endswith(".py") and _importable(spec) and \
+            not _in_graphs_dir(spec):
+        module, source = importlib.import_module(spec), spec
+    else:
+        path = find_file(spec, "graphs", GraphError)
+        module, source = load_module(path, GraphError), str(path)
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise GraphError(f"{source} defines no {fn_name}() function; add "
+                         f"`def {fn_name}() -> rollart.Graph: ...`")
+    graph = fn() if callable(fn) else fn
+    if not isinstance(graph, Graph):
+        raise GraphError(f"{source}: {fn_name}() returned {type(graph).__name__}; "
+                         "return a rollart.Graph")
+    return graph, source
+
+
+def _in_graphs_dir(name: str) -> bool:
+    from rollart.runtime.resources import REPO_ROOT
+
+    return any((base / "graphs" / f"{name}.py").is_file() for base in (Path.cwd(), REPO_ROOT))
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+

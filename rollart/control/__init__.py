@@ -1,0 +1,1 @@
+"""The driver's control plane: placing roles, the supervisor, the modes, the loop, checkpoints."""

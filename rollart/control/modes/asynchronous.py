@@ -1,0 +1,152 @@
+"""The asynchronous modes (``async``, ``areal``): env managers take groups from the
+buffer's slots.
+
+Consumes the actors and ``Graph`` like every mode (``rollart.control.modes.base.Pipeline``);
+hands the ``SampleBuffer`` its ``Slots`` (``rollart.policy.admission``) under the mode's
+admission policy and keeps an ``EnvManager.take_work`` loop running on every live env
+manager while the trainer steps. ``async`` aborts members that can no longer meet the
+bound and the trainer drops complete groups that are too stale; ``areal`` checks the
+bound only when a group starts (``StartBound``) and then trains whatever arrives.
+Built by ``rollart.control.modes.make_pipeline``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rollart.policy.admission import Capacity, Slots, StartBound, slot_capacity
+from rollart.control.modes.base import Pipeline
+from rollart.policy.staleness import StalenessBound
+
+logger = logging.getLogger(__name__)
+
+# s: the longest a step's take waits for the workers to hold the version just published
+# (a load takes ~0.02 s on the laptop; a worker that cannot load is the stall check's)
+VERSION_WAIT_S = 2.0
+
+
+class AsyncPipeline(Pipeline):
+    """Trajectory-level asynchrony: the buffer's slots pace rollout (env managers take
+    work when one frees), with redundancy and abort-and-replace."""
+
+    def __init__(self, actors, graph):
+        super().__init__(actors, graph)
+        self.takers: dict[int, tuple] = {}  # id(manager) -> (manager, holder, future)
+        self._slotted = None  # the buffer handle that has this run's slots
+        self._holders = 0
+        self.yielded: list[str] = []  # workers that yield the CPU to the trainer
+
+    def state(self) -> dict:
+        """The buffer draws the groups: its sequence (ours until slots are opened)."""
+        if self._slotted is not None:
+            return self.ask_buffer("slot_state") or self.sequence.state()
+        return self.sequence.state()
+
+    def trainer_first(self) -> None:
+        """Rollout processes on the trainer's host yield the CPU to it
+        (``rollart.runtime.priority``); best effort: a failure is logged."""
+        from distributed import default_client
+
+        from rollart.runtime.priority import yield_to_trainer
+
+        try:
+            self.yielded = yield_to_trainer(default_client(),
+                                            self.actors.placement["trainer"][0])
+        except Exception as e:  # noqa: BLE001 - a speed-up, never a reason to stop
+            logger.warning("could not give the trainer's host to the trainer first: %r", e)
+
+    def admission(self):
+        """The buffer's admission policy: ``slot_capacity`` groups at once."""
+        return Capacity(slot_capacity(self.graph.algo))
+
+    def keep_taking(self) -> None:
+        """While the trainer steps: the buffer has its slots (once per buffer: a
+        re-created one gets them again), every live env manager takes work, and an env
+        manager that was lost has its groups handed back. Local checks only: no call
+        unless something changed."""
+        if self._slotted is None:  # once: the trainer first on a shared host
+            self.trainer_first()
+        if self._slotted is not self.actors.buffer:
+            admission = self.admission()
+            slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
+                          self.sequence, admission)
+            self.ask_buffer("open_slots", slots)
+            self._slotted = self.actors.buffer
+        live = {id(m) for m in self.actors.managers}
+        for key, (mgr, holder, fut) in list(self.takers.items()):
+            if key in live and not fut.done():
+                continue
+            del self.takers[key]
+            error = None
+            if key in live:
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            if key not in live or (error is not None and self.lost(error, mgr)):
+                self.ask_buffer("holder_lost", holder)  # its groups go back in line
+            elif error is not None:
+                self.errors.append(f"{holder}: {type(error).__name__}: {error}")
+        for mgr in list(self.actors.managers):
+            if id(mgr) not in self.takers:
+                self.take_work(mgr)
+
+    def take_work(self, mgr) -> None:
+        """Start ``mgr``'s ``take_work`` loop for the tasks of its env pool."""
+        tasks = [t.name for t in self.graph.tasks
+                 if any(m is mgr for m in self.actors.managers_for(t))]
+        self._holders += 1
+        holder = f"{mgr._address}#{self._holders}"
+        r = self.graph.rollout
+        try:
+            fut = mgr.take_work(holder, tasks, r.redundancy, r.backup_after)
+        except Exception as e:  # noqa: BLE001 - its worker is gone: healed away
+            if not self.lost(e, mgr):
+                raise
+            return
+        self.takers[id(mgr)] = (mgr, holder, fut)
+
+    def step(self, step: int) -> dict:
+        metrics = self.train(step, while_waiting=self.keep_taking)
+        version = metrics["version"]
+        asked = self.ask_versions(version)
+        min_version = StalenessBound(self.graph.algo.alpha).min_version(version)
+        metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
+                                                                min_version))
+        # the next step's take frees the slots its batch held, and the groups that start
+        # then must start on ``version``: on a worker still loading it their first turns
+        # would be a version older, and the step after next would drop the whole group
+        # as too stale (alpha 1) while the trainer waits for a replacement. Rollout in
+        # flight goes on meanwhile; only the take waits.
+        t0 = time.monotonic()
+        self.wait_briefly(asked, t0 + VERSION_WAIT_S)
+        metrics["rollout/version_wait_s"] = time.monotonic() - t0
+        return metrics
+
+    def wait_briefly(self, asked: list, deadline: float) -> None:
+        """Wait for the ``ask_versions`` futures until ``deadline`` (healing meanwhile);
+        a worker that fails to load, or is slower, is left to the stall check
+        (``rollart.policy.watchdog``) rather than holding the trainer back."""
+        for _, fut in asked:
+            while not fut.done() and time.monotonic() < deadline:
+                self.heal()
+                time.sleep(0.01)
+
+
+class AReaLPipeline(AsyncPipeline):
+    """AReaL's scheme: asynchronous like ``async`` (the buffer's slots pace rollout,
+    redundancy, weights swapped in mid-trajectory), but the staleness bound is checked
+    only when a group starts (``StartBound``: groups started ≤ ``(version + alpha + 1)
+    * groups_per_step``) and nothing is aborted in flight or dropped as stale: the
+    trainer takes the groups as they complete, so ``trainer/staleness_max`` can exceed
+    ``alpha`` by the groups that ran long (reported, not hidden)."""
+
+    def admission(self):
+        algo = self.graph.algo
+        return StartBound(algo.alpha, algo.groups_per_step)
+
+    def step(self, step: int) -> dict:
+        metrics = self.train(step, while_waiting=self.keep_taking)
+        metrics["rollout/aborted_now"] = 0  # areal never aborts in flight
+        return metrics

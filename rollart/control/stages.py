@@ -1,0 +1,454 @@
+"""Each actor role declared once: its class, what it is built from, where it runs.
+
+Consumes a ``Graph`` (plus the model folder, the run directory and the weight store's
+URL); produces one ``RoleSpec`` per role (``role_specs``) and, on a Dask cluster, the
+``Actors`` record a run drives (handles: ``rollart.runtime.handles.Handle``, whose calls fail
+fast on a lost worker). ``Stages.start`` places every spec (called by
+``rollart.control.loop.run_loop``); ``Stages.reconcile`` compares what should run with what
+runs (the scheduler's live workers, the actors' futures) and re-creates what is missing
+from the same spec (called by ``rollart.control.supervisor.Supervisor``), as Dask's
+``SpecCluster._correct_state`` does for workers. A replacement is therefore always built
+like the original: same class (a Megatron trainer stays Megatron), same arguments (an
+env manager's proxy keeps the graph's task routes), same pool.
+
+==============  ===========================  ===========================================
+role            class                        placed
+==============  ===========================  ===========================================
+``trainer``     ``trainer_class(backend)``   one, on a ``TRAIN`` worker
+``buffer``      ``SampleBuffer``             one, on a ``BUFFER`` worker; without one
+                                             on ``TRAIN``, then ``REWARD``, then an
+                                             inference worker, an env worker only as a
+                                             last resort (``buffer_worker``, warns)
+``inference``   ``InferenceWorker``          one per worker carrying each inference tag
+``env``         ``EnvManager``               one per worker carrying each env pool's tag
+==============  ===========================  ===========================================
+
+An env manager's proxy and buffer are live handles, not graph data: its spec names them
+``LIVE_PROXY`` / ``LIVE_BUFFER`` and they are filled in from the current ``Actors`` when
+it is built. After inference workers or the buffer change, ``reconcile`` hands the new
+ones to every live manager (``set_inference_workers`` / ``set_buffer``).
+
+No wait is silent: an actor's constructor and every call start-up, recovery and
+shutdown make on one are bounded (``Waits``, from Dask's config ``rollart.runtime.waits``); past
+the bound ``rollart.runtime.waits.StuckError`` names the actor, its worker and its pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollart.policy.affinity import env_pools, env_tag, inference_tags, task_routes
+from rollart.runtime.resources import cluster_tags
+from rollart.types import BUFFER, REWARD, TRAIN
+from rollart.runtime.waits import StuckError, Waits, bounded
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Actors", "LIVE_BUFFER", "LIVE_PROXY", "Reconciled", "RoleSpec", "Stages",
+           "buffer_worker", "make_proxy", "role_specs"]
+
+ROLES = ("trainer", "buffer", "inference", "env")
+class _Live:
+    """A constructor argument taken from the running ``Actors`` when the actor is built."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<live {self.name}>"
+
+
+LIVE_PROXY = _Live("proxy")  #: an ``LLMProxy`` over the live inference workers
+LIVE_BUFFER = _Live("buffer")  #: the live ``SampleBuffer``
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How to build and place one role: ``cls(*args, **kwargs)`` on workers with ``tag``.
+
+    ``each``: one actor per worker carrying ``tag`` (else one actor in all);
+    ``fallback``, then ``last_resort``: tags to try in order when no worker carries
+    ``tag`` (the buffer: non-env roles, then env pools with a warning)."""
+
+    role: str
+    cls: type
+    args: tuple
+    kwargs: dict
+    tag: str
+    each: bool = False
+    fallback: tuple[str, ...] = ()
+    last_resort: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__ if self.role in ("trainer", "buffer") else \
+            f"{self.cls.__name__}-{self.tag}"
+
+
+def make_proxy(workers: list, graph):
+    """The ``LLMProxy`` every env manager starts with: ``workers`` and the graph's routes."""
+    from rollart.rollout import LLMProxy
+
+    return LLMProxy([(w, tag) for w, tag, *_ in workers], routes=task_routes(graph.tasks))
+
+
+def role_specs(graph, model_path: str, run_dir, store_url: str | None = None
+               ) -> list[RoleSpec]:
+    """Every role a run of ``graph`` needs, in start order (trainer, buffer, inference
+    workers per inference tag, env managers per env pool)."""
+    from rollart.buffer import SampleBuffer
+    from rollart.env.manager import EnvManager
+    from rollart.rollout import InferenceWorker
+    from rollart.trainer import trainer_class
+
+    p, r = graph.policy, graph.rollout
+    store_url = store_url or str(Path(run_dir) / "weights")
+    specs = [
+        RoleSpec("trainer", trainer_class(p.trainer_backend), (model_path, store_url,
+                 graph.algo), dict(temperature=p.temperature, threads=1, seed=graph.seed),
+                 TRAIN),
+        RoleSpec("buffer", SampleBuffer, (str(run_dir),), {}, BUFFER,
+                 fallback=(TRAIN, REWARD, *inference_tags(graph)),
+                 last_resort=env_pools(graph)),
+    ]
+    # version -1: the folder's weights are not a published version; the workers load
+    # version 0 from the store once the trainer publishes it
+    specs += [RoleSpec("inference", InferenceWorker, (model_path, store_url),
+                       dict(pool=tag, version=-1, threads=1, **p.worker_options()), tag,
+                       each=True) for tag in inference_tags(graph)]
+    manager = dict(temperature=p.temperature, top_p=p.top_p,
+                   env_step_timeout=r.env_step_timeout, reward_timeout=r.reward_timeout,
+                   local_reward=r.local_reward, trajectory_timeout=r.trajectory_timeout,
+                   max_concurrency=r.env_concurrency, inference_pools=r.inference_pools,
+                   seed=graph.seed, **p.conversation_options())
+    specs += [RoleSpec("env", EnvManager, (LIVE_PROXY, LIVE_BUFFER, model_path), manager,
+                       tag, each=True) for tag in env_pools(graph)]
+    return specs
+
+
+def buffer_worker(live: dict[str, dict], spec: RoleSpec, avoid: str | None = None
+                  ) -> tuple[str, str] | None:
+    """``(address, tag)`` of the worker for the sample buffer, or None without workers.
+
+    A worker carrying ``spec.tag`` (``BUFFER``) first, then ``spec.fallback`` in order
+    (workers that also carry an env pool's tag left out: ``resources/laptop.py``'s
+    rollout worker carries REWARD and the inference tags), then ``spec.last_resort``
+    (the env pools) with a warning: envs are the most failure-prone workers, and the
+    buffer holds the run's ledger and unflushed samples.
+    Among workers carrying the same tag, ``avoid`` (a lost buffer's) comes last.
+
+    >>> spec = RoleSpec("buffer", dict, (), {}, "BUFFER", fallback=("TRAIN",),
+    ...                 last_resort=("CPU_ENV",))
+    >>> buffer_worker({"a": {"CPU_ENV": 1}, "b": {"TRAIN": 1}}, spec)
+    ('b', 'TRAIN')
+    """
+    env = set(_with_tag(live, *spec.last_resort))
+    for tag in (spec.tag, *spec.fallback, *spec.last_resort):
+        found = _with_tag(live, tag)
+        if tag not in spec.last_resort:
+            found = [a for a in found if a not in env or tag == spec.tag]
+        found = [a for a in found if a != avoid] or found
+        if not found:
+            continue
+        if tag in spec.last_resort:
+            logger.warning(
+                "no worker carries the %r tag or a non-env role (%s): the sample buffer, "
+                "which holds the run's ledger and unflushed samples, goes on env worker %s, "
+                "the most failure-prone kind; losing it ends the run unless the buffer can "
+                "recover. Give a non-env worker the %r resource (e.g. extra_tags={%r: 1} on "
+                "the trainer's Pool)", spec.tag, ", ".join(spec.fallback), found[0],
+                spec.tag, spec.tag)
+        return found[0], tag
+    return None
+
+
+@dataclass
+class Actors:
+    """Handles to everything a run started on the cluster."""
+
+    trainer: object
+    buffer: object
+    workers: list  # [(InferenceWorker actor, pool tag, address)]
+    managers: list  # [EnvManager actor]
+    placement: dict = field(default_factory=dict)  # role -> [worker addresses]
+    manager_tags: list = field(default_factory=list)  # pool tag of each manager
+
+    def managers_for(self, task) -> list:
+        """The env managers on the pool ``task``'s env declares (all when untagged)."""
+        tag = env_tag(task)
+        mine = [m for m, t in zip(self.managers, self.manager_tags) if t == tag]
+        return mine or self.managers
+
+    def of(self, role: str, tag: str | None = None) -> list[tuple]:
+        """``[(actor, tag, address)]`` of ``role`` (on ``tag``'s pool, if given)."""
+        if role == "trainer":
+            out = [(self.trainer, TRAIN, self.trainer._address)]
+        elif role == "buffer":
+            out = [(self.buffer, BUFFER, self.buffer._address)]
+        elif role == "inference":
+            out = list(self.workers)
+        else:
+            out = [(m, t, m._address) for m, t in zip(self.managers, self.manager_tags)]
+        return [e for e in out if tag is None or e[1] == tag]
+
+    def remove(self, role: str, actor) -> None:
+        if role == "inference":
+            self.workers[:] = [e for e in self.workers if e[0] is not actor]
+        elif role == "env":
+            keep = [(m, t) for m, t in zip(self.managers, self.manager_tags) if m is not actor]
+            self.managers[:] = [m for m, _ in keep]
+            self.manager_tags[:] = [t for _, t in keep]
+
+    def add(self, role: str, actor, tag: str, addr: str) -> None:
+        if role == "trainer":
+            self.trainer = actor
+        elif role == "buffer":
+            self.buffer = actor
+        elif role == "inference":
+            self.workers.append((actor, tag, addr))
+        else:
+            self.managers.append(actor)
+            self.manager_tags.append(tag)
+        self._place(role, addr)
+
+    def _place(self, role: str, addr: str) -> None:
+        if role in ("trainer", "buffer"):
+            self.placement[role] = [addr]
+        else:
+            self.placement[role] = sorted({a for _, _, a in self.of(role)} | {addr})
+
+
+@dataclass
+class Reconciled:
+    """What one ``reconcile`` did: ``removed`` lost actors and ``made`` new ones, each
+    ``(role, tag, address)``; ``missing``: roles with no worker to go on yet."""
+
+    removed: list = field(default_factory=list)
+    made: list = field(default_factory=list)
+    missing: list = field(default_factory=list)
+
+
+class Stages:
+    """The run's role specs on one cluster: ``start`` places them, ``reconcile`` keeps
+    what runs equal to them.
+
+    >>> # stages = Stages(client, graph, model_path, run_dir)
+    >>> # actors = stages.start()           # every role placed
+    >>> # stages.reconcile(actors)          # later: re-create whatever was lost
+    """
+
+    def __init__(self, client, graph, model_path: str, run_dir, store_url: str | None = None,
+                 waits: Waits | None = None):
+        self.client, self.graph = client, graph
+        self.waits = waits or Waits.from_config()
+        self.run_dir = Path(run_dir)
+        self.store_url = store_url or str(self.run_dir / "weights")
+        self.specs = role_specs(graph, model_path, self.run_dir, self.store_url)
+        # actor keys are unique per start: a resumed run in the same cluster gets new ones
+        self.run = f"{self.run_dir.name}-{time.time_ns() % 10**9:09d}"
+        self.futures: list = []  # every actor's future: its key stays wanted by us
+        self._n = 0
+
+    def spec(self, role: str, tag: str | None = None) -> RoleSpec:
+        return next(s for s in self.specs if s.role == role and (tag is None or s.tag == tag))
+
+    # -- building -------------------------------------------------------------------------
+    def submit(self, spec: RoleSpec, addr: str, actors: Actors | None, *, tag: str | None = None,
+               suffix: str = "", **extra):
+        """Submit ``spec``'s actor on worker ``addr``; returns its future."""
+        args = tuple(self._live(a, actors) for a in spec.args)
+        tag = tag or spec.tag
+        where = {"workers": [addr], "allow_other_workers": False}
+        if spec.role != "buffer" or tag == BUFFER:
+            where["resources"] = {tag: 1}
+        key = f"{spec.name}{'' if spec.role in ('trainer', 'buffer') else '-' + addr}"
+        fut = self.client.submit(spec.cls, *args, **spec.kwargs, **extra, actor=True,
+                                 key=f"{key}-{self.run}{suffix}", **where)
+        self.futures.append(fut)
+        return fut
+
+    def _live(self, arg, actors: Actors | None):
+        if arg is LIVE_BUFFER:
+            return actors.buffer
+        if arg is LIVE_PROXY:
+            return make_proxy(actors.workers, self.graph)
+        return arg
+
+    def start(self) -> Actors:
+        """Place every spec; returns the ``Actors`` record (with ``placement``)."""
+        live = cluster_tags(self.client)
+        trainer_addr = _with_tag(live, TRAIN)[0]
+        trainer = self.submit(self.spec("trainer"), trainer_addr, None)
+        buf_spec = self.spec("buffer")
+        buffer_addr, buffer_tag = buffer_worker(live, buf_spec)
+        buffer = self.submit(buf_spec, buffer_addr, None, tag=buffer_tag)
+        workers = [(self.submit(s, addr, None), s.tag, addr)
+                   for s in self.specs if s.role == "inference"
+                   for addr in _with_tag(live, s.tag)]
+        started = self._started(time.monotonic())
+        actors = Actors(started(trainer, "trainer", TRAIN, trainer_addr),
+                        started(buffer, "buffer", buffer_tag, buffer_addr),
+                        [(started(f, "inference", tag, addr), tag, addr)
+                         for f, tag, addr in workers], [],
+                        placement={"trainer": [trainer_addr], "buffer": [buffer_addr],
+                                   "inference": [a for _, _, a in workers], "env": []})
+        managers = [(self.submit(s, addr, actors), s.tag, addr)
+                    for s in self.specs if s.role == "env" for addr in _with_tag(live, s.tag)]
+        started = self._started(time.monotonic())
+        for f, tag, addr in managers:
+            actors.add("env", started(f, "env", tag, addr), tag, addr)
+        for m, tag, addr in actors.of("env"):
+            self._hand_buffer(m, actors, f"{addr} ({tag})")
+        return actors
+
+    def _hand_buffer(self, manager, actors: Actors, where: str) -> None:
+        """Give a new env manager the buffer again, as a method argument: a handle passed
+        to the constructor arrives as a plain Dask one (an actor argument is a task
+        dependency), whose calls wait forever once the buffer's worker is lost
+        (``rollart.runtime.handles``); a manager stuck in ``acquire`` on it took no more work.
+        A manager in this very process (an in-process cluster) got the driver's own
+        handle, which works: it keeps it (a Handle bound to an in-process worker left
+        calls whose tasks never ended, and the cluster could not close)."""
+        import os
+
+        addr = manager._address
+        if self.client.run(os.getpid, workers=[addr]).get(addr) == os.getpid():
+            return
+        buf = actors.buffer
+        bounded(manager.set_buffer((buf._cls, buf._address, buf.key)), self.waits.call,
+                f"the EnvManager on {where} did not take the sample buffer")
+
+    def _started(self, t0: float):
+        """``started(future, role, tag, addr)``: the actor, once built, within
+        ``waits.start`` of ``t0`` (they were submitted together)."""
+        def started(fut, role: str, tag: str, addr: str):
+            from rollart.runtime.handles import handle
+
+            left = max(t0 + self.waits.start - time.monotonic(), 0.1)
+            return handle(bounded(fut, left, f"the {self._cls(role, tag)} on {addr} ({tag}) "
+                                  "did not start", "start"))
+        return started
+
+    def _cls(self, role: str, tag: str | None = None) -> str:
+        spec = next((s for s in self.specs if s.role == role and s.tag == tag), None)
+        return (spec or self.spec(role)).cls.__name__
+
+    # -- reconciling ----------------------------------------------------------------------
+    def reconcile(self, actors: Actors, roles=("buffer", "inference", "env"), *,
+                  lost=(), live: dict | None = None) -> Reconciled:
+        """Make ``actors`` match the specs of ``roles``: drop actors whose worker is gone
+        or whose future failed (and those in ``lost``), build the missing ones on live
+        workers, and hand a new buffer or new inference workers to every live manager.
+
+        A lost buffer comes back with ``recover=True``: its durable groups and ledger
+        are reloaded from the run directory (``rollart.buffer.restore.recover``)."""
+        live = cluster_tags(self.client) if live is None else live
+        out = Reconciled()
+        for role in roles:
+            for actor, tag, addr in actors.of(role):
+                if _gone(actor, live) or any(actor is x for x in lost):
+                    if role in ("inference", "env"):
+                        actors.remove(role, actor)
+                    out.removed.append((role, tag, addr))
+        lost_one = {role: addr for role, _, addr in out.removed if role in ("trainer", "buffer")}
+        if "trainer" in lost_one:
+            self._replace_one(actors, "trainer", lost_one["trainer"], live, out)
+        if "buffer" in lost_one:
+            self._replace_one(actors, "buffer", lost_one["buffer"], live, out)
+        if "inference" in roles:
+            self._fill(actors, "inference", live, out)
+        self._announce(actors, out)
+        if "env" in roles and ("buffer", BUFFER) not in out.missing:
+            self._fill(actors, "env", live, out)
+        return out
+
+    def _replace_one(self, actors: Actors, role: str, old: str, live, out: Reconciled) -> None:
+        from rollart.runtime.handles import handle
+
+        spec = self.spec(role)
+        if role == "buffer":
+            where = buffer_worker(live, spec, avoid=old)
+        else:
+            found = _with_tag(live, spec.tag)
+            found = [a for a in found if a != old] or found
+            where = (found[0], spec.tag) if found else None
+        if where is None:
+            out.missing.append((role, spec.tag))
+            return
+        addr, tag = where
+        extra = {"recover": True} if role == "buffer" else {}
+        self._n += 1
+        fut = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra)
+        actor = handle(bounded(fut, self.waits.start, f"the replacement "
+                               f"{spec.cls.__name__} on {addr} ({tag}) did not start",
+                               "start"))
+        actors.add(role, actor, tag, addr)
+        out.made.append((role, tag, addr))
+
+    def _fill(self, actors: Actors, role: str, live, out: Reconciled) -> None:
+        """One actor of ``role`` per live worker carrying each of its specs' tags (as
+        ``rollart.runtime.handles.Handle`` s, like every actor placed here)."""
+        from rollart.runtime.handles import handle
+
+        for spec in (s for s in self.specs if s.role == role):
+            have = {addr for _, _, addr in actors.of(role, spec.tag)}
+            for addr in _with_tag(live, spec.tag):
+                if addr in have or (role == "env" and not actors.workers):
+                    continue
+                self._n += 1
+                fut = self.submit(spec, addr, actors, suffix=f"-r{self._n}")
+                actor = handle(bounded(fut, self.waits.start, f"the new "
+                                       f"{spec.cls.__name__} on {addr} ({spec.tag}) did "
+                                       "not start", "start"))
+                if role == "inference":
+                    self._catch_up(actor, f"{addr} ({spec.tag})")
+                if role == "env":
+                    self._hand_buffer(actor, actors, f"{addr} ({spec.tag})")
+                actors.add(role, actor, spec.tag, addr)
+                out.made.append((role, spec.tag, addr))
+
+    def _catch_up(self, worker, where: str) -> None:
+        """A new inference worker loads the newest published weights before it serves."""
+        from rollart.weights import WeightStore
+
+        version = WeightStore(self.store_url).latest()
+        if version >= 0:
+            what = f"the new InferenceWorker on {where} did not load weights v{version}"
+            bounded(worker.update_weights(version), self.waits.call, what)
+            bounded(worker.wait_version(version), self.waits.call, what)
+
+    def _announce(self, actors: Actors, out: Reconciled) -> None:
+        """Hand new inference workers / a new buffer to the managers that survived."""
+        from rollart.rollout.proxy import is_worker_lost
+
+        new = {role for role, _, _ in out.made}
+        calls = []
+        if "inference" in new and actors.workers:
+            workers = [(w, tag) for w, tag, _ in actors.workers]
+            calls.append(lambda m: m.set_inference_workers(workers))
+        if "buffer" in new:
+            calls.append(lambda m: m.set_buffer(actors.buffer))
+        for m in list(actors.managers) if calls else []:
+            for call in calls:
+                try:
+                    bounded(call(m), self.waits.call, f"the EnvManager on {m._address} did "
+                            "not take the new inference workers / buffer")
+                except StuckError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a manager lost meanwhile: next time
+                    if not is_worker_lost(e):
+                        raise
+
+
+def _with_tag(live: dict[str, dict], *tags: str) -> list[str]:
+    """Addresses of the live workers carrying any of ``tags``, sorted."""
+    return sorted(a for a, r in live.items() if any(r.get(t, 0) > 0 for t in tags))
+
+
+def _gone(actor, live) -> bool:
+    """Its worker left the cluster, or its future failed."""
+    fut = getattr(actor, "_future", None)
+    return (fut is not None and fut.status == "error") or actor._address not in live

@@ -1,0 +1,1 @@
+"""What a run shows: metrics, trackers, figures, plots, samples, the dashboard."""

@@ -1,0 +1,257 @@
+"""Backpressure as plain objects: which group runs next, and how many may run at once.
+
+``GroupSequence`` draws the run's groups (task by ``Graph.task_weights``, episode seed) from
+one RNG seeded by ``Graph.seed``: the same sequence for a seed however rollout is timed,
+continued from a checkpoint by ``state``/``load_state`` and, after the buffer's worker
+was lost, by ``advance_to`` (draws replayed from the seed up to the next unused group).
+
+``Slots`` hands groups out under an admission policy and keeps who holds which. A slot
+is held from the moment an env manager takes a group until the group leaves the buffer
+(taken by the trainer, dropped as stale, or ended with every member failed); a group
+whose env manager was lost keeps its slot and is handed out again for its missing
+members. The policies (plain objects, called by the buffer and by ``rollart.sim``):
+
+* ``Capacity`` (``async``): at most ``capacity`` groups (``(alpha + 1) *
+  groups_per_step``) are in flight or buffered at once.
+* ``StartBound`` (``areal``, AReaL's rule): the staleness bound is checked only when a
+  group starts: it may start only while the groups started (trained, in training,
+  buffered, in flight) number fewer than ``(version + alpha + 1) * groups_per_step``,
+  ``version`` counted in updates published since the slots opened. Nothing is dropped
+  or aborted afterwards (``stale_floor`` is None): a group that took long is trained
+  however stale it became.
+
+Neither object does I/O: the ``SampleBuffer`` actor holds one of each and waits on its
+condition for a free slot (``rollart.buffer.backpressure``); the lockstep modes draw
+from a ``GroupSequence`` in the driver (``rollart.control.modes``); tests call them directly.
+
+>>> from rollart.env.tasks import get_task
+>>> seq = GroupSequence([get_task("gridnav")], None, seed=0, group_size=4)
+>>> slots = Slots(2, seq)
+>>> a, b = slots.take("m0"), slots.take("m1")
+>>> (a.group_id, b.group_id, slots.take("m0"))
+('g000000', 'g000001', None)
+>>> slots.release("g000000"), slots.take("m1").group_id
+(True, 'g000002')
+
+AReaL's rule counts a batch the trainer took until its update is published:
+
+>>> bound = StartBound(alpha=0, groups_per_step=1)
+>>> bound.room(held=0, started=1, version=0), bound.room(held=0, started=1, version=1)
+(0, 1)
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Work:
+    """A group for an env manager to run (``EnvManager.run_group``'s arguments)."""
+
+    task: object
+    seed: int
+    group_id: str
+    size: int
+    need: int  # members still to deliver (< size for a group restarted elsewhere)
+    first_index: int = 0  # member ids start here (past a lost manager's ids)
+
+
+class GroupSequence:
+    """The run's groups in order: ``(task, seed, group_id, size)`` from one seeded RNG."""
+
+    def __init__(self, tasks, weights, seed: int, group_size: int):
+        self.tasks, self.seed, self.group_size = list(tasks), int(seed), int(group_size)
+        self.weights = list(weights or [1.0] * len(self.tasks))
+        self.rng = random.Random(self.seed)
+        self.n_groups = 0
+        self._peeked: tuple | None = None
+
+    def _draw(self) -> tuple:
+        task = self.rng.choices(self.tasks, weights=self.weights)[0]
+        return task, self.rng.randrange(1_000_000)
+
+    def peek(self) -> tuple:
+        """The next group without using it up."""
+        if self._peeked is None:
+            task, seed = self._draw()
+            self._peeked = (task, seed, f"g{self.n_groups:06d}", self.group_size)
+        return self._peeked
+
+    def next(self) -> tuple:
+        out, self._peeked = self.peek(), None
+        self.n_groups += 1
+        return out
+
+    def state(self) -> dict:
+        """What a checkpoint keeps to continue the sequence."""
+        if self._peeked is not None:  # a peeked draw is not used yet: replay to before it
+            return {"n_groups": self.n_groups, "rng": None}
+        return {"n_groups": self.n_groups, "rng": self.rng.getstate()}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("rng") is None:
+            self.rng, self.n_groups = random.Random(self.seed), 0
+            self.advance_to(int(state["n_groups"]))
+        else:
+            self.n_groups, self._peeked = int(state["n_groups"]), None
+            self.rng.setstate(_tupled(state["rng"]))
+
+    def advance_to(self, n_groups: int) -> None:
+        """Continue after group ``n_groups - 1`` (draws replayed from the seed when the
+        RNG state is not at hand: a recovered buffer knows only the groups launched)."""
+        while self.n_groups < n_groups:
+            self.next()
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The async mode's admission: at most ``capacity`` groups hold a slot at once."""
+
+    capacity: int
+
+    def room(self, held: int, started: int, version: int) -> int:
+        """Groups that may start now, with ``held`` slots held (``started``: those plus
+        the groups trained or in training; ``version``: updates published since the
+        slots opened; neither counts here: a group taken by the trainer frees its slot)."""
+        return self.capacity - held
+
+    def stale_floor(self, min_version: int) -> int | None:
+        """Complete groups older than this are dropped when the trainer asks for a batch
+        at ``min_version``: the trainer's bound, as it asks."""
+        return min_version
+
+
+@dataclass(frozen=True)
+class StartBound:
+    """AReaL's admission: a group starts only if it can be trained within ``alpha``
+    versions of the version it starts on (groups started ≤ ``(version + alpha + 1) *
+    groups_per_step``); once started it is never dropped for staleness."""
+
+    alpha: int
+    groups_per_step: int
+
+    @property
+    def capacity(self) -> int:
+        """Groups started per trainer version window: ``(alpha + 1)`` steps' worth."""
+        return (self.alpha + 1) * self.groups_per_step
+
+    def room(self, held: int, started: int, version: int) -> int:
+        """Groups that may start now: the bound less the groups started (trained, in
+        training, buffered or in flight: ``started``) at trainer ``version`` (counted
+        from the slots' opening)."""
+        return (version + self.alpha + 1) * self.groups_per_step - started
+
+    def stale_floor(self, min_version: int) -> int | None:
+        """None: nothing is dropped; the bound was checked when each group started."""
+        return None
+
+
+class Slots:
+    """Hands out groups under ``admission`` (default ``Capacity(capacity)``); who holds
+    which, what to re-run, and the trainer's progress the admission counts."""
+
+    def __init__(self, capacity: int, sequence: GroupSequence, admission=None):
+        if capacity < 1:
+            raise ValueError(f"Slots(capacity={capacity}): at least one group must be "
+                             "allowed to run; raise GRPO.groups_per_step")
+        self.capacity, self.sequence = int(capacity), sequence
+        self.admission = admission if admission is not None else Capacity(self.capacity)
+        self.held: dict[str, str | None] = {}  # group id -> holder (env manager key)
+        self.groups: dict[str, tuple] = {}  # group id -> (task, seed, size, restarts)
+        self.retry: deque[Work] = deque()  # groups of lost holders, first in line
+        self.version = 0  # updates published since the slots opened (``published``)
+        self.trained = 0  # groups in those updates
+
+    def room(self, training: int = 0) -> int:
+        """Groups the admission lets start now; ``training``: groups a trainer step took
+        whose update is not published yet."""
+        started = self.trained + training + len(self.held)
+        return self.admission.room(len(self.held), started, self.version)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.room())
+
+    def published(self, n_groups: int) -> None:
+        """An update trained on ``n_groups`` groups was published."""
+        self.version += 1
+        self.trained += int(n_groups)
+
+    def take(self, holder: str, tasks=None, training: int = 0) -> Work | None:
+        """The next group for ``holder`` (which runs the task names ``tasks``, or any),
+        or None while the admission lets none start (``room``) or the next group is
+        another pool's."""
+        def mine(task) -> bool:
+            return tasks is None or task.name in tasks
+
+        for work in self.retry:  # a restart already holds its slot
+            if mine(work.task):
+                self.retry.remove(work)
+                self.held[work.group_id] = holder
+                return work
+        if self.room(training) <= 0 or not mine(self.sequence.peek()[0]):
+            return None
+        task, seed, gid, size = self.sequence.next()
+        self.held[gid] = holder
+        self.groups[gid] = (task, seed, size, 0)
+        return Work(task, seed, gid, size, size)
+
+    def release(self, group_id: str) -> bool:
+        """``group_id`` left the buffer (or ended with nothing to train on): its slot frees."""
+        self.groups.pop(group_id, None)
+        self.retry = deque(w for w in self.retry if w.group_id != group_id)
+        return self.held.pop(group_id, False) is not False
+
+    def hold(self, group_id: str) -> None:
+        """A group back in the buffer (a lost trainer step's batch) holds a slot again."""
+        self.held.setdefault(group_id, None)
+
+    def lost(self, holder: str, arrived: dict[str, int]) -> list[Work]:
+        """``holder`` was lost: each group it ran (``arrived``: members already in the
+        buffer) goes back in line for its missing members, under new member ids."""
+        out = []
+        for gid in [g for g, h in self.held.items() if h == holder and g in self.groups]:
+            task, seed, size, restarts = self.groups[gid]
+            need = size - arrived.get(gid, 0)
+            if need <= 0:
+                continue
+            self.groups[gid] = (task, seed, size, restarts + 1)
+            self.held[gid] = None
+            out.append(Work(task, seed, gid, size, need, first_index=1000 * (restarts + 1)))
+        self.retry.extend(out)
+        return out
+
+    def reset(self, buffered: list[str]) -> None:
+        """After a buffer recovery: only the recovered complete groups hold slots (the
+        groups that were running were closed and their members counted lost)."""
+        self.held = {g: None for g in buffered}
+        self.groups = {g: v for g, v in self.groups.items() if g in self.held}
+        self.retry.clear()
+        self.version = self.trained = 0
+
+    def stats(self) -> dict:
+        return {"slots_capacity": self.capacity, "slots_held": len(self.held),
+                "slots_retry": len(self.retry), "groups_drawn": self.sequence.n_groups,
+                "slots_version": self.version, "slots_trained": self.trained}
+
+
+def _tupled(x):
+    """JSON lists back to the tuples ``random.Random.setstate`` wants."""
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+def slot_capacity(algo) -> int:
+    """Groups in flight or buffered at once in async mode: ``max(alpha, 1)`` steps' worth.
+
+    Not ``alpha + 1``: with two steps' worth of slots for ``alpha = 1`` the default
+    graph's gridnav held-out gain fell from ≥ 0.1 to 0.055 / 0.078 (two runs); with
+    ``max(alpha, 1)`` steps' worth the same run gained 0.61 (gridnav), 0.21 (guess), 0.60
+    (boxpush). The likely mechanism (inferred, not traced): with more groups in flight
+    than a step takes, the trainer takes those that complete first, so groups of long
+    episodes (the failing ones, run to the turn limit) lose the race, go stale and are
+    dropped, and the trained sample is biased toward short episodes.
+    """
+    return max(algo.alpha, 1) * algo.groups_per_step

@@ -29,7 +29,7 @@ it is built. After inference workers or the buffer change, ``reconcile`` hands t
 ones to every live manager (``set_inference_workers`` / ``set_buffer``).
 
 No wait is silent: an actor's constructor and every call start-up, recovery and
-shutdown make on one are bounded (``Waits``, from Dask's config ``rollart.runtime.waits``); past
+shutdown make on one are bounded (``Waits``, from Dask's config ``rollart.waits``); past
 the bound ``rollart.runtime.waits.StuckError`` names the actor, its worker and its pool.
 """
 

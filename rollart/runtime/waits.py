@@ -26,7 +26,7 @@ __all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded
 
 logger = logging.getLogger(__name__)
 
-CONFIG = "rollart.runtime.waits"  # Dask config section of ``Waits``
+CONFIG = "rollart.waits"  # Dask config section of ``Waits``
 
 
 class StuckError(RuntimeError):
@@ -62,7 +62,7 @@ class Waits:
 
     @classmethod
     def from_config(cls) -> Waits:
-        """The bounds in Dask's config ``rollart.runtime.waits`` (``start``, ``call``,
+        """The bounds in Dask's config ``rollart.waits`` (``start``, ``call``,
         ``warmup-step``), defaults for those not set."""
         import dask
 

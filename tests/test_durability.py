@@ -643,7 +643,8 @@ def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_mod
     import pyarrow.compute as pc
     from distributed import Client
 
-    from rollart import GRPO, Graph, Policy, checkpoint
+    from rollart import GRPO, Graph, Policy
+    from rollart.control import checkpoint
     from rollart.control.modes import AsyncPipeline
     from rollart.control.supervisor import Supervisor, lose_worker
     from rollart.runtime.resources import Pool, Resources, workers_with

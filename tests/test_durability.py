@@ -157,7 +157,7 @@ def _journal_run(run: str) -> int:
             await buf.put(t, 2)
         await buf.get_table(1, 0, trained_step=2)  # taken; the buffer is then lost
         await buf.store.drain()
-        return buf.store.next_entry
+        return buf.journal.next_entry
 
     return asyncio.run(scenario())
 

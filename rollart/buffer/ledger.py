@@ -18,10 +18,10 @@ and the changes since they were last drained (``drain``: what the buffer's journ
     in_flight -> failed | aborted | cancelled | dropped (a late member)
 
 An impossible transition (a trajectory trained twice, delivered after it was cancelled,
-launched twice) raises ``AccountingError`` at once instead of skewing the numbers. The
-ledger is a plain part of the buffer: it knows ids and states only; the buffer decides
-what an arrival it never saw launched means (``SampleBuffer.put``) before it asks the
-ledger to move it.
+launched twice, moved without ever being launched) raises ``AccountingError`` at once
+instead of skewing the numbers. The ledger is a plain part of the buffer: it knows ids
+and states only; the buffer decides what an arrival it never saw launched means
+(``SampleBuffer.put``) before it asks the ledger to move it.
 """
 
 from __future__ import annotations
@@ -74,11 +74,12 @@ class Ledger:
 
     def move(self, traj_id: str, new: str, step: int | None = None) -> None:
         """Record ``traj_id`` entering ``new`` (``step``: the trainer step of a taken or
-        trained row); an unknown id counts as launched now."""
+        trained row). An id never launched is refused."""
         if new not in STATES:
             raise AccountingError(f"unknown trajectory state {new!r}")
         if traj_id not in self.state:
-            self.launch(traj_id)
+            raise AccountingError(f"trajectory {traj_id} was never launched: it cannot "
+                                  f"go to {new}")
         old = self.state[traj_id]
         if new not in _ALLOWED.get(old, ()):
             raise AccountingError(f"trajectory {traj_id} cannot go from {old} to {new}")

@@ -41,10 +41,12 @@ def make(gid: str, i: int, version: int, *, failed: bool = False, outcome: str =
     )
 
 
-def check_invariant(c: dict) -> None:
+def check_every_put_accounted(c: dict, n_put: int) -> None:
+    """Against the test's own record: each of the ``n_put`` trajectories it put was
+    received once and is held or has left."""
     held = c["buffered"] + c["taken"]
     left = c["trained"] + c["dropped"] + c["failed"] + c["lost_in_step"]
-    assert c["received"] == held + left, c
+    assert c["received"] == n_put == held + left, c
 
 
 # -- schema ------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ def test_buffer_in_process_memory_url():
         assert (await buf.counts())["taken"] == 4
         assert await buf.mark_trained(0) == 4
         c = await buf.counts()
-        check_invariant(c)
+        check_every_put_accounted(c, 4 + 2 + 1)  # x, y, the late member of y
         assert c["dropped"] == 3 and c["trained"] == 4 and await buf.size() == 0
         assert (await buf.stats())["arrow_bytes"] == 0
         await buf.close()
@@ -153,7 +155,7 @@ def test_taken_until_confirmed_release_and_stale_confirmations():
         assert (figures["trainer/batch_size"], figures["trainer/batch_sha1"],
                 figures["trainer/staleness_max"]) == (2, batch_digest(ids), 1)
         c = await buf.counts()
-        check_invariant(c)
+        check_every_put_accounted(c, 3 * 2)
         assert (c["taken"], c["trained"], c["buffered"]) == (0, 6, 0)
 
     asyncio.run(scenario())
@@ -221,7 +223,7 @@ def test_actor_fifo_stale_and_parquet(client, tmp_path):
     assert got[0].logprobs == a[0].logprobs and got[0].reward == a[0].reward
     c = buf.counts().result()
     assert (c["trained"], c["dropped"], c["buffered"], c["received"]) == (8, 4, 0, 12)
-    check_invariant(c)
+    check_every_put_accounted(c, len(old + a + b))
     buf.close().result()
     files = sorted(p.name for p in (tmp_path / "samples").iterdir())
     assert files == ["part-00000.parquet"]
@@ -247,7 +249,7 @@ def test_actor_get_table_sends_one_arrow_table(client):
     assert got[2].response_ids == trajs[2].response_ids and {t.state for t in got} == {"taken"}
     assert table.column("trained_step").to_pylist() == [3] * 4
     assert buf.get_table(0, min_version=0).result().num_rows == 0
-    check_invariant(buf.counts().result())
+    check_every_put_accounted(buf.counts().result(), len(trajs))
 
 
 def test_actor_waiting_get_batch_is_woken_by_put(client):
@@ -262,7 +264,7 @@ def test_actor_waiting_get_batch_is_woken_by_put(client):
     put_all(buf, [make("w", 3, 1)])
     got = fut.result(timeout=10)
     assert [t.traj_id for t in got] == [f"w-{i}" for i in range(4)]
-    check_invariant(buf.counts().result())
+    check_every_put_accounted(buf.counts().result(), 4)
 
 
 def test_actor_timeout_and_failed_members(client, tmp_path):
@@ -282,7 +284,7 @@ def test_actor_timeout_and_failed_members(client, tmp_path):
     buf.mark_trained(1).result()
     c = buf.counts().result()
     assert (c["failed"], c["trained"], c["received"]) == (6, 2, 8)
-    check_invariant(c)
+    check_every_put_accounted(c, 4 + len(mixed))
     buf.flush().result()
     table = read_samples(str(tmp_path))
     assert sorted(table.column("state").to_pylist()) == ["failed"] * 6 + ["trained"] * 2

@@ -74,6 +74,18 @@ def test_impossible_transitions_fail_loudly(moves, match):
             led.move(t, s)
 
 
+def test_a_trajectory_never_launched_is_refused():
+    led = Ledger()
+    led.launch("a")
+    with pytest.raises(AccountingError, match="trajectory ghost-0 was never launched: it "
+                       "cannot go to buffered"):
+        led.move("ghost-0", "buffered")
+    with pytest.raises(AccountingError, match="ghost-1 was never launched.* trained"):
+        led.move("ghost-1", "trained", step=3)
+    assert "ghost-0" not in led and "ghost-1" not in led
+    assert led.totals()["launched"] == 1 and led.drain() == [("a", "in_flight", None)]
+
+
 def test_double_launch_fails():
     led = Ledger()
     led.launch("a")
@@ -110,7 +122,9 @@ def test_no_batch_ever_contains_a_token_older_than_alpha(seed):
             version += 1
         c = await buf.counts()
         assert trained > 0 and c["trained"] == trained and c["in_flight"] == 0
-        assert c["launched"] == c["trained"] + c["dropped"] + c["buffered"]
+        # against the test's own record: every member it launched, and what it trained on
+        assert c["launched"] == len(members)
+        assert c["dropped"] + c["buffered"] == len(members) - trained
         return c
 
     asyncio.run(run())

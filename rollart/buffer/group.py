@@ -1,16 +1,24 @@
-"""A GRPO group in the ``SampleBuffer``: its members as records while it fills, as Arrow
-(``rollart.buffer.schema.SCHEMA``) once it completes or must leave; ``Taken``, the groups
-a trainer step holds until its update is confirmed; and ``restate``, which marks rows
-with how they left. Used by ``rollart.buffer.buffer`` and ``rollart.buffer.restore``."""
+"""GRPO groups in the ``SampleBuffer``: ``Group``, one group's members as records while it
+fills, as Arrow (``rollart.buffer.schema.SCHEMA``) once it completes or must leave;
+``Groups``, the buffer's part that holds them (open, complete in completion order, and
+the ids of those that left); ``Taken``, the groups a trainer step holds until its update
+is confirmed (kept by ``rollart.buffer.taken.TakenBatches``); and ``restate``, which
+marks rows with how they left. Used by ``rollart.buffer.buffer``, ``rollart.buffer.taken``
+and ``rollart.buffer.restore``."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from rollart.buffer.schema import SCHEMA, to_record_batch
-from rollart.types import Trajectory
+from rollart.policy.staleness import within
+from rollart.types import Trajectory, TrajState
+
+TAKEN = TrajState.TAKEN.value
+TAKE_KEY = b"rollart_take"  # a taken batch's schema metadata: which hand-out it is
 
 _STATE = SCHEMA.get_field_index("state")
 _STEP = SCHEMA.get_field_index("trained_step")
@@ -84,6 +92,112 @@ class Taken:
 
     def meta(self) -> dict:
         return {"min_version": self.min_version, "take": self.take}
+
+    def table(self, step: int) -> pa.Table:
+        """The groups' rows as one table, ``taken`` for ``step``, naming this hand-out in
+        the schema metadata (``TAKE_KEY``: the trainer's confirmation quotes it)."""
+        rows = [restate(b, TAKEN, step) for g in self.groups for b in g.arrow()]
+        table = pa.Table.from_batches(rows, schema=SCHEMA)
+        return table.replace_schema_metadata({**SCHEMA.metadata, TAKE_KEY: self.take})
+
+
+class Groups:
+    """The buffer's groups: ``open`` (filling, by id), ``complete`` (oldest completion
+    first: the order the trainer takes them in) and ``closed`` (ids of groups that left:
+    a late member of one is dropped). Knows nothing of ledgers, slots or files.
+
+    >>> gs = Groups()
+    >>> g = gs.arrive("g0", 2); g.arrived += 2
+    >>> gs.completed(g), gs.ready(), gs.ended("g0")
+    (False, 0, True)
+    """
+
+    def __init__(self):
+        self.open: dict[str, Group] = {}
+        self.complete: OrderedDict[str, Group] = OrderedDict()
+        self.closed: set[str] = set()
+
+    def rows(self) -> int:
+        """Rows held (open and complete groups)."""
+        return sum(g.rows for g in self.held())
+
+    def held(self) -> list[Group]:
+        """Open groups, then complete ones."""
+        return list(self.open.values()) + list(self.complete.values())
+
+    def ready(self) -> int:
+        """Complete groups waiting for the trainer."""
+        return len(self.complete)
+
+    def ended(self, group_id: str) -> bool:
+        """Complete or closed: a member arriving now is late."""
+        return group_id in self.complete or group_id in self.closed
+
+    def arrived(self, group_id: str) -> int:
+        """Members an open group has seen (0 for any other)."""
+        group = self.open.get(group_id)
+        return group.arrived if group else 0
+
+    def seen(self, group_id: str) -> int:
+        """``arrived``, or "all of them" (2**30) for a group that ended: nothing of it is
+        to run again."""
+        return 1 << 30 if self.ended(group_id) else self.arrived(group_id)
+
+    def live(self, running: set[str]) -> int:
+        """Groups live: open, complete, or with members ``running`` (and not closed)."""
+        return len((running - self.closed) | set(self.open) | set(self.complete))
+
+    def arrive(self, group_id: str, size: int) -> Group:
+        """The open group ``group_id`` (opened now with ``size`` members if new)."""
+        return self.open.setdefault(group_id, Group(group_id, max(1, int(size))))
+
+    def completed(self, group: Group) -> bool:
+        """``group`` has all its members: complete (True) when it holds rows to train on,
+        else closed (every member failed)."""
+        del self.open[group.group_id]
+        if not group.rows:
+            self.closed.add(group.group_id)
+            return False
+        group.compact()
+        self.complete[group.group_id] = group
+        return True
+
+    def close(self, group_id: str) -> None:
+        """``group_id`` leaves (taken, dropped, ended): later members are late."""
+        self.open.pop(group_id, None)
+        self.complete.pop(group_id, None)
+        self.closed.add(group_id)
+
+    def older_than(self, min_version: int, open_too: bool = False) -> list[tuple[Group, bool]]:
+        """``(group, complete)`` of the complete (and, ``open_too``, open) groups whose
+        buffered members are older than ``min_version``."""
+        groups = [(g, False) for g in self.open.values()] if open_too else []
+        groups += [(g, True) for g in self.complete.values()]
+        return [(g, done) for g, done in groups if g.rows and not within(g.version, min_version)]
+
+    def figures(self) -> dict:
+        """Rows and Arrow bytes held, and open groups (``SampleBuffer.stats``)."""
+        held = self.held()
+        return {"buffered_rows": sum(g.rows for g in held),
+                "arrow_bytes": sum(g.nbytes for g in held), "groups_incomplete": len(self.open)}
+
+    def oldest(self, n: int) -> list[Group]:
+        """The ``n`` complete groups that completed first."""
+        return list(self.complete.values())[:n]
+
+    def first_in_line(self, group: Group) -> None:
+        """A complete ``group`` (back from a lost step) goes to the front of the queue."""
+        self.complete[group.group_id] = group
+        self.complete.move_to_end(group.group_id, last=False)
+
+    def add_complete(self, group: Group) -> None:
+        """A complete ``group`` (restored or recovered) joins the end of the queue."""
+        self.complete[group.group_id] = group
+
+    def close_all(self, group_ids) -> None:
+        """Groups known to have left (restored or recovered ones)."""
+        for gid in group_ids:
+            self.close(gid)
 
 
 def arrow_size(t: Trajectory) -> int:

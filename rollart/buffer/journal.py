@@ -1,6 +1,8 @@
-"""The sample buffer's durable record under its run dir, and ``read_samples`` over it.
+"""The sample buffer's durable record under its run dir: ``Journal``, the buffer's part that
+writes it, and ``read_samples`` over it.
 
-Written by ``rollart.buffer.buffer.SampleBuffer`` (in its I/O thread); read back by a
+Written by ``Journal`` (held by ``rollart.buffer.buffer.SampleBuffer``; its files go
+through the buffer's ``BufferStore`` I/O thread, ``rollart.buffer.store``); read back by a
 recovering buffer (``SampleBuffer(run_dir, recover=True)``, ``rollart.buffer.restore``)
 and by anything that analyses a run (``read_samples``: ``rollart.app.api``, tests,
 ``benchmarks/chaos.py``). Every path is an fsspec URL (local, ``memory://``, ...)::
@@ -46,6 +48,7 @@ resume still sets aside exactly the lost run's later entries.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
@@ -62,6 +65,7 @@ logger = logging.getLogger(__name__)
 LEDGER_SCHEMA = pa.schema([("traj_id", pa.string()), ("state", pa.string()),
                            ("trained_step", pa.int32())])
 META_KEY = b"rollart_buffer"
+ENTRY_DELAY = 0.05  # s: the longest a cancellation or failure waits for the journal
 _STATE = SCHEMA.get_field_index("state")
 _STEP = SCHEMA.get_field_index("trained_step")
 
@@ -252,3 +256,100 @@ def _replace(fs, path: str, table: pa.Table) -> None:
     tmp = f"{path}.tmp"  # not ``*.parquet``: ``entries`` never lists it
     _write(fs, tmp, table)
     fs.mv(tmp, path)
+
+
+# -- the writer: the buffer's part -----------------------------------------------------
+class Journal:
+    """The journal entries of one buffer: the rows queued for the next entry's
+    ``pending/`` file, the ids orphaned since the last entry, the changes of an entry
+    whose write failed (they go into the next), and the next entry number. Entries are
+    written on ``store``'s I/O thread (a ``BufferStore``: its ``parts`` counter is
+    recorded in each entry); with ``run_dir=None`` nothing is.
+
+    >>> j = Journal(None, store=None)
+    >>> j.add_rows([]); j.entry([("t-0", "in_flight", None)], {}) is None
+    True
+    """
+
+    def __init__(self, run_dir: str | None, store):
+        self.run_dir = run_dir
+        self.store = store
+        self.rows: list[pa.RecordBatch] = []  # for the next entry's pending/ file
+        self.backlog: list[tuple] = []  # changes of an entry whose write failed
+        self.orphans: list[str] = []  # ids orphaned since the last entry
+        self.next_entry = 0
+        self._soon: asyncio.TimerHandle | None = None  # an entry due shortly
+
+    @property
+    def enabled(self) -> bool:
+        return self.run_dir is not None
+
+    def add_rows(self, batches: list[pa.RecordBatch]) -> None:
+        """Rows for the next entry: a complete group's, or rows that left outside one."""
+        if self.enabled:
+            self.rows.extend(batches)
+
+    def orphaned(self, traj_ids: list[str]) -> None:
+        if self.enabled:
+            self.orphans.extend(traj_ids)
+
+    def _take_entry(self, changes: list[tuple], meta: dict):
+        n, self.next_entry = self.next_entry, self.next_entry + 1
+        changes = self.backlog + changes
+        rows = pa.Table.from_batches(self.rows, schema=SCHEMA) if self.rows else None
+        meta = {**meta, "orphans": self.orphans, "next_part": self.store.parts}
+        self.rows, self.backlog, self.orphans = [], [], []
+        return n, rows, changes, meta
+
+    def entry(self, changes: list[tuple], meta: dict) -> asyncio.Future | None:
+        """Start writing the next entry: the queued rows, ``changes`` (ledger
+        ``(traj_id, state, step)``) and ``meta``. None when there is nothing to write."""
+        if not self.enabled or not (changes or self.rows or self.backlog or self.orphans):
+            return None
+        n, rows, changes, meta = self._take_entry(changes, meta)
+        fut = self.store.submit(write_entry, self.run_dir, n, rows, changes, meta)
+        fut.add_done_callback(lambda f: self._entry_done(f, n, rows, changes, meta))
+        return fut
+
+    def entry_now(self, changes: list[tuple], meta: dict) -> None:
+        """``entry``, written in the calling thread (a constructor, no event loop)."""
+        if self.enabled and (changes or self.rows or self.orphans):
+            write_entry(self.run_dir, *self._take_entry(changes, meta))
+
+    def _entry_done(self, fut, n, rows, changes, meta) -> None:
+        if fut.cancelled() or fut.exception() is None:
+            return
+        logger.error("writing journal entry %d under %s failed (%r): its changes are not "
+                     "durable yet and go into the next entry", n, self.run_dir,
+                     fut.exception())
+        self.backlog[:0] = changes
+        self.orphans[:0] = meta.get("orphans", [])
+        if rows is not None:
+            self.rows[:0] = rows.to_batches()
+
+    def soon(self, write) -> None:
+        """Call ``write`` (which starts an entry) within ``ENTRY_DELAY`` s: changes that
+        come one trajectory at a time (cancellations, failures) share one entry."""
+        if self._soon is None and self.enabled:
+            self._soon = asyncio.get_running_loop().call_later(ENTRY_DELAY, self._due, write)
+
+    def _due(self, write) -> None:
+        self._soon = None
+        write()
+
+    def cancel_soon(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+
+    async def compact(self, upto: int) -> None:
+        """Merge the entries since the last checkpoint (``compact``) on the I/O thread,
+        behind every entry already started; a failure costs only files."""
+        if not self.enabled:
+            return
+        try:
+            removed = await self.store.submit(compact, self.run_dir, upto)
+            logger.debug("journal compacted before entry %d: %d files removed", upto, removed)
+        except Exception as e:  # noqa: BLE001 - the journal is still whole: both replay
+            logger.warning("compacting the journal under %s failed (%r); it stays as it is",
+                           self.run_dir, e)

@@ -18,7 +18,10 @@ and the changes since they were last drained (``drain``: what the buffer's journ
     in_flight -> failed | aborted | cancelled | dropped (a late member)
 
 An impossible transition (a trajectory trained twice, delivered after it was cancelled,
-launched twice) raises ``AccountingError`` at once instead of skewing the numbers.
+launched twice, moved without ever being launched) raises ``AccountingError`` at once
+instead of skewing the numbers. The ledger is a plain part of the buffer: it knows ids
+and states only; the buffer decides what an arrival it never saw launched means
+(``SampleBuffer.put``) before it asks the ledger to move it.
 """
 
 from __future__ import annotations
@@ -66,13 +69,17 @@ class Ledger:
         self.counts[IN_FLIGHT] += 1
         self.changes.append((traj_id, IN_FLIGHT, None))
 
+    def __contains__(self, traj_id: str) -> bool:
+        return traj_id in self.state
+
     def move(self, traj_id: str, new: str, step: int | None = None) -> None:
         """Record ``traj_id`` entering ``new`` (``step``: the trainer step of a taken or
-        trained row); an unknown id counts as launched now."""
+        trained row). An id never launched is refused."""
         if new not in STATES:
             raise AccountingError(f"unknown trajectory state {new!r}")
         if traj_id not in self.state:
-            self.launch(traj_id)
+            raise AccountingError(f"trajectory {traj_id} was never launched: it cannot "
+                                  f"go to {new}")
         old = self.state[traj_id]
         if new not in _ALLOWED.get(old, ()):
             raise AccountingError(f"trajectory {traj_id} cannot go from {old} to {new}")
@@ -94,6 +101,25 @@ class Ledger:
         self.counts = Counter(counts) if counts is not None else Counter(
             {"launched": len(state), **Counter(state.values())})
         self.changes = []
+
+    def assume(self, traj_id: str, state: str) -> None:
+        """Know ``traj_id`` in ``state`` without counting it (totals loaded from an old
+        checkpoint already count the ids its state lacks); a known id keeps its state."""
+        self.state.setdefault(traj_id, state)
+
+    def end_in_flight(self, state: str) -> None:
+        """Every trajectory in flight ends in ``state``, the ones the loaded totals count
+        but ``state`` does not list (an old checkpoint's) included."""
+        for t in self.in_flight():
+            self.move(t, state)
+        left = self.counts[IN_FLIGHT]
+        if left:
+            self.counts[state] += left
+            self.counts[IN_FLIGHT] = 0
+
+    def in_flight(self, prefix: str | tuple[str, ...] = "") -> list[str]:
+        """Ids in flight (whose id starts with ``prefix``, if given), in launch order."""
+        return [t for t, s in self.state.items() if s == IN_FLIGHT and t.startswith(prefix)]
 
     def totals(self) -> dict[str, int]:
         return {"launched": self.counts["launched"], **{s: self.counts[s] for s in STATES}}

@@ -1,0 +1,86 @@
+"""``Arrivals``: the ``SampleBuffer``'s part that counts what reached it, besides the ledger.
+
+Holds the counters every metrics row carries next to the ledger's (``received``:
+arrivals; ``orphaned``: ids failed because their worker was lost; ``ignored``: arrivals
+of orphaned ids, a recovered buffer's late members), the ids given up as lost (a late
+arrival of one is ignored), the failed arrivals since the last good one and what the
+latest failures said (a run whose every trajectory fails is stopped by the pipeline:
+``rollart.control.modes``). Used by ``rollart.buffer.buffer`` (each arrival, each orphan)
+and ``rollart.buffer.restore`` (counters and orphans continued from durable state).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from rollart.types import Trajectory, TrajState
+
+logger = logging.getLogger(__name__)
+FAILED = TrajState.FAILED.value
+
+
+def is_failed(traj: Trajectory) -> bool:
+    """Failed by its state or by its outcome."""
+    return getattr(traj.state, "value", traj.state) == FAILED or traj.outcome == FAILED
+
+
+class Arrivals:
+    """Arrival counters, the lost ids and the failure streak (module docstring).
+
+    >>> a = Arrivals()
+    >>> a.orphaned(["t-0"]); a.ignore("t-0"), a.ignore("t-1"), a.counts()
+    (True, False, {'received': 0, 'orphaned': 1, 'ignored': 1})
+    """
+
+    def __init__(self):
+        self._counts = dict(received=0, orphaned=0, ignored=0)
+        self._orphans: set[str] = set()
+        self.streak = 0  # failed arrivals since the last good one
+        self._errors: deque[str] = deque(maxlen=5)
+
+    def ignore(self, traj_id: str) -> bool:
+        """True for a trajectory already given up as lost (its late arrival is ignored,
+        and counted so)."""
+        if traj_id in self._orphans:
+            self._counts["ignored"] += 1
+            logger.warning("trajectory %s arrived after it was counted lost; ignored", traj_id)
+            return True
+        return False
+
+    def received(self) -> None:
+        """One arrival (not an ignored one)."""
+        self._counts["received"] += 1
+
+    def noted(self, traj: Trajectory, failed: bool) -> None:
+        """The streak goes on with a failed ``traj`` (what it said kept), ends with a
+        good one."""
+        if failed:
+            self.streak += 1
+            self._errors.append(f"{traj.task} {traj.traj_id}: {traj.error or 'failed'}")
+        else:
+            self.streak = 0
+
+    def error(self, why: str) -> None:
+        """A failure that is no arrival (a group's run raised)."""
+        self._errors.append(why)
+
+    def errors(self) -> list[str]:
+        """What the latest failures said, newest last (at most 5)."""
+        return list(self._errors)
+
+    def orphaned(self, traj_ids: list[str]) -> None:
+        """``traj_ids`` were given up as lost with their worker."""
+        self._orphans.update(traj_ids)
+        self._counts["orphaned"] += len(traj_ids)
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def load(self, counts: dict | None, orphans=None) -> None:
+        """Continue from recorded counters (missing ones are 0) and, when given, the ids
+        given up as lost."""
+        counts = counts or {}
+        self._counts = {k: int(counts.get(k, 0)) for k in self._counts}
+        if orphans is not None:
+            self._orphans = set(orphans)

@@ -14,6 +14,7 @@ from rollart.env.manager import EnvManager
 from rollart.env.tasks import Task
 from rollart.reward import success_reward
 from rollart.rollout import LLMProxy
+from rollart.testing import unique_key
 from rollart.types import CPU_ENV, H20, H800
 
 
@@ -78,7 +79,7 @@ def setup(local_cluster, tiny_model, tmp_path_factory, rollout_actors):
                                        "rel", pools=(H800, H20), env_step_timeout=0.3,
                                        env_threads=2)
     timed = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, trajectory_timeout=1.0,
-                     actor=True, resources={CPU_ENV: 1}, key="rel-mgr-timed").result()
+                     actor=True, resources={CPU_ENV: 1}, key=unique_key("rel-mgr-timed")).result()
     return c, mgr, buf, timed
 
 

@@ -54,22 +54,24 @@ def start_rollout(client, model, store_dir, name, *, pools=("H800",), buffer_dir
     serving ``model``'s weights (published to a store under ``store_dir``), a
     ``SampleBuffer`` (durable under ``buffer_dir`` when given) and an ``EnvManager``
     routed to the workers (``manager_kwargs``: its options, e.g. ``env_step_timeout``;
-    ``resources`` defaults to the env pool). Returns ``(manager, buffer, workers)``."""
+    ``resources`` defaults to the env pool), each actor under a Dask key of its own
+    (``unique_key``: ``name`` may repeat). Returns ``(manager, buffer, workers)``."""
     from rollart.buffer import SampleBuffer
     from rollart.env.manager import EnvManager
     from rollart.model import load_model
     from rollart.rollout import InferenceWorker, LLMProxy
+    from rollart.testing import unique_key
     from rollart.types import CPU_ENV
     from rollart.weights import WeightStore
 
     store = str(store_dir)
     WeightStore(store).put(0, load_model(model).state_dict())
     workers = [(client.submit(InferenceWorker, model, store, pool=tag, actor=True,
-                              resources={tag: 1}, key=f"iw-{name}-{tag}").result(), tag)
+                              resources={tag: 1}, key=unique_key(f"iw-{name}-{tag}")).result(), tag)
                for tag in pools]
     buf = client.submit(SampleBuffer, buffer_dir and str(buffer_dir), actor=True,
-                        resources={CPU_ENV: 1}, key=f"buf-{name}").result()
+                        resources={CPU_ENV: 1}, key=unique_key(f"buf-{name}")).result()
     manager_kwargs.setdefault("resources", {CPU_ENV: 1})
     mgr = client.submit(EnvManager, LLMProxy(workers), buf, model, actor=True,
-                        key=f"mgr-{name}", **manager_kwargs).result()
+                        key=unique_key(f"mgr-{name}"), **manager_kwargs).result()
     return mgr, buf, workers

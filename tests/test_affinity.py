@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import Client, Scheduler, SpecCluster, Worker
 
 import rollart
 from rollart.policy.affinity import (Affinity, AffinityError, affinity_of, check_cluster,
@@ -18,6 +17,7 @@ from rollart.env.tasks import get_task
 from rollart.config.graph import GRPO, Graph, Policy
 from rollart.runtime.resources import Pool, Resources, load_resources
 from rollart.reward import success_reward
+from rollart.testing import tagged_cluster
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
 BIG, JUDGE = "CPU_BIG", "GPU_RM"
@@ -155,11 +155,7 @@ TAGS = (H800, H20, CPU_ENV, BIG, REWARD, JUDGE, TRAIN)
 
 @pytest.fixture(scope="module")
 def tagged():
-    spec = {t: {"cls": Worker, "options": {"nthreads": 1, "resources": {t: 1},
-                                           "protocol": "inproc://", "dashboard": False}}
-            for t in TAGS}
-    sched = {"cls": Scheduler, "options": {"protocol": "inproc://", "dashboard_address": ":0"}}
-    with SpecCluster(workers=spec, scheduler=sched) as cluster, Client(cluster) as c:
+    with tagged_cluster(*TAGS) as c:
         yield c
 
 

@@ -17,20 +17,11 @@ from rollart.env.tasks import get_task
 from rollart.config.graph import Graph
 from rollart.runtime.resources import workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
+from rollart.testing import ProxyHost
 from rollart.types import CPU_ENV, H20, H800, REWARD, GenRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = {H800: f"{H800}=1", H20: f"{H20}=1", CPU_ENV: f"{CPU_ENV}=1 {REWARD}=1"}
-
-
-class ProxyHost:
-    """An env-manager stand-in on the CPU_ENV process (tests/ is on the workers' path)."""
-
-    def __init__(self, proxy):
-        self.proxy = proxy
-
-    async def generate(self, traj_id, req, task=None):
-        return await self.proxy.generate(traj_id, req, task=task)
 
 
 @env_affinity("CPU_BIG")

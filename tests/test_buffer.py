@@ -185,16 +185,10 @@ def test_next_get_table_settles_a_batch_left_taken():
 # -- the actor on a real in-process Dask cluster -----------------------------------------
 @pytest.fixture(scope="module")
 def client():
-    cluster = distributed.LocalCluster(
-        n_workers=1,
-        processes=False,
-        threads_per_worker=1,
-        resources={CPU_ENV: 1},
-        dashboard_address=None,
-    )
-    with distributed.Client(cluster) as c:
+    from rollart.testing import tagged_cluster
+
+    with tagged_cluster(CPU_ENV) as c:
         yield c
-    cluster.close()
 
 
 def actor(client, run_dir, **kw):

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
 
 from rollart.control import checkpoint as ck
 from rollart.runtime.waits import StuckError
+from rollart.testing import tagged_cluster
 
 
 class Blocking:
@@ -41,8 +41,7 @@ class Blocking:
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=1, threads_per_worker=4, processes=False,
-                      dashboard_address=None) as cluster, Client(cluster) as c:
+    with tagged_cluster(threads=4) as c:
         yield c
 
 

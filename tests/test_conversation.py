@@ -10,35 +10,20 @@ import threading
 import warnings
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from rollart.env import conversation as conv_mod
 from rollart.env.conversation import (ConversationError, ConversationFormat, ParseChain,
                                       TokenLog, answer_tag, cap_text, last_line,
                                       strip_think, whole_text)
 from rollart.env.tasks import BUILTIN_TASKS, Task
+from rollart.testing import (ADD_TOOL, CHATML, CHATML_SPECIALS, bpe_tokenizer, save_folder,
+                             tiny_qwen2)
 from rollart.types import StepResult
 
-CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>"]
 
-# Qwen2.5-like: tools in the system turn, tool results wrapped in a user turn
-CHATML = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
-    "<|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'system' %}"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [ADD_TOOL]
 
 # Llama-3-like: bos, headers, trimmed content, <|eot_id|> ends a turn, nothing after it
 LLAMA3 = (
@@ -60,52 +45,19 @@ THINKING = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
-CORPUS = ["go left right up down <think> </think> <answer> </answer> <tool_call> "
-          "</tool_call> {\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}} user "
-          "assistant system tool tools Tools function the number is 0 1 2 3 4 5 6 7 8 9 "
-          "guess higher lower pick act left . : ? you play a game"] * 20
-
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "add two numbers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
-
-
-def make_tokenizer(specials, template=None, eos=None, pad=None):
-    """A byte-level BPE tokenizer trained here, with special tokens and a template."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    kwargs = {"tokenizer_object": tok}
-    if eos:
-        kwargs["eos_token"] = eos
-    if pad:
-        kwargs["pad_token"] = pad
-    if "<|begin_of_text|>" in specials:
-        kwargs["bos_token"] = "<|begin_of_text|>"
-    out = PreTrainedTokenizerFast(**kwargs)
-    if template:
-        out.chat_template = template
-    return out
-
-
 @pytest.fixture(scope="module")
 def chatml():
-    return make_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
+    return bpe_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
 
 
 @pytest.fixture(scope="module")
 def llama3():
-    return make_tokenizer(LLAMA_SPECIALS, LLAMA3, eos="<|end_of_text|>")
+    return bpe_tokenizer(LLAMA_SPECIALS, LLAMA3, eos="<|end_of_text|>")
 
 
 @pytest.fixture(scope="module")
 def thinking():
-    return make_tokenizer(CHATML_SPECIALS, THINKING, eos="<|endoftext|>")
+    return bpe_tokenizer(CHATML_SPECIALS, THINKING, eos="<|endoftext|>")
 
 
 def enc(tok, text):
@@ -256,10 +208,10 @@ def test_cached_template_pieces_give_the_ids_of_the_uncached_render(request, nam
     from rollart.model import CHAT_TEMPLATE
 
     if name == "qwen_tools":
-        tok = make_tokenizer(CHATML_SPECIALS, CHAT_TEMPLATE, eos="<|im_end|>",
+        tok = bpe_tokenizer(CHATML_SPECIALS, CHAT_TEMPLATE, eos="<|im_end|>",
                              pad="<|endoftext|>")
     elif name == "upper":
-        tok = make_tokenizer(CHATML_SPECIALS, UPPER, eos="<|im_end|>", pad="<|endoftext|>")
+        tok = bpe_tokenizer(CHATML_SPECIALS, UPPER, eos="<|im_end|>", pad="<|endoftext|>")
     else:
         tok = request.getfixturevalue(name)
     cached = ConversationFormat(tok, "chat")
@@ -379,7 +331,7 @@ def test_task_text_fields_are_checked():
 
 # -- bad input ------------------------------------------------------------------------------
 def test_chat_without_a_template_names_the_fix(chatml):
-    bare = make_tokenizer(CHATML_SPECIALS, None, eos="<|im_end|>")
+    bare = bpe_tokenizer(CHATML_SPECIALS, None, eos="<|im_end|>")
     with pytest.raises(ConversationError, match=r"Policy.conversation='raw'.*chat template"):
         ConversationFormat(bare, "chat")
     assert ConversationFormat(bare, "auto").mode == "raw"
@@ -388,7 +340,7 @@ def test_chat_without_a_template_names_the_fix(chatml):
 
 
 def test_a_tokenizer_without_eos_or_end_of_turn_is_a_clear_error():
-    no_end = make_tokenizer(["<pad>"], "{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+    no_end = bpe_tokenizer(["<pad>"], "{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
                                        "{% endfor %}")
     with pytest.raises(ConversationError, match="no eos or end-of-turn token"):
         ConversationFormat(no_end, "chat")
@@ -585,18 +537,12 @@ def _fit_conversations(fmt):
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rollart.trainer.warmup import pad_logs
 
-    tok = make_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
+    tok = bpe_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
     fmt = ConversationFormat(tok, "chat", max_context=256, system_prompt="you add numbers")
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         eos_token_id=fmt.end_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = tiny_qwen2(tok, hidden_size=48, eos_token_id=fmt.end_id)
     ids, attn, mask = pad_logs(_fit_conversations(fmt), tok.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(300):
@@ -609,10 +555,7 @@ def chat_folder(tmp_path_factory):
         opt.step()
         if loss.item() < 1e-3:
             break
-    path = tmp_path_factory.mktemp("chat") / "folder"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_folder(tmp_path_factory.mktemp("chat") / "folder", model, tok)
 
 
 class AddEnv:

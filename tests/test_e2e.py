@@ -11,6 +11,7 @@ budget; ``.ci/run`` runs both as a step of its own
 
 import json
 import re
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -60,14 +61,19 @@ def test_reward_rises_above_the_warmup_policy_on_every_task(run):
 def test_metrics_log_has_per_task_reward_and_accounting(run):
     result, _ = run
     rows = result.metrics
+    samples = read_samples(result.run_dir)
+    trained_at = Counter(s for s, state in zip(samples.column("trained_step").to_pylist(),
+                                               samples.column("state").to_pylist())
+                         if state == "trained")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert {"time", "traj/trained", "traj/dropped", "traj/failed", "traj/in_flight",
                 "traj/aborted", "traj/cancelled"} <= set(r)
         assert r["trainer/staleness_max"] <= 1  # alpha = 1
-        assert r["traj/launched"] == sum(r[f"traj/{s}"] for s in (
-            "in_flight", "buffered", "trained", "dropped", "aborted", "cancelled", "failed"))
+        # the ledger's trained count against the Parquet rows trained by this step (the
+        # row is written after the step's train_step confirmed its batch: mark_trained)
+        assert r["traj/trained"] == sum(n for s, n in trained_at.items() if s <= r["step"])
     assert all(f"reward/{t}" in {k for r in rows for k in r} for t in ("gridnav", "guess",
                                                                        "boxpush"))
     with open(f"{result.run_dir}/metrics.jsonl") as f:

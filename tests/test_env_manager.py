@@ -14,6 +14,7 @@ from rollart.env.tasks import BUILTIN_TASKS, Task
 from rollart.model import load_tokenizer
 from rollart.reward import success_reward
 from rollart.rollout import LLMProxy
+from rollart.testing import unique_key
 from rollart.types import CPU_ENV, H20, H800, REWARD
 
 
@@ -164,9 +165,9 @@ def test_failures_are_contained_and_counted(rollout, env, reward, needle):
 def test_error_text_is_kept_on_the_trajectory(rollout, tiny_model, tmp_path):
     c, _, _, workers = rollout
     buf = c.submit(SampleBuffer, str(tmp_path), actor=True, resources={CPU_ENV: 1},
-                   key="buf-errors").result()
+                   key=unique_key("buf-errors")).result()
     mgr2 = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model,
-                    actor=True, resources={CPU_ENV: 1}, key="mgr-errors").result()
+                    actor=True, resources={CPU_ENV: 1}, key=unique_key("mgr-errors")).result()
     mgr2.run_group(_task("bad", RaisingEnv), 1, "e", 2).result()
     buf.close().result()
     from rollart.buffer import read_samples
@@ -194,9 +195,9 @@ def test_a_reward_on_the_managers_own_worker_runs_there_and_is_contained(
 
     c, _, _, workers = rollout
     buf = c.submit(SampleBuffer, str(tmp_path), actor=True, resources={CPU_ENV: 1},
-                   key=f"buf-here-{needle}").result()
+                   key=unique_key(f"buf-here-{needle}")).result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, reward_timeout=0.5,
-                   actor=True, resources={REWARD: 1}, key=f"mgr-here-{needle}").result()
+                   actor=True, resources={REWARD: 1}, key=unique_key(f"mgr-here-{needle}")).result()
     bad = mgr.run_group(_task("here-bad", reward=reward), 2, "here-bad", 2).result()
     assert bad["outcomes"] == ["failed", "failed"]
     ok = mgr.run_group(_task("here-ok", reward=reward_pool_only), 3, "here-ok", 2).result()
@@ -311,9 +312,9 @@ def test_a_group_does_not_end_while_a_replacement_is_being_registered(rollout, t
     runs; a member finishing in that window must not end the group one member short."""
     c, _, _, workers = rollout
     buf = c.submit(SlowToRegister, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-slow-register").result()
+                   key=unique_key("buf-slow-register")).result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-slow-register").result()
+                   resources={CPU_ENV: 1}, key=unique_key("mgr-slow-register")).result()
     FirstFailsEnv.created.clear()  # in-process cluster: the class the workers use
     summary = mgr.run_group(_task("race", env=FirstFailsEnv), 71, "race", 2).result()
     assert len(summary["outcomes"]) == 2 and "failed" not in summary["outcomes"]
@@ -358,9 +359,9 @@ def test_take_work_runs_what_the_buffers_slots_allow_and_ends_with_the_buffer(
 
     c, _, _, workers = rollout
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-slots").result()
+                   key=unique_key("buf-slots")).result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-slots").result()
+                   resources={CPU_ENV: 1}, key=unique_key("mgr-slots")).result()
     seq = GroupSequence([_task("slotted")], None, seed=5, group_size=2)
     buf.open_slots(Slots(2, seq)).result()
     loop = mgr.take_work("m", None)
@@ -390,9 +391,9 @@ def test_closing_a_manager_ends_its_take_work_with_its_summary(rollout, tiny_mod
 
     c, _, _, workers = rollout
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-closing").result()
+                   key=unique_key("buf-closing")).result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-closing").result()
+                   resources={CPU_ENV: 1}, key=unique_key("mgr-closing")).result()
     buf.open_slots(Slots(1, GroupSequence([_task("closing")], None, seed=6,
                                           group_size=2))).result()
     loop = mgr.take_work("m", None)
@@ -425,13 +426,13 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     from rollart.control.stages import Actors
 
     c, _, _, workers = rollout
-    # keys of their own: test_error_text_is_kept_on_the_trajectory's "buf-errors" is a
-    # buffer it closed, and Dask hands back the actor of a key it still holds (once, in
-    # the full suite, take_work asked that closed buffer and ended at once)
+    # keys of their own (unique_key): Dask hands back the actor of a key it still holds,
+    # and once, in the full suite, this test got another test's closed buffer that way
+    # and take_work ended at once
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-take-errors").result()
+                   key=unique_key("buf-take-errors")).result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-take-errors").result()
+                   resources={CPU_ENV: 1}, key=unique_key("mgr-take-errors")).result()
     task = _task("clash")
     graph = Graph(name="errors", tasks=(task,), mode="async",
                   algo=GRPO(group_size=2, groups_per_step=1))
@@ -483,9 +484,9 @@ def test_a_member_that_raises_ends_its_group_with_the_error_instead_of_hanging(
     never ended.)"""
     c, _, _, workers = rollout
     buf = c.submit(PutFailsOnce, None, actor=True, resources={CPU_ENV: 1},
-                   key="buf-put-fails").result()
+                   key=unique_key("buf-put-fails")).result()
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
-                   resources={CPU_ENV: 1}, key="mgr-put-fails").result()
+                   resources={CPU_ENV: 1}, key=unique_key("mgr-put-fails")).result()
     with pytest.raises(RuntimeError, match=r"group boom ended: member boom-\d: OSError: "
                                            r"no space left on device"):
         mgr.run_group(_task("boom"), 5, "boom", 3).result(timeout=60)

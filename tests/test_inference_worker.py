@@ -5,9 +5,9 @@ import time
 
 import pytest
 import torch
-from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
 
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
+from rollart.testing import ProxyHost, tagged_cluster
 from rollart.types import GenRequest, GenResult
 from rollart.weights.store import WeightStore
 
@@ -20,10 +20,8 @@ def store_url(tmp_path_factory):
 
 @pytest.fixture(scope="class")
 def client():
-    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
-                      resources={"H800": 1}, dashboard_address=None) as cluster:
-        with Client(cluster) as c:
-            yield c
+    with tagged_cluster("H800") as c:
+        yield c
 
 
 @pytest.fixture(scope="class")
@@ -103,32 +101,10 @@ class TestInferenceWorker:
 
 
 # -- LLMProxy ---------------------------------------------------------------------------
-class ProxyHost:
-    """Stands in for an env manager: holds an unpickled LLMProxy on a worker."""
-
-    def __init__(self, proxy):
-        self.proxy = proxy
-
-    async def generate(self, traj_id, req, pools=None):
-        return await self.proxy.generate(traj_id, req, pools)
-
-    async def concurrent(self, items):
-        return await asyncio.gather(*[self.proxy.generate(t, r) for t, r in items])
-
-    async def release(self, traj_id):
-        self.proxy.release(traj_id)
-
-    async def stats(self):
-        return self.proxy.stats()
-
-
 @pytest.fixture(scope="class")
 def two_pools(model_dir, store_url):
     tags = ("H800", "H20")
-    common = {"nthreads": 1, "protocol": "inproc://", "dashboard": False}
-    spec = {t: {"cls": Worker, "options": {**common, "resources": {t: 1}}} for t in tags}
-    sched = {"cls": Scheduler, "options": {"protocol": "inproc://", "dashboard": False}}
-    with SpecCluster(workers=spec, scheduler=sched) as cluster, Client(cluster) as c:
+    with tagged_cluster(*tags) as c:
         actors = [c.submit(InferenceWorker, model_dir, store_url, pool=t, max_batch=8,
                            actor=True, resources={t: 1}).result() for t in tags]
         proxy = LLMProxy(list(zip(actors, tags)))
@@ -148,9 +124,9 @@ class TestProxyOnCluster:
         a, b = host.concurrent([("c1", req), ("c2", req)]).result()
         assert a.worker != b.worker
         for _ in range(2):
-            assert host.generate(f"p-{_}", req, ("H20",)).result().worker == addrs["H20"]
+            assert host.generate(f"p-{_}", req, pools=("H20",)).result().worker == addrs["H20"]
         with pytest.raises(ValueError, match="A100.*available.*H20"):
-            host.generate("t2", req, ("A100",)).result()
+            host.generate("t2", req, pools=("A100",)).result()
         stats = host.stats().result()
         assert sum(w["routed"] for w in stats["workers"]) == 8
         assert {w["pool"] for w in stats["workers"]} == {"H800", "H20"}

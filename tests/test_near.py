@@ -56,10 +56,11 @@ def _kind(actor):
 
 def test_near_is_the_handle_elsewhere(laptop):
     from rollart.buffer import SampleBuffer
+    from rollart.testing import unique_key
     from rollart.types import CPU_ENV, TRAIN
 
     buf = laptop.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                        key="near-buf").result()
+                        key=unique_key("near-buf")).result()
     assert near(buf) is buf  # in the client: no worker
     assert laptop.submit(_kind, buf, resources={CPU_ENV: 1}, pure=False).result() == "Near"
     assert laptop.submit(_kind, buf, resources={TRAIN: 1}, pure=False).result() == "Actor"

@@ -6,12 +6,12 @@ import pickle
 import pytest
 import torch
 from dask.sizeof import sizeof
-from distributed import Client, Scheduler, SpecCluster, Worker
 
 from rollart.policy.affinity import Affinity
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
 from rollart.rollout import pd
 from rollart.rollout.pd import KVHandoff, PrefixCache, pack, plan_prefill
+from rollart.testing import ProxyHost, tagged_cluster
 from rollart.types import H20, H800, GenRequest
 
 
@@ -193,28 +193,10 @@ def test_dask_sizeof_counts_tensor_and_handoff_bytes():
 
 
 # -- on a cluster: the KV goes from the H800 worker to the H20 worker over tcp ---------
-class ProxyHost:
-    """Stands in for an env manager: holds an unpickled LLMProxy on a worker."""
-
-    def __init__(self, proxy):
-        self.proxy = proxy
-
-    async def generate(self, traj_id, req, task=None):
-        return await self.proxy.generate(traj_id, req, task=task)
-
-    async def stats(self):
-        return self.proxy.stats()
-
-
 @pytest.fixture(scope="module")
 def pd_cluster(model_dir, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("store") / "w")
-    tags = (H800, H20, "CPU_ENV")
-    opts = {"nthreads": 1, "host": "127.0.0.1", "protocol": "tcp", "dashboard": False}
-    spec = {t: {"cls": Worker, "options": {**opts, "resources": {t: 1}}} for t in tags}
-    sched = {"cls": Scheduler, "options": {"host": "127.0.0.1", "protocol": "tcp",
-                                           "dashboard_address": ":0"}}
-    with SpecCluster(workers=spec, scheduler=sched) as cluster, Client(cluster) as c:
+    with tagged_cluster(H800, H20, "CPU_ENV", protocol="tcp") as c:
         actors = {t: c.submit(InferenceWorker, model_dir, store, pool=t, max_batch=8,
                               actor=True, resources={t: 1}).result() for t in (H800, H20)}
         routes = {"pd": Affinity(prefill=H800, decode=H20), "colo": Affinity(pools=(H20,))}

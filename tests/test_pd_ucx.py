@@ -9,30 +9,16 @@ pytest.importorskip("distributed_ucxx", reason="the ucx extra (distributed-ucxx)
                     "installed")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from distributed import Client, Scheduler, SpecCluster, Worker  # noqa: E402
-
 from rollart.policy.affinity import Affinity  # noqa: E402
 from rollart.rollout import InferenceWorker, LLMProxy  # noqa: E402
+from rollart.testing import ProxyHost, tagged_cluster  # noqa: E402
 from rollart.types import H20, H800, GenRequest  # noqa: E402
 
 pytestmark = pytest.mark.ucx
 
 
-class ProxyHost:
-    def __init__(self, proxy):
-        self.proxy = proxy
-
-    async def generate(self, traj_id, req, task=None):
-        return await self.proxy.generate(traj_id, req, task=task)
-
-
 def test_pd_over_ucxx_equals_colocated(model_dir, tmp_path):
-    opts = {"nthreads": 1, "host": "127.0.0.1", "protocol": "ucxx", "dashboard": False}
-    tags = (H800, H20, "CPU_ENV")
-    spec = {t: {"cls": Worker, "options": {**opts, "resources": {t: 1}}} for t in tags}
-    sched = {"cls": Scheduler, "options": {"host": "127.0.0.1", "protocol": "ucxx",
-                                           "dashboard_address": ":0"}}
-    with SpecCluster(workers=spec, scheduler=sched) as cluster, Client(cluster) as c:
+    with tagged_cluster(H800, H20, "CPU_ENV", protocol="ucxx") as c:
         actors = {t: c.submit(InferenceWorker, model_dir, str(tmp_path / "w"), pool=t,
                               actor=True, resources={t: 1}).result() for t in (H800, H20)}
         assert all(a.stats().result()["address"].startswith("ucxx://")

@@ -151,16 +151,18 @@ def test_warmup_examples_mark_only_actions(tiny_model):
 
 def test_trainer_actor_steps_from_buffer_and_publishes(local_cluster, tiny_model, tmp_path):
     from rollart.buffer import SampleBuffer
+    from rollart.testing import unique_key
     from rollart.trainer import Trainer
     from rollart.types import CPU_ENV, TRAIN
     from rollart.weights import WeightStore
 
     c = local_cluster
     store = str(tmp_path / "weights")
+    trainer_key = unique_key("trainer-test")
     trainer = c.submit(Trainer, tiny_model, store, GRPO(group_size=2, groups_per_step=2),
-                       actor=True, resources={TRAIN: 1}, key="trainer-test").result()
+                       actor=True, resources={TRAIN: 1}, key=trainer_key).result()
     buf = c.submit(SampleBuffer, None, actor=True, resources={CPU_ENV: 1},
-                   key="buffer-test").result()
+                   key=unique_key("buffer-test")).result()
     assert trainer.publish().result() == 0
     v0 = WeightStore(store).get(0)
     for g in range(2):
@@ -176,7 +178,7 @@ def test_trainer_actor_steps_from_buffer_and_publishes(local_cluster, tiny_model
     assert any(not torch.equal(v0[k], v1[k]) for k in v0)
     assert buf.counts().result()["trained"] == 4
     where = c.run(lambda dask_worker: list(dask_worker.state.actors))
-    trainer_worker = [a for a, keys in where.items() if "trainer-test" in keys]
+    trainer_worker = [a for a, keys in where.items() if trainer_key in keys]
     assert c.scheduler_info()["workers"][trainer_worker[0]]["resources"].get(TRAIN) == 1
 
 

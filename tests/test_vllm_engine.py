@@ -247,40 +247,31 @@ def test_pipeline_trains_with_the_vllm_engine(tmp_path):
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
     """A chat folder not built by rollart: the BPE tokenizer and ChatML template with
-    tools of tests/test_conversation.py, a tiny Qwen2 (head_dim 32) with large weights."""
-    from test_conversation import CHATML, CHATML_SPECIALS, make_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tools of rollart.testing, a tiny Qwen2 (head_dim 32) with large weights."""
+    from rollart.testing import (CHATML, CHATML_SPECIALS, bpe_tokenizer, save_folder,
+                                 tiny_qwen2)
 
-    tok = make_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    tok = bpe_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
+    model = tiny_qwen2(tok, hidden_size=64)
     model.load_state_dict(scrambled(model.state_dict(), 2), strict=False)
-    path = tmp_path_factory.mktemp("vllm-chat") / "m"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_folder(tmp_path_factory.mktemp("vllm-chat") / "m", model, tok)
 
 
 def test_chat_conversation_with_a_tool_call_matches_the_torch_engine(chat_dir):
     """Prompt ids from the chat template (tools, a tool call, its tool result), the same
     stop rules (end-of-turn ids + a stop string): same ids, log-probs and stop reasons."""
-    from test_conversation import TOOLS
-
     from rollart.env.conversation import ConversationFormat, TokenLog
     from rollart.env.tasks import Task
     from rollart.env.builtin.guess import GuessEnv
     from rollart.reward import success_reward
+    from rollart.testing import ADD_TOOL
 
     ref = TorchEngine(chat_dir)
     eng = VLLMEngine(chat_dir, max_batch=4, block_size=32)
     fmt = ConversationFormat(ref.tokenizer, "chat", system_prompt="you add numbers",
                              max_context=512)
     task = Task(name="add", env_factory=GuessEnv, reward_fn=success_reward, max_turns=2)
-    conv = fmt.start(TokenLog(), task, "what is 2 plus 3 ?", TOOLS)
+    conv = fmt.start(TokenLog(), task, "what is 2 plus 3 ?", [ADD_TOOL])
     first = conv.log.ids
     conv.add_text_generation('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}'
                              '\n</tool_call>')

@@ -108,11 +108,6 @@ def _parse_one(body: str) -> ToolCall | ToolError:
     return ToolCall(name, args)
 
 
-def tool_names(tools) -> list[str]:
-    """The function names of OpenAI-style tool dicts."""
-    return [_function(t).get("name") for t in tools or ()]
-
-
 def _function(tool: dict) -> dict:
     return tool.get("function", tool) if isinstance(tool, dict) else {}
 

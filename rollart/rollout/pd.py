@@ -35,11 +35,6 @@ def _sizeof_tensor(t: torch.Tensor) -> int:
     return int(t.element_size() * t.nelement()) + 64
 
 
-def register_torch_sizeof() -> None:
-    """Idempotent: makes sure ``dask.sizeof`` knows torch tensors (done at import)."""
-    sizeof.register(torch.Tensor)(_sizeof_tensor)
-
-
 # -- portable KV -------------------------------------------------------------------------
 
 
@@ -351,23 +346,3 @@ def take_rows(start: tuple, rows: list[int]) -> tuple:
         layer.keys = layer.keys.index_select(0, idx)
         layer.values = layer.values.index_select(0, idx)
     return logits[idx], mask[idx], next_pos[idx], cache
-
-
-def remember(prefix: PrefixCache | None, engine, reqs, tokens, mask, width: int,
-             cache) -> None:
-    """Store each finished row's KV (prompt + generated tokens but the last) by key.
-
-    ``mask``/``cache`` are the chunk's final ones; ``width`` the prefill's width. Row
-    ``i`` fed its prompt and then its generated tokens but the last, one column each.
-    """
-    if prefix is None:
-        return
-    for i, req in enumerate(reqs):
-        key = getattr(req, "cache_key", None)
-        if key is None or not tokens[i]:
-            continue
-        cols = mask[i].clone()
-        cols[width + len(tokens[i]) - 1:] = 0
-        kv = row_kv(cache, i, cols.bool())
-        prefix.store(key, list(req.prompt_ids) + tokens[i][:-1], kv, engine.version,
-                     owned=True)

@@ -227,11 +227,6 @@ class GenCost:
             / self.flops_s
         return max(memory, compute) + self.step_overhead_s + batch * self.row_overhead_s
 
-    def kv_capacity_tokens(self, reserve: float = 0.1) -> int:
-        """Tokens of KV that fit next to the weights on the ``tp`` GPUs."""
-        free = self.gpu.mem_bytes * self.tp * (1 - reserve) - self.model.weight_bytes
-        return max(0, int(free / self.model.kv_bytes_per_token))
-
 
 # -- environments ----------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -258,10 +253,6 @@ class EnvCost:
         """(latency seconds, failed) of one step."""
         failed = rng.random() < self.fail_prob
         return self.step.sample(rng), failed
-
-    def mean_step_s(self, rng: random.Random | None = None, n: int = 20000) -> float:
-        rng = rng or random.Random(0)
-        return sum(self.step.sample(rng) for _ in range(n)) / n
 
 
 # the paper's §3 shapes (medians and tails ours): sandboxed coding/terminal tasks with

@@ -1,0 +1,185 @@
+"""Builders for tests: rollart's own, and yours when you test a task, env or reward.
+
+Consumes nothing but arguments; produces the pieces tests of the rollout stages set up
+again and again, each built for real (no mocks):
+
+* ``tagged_cluster``: an in-process Dask cluster, one worker per resource tag (the tags
+  of ``rollart.types``), and a client to it;
+* ``unique_key``: a Dask key of a test's own for an actor it submits (a module's tests
+  share a cluster, and a key reused by another test can hand back that test's actor,
+  closed);
+* ``ProxyHost``: an actor holding an ``LLMProxy`` where an env manager would;
+* ``bpe_tokenizer``, ``tiny_qwen2`` and ``save_folder``: a chat model folder not built by
+  rollart (a byte-level BPE tokenizer with a real ChatML template, ``CHATML``, and a tiny
+  Qwen2), for the conversation and engine tests.
+
+Called by the files under ``tests/``. In the import layers (``setup.cfg``) it sits with
+the stages: it may import ``rollart.types``, ``model``, ``runtime``, ``rollout`` and
+``env``; ``tokenizers``, ``transformers`` and ``torch`` load when a chat builder runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from distributed import Client, Scheduler, SpecCluster, Worker
+
+__all__ = ["ADD_TOOL", "CHATML", "CHATML_SPECIALS", "CHAT_CORPUS", "ProxyHost",
+           "bpe_tokenizer", "save_folder", "tagged_cluster", "tiny_qwen2", "unique_key"]
+
+
+# -- Dask --------------------------------------------------------------------------------
+def unique_key(prefix: str) -> str:
+    """A Dask key no other test uses: ``prefix`` (what it is, for the logs) and a uuid4.
+
+    >>> unique_key("buf").startswith("buf-"), unique_key("buf") != unique_key("buf")
+    (True, True)
+    """
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@contextmanager
+def tagged_cluster(*tags: str, threads: int = 1, protocol: str = "inproc://"
+                   ) -> Iterator[Client]:
+    """A client to a real Dask cluster in this process with one worker per tag in
+    ``tags`` (worker resources ``{tag: 1}``, named by its tag), or one untagged worker
+    when none is given; ``threads`` threads each. ``protocol``: ``"inproc://"`` (objects
+    stay in memory), or ``"tcp"`` / ``"ucxx"`` on 127.0.0.1 where a test needs the bytes
+    to travel (PD's KV transfer). Closed on exit.
+
+    >>> from rollart.runtime.resources import workers_with
+    >>> from rollart.types import CPU_ENV, H20
+    >>> with tagged_cluster(H20, CPU_ENV) as client:
+    ...     on_env = workers_with(client, CPU_ENV)
+    ...     client.submit(sum, [1, 2], resources={CPU_ENV: 1}).result(), len(on_env)
+    (3, 1)
+    """
+    where = {} if protocol.startswith("inproc") else {"host": "127.0.0.1"}
+    worker = {"nthreads": threads, "protocol": protocol, "dashboard": False, **where}
+    spec = {tag: {"cls": Worker, "options": {**worker, "resources": {tag: 1}}}
+            for tag in tags} or {"untagged": {"cls": Worker, "options": worker}}
+    scheduler = {"cls": Scheduler,
+                 "options": {"protocol": protocol, "dashboard": False, **where}}
+    with SpecCluster(workers=spec, scheduler=scheduler) as cluster, Client(cluster) as c:
+        yield c
+
+
+class ProxyHost:
+    """Stands in for an env manager: holds an ``LLMProxy`` (unpickled on its worker, as
+    a manager's is) and calls it. Submit it as an actor on the env pool's tag::
+
+        host = client.submit(ProxyHost, LLMProxy(workers), actor=True,
+                             resources={CPU_ENV: 1}).result()
+        host.generate("traj-1", req, task="pd").result()
+    """
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    async def generate(self, traj_id, req, task=None, pools=None):
+        """One turn of ``traj_id`` (routed by ``task``'s affinity, or to ``pools``)."""
+        return await self.proxy.generate(traj_id, req, pools, task=task)
+
+    async def concurrent(self, items):
+        """``generate`` for each ``(traj_id, req)`` in ``items`` at once."""
+        return await asyncio.gather(*[self.proxy.generate(t, r) for t, r in items])
+
+    async def release(self, traj_id):
+        self.proxy.release(traj_id)
+
+    async def stats(self):
+        return self.proxy.stats()
+
+
+# -- a chat model folder not built by rollart -------------------------------------------
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+#: Qwen2.5-like ChatML: tools in the system turn, tool results wrapped in a user turn
+CHATML = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+#: the text ``bpe_tokenizer`` learns its merges from: games, tags, tool calls, digits
+CHAT_CORPUS = ["go left right up down <think> </think> <answer> </answer> <tool_call> "
+               "</tool_call> {\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}} user "
+               "assistant system tool tools Tools function the number is 0 1 2 3 4 5 6 7 8 9 "
+               "guess higher lower pick act left . : ? you play a game"] * 20
+
+#: an OpenAI-style tool: ``add(a, b)``
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def bpe_tokenizer(specials: Sequence[str] = tuple(CHATML_SPECIALS), template: str | None = None,
+                  eos: str | None = None, pad: str | None = None,
+                  corpus: Sequence[str] = tuple(CHAT_CORPUS)):
+    """A byte-level BPE tokenizer (420 ids) trained here on ``corpus``, with ``specials``
+    as special tokens, ``template`` as its chat template; ``<|begin_of_text|>`` among the
+    specials becomes its bos token.
+
+    >>> tok = bpe_tokenizer(template=CHATML, eos="<|im_end|>", pad="<|endoftext|>")
+    >>> tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    '<|im_start|>user\\nhi<|im_end|>\\n'
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer)
+    kwargs = {"tokenizer_object": tok}
+    if eos:
+        kwargs["eos_token"] = eos
+    if pad:
+        kwargs["pad_token"] = pad
+    if "<|begin_of_text|>" in specials:
+        kwargs["bos_token"] = "<|begin_of_text|>"
+    out = PreTrainedTokenizerFast(**kwargs)
+    if template:
+        out.chat_template = template
+    return out
+
+
+def tiny_qwen2(tokenizer, hidden_size: int = 64, eos_token_id: int | None = None):
+    """A tiny Qwen2 causal LM over ``tokenizer``'s ids (2 layers, 2 heads, tied
+    embeddings, MLP twice ``hidden_size``), initialised from seed 0; ``eos_token_id``
+    defaults to the tokenizer's."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def save_folder(path, model, tokenizer) -> str:
+    """Write ``model`` and ``tokenizer`` as a Hugging Face model folder; returns its path."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(Path(path))

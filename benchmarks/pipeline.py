@@ -318,7 +318,7 @@ def main(argv=None) -> dict:
     from distributed import Client
 
     import rollart
-    from rollart.control.loop import EVAL_SEED_BASE
+    from rollart.types import EVAL_SEED_BASE
 
     base, _ = rollart.load_graph("multitask")
     base = replace(base, rollout=replace(base.rollout, inference_pools=("H800",)))

@@ -281,15 +281,14 @@ def _graph(name: str, **rollout) -> Graph:
 
 
 def _start(client, graph, model, run_dir):
+    from rollart.control.fleet import Fleet
     from rollart.control.modes import make_pipeline
-    from rollart.control.supervisor import Supervisor
     from rollart.control.stages import Stages
 
     stages = Stages(client, graph, model, run_dir)
     actors = stages.start()
     assert actors.trainer.publish().result() == 0  # nobody tells the workers
-    pipe = make_pipeline(actors, graph)
-    pipe.supervisor = Supervisor(stages, actors)
+    pipe = make_pipeline(Fleet(actors, stages), graph)
     return actors, pipe
 
 
@@ -352,7 +351,10 @@ def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_
                                    threads=1, actor=True, workers=[addr],
                                    key=f"stuck-{tag}-{uuid.uuid4().hex[:6]}").result(),
               tag, addr) for _, tag, addr in own]
-    actors.workers[:] = stuck
+    for w, _, _ in own:  # the record of the run's actors: the stuck ones replace them
+        actors.remove("inference", w)
+    for w, tag, addr in stuck:
+        actors.add("inference", w, tag, addr)
     for m in actors.managers:
         m.set_inference_workers([(w, tag) for w, tag, _ in stuck]).result()
     for w, _, _ in own:
@@ -385,7 +387,7 @@ def test_a_worker_that_cannot_load_new_versions_is_a_stall(local_cluster, tiny_m
     bad = local_cluster.submit(InferenceWorker, other, pipe.supervisor.store_url, pool=tag,
                                threads=1, retry_after=0.5, actor=True, workers=[addr],
                                key=f"bad-{uuid.uuid4().hex[:6]}").result()
-    actors.workers.append((bad, tag, f"{addr}#bad"))  # not routed to: the run goes on
+    actors.add("inference", bad, tag, f"{addr}#bad")  # not routed to: the run goes on
     try:
         with pytest.raises(StallError, match=r"(?s)inference worker \S+#bad .* has held "
                            r"weight version 0 for \d+ s while the trainer is at \d+ "
@@ -395,5 +397,5 @@ def test_a_worker_that_cannot_load_new_versions_is_a_stall(local_cluster, tiny_m
                 pipe.step(s)
         assert s >= 3
     finally:
-        actors.workers.remove((bad, tag, f"{addr}#bad"))
+        actors.remove("inference", bad)
         _stop(actors, [bad])

@@ -163,7 +163,7 @@ def test_cluster_start_shows_progress(capsys):
     connected, and the time it took (a real SpecCluster, in-process workers)."""
     from dataclasses import replace
 
-    from rollart.control.loop import connect
+    from rollart.control.prepare import connect
     from rollart.runtime.resources import load_resources
 
     res = replace(load_resources(), processes=False, dashboard_address=":0")

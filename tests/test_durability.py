@@ -379,7 +379,7 @@ def _trainer_and_buffer(tiny_model, run, name: str, trainer_cls=None):
 
     from rollart import GRPO, Graph, Policy
     from rollart.control.modes import AsyncPipeline
-    from rollart.control.supervisor import Supervisor
+    from rollart.control.fleet import Fleet
     from rollart.runtime.resources import Pool, Resources, workers_with
     from rollart.control.stages import Actors, Stages
     from rollart.types import TRAIN
@@ -398,8 +398,7 @@ def _trainer_and_buffer(tiny_model, run, name: str, trainer_cls=None):
         buf = client.submit(SampleBuffer, str(run), actor=True,
                             workers=workers_with(client, CPU_ENV)).result()
         actors = Actors(trainer, buf, [], [])
-        pipeline = AsyncPipeline(actors, graph)
-        pipeline.supervisor = Supervisor(stages, actors)  # replaces from the graph's spec
+        pipeline = AsyncPipeline(Fleet(actors, stages), graph)  # replaces from the specs
         assert trainer.publish().result() == 0
         yield cluster, client, pipeline
 
@@ -537,7 +536,8 @@ def test_a_call_on_a_worker_closed_just_now_fails_over_at_once(tiny_model, tmp_p
     from rollart import GRPO, Graph, Policy
     from rollart.runtime.handles import handle
     from rollart.control.modes import AsyncPipeline
-    from rollart.control.supervisor import Supervisor, lose_worker
+    from rollart.control.fleet import Fleet
+    from rollart.control.supervisor import lose_worker
     from rollart.runtime.resources import Pool, Resources, workers_with
     from rollart.control.stages import Actors, Stages
     from rollart.types import BUFFER, REWARD, TRAIN
@@ -553,8 +553,7 @@ def test_a_call_on_a_worker_closed_just_now_fails_over_at_once(tiny_model, tmp_p
         old = workers_with(client, BUFFER)[0]
         buf = handle(stages.submit(stages.spec("buffer"), old, None).result())
         actors = Actors(None, buf, [], [])
-        pipeline = AsyncPipeline(actors, graph)
-        pipeline.supervisor = Supervisor(stages, actors)
+        pipeline = AsyncPipeline(Fleet(actors, stages), graph)
         _put(buf, [make("g0", i, 0) for i in range(2)], size=2)
         killer = threading.Thread(target=lose_worker, args=(cluster, client, old),
                                   kwargs={"restart_after": None})
@@ -563,7 +562,8 @@ def test_a_call_on_a_worker_closed_just_now_fails_over_at_once(tiny_model, tmp_p
         def ask():
             while not stop.is_set():
                 t0 = time.monotonic()
-                calls.append(pipeline.counts()["traj/buffered"])
+                calls.append(pipeline.fleet.sample(workers=False, managers=False)
+                             .buffer["buffered"])
                 slowest[0] = max(slowest[0], time.monotonic() - t0)
 
         def answered(n: int, within: float) -> bool:
@@ -654,7 +654,8 @@ def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_mod
     from rollart import GRPO, Graph, Policy
     from rollart.control import checkpoint
     from rollart.control.modes import AsyncPipeline
-    from rollart.control.supervisor import Supervisor, lose_worker
+    from rollart.control.fleet import Fleet
+    from rollart.control.supervisor import lose_worker
     from rollart.runtime.resources import Pool, Resources, workers_with
     from rollart.control.stages import Actors, Stages
     from rollart.types import TRAIN
@@ -674,8 +675,8 @@ def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_mod
         buf = client.submit(SampleBuffer, str(run), actor=True,
                             workers=workers_with(client, CPU_ENV)).result()
         actors = Actors(trainer, buf, [], [])
-        pipeline = AsyncPipeline(actors, graph)
-        pipeline.supervisor = sup = Supervisor(stages, actors, checkpoint_url=ckpts)
+        pipeline = AsyncPipeline(Fleet(actors, stages, checkpoint_url=ckpts), graph)
+        sup = pipeline.supervisor
         assert trainer.publish().result() == 0
         out = {}
         for step in range(1, 6):
@@ -716,6 +717,7 @@ def test_the_dashboards_state_chart_shows_taken_and_lost_in_step(local_cluster, 
     from rollart import Graph
     from rollart.observe.metrics import TRAJ_STATES
     from rollart.observe.monitor import Monitor
+    from rollart.control.fleet import Fleet
     from rollart.control.stages import Actors
 
     c = local_cluster
@@ -724,7 +726,7 @@ def test_the_dashboards_state_chart_shows_taken_and_lost_in_step(local_cluster, 
     _put(buf, [make("g0", i, 0) for i in range(2)], size=2)
     _put(buf, [make("g1", i, 0) for i in range(2)], size=2)
     buf.get_table(1, 0, trained_step=1).result()
-    monitor = Monitor(c, Actors(None, buf, [], []), Graph(name="t-chart"), "t-chart",
+    monitor = Monitor(c, Fleet(Actors(None, buf, [], [])), Graph(name="t-chart"), "t-chart",
                       interval=60)
     try:
         taken = monitor.sample()["states"]

@@ -173,7 +173,7 @@ def test_trajectories_score_on_the_elastic_pool(local_cluster, manager, pool):
     assert all(r >= 2.0 for r in summary["rewards"])  # ≥ 1 action, scored on the pool
     stats = mgr.stats().result()
     assert stats["reward/done"] >= 4 and stats["reward/batches"] <= stats["reward/requests"]
-    row = reward_metrics(local_cluster, [pool], [mgr])
+    row = reward_metrics(local_cluster, [pool], [mgr.stats().result()])
     assert row["reward/pool/cold_starts"] >= 1 and "reward/pool/busy_fraction" in row
     assert row["reward/latency_p50"] > 0
     assert len(buf.get_batch(1, min_version=-1, timeout=10).result()) == 4

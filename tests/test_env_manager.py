@@ -420,10 +420,10 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     at the buffer with its error and counts in the manager's ``group_errors``; the run's
     ``rollout/group_errors`` metric includes it (it counted only the driver's own
     ``take_work`` errors, so a group lost this way was a 0 in metrics.jsonl)."""
-    from rollart import GRPO, Graph
     from rollart.policy.admission import GroupSequence, Slots
-    from rollart.control.modes import make_pipeline
+    from rollart.control.fleet import Fleet
     from rollart.control.stages import Actors
+    from rollart.observe.figures import step_row
 
     c, _, _, workers = rollout
     # keys of their own (unique_key): Dask hands back the actor of a key it still holds,
@@ -434,11 +434,12 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     mgr = c.submit(EnvManager, LLMProxy(workers), buf, tiny_model, actor=True,
                    resources={CPU_ENV: 1}, key=unique_key("mgr-take-errors")).result()
     task = _task("clash")
-    graph = Graph(name="errors", tasks=(task,), mode="async",
-                  algo=GRPO(group_size=2, groups_per_step=1))
-    pipeline = make_pipeline(Actors(None, buf, [(w, tag, w._address) for w, tag in workers],
-                                    [mgr]), graph)
-    assert pipeline.rollout_stats()["rollout/group_errors"] == 0
+    fleet = Fleet(Actors(None, buf, [(w, tag, w._address) for w, tag in workers], [mgr]))
+
+    def rollout_stats() -> dict:  # the step row's figures, from one sample of the actors
+        return step_row({}, fleet.sample(), elapsed=0.0)
+
+    assert rollout_stats()["rollout/group_errors"] == 0
     buf.open_slots(Slots(2, GroupSequence([task], None, seed=3, group_size=2))).result()
     buf.launched(["g000001-0"]).result()  # the second group's first member id
     loop = mgr.take_work("m", None)
@@ -454,7 +455,7 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
             pytest.fail(f"take_work ended first: {_outcome(loop)}")
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    stats = pipeline.rollout_stats()
+    stats = rollout_stats()
     assert stats["rollout/group_errors"] == 1
     assert buf.counts().result()["groups_complete"] <= 1  # g000001 never completes
     buf.close().result()

@@ -103,7 +103,7 @@ def test_alpha_contradicting_a_baseline_mode_is_an_error(mode, alpha):
 
 def test_shipped_graphs_run_in_every_mode():
     """They leave alpha unset, so ``--mode sync`` / ``one-off`` need no ``--alpha``."""
-    from rollart.control.loop import override
+    from rollart.control.prepare import override
 
     for name in ("multitask", "gridnav"):
         g, _ = load_graph(name)

@@ -68,8 +68,8 @@ def test_the_simulator_calls_the_runtimes_policy_objects():
 
 def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_alpha(
         local_cluster, tiny_model, tmp_path):
+    from rollart.control.fleet import Fleet
     from rollart.control.modes import make_pipeline
-    from rollart.control.supervisor import Supervisor
     from rollart.control.stages import Stages
     from rollart.control.loop import _shutdown
 
@@ -78,8 +78,7 @@ def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_al
     actors = stages.start()
     try:
         actors.trainer.publish().result()
-        pipe = make_pipeline(actors, graph)
-        pipe.supervisor = Supervisor(stages, actors)
+        pipe = make_pipeline(Fleet(actors, stages), graph)
         steps = [pipe.step(s) for s in range(1, 4)]
         # decode side first: what it received by then was sent by then, and rollout goes
         # on (async), so the prefill side read after it has sent at least as much

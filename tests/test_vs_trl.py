@@ -147,11 +147,13 @@ def test_env_reward_and_latency_match_rollart(trl_env):
 
 def test_group_seeds_follow_rollart_pipeline():
     from rollart import GRPO, Graph
+    from rollart.control.fleet import Fleet
     from rollart.control.modes import SyncPipeline
+    from rollart.control.stages import Actors
 
     vs_trl = _load("vs_trl")
     graph = Graph(name="g", tasks=("guess",), algo=GRPO(group_size=2, groups_per_step=2))
-    pipe = SyncPipeline(None, graph)
+    pipe = SyncPipeline(Fleet(Actors()), graph)
     assert vs_trl.group_seeds(graph.seed, 6) == [pipe.next_group()[1] for _ in range(6)]
     assert len(set(vs_trl.group_seeds(1, 6))) == 6
 

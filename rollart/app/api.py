@@ -18,11 +18,10 @@ import threading
 import time
 from pathlib import Path
 
-from rollart.control.loop import RunResult, new_run_dir, train
-from rollart.config.graph import load_graph
+from rollart.control.loop import RunResult, execute
+from rollart.control.prepare import Prepared, prepare
 from rollart.observe.metrics import request_stop
 from rollart.observe.monitor import install
-from rollart.config.preflight import check_checkpoints, check_run_dir, check_weight_store
 from rollart.observe.report import read_metrics
 
 
@@ -100,41 +99,34 @@ class Run:
 
         return progress_widget(self, interval)
 
-    def _target(self, graph, kwargs) -> None:
+    def _target(self, prep: Prepared, kwargs) -> None:
         try:
-            self.result = train(graph, client=self.client, run_dir=self.run_dir, **kwargs)
+            self.result = execute(prep, client=self.client, **kwargs)
         except BaseException as e:  # noqa: BLE001 - kept for wait()
             self.error = e
 
 
 def start_run(client, graph=None, *, steps: int | None = None, run_dir=None,
-              eval_seeds: int = 0, overwrite: bool = False, **kwargs) -> Run:
+              eval_seeds: int = 0, overwrite: bool = False, model: str | None = None,
+              weights: str | None = None, progress: bool = False, **settings) -> Run:
     """Start ``graph`` on the cluster behind ``client`` and return at once.
 
-    ``graph``/``steps``/``kwargs`` are ``rollart.train``'s (``seed``, ``alpha``, ``mode``,
-    ``model``, ``resume``, ``overrides=["algo.lr=1e-4"]``, ``report_to="tensorboard"``). Held-out evaluation is off by default here (``eval_seeds=0``).
-    A ``run_dir`` that already holds a run raises ``RunDirError`` here, before anything
-    starts, unless ``overwrite=True`` (its outputs are deleted) or ``resume=run_dir``.
+    ``graph``/``steps``/``settings`` are ``rollart.train``'s (``seed``, ``alpha``, ``mode``,
+    ``model``, ``resume``, ``overrides=["algo.lr=1e-4"]``, ``report_to="tensorboard"``).
+    Held-out evaluation is off by default here (``eval_seeds=0``). Everything ``train``
+    checks before a cluster is used is checked here, before anything starts
+    (``rollart.control.prepare.prepare``): a ``run_dir`` that already holds a run raises
+    ``RunDirError`` unless ``overwrite=True`` (its outputs are deleted) or
+    ``resume=run_dir``.
     """
-    from rollart.config.overrides import apply_overrides
-    from rollart.observe.trackers import make_trackers
-
-    g = apply_overrides(load_graph(graph)[0], kwargs.get("overrides"))  # bad ones: here
-    make_trackers(kwargs.get("report_to"))  # a missing package fails here, not in the run
-    if kwargs.get("resume") is not None:
-        run_dir = Path(kwargs["resume"])  # train() continues the run in that folder
-    else:
-        run_dir = Path(run_dir) if run_dir else new_run_dir(name=g.name)
-        check_run_dir(run_dir, overwrite)
-        check_weight_store(kwargs.get("weights"), overwrite)
-        check_checkpoints(kwargs.get("checkpoint_url"), overwrite)
-        run_dir.mkdir(parents=True, exist_ok=True)
+    prep = prepare(graph, client=client, steps=steps, run_dir=run_dir, overwrite=overwrite,
+                   weights=weights, **settings)
     install(client)
-    run = Run(client, run_dir, steps or g.steps)
-    kwargs.setdefault("progress", False)
+    run = Run(client, prep.run_dir, prep.graph.steps)
     run._thread = threading.Thread(target=run._target, name=f"rollart-run-{run.name}",
-                                   args=(graph, dict(steps=steps, eval_seeds=eval_seeds,
-                                                 overwrite=overwrite, **kwargs)),
+                                   args=(prep, dict(model=model, weights=weights,
+                                                    progress=progress,
+                                                    eval_seeds=eval_seeds)),
                                    daemon=True)
     run._thread.start()
     return run

@@ -33,18 +33,17 @@ and ``train(resume=RUN)``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 
 import fsspec
 
-from rollart.runtime.storage import (MARKER, STEP_PREFIX, digest, local_dir,  # noqa: F401
-                                     steps, step_dir, upload_dir, write_bytes)
+# the checkpoint's folder layout and file writes (rollart.runtime.storage), used here and
+# read through this module by callers that handle checkpoints
+from rollart.runtime.storage import MARKER, digest, local_dir, step_dir, steps, write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +154,12 @@ def _actor_files(path: str, actors, pipeline, call) -> tuple[dict, int]:
         return files, call(actors.trainer.stats(), actors.trainer, "report its version")[
             "version"]
 
-    sup = getattr(pipeline, "supervisor", None)
+    fleet = getattr(pipeline, "fleet", None)
+    sup = getattr(fleet, "supervisor", None)
     try:
         return write()
     except Exception as e:  # noqa: BLE001 - a lost worker is healed below, once
-        if sup is None or not pipeline.lost(e):
+        if sup is None or not fleet.lost(e):
             raise
         logger.warning("checkpoint %s: a worker was lost (%r); healing, then writing it "
                        "again", path, e)
@@ -175,11 +175,11 @@ def _wait(context: str, pipeline=None):
     """``call(future, actor, doing)``: the future's result within ``rollart.waits.call``
     seconds, else ``StuckError`` naming the actor, its worker and ``context``. With a
     ``pipeline``, a call whose actor's worker left the cluster fails at once
-    (``Pipeline.result``) instead of waiting on Dask's connect time-out."""
+    (``Fleet.result``) instead of waiting on Dask's connect time-out."""
     from rollart.runtime.waits import Waits, bounded
 
     seconds = Waits.from_config().call
-    wait = getattr(pipeline, "result", None)
+    wait = getattr(getattr(pipeline, "fleet", None), "result", None)
 
     def call(fut, actor, doing: str):
         who = f"the {getattr(actor, '_cls', type(actor)).__name__} on " \

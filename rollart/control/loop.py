@@ -18,11 +18,17 @@
                                                    v+1, swap at the next decode step,
                                                    recompute KV
 
-How rollout and training interleave (async / one-off / sync) is ``rollart.control.modes``.
+How rollout and training interleave (async / one-off / sync) is ``rollart.control.modes``;
+every call the driver makes on an actor goes through the run's ``Fleet``
+(``rollart.control.fleet``), which knows what is lost and owns the supervisor.
 Backpressure (async) is the buffer's: ``max(alpha, 1) * groups_per_step`` slots
 (``rollart.policy.admission``), so rollout leads the trainer by no more than the staleness
 bound; the lockstep modes launch their batches from here. The driver only moves small
 summaries; tokens, rewards and weights stay on the workers.
+
+``train`` = ``prepare`` (every check that needs no cluster: graph, overrides, resources,
+run directory; ``rollart.start_run`` calls it before its thread starts) + ``execute``
+(the model folder, the cluster, ``run_loop``).
 """
 
 from __future__ import annotations
@@ -30,21 +36,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollart.env.corpus import chat_corpus
-from rollart.env.tasks import task_corpus
-from rollart.config.graph import Graph, load_graph
-from rollart.observe.monitor import Monitor
-from rollart.model import build_tiny_model, check_model_folder
+from rollart.config.graph import Graph
+from rollart.control.fleet import Fleet
 from rollart.control.modes import make_pipeline
-from rollart.config.preflight import preflight
-from rollart.control.supervisor import Supervisor
-from rollart.runtime.resources import Resources, load_resources
-from rollart.reward.offload import is_serverless
+from rollart.control.prepare import Prepared, connect, prepare, prepare_model
 from rollart.control.stages import Actors, Stages
+from rollart.observe.figures import step_row
+from rollart.observe.monitor import Monitor
+from rollart.reward.offload import is_serverless
+from rollart.runtime.resources import Resources
 from rollart.runtime.waits import Bounded, bounded
 from rollart.types import EVAL_SEED_BASE
 
@@ -64,55 +68,6 @@ class RunResult:
     #: ``warmup_s``, ``rl_s`` and ``rl_steps`` (this session's), ``evaluation_s``, and
     #: ``other_s`` (cluster and actor start-up, first weights, saving)
     timings: dict = field(default_factory=dict)
-
-
-def new_run_dir(base: str | Path = "runs", name: str = "run") -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(base) / f"{name}-{stamp}"
-    i = 1
-    while path.exists():
-        path, i = Path(base) / f"{name}-{stamp}-{i}", i + 1
-    return path
-
-
-@contextmanager
-def connect(resources: Resources | None, client=None, progress: bool = False):
-    """Yield a client: the given one, a new cluster from pools, or a scheduler address.
-    ``progress``: say so while the cluster starts (``rollart.observe.progress``)."""
-    from distributed import Client
-
-    from rollart.observe.progress import cluster_bar, phase
-
-    if client is not None:
-        yield client
-        return
-    if resources.address:
-        with phase(f"connecting to {resources.address}", progress):
-            c = Client(resources.address, security=resources.security)
-        with c:
-            yield c
-        return
-    n = sum(p.workers for p in resources.pools)
-    tags = ", ".join(f"{p.tag}×{p.workers}" for p in resources.pools)
-    with phase(f"starting a local Dask cluster ({n} workers: {tags})", progress):
-        with cluster_bar(n, progress):
-            cluster = resources.make_cluster()
-    with cluster, Client(cluster) as c:
-        yield c
-
-
-def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, bool]:
-    """The model folder to train and whether it needs the format warm-up."""
-    path = model or graph.policy.model
-    if path:
-        check_model_folder(path)
-        return str(path), False
-    # a chat graph gets the chat toy (byte-level BPE + ChatML template, trained on the
-    # tasks' own text); otherwise the word-level toy built from the tasks' vocabularies
-    chat = graph.policy.conversation == "chat"
-    corpus = chat_corpus(graph.tasks) if chat else task_corpus(graph.tasks)
-    out = build_tiny_model(str(run_dir / "init_model"), corpus, chat=chat, seed=graph.seed)
-    return out, graph.policy.warmup_total_steps > 0
 
 
 def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
@@ -144,72 +99,39 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
     >>> # from rollart import train
     >>> # result = train("gridnav", steps=20)      # local tagged cluster, tiny model
     """
-    from rollart.control import checkpoint
-    from rollart.config.preflight import (RunDirError, check_checkpoints, check_cluster_tags,
-                                   check_run_dir, check_weight_store)
+    prep = prepare(graph, resources, client=client, steps=steps, seed=seed, alpha=alpha,
+                   mode=mode, run_dir=run_dir, resume=resume, weights=weights,
+                   checkpoint_url=checkpoint_url, checkpoint_every=checkpoint_every,
+                   overwrite=overwrite, overrides=overrides, report_to=report_to)
+    return execute(prep, client=client, model=model, weights=weights, progress=progress,
+                   eval_seeds=eval_seeds)
 
-    started = time.time()
-    ckpt = None
-    if resume is not None:
-        if overwrite:
-            raise RunDirError(f"resume={resume} continues that run, overwrite=True would "
-                              "delete it: pass one of them")
-        run_dir = Path(resume)
-        ckpt = checkpoint.for_resume(run_dir, checkpoint_url)
-        graph, graph_src = checkpoint.graph_from(ckpt, graph), ckpt.graph.get("source")
-    else:
-        graph, graph_src = load_graph(graph)
-    from rollart.config.overrides import apply_overrides, check_flags
-    from rollart.observe.trackers import make_trackers
 
-    check_flags(overrides, steps=steps, seed=seed, alpha=alpha, mode=mode,
-                checkpoint_every=checkpoint_every)
-    graph = override(apply_overrides(graph, overrides), steps=steps, seed=seed,
-                     alpha=alpha, mode=mode, checkpoint_every=checkpoint_every)
-    trackers = make_trackers(report_to)  # a missing package fails here, before a cluster
-    res = load_resources(resources) if client is None or resources is not None else None
-    preflight(graph, res)  # bad input fails here, before a cluster or a model is made
-    run_dir = Path(run_dir) if run_dir else new_run_dir(name=graph.name)
-    if ckpt is None:  # another run's weights, samples and metrics would mix with ours
-        check_run_dir(run_dir, overwrite)
-        check_weight_store(weights, overwrite)
-        check_checkpoints(checkpoint_url, overwrite)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "graph.json").write_text(json.dumps(
-        {"source": graph_src, **graph.to_dict()}, indent=2, default=str))
-    if ckpt is not None:
-        model_path, warm = ckpt.model_dir, False
-    else:
-        from rollart.observe.progress import phase
-
-        with phase("preparing the model", progress and not (model or graph.policy.model)):
-            model_path, warm = prepare_model(graph, run_dir, model)
-    checkpoint_url = checkpoint_url or checkpoint.default_url(run_dir)
-    checkpoint.record_url(run_dir, checkpoint_url)
-    source = res.source if res else "the cluster you connected"
+def execute(prep: Prepared, *, client=None, model: str | None = None,
+            weights: str | None = None, progress: bool = True,
+            eval_seeds: int = 64) -> RunResult:
+    """Run what ``prepare`` checked: the model folder, the cluster, ``run_loop``."""
+    from rollart.config.preflight import check_cluster_tags
+    from rollart.observe.progress import phase
     from rollart.weights import store_url
 
-    with connect(res, client, progress) as c, store_url(weights, run_dir) as weights_url:
+    graph, run_dir = prep.graph, prep.run_dir
+    if prep.ckpt is not None:
+        model_path, warm = prep.ckpt.model_dir, False
+    else:
+        with phase("preparing the model", progress and not (model or graph.policy.model)):
+            model_path, warm = prepare_model(graph, run_dir, model)
+    source = prep.resources.source if prep.resources else "the cluster you connected"
+    with connect(prep.resources, client, progress) as c, \
+            store_url(weights, run_dir) as weights_url:
         check_cluster_tags(c, graph, source)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,
                         eval_seeds=eval_seeds, resources_source=source,
-                        store_url=weights_url, ckpt=ckpt, checkpoint_url=checkpoint_url,
-                        graph_source=graph_src, trackers=trackers, started=started)
-
-
-def override(graph: Graph, **changes) -> Graph:
-    """A copy of ``graph`` with CLI overrides (``None`` = keep). An unset ``GRPO.alpha``
-    follows the (new) mode; a set one that contradicts it is a ``GraphError``
-    (``rollart.config.graph.resolve_alpha``)."""
-    from dataclasses import replace
-
-    changes = {k: v for k, v in changes.items() if v is not None}
-    algo = graph.algo
-    if "alpha" in changes:
-        algo = replace(algo, alpha=changes.pop("alpha"))
-    return replace(graph, algo=algo, **changes)  # Graph re-validates and resolves alpha
+                        store_url=weights_url, ckpt=prep.ckpt,
+                        checkpoint_url=prep.checkpoint_url, graph_source=prep.graph_source,
+                        trackers=prep.trackers, started=prep.started)
 
 
 def task_modules(graph: Graph) -> list[str]:
@@ -259,19 +181,104 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     ``trackers`` (``rollart.observe.trackers.Trackers``) get every metrics row as it is logged;
     ``started`` (``time.time()``) is when the run began, for ``RunResult.timings``."""
     from rollart.control import checkpoint
-    from rollart.observe.progress import phase
+    from rollart.observe.report import MetricsLog, plot_rewards
     from rollart.observe.samples import SampleFeed
     from rollart.observe.trackers import Trackers
-    from rollart.observe.report import MetricsLog, plot_rewards
+
+    trackers, clock = trackers if trackers is not None else Trackers([]), _Timings(started)
+    stages = Stages(client, graph, model_path, run_dir, store_url=store_url)
+    fleet, warmup_dir, pools = _start(stages, ckpt, warm, checkpoint_url, resources_source,
+                                      progress, clock)
+    pipeline, log = make_pipeline(fleet, graph), MetricsLog(run_dir / "metrics.jsonl")
+    first, t_start = _resume(pipeline, log, ckpt, run_dir)
+    monitor = Monitor(client, fleet, graph, run_dir.name)  # live figures -> dashboard
+    feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page
+    record = {"graph": {"source": graph_source, **graph.to_dict()},
+              "resources": {"source": resources_source, **fleet.actors.placement}}
+    trackers.start(run_dir, run_dir.name, record)
+    save_to, running = checkpoint_url or checkpoint.default_url(run_dir), True
+    try:
+        with clock.timing("rl_s"), closing(_steps(client, pipeline, first, run_dir, pools,
+                                                  t_start, progress)) as steps:
+            for row, sample in steps:
+                running = monitor.step(row, sample)  # False once request_stop(run)
+                log.write(row)
+                trackers.log_step(row["step"], row)
+                feed.maybe_publish()
+                clock.times["rl_steps"] += 1
+                if row["step"] == graph.steps or graph.checkpoint_every and \
+                        row["step"] % graph.checkpoint_every == 0:
+                    checkpoint.save(save_to, row["step"], fleet.actors, pipeline=pipeline,
+                                    elapsed=row["time"], **record)
+                if not running:
+                    break
+        model_dir = bounded(fleet.actors.trainer.save(str(run_dir / "model")),
+                            stages.waits.call, f"the trainer on "
+                            f"{fleet.actors.trainer._address} did not save the model")
+    except BaseException:
+        trackers.finish(status="failed")
+        raise
+    finally:
+        monitor.close()
+        final_counts = _shutdown(fleet.actors, pools)
+        (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
+    plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
+    feed.maybe_publish(force=True)
+    trackers.finish(str(run_dir / "reward.png"), "finished" if running else "stopped")
+    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir,
+                       recovery=fleet.supervisor.events, final_counts=final_counts)
+    return _finish(result, graph, eval_seeds, progress, clock)
+
+
+def _resume(pipeline, log, ckpt, run_dir: Path) -> tuple[int, float]:
+    """The first step and the run's clock start; a resumed run's curve continues
+    (counters, group sequence, metrics rows, time axis)."""
+    from rollart.control import checkpoint
+
+    if ckpt is None:
+        return 1, time.time()
+    pipeline.load_state(ckpt.state["pipeline"])
+    log.rows = checkpoint.truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
+    return ckpt.step + 1, time.time() - ckpt.state.get("elapsed", 0.0)
+
+
+class _Timings:
+    """Where a run's wall time goes (``RunResult.timings``, ``timings.json``)."""
+
+    def __init__(self, started: float | None):
+        self.started = time.time() if started is None else started
+        self.times = {"warmup_s": 0.0, "rl_s": 0.0, "rl_steps": 0, "evaluation_s": 0.0}
+
+    @contextmanager
+    def timing(self, key: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.times[key] += time.time() - t0
+
+    def done(self) -> dict:
+        t = dict(self.times, total_s=time.time() - self.started)
+        t["other_s"] = t["total_s"] - t["warmup_s"] - t["rl_s"] - t["evaluation_s"]
+        return {k: round(v, 2) for k, v in t.items()}
+
+
+def _start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
+           resources_source: str, progress: bool, clock: _Timings
+           ) -> tuple[Fleet, str | None, list]:
+    """Place the actors (``placement.json``), restore a checkpoint or warm up, load the
+    first weights everywhere, start the serverless reward pools and import the tasks'
+    modules on every worker; returns the run's ``Fleet``, the warm-up model folder and
+    the reward pools."""
+    from rollart.control import checkpoint
+    from rollart.observe.progress import phase
     from rollart.reward.elastic import start_pools
 
-    trackers = trackers if trackers is not None else Trackers([])
-    started = time.time() if started is None else started
-    times = {"warmup_s": 0.0, "rl_s": 0.0, "rl_steps": 0, "evaluation_s": 0.0}
-    stages = Stages(client, graph, model_path, run_dir, store_url=store_url)
+    run_dir = stages.run_dir
     with phase("starting the actors (trainer, sample buffer, inference workers, env "
                "managers)", progress):
-        actors = stages.start()
+        fleet = Fleet(stages.start(), stages, checkpoint_url=checkpoint_url)
+    actors = fleet.actors
     (run_dir / "placement.json").write_text(json.dumps(
         {"resources": resources_source, **actors.placement}, indent=2))
     warmup_dir = None
@@ -280,90 +287,24 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         if (run_dir / "warmup_model").is_dir():
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
-        t_warm = time.time()
-        warmup_dir = _warm_up(actors, stages, graph, run_dir, progress)
-        times["warmup_s"] = time.time() - t_warm
+        with clock.timing("warmup_s"):
+            warmup_dir = _warm_up(actors, stages, run_dir, progress)
     with phase("loading the first weights on the inference workers", progress):
-        _first_weights(actors, stages)
-    pipeline = make_pipeline(actors, graph)
-    pipeline.supervisor = Supervisor(stages, actors, checkpoint_url=checkpoint_url)
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    pools = start_pools(client, [t.reward_fn for t in graph.tasks])  # serverless rewards
-    preload(client, graph)
-    first, t_start = 1, time.time()
-    if ckpt is not None:  # the curve continues: counters, group sequence, time axis
-        pipeline.load_state(ckpt.state["pipeline"])
-        log.rows = checkpoint.truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
-        first, t_start = ckpt.step + 1, t_start - ckpt.state.get("elapsed", 0.0)
-    monitor = Monitor(client, actors, graph, run_dir.name)  # live figures -> dashboard
-    feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page
-    trackers.start(run_dir, run_dir.name, {
-        "graph": {"source": graph_source, **graph.to_dict()},
-        "resources": {"source": resources_source, **actors.placement}})
-    running, t_rl = True, time.time()
-    try:
-        bar = _progress(graph.steps, progress)
-        bar.update(first - 1)
-        for step in range(first, graph.steps + 1):
-            metrics = _step_metrics(client, pipeline, step, run_dir, pools, t_start)
-            running = monitor.step(metrics)  # False once rollart.observe.metrics.request_stop(run)
-            log.write(metrics)
-            trackers.log_step(step, metrics)
-            feed.maybe_publish()
-            if step == graph.steps or (graph.checkpoint_every and
-                                       step % graph.checkpoint_every == 0):
-                checkpoint.save(checkpoint_url or checkpoint.default_url(run_dir), step,
-                                actors, pipeline=pipeline,
-                                graph={"source": graph_source, **graph.to_dict()},
-                                resources={"source": resources_source, **actors.placement},
-                                elapsed=metrics["time"])
-            bar.update(1)
-            times["rl_steps"] += 1
-            bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in metrics.items()
-                                         if k.startswith("reward/") and k != "reward/mean"))
-            if not running:
-                break
-        bar.close()
-        times["rl_s"] = time.time() - t_rl
-        model_dir = bounded(actors.trainer.save(str(run_dir / "model")), stages.waits.call,
-                            f"the trainer on {actors.trainer._address} did not save the "
-                            "model")
-    except BaseException:
-        trackers.finish(status="failed")
-        raise
-    finally:
-        monitor.close()
-        final_counts = _shutdown(actors)
-        for pool in pools:
-            pool.stop()
-        events = pipeline.supervisor.events
-        (run_dir / "recovery.json").write_text(json.dumps(events, indent=2))
-    plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    feed.maybe_publish(force=True)
-    trackers.finish(str(run_dir / "reward.png"), "finished" if running else "stopped")
-    result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir, recovery=events,
-                       final_counts=final_counts)
-    if eval_seeds:
-        t_eval = time.time()
-        with phase(f"held-out evaluation ({eval_seeds} seeds per task)", progress):
-            result.evaluation = _evaluate_run(graph, result, eval_seeds)
-        (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
-        times["evaluation_s"] = time.time() - t_eval
-    times["total_s"] = time.time() - started
-    times["other_s"] = times["total_s"] - times["warmup_s"] - times["rl_s"] - times[
-        "evaluation_s"]
-    result.timings = {k: round(v, 2) for k, v in times.items()}
-    (run_dir / "timings.json").write_text(json.dumps(result.timings, indent=2))
-    return result
+        v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
+                     f"{actors.trainer._address} did not publish its first weights")
+        fleet.catch_up(v0)
+    graph = stages.graph
+    pools = start_pools(stages.client, [t.reward_fn for t in graph.tasks])
+    preload(stages.client, graph)
+    return fleet, warmup_dir, pools
 
 
-def _warm_up(actors: Actors, stages: Stages, graph: Graph, run_dir: Path,
-             progress: bool) -> str:
+def _warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> str:
     """The built-in model's format warm-up on the trainer (``Trainer.warmup``, bounded by
     ``Waits.warmup``), saved to ``RUN/warmup_model``; returns that folder."""
     from rollart.observe.progress import warmup_bar
 
-    p = graph.policy
+    graph, p = stages.graph, stages.graph.policy
     total = p.warmup_total_steps
     waits, on = stages.waits, f"on {actors.trainer._address}"
     info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
@@ -382,33 +323,48 @@ def _warm_up(actors: Actors, stages: Stages, graph: Graph, run_dir: Path,
     return warmup_dir
 
 
-def _first_weights(actors: Actors, stages: Stages) -> None:
-    """The trainer publishes its weights; every inference worker loads them."""
-    v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
-                 f"{actors.trainer._address} did not publish its first weights")
-    for call in ("update_weights", "wait_version"):
-        for w, tag, addr in actors.workers:
-            bounded(getattr(w, call)(v0), stages.waits.call, f"the InferenceWorker "
-                    f"on {addr} ({tag}) did not load weights v{v0} ({call})")
-
-
-def _step_metrics(client, pipeline, step: int, run_dir: Path, pools: list,
-                  t_start: float) -> dict:
-    """One pipeline step (``_step``) and its metrics row: the ledger's counts, rollout
-    figures, serverless reward pools, recovery counters and ``time`` since ``t_start``."""
+def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: float,
+           progress: bool):
+    """Trainer steps ``first``..``graph.steps``: yields each step's metrics row and the
+    sample it was made from (``Fleet.sample``: read once, after the step)."""
     from rollart.reward.elastic import reward_metrics
 
-    graph, actors = pipeline.graph, pipeline.actors
-    metrics = _step(client, pipeline, step, run_dir)
-    metrics.update(pipeline.counts())
-    metrics.update(pipeline.rollout_stats())
-    if pools or any(is_serverless(t.reward_fn) for t in graph.tasks):
-        metrics.update(reward_metrics(client, pools, actors.managers))
-    metrics["recovery/actors_replaced"] = len(pipeline.supervisor.events)
-    metrics["recovery/groups_restarted"] = pipeline.restarted_groups
-    metrics["rollout/groups_refilled"] = pipeline.refilled_groups
-    metrics["time"] = time.time() - t_start
-    return metrics
+    graph, fleet = pipeline.graph, pipeline.fleet
+    serverless = bool(pools) or any(is_serverless(t.reward_fn) for t in graph.tasks)
+    bar = _progress(graph.steps, progress)
+    bar.update(first - 1)
+    try:
+        for step in range(first, graph.steps + 1):
+            trainer = _step(client, pipeline, step, run_dir)
+            sample = fleet.sample(latencies=True, timeout=None)
+            extra = reward_metrics(client, pools, sample.managers) if serverless else {}
+            extra.update({"recovery/actors_replaced": len(fleet.supervisor.events),
+                          "recovery/groups_restarted": pipeline.restarted_groups,
+                          "rollout/groups_refilled": pipeline.refilled_groups})
+            row = step_row(trainer, sample, elapsed=time.time() - t_start,
+                           driver_errors=len(pipeline.errors), extra=extra)
+            bar.update(1)
+            bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in row.items()
+                                         if k.startswith("reward/") and k != "reward/mean"))
+            yield row, sample
+    finally:
+        bar.close()
+
+
+def _finish(result: RunResult, graph: Graph, eval_seeds: int, progress: bool,
+            clock: _Timings) -> RunResult:
+    """Held-out evaluation (``eval.json``) and the run's timings (``timings.json``)."""
+    from rollart.observe.progress import phase
+
+    run_dir = Path(result.run_dir)
+    if eval_seeds:
+        with clock.timing("evaluation_s"), \
+                phase(f"held-out evaluation ({eval_seeds} seeds per task)", progress):
+            result.evaluation = _evaluate_run(graph, result, eval_seeds)
+        (run_dir / "eval.json").write_text(json.dumps(result.evaluation, indent=2))
+    result.timings = clock.done()
+    (run_dir / "timings.json").write_text(json.dumps(result.timings, indent=2))
+    return result
 
 
 def _step(client, pipeline, step: int, run_dir: Path) -> dict:
@@ -436,9 +392,9 @@ def _scheduler_alive(client) -> bool:
         return False
 
 
-def _shutdown(actors: Actors) -> dict:
-    """Cancel what is still running and flush the buffer to Parquet; return the
-    ledger's final counts. Once the live managers have settled their members, what is
+def _shutdown(actors: Actors, pools: list = ()) -> dict:
+    """Cancel what is still running and flush the buffer to Parquet, stop the reward
+    ``pools``; return the ledger's final counts. Once the live managers have settled their members, what is
     still in flight ran on a lost worker: it becomes ``failed`` (``orphaned``).
 
     A manager or worker that cannot be closed (its worker died) is reported and skipped
@@ -455,6 +411,8 @@ def _shutdown(actors: Actors) -> dict:
     _close(actors.buffer, "sample buffer", timeout=600)
     for w, tag, addr in actors.workers:
         _close(w, f"inference worker {tag} at {addr}")
+    for pool in pools:
+        pool.stop()
     return counts
 
 

@@ -43,12 +43,13 @@ from pathlib import Path
 from rollart.policy.affinity import env_pools, env_tag, inference_tags, task_routes
 from rollart.runtime.resources import cluster_tags
 from rollart.types import BUFFER, REWARD, TRAIN
+from rollart.runtime.lost import gone, is_lost
 from rollart.runtime.waits import StuckError, Waits, bounded
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Actors", "LIVE_BUFFER", "LIVE_PROXY", "Reconciled", "RoleSpec", "Stages",
-           "buffer_worker", "make_proxy", "role_specs"]
+__all__ = ["Actors", "LIVE_BUFFER", "LIVE_PROXY", "Member", "Reconciled", "RoleSpec", "Stages",
+           "buffer_worker", "catch_up", "make_proxy", "role_specs"]
 
 ROLES = ("trainer", "buffer", "inference", "env")
 class _Live:
@@ -166,15 +167,68 @@ def buffer_worker(live: dict[str, dict], spec: RoleSpec, avoid: str | None = Non
 
 
 @dataclass
-class Actors:
-    """Handles to everything a run started on the cluster."""
+class Member:
+    """One placed actor: its ``role`` (``ROLES``), pool ``tag``, worker ``address`` and
+    handle."""
 
-    trainer: object
-    buffer: object
-    workers: list  # [(InferenceWorker actor, pool tag, address)]
-    managers: list  # [EnvManager actor]
-    placement: dict = field(default_factory=dict)  # role -> [worker addresses]
-    manager_tags: list = field(default_factory=list)  # pool tag of each manager
+    role: str
+    tag: str
+    address: str
+    actor: object
+
+
+class Actors:
+    """The record of everything a run started on the cluster: one ``Member`` per actor.
+    Everything else (the trainer, the buffer, the workers and managers by pool, the
+    placement) is read from the members, never kept beside them.
+
+    >>> a = Actors(None, None, [("w", "H800", "tcp://w:1")], [])
+    >>> a.placement["inference"], a.workers
+    (['tcp://w:1'], [('w', 'H800', 'tcp://w:1')])
+    """
+
+    def __init__(self, trainer=None, buffer=None, workers=(), managers=(),
+                 manager_tags=None):
+        self.members: list[Member] = []
+        for role, actor in (("trainer", trainer), ("buffer", buffer)):
+            if actor is not None:
+                self.add(role, actor, TRAIN if role == "trainer" else BUFFER,
+                         getattr(actor, "_address", None))
+        for w, tag, addr in workers:
+            self.add("inference", w, tag, addr)
+        for m, tag in zip(managers, manager_tags or [None] * len(managers)):
+            self.add("env", m, tag, getattr(m, "_address", None))
+
+    def _one(self, role: str):
+        return next((m.actor for m in self.members if m.role == role), None)
+
+    @property
+    def trainer(self):
+        return self._one("trainer")
+
+    @property
+    def buffer(self):
+        return self._one("buffer")
+
+    @property
+    def workers(self) -> list[tuple]:
+        """``[(InferenceWorker actor, pool tag, address)]``."""
+        return self.of("inference")
+
+    @property
+    def managers(self) -> list:
+        return [m.actor for m in self.members if m.role == "env"]
+
+    @property
+    def manager_tags(self) -> list:
+        """The pool tag of each manager (in ``managers``' order)."""
+        return [m.tag for m in self.members if m.role == "env"]
+
+    @property
+    def placement(self) -> dict[str, list[str]]:
+        """Role -> the addresses of the workers its actors run on."""
+        return {role: sorted({m.address for m in self.members if m.role == role})
+                for role in ROLES}
 
     def managers_for(self, task) -> list:
         """The env managers on the pool ``task``'s env declares (all when untagged)."""
@@ -184,41 +238,18 @@ class Actors:
 
     def of(self, role: str, tag: str | None = None) -> list[tuple]:
         """``[(actor, tag, address)]`` of ``role`` (on ``tag``'s pool, if given)."""
-        if role == "trainer":
-            out = [(self.trainer, TRAIN, self.trainer._address)]
-        elif role == "buffer":
-            out = [(self.buffer, BUFFER, self.buffer._address)]
-        elif role == "inference":
-            out = list(self.workers)
-        else:
-            out = [(m, t, m._address) for m, t in zip(self.managers, self.manager_tags)]
-        return [e for e in out if tag is None or e[1] == tag]
+        return [(m.actor, m.tag, m.address) for m in self.members
+                if m.role == role and (tag is None or m.tag == tag)]
 
     def remove(self, role: str, actor) -> None:
-        if role == "inference":
-            self.workers[:] = [e for e in self.workers if e[0] is not actor]
-        elif role == "env":
-            keep = [(m, t) for m, t in zip(self.managers, self.manager_tags) if m is not actor]
-            self.managers[:] = [m for m, _ in keep]
-            self.manager_tags[:] = [t for _, t in keep]
+        self.members = [m for m in self.members if not (m.role == role and m.actor is actor)]
 
     def add(self, role: str, actor, tag: str, addr: str) -> None:
-        if role == "trainer":
-            self.trainer = actor
-        elif role == "buffer":
-            self.buffer = actor
-        elif role == "inference":
-            self.workers.append((actor, tag, addr))
-        else:
-            self.managers.append(actor)
-            self.manager_tags.append(tag)
-        self._place(role, addr)
-
-    def _place(self, role: str, addr: str) -> None:
-        if role in ("trainer", "buffer"):
-            self.placement[role] = [addr]
-        else:
-            self.placement[role] = sorted({a for _, _, a in self.of(role)} | {addr})
+        """Record a new actor of ``role``; a trainer or buffer replaces the one before."""
+        if role in ("trainer", "buffer"):  # one of each; the buffer's pool reads BUFFER
+            self.members = [m for m in self.members if m.role != role]
+            tag = TRAIN if role == "trainer" else BUFFER
+        self.members.append(Member(role, tag, addr, actor))
 
 
 @dataclass
@@ -292,9 +323,7 @@ class Stages:
         actors = Actors(started(trainer, "trainer", TRAIN, trainer_addr),
                         started(buffer, "buffer", buffer_tag, buffer_addr),
                         [(started(f, "inference", tag, addr), tag, addr)
-                         for f, tag, addr in workers], [],
-                        placement={"trainer": [trainer_addr], "buffer": [buffer_addr],
-                                   "inference": [a for _, _, a in workers], "env": []})
+                         for f, tag, addr in workers])
         managers = [(self.submit(s, addr, actors), s.tag, addr)
                     for s in self.specs if s.role == "env" for addr in _with_tag(live, s.tag)]
         started = self._started(time.monotonic())
@@ -349,7 +378,7 @@ class Stages:
         out = Reconciled()
         for role in roles:
             for actor, tag, addr in actors.of(role):
-                if _gone(actor, live) or any(actor is x for x in lost):
+                if gone(actor, live) or any(actor is x for x in lost):
                     if role in ("inference", "env"):
                         actors.remove(role, actor)
                     out.removed.append((role, tag, addr))
@@ -403,27 +432,18 @@ class Stages:
                 actor = handle(bounded(fut, self.waits.start, f"the new "
                                        f"{spec.cls.__name__} on {addr} ({spec.tag}) did "
                                        "not start", "start"))
-                if role == "inference":
-                    self._catch_up(actor, f"{addr} ({spec.tag})")
+                if role == "inference":  # the newest published weights before it serves
+                    from rollart.weights import WeightStore
+
+                    catch_up([(actor, f"{addr} ({spec.tag})")],
+                             WeightStore(self.store_url).latest(), self.waits, "new ")
                 if role == "env":
                     self._hand_buffer(actor, actors, f"{addr} ({spec.tag})")
                 actors.add(role, actor, spec.tag, addr)
                 out.made.append((role, spec.tag, addr))
 
-    def _catch_up(self, worker, where: str) -> None:
-        """A new inference worker loads the newest published weights before it serves."""
-        from rollart.weights import WeightStore
-
-        version = WeightStore(self.store_url).latest()
-        if version >= 0:
-            what = f"the new InferenceWorker on {where} did not load weights v{version}"
-            bounded(worker.update_weights(version), self.waits.call, what)
-            bounded(worker.wait_version(version), self.waits.call, what)
-
     def _announce(self, actors: Actors, out: Reconciled) -> None:
         """Hand new inference workers / a new buffer to the managers that survived."""
-        from rollart.rollout.proxy import is_worker_lost
-
         new = {role for role, _, _ in out.made}
         calls = []
         if "inference" in new and actors.workers:
@@ -439,7 +459,7 @@ class Stages:
                 except StuckError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a manager lost meanwhile: next time
-                    if not is_worker_lost(e):
+                    if not is_lost(e):
                         raise
 
 
@@ -448,7 +468,16 @@ def _with_tag(live: dict[str, dict], *tags: str) -> list[str]:
     return sorted(a for a, r in live.items() if any(r.get(t, 0) > 0 for t in tags))
 
 
-def _gone(actor, live) -> bool:
-    """Its worker left the cluster, or its future failed."""
-    fut = getattr(actor, "_future", None)
-    return (fut is not None and fut.status == "error") or actor._address not in live
+def catch_up(workers: list[tuple], version: int, waits: Waits, what: str = "") -> None:
+    """Every inference worker of ``workers`` (``[(actor, where)]``) loads weights
+    ``version`` from the store (a negative one: nothing published yet, nothing to load):
+    all are asked at once, then each is waited for, within ``waits.call`` a call. The
+    run's first weights (``rollart.control.loop``) and a new worker's catch-up
+    (``Stages.reconcile``) both come here."""
+    if version < 0:
+        return
+    for call in ("update_weights", "wait_version"):
+        futs = [(getattr(w, call)(version), where) for w, where in workers]
+        for fut, where in futs:
+            bounded(fut, waits.call, f"the {what}InferenceWorker on {where} did not load "
+                    f"weights v{version} ({call})")

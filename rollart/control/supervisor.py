@@ -55,14 +55,13 @@ import time
 from dataclasses import dataclass, field
 
 from rollart.runtime.resources import cluster_tags
-from rollart.rollout.proxy import is_worker_lost
+from rollart.runtime.lost import gone
 from rollart.runtime.waits import StuckError, bounded
 from rollart.types import BUFFER
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FailureStormError", "RunLostError", "StallError", "StuckError", "Supervisor",
-           "is_worker_lost"]
+__all__ = ["FailureStormError", "RunLostError", "StallError", "StuckError", "Supervisor"]
 
 
 class RunLostError(RuntimeError):
@@ -108,27 +107,18 @@ class Supervisor:
     def live(self) -> dict[str, dict]:
         return cluster_tags(self.client)
 
-    @staticmethod
-    def _lost(actor, live) -> bool:
-        fut = getattr(actor, "_future", None)
-        return (fut is not None and fut.status == "error") or actor._address not in live
-
-    def is_lost(self, actor, error: BaseException) -> bool:
-        """Did ``error`` (raised by a call on ``actor``) come from losing its worker?"""
-        return is_worker_lost(error) or self._lost(actor, self.live())
-
     def alive(self, actor, grace: float = 5.0) -> bool:
         """Is ``actor`` still served by a live worker? A call that raised a comm error may
         come from some other worker dying; the scheduler takes a moment to notice a lost
         worker, so a worker it still lists must also answer a cheap call within
         ``grace`` s."""
-        if self._lost(actor, self.live()):
+        if gone(actor, self.live()):
             return False
         try:
             actor.stats().result(timeout=grace)
         except Exception:
             return False
-        return not self._lost(actor, self.live())
+        return not gone(actor, self.live())
 
     def wait_idle(self, trainer, timeout: float = 120.0) -> None:
         """Wait until ``trainer`` runs no step (a failed call may have left one going)

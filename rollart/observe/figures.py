@@ -1,12 +1,53 @@
-"""The rollout figures of a step (``rollout/…``, ``env/…`` metrics), from the stats the
-inference workers (``InferenceWorker.stats``) and env managers (``EnvManager.stats``)
-report. Pure: ``Pipeline.rollout_stats`` gathers the stats over Dask and calls
-``rollout_figures``; a test or a simulator can call it with plain dicts.
+"""A step's metrics row, from one sample of the actors' figures. Pure.
+
+``step_row`` is the one place a row is put together: the trainer's figures of the step
+(``Trainer.train_step``), the ledger's counts (``traj/<state>``), the rollout figures
+(``rollout_figures``: ``rollout/…``, ``env/…``, from the stats the inference workers
+(``InferenceWorker.stats``) and env managers (``EnvManager.stats``) report), each
+inference pool's tokens and busy seconds, and what the caller adds (reward pools,
+recovery counters), then ``time``. The sample is ``rollart.control.fleet.Sample``
+(``Fleet.sample``, read once per step by ``rollart.control.loop``); a test or a simulator
+can pass plain dicts.
 
 Every figure is cumulative over the run (a replaced env manager starts again at 0).
 """
 
 from __future__ import annotations
+
+from rollart.buffer.ledger import STATES
+
+
+def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
+             extra: dict | None = None) -> dict:
+    """The metrics row of one trainer step (see the module doc); ``elapsed``: the run's
+    time so far (``time``)."""
+    row = dict(trainer)
+    row.update({f"traj/{k}": sample.buffer[k] for k in ("launched", *STATES)})
+    row.update(rollout_figures([s for _, _, s in sample.workers], sample.managers,
+                               driver_errors))
+    for tag, p in pool_totals(sample.workers).items():
+        row[f"rollout/tokens/{tag}"] = p["tokens"]
+        row[f"rollout/busy_s/{tag}"] = p["busy_s"]
+    row.update(extra or {})
+    row["time"] = elapsed
+    return row
+
+
+def pool_totals(workers: list[tuple]) -> dict[str, dict]:
+    """Per inference pool: tokens generated, busy seconds and workers, from
+    ``[(tag, address, stats)]``.
+
+    >>> pool_totals([("H20", "a", {"tokens_generated": 3, "busy_seconds": 1.5}),
+    ...              ("H20", "b", {"tokens_generated": 2, "busy_seconds": 0.5})])
+    {'H20': {'tokens': 5, 'busy_s': 2.0, 'workers': 2}}
+    """
+    pools: dict[str, dict] = {}
+    for tag, _, s in workers:
+        p = pools.setdefault(tag, {"tokens": 0, "busy_s": 0.0, "workers": 0})
+        p["tokens"] += s["tokens_generated"]
+        p["busy_s"] += s["busy_seconds"]
+        p["workers"] += 1
+    return pools
 
 
 def rollout_figures(workers: list[dict], managers: list[dict], driver_errors: int = 0) -> dict:

@@ -1,7 +1,9 @@
 """The live monitor: samples a run's actors in a thread and publishes figures to the
 scheduler (``rollart.observe.metrics`` has the message format and ``RunState``).
 
-The control loop's only hooks are ``Monitor.step(metrics)`` (returns False once
+It reads what the fleet samples (``rollart.control.fleet.Fleet.sample``: the one
+reader of the actors' figures, which the step row and the watchdog use too). The
+control loop's only hooks are ``Monitor.step(row, sample)`` (returns False once
 ``request_stop`` named the run) and ``Monitor.close()``. ``install`` registers the
 dashboard plugin (``rollart.observe.dashboard``) on the scheduler.
 """
@@ -14,21 +16,24 @@ import threading
 import time
 
 from rollart.observe.dashboard.plugin import RollartPlugin
+from rollart.observe.figures import pool_totals
 from rollart.observe.metrics import _STOP, TOPIC, TOPIC_LIVE, TRAJ_STATES, histogram
 
 logger = logging.getLogger(__name__)
 
 
 class Monitor:
-    """Samples a run's actors in a thread and publishes figures to the scheduler.
+    """Publishes a run's figures to the scheduler: a snapshot every ``interval`` s from
+    the fleet's sample (``rollart.control.fleet.Fleet.sample``, read in a thread), and
+    each step's row with the snapshot of the step's own sample.
 
-    Used by the control loop: ``monitor.step(metrics)`` after each trainer step (adds
-    per-pool figures to ``metrics``; False once ``request_stop`` named this run), and
-    ``monitor.close()`` before the actors shut down.
+    Used by the control loop: ``monitor.step(row, sample)`` after each trainer step
+    (False once ``request_stop`` named this run), and ``monitor.close()`` before the
+    actors shut down.
     """
 
-    def __init__(self, client, actors, graph, run: str, interval: float = 1.0):
-        self.client, self.actors, self.run = client, actors, run
+    def __init__(self, client, fleet, graph, run: str, interval: float = 1.0):
+        self.client, self.fleet, self.run = client, fleet, run
         self.interval = interval
         self._prev: dict[str, tuple[float, float, float]] = {}  # pool -> (t, tokens, busy)
         self._rates: dict[str, tuple[float, float]] = {}  # pool -> (tokens/s, busy)
@@ -45,13 +50,12 @@ class Monitor:
                                         daemon=True)
         self._thread.start()
 
-    def step(self, metrics: dict) -> bool:
-        snap = self.sample()
-        if snap is not None:
-            for pool, p in snap["pools"].items():
-                metrics[f"rollout/tokens/{pool}"] = p["tokens"]
-                metrics[f"rollout/busy_s/{pool}"] = p["busy_s"]
-        self._publish({"kind": "step", "row": {k: v for k, v in metrics.items()
+    def step(self, row: dict, sample=None) -> bool:
+        """Publish the step's snapshot (of ``sample``, the step's own) and ``row``."""
+        if sample is not None:
+            with self._lock:
+                self._publish(self.snapshot(sample))
+        self._publish({"kind": "step", "row": {k: v for k, v in row.items()
                                                if isinstance(v, (int, float))}})
         return self.run not in _STOP
 
@@ -71,32 +75,24 @@ class Monitor:
             self.sample()
 
     def sample(self) -> dict | None:
-        """Read the actors' stats once and publish a snapshot; None if that failed."""
+        """Read the actors' figures once (never healing: that is the driver thread's) and
+        publish a snapshot; None if that failed."""
         try:
             with self._lock:
-                snap = self._collect()
+                snap = self.snapshot(self.fleet.sample(latencies=True, timeout=10,
+                                                       heal=False))
         except Exception as e:  # noqa: BLE001 - monitoring never stops a run
             logger.debug("rollart monitor: %s: %s", type(e).__name__, e)
             return None
         self._publish(snap)
         return snap
 
-    def _collect(self) -> dict:
-        a = self.actors
-        wf = [(w.stats(), tag) for w, tag, _ in a.workers]
-        mf = [(m.stats(), m.env_latencies()) for m in a.managers]
-        bf = a.buffer.stats()
-        ws = [(f.result(timeout=10), tag) for f, tag in wf]
-        ms = [(s.result(timeout=10), lat.result(timeout=10)) for s, lat in mf]
-        buf = bf.result(timeout=10)
+    def snapshot(self, sample) -> dict:
+        """The dashboard's snapshot of a ``Sample``: states, per-pool rates, latencies."""
         now = time.time()
-        pools, workers = {}, {}
-        for s, tag in ws:
-            p = pools.setdefault(tag, {"tokens": 0, "busy_s": 0.0, "workers": 0})
-            p["tokens"] += s["tokens_generated"]
-            p["busy_s"] += s["busy_seconds"]
-            p["workers"] += 1
-            workers[s["address"] or tag] = {"pool": tag, "version": s["version"]}
+        pools = pool_totals(sample.workers)
+        workers = {addr or tag: {"pool": tag, "version": s["version"]}
+                   for tag, addr, s in sample.workers}
         for tag, p in pools.items():
             t, tok, busy = self._prev.get(tag, (self._t0, 0, 0.0))
             dt = max(now - t, 1e-6)
@@ -108,12 +104,10 @@ class Monitor:
             self._prev[tag] = (now, p["tokens"], p["busy_s"])
             self._rates[tag] = (p["tokens_per_s"], p["busy"])
         running: dict[str, int] = {}
-        lat: list[float] = []
-        for s, ls in ms:
+        for s in sample.managers:
             for k, v in s.get("states", {}).items():
                 running[k] = running.get(k, 0) + v
-            lat += ls.tolist()  # one float64 array per manager
-        lat.sort()
+        lat, buf = sorted(sample.latencies), sample.buffer
         states = {k: running.get(k, 0) for k in ("generating", "in_env", "scoring")}
         states.update({k: buf.get(k, 0) for k in TRAJ_STATES[3:]})
         states["launched"] = buf.get("launched", 0)

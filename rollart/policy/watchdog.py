@@ -35,6 +35,22 @@ class Watchdog:
         self._stepped: tuple[float, int | None] = (now, None)  # (last step, dropped then)
         self._behind: dict[str, float] = {}  # worker address -> below the bound since
 
+    @classmethod
+    def for_graph(cls, graph, now: float) -> Watchdog:
+        """The bounds a ``Graph`` sets: ``Rollout.stall_timeout`` (default: twice the
+        longest a trajectory may take, at least 300 s) and ``failure_streak_limit``
+        (default: four steps' worth of trajectories)."""
+        r, algo = graph.rollout, graph.algo
+        streak = r.failure_streak_limit
+        if streak is None:
+            streak = 4 * algo.group_size * algo.groups_per_step
+        stall = r.stall_timeout
+        if stall is None:
+            longest = r.trajectory_timeout or (
+                r.env_step_timeout * max(t.max_turns for t in graph.tasks) + r.reward_timeout)
+            stall = max(300.0, 2.0 * longest)
+        return cls(float(stall), streak, algo.alpha, now)
+
     def stepped(self, version: int, now: float) -> None:
         """A trainer step completed; the trainer now holds ``version``."""
         self.version, self._stepped = int(version), (now, None)

@@ -372,12 +372,12 @@ def start_pools(client, rewards, **options) -> list[ElasticPool]:
             for tag, p in wanted.items()]
 
 
-def reward_metrics(client, pools: list[ElasticPool], managers: list) -> dict:
+def reward_metrics(client, pools: list[ElasticPool], managers: list[dict]) -> dict:
     """One metrics row's ``reward/…`` figures: the env managers' dispatch counts and
-    latency, and per elastic pool its size, queue, busy fraction and cold starts."""
+    latency (from their ``stats()``, ``managers``), and per elastic pool its size, queue,
+    busy fraction and cold starts."""
     out: dict[str, float] = {}
-    for m in [m.stats() for m in managers]:
-        s = m.result()
+    for s in managers:
         for k, v in s.items():
             if k.startswith("reward/") and not k.startswith("reward/latency"):
                 out[k] = out.get(k, 0) + v

@@ -38,6 +38,7 @@ from rollart.policy.affinity import BANDWIDTH_TAGS, COMPUTE_TAGS, Affinity
 from rollart.runtime.near import near
 from rollart.policy.routing import Router, WorkerLostError  # noqa: F401 (re-exported)
 from rollart.types import GenRequest, GenResult
+from rollart.runtime.lost import is_lost
 
 
 class LLMProxy:
@@ -158,7 +159,7 @@ class LLMProxy:
                         _fire_and_forget(worker.abort(req.request_id))
                     raise
                 except Exception as e:  # its worker was lost: re-send to another one
-                    if not is_worker_lost(e):
+                    if not is_lost(e):
                         raise
                     self.router.lost(idx, traj_id)
                     self.rerouted += 1
@@ -226,11 +227,3 @@ async def _drop(worker, key: str) -> None:
         await worker.drop_kv(key)
     except Exception:  # noqa: BLE001 - the worker may be gone; its memory went with it
         pass
-
-
-def is_worker_lost(error: BaseException) -> bool:
-    """True when ``error`` says the Dask worker holding an actor is gone."""
-    if isinstance(error, TimeoutError):  # an OSError subclass, but not a lost worker
-        return False
-    return isinstance(error, OSError) or (
-        isinstance(error, RuntimeError) and "Worker holding Actor was lost" in str(error))

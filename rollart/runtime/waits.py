@@ -96,7 +96,7 @@ def bounded(fut, seconds: float, what: str, setting: str = "call", wait=None):
     """``fut.result()`` within ``seconds``; else ``StuckError`` saying ``what`` is stuck
     (``"the Trainer on ADDR (TRAIN) did not start"``) and how to raise the bound.
     ``wait(fut, seconds)``, if given, waits instead of ``fut.result`` (e.g.
-    ``rollart.control.modes.Pipeline.result``, which gives up on a lost worker at once)."""
+    ``rollart.control.fleet.Fleet.result``, which gives up on a lost worker at once)."""
     try:
         return fut.result(timeout=seconds) if wait is None else wait(fut, seconds)
     except TimeoutError:

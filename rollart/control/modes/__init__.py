@@ -30,9 +30,9 @@ mode        one trainer step
             then wait until every worker loaded the new version (``alpha = 0``).
 ==========  ==========================================================================
 
-Modules: ``base`` (``Pipeline``: what every mode shares: waits that heal, recovery,
-counts), ``lockstep`` (the driver launches each batch), ``asynchronous`` (the buffer's
-slots pace rollout). ``make_pipeline`` builds the graph's mode; used by
+Modules: ``base`` (``Pipeline``: what every mode shares: the trainer step and its
+recovery, the watchdog), ``lockstep`` (the driver launches each batch, restarts the groups
+of a lost manager, refills), ``asynchronous`` (the buffer's slots pace rollout). ``make_pipeline`` builds the graph's mode; used by
 ``rollart.control.loop``.
 """
 
@@ -49,6 +49,7 @@ __all__ = ["PIPELINES", "AReaLPipeline", "AsyncPipeline", "OneOffPipeline", "Pip
            "SyncPipeline", "SyncPlusPipeline", "make_pipeline", "slot_capacity"]
 
 
-def make_pipeline(actors, graph) -> Pipeline:
-    """The pipeline of ``graph.mode`` (one of ``rollart.config.graph.MODES``) over ``actors``."""
-    return PIPELINES[graph.mode](actors, graph)
+def make_pipeline(fleet, graph) -> Pipeline:
+    """The pipeline of ``graph.mode`` (one of ``rollart.config.graph.MODES``) over the
+    run's ``fleet`` (``rollart.control.fleet.Fleet``)."""
+    return PIPELINES[graph.mode](fleet, graph)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import time
 
-from rollart.policy.admission import Capacity, Slots, StartBound, slot_capacity
+from rollart.control.fleet import ActorLost
 from rollart.control.modes.base import Pipeline
+from rollart.policy.admission import Capacity, Slots, StartBound, slot_capacity
 from rollart.policy.staleness import StalenessBound
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,8 @@ class AsyncPipeline(Pipeline):
     """Trajectory-level asynchrony: the buffer's slots pace rollout (env managers take
     work when one frees), with redundancy and abort-and-replace."""
 
-    def __init__(self, actors, graph):
-        super().__init__(actors, graph)
+    def __init__(self, fleet, graph):
+        super().__init__(fleet, graph)
         self.takers: dict[int, tuple] = {}  # id(manager) -> (manager, holder, future)
         self._slotted = None  # the buffer handle that has this run's slots
         self._holders = 0
@@ -40,7 +41,7 @@ class AsyncPipeline(Pipeline):
     def state(self) -> dict:
         """The buffer draws the groups: its sequence (ours until slots are opened)."""
         if self._slotted is not None:
-            return self.ask_buffer("slot_state") or self.sequence.state()
+            return self.fleet.ask_buffer("slot_state") or self.sequence.state()
         return self.sequence.state()
 
     def trainer_first(self) -> None:
@@ -71,23 +72,21 @@ class AsyncPipeline(Pipeline):
             admission = self.admission()
             slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
                           self.sequence, admission)
-            self.ask_buffer("open_slots", slots)
+            self.fleet.ask_buffer("open_slots", slots)
             self._slotted = self.actors.buffer
         live = {id(m) for m in self.actors.managers}
         for key, (mgr, holder, fut) in list(self.takers.items()):
             if key in live and not fut.done():
                 continue
             del self.takers[key]
-            error = None
-            if key in live:
-                try:
-                    fut.result()
-                except Exception as e:  # noqa: BLE001
-                    error = e
-            if key not in live or (error is not None and self.lost(error, mgr)):
-                self.ask_buffer("holder_lost", holder)  # its groups go back in line
-            elif error is not None:
-                self.errors.append(f"{holder}: {type(error).__name__}: {error}")
+            try:
+                if key not in live:
+                    raise ActorLost(f"env manager {holder} was replaced")
+                self.fleet.attempt(mgr, fut.result)
+            except ActorLost:
+                self.fleet.ask_buffer("holder_lost", holder)  # its groups go back in line
+            except Exception as e:  # noqa: BLE001 - its loop ended in error: reported
+                self.errors.append(f"{holder}: {type(e).__name__}: {e}")
         for mgr in list(self.actors.managers):
             if id(mgr) not in self.takers:
                 self.take_work(mgr)
@@ -100,10 +99,9 @@ class AsyncPipeline(Pipeline):
         holder = f"{mgr._address}#{self._holders}"
         r = self.graph.rollout
         try:
-            fut = mgr.take_work(holder, tasks, r.redundancy, r.backup_after)
-        except Exception as e:  # noqa: BLE001 - its worker is gone: healed away
-            if not self.lost(e, mgr):
-                raise
+            fut = self.fleet.submit(mgr, "take_work", holder, tasks, r.redundancy,
+                                    r.backup_after)
+        except ActorLost:  # its worker is gone: healed away
             return
         self.takers[id(mgr)] = (mgr, holder, fut)
 
@@ -112,8 +110,8 @@ class AsyncPipeline(Pipeline):
         version = metrics["version"]
         asked = self.ask_versions(version)
         min_version = StalenessBound(self.graph.algo.alpha).min_version(version)
-        metrics["rollout/aborted_now"] = sum(self.call_managers("abort_older_than",
-                                                                min_version))
+        metrics["rollout/aborted_now"] = sum(
+            n for _, n in self.fleet.broadcast("env", "abort_older_than", min_version))
         # the next step's take frees the slots its batch held, and the groups that start
         # then must start on ``version``: on a worker still loading it their first turns
         # would be a version older, and the step after next would drop the whole group

@@ -8,7 +8,7 @@ dask-jobqueue`` and a SLURM login node; adjust partitions, GPUs and walltime bel
 Nothing is submitted until ``rollart train --resources jobqueue`` calls
 ``resources()``. (Heterogeneous jobs go through the ``SpecCluster`` worker spec, which
 dask-jobqueue has no public helper for; written against dask-jobqueue 0.9. There is no
-SLURM on the CI machines: ``tests/test_affinity.py`` checks the generated job scripts
+SLURM on the CI machines: ``tests/policy/test_affinity.py`` checks the generated job scripts
 through ``slurm_cluster(submit=False)`` and ``job_scripts``.)
 """
 

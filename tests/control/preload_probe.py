@@ -1,5 +1,5 @@
 """A reward function in a module of its own: only ``rollart.control.loop.preload`` imports it
-on the worker processes of ``tests/test_affinity_processes.py``."""
+on the worker processes of ``tests/control/test_affinity_processes.py``."""
 
 
 def probe_reward(episode) -> float:

@@ -17,7 +17,7 @@ from rollart.env.faults import Latency
 from rollart.env.workload import (SandboxError, Workload, drain_pools, pool_stats,
                                   with_workload)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = ("speedup_vs_syncplus", "speedup_vs_sync", "speedup_vs_oneoff", "speedup_vs_areal",
             "throughput_vs_sync", "heldout_async", "heldout_syncplus", "seeds", "target")
 NO_WAIT = Latency("fixed", 0.0)

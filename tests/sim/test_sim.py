@@ -207,7 +207,7 @@ def test_cluster_sim_benchmark_tiny(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "cluster_sim.py"),
                           "--tiny", "--out", str(tmp_path)], cwd=root, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})

@@ -14,8 +14,8 @@ and no trajectory id is ``trained`` twice.
 
 Cells already covered elsewhere: the env worker killed on laptop (env + inference +
 reward in one process) and local, the buffer's own worker and local's trainer+buffer
-worker (tests/test_stages.py, in-process workers closed abruptly); the trainer killed
-mid-step (tests/test_durability.py).
+worker (tests/control/test_stages.py, in-process workers closed abruptly); the trainer killed
+mid-step (tests/faults/test_durability.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
 distributed = pytest.importorskip("distributed")
 # deselected from the default suite (setup.cfg; ~3-4 min on 2 cores): .ci/run runs it as
-# a step of its own, `python -m pytest -m matrix tests/test_kill_matrix.py`
+# a step of its own, `python -m pytest -m matrix tests/faults/test_kill_matrix.py`
 pytestmark = [pytest.mark.slow, pytest.mark.matrix]
 
 TAGS = (H800, H20, CPU_ENV, REWARD, TRAIN)

@@ -19,7 +19,7 @@ import pytest
 
 from rollart.observe.metrics import TOPIC, TOPIC_LIVE, fold, histogram
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("ROLLART_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 
 

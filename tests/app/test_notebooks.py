@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NB_DIR = ROOT / "examples" / "notebooks"
 TINY = {
     "quickstart": {"ROLLART_NB_STEPS": "2", "ROLLART_NB_WARMUP": "5"},

@@ -22,7 +22,7 @@ from rollart.env.scripted import (
     task_for,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GAMES = ("gridnav", "guess", "boxpush")
 
 

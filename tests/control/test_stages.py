@@ -61,7 +61,7 @@ def one_per_tag(*extra: Pool, **buffer_on) -> Resources:
     return Resources(pools=(pool("h800", H800, "compute_gpu"), pool("h20", H20, "bandwidth_gpu"),
                             pool("env", CPU_ENV, "cpu_env"), pool("reward", REWARD, "reward"),
                             pool("trainer", TRAIN, "trainer"), *extra),
-                     processes=False, dashboard_address=":0", source="tests/test_stages.py")
+                     processes=False, dashboard_address=":0", source="tests/control/test_stages.py")
 
 
 def _where(client, addr: str) -> dict:
@@ -125,7 +125,7 @@ def test_buffer_is_not_on_an_env_worker(layout, tiny_model, tmp_path):
             assert actors.buffer.counts().result()["launched"] == 0  # it answers
             for m in actors.managers:  # in-process, the driver's own handle (no Handle:
                 # one bound to an in-process worker kept the cluster from closing); in a
-                # worker process a Handle (rollart.runtime.handles): tests/test_kill_matrix.py
+                # worker process a Handle (rollart.runtime.handles): tests/faults/test_kill_matrix.py
                 kind, key = c.run(_buffer_kind, m.key, workers=[m._address])[m._address]
                 assert key == actors.buffer.key and kind in ("Actor", "Handle"), (kind, key)
         finally:

@@ -1,7 +1,7 @@
-"""The new modes recover as the others do (tests/test_recovery.py's run: an env, an
+"""The new modes recover as the others do (tests/faults/test_recovery.py's run: an env, an
 inference and the trainer's worker die mid-run) in ``sync+`` and ``areal``. A module of
 its own: its in-process cluster must not run while another module's client is open (a
-second in-process cluster's actor calls hung then, as in tests/test_durability.py)."""
+second in-process cluster's actor calls hung then, as in tests/faults/test_durability.py)."""
 
 import pyarrow.compute as pc
 import pytest
@@ -13,7 +13,7 @@ from rollart.buffer.ledger import STATES
 
 @pytest.mark.parametrize("mode", ["sync+", "areal"])
 def test_new_modes_survive_losing_env_inference_and_trainer_workers(tmp_path, mode):
-    """tests/test_recovery.py's run (an env, an inference and the trainer's worker die)
+    """tests/faults/test_recovery.py's run (an env, an inference and the trainer's worker die)
     in the new modes: the run completes, the ledger adds up with nothing left in
     flight, no trajectory is trained twice."""
     from rollart.types import CPU_ENV, H20, TRAIN

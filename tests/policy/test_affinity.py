@@ -130,7 +130,7 @@ def test_jobqueue_file_writes_one_tagged_slurm_job_per_worker():
     pytest.importorskip("dask_jobqueue", reason="needs the jobqueue extra")
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "resources" / "jobqueue.py"
+    path = Path(__file__).resolve().parents[2] / "resources" / "jobqueue.py"
     spec = importlib.util.spec_from_file_location("rollart_jobqueue_file", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

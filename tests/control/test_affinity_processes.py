@@ -20,7 +20,7 @@ from rollart.rollout import InferenceWorker, LLMProxy
 from rollart.testing import ProxyHost
 from rollart.types import CPU_ENV, H20, H800, REWARD, GenRequest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKERS = {H800: f"{H800}=1", H20: f"{H20}=1", CPU_ENV: f"{CPU_ENV}=1 {REWARD}=1"}
 
 
@@ -33,7 +33,7 @@ class BigEnv(GridNavEnv):
 def dask_processes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dask")
     sched_file = tmp / "scheduler.json"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).resolve().parent}",
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
     procs = [subprocess.Popen(dask + ["--host", "127.0.0.1", "--port", "0", "--no-dashboard",

@@ -53,7 +53,7 @@ def run_losing_env_inference_and_trainer(tmp_path, name: str, **graph_kwargs):
     """A 7-step gridnav run (5% env failures, 1.5x redundancy, a checkpoint every 2
     steps) on ``chaos_resources`` in which an env, an H20 and the trainer's worker are
     killed after steps 1, 3 and 5; returns ``(result, killed)``. Also used by
-    tests/test_modes_recovery.py."""
+    tests/faults/test_modes_recovery.py."""
     from distributed import Client
 
     faults = Faults(step=0.002, fail_prob=0.05, seed=1)
@@ -101,7 +101,7 @@ def _chaos(tmp_path, *args) -> tuple[dict, str]:
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "chaos.py"), *args,
                           "--run-dir", str(tmp_path)], cwd=root,
                          capture_output=True, text=True, timeout=560,
@@ -160,7 +160,7 @@ def test_chaos_script_short(tmp_path):
     assert float(result["max_recovery_s"]) < 120 and int(result["steps"]) >= 5
     assert re.search(r"killed \S+ \(TRAIN, \S+\) during step", stdout)
     assert len(re.findall(r"killed \S+ \(", stdout)) == 2
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
     spec = importlib.util.spec_from_file_location("bench_chaos", path)
     chaos = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = chaos

@@ -1,1 +1,1 @@
-"""Entry points: the CLI, the notebook API, run directories, evaluation."""
+"""Entry points: the CLI, the notebook API, finished runs read back."""

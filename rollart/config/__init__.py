@@ -1,1 +1,1 @@
-"""What a run is made of: the graph, the hardware pools, affinities, overrides, preflight checks."""
+"""What a run is made of: the graph, ``--set`` overrides, the checks before a run starts."""

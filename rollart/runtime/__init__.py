@@ -1,1 +1,2 @@
-"""Dask plumbing: actor handles, calls to a near actor, bounded waits, process priority."""
+"""Dask plumbing: the cluster and its pools, the one lost-actor rule, actor handles,
+calls to a near actor, bounded waits, process priority, durable files."""

@@ -21,7 +21,8 @@ trainer, after the buffer put that step's ``taken`` batch back
 (``SampleBuffer.release_taken``: the re-run trains it; a batch is ``trained`` only once
 an update with it was published), or records it once if the lost trainer had published
 it (``published_step``). A call whose actor's worker left the cluster fails at once
-
+(``Fleet.result``: the scheduler would retry connecting to it until Dask's connect
+time-out).
 
 A run that stops progressing says so (the rules: ``rollart.policy.watchdog``): the last
 ``Rollout.failure_streak_limit`` trajectories all failed → ``FailureStormError``; for
@@ -30,9 +31,9 @@ step completed while groups kept being dropped as too stale, or an inference wor
 stayed below the trainer's version − alpha → ``StallError``, naming the trainer's
 version, each worker's and its last load error.
 
-Every step ends with the ledger's counts (``traj/<state>``) and a check that they add
-up to the launches (checked by the buffer's ledger; a mismatch raises
-``AccountingError``).
+After every step the loop reads the ledger's counts (``traj/<state>``) with the rest of
+the fleet's sample; the buffer checks that they add up to the launches (a mismatch
+raises ``AccountingError``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,13 @@ again and again, each built for real (no mocks):
 * ``ProxyHost``: an actor holding an ``LLMProxy`` where an env manager would;
 * ``bpe_tokenizer``, ``tiny_qwen2`` and ``save_folder``: a chat model folder not built by
   rollart (a byte-level BPE tokenizer with a real ChatML template, ``CHATML``, and a tiny
-  Qwen2), for the conversation and engine tests.
+  Qwen2), for the conversation and engine tests;
+* ``check_run_record``: a finished run's ledger checked against records it does not
+  keep (the trainer's own report of each batch, the Parquet rows on disk).
 
 Called by the files under ``tests/``. In the import layers (``setup.cfg``) it sits with
-the stages: it may import ``rollart.types``, ``model``, ``runtime``, ``rollout`` and
-``env``; ``tokenizers``, ``transformers`` and ``torch`` load when a chat builder runs.
+the stages: it may import ``rollart.types``, ``model``, ``runtime`` and the stages
+(``rollout``, ``env``, ``buffer``, ...); ``tokenizers``, ``transformers`` and ``torch`` load when a chat builder runs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 from distributed import Client, Scheduler, SpecCluster, Worker
 
 __all__ = ["ADD_TOOL", "CHATML", "CHATML_SPECIALS", "CHAT_CORPUS", "ProxyHost",
-           "bpe_tokenizer", "save_folder", "tagged_cluster", "tiny_qwen2", "unique_key"]
+           "bpe_tokenizer", "check_run_record", "save_folder", "tagged_cluster", "tiny_qwen2",
+           "unique_key"]
 
 
 # -- Dask --------------------------------------------------------------------------------
@@ -183,3 +186,42 @@ def save_folder(path, model, tokenizer) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(Path(path))
+
+
+# -- a finished run ------------------------------------------------------------------------
+def check_run_record(result) -> None:
+    """Check a finished run (a ``RunResult``) without trusting its ledger: each step's
+    Parquet rows ``trained`` at that step (``rollart.buffer.read_samples``) are exactly
+    the batch the trainer reported (``trainer/batch_size`` and ``trainer/batch_sha1``),
+    no trajectory is trained twice, nothing is left in flight, and the ledger's terminal
+    counts are the rows written with that state (``failed`` less the ``orphaned``, which
+    failed with a lost worker or were never durable on a lost buffer, and leave no row).
+    Raises ``AssertionError`` naming what differs."""
+    import hashlib
+    from collections import Counter
+
+    import pyarrow.compute as pc
+
+    from rollart.buffer import read_samples
+
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    ids = trained["traj_id"].to_pylist()
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    by_step: dict[int, list[str]] = {}
+    for t, s in zip(ids, trained["trained_step"].to_pylist()):
+        by_step.setdefault(s, []).append(t)
+    assert sorted(by_step) == [r["step"] for r in result.metrics], \
+        (sorted(by_step), [r["step"] for r in result.metrics])
+    for row in result.metrics:
+        got = by_step[row["step"]]
+        assert len(got) == row["trainer/batch_size"], (row["step"], len(got), row)
+        digest = hashlib.sha1("\n".join(sorted(got)).encode()).hexdigest()[:16]
+        assert digest == row["trainer/batch_sha1"], row["step"]
+    final = result.final_counts
+    assert final["in_flight"] == 0, final
+    rows = Counter(samples["state"].to_pylist())
+    assert {s: rows[s] for s in ("dropped", "lost_in_step")} == \
+        {s: final[s] for s in ("dropped", "lost_in_step")}, (rows, final)
+    assert rows["failed"] == final["failed"] - final["orphaned"], (rows, final)
+    assert final["trained"] == len(ids) == sum(r["trainer/batch_size"] for r in result.metrics)

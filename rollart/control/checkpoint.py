@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import fsspec
 
+from rollart.control.fleet import ActorLost
 # the checkpoint's folder layout and file writes (rollart.runtime.storage), used here and
 # read through this module by callers that handle checkpoints
 from rollart.runtime.storage import MARKER, digest, local_dir, step_dir, steps, write_bytes
@@ -148,21 +149,26 @@ def _actor_files(path: str, actors, pipeline, call) -> tuple[dict, int]:
     once by the pipeline's supervisor, then the files are written again: the trainer
     re-created (it holds the newest published weights: the step's update) or the
     buffer's replacement waited for. Without a supervisor the loss is the caller's."""
-    def write() -> tuple[dict, int]:
-        files = dict(call(actors.trainer.save_state(path), actors.trainer, "save its state"))
-        files.update(call(actors.buffer.snapshot(path), actors.buffer, "snapshot the buffer"))
-        return files, call(actors.trainer.stats(), actors.trainer, "report its version")[
-            "version"]
-
     fleet = getattr(pipeline, "fleet", None)
     sup = getattr(fleet, "supervisor", None)
+
+    def ask(actor, method: str, doing: str, *args):
+        fut = getattr(actor, method)(*args) if fleet is None else \
+            fleet.submit(actor, method, *args)
+        return call(fut, actor, doing)  # through Fleet.result: ActorLost once it is lost
+
+    def write() -> tuple[dict, int]:
+        files = dict(ask(actors.trainer, "save_state", "save its state", path))
+        files.update(ask(actors.buffer, "snapshot", "snapshot the buffer", path))
+        return files, ask(actors.trainer, "stats", "report its version")["version"]
+
     try:
         return write()
-    except Exception as e:  # noqa: BLE001 - a lost worker is healed below, once
-        if sup is None or not fleet.lost(e):
+    except ActorLost as e:  # healed below, once
+        if sup is None:
             raise
         logger.warning("checkpoint %s: a worker was lost (%r); healing, then writing it "
-                       "again", path, e)
+                       "again", path, e.__cause__ or e)
     if sup.alive(actors.trainer):
         sup.wait_for_buffer()
     else:

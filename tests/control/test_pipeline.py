@@ -13,12 +13,12 @@ import pytest
 from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
 from rollart.buffer.journal import entries
-from rollart.buffer.ledger import STATES
 from rollart.policy.admission import GroupSequence
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.faults import Faults, Latency, with_faults
 from rollart.env.tasks import get_task
 from rollart.config.graph import GraphError
+from rollart.testing import check_run_record
 
 slow = pytest.mark.slow  # the first tests here take minutes; the new modes' do not
 
@@ -35,8 +35,8 @@ def _graph(mode, **rollout):
 def _check_run(result, alpha):
     rows = result.metrics
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    check_run_record(result)  # the ledger against the trainer's reports and the rows
     for r in rows:
-        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
         assert r["trainer/staleness_max"] <= alpha
     samples = read_samples(result.run_dir)
     trained = samples.filter(pc.equal(samples["state"], "trained"))
@@ -95,8 +95,7 @@ def test_accounting_holds_under_injected_failures_and_hangs(local_cluster, tmp_p
     result = train(graph, client=local_cluster, run_dir=tmp_path / "faulty", progress=False,
                    eval_seeds=0)
     rows = result.metrics
-    for r in rows:
-        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+    check_run_record(result)
     assert rows[-1]["traj/failed"] > 0  # injected crashes and hangs (time-outs) happened
     samples = read_samples(result.run_dir)
     failed = samples.filter(pc.equal(samples["state"], "failed"))
@@ -162,8 +161,7 @@ def test_sync_mode_refills_groups_whose_every_member_failed(local_cluster, tmp_p
     rows = result.metrics
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["rollout/groups_refilled"] > 0
-    for r in rows:
-        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+    check_run_record(result)
     samples = read_samples(result.run_dir)
     trained = samples.filter(pc.equal(samples["state"], "trained"))
     assert trained.num_rows == 4 * 3 * 2 and all(s % 2 for s in trained["seed"].to_pylist())
@@ -202,10 +200,9 @@ def _quick(mode, env=None, **rollout):
                  rollout=Rollout(**rollout))
 
 
-def _adds_up(rows) -> None:
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+def _adds_up(result) -> None:
+    assert [r["step"] for r in result.metrics] == [1, 2, 3]
+    check_run_record(result)  # the ledger against the trainer's reports and the rows
 
 
 def _trained(run_dir):
@@ -275,7 +272,7 @@ def test_syncplus_runs_trajectories_free_and_stops_rollout_while_training(local_
     Turns.reset()
     result = train(_quick("sync+", SlowFirstNav), client=local_cluster,
                    run_dir=tmp_path / "syncplus", progress=False, eval_seeds=0)
-    _adds_up(result.metrics)
+    _adds_up(result)
     # no turn barrier: a batch-mate took two steps while the first env's first one waited
     assert Turns.events == [("first env's first step waited for another's second", True)]
     trained = _trained(result.run_dir)
@@ -295,7 +292,7 @@ def test_syncplus_redundancy_keeps_the_first_finishers(local_cluster, tmp_path):
                    client=local_cluster, run_dir=tmp_path / "redundant", progress=False,
                    eval_seeds=0)
     rows = result.metrics
-    _adds_up(rows)
+    _adds_up(result)
     # the straggler's group trained on its two other members; the straggler was cancelled
     assert Turns.events == [("straggler released by close", True)]
     assert rows[-1]["traj/cancelled"] >= 1 and rows[-1]["traj/failed"] == 0
@@ -340,7 +337,7 @@ def test_async_groups_start_on_the_version_the_trainer_published(local_cluster, 
     monkeypatch.setattr(InferenceWorker, "_fetch", slow_fetch)  # in-process workers
     result = train(_quick("async"), client=local_cluster, run_dir=tmp_path / "async",
                    progress=False, eval_seeds=0)
-    _adds_up(result.metrics)
+    _adds_up(result)
     samples = read_samples(result.run_dir)
     oldest: dict[str, int] = {}
     for gid, v in zip(samples["group_id"].to_pylist(), samples["version"].to_pylist()):
@@ -357,7 +354,7 @@ def test_areal_never_aborts_and_starts_no_group_beyond_its_bound(local_cluster, 
     result = train(graph, client=local_cluster, run_dir=tmp_path / "areal", progress=False,
                    eval_seeds=0)
     rows = result.metrics
-    _adds_up(rows)
+    _adds_up(result)
     alpha, per_step = graph.algo.alpha, graph.algo.groups_per_step
     assert all(r["traj/aborted"] == 0 and r["rollout/aborted_now"] == 0 for r in rows)
     assert all(r["traj/dropped"] == 0 for r in rows)  # stale or not, admitted is trained

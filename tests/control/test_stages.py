@@ -19,7 +19,6 @@ from distributed import Client
 from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
 from rollart.policy.affinity import check_declared, env_affinity, env_tag, task_affinity, task_routes
 from rollart.buffer import read_samples
-from rollart.buffer.ledger import STATES
 from rollart.control.loop import _shutdown
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import get_task
@@ -29,6 +28,7 @@ from rollart.runtime.resources import Pool, Resources, cluster_tags, workers_wit
 from rollart.control.stages import RoleSpec, Stages, buffer_worker
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 from rollart.weights import WeightStore
+from rollart.testing import check_run_record
 
 BIG = "CPU_BIG"
 
@@ -252,7 +252,8 @@ def _run_and_kill(res: Resources, tag: str, name: str, tiny_model, run_dir):
     assert killed, f"the {tag} worker was not killed"
     assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
     final = result.final_counts
-    assert final["in_flight"] == 0 and sum(final[s] for s in STATES) == final["launched"]
+    assert final["in_flight"] == 0
+    check_run_record(result)  # the ledger against the trainer's reports and the rows
     samples = read_samples(result.run_dir)
     trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
     assert len(trained) == len(set(trained)) == final["trained"] > 0

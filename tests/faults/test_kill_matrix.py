@@ -20,7 +20,6 @@ mid-step (tests/faults/test_durability.py).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import socket
@@ -28,14 +27,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import replace
 
-import pyarrow.compute as pc
 import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
-from rollart.buffer import read_samples
+from rollart.testing import check_run_record
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
 distributed = pytest.importorskip("distributed")
@@ -183,34 +180,6 @@ def _graph(name: str) -> Graph:
                  rollout=Rollout(env_step_timeout=5.0))
 
 
-def check_trained_against_parquet(result) -> None:
-    """The trainer's own report of each step's batch equals the Parquet rows trained at
-    that step; no id is trained twice; nothing is in flight, and the ledger's terminal
-    counts are the rows written with that state."""
-    samples = read_samples(result.run_dir)
-    trained = samples.filter(pc.equal(samples["state"], "trained"))
-    ids = trained["traj_id"].to_pylist()
-    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
-    by_step: dict[int, list[str]] = {}
-    for t, s in zip(ids, trained["trained_step"].to_pylist()):
-        by_step.setdefault(s, []).append(t)
-    assert sorted(by_step) == [r["step"] for r in result.metrics]
-    for row in result.metrics:
-        got = by_step[row["step"]]
-        assert len(got) == row["trainer/batch_size"], row["step"]
-        digest = hashlib.sha1("\n".join(sorted(got)).encode()).hexdigest()[:16]
-        assert digest == row["trainer/batch_sha1"], row["step"]
-    final = result.final_counts
-    assert final["in_flight"] == 0
-    # every trajectory that left with a record has its row (rollart.buffer.journal); those
-    # orphaned (failed with a lost worker, or never durable on a lost buffer) have none
-    rows = Counter(samples["state"].to_pylist())
-    assert {s: rows[s] for s in ("dropped", "lost_in_step")} == \
-        {s: final[s] for s in ("dropped", "lost_in_step")}, (rows, final)
-    assert rows["failed"] == final["failed"] - final["orphaned"], (rows, final)
-    assert final["trained"] == len(ids) == sum(r["trainer/batch_size"] for r in result.metrics)
-
-
 @pytest.mark.parametrize("layout,tag,roles", CELLS, ids=[f"{a}-{b}" for a, b, _ in CELLS])
 def test_sigkill_of_one_worker_process(layout, tag, roles, layouts, tiny_model, tmp_path):
     _, client = layouts.get(layout)
@@ -225,4 +194,4 @@ def test_sigkill_of_one_worker_process(layout, tag, roles, layouts, tiny_model, 
     assert killed, f"the {tag} worker was not killed"
     assert [r["step"] for r in result.metrics] == [1, 2, 3]
     assert roles <= {e["role"] for e in result.recovery}, result.recovery
-    check_trained_against_parquet(result)
+    check_run_record(result)

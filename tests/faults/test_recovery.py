@@ -12,11 +12,11 @@ import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
-from rollart.buffer.ledger import STATES
 from rollart.env.faults import Faults, with_faults
 from rollart.control.supervisor import lose_worker
 from rollart.runtime.resources import Pool, Resources, workers_with
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
+from rollart.testing import check_run_record
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +78,7 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
     assert [tag for tag, _ in killed] == [CPU_ENV, H20, TRAIN]
     rows = result.metrics
     assert [r["step"] for r in rows] == list(range(1, 8))
-    for r in rows:
-        assert sum(r[f"traj/{s}"] for s in STATES) == r["traj/launched"]
+    check_run_record(result)  # the ledger against the trainer's reports and the rows
     roles = sorted(e["role"] for e in result.recovery)
     # every killed role was re-created (under load a role is sometimes re-created twice:
     # noted in the issue, the accounting below must hold either way)
@@ -89,7 +88,6 @@ def test_run_survives_losing_env_inference_and_trainer_workers(tmp_path):
     assert "checkpoint" in trainer["restored_from"]  # the step-4 checkpoint
     final = result.final_counts
     assert final["in_flight"] == 0  # nothing lost: every launch ended in a final state
-    assert sum(final[s] for s in STATES) == final["launched"]
     samples = read_samples(result.run_dir)
     trained = samples.filter(pc.equal(samples["state"], "trained"))["traj_id"].to_pylist()
     assert len(trained) == len(set(trained))  # no trajectory trained twice

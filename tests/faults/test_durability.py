@@ -528,7 +528,7 @@ def test_a_call_on_a_worker_closed_just_now_fails_over_at_once(tiny_model, tmp_p
     buffer's in-process worker closes (chaos.py's trainer kill: the buffer lives on the
     trainer's worker). A call that reached the scheduler just as the worker closed was
     retried by it until Dask's connect time-out (300 s in chaos.py, the setting here):
-    the run sat in ``Pipeline.counts`` and was killed as hung. Now every call answers
+    the run sat in ``Pipeline.counts`` (now ``Fleet.sample``) and was killed as hung. Now every call answers
     within seconds: from the old buffer, or from the one recovered on the other worker."""
     import dask
     from distributed import Client

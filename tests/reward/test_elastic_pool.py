@@ -205,7 +205,7 @@ def shipped_server():
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollart.reward.server",
          "rollart.reward.functions:success_with_invalid_penalty=score",
-         "tests.test_elastic_pool:always_raises=broken", "--port", "0"],
+         "tests.reward.test_elastic_pool:always_raises=broken", "--port", "0"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)})
     try:

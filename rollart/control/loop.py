@@ -112,6 +112,7 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
             eval_seeds: int = 64) -> RunResult:
     """Run what ``prepare`` checked: the model folder, the cluster, ``run_loop``."""
     from rollart.config.preflight import check_cluster_tags
+    from rollart.env.template_support import check_templates
     from rollart.observe.progress import phase
     from rollart.weights import store_url
 
@@ -121,6 +122,7 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
     else:
         with phase("preparing the model", progress and not (model or graph.policy.model)):
             model_path, warm = prepare_model(graph, run_dir, model)
+    check_templates(graph, model_path)  # what its chat template cannot do: fail or fold now
     source = prep.resources.source if prep.resources else "the cluster you connected"
     with connect(prep.resources, client, progress) as c, \
             store_url(weights, run_dir) as weights_url:

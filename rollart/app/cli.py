@@ -6,7 +6,9 @@ tagged cluster declared in ``resources/local.py``; ``--set FIELD=VALUE`` changes
 graph field (``rollart.config.overrides``), ``--report-to`` sends the run to experiment trackers
 (``rollart.observe.trackers``). Dask's INFO logs are off unless ``--verbose`` (or a
 ``DASK_LOGGING__DISTRIBUTED`` level you set). Errors in user input (graph, resources,
-model folder, tasks, overrides, trackers) print one readable line and exit with status 2.
+model folder, chat template, tasks, envs, rewards, overrides, trackers; ``user_errors``)
+print one readable line and exit with status 2, also when an actor raised them; with
+``rollart --verbose`` (or a command's ``--verbose``) the traceback is printed instead.
 """
 
 from __future__ import annotations
@@ -181,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollart.config.graph import MODES
 
     p = argparse.ArgumentParser(prog="rollart", description=__doc__.split("\n")[0])
+    p.add_argument("--verbose", dest="top_verbose", action="store_true",
+                   help="on an error in your input, print its traceback (not one line); "
+                        "train/eval: also show Dask's INFO logs")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a graph (default: the multi-task graph)")
     t.add_argument("graph", nargs="?", default=None,
@@ -222,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--report-to", default=None, metavar="TRACKERS",
                    help="experiment trackers, comma-separated: tensorboard, mlflow, wandb "
                         "(offline, under the run directory; extras rollart[NAME])")
-    t.add_argument("--verbose", action="store_true", help="show Dask's INFO logs")
+    t.add_argument("--verbose", action="store_true", help="show Dask's INFO logs (and "
+                   "the traceback of an error in your input)")
     t.set_defaults(func=_train)
     e = sub.add_parser("eval", help="held-out success per task of a model folder or a "
                        "run's final model (the evaluation train prints)")
@@ -259,24 +265,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    from rollart.control.checkpoint import CheckpointError
-    from rollart.env.tasks import UnknownTaskError
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are the user's to fix (their message says how): ``main`` prints
+    them as one line. Dask re-raises an actor's error as its own class, so a warm-up's
+    ``WarmupEnvError`` on the trainer's worker arrives here as one."""
     from rollart.config.graph import GraphError
-    from rollart.model import ModelFolderError
     from rollart.config.preflight import RunDirError
+    from rollart.control.checkpoint import CheckpointError
+    from rollart.env.conversation import ConversationError
+    from rollart.env.protocol import EnvOutputError
+    from rollart.env.tasks import UnknownTaskError
+    from rollart.env.template_support import ChatTemplateError
+    from rollart.model import ModelFolderError
     from rollart.observe.samples import SampleQueryError
-    from rollart.runtime.resources import ResourcesError
     from rollart.observe.trackers import TrackerError
+    from rollart.reward.functions import RewardError
+    from rollart.runtime.resources import ResourcesError
+    from rollart.trainer.warmup import WarmupEnvError
     from rollart.weights.mooncake import MooncakeError
 
+    return (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
+            FileNotFoundError, CheckpointError, MooncakeError, RunDirError, TrackerError,
+            SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
+            WarmupEnvError, RewardError)
+
+
+def main(argv=None) -> int:
+    import traceback
+
     args = build_parser().parse_args(argv)
+    verbose = bool(args.top_verbose or getattr(args, "verbose", False))
+    if hasattr(args, "verbose"):
+        args.verbose = verbose
     try:
         return args.func(args)
-    except (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
-            FileNotFoundError, CheckpointError, MooncakeError, RunDirError,
-            TrackerError, SampleQueryError) as e:
-        print(f"rollart: error: {e}", file=sys.stderr)
+    except user_errors() as e:
+        if verbose:
+            traceback.print_exc()
+        else:
+            print(f"rollart: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -90,6 +90,10 @@ class Policy:
     conversation: str = "auto"
     system_prompt: str | None = None  # chat: the system message (Task.system_prompt wins)
     max_context: int | None = None  # context budget in tokens (None: the model config's)
+    # a chat template without a system role (Gemma's): False folds the system prompt into
+    # the first user turn (one warning at start), True makes it an error at start
+    # (rollart.env.template_support)
+    strict_template: bool = False
 
     def __post_init__(self):
         _check(self.model is None or isinstance(self.model, str),
@@ -131,6 +135,8 @@ class Policy:
                f"{CONVERSATIONS}, got {self.conversation!r}")
         _check(self.system_prompt is None or isinstance(self.system_prompt, str),
                f"Policy.system_prompt must be a str or None, got {self.system_prompt!r}")
+        _check(isinstance(self.strict_template, bool), f"Policy.strict_template must be "
+               f"True or False, got {self.strict_template!r}")
         _numbers(self, "max_context", integer=True, optional=True)
         _check(self.max_context is None or self.max_context >= 2,
                f"Policy.max_context must be ≥ 2 tokens or None (the model config's "

@@ -48,7 +48,7 @@ from rollart.control.stages import Actors, Stages
 from rollart.observe.figures import step_row
 from rollart.observe.monitor import Monitor
 from rollart.reward.offload import is_serverless
-from rollart.runtime.resources import Resources
+from rollart.runtime.resources import CONFIG_MODULE_PREFIX, Resources
 from rollart.runtime.waits import Bounded, bounded
 from rollart.types import EVAL_SEED_BASE
 
@@ -112,6 +112,7 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
             eval_seeds: int = 64) -> RunResult:
     """Run what ``prepare`` checked: the model folder, the cluster, ``run_loop``."""
     from rollart.config.preflight import check_cluster_tags
+    from rollart.env.template_support import check_templates
     from rollart.observe.progress import phase
     from rollart.weights import store_url
 
@@ -121,6 +122,7 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
     else:
         with phase("preparing the model", progress and not (model or graph.policy.model)):
             model_path, warm = prepare_model(graph, run_dir, model)
+    check_templates(graph, model_path)  # what its chat template cannot do: fail or fold now
     source = prep.resources.source if prep.resources else "the cluster you connected"
     with connect(prep.resources, client, progress) as c, \
             store_url(weights, run_dir) as weights_url:
@@ -135,12 +137,15 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
 
 
 def task_modules(graph: Graph) -> list[str]:
-    """``rollart`` and the modules defining each task's env and reward function."""
+    """``rollart`` and the modules defining each task's env and reward function, less
+    ``__main__`` and a graph file loaded from its path (``CONFIG_MODULE_PREFIX``): no
+    worker can import those by name, and what they define travels pickled by value."""
     mods = {"rollart"}
     for t in graph.tasks:
         for obj in (t.env_factory, t.reward_fn, getattr(t.reward_fn, "fn", None)):
             mod = getattr(obj, "__module__", None)
-            if isinstance(mod, str) and mod != "__main__":
+            if isinstance(mod, str) and mod != "__main__" and not mod.startswith(
+                    CONFIG_MODULE_PREFIX):
                 mods.add(mod)
     return sorted(mods)
 

@@ -16,6 +16,10 @@ a chat template, else ``raw``):
   prompt (``Task.system_prompt``, else ``Policy.system_prompt``), each observation a
   ``user`` message (a tool's result a ``tool`` message), each generation the
   ``assistant`` message; an env with ``tools`` has them rendered through ``tools=``.
+  A template without a system role gets the system prompt folded into the first user
+  turn; ``Task.tools_in_prompt`` writes the tools into the system prompt instead of
+  ``tools=`` (``rollart.env.template_support``, which also checks at start that the
+  template shows a task's tools).
 
 Token in, token out: the ids the policy generated are kept verbatim (never decoded and
 re-encoded). Each new message adds only the template's delta: the end of the assistant
@@ -48,6 +52,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from rollart.env import template_support as support
 from rollart.env.template_cache import TemplateCache
 
 logger = logging.getLogger(__name__)
@@ -134,15 +139,16 @@ class ConversationFormat:
 
     def __init__(self, tokenizer, conversation: str = "auto", *,
                  system_prompt: str | None = None, max_context: int = 2048,
-                 model_path: str | None = None, cache: bool = True):
+                 model_path: str | None = None, cache: bool = True, strict: bool = False):
         if conversation not in CONVERSATIONS:
             raise ValueError(f"conversation must be one of {CONVERSATIONS}, got "
                              f"{conversation!r}")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.max_context = int(max_context)
+        self.strict = strict  # no system role: raise (ChatTemplateError), not fold
         template = getattr(tokenizer, "chat_template", None)
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        self.name = name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         if conversation == "chat" and not template:
             raise ConversationError(
                 f"conversation='chat' but the tokenizer of {name!r} has no chat template: "
@@ -151,10 +157,13 @@ class ConversationFormat:
                 "= '...', then save_pretrained)")
         self.mode = "chat" if conversation == "chat" or (conversation == "auto" and
                                                          template) else "raw"
-        self.prefix_stable = True
+        self.prefix_stable = self.system_role = self.tools_rendered = True
         self.end_id: int | None = None  # the template's end-of-turn token (chat)
         eos = _eos_ids(tokenizer, model_path or getattr(tokenizer, "name_or_path", None))
         if self.mode == "chat":
+            self.system_role, self.tools_rendered = support.probe(self)
+            if system_prompt and not self.system_role and strict:
+                raise support.no_system_role(name, "Policy.system_prompt")
             self.end_id = self._probe_end_id()
             self.prefix_stable = self._probe_prefix_stable(name)
         # the opening prompt and each new message from cached template pieces (one small
@@ -171,7 +180,7 @@ class ConversationFormat:
     def start(self, log: TokenLog, task, observation: str, tools=None) -> "Conversation":
         """A conversation whose first prompt (system prompt + ``observation``) is in
         ``log``."""
-        system = getattr(task, "system_prompt", None) or self.system_prompt
+        system, tools = support.opening(self, task, tools)  # folded / tools in the prompt
         return Conversation(self, log, system, observation, tools)
 
     # -- chat template plumbing ----------------------------------------------------------
@@ -211,7 +220,8 @@ class ConversationFormat:
     def _probe_prefix_stable(self, name: str) -> bool:
         """Render a probe conversation prefix by prefix: is each render a prefix of the
         next? Warn once per template when not."""
-        msgs = ([{"role": "system", "content": "probe"}] if self.system_prompt else [])
+        msgs = ([{"role": "system", "content": "probe"}]
+                if self.system_prompt and self.system_role else [])
         turns = [{"role": "user", "content": "probe one"},
                  {"role": "assistant", "content": _PROBE_THINK},
                  {"role": "user", "content": "probe two"},
@@ -277,9 +287,12 @@ class Conversation:
         if fmt.mode == "raw":
             self._append(self._encode(observation))
             return
+        content = self._cap(observation)
+        if system and not fmt.system_role:  # e.g. Gemma's templates: fold it in
+            system, content = None, support.fold_system(system, content)
         if system:
             self.messages.append({"role": "system", "content": system})
-        self.messages.append({"role": "user", "content": self._cap(observation)})
+        self.messages.append({"role": "user", "content": content})
         cached = fmt.cache.prompt(system, self.messages[-1]["content"], self.tools) if (
             fmt.cache is not None) else None
         # the template's view of the conversation so far (None: not rendered, see _closing)

@@ -3,7 +3,8 @@
 A ``Task`` bundles an env factory, a reward function, turn/token limits, the random
 valid-action policy used for the supervised warm-up, how the assistant's text becomes the
 env's action (``parse_action``, ``stop`` strings, the ``system_prompt`` of a chat model,
-the ``invalid_penalty`` of a bad tool call: ``rollart.env.conversation``), and — only for
+the ``invalid_penalty`` of a bad tool call, ``tools_in_prompt`` for a template that does
+not render tools: ``rollart.env.conversation``), and — only for
 building the built-in word-level toy tokenizer — a vocabulary. ``BUILTIN_TASKS`` lists the built-in ones explicitly; ``get_task``
 resolves a name; ``task_corpus`` gives the tokenizer its words. Consumed by the env
 manager, the warm-up, and the CLI/config layer.
@@ -47,6 +48,10 @@ class Task:
     system_prompt: str | None = None  # chat: the system message (overrides the policy's)
     parse_action: Callable[[str], Any] = whole_text  # assistant text -> env action
     invalid_penalty: float = 0.1  # subtracted (as an env reward) per invalid tool call
+    # chat: the env's tool schemas written into the system prompt (one JSON schema per
+    # line, rollart.env.template_support.tools_prompt) instead of the template's tools=,
+    # for a chat template that does not render tools
+    tools_in_prompt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -83,6 +88,9 @@ class Task:
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise TypeError(f"Task {self.name!r}: system_prompt must be a str or None, got "
                             f"{type(self.system_prompt).__name__}")
+        if not isinstance(self.tools_in_prompt, bool):
+            raise TypeError(f"Task {self.name!r}: tools_in_prompt must be True or False, "
+                            f"got {self.tools_in_prompt!r}")
         pen = self.invalid_penalty
         if isinstance(pen, bool) or not isinstance(pen, (int, float)) or not pen >= 0:
             raise ValueError(f"Task {self.name!r}: invalid_penalty must be a number >= 0, "

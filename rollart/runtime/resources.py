@@ -206,9 +206,15 @@ def find_file(spec: str, folder: str, error: type[Exception]) -> Path:
     raise error(f"no {folder} file {spec!r}: give a path to a .py file or one of {known}")
 
 
+#: the name prefix of a config file loaded as a module (``load_module``): not importable
+#: by that name anywhere (not even here: it is not in ``sys.modules``), so what it
+#: defines travels pickled by value
+CONFIG_MODULE_PREFIX = "rollart_config_"
+
+
 def load_module(path: Path, error: type[Exception]):
     """Execute a config file as a module; any failure becomes ``error`` naming the file."""
-    spec = importlib.util.spec_from_file_location(f"rollart_config_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"{CONFIG_MODULE_PREFIX}{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

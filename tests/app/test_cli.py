@@ -173,3 +173,103 @@ def test_cluster_start_shows_progress(capsys):
     err = capsys.readouterr().err
     assert f"rollart: starting a local Dask cluster ({n} workers: H800×1" in err
     assert f"{n}/{n}" in err and "starting Dask workers" in err and ": done in " in err
+
+
+# a graph file whose env returns None from reset: the warm-up (on the trainer's worker)
+# stops with a WarmupEnvError, which reaches the CLI as one
+BAD_ENV_GRAPH = '''
+from rollart import GRPO, Graph, Policy, Rollout, Task
+from rollart.types import H800
+
+
+class NoneResetEnv:
+    def reset(self, seed):
+        return None
+
+    def step(self, action):
+        raise RuntimeError("never stepped")
+
+    def close(self):
+        pass
+
+
+def reward(episode):
+    return 0.0
+
+
+def action(rng, observation):
+    return "go"
+
+
+def words():
+    return ["go", "stop"]
+
+
+def graph():
+    task = Task(name="bad", env_factory=NoneResetEnv, reward_fn=reward, max_turns=2,
+                warmup_action=action, vocabulary=words)
+    return Graph(name="bad", tasks=(task,), steps=1,
+                 policy=Policy(warmup_steps=1, warmup_batch=2),
+                 algo=GRPO(group_size=2, groups_per_step=1),
+                 rollout=Rollout(inference_pools=(H800,)))
+'''
+
+IN_PROCESS = '''
+from dataclasses import replace
+
+from rollart.runtime.resources import load_resources
+
+
+def resources():
+    return replace(load_resources(), processes=False, dashboard_address=":0")
+'''
+
+
+def test_an_env_error_in_the_warm_up_is_one_line_and_exit_2(tmp_path, capsys):
+    """Raised on the trainer's worker (an in-process cluster: seconds), re-raised by Dask
+    as its own class: one line, status 2; the traceback only with ``--verbose``."""
+    graph, res = tmp_path / "bad_env.py", tmp_path / "inproc.py"
+    graph.write_text(BAD_ENV_GRAPH)
+    res.write_text(IN_PROCESS)
+    argv = ["train", str(graph), "--resources", str(res), "--eval-seeds", "0",
+            "--no-progress", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("rollart: error:")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "warm-up of task 'bad'" in lines[0] and "reset returned NoneType" in lines[0]
+    assert "Policy.warmup_steps=0" in lines[0]
+    assert main(["--verbose", *argv, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "WarmupEnvError: warm-up of task 'bad'" in err
+
+
+def test_verbose_shows_the_traceback_of_a_user_error(capsys):
+    assert main(["--verbose", "train", "graphs/nope.py"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "GraphError: no graphs file 'graphs/nope.py'" in err
+    assert main(["train", "graphs/nope.py", "--verbose"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_template_that_cannot_show_the_tools_ends_the_cli_cleanly(tmp_path, capsys):
+    """The start check runs before a cluster starts: one line, status 2."""
+    from rollart.testing import CHATML_SPECIALS, bpe_tokenizer, save_folder, tiny_qwen2
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = bpe_tokenizer(CHATML_SPECIALS, template, eos="<|im_end|>", pad="<|endoftext|>")
+    folder = save_folder(tmp_path / "model", tiny_qwen2(tok), tok)
+    graph = tmp_path / "calc_chat.py"
+    graph.write_text("from rollart import Graph, Policy\n"
+                     "from rollart.env.adapters.tool import calc_tool_task\n"
+                     "def graph():\n"
+                     "    return Graph(name='c', tasks=(calc_tool_task(tool_format='hermes'),),"
+                     " policy=Policy(conversation='chat'))\n")
+    argv = ["train", str(graph), "--model", folder, "--run-dir", str(tmp_path / "run"),
+            "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("rollart: error: task 'calc' declares")
+    assert "tools_in_prompt=True" in err

@@ -107,7 +107,7 @@ def _has_modules(names):
 
 @pytest.mark.slow
 def test_preload_imports_rollart_and_the_task_modules_on_every_worker(dask_processes,
-                                                                      caplog):
+                                                                      caplog, tmp_path):
     """The first reward task must not pay ``import rollart`` (seconds) inside step 1."""
     import dataclasses
 
@@ -130,6 +130,46 @@ def test_preload_imports_rollart_and_the_task_modules_on_every_worker(dask_proce
     with caplog.at_level("WARNING", logger="rollart.control.loop"):
         preload(c, Graph(name="preload-broken", tasks=(broken,)))
     assert "no_such_module_for_preload" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollart.control.loop"):  # a graph file's module
+        preload(c, _file_graph(tmp_path))
+    assert not caplog.text  # was: "rollart_config_file_graph: ModuleNotFoundError", twice
+
+
+FILE_GRAPH = """
+import dataclasses
+
+from rollart import Graph
+from rollart.env.tasks import get_task
+
+
+def file_reward(episode):
+    return 0.0
+
+
+def graph():
+    task = dataclasses.replace(get_task("gridnav"), reward_fn=file_reward)
+    return Graph(name="file", tasks=(task,))
+"""
+
+
+def _file_graph(tmp_path):
+    from rollart.config.graph import load_graph
+
+    (tmp_path / "file_graph.py").write_text(FILE_GRAPH)
+    return load_graph(str(tmp_path / "file_graph.py"))[0]
+
+
+def test_task_modules_leave_out_a_graph_file_loaded_from_its_path(tmp_path):
+    """No worker can import ``rollart_config_<name>``; its functions travel by value."""
+    import cloudpickle
+
+    from rollart.control.loop import task_modules
+
+    g = _file_graph(tmp_path)
+    assert g.tasks[0].reward_fn.__module__ == "rollart_config_file_graph"
+    assert task_modules(g) == ["rollart", "rollart.env.builtin.gridnav"]
+    assert b"file_reward" in cloudpickle.dumps(g.tasks[0].reward_fn)  # by value
 
 
 class _Unimportable:

@@ -2,6 +2,7 @@
 cluster starts; ``report`` redraws a run's reward curve."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,20 @@ def test_bad_input_is_one_clear_line(argv, needle, capsys):
     err = capsys.readouterr().err
     assert err.startswith("rollart: error:") and needle in err
 
+
+
+@pytest.fixture(autouse=True)
+def _dask_logging_restored():
+    """``main`` runs ``quiet``, which sets ``DASK_LOGGING__DISTRIBUTED`` in this process
+    (``info`` with ``--verbose``): put it back after each test, or later tests' worker
+    processes and notebook kernels inherit Dask's INFO logs (tests/app/test_notebooks.py
+    failed on them after the --verbose tests ran)."""
+    saved = os.environ.get("DASK_LOGGING__DISTRIBUTED")
+    yield
+    if saved is None:
+        os.environ.pop("DASK_LOGGING__DISTRIBUTED", None)
+    else:
+        os.environ["DASK_LOGGING__DISTRIBUTED"] = saved
 
 def test_graph_module_without_graph(tmp_path, capsys):
     f = tmp_path / "empty.py"

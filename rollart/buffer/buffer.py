@@ -68,6 +68,7 @@ class SampleBuffer:
         self.journal = Journal(self.run_dir, self.store)
         self._cond: asyncio.Condition | None = None
         self._waiters = 0
+        self.ended = False  # the run's end was called (orphan_all_in_flight): no launches
         self.recovered: dict | None = self._recover() if recover else None  # what it found
 
     # -- wiring -------------------------------------------------------------------------
@@ -243,7 +244,12 @@ class SampleBuffer:
 
     async def launched(self, traj_ids: list[str]) -> None:
         """Record trajectories an env manager has started (durably, before this returns:
-        one write per call, and managers launch a group's members in one call)."""
+        one write per call, and managers launch a group's members in one call). Refused
+        once the run ended (``orphan_all_in_flight``): a launch then could never settle
+        and would be left in flight in the final counts."""
+        if self.ended:
+            raise RuntimeError(f"the run has ended: the sample buffer takes no new "
+                               f"trajectories ({', '.join(traj_ids[:3])}…)")
         for t in traj_ids:
             self.ledger.launch(t)
         await self.store.wait(self._entry())
@@ -274,7 +280,11 @@ class SampleBuffer:
     async def orphan_all_in_flight(self, error: str = "lost with its worker") -> int:
         """End of run, after every live env manager settled its members: whatever the
         ledger still has in flight ran on a manager that was lost; those become
-        ``failed`` (counted in ``orphaned``). Returns how many."""
+        ``failed`` (counted in ``orphaned``). Returns how many. From here on no
+        trajectory is launched (``launched`` refuses): an env manager still running on a
+        lost worker's remains (an in-process worker closed under it) would otherwise add
+        one in flight while this call waits for its journal entry."""
+        self.ended = True
         lost = self.ledger.in_flight()
         await self._orphan_durably(lost, "%d trajectories were still in flight on lost "
                                    "workers (%s)", len(lost), error)

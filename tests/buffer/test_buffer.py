@@ -120,6 +120,26 @@ def test_buffer_in_process_memory_url():
     assert len(fsspec.filesystem("memory").glob(f"{run[9:]}/samples/*.parquet")) >= 2
 
 
+def test_no_launch_after_the_run_ended():
+    """The end of a run (``orphan_all_in_flight``) fails what is still in flight and
+    takes no new launch: one from an env manager left running on a lost worker's
+    remains would otherwise stay in flight in the final counts (seen once under the
+    full suite's load in tests/faults/test_modes_recovery.py[areal])."""
+
+    async def scenario():
+        buf = SampleBuffer(None)
+        await buf.launched(["a-0", "a-1"])
+        await buf.put(make("a", 0, 0), 2)
+        assert await buf.orphan_all_in_flight() == 1  # a-1
+        with pytest.raises(RuntimeError, match="the run has ended"):
+            await buf.launched(["b-0"])
+        c = await buf.counts()
+        assert (c["launched"], c["in_flight"], c["failed"], c["orphaned"]) == (2, 0, 1, 1)
+        await buf.close()
+
+    asyncio.run(scenario())
+
+
 def test_taken_until_confirmed_release_and_stale_confirmations():
     from rollart.buffer.buffer import TAKE_KEY
 

@@ -234,8 +234,10 @@ def trainer_killer(cluster, client, run_dir: Path, after_step: int, kills: list,
 def _took(step: int, dask_worker=None) -> bool:
     """On a worker (``client.run``): does an actor there (the buffer) hold a batch
     ``taken`` for trainer step ``step``?"""
-    return any(step in (getattr(a, "_taken", None) or {})
-               for a in dask_worker.state.actors.values())
+    from rollart.buffer import SampleBuffer
+
+    return any(step in a.taken for a in dask_worker.state.actors.values()
+               if isinstance(a, SampleBuffer))
 
 
 def should_stop(steps_done: int, steps: int, replaced: int, needed: int, killing: bool,

@@ -17,7 +17,7 @@ from rollart.env.tasks import Task
 from rollart.env.template_support import TOOLS_HEADER, ChatTemplateError, check_templates
 from rollart.testing import (ADD_TOOL, CHATML, CHATML_SPECIALS, bpe_tokenizer, save_folder,
                              tiny_qwen2)
-from rollart.types import StepResult
+from test_conversation import AddEnv  # the same tool env (tests/env/)
 
 GEMMA_SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -67,24 +67,6 @@ def enc(tok, text):
 def full_render(tok, messages, tools=None):
     kwargs = {"tools": tools} if tools else {}
     return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)["input_ids"]
-
-
-class AddEnv:
-    """Asks a sum; offers an ``add`` tool; the final answer goes to ``step``."""
-
-    tools = [ADD_TOOL]
-
-    def reset(self, seed):
-        return Q_ADD
-
-    def call_tool(self, name, arguments):
-        return str(arguments["a"] + arguments["b"])
-
-    def step(self, action):
-        return StepResult("done .", 0.0, True, {"success": action == "5"})
-
-    def close(self):
-        pass
 
 
 def tool_reward(episode):

@@ -76,6 +76,18 @@ def task(**kw):
     return Task(name="t", env_factory=GuessEnv, reward_fn=success_reward, max_turns=3, **kw)
 
 
+def assert_generated_masked(log, gens) -> list[int]:
+    """The generated ids (``gens``: ``[(start, ids)]``) stand verbatim in ``log`` and the
+    loss mask covers exactly them; returns the mask over the whole log."""
+    mask = [0] * len(log.prompt_ids) + log.loss_mask
+    expected = [0] * len(log)
+    for start, ids in gens:
+        assert log.ids[start:start + len(ids)] == ids  # kept verbatim
+        expected[start:start + len(ids)] = [1] * len(ids)
+    assert mask == expected
+    return mask
+
+
 def play(fmt, tok, observations, answers, end_id, system_task=None):
     """A conversation: observation, answer (generated as its ids + end id), ... ."""
     log = TokenLog()
@@ -120,12 +132,7 @@ def test_incremental_ids_equal_the_full_render_where_prefix_stable(request, capl
         assert conv2.log.ids == full_render(tok, messages2)
     # the loss mask covers exactly the generated ids, their end token included
     log = conv.log
-    mask = [0] * len(log.prompt_ids) + log.loss_mask
-    expected = [0] * len(log)
-    for start, ids in gens:
-        assert log.ids[start:start + len(ids)] == ids  # kept verbatim
-        expected[start:start + len(ids)] = [1] * len(ids)
-    assert mask == expected
+    mask = assert_generated_masked(log, gens)
     assert sum(mask) == sum(len(a) for _, a in gens)
 
 

@@ -17,7 +17,7 @@ from rollart.env.tasks import Task
 from rollart.env.template_support import TOOLS_HEADER, ChatTemplateError, check_templates
 from rollart.testing import (ADD_TOOL, CHATML, CHATML_SPECIALS, bpe_tokenizer, save_folder,
                              tiny_qwen2)
-from test_conversation import AddEnv  # the same tool env (tests/env/)
+from test_conversation import AddEnv, assert_generated_masked  # tests/env/
 
 GEMMA_SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -132,12 +132,7 @@ def test_a_template_without_a_system_role_gets_the_prompt_folded_exactly(gemma, 
     assert log.ids == full_render(gemma, messages)  # the whole conversation re-renders
     assert gemma.decode(log.prompt_ids) == (f"<bos><start_of_turn>user\n{SYSTEM}\n\n"
                                             f"{obs[0]}<end_of_turn>\n<start_of_turn>model\n")
-    mask = [0] * len(log.prompt_ids) + log.loss_mask
-    expected = [0] * len(log)
-    for start, ids in gens:
-        assert log.ids[start:start + len(ids)] == ids  # kept verbatim
-        expected[start:start + len(ids)] = [1] * len(ids)
-    assert mask == expected
+    assert_generated_masked(log, gens)
 
 
 def test_a_cut_generation_under_a_folded_prompt_is_closed_by_the_template(gemma):

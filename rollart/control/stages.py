@@ -44,7 +44,7 @@ from rollart.policy.affinity import env_pools, env_tag, inference_tags, task_rou
 from rollart.runtime.resources import cluster_tags
 from rollart.types import BUFFER, REWARD, TRAIN
 from rollart.runtime.lost import gone, is_lost
-from rollart.runtime.waits import StuckError, Waits, bounded
+from rollart.runtime.waits import StuckError, Waits, bounded, stuck
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +253,35 @@ class Actors:
 
 
 @dataclass
+class _Start:
+    """An actor submitted by ``Stages.reconcile`` and not yet taken up."""
+
+    fut: object
+    t0: float
+
+
+def _stuck_start(client, start: _Start, what: str, seconds: float) -> StuckError:
+    """``StuckError`` for an actor start past its bound, with the scheduler's state of
+    its task (``no-worker``: no live worker may run it; ``processing``: its constructor
+    runs or hangs on that worker) so the message says where to look."""
+    key = start.fut.key
+
+    def state(dask_scheduler=None):
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None:
+            return "unknown to the scheduler"
+        on = ts.processing_on
+        return ts.state + (f" on {on.address}" if on is not None else "")
+
+    try:
+        known = client.run_on_scheduler(state)
+    except Exception as e:  # noqa: BLE001 - the message is what matters here
+        known = f"unknown ({e!r})"
+    start.fut.cancel()
+    return stuck(f"{what} (its task {key!r} is {known})", seconds, "start")
+
+
+@dataclass
 class Reconciled:
     """What one ``reconcile`` did: ``removed`` lost actors and ``made`` new ones, each
     ``(role, tag, address)``; ``missing``: roles with no worker to go on yet."""
@@ -281,6 +310,7 @@ class Stages:
         # actor keys are unique per start: a resumed run in the same cluster gets new ones
         self.run = f"{self.run_dir.name}-{time.time_ns() % 10**9:09d}"
         self.futures: list = []  # every actor's future: its key stays wanted by us
+        self._starting: dict[tuple[str, str], _Start] = {}  # (role, addr) -> not taken up
         self._n = 0
 
     def spec(self, role: str, tag: str | None = None) -> RoleSpec:
@@ -419,28 +449,61 @@ class Stages:
 
     def _fill(self, actors: Actors, role: str, live, out: Reconciled) -> None:
         """One actor of ``role`` per live worker carrying each of its specs' tags (as
-        ``rollart.runtime.handles.Handle`` s, like every actor placed here)."""
+        ``rollart.runtime.handles.Handle`` s, like every actor placed here).
+
+        A new actor is submitted here and taken up by a later reconcile once built: the
+        run goes on meanwhile (the other workers serve; the supervisor heals every
+        ``check_every`` s), instead of stalling the step for a constructor that loads a
+        model. A start whose worker leaves first is dropped (the next worker gets its
+        own); one that has not started within ``waits.start`` is a ``StuckError`` that
+        says what the scheduler knows of its task."""
         from rollart.runtime.handles import handle
 
+        for key in [k for k in self._starting if k[0] == role and k[1] not in live]:
+            fut = self._starting.pop(key).fut
+            logger.info("dropped the start of a %s actor on %s: its worker left", role, key[1])
+            fut.cancel()
         for spec in (s for s in self.specs if s.role == role):
             have = {addr for _, _, addr in actors.of(role, spec.tag)}
             for addr in _with_tag(live, spec.tag):
                 if addr in have or (role == "env" and not actors.workers):
                     continue
-                self._n += 1
-                fut = self.submit(spec, addr, actors, suffix=f"-r{self._n}")
-                actor = handle(bounded(fut, self.waits.start, f"the new "
-                                       f"{spec.cls.__name__} on {addr} ({spec.tag}) did "
-                                       "not start", "start"))
+                where = f"{addr} ({spec.tag})"
+                start = self._starting.get((role, addr))
+                if start is None:
+                    self._n += 1
+                    fut = self.submit(spec, addr, actors, suffix=f"-r{self._n}")
+                    self._starting[(role, addr)] = _Start(fut, time.monotonic())
+                    continue
+                if not start.fut.done():
+                    if time.monotonic() - start.t0 > self.waits.start:
+                        del self._starting[(role, addr)]
+                        raise _stuck_start(self.client, start, f"the new "
+                                           f"{spec.cls.__name__} on {where} did not start",
+                                           self.waits.start)
+                    continue
+                del self._starting[(role, addr)]
+                try:
+                    actor = handle(start.fut.result())
+                except Exception as e:  # noqa: BLE001 - its worker was lost: next time
+                    if not is_lost(e):
+                        raise
+                    logger.info("the new %s on %s was lost as it started: %s",
+                                spec.cls.__name__, where, e)
+                    continue
                 if role == "inference":  # the newest published weights before it serves
                     from rollart.weights import WeightStore
 
-                    catch_up([(actor, f"{addr} ({spec.tag})")],
-                             WeightStore(self.store_url).latest(), self.waits, "new ")
+                    catch_up([(actor, where)], WeightStore(self.store_url).latest(),
+                             self.waits, "new ")
                 if role == "env":
-                    self._hand_buffer(actor, actors, f"{addr} ({spec.tag})")
+                    self._hand_buffer(actor, actors, where)
                 actors.add(role, actor, spec.tag, addr)
                 out.made.append((role, spec.tag, addr))
+
+    def starting(self) -> list[tuple[str, str]]:
+        """``[(role, address)]`` of the actors submitted and not yet taken up."""
+        return sorted(self._starting)
 
     def _announce(self, actors: Actors, out: Reconciled) -> None:
         """Hand new inference workers / a new buffer to the managers that survived."""

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded",
-           "result_unless", "wait_result"]
+           "result_unless", "stuck", "wait_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Bounded:
         try:
             return self.fut.result(timeout=max(self.end - time.monotonic(), 0.01))
         except TimeoutError:
-            raise _stuck(self.what, self.seconds, self.setting) from None
+            raise stuck(self.what, self.seconds, self.setting) from None
 
 
 def bounded(fut, seconds: float, what: str, setting: str = "call", wait=None):
@@ -100,10 +100,12 @@ def bounded(fut, seconds: float, what: str, setting: str = "call", wait=None):
     try:
         return fut.result(timeout=seconds) if wait is None else wait(fut, seconds)
     except TimeoutError:
-        raise _stuck(what, seconds, setting) from None
+        raise stuck(what, seconds, setting) from None
 
 
-def _stuck(what: str, seconds: float, setting: str) -> StuckError:
+def stuck(what: str, seconds: float, setting: str) -> StuckError:
+    """The ``StuckError`` for ``what`` past its ``seconds`` bound (``Waits.<setting>``),
+    saying how to raise it."""
     env = f"DASK_ROLLART__WAITS__{setting.upper().replace('-', '_')}"
     return StuckError(
         f"{what} within {seconds:g} s; see that worker's log (its `dask worker` output, "

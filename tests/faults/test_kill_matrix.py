@@ -90,6 +90,16 @@ class HandStarted:
         pid = client.run(os.getpid, workers=[addr])[addr]
         os.kill(pid, signal.SIGKILL)
 
+    def tails(self, lines: int = 40) -> str:
+        """The last ``lines`` of the scheduler's and each worker's log (printed when a cell
+        fails: pytest shows a failed test's stdout)."""
+        out = []
+        for f in self.logs:
+            f.flush()
+            text = open(f.name, errors="replace").read().splitlines()[-lines:]
+            out.append(f"----- {f.name}\n" + "\n".join(text))
+        return "\n".join(out)
+
     def close(self) -> None:
         """SIGKILL each process group (a Nanny and its worker; the scheduler): a graceful
         stop is not under test here, and one waits out each worker's Nanny (seconds)."""
@@ -188,8 +198,13 @@ def test_sigkill_of_one_worker_process(layout, tag, roles, layouts, tiny_model, 
     t = threading.Thread(target=_kill_after_step, daemon=True,
                          args=(layouts, run_dir, 1, tag, killed))
     t.start()
-    result = train(_graph(f"t-kill-{layout}-{tag}"), client=client, run_dir=run_dir,
-                   progress=False, eval_seeds=0, model=tiny_model)
+    try:
+        result = train(_graph(f"t-kill-{layout}-{tag}"), client=client, run_dir=run_dir,
+                       progress=False, eval_seeds=0, model=tiny_model)
+    except BaseException:  # a time-out too: what the cluster's processes said
+        if isinstance(layouts.cluster, HandStarted):
+            print(layouts.cluster.tails())
+        raise
     t.join(5)
     assert killed, f"the {tag} worker was not killed"
     assert [r["step"] for r in result.metrics] == [1, 2, 3]

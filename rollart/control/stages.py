@@ -420,7 +420,10 @@ class Stages:
         if "inference" in roles:
             self._fill(actors, "inference", live, out)
         self._announce(actors, out)
-        if "env" in roles and ("buffer", BUFFER) not in out.missing:
+        # a new manager's proxy routes to the inference workers of now: not while one
+        # is still starting (a task's decode pool may be the one coming back)
+        if "env" in roles and ("buffer", BUFFER) not in out.missing and \
+                not any(role == "inference" for role, _ in self._starting):
             self._fill(actors, "env", live, out)
         return out
 

@@ -22,6 +22,14 @@ the protocol points:
   ``stop`` needs detokenizing): a hit aborts the request inside vLLM and it ends with
   ``finish_reason="stop"``, the tokens that completed the string kept.
 
+* **LoRA** (``lora=``, peft's options, ``Policy.lora``): vLLM's own LoRA support. An
+  update holding adapter tensors (peft names, ``...lora_A.weight`` / ``...lora_B.weight``)
+  is written as a peft adapter folder in a temp dir the engine owns and registered under
+  a new ``LoRARequest`` id; from the swap on every (re-)added request carries it and the
+  previous adapter leaves vLLM (``remove_lora``). Full weights in the same update are the
+  new base; full weights alone reload the base and keep the current adapter on it.
+  Before the first adapter, requests run on the base.
+
 Differences from ``TorchEngine``: seeded sampling uses vLLM's RNG (same seed, same
 tokens within vLLM, not the torch engine's); with ``top_p < 1`` the log-prob is taken
 over the renormalised nucleus (vLLM's processed log-probs), with ``top_p = 1`` (the RL
@@ -32,8 +40,12 @@ defaults are float32, eager mode and a 1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE`
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -50,6 +62,38 @@ def _set_env_defaults() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # host owns threads
+
+
+#: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``).
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_adapter_key(name: str) -> bool:
+    """A peft adapter tensor's name (``...q_proj.lora_A.weight``), not a model weight."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _check_lora(lora: dict | None) -> dict | None:
+    """The engine's ``lora`` option, checked; ``None`` stays ``None``."""
+    if lora is None:
+        return None
+    missing = sorted({"r", "lora_alpha", "target_modules"} - set(lora))
+    if missing:
+        raise ValueError(f"lora option misses {missing}: pass peft's LoRA options, e.g. "
+                         "rollart.LoRA(rank=16).peft_options()")
+    r = lora["r"]
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= _VLLM_RANKS[-1]:
+        raise ValueError(f"lora r must be an int in [1, {_VLLM_RANKS[-1]}] (vLLM's largest "
+                         f"max_lora_rank), got {r!r}")
+    targets = lora["target_modules"]
+    if not (targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets)):
+        raise ValueError(f"lora target_modules must be 'all-linear' or a list of module-name "
+                         f"suffixes such as ['q_proj', 'v_proj'], got {targets!r}")
+    return {"r": r, "lora_alpha": float(lora["lora_alpha"]),
+            "lora_dropout": float(lora.get("lora_dropout", 0.0)),
+            "target_modules": targets if isinstance(targets, str) else list(targets),
+            "use_rslora": bool(lora.get("use_rslora", False))}
 
 
 def _refresh_tied_head(worker) -> bool:
@@ -70,14 +114,18 @@ def _refresh_tied_head(worker) -> bool:
 class VLLMEngine(StagedUpdates):
     """vLLM generation with the ``TorchEngine`` interface (see the module docstring).
 
+    ``lora``: peft's LoRA options (``r``, ``lora_alpha``, ``target_modules``,
+    ``use_rslora``; ``lora_dropout`` is ignored), or ``None`` for full weights only.
     ``engine_kwargs`` go to ``vllm.EngineArgs`` (e.g. ``block_size``,
-    ``gpu_memory_utilization``, ``tensor_parallel_size``).
+    ``gpu_memory_utilization``, ``tensor_parallel_size``, ``max_loras``).
     """
 
     def __init__(self, model_path: str, *, version: int = 0, max_batch: int = 64,
                  dtype: str | None = None, step_callback: Callable[[int], None] | None = None,
-                 on_update: UpdateHook | None = None, **engine_kwargs):
+                 on_update: UpdateHook | None = None, lora: dict | None = None,
+                 **engine_kwargs):
         check_model_folder(model_path)
+        self.lora = _check_lora(lora)
         _set_env_defaults()
         from transformers import AutoConfig
         from vllm import EngineArgs
@@ -98,6 +146,9 @@ class VLLMEngine(StagedUpdates):
                     enforce_eager=cpu, enable_prefix_caching=True,
                     logprobs_mode="processed_logprobs", max_num_seqs=self.max_batch,
                     max_model_len=self.max_positions, skip_tokenizer_init=True, seed=0)
+        if self.lora is not None:  # one adapter live at a time, the previous one cached
+            rank = min(r for r in _VLLM_RANKS if r >= self.lora["r"])
+            args.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)
         args.update(engine_kwargs)
         self.llm = LLMEngine.from_engine_args(EngineArgs(**args))
         # vLLM sizes CPU attention metadata by the OpenMP thread count it set on this
@@ -107,6 +158,13 @@ class VLLMEngine(StagedUpdates):
         self._ids = itertools.count()
         self._aborted: set[int] = set()  # id() of requests asked to stop
         self._weights: dict[str, torch.Tensor] | None = None  # last loaded (None: folder)
+        self._lora_ids = itertools.count(1)
+        self._lora_request = None  # the adapter the requests carry (None: the base)
+        self.adapter: dict[str, torch.Tensor] | None = None  # its tensors, peft names
+        self._lora_dir = None
+        if self.lora is not None:
+            self._lora_dir = tempfile.mkdtemp(prefix="rollart-lora-")
+            weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
         self.tokens_generated = 0
         self.requests = 0
         self.batches = 0
@@ -237,7 +295,8 @@ class VLLMEngine(StagedUpdates):
             self._aborted.add(id(req))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The HF-named weights last loaded (the model folder's until an update)."""
+        """The HF-named weights last loaded (the model folder's until an update); with
+        LoRA, the base (the adapter's tensors: ``adapter``)."""
         if self._weights is None:
             from safetensors.torch import load_file
 
@@ -250,27 +309,91 @@ class VLLMEngine(StagedUpdates):
 
     # -- weights -------------------------------------------------------------------------
     def _stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Check names and shapes against the folder (a tied head dropped); CPU copies."""
-        sd = check_state_dict(state_dict, self._shapes, tied=self.tied)
+        """Check names and shapes against the folder (a tied head dropped) and, for adapter
+        tensors, against the ``lora`` option; CPU copies. Full weights, when any, must be
+        all of them."""
+        adapter = {k: v for k, v in state_dict.items() if is_adapter_key(k)}
+        full = {k: v for k, v in state_dict.items() if not is_adapter_key(k)}
+        sd = check_state_dict(full, self._shapes, tied=self.tied) if full or not adapter else {}
+        if adapter:
+            sd.update(self._check_adapter(adapter))
         return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
+    def _check_adapter(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Raise ``ValueError`` naming adapter tensors that do not fit the model or ``lora``."""
+        if self.lora is None:
+            raise ValueError(f"update has LoRA adapter tensors ({sorted(adapter)[:2]}, ...) "
+                             "but this engine runs without LoRA: build it with lora= "
+                             "(Policy.lora), or publish merged full weights")
+        r, bad = self.lora["r"], []
+        for key, v in adapter.items():
+            path, _, part = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+            out_in = self._shapes.get(path + ".weight", ())
+            want = "no such layer"
+            if key.startswith(_PEFT_PREFIX) and len(out_in) == 2:
+                want = {"A.weight": (r, out_in[1]), "B.weight": (out_in[0], r)}.get(part)
+            if tuple(v.shape) != want:
+                bad.append(f"{key} {tuple(v.shape)} (expected {want})")
+            twin = f"{_PEFT_PREFIX}{path}.lora_{'B' if part.startswith('A') else 'A'}.weight"
+            if twin not in adapter:
+                bad.append(f"{key} without {twin}")
+        if bad:
+            raise ValueError(f"adapter tensors do not fit the model with r={r}: {bad[:3]}")
+        return adapter
+
     def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
-        """In-place reload inside vLLM (no restart), then drop KV cached under old weights.
+        """In-place reload inside vLLM (no restart) and/or a new adapter, then drop KV
+        cached under old weights.
 
         Runs on the engine's thread count, set up before vLLM is called (see
         ``_own_threads``); a caller's own thread keeps its count afterwards."""
+        adapter = {k: v for k, v in sd.items() if is_adapter_key(k)}
+        full = {k: v for k, v in sd.items() if not is_adapter_key(k)}
         before = self._own_threads()
         try:
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": list(sd.items())})
-            if self.tied:
-                self.llm.collective_rpc(_refresh_tied_head)
+            if full:
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": list(full.items())})
+                if self.tied:
+                    self.llm.collective_rpc(_refresh_tied_head)
+                self._weights = full
+                if self._lora_request is not None and not adapter:
+                    # vLLM drops its adapters with the old base: load the current one again
+                    self.llm.add_lora(self._lora_request)
+            if adapter:
+                self._set_adapter(adapter, int(version))
             self.llm.reset_prefix_cache()
         finally:
             if before != self._threads:
                 torch.set_num_threads(before)
-        self._weights = sd
         self.version = int(version)
+
+    def _set_adapter(self, adapter: dict[str, torch.Tensor], version: int) -> None:
+        """Write ``adapter`` as a peft folder, load it into vLLM under a new id, drop the
+        previous one; the two newest folders stay on disk (vLLM reloads from them)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._lora_ids)
+        folder = os.path.join(self._lora_dir, f"{lora_id:06d}-v{version}")
+        os.makedirs(folder)
+        config = dict(self.lora, peft_type="LORA", task_type="CAUSAL_LM", bias="none",
+                      base_model_name_or_path=self.model_path, inference_mode=True)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        save_file(adapter, os.path.join(folder, "adapter_model.safetensors"))
+        request = LoRARequest(f"rollart-{lora_id}-v{version}", lora_id, folder)
+        try:
+            if not self.llm.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter of version {version}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._lora_request, self.adapter = self._lora_request, request, adapter
+        if previous is not None:
+            self.llm.remove_lora(previous.lora_int_id)
+        for old in sorted(os.listdir(self._lora_dir))[:-2]:
+            shutil.rmtree(os.path.join(self._lora_dir, old), ignore_errors=True)
 
     def _own_threads(self) -> int:
         """Give the calling thread the engine's OpenMP thread count; return its own.
@@ -302,7 +425,8 @@ class VLLMEngine(StagedUpdates):
             stop_token_ids=[int(t) for t in req.stop_ids], ignore_eos=True, logprobs=0,
             seed=None if req.seed is None else int(req.seed) + done, detokenize=False,
             output_kind=RequestOutputKind.DELTA)
-        self.llm.add_request(rid, {"prompt_token_ids": [int(t) for t in context]}, params)
+        self.llm.add_request(rid, {"prompt_token_ids": [int(t) for t in context]}, params,
+                             lora_request=self._lora_request)
         return rid
 
     def _drop_aborted(self, rows: dict, deliver) -> None:

@@ -184,6 +184,9 @@ def test_bad_update_is_refused_before_it_reaches_vllm(engines):
         eng.request_update({"model.norm.weight": torch.ones(64)}, 99)
     with pytest.raises(ValueError, match="shapes"):
         eng.load_state_dict({k: v[..., :1] for k, v in ref.state_dict().items()}, 99)
+    with pytest.raises(ValueError, match="without LoRA"):  # an adapter needs lora=
+        eng.request_update({f"base_model.model.model.layers.0.self_attn.q_proj.lora_{p}"
+                            ".weight": torch.zeros(8, 64) for p in "AB"}, 99)
     assert eng.pending_version is None and eng.version < 99
     assert len(eng.generate(greedy(2))[0].token_ids) == 2  # still serving
 
@@ -282,3 +285,167 @@ def test_chat_conversation_with_a_tool_call_matches_the_torch_engine(chat_dir):
     ours = eng.generate(reqs)
     assert_same(ours, ref.generate(reqs))
     assert {r.finish_reason for r in ours} <= {"stop", "length"}
+
+
+# -- LoRA: vLLM's adapters against peft's on the Hugging Face model --------------------------
+# (after the tests of `engines`: one in-process vLLM engine at a time)
+
+LORA = {"r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "target_modules": "all-linear",
+        "use_rslora": True}  # scaling 16 / sqrt(8), not 16 / 8: the option must reach vLLM
+
+
+def peft_model(path, base: dict | None = None):
+    """The folder's model (``base`` loaded over it) wrapped by peft with ``LORA``."""
+    from peft import LoraConfig, get_peft_model
+
+    from rollart.model import load_model
+
+    model = load_model(path)
+    if base is not None:
+        model.load_state_dict(base, strict=False)
+    return get_peft_model(model, LoraConfig(**LORA)).eval()
+
+
+def new_adapter(model, seed: int) -> dict:
+    """Random non-zero lora_A and lora_B put into the peft ``model``; its adapter state
+    dict, under the names the trainer publishes."""
+    from peft import get_peft_model_state_dict
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def teacher_forced(model, req, res, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s log-probs of ``res``'s tokens after ``req``'s prompt, and its greedy
+    choices, from token ``start`` on (greedy: the log-prob under temperature 1)."""
+    n = len(req.prompt_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([req.prompt_ids + res.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits[n - 1: -1], dim=-1)[start:]
+    tokens = torch.tensor(res.token_ids[start:])
+    return logp[torch.arange(len(tokens)), tokens], logp.argmax(-1)
+
+
+def assert_generated_by(model, reqs, results, start: int = 0):
+    """Each result's tokens from ``start`` on are ``model``'s greedy ones, with its
+    log-probs."""
+    for req, res in zip(reqs, results):
+        expected, choice = teacher_forced(model, req, res, start)
+        assert res.token_ids[start:] == choice.tolist()
+        assert torch.allclose(torch.tensor(res.logprobs[start:]), expected, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lora_engine(vllm_model_dir):
+    import gc
+
+    gc.collect()  # the earlier tests' vLLM engines
+    eng = VLLMEngine(vllm_model_dir, max_batch=8, block_size=32, lora=LORA)
+    yield eng
+    eng.step_callback = None
+    del eng.llm
+
+
+def test_lora_logprobs_equal_the_peft_models(lora_engine, vllm_model_dir):
+    """Before any adapter the base generates; after one, the peft model's greedy tokens
+    and log-probs, unlike the base's."""
+    eng = lora_engine
+    model = peft_model(vllm_model_dir)
+    adapter = new_adapter(model, 1)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
+    base = eng.generate(greedy())
+    with model.disable_adapter():
+        assert_generated_by(model, greedy(), base)
+    eng.load_state_dict(adapter, version=1)
+    ours = eng.generate(greedy())
+    assert_generated_by(model, greedy(), ours)
+    assert all(r.versions == [1] * 8 for r in ours)
+    for b, r in zip(base, ours):
+        assert b.logprobs[0] != pytest.approx(r.logprobs[0], abs=1e-3)
+    assert len({tuple(r.token_ids) for r in ours} - {tuple(r.token_ids) for r in base}) > 1
+
+
+def test_lora_adapter_swapped_mid_batch(lora_engine, vllm_model_dir):
+    """A new adapter staged at step 3: the first 3 tokens are the old adapter's (old
+    version), the rest the new adapter's over the re-prefilled context (new version)."""
+    eng = lora_engine
+    old, new = peft_model(vllm_model_dir), peft_model(vllm_model_dir)
+    eng.load_state_dict(new_adapter(old, 2), version=10)
+    update = new_adapter(new, 3)
+    eng.step_callback = (lambda n: eng.request_update(update, 11) if n == 3 else None)
+    suspends = eng.suspends
+    try:
+        out = eng.generate(greedy(10))
+    finally:
+        eng.step_callback = None
+    assert all(r.versions == [10] * 3 + [11] * 7 for r in out)
+    assert eng.suspends == suspends + 1 and eng.version == 11
+    reqs = greedy(10)
+    for req, res in zip(reqs, out):
+        expected, choice = teacher_forced(old, req, res)
+        assert res.token_ids[:3] == choice[:3].tolist()
+        assert torch.allclose(torch.tensor(res.logprobs[:3]), expected[:3], atol=1e-4)
+        assert not torch.allclose(torch.tensor(res.logprobs[3:]), expected[3:], atol=1e-3)
+    assert_generated_by(new, reqs, out, start=3)
+
+
+def test_lora_full_weights_reload_the_base_under_the_current_adapter(lora_engine, vllm_model_dir):
+    """Full weights alone: the new base with the adapter still on it; full weights and an
+    adapter together: that base with that adapter."""
+    import os
+
+    eng = lora_engine
+    current = {k: v.clone() for k, v in eng.adapter.items()}
+    base = scrambled(eng.state_dict(), 31)
+    model = peft_model(vllm_model_dir, base)
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(model, current)
+    v = eng.version
+    eng.load_state_dict(base, version=v + 1)
+    ours = eng.generate(greedy())
+    assert_generated_by(model, greedy(), ours)
+    base2 = scrambled(base, 37)
+    model2 = peft_model(vllm_model_dir, base2)
+    eng.request_update({**base2, **new_adapter(model2, 4)}, v + 2)
+    ours2 = eng.generate(greedy())
+    assert_generated_by(model2, greedy(), ours2)
+    assert all(r.versions == [v + 2] * 8 for r in ours2)
+    assert len(os.listdir(eng._lora_dir)) <= 2
+
+
+def test_lora_bad_adapter_is_refused_before_it_reaches_vllm(lora_engine):
+    eng = lora_engine
+    q = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    with pytest.raises(ValueError, match=r"expected \(8, 64\)"):  # rank 4, not LORA's 8
+        eng.request_update({q + "A.weight": torch.zeros(4, 64),
+                            q + "B.weight": torch.zeros(64, 4)}, 99)
+    with pytest.raises(ValueError, match="without"):
+        eng.request_update({q + "A.weight": torch.zeros(8, 64)}, 99)
+    with pytest.raises(ValueError, match="no such layer"):
+        eng.request_update({"base_model.model.model.layers.9.mlp.up_proj.lora_A.weight":
+                            torch.zeros(8, 64)}, 99)
+    assert eng.pending_version is None and eng.version < 99
+
+
+def test_many_adapter_versions_do_not_run_out_of_lora_slots(lora_engine, vllm_model_dir):
+    """Six successive adapters: each serves (the peft model's tokens), and vLLM holds only
+    the newest (the older ones are removed), the temp dir at most two."""
+    import os
+
+    eng = lora_engine
+    model = peft_model(vllm_model_dir, eng.state_dict())
+    reqs = greedy(3)[:2]
+    first = eng.version + 1
+    for version in range(first, first + 6):
+        eng.request_update(new_adapter(model, 100 + version), version)
+        out = eng.generate(reqs)
+        assert_generated_by(model, reqs, out)
+        assert all(r.versions == [version] * 3 for r in out)
+        assert eng.llm.list_loras() == {eng._lora_request.lora_int_id}
+        assert len(os.listdir(eng._lora_dir)) <= 2
+    assert eng.update_error is None

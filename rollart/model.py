@@ -224,14 +224,43 @@ def build_tiny_model(
 
 
 # -- loading --------------------------------------------------------------------------
+ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter folder (a LoRA run's model/)
+
+
+def adapter_base(path) -> str | None:
+    """The base model folder of the peft adapter folder ``path`` (its
+    ``adapter_config.json`` ``base_model_name_or_path``, else its ``base/``); None when
+    ``path`` is a full model folder."""
+    path = str(path)
+    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) or \
+            os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    base = _read_json(path, ADAPTER_CONFIG).get("base_model_name_or_path") or ""
+    for candidate in (base, os.path.join(path, base), os.path.join(path, "base")):
+        if candidate and os.path.isdir(candidate):
+            return candidate
+    raise ModelFolderError(
+        f"adapter folder {path!r}: its base model {base!r} (adapter_config.json, "
+        "base_model_name_or_path) is not a local folder: put the base model there, or "
+        "set base_model_name_or_path to where it is")
+
+
 def check_model_folder(path) -> None:
-    """Raise ``ModelFolderError`` naming what is missing from the model folder ``path``."""
+    """Raise ``ModelFolderError`` naming what is missing from the model folder ``path``
+    (a peft adapter folder: from its base's folder, and its adapter weights)."""
     path = str(path)
     if not os.path.isdir(path):
         raise ModelFolderError(
             f"model folder {path!r} does not exist: pass a local folder written by "
             "save_pretrained (or build one with rollart.model.build_tiny_model)"
         )
+    base = adapter_base(path)
+    if base is not None:
+        if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+            raise ModelFolderError(f"adapter folder {path!r} has no adapter_model."
+                                   "safetensors: save the adapter with save_pretrained")
+        check_model_folder(base)
+        return
     names = set(os.listdir(path))
     if "config.json" not in names:
         raise ModelFolderError(
@@ -328,6 +357,8 @@ def load_tokenizer(path):
     generation/model config; with none at all, ``ModelFolderError``."""
     check_model_folder(path)
     path = str(path)
+    if adapter_base(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
+        path = adapter_base(path)  # an adapter folder saved without its tokenizer
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     else:
@@ -357,8 +388,11 @@ def default_dtype(device=None) -> torch.dtype:
 
 def load_model(path, dtype: torch.dtype | None = torch.float32, device=None):
     """Load the folder's causal LM in eval mode (on ``device`` when given).
-    ``dtype=None`` picks ``default_dtype(device)``."""
+    ``dtype=None`` picks ``default_dtype(device)``. A peft adapter folder loads as its
+    base with the adapter merged in (``merged_model``)."""
     check_model_folder(path)
+    if adapter_base(path) is not None:
+        return merged_model(path, dtype=dtype, device=device)
     dtype = default_dtype(device if device is not None else "cpu") if dtype is None else dtype
     # transformers patches process-global state while it builds a model (meta-device
     # init), so two threads loading at once — several actors on one in-process worker —
@@ -369,3 +403,23 @@ def load_model(path, dtype: torch.dtype | None = torch.float32, device=None):
         model.to(device)
     model.eval()
     return model
+
+
+def merged_model(path, dtype: torch.dtype | None = torch.float32, device=None):
+    """The peft adapter folder ``path`` as a plain causal LM: its base (``adapter_base``)
+    with the adapter merged into the weights (peft's ``merge_and_unload``)."""
+    from peft import PeftModel
+
+    model = load_model(adapter_base(path), dtype=dtype, device=device)
+    model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    model.eval()
+    return model
+
+
+def export_merged(path, out) -> str:
+    """Write the model of ``path`` (an adapter folder: merged; a model folder: as is)
+    with its tokenizer as a full Hugging Face model folder ``out``."""
+    model = load_model(path)
+    model.save_pretrained(str(out))
+    load_tokenizer(path).save_pretrained(str(out))
+    return str(out)

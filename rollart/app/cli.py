@@ -119,6 +119,23 @@ def _eval(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from pathlib import Path
+
+    from rollart.app.runs import is_run_dir
+    from rollart.model import adapter_base, export_merged
+
+    src = Path(args.source)
+    model = src / "model" if is_run_dir(src) else src
+    out = Path(args.merged)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: give a new folder")
+    export_merged(model, out)
+    how = "the adapter merged into its base" if adapter_base(model) else "as trained"
+    print(f"wrote {out}: {model}, {how}, as a full Hugging Face model folder")
+    return 0
+
+
 def _samples(args) -> int:
     import json
 
@@ -241,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print JSON")
     e.add_argument("--verbose", action="store_true", help="show Dask's INFO logs")
     e.set_defaults(func=_eval)
+    x = sub.add_parser("export", help="write a run's final model (a LoRA run's adapter "
+                       "merged into its base) as a full Hugging Face model folder")
+    x.add_argument("source", metavar="RUN_OR_MODEL",
+                   help="a run directory (its model/) or a model or adapter folder")
+    x.add_argument("--merged", required=True, metavar="DIR", help="the folder to write")
+    x.set_defaults(func=_export)
     sm = sub.add_parser("samples", help="print a run's latest trajectories, decoded turn "
                         "by turn")
     sm.add_argument("run", help="run directory")
@@ -282,10 +305,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.reward.functions import RewardError
     from rollart.runtime.resources import ResourcesError
     from rollart.trainer.warmup import WarmupEnvError
+    from rollart.weights.lora import LoRATargetError
     from rollart.weights.mooncake import MooncakeError
 
     return (GraphError, ResourcesError, ModelFolderError, UnknownTaskError,
-            FileNotFoundError, CheckpointError, MooncakeError, RunDirError, TrackerError,
+            FileNotFoundError, FileExistsError, LoRATargetError, CheckpointError,
+            MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
             WarmupEnvError, RewardError)
 

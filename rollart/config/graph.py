@@ -56,6 +56,67 @@ def _numbers(obj, *names: str, integer: bool = False, optional: bool = False) ->
 
 
 @dataclass(frozen=True)
+class LoRA:
+    """Train low-rank adapters instead of every weight (``Policy.lora``; peft's LoRA).
+
+    Only the adapters train and hold optimizer state; each weight version publishes only
+    the adapter (``rollart.trainer.lora``); the KL reference is the base model with the
+    adapter off. ``target_modules="auto"`` adapts every linear layer but the output head
+    (peft's ``"all-linear"``: the attention and MLP projections of Qwen2, Llama, ...);
+    a tuple names module-name suffixes (``("q_proj", "v_proj")``), each of which must
+    match a linear layer of the model. ``alpha=None``: twice the rank.
+
+    >>> LoRA(rank=16).scaling
+    2.0
+    """
+
+    rank: int = 16
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "auto"
+    rslora: bool = False  # scaling alpha / sqrt(rank) instead of alpha / rank
+
+    def __post_init__(self):
+        _check(isinstance(self.rank, int) and not isinstance(self.rank, bool)
+               and self.rank >= 1, f"LoRA.rank must be an int ≥ 1, got {self.rank!r} "
+               "(for full fine-tuning set Policy.lora=None: --set policy.lora=none)")
+        _numbers(self, "alpha", optional=True)
+        _numbers(self, "dropout")
+        _check(self.alpha is None or self.alpha > 0,
+               f"LoRA.alpha must be > 0 or None (twice the rank), got {self.alpha!r}")
+        _check(0 <= self.dropout < 1, f"LoRA.dropout must be in [0, 1), got {self.dropout!r}")
+        targets = self.target_modules
+        if isinstance(targets, str) and targets != "auto":  # "q_proj,v_proj"
+            targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+        if isinstance(targets, list):
+            targets = tuple(targets)
+        object.__setattr__(self, "target_modules", targets)
+        _check(targets == "auto" or (isinstance(targets, tuple) and targets and all(
+            isinstance(t, str) and t for t in targets)),
+               f"LoRA.target_modules must be 'auto' or a tuple of module names such as "
+               f"('q_proj', 'v_proj'), got {targets!r}")
+        _check(isinstance(self.rslora, bool), f"LoRA.rslora must be True or False, "
+               f"got {self.rslora!r}")
+
+    @property
+    def lora_alpha(self) -> float:
+        """``alpha``, or twice the rank when unset."""
+        return float(2 * self.rank if self.alpha is None else self.alpha)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on the adapter's product ``B @ A``."""
+        return self.lora_alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+    def peft_options(self) -> dict:
+        """The engines' ``lora`` option and the keyword arguments of peft's ``LoraConfig``."""
+        targets = "all-linear" if self.target_modules == "auto" else list(self.target_modules)
+        return {"r": self.rank, "lora_alpha": self.lora_alpha,
+                "lora_dropout": float(self.dropout), "target_modules": targets,
+                "use_rslora": self.rslora}
+
+
+@dataclass(frozen=True)
 class Policy:
     """The model and how it samples. ``model=None`` builds the built-in tiny model."""
 
@@ -94,8 +155,19 @@ class Policy:
     # the first user turn (one warning at start), True makes it an error at start
     # (rollart.env.template_support)
     strict_template: bool = False
+    # LoRA adapters instead of full fine-tuning (None: every weight trains), e.g.
+    # LoRA(rank=16), or from the command line --set policy.lora.rank=16
+    lora: LoRA | None = None
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # as graph.json records it
+            object.__setattr__(self, "lora", LoRA(**self.lora))
+        _check(self.lora is None or isinstance(self.lora, LoRA),
+               f"Policy.lora must be a rollart.LoRA or None, got {self.lora!r}")
+        _check(self.lora is None or self.trainer_backend == "torch",
+               f"Policy.lora with trainer_backend={self.trainer_backend!r}: LoRA trains with "
+               "the torch backend only (peft on the Hugging Face model); set "
+               "trainer_backend='torch', or Policy.lora=None for Megatron")
         _check(self.model is None or isinstance(self.model, str),
                f"Policy.model must be a path to a Hugging Face model folder or None, "
                f"got {self.model!r}")
@@ -156,8 +228,11 @@ class Policy:
     def worker_options(self) -> dict:
         """The ``InferenceWorker`` keyword arguments this policy implies."""
         opts = {"max_batch": self.max_batch, "engine": self.engine}
-        if self.engine == "torch":
-            opts["engine_options"] = {"admit_every": self.admit_every}
+        engine = {"admit_every": self.admit_every} if self.engine == "torch" else {}
+        if self.lora is not None:
+            engine["lora"] = self.lora.peft_options()
+        if engine:
+            opts["engine_options"] = engine
         return opts
 
 
@@ -369,9 +444,16 @@ class Graph:
             if f.name == "tasks":
                 v = [t.name for t in v]
             elif hasattr(v, "__dataclass_fields__"):
-                v = {g.name: getattr(v, g.name) for g in fields(v)}
+                v = {g.name: _plain(getattr(v, g.name)) for g in fields(v)}
             out[f.name] = v
         return out
+
+
+def _plain(value):
+    """A nested settings dataclass (``Policy.lora``) as a dict, for ``graph.json``."""
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    return value
 
 
 def load_graph(spec: str | Graph | None = None) -> tuple[Graph, str]:

@@ -31,15 +31,28 @@ class OverrideError(GraphError):
 
 
 def valid_keys(graph: Graph) -> list[str]:
-    """Every key ``--set`` accepts for ``graph``: ``steps``, ``algo.lr``, ..."""
+    """Every key ``--set`` accepts for ``graph``: ``steps``, ``algo.lr``,
+    ``policy.lora.rank``, ..."""
     keys = []
     for f in fields(graph):
         value = getattr(graph, f.name)
         if is_dataclass(value):
-            keys += [f"{f.name}.{g.name}" for g in fields(value)]
+            for g in fields(value):
+                inner = _settings_class(type(value), g.name)
+                keys.append(f"{f.name}.{g.name}")
+                keys += [f"{f.name}.{g.name}.{h.name}" for h in fields(inner)] if inner else []
         else:
             keys.append(f.name)
     return keys
+
+
+def _settings_class(owner: type, name: str):
+    """The settings dataclass an optional field holds (``Policy.lora``: ``LoRA``)."""
+    hint = typing.get_type_hints(owner).get(name)
+    for arg in typing.get_args(hint) or (hint,):
+        if isinstance(arg, type) and is_dataclass(arg):
+            return arg
+    return None
 
 
 def parse_assignment(text: str) -> tuple[str, str]:
@@ -59,6 +72,24 @@ def apply_overrides(graph: Graph, assignments) -> Graph:
 
 
 def _apply_one(graph: Graph, key: str, raw: str) -> Graph:
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] in {f.name for f in fields(graph)} and \
+            is_dataclass(getattr(graph, parts[0])):  # policy.lora.rank
+        outer = getattr(graph, parts[0])
+        inner_cls = (_settings_class(type(outer), parts[1])
+                     if parts[1] in {f.name for f in fields(outer)} else None)
+        if inner_cls is not None and parts[2] in {f.name for f in fields(inner_cls)}:
+            inner = getattr(outer, parts[1]) or inner_cls()  # unset: its defaults
+            hint = typing.get_type_hints(inner_cls)[parts[2]]
+            try:
+                value = parse_value(raw, hint)
+                changed = replace(inner, **{parts[2]: value})
+            except ValueError as e:
+                if isinstance(e, GraphError):
+                    raise
+                raise OverrideError(f"--set {key}={raw}: {inner_cls.__name__}.{parts[2]} "
+                                    f"{e}") from None
+            return replace(graph, **{parts[0]: replace(outer, **{parts[1]: changed})})
     owner_name, _, name = key.rpartition(".")
     owner = getattr(graph, owner_name, None) if owner_name else graph
     if "." in owner_name or (owner_name and not is_dataclass(owner)) or \

@@ -269,6 +269,22 @@ def graph_from(ckpt: Checkpoint, given=None):
                    task_weights=tuple(weights) if weights else None)
 
 
+def check_lora(ckpt: Checkpoint, graph) -> None:
+    """A resumed run keeps the way it trains: LoRA on a full fine-tune's checkpoint (or
+    off on a LoRA run's, or another rank) is a ``CheckpointError`` naming the fix."""
+    saved = ckpt.graph.get("policy", {}).get("lora")
+    now = graph.policy.lora
+    rank = None if saved is None else saved.get("rank")
+    if (saved is None) != (now is None) or (now is not None and now.rank != rank):
+        was = "full fine-tuning" if saved is None else f"LoRA rank {rank}"
+        asked = "full fine-tuning" if now is None else f"LoRA rank {now.rank}"
+        fix = "--set policy.lora=none" if saved is None else f"--set policy.lora.rank={rank}"
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} was trained with {was}, and the resumed run asks for "
+            f"{asked}: a checkpoint's weights and optimizer state are for the former. "
+            f"Resume without that change ({fix}, or no --set), or start a new run")
+
+
 def truncate_metrics(path, step: int) -> list[dict]:
     """Keep the rows of ``metrics.jsonl`` up to ``step`` (a lost run may have logged
     steps after its last checkpoint); returns the kept rows."""

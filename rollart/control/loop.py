@@ -117,12 +117,18 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
     from rollart.weights import store_url
 
     graph, run_dir = prep.graph, prep.run_dir
-    if prep.ckpt is not None:
-        model_path, warm = prep.ckpt.model_dir, False
+    if prep.ckpt is not None:  # a LoRA run's checkpoint holds the adapter: its base
+        from rollart.model import adapter_base
+
+        model_path, warm = adapter_base(prep.ckpt.model_dir) or prep.ckpt.model_dir, False
     else:
         with phase("preparing the model", progress and not (model or graph.policy.model)):
             model_path, warm = prepare_model(graph, run_dir, model)
     check_templates(graph, model_path)  # what its chat template cannot do: fail or fold now
+    if graph.policy.lora is not None:  # its targets against the model's layers, now
+        from rollart.weights.lora import check_folder_targets
+
+        check_folder_targets(model_path, graph.policy.lora.peft_options())
     source = prep.resources.source if prep.resources else "the cluster you connected"
     with connect(prep.resources, client, progress) as c, \
             store_url(weights, run_dir) as weights_url:

@@ -121,6 +121,8 @@ def prepare(graph: Graph | str | None = None, resources: Resources | str | None 
                 checkpoint_every=checkpoint_every)
     graph = override(apply_overrides(graph, overrides), steps=steps, seed=seed,
                      alpha=alpha, mode=mode, checkpoint_every=checkpoint_every)
+    if ckpt is not None:
+        checkpoint.check_lora(ckpt, graph)
     trackers = make_trackers(report_to)  # a missing package fails here, before a cluster
     res = load_resources(resources) if client is None or resources is not None else None
     preflight(graph, res)  # bad input fails here, before a cluster or a model is made

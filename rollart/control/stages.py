@@ -109,7 +109,8 @@ def role_specs(graph, model_path: str, run_dir, store_url: str | None = None
     store_url = store_url or str(Path(run_dir) / "weights")
     specs = [
         RoleSpec("trainer", trainer_class(p.trainer_backend), (model_path, store_url,
-                 graph.algo), dict(temperature=p.temperature, threads=1, seed=graph.seed),
+                 graph.algo), dict(temperature=p.temperature, threads=1, seed=graph.seed,
+                                   **({"lora": p.lora.peft_options()} if p.lora else {})),
                  TRAIN),
         RoleSpec("buffer", SampleBuffer, (str(run_dir),), {}, BUFFER,
                  fallback=(TRAIN, REWARD, *inference_tags(graph)),

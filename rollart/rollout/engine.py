@@ -29,6 +29,8 @@ from rollart.model import load_model, load_tokenizer
 from rollart.rollout import pd
 from rollart.rollout.batch import _Batch
 from rollart.rollout.lean import LeanForward, unsupported
+from rollart.weights import lora
+from rollart.weights.lora import MergedAdapter
 from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
 from rollart.types import GenRequest, GenResult
 
@@ -59,6 +61,7 @@ class TorchEngine(StagedUpdates):
         prefix_cache: int = 512,
         admit_every: int = 4,
         lean: bool = True,
+        lora: dict | None = None,
     ):
         self.model_path = str(model_path)
         self.version = int(version)
@@ -76,6 +79,9 @@ class TorchEngine(StagedUpdates):
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self._cache_kwarg = _cache_kwarg(self.model)
+        # LoRA (Policy.lora): published adapters are merged into the adapted layers'
+        # weights from a kept copy of their base (rollart.weights.lora.MergedAdapter)
+        self.adapter = MergedAdapter(self.model, lora) if lora else None
         # the lean forward (rollart.rollout.lean) where the architecture allows it: same
         # logits, a fraction of the per-step overhead, a KV cache grown in place
         self.lean = LeanForward(self.model) if lean and unsupported(self.model) is None \
@@ -253,17 +259,39 @@ class TorchEngine(StagedUpdates):
         return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
 
     # -- weights -----------------------------------------------------------------------
-    def _stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Check keys and shapes (a tied head dropped); move to the model's device/dtype."""
+    def _stage(self, state_dict: dict[str, torch.Tensor]):
+        """Check keys and shapes (a tied head dropped); move to the model's device/dtype.
+        With LoRA, ``(full weights or None, {layer: (A, B)} or None)``: a state dict may
+        hold a new base, an adapter (peft's names), or both (the adapter on that base)."""
+        full, adapter = lora.split(state_dict) if self.adapter is not None \
+            else (state_dict, {})
+        if adapter and self.adapter is None:
+            raise KeyError("adapter (LoRA) tensors for an engine without Policy.lora")
         own = self.model.state_dict()
-        sd = check_state_dict(state_dict, {k: tuple(v.shape) for k, v in own.items()},
-                              tied=_tied(self.model))
-        return {k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
-                for k, v in sd.items()}
+        if full:
+            full = check_state_dict(full, {k: tuple(v.shape) for k, v in own.items()},
+                                    tied=_tied(self.model))
+            full = {k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
+                    for k, v in full.items()}
+        if self.adapter is None:
+            return full
+        return full or None, self.adapter.check(adapter) if adapter else None
 
-    def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
-        with torch.inference_mode(False), torch.no_grad():
-            self.model.load_state_dict(sd, strict=False)
+    def _supersede(self, older, newer):
+        if self.adapter is not None and newer[0] is None and older[0] is not None:
+            return older[0], newer[1] if newer[1] is not None else older[1]
+        return newer
+
+    def _copy_in(self, sd, version: int) -> None:
+        full, pairs = sd if self.adapter is not None else (sd, None)
+        if full:
+            with torch.inference_mode(False), torch.no_grad():
+                self.model.load_state_dict(full, strict=False)
+            if self.adapter is not None:  # a new base: the adapter goes on top of it
+                self.adapter.rebase()
+                self.adapter.apply()
+        if pairs is not None:
+            self.adapter.apply(pairs)
         self.version = int(version)
 
     # -- internals ---------------------------------------------------------------------

@@ -72,8 +72,16 @@ class StagedUpdates:
         """
         staged = self._stage(state_dict)
         with self._update_lock:
-            if self._pending_update is None or int(version) >= self._pending_update[1]:
+            pending = self._pending_update
+            if pending is None or int(version) >= pending[1]:
+                if pending is not None:
+                    staged = self._supersede(pending[0], staged)
                 self._pending_update = (staged, int(version))
+
+    def _supersede(self, older, newer):
+        """What to stage when ``newer`` replaces ``older`` before it was applied (an
+        engine with LoRA keeps a new base that only ``older`` carried)."""
+        return newer
 
     @property
     def pending_version(self) -> int | None:

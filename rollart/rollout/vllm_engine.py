@@ -54,6 +54,8 @@ from rollart.model import check_model_folder, load_tokenizer
 from rollart.rollout.batch import hits_stop_string
 from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
 from rollart.types import GenRequest, GenResult
+from rollart.weights.lora import PREFIX as PEFT_PREFIX
+from rollart.weights.lora import is_adapter_key
 
 
 def _set_env_defaults() -> None:
@@ -66,12 +68,6 @@ def _set_env_defaults() -> None:
 
 #: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``).
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_PEFT_PREFIX = "base_model.model."
-
-
-def is_adapter_key(name: str) -> bool:
-    """A peft adapter tensor's name (``...q_proj.lora_A.weight``), not a model weight."""
-    return ".lora_A." in name or ".lora_B." in name
 
 
 def _check_lora(lora: dict | None) -> dict | None:
@@ -327,19 +323,26 @@ class VLLMEngine(StagedUpdates):
                              "(Policy.lora), or publish merged full weights")
         r, bad = self.lora["r"], []
         for key, v in adapter.items():
-            path, _, part = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+            path, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
             out_in = self._shapes.get(path + ".weight", ())
             want = "no such layer"
-            if key.startswith(_PEFT_PREFIX) and len(out_in) == 2:
+            if key.startswith(PEFT_PREFIX) and len(out_in) == 2:
                 want = {"A.weight": (r, out_in[1]), "B.weight": (out_in[0], r)}.get(part)
             if tuple(v.shape) != want:
                 bad.append(f"{key} {tuple(v.shape)} (expected {want})")
-            twin = f"{_PEFT_PREFIX}{path}.lora_{'B' if part.startswith('A') else 'A'}.weight"
+            twin = f"{PEFT_PREFIX}{path}.lora_{'B' if part.startswith('A') else 'A'}.weight"
             if twin not in adapter:
                 bad.append(f"{key} without {twin}")
         if bad:
             raise ValueError(f"adapter tensors do not fit the model with r={r}: {bad[:3]}")
         return adapter
+
+    def _supersede(self, older: dict, newer: dict) -> dict:
+        """A new base staged with ``older`` and not applied yet stays under ``newer``'s
+        adapter (``StagedUpdates.request_update``)."""
+        if any(not is_adapter_key(k) for k in newer):
+            return newer
+        return {**{k: v for k, v in older.items() if not is_adapter_key(k)}, **newer}
 
     def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
         """In-place reload inside vLLM (no restart) and/or a new adapter, then drop KV

@@ -36,6 +36,7 @@ import torch
 
 from rollart.rollout.base import make_engine
 from rollart.types import GenRequest, GenResult
+from rollart.weights import lora
 from rollart.weights.store import WeightStore
 
 
@@ -125,6 +126,9 @@ class InferenceWorker:
                          "fetch_seconds": 0.0}
         self.prefetches = 0  # versions read from the store and staged
         self._store: WeightStore | None = None  # opened by the prefetch thread
+        # LoRA: the base version (rollart.weights.lora) sent to the engine; -1: the
+        # model folder's, None: unknown (send the base again)
+        self._base: int | None = -1
         self._latest_seen = -1  # the store's latest() at the last look
         self._reader = f"{self.address or 'local'}/{pool}/{id(self):x}"
         self._thread = threading.Thread(
@@ -375,6 +379,8 @@ class InferenceWorker:
         """Engine hook (engine thread): a staged version was swapped in, or failed to."""
         with self._cond:
             if error is not None:
+                if self._base is not None and self._base >= 0:
+                    self._base = None  # LoRA: the next fetch sends the base again
                 self._load_error, self._failed_at = (version, error), time.monotonic()
                 if self._fetched <= version:  # nothing newer staged behind it
                     self._fetched = self.engine.version
@@ -445,7 +451,7 @@ class InferenceWorker:
         store.hold(reader, target)
         try:
             try:
-                return store.get(target), target
+                return self._with_base(store, target, *store.get(target, meta=True)), target
             except KeyError:
                 newest = store.latest()
                 if newest <= target:
@@ -453,9 +459,27 @@ class InferenceWorker:
                 store.hold(reader, newest)
                 with self._cond:
                     self._wanted = max(self._wanted, newest)
-                return store.get(newest), newest
+                return self._with_base(store, newest, *store.get(newest, meta=True)), newest
         finally:
             store.release(reader)
+
+    def _with_base(self, store: WeightStore, target: int, state: dict, meta: dict) -> dict:
+        """A LoRA adapter version (``rollart.weights.lora``) with the full weights of its
+        base when the engine was not sent them yet (a worker that joined after the
+        warm-up's base was published); a full version is a base of its own."""
+        base = lora.base_of(meta)
+        if base is None:
+            self._base = target
+            return state
+        if base == self._base:
+            return state
+        if base < 0:  # the model folder's weights: the engine would have to reload them
+            raise RuntimeError(
+                f"weight version {target} is an adapter on the model folder's weights, and "
+                f"this engine was sent other full weights (v{self._base}): the store mixes "
+                "two runs? Give each run its own weight store")
+        self._base = base
+        return {**store.get(base), **state}
 
     def _settle_waiters(self, version: int, error: BaseException | None) -> None:
         """Resolve waiters now satisfied, or failed by ``error`` (hold ``_cond``)."""

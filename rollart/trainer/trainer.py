@@ -31,6 +31,7 @@ from rollart.trainer.losses import (grpo_loss, shared_prompt_logprobs, shares_pr
                                      target_logprobs)
 from rollart.trainer.warmup import run_warmup
 from rollart.weights import WeightStore
+from rollart.weights import lora
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +63,24 @@ class Trainer:
     share_prompts = True
 
     def __init__(self, model_path: str, store_url: str, algo, *, temperature: float = 1.0,
-                 threads: int | None = None, seed: int = 0):
+                 threads: int | None = None, seed: int = 0, lora: dict | None = None):
         set_worker_threads(threads)
         torch.manual_seed(seed)
         self.algo = algo
         self.temperature = temperature
+        self.model_path = str(model_path)
         self.model = self._load_policy(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.store = WeightStore(store_url)
         self.version = 0
         self.ref_model = None
+        # LoRA (Policy.lora, as peft options; rollart.weights.lora): the peft model once
+        # wrapped (self.model is then its inner model, adapted layers injected), the store
+        # version holding the base the adapters apply to (-1: the model folder's), and
+        # whether a warm-up changed the base since
+        self.lora, self.peft = lora, None
+        self.base_version, self._base_dirty = -1, False
+        self.bytes_published = 0  # the newest version's, as stored
         self.optimizer = self._make_optimizer()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-trainer")
         self.busy_seconds = 0.0
@@ -91,10 +100,35 @@ class Trainer:
         return copy.deepcopy(self.model)
 
     def _put_weights(self) -> None:
-        self.store.put(self.version, self._hf_state_dict())
+        """Publish ``self.version``: every weight, or with LoRA the adapter only (the
+        warmed base first, once, as a full version of its own: the adapters apply to
+        it; an unwarmed one is the model folder's, which every engine loads)."""
+        if self.lora is None:
+            self.bytes_published = self.store.put(self.version, self._hf_state_dict())
+            return
+        if self.peft is None:
+            if self._base_dirty:
+                self.bytes_published = self.store.put(self.version, self._hf_state_dict())
+                self.base_version, self._base_dirty = self.version, False
+                self._wrap()
+                return
+            self._wrap()
+        self.bytes_published = self.store.put(self.version, lora.adapter_state(self.peft),
+                                              lora.metadata(self.base_version))
+
+    def _wrap(self) -> None:
+        """LoRA: wrap the policy in a fresh adapter; only the adapter trains from now on
+        (the optimizer is rebuilt on it)."""
+        self.peft = lora.wrap(self.model, self.lora)
+        self.model = self.peft.get_base_model()
+        self.optimizer = self._make_optimizer()
+
+    def _gc(self) -> list[int]:
+        return self.store.gc(3, protect=(self.base_version,) if self.lora else ())
 
     def _make_optimizer(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr,
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters
+        return torch.optim.AdamW(params, lr=self.algo.lr,
                                  weight_decay=self.algo.weight_decay, betas=(0.9, 0.99))
 
     async def _run(self, fn, *args, **kwargs):
@@ -124,6 +158,7 @@ class Trainer:
                                  episode_threads=episode_threads,
                                  on_step=self._warmup_step, **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
+        self._base_dirty = self.lora is not None  # LoRA: publish this base once
         return {"warmup/loss_first": losses[0] if losses else None,
                 "warmup/loss_last": losses[-1] if losses else None,
                 "warmup/steps": steps + bare_tool_steps}
@@ -134,8 +169,8 @@ class Trainer:
     async def publish(self) -> int:
         """Put the current weights into the store as ``self.version``."""
         await self._run(self._put_weights)
-        if self.algo.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = self._frozen_copy().eval()
+        if self.algo.kl_coef > 0 and self.ref_model is None and self.lora is None:
+            self.ref_model = self._frozen_copy().eval()  # LoRA: the adapter turned off
         return self.version
 
     async def train_step(self, buffer, step: int, timeout: float | None = None) -> dict:
@@ -159,8 +194,9 @@ class Trainer:
         self.version += 1
         await self._run(self._put_weights)
         await self._confirm(buffer, step, (table.schema.metadata or {}).get(TAKE_KEY))
-        await self._run(self.store.gc, 3)
+        await self._run(self._gc)
         metrics.update(batch_metrics(batch, trained_on))
+        metrics["weights/bytes_published"] = self.bytes_published
         metrics.update({"step": step, "version": self.version,
                         "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
         return metrics
@@ -182,6 +218,9 @@ class Trainer:
         The optimizer state and KL reference stay as they are: a fresh trainer's (moments
         restart; the reference is then this version), or a checkpoint's loaded just
         before (``load_state(truncate=False)``: its moments, and the run's reference)."""
+        if self.lora is not None:
+            self.version = await self._run(self._restore_adapter)
+            return self.version
         version, state = await self._run(self.store.get_newest_readable)
         self._load_hf(self.model, state)  # HF names: a Megatron policy converts them
         self.version = version
@@ -189,12 +228,27 @@ class Trainer:
             self.ref_model = self._frozen_copy().eval()
         return version
 
+    def _restore_adapter(self) -> int:
+        """LoRA ``restore_latest``: the newest version's adapter, on its base (loaded from
+        the store first when it is not the model folder's and not held yet)."""
+        version, state, meta = self.store.get_newest_readable(meta=True)
+        base = lora.base_of(meta)
+        if base is None:  # the newest is the warmed base itself (no adapter trained yet)
+            base, state = version, None
+        if self.peft is None:
+            if base >= 0:
+                self._load_hf(self.model, self.store.get(base))
+            self.base_version, self._base_dirty = base, False
+            self._wrap()
+        if state is not None:
+            lora.load_adapter(self.peft, state)
+        return version
+
     async def save(self, path: str) -> str:
-        """Write the policy as a Hugging Face model folder (model + tokenizer)."""
-        def _save():
-            self.model.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-        await self._run(_save)
+        """Write the policy as a Hugging Face model folder (model + tokenizer); with LoRA
+        a peft adapter folder (``AutoPeftModelForCausalLM`` loads it), whose base is the
+        model folder or, after a warm-up, the full model in ``PATH/base``."""
+        await self._run(self._save_hf, path)
         return path
 
     async def save_state(self, url: str) -> dict:
@@ -219,8 +273,33 @@ class Trainer:
     # -- checkpoints (trainer thread) ---------------------------------------------------
     # Backend hooks (Hugging Face names on disk whatever the training backend):
     def _save_hf(self, path: str) -> None:
-        self.model.save_pretrained(path)
+        if self.peft is None:
+            self.model.save_pretrained(path)
+        else:
+            self._save_adapter(path)
         self.tokenizer.save_pretrained(path)
+
+    def _save_adapter(self, path: str) -> None:
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from rollart.weights.store import _untie
+
+        base = self.model_path
+        if self.base_version >= 0:  # the warmed base, a model folder of its own
+            base = str(Path(path, "base").resolve())
+            Path(base).mkdir(parents=True, exist_ok=True)
+            self.model.config.save_pretrained(base)
+            save_file(_untie(self.store.get(self.base_version)),
+                      f"{base}/model.safetensors", metadata={"format": "pt"})
+            self.tokenizer.save_pretrained(base)
+        self.peft.save_pretrained(path)
+        cfg = Path(path, "adapter_config.json")
+        config = json.loads(cfg.read_text())
+        config["base_model_name_or_path"] = base
+        cfg.write_text(json.dumps(config, indent=2))
 
     def _hf_weights(self, module) -> dict:
         return module.state_dict()
@@ -238,8 +317,14 @@ class Trainer:
         from rollart.weights.store import _untie
 
         with tempfile.TemporaryDirectory(prefix="rollart-ckpt-") as tmp:
-            self._save_hf(tmp)
+            if self.peft is not None:  # the adapter; its base travels as base.safetensors
+                self.peft.save_pretrained(tmp)
+            else:
+                self._save_hf(tmp)
             files = upload_dir(tmp, url, "model")
+        if self.peft is not None and self.base_version >= 0:
+            files.update(write_bytes(url, "base.safetensors",
+                                     st_save(_untie(self.store.get(self.base_version)))))
         if self.ref_model is not None:
             ref = {k: v.detach().cpu().contiguous()
                    for k, v in self._hf_weights(self.ref_model).items()}
@@ -250,7 +335,8 @@ class Trainer:
                     "scheduler": sched.state_dict() if sched is not None else None,
                     "version": self.version, "torch_rng": torch.get_rng_state(),
                     "busy_seconds": self.busy_seconds,
-                    "waited_seconds": self.waited_seconds}, buf)
+                    "waited_seconds": self.waited_seconds,
+                    "lora": self.lora, "lora_base_version": self.base_version}, buf)
         files.update(write_bytes(url, "trainer.pt", buf.getvalue()))
         return files
 
@@ -262,15 +348,26 @@ class Trainer:
 
         fs, root = fsspec.core.url_to_fs(str(url))
         root = root.rstrip("/")
-        with fs.open(f"{root}/model/model.safetensors", "rb") as f:
-            self._load_hf(self.model, st_load(f.read()))
+        with fs.open(f"{root}/trainer.pt", "rb") as f:
+            state = torch.load(io.BytesIO(f.read()), weights_only=False)
+        adapter = fs.exists(f"{root}/model/adapter_model.safetensors")
+        if adapter != (self.lora is not None):
+            raise ValueError(
+                f"the checkpoint {url} was trained {'with' if adapter else 'without'} LoRA "
+                f"and this run {'has' if self.lora else 'has no'} Policy.lora: resume it "
+                f"with the graph it was trained with ("
+                + ("--set policy.lora.rank=..." if adapter else "--set policy.lora=none")
+                + "), or start a new run")
+        if adapter:
+            self._load_adapter_state(fs, root, state)
+        else:
+            with fs.open(f"{root}/model/model.safetensors", "rb") as f:
+                self._load_hf(self.model, st_load(f.read()))
         if fs.exists(f"{root}/ref_model.safetensors"):
             with fs.open(f"{root}/ref_model.safetensors", "rb") as f:
                 ref = st_load(f.read())
             self.ref_model = self._frozen_copy().eval()
             self._load_hf(self.ref_model, ref)
-        with fs.open(f"{root}/trainer.pt", "rb") as f:
-            state = torch.load(io.BytesIO(f.read()), weights_only=False)
         self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scheduler") is not None and getattr(self, "scheduler", None):
@@ -282,6 +379,22 @@ class Trainer:
         self.busy_seconds = state.get("busy_seconds", 0.0)
         self.waited_seconds = state.get("waited_seconds", 0.0)
         return self.version
+
+    def _load_adapter_state(self, fs, root: str, state: dict) -> None:
+        """LoRA ``load_state``: the checkpoint's base (when not the model folder's), a
+        fresh adapter on it, then the checkpoint's adapter."""
+        from safetensors.torch import load as st_load
+
+        if self.peft is not None:
+            raise RuntimeError("load_state on a trainer whose adapter is already wrapped")
+        base = int(state.get("lora_base_version", -1))
+        if base >= 0:
+            with fs.open(f"{root}/base.safetensors", "rb") as f:
+                self._load_hf(self.model, st_load(f.read()))
+        self.base_version, self._base_dirty = base, False
+        self._wrap()
+        with fs.open(f"{root}/model/adapter_model.safetensors", "rb") as f:
+            lora.load_adapter(self.peft, st_load(f.read()))
 
     # -- compute (trainer thread) -------------------------------------------------------
     def _update(self, batch) -> dict:
@@ -368,6 +481,9 @@ class Trainer:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp = logprobs(self.ref_model)
+        elif self.peft is not None and self.algo.kl_coef > 0:  # the base: adapter off
+            with torch.no_grad(), self.peft.disable_adapter():
+                ref_logp = logprobs(self.model)
         return grpo_loss(logp, behaviour, adv, mask,
                          clip_eps=self.algo.clip_eps, ref_logp=ref_logp,
                          kl_coef=self.algo.kl_coef, off_policy=self.algo.off_policy,

@@ -92,10 +92,15 @@ class WeightStore(abc.ABC):
     def _name(version: int) -> str:
         return f"v{int(version):08d}.safetensors"
 
-    def put(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        """Publish ``state_dict`` as ``version`` (tensors copied to CPU, contiguous)."""
+    def put(self, version: int, state_dict: dict[str, torch.Tensor],
+            metadata: dict[str, str] | None = None) -> int:
+        """Publish ``state_dict`` as ``version`` (tensors copied to CPU, contiguous), with
+        ``metadata`` in the safetensors header (an adapter's: ``ADAPTER``, ``BASE``);
+        returns the bytes published."""
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        self.put_bytes(version, st_save(_untie(tensors)))
+        blob = st_save(_untie(tensors), metadata=metadata)
+        self.put_bytes(version, blob)
+        return len(blob)
 
     def put_bytes(self, version: int, blob: bytes) -> None:
         """Publish an already serialised safetensors blob as ``version``."""
@@ -103,24 +108,28 @@ class WeightStore(abc.ABC):
         self._remember(int(version))
         self._write("LATEST", str(int(version)).encode())
 
-    def get(self, version: int) -> dict[str, torch.Tensor]:
+    def get(self, version: int, meta: bool = False):
+        """The tensors of ``version``; with ``meta``, ``(tensors, header metadata)``."""
         data = self._read(self._name(version))
         if data is None:
             raise KeyError(f"weight version {version} is not in the store at {self.url}")
         try:
-            return st_load(data)
+            tensors = st_load(data)
+            return (tensors, header_metadata(data)) if meta else tensors
         except Exception as e:
             raise UnreadableWeightsError(
                 f"weight version {version} in {self.url} is unreadable ({type(e).__name__}: "
                 f"{e}); it was truncated or is not a safetensors file. Delete it so the "
                 "previous version is used, or publish the weights again") from None
 
-    def get_newest_readable(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """The newest version that loads, skipping unreadable ones; ``KeyError`` if none."""
+    def get_newest_readable(self, meta: bool = False) -> tuple:
+        """``(version, tensors)`` of the newest version that loads (``(version, tensors,
+        metadata)`` with ``meta``), skipping unreadable ones; ``KeyError`` if none."""
         errors = []
         for version in reversed(self.versions()):
             try:
-                return version, self.get(version)
+                got = self.get(version, meta=meta)
+                return (version, *got) if meta else (version, got)
             except UnreadableWeightsError as e:
                 errors.append(str(e))
         raise KeyError(f"no readable weight version in {self.url}"
@@ -142,11 +151,12 @@ class WeightStore(abc.ABC):
             self._write("LATEST", str(int(version)).encode())
         return newer
 
-    def gc(self, keep: int = 2) -> list[int]:
-        """Remove versions older than the newest ``keep`` that no reader holds;
-        returns the removed ones (a version being read may survive until the next gc)."""
+    def gc(self, keep: int = 2, protect: tuple[int, ...] = ()) -> list[int]:
+        """Remove versions older than the newest ``keep`` that no reader holds and that
+        are not in ``protect`` (a LoRA run's base: its adapters apply to it); returns
+        the removed ones (a version being read may survive until the next gc)."""
         present = self.versions()
-        protect = set(present[-keep:]) if keep > 0 else set()
+        protect = set(protect) | (set(present[-keep:]) if keep > 0 else set())
         protect |= set(self.holds().values())
         removed = []
         for v in present:
@@ -211,6 +221,17 @@ class FsspecWeightStore(WeightStore):
 
     def release(self, reader: str) -> None:
         self._remove(f"holds/{_safe(reader)}")
+
+
+# header metadata of an adapter version (rollart.trainer.lora): its format, and the
+# version whose full weights it applies to (-1: the model folder's)
+ADAPTER, BASE = "rollart.adapter", "rollart.base"
+
+
+def header_metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob's header (``{}`` when it has none)."""
+    n = int.from_bytes(blob[:8], "little")
+    return dict(json.loads(blob[8:8 + n]).get("__metadata__") or {})
 
 
 def _safe(reader: str) -> str:

@@ -1,37 +1,58 @@
-"""Weight-sync benchmark: decode throughput lost to policy updates, Mooncake vs fsspec.
+"""Weight-sync benchmark: decode throughput lost to policy updates, Mooncake vs fsspec,
+full weights vs LoRA adapters; bytes per version and the trainer's memory.
 
 A trainer process runs rollart's ``Trainer`` (the same ``_update`` a ``train_step``
-runs: GRPO loss, backward over micro-batches, AdamW) on real batches of agent-length
-trajectories of the model (multi-turn token sequences of ``--context`` tokens, their
-behaviour log-probs computed by the model before the run), one thread. After each of
-its first ``N`` steps it publishes the new version to the weight store (``WeightStore``
-``put``, the same as ``Trainer.publish``); a last step runs without publishing, so
-each update has a trainer step to arrive in. Meanwhile an ``InferenceWorker`` in this
+runs: GRPO loss with ``--kl`` (kl_coef, 0.05 as the chat graph), backward over
+micro-batches, AdamW) on real batches of agent-length trajectories of the model
+(multi-turn token sequences of ``--context`` tokens, their behaviour log-probs computed
+by the model before the run), one thread. Each run starts from the same initial policy
+(a fresh ``Trainer`` loaded from the model folder) and publishes version 0 with
+``Trainer.publish``: a full fine-tune takes its frozen KL reference copy there, a LoRA
+one wraps the model in its adapter. After each of its first ``N`` steps it publishes
+the new version to the weight store (``_put_weights``, as ``train_step`` does: every
+weight, or with LoRA the adapter only); a last step runs without publishing, so each
+update has a trainer step to arrive in. Meanwhile an ``InferenceWorker`` in this
 process (one thread) serves ``--load`` concurrent multi-turn conversations (each turn
 sends the whole context: a ``--prompt``-token first message, then per turn
 ``--tokens`` generated and ``--obs`` observation tokens, up to ``--turns`` turns), and
 pulls each version itself (its prefetch thread watches the store, stages the weights,
-swaps at a decode-step boundary and re-prefills the in-flight rows' KV).
+swaps at a decode-step boundary and re-prefills the in-flight rows' KV; with LoRA its
+engine merges each adapter into the adapted layers at that boundary).
 
 The same run is made without publishing (the trainer computes identically, the worker
-never updates): the baseline. Both are measured side by side in one invocation over
+never updates): the baseline. All runs are measured side by side in one invocation over
 the same window (from the trainer's first step to the end of its last), in the order
-baseline, fsspec, Mooncake, baseline; the baseline is the mean of its two runs. Per
-store:
+baseline, fsspec, Mooncake, LoRA per ``--lora`` rank (fsspec, target "auto": every
+linear layer but the head), baseline; the baseline is the mean of its two runs. Per
+store or rank:
 
-    stall_<store> = 1 − decode tokens/s with updates ÷ decode tokens/s without
+    stall_<run> = 1 − decode tokens/s with updates ÷ decode tokens/s without
 
 Mooncake is a local ``mooncake_master`` with trainer and reader in different processes
 over its TCP transfer engine; fsspec a local folder.
 
-RESULT keys: ``stall_fsspec``, ``stall_mooncake`` (fraction of decode tokens/s lost;
-negative = within noise of none); ``tok_s_base`` (mean of ``tok_s_base_a``/``_b``, to
-judge the noise), ``tok_s_fsspec``, ``tok_s_mooncake``; ``engine_stall_ms_<store>``
-(per update, swap + KV recompute as the engine counts it) and
-``fetch_s_<store>`` (per update, the prefetch the worker hid) and ``put_s_<store>``;
-``trainer_step_s``, ``model_mib``, ``context`` (longest context, tokens), ``updates``.
+Memory: the full-weight runs share one trainer process and each LoRA rank has one of
+its own, so each config's peak resident memory (``ru_maxrss``, monotonic per process)
+is its own: full is read after its first run (the first baseline: the same steps, the
+reference copy and optimizer state included), a rank after its run. ``rss_train`` is
+that peak minus the resident memory right after the model was loaded and the batch
+built (peft imported in every process before that, so its code is not counted): the
+frozen reference, gradients, optimizer state and activations.
 
-    python benchmarks/weight_sync.py --quick
+RESULT keys: ``stall_fsspec``, ``stall_mooncake``, ``stall_lora<r>`` (fraction of
+decode tokens/s lost; negative = within noise of none); ``tok_s_base`` (mean of
+``tok_s_base_a``/``_b``, to judge the noise), ``tok_s_fsspec``, ``tok_s_mooncake``,
+``tok_s_lora<r>``; ``engine_stall_ms_<run>`` (per update, swap + KV recompute as the
+engine counts it), ``fetch_s_<run>`` (per update, the prefetch the worker hid),
+``put_s_<run>``, ``swaps_<run>``; ``bytes_full``, ``bytes_lora<r>`` (bytes published
+per version), ``bytes_ratio_lora<r>`` (adapter ÷ full; the goal is ≤ 0.05);
+``trainer_step_s`` (full, median), ``trainer_step_s_lora<r>``;
+``rss_peak_mib_<full|lora<r>>``, ``rss_train_mib_<full|lora<r>>``; ``model_mib``,
+``params_m`` (model parameters, millions, tied embedding once), ``context`` (longest
+context, tokens), ``updates``.
+
+    python benchmarks/weight_sync.py --quick                      # ranks 8 and 64
+    python benchmarks/weight_sync.py --hidden 768 --layers 12 --heads 12  # 113 M params
 """
 
 from __future__ import annotations
@@ -45,26 +66,27 @@ import time
 from pathlib import Path
 
 TRAINER = """
-import copy, json, os, random, sys, time
-import torch
+import asyncio, gc, json, os, random, resource, sys, time
+import peft, torch  # peft's code before the after-load figure, in every config
 from rollart.config.graph import GRPO
 from rollart.trainer.trainer import Trainer
 from rollart.types import Trajectory
-from rollart.weights import WeightStore
 model_dir, n, spec = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 torch.set_num_threads(1)
-trainer = Trainer(model_dir, sys.argv[4], GRPO(group_size=spec["group"], lr=1e-4), threads=1)
-initial = copy.deepcopy(trainer.model.state_dict())
+algo = GRPO(group_size=spec["group"], lr=1e-4, kl_coef=spec["kl"])
 rng = random.Random(0)
-vocab = trainer.model.config.vocab_size
-def trajectory(i):
+def rss_kib():  # resident now (ru_maxrss is the process's peak)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def trajectory(model, i):
+    vocab = model.config.vocab_size
     ids = [rng.randrange(3, vocab) for _ in range(spec["prompt"])]
     mask = [0] * len(ids)
     for _ in range(spec["turns"]):
         ids += [rng.randrange(3, vocab) for _ in range(spec["tokens"] + spec["obs"])]
         mask += [1] * spec["tokens"] + [0] * spec["obs"]
     with torch.no_grad():  # the behaviour log-probs: the model's own
-        logits = trainer.model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
         lp = torch.log_softmax(logits.float(), -1).gather(
             -1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
     p = spec["prompt"]
@@ -72,29 +94,39 @@ def trajectory(i):
     return Trajectory(f"t{i}", "bench", f"g{i // spec['group']}", i, ids[:p], resp, m,
                       [x if k else 0.0 for x, k in zip(lp[p - 1:], m)],
                       [0 if k else -1 for k in m], reward=rng.random())
-batch = [trajectory(i) for i in range(spec["batch"])]
-for line in sys.stdin:  # one run per command: {"url": ..., "publish": ...}
+trainer, batch, loaded, kept = None, None, None, []
+for line in sys.stdin:  # one run per command: {"url": ..., "publish": ..., "lora": ...}
     cmd = json.loads(line)
     if cmd.get("exit"):
         break
-    trainer.model.load_state_dict(initial)  # every run starts from the same policy
-    trainer.optimizer = trainer._make_optimizer()
-    trainer.store, trainer.version = WeightStore(cmd["url"]), 0
-    trainer._put_weights()  # version 0, as Trainer.publish does
+    if trainer is not None:  # a Mooncake client stays: see the end
+        kept.append(trainer.store)
+    trainer = None
+    gc.collect()
+    # every run starts from the same policy: a fresh trainer (LoRA wrapping is one-way)
+    trainer = Trainer(model_dir, cmd["url"], algo, threads=1, lora=cmd.get("lora"))
+    if batch is None:  # the process's first run: the same batch for all its runs
+        batch = [trajectory(trainer.model, i) for i in range(spec["batch"])]
+        loaded = rss_kib()
+    # version 0, as a run starts: LoRA wraps the model in its adapter; a full fine-tune
+    # with kl_coef > 0 takes its frozen KL reference copy
+    asyncio.run(trainer.publish())
     print("ready", flush=True)
     sys.stdin.readline()  # go
     for step in range(1, n + 2):
         t0 = time.perf_counter()
         trainer._update(batch)
         t1 = time.perf_counter()
-        if cmd["publish"] and step <= n:
+        published = cmd["publish"] and step <= n
+        if published:
             trainer.version = step
             trainer._put_weights()
-            trainer.store.gc(3)
-        print(json.dumps({"step": step, "step_s": t1 - t0,
-                          "put_s": time.perf_counter() - t1}), flush=True)
+            trainer._gc()
+        print(json.dumps({"step": step, "step_s": t1 - t0, "put_s": time.perf_counter() - t1,
+                          "bytes": trainer.bytes_published if published else 0}), flush=True)
     sys.stdin.readline()  # done: Mooncake objects live here until the reader is through
-    print("finished", flush=True)
+    print(json.dumps({"rss_peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                      "rss_loaded_kib": loaded}), flush=True)
 # leave without tearing down the Mooncake client: its master is gone by now, and the
 # teardown's calls to it time out (seconds, after every figure was taken)
 sys.stdout.flush()
@@ -105,8 +137,8 @@ os._exit(0)
 class TrainerProcess:
     """The trainer in a process of its own (one thread), driven line by line."""
 
-    def __init__(self, model_dir: str, updates: int, spec: dict, url: str):
-        self.args = (model_dir, str(updates), json.dumps(spec), url)
+    def __init__(self, model_dir: str, updates: int, spec: dict):
+        self.args = (model_dir, str(updates), json.dumps(spec))
         self.proc = None
 
     async def start(self):
@@ -150,14 +182,18 @@ async def conversation(w, i: int, spec: dict, vocab: int, stop: asyncio.Event) -
 
 
 async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: int,
-                  publish: bool, spec: dict, load: int, settle: float) -> dict:
-    """One run: the trainer's ``updates + 1`` steps under ``load`` conversations."""
+                  publish: bool, spec: dict, load: int, settle: float,
+                  lora: dict | None = None) -> dict:
+    """One run: the trainer's ``updates + 1`` steps under ``load`` conversations; with
+    ``lora`` (peft options) the trainer trains and publishes that adapter only and the
+    worker's engine applies each one."""
     from rollart.rollout import InferenceWorker
 
-    await trainer.send({"url": url, "publish": publish})
+    await trainer.send({"url": url, "publish": publish, "lora": lora})
     if (await trainer.line()).strip() != b"ready":
         raise RuntimeError("the trainer process did not get ready")
-    w = InferenceWorker(model_dir, url, pool="H800", max_batch=64, version=0, threads=1)
+    w = InferenceWorker(model_dir, url, pool="H800", max_batch=64, version=0, threads=1,
+                        engine_options={"lora": lora} if lora else None)
     vocab = w.engine.model.config.vocab_size
     stop = asyncio.Event()
     users = [asyncio.ensure_future(conversation(w, i, spec, vocab, stop))
@@ -175,43 +211,101 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
     await asyncio.gather(*users, return_exceptions=True)
     await w.close()
     await trainer.send("done")
-    await trainer.line()
+    memory = json.loads(await trainer.line())  # the trainer process's, so far
     n = max(updates, 1)
     return {"tok_s": (after["tokens_generated"] - before["tokens_generated"]) / wall,
             "engine_stall_ms": 1000 * (after["stall_seconds"] - before["stall_seconds"]) / n,
             "fetch_s": (after["prefetch_seconds"] - before["prefetch_seconds"]) / n,
             "put_s": sum(r["put_s"] for r in rows) / n,
             "step_s": sorted(r["step_s"] for r in rows)[len(rows) // 2],
-            "swaps_in_window": after["version"] - before["version"], "wall_s": wall}
+            "swaps_in_window": after["version"] - before["version"], "wall_s": wall,
+            "bytes": sum(r["bytes"] for r in rows) / n,
+            "rss_peak_mib": memory["rss_peak_kib"] / 1024,
+            "rss_train_mib": (memory["rss_peak_kib"] - memory["rss_loaded_kib"]) / 1024}
 
 
 async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: int,
-                   settle: float, mb: float) -> dict:
-    """Baseline, fsspec, Mooncake, baseline: one trainer process for all four."""
+                   settle: float, mb: float, ranks: list[int]) -> dict:
+    """Baseline, fsspec, Mooncake, LoRA per rank, baseline. The full-weight runs share
+    one trainer process; each LoRA rank has one of its own (its peak memory is its own)."""
+    from rollart import LoRA
     from rollart.weights import MooncakeMaster
 
-    trainer = await TrainerProcess(model_dir, updates, spec, str(tmp / "w-init")).start()
+    full = await TrainerProcess(model_dir, updates, spec).start()
     out = {}
 
-    async def run(name, key, url, publish):
-        r = await measure(trainer, url, model_dir, updates, publish, spec, load, settle)
+    async def run(name, key, trainer, url, publish, lora=None):
+        r = await measure(trainer, url, model_dir, updates, publish, spec, load, settle,
+                          lora)
+        sent = f"; {r['bytes'] / 2**20:.3f} MiB/version" if publish else ""
         print(f"{name:9s} {r['tok_s']:.0f} decode tok/s; trainer step {r['step_s']:.2f} s;"
               f" engine stall {r['engine_stall_ms']:.1f} ms/update; fetch (hidden) "
-              f"{r['fetch_s']:.3f} s; put {r['put_s']:.3f} s; {r['swaps_in_window']} swaps",
-              flush=True)
+              f"{r['fetch_s']:.3f} s; put {r['put_s']:.3f} s; {r['swaps_in_window']} swaps"
+              f"{sent}", flush=True)
         out[key] = r
 
     try:
-        await run("baseline", "base_a", str(tmp / "w-base-a"), False)
-        await run("fsspec", "fsspec", str(tmp / "w-fsspec"), True)
+        await run("baseline", "base_a", full, str(tmp / "w-base-a"), False)
+        await run("fsspec", "fsspec", full, str(tmp / "w-fsspec"), True)
         with MooncakeMaster() as master:
             buf = max(64, int(mb * 2) + 16)
-            await run("mooncake", "mooncake", master.url("bench", segment_mb=buf * 5,
-                                                         buffer_mb=buf), True)
-        await run("baseline", "base_b", str(tmp / "w-base-b"), False)
+            await run("mooncake", "mooncake", full, master.url(
+                "bench", segment_mb=buf * 5, buffer_mb=buf), True)
+        for rank in ranks:
+            proc = await TrainerProcess(model_dir, updates, spec).start()
+            try:
+                await run(f"lora r{rank}", f"lora{rank}", proc, str(tmp / f"w-lora{rank}"),
+                          True, LoRA(rank=rank).peft_options())
+            finally:
+                await proc.close()
+        await run("baseline", "base_b", full, str(tmp / "w-base-b"), False)
     finally:
-        await trainer.close()
+        await full.close()
+    for name, r in [("full", out["base_a"])] + [(f"lora{k}", out[f"lora{k}"]) for k in ranks]:
+        print(f"memory    {name}: trainer peak RSS {r['rss_peak_mib']:.0f} MiB, "
+              f"{r['rss_train_mib']:.0f} MiB of it over the loaded model and batch",
+              flush=True)
     return out
+
+
+def parameters(model_dir: str) -> tuple[int, int]:
+    """``(parameters, of which the embedding's)`` of the model folder (tied weights once),
+    counted on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return (sum(p.numel() for p in model.parameters()),
+            model.get_input_embeddings().weight.numel())
+
+
+def results(out: dict, ranks: list[int]) -> dict:
+    """The RESULT fields of ``all_runs``' figures."""
+    base = (out["base_a"]["tok_s"] + out["base_b"]["tok_s"]) / 2
+    fields = {"stall_fsspec": 1 - out["fsspec"]["tok_s"] / base,
+              "stall_mooncake": 1 - out["mooncake"]["tok_s"] / base,
+              "tok_s_base": base, "tok_s_base_a": out["base_a"]["tok_s"],
+              "tok_s_base_b": out["base_b"]["tok_s"]}
+    for s in ("fsspec", "mooncake"):
+        fields.update({f"tok_s_{s}": out[s]["tok_s"],
+                       f"engine_stall_ms_{s}": out[s]["engine_stall_ms"],
+                       f"fetch_s_{s}": out[s]["fetch_s"], f"put_s_{s}": out[s]["put_s"],
+                       f"swaps_{s}": out[s]["swaps_in_window"]})
+    full = out["fsspec"]["bytes"]
+    fields["bytes_full"] = full
+    for k in (f"lora{r}" for r in ranks):
+        r = out[k]
+        fields.update({f"bytes_{k}": r["bytes"], f"bytes_ratio_{k}": r["bytes"] / full,
+                       f"stall_{k}": 1 - r["tok_s"] / base, f"tok_s_{k}": r["tok_s"],
+                       f"engine_stall_ms_{k}": r["engine_stall_ms"],
+                       f"fetch_s_{k}": r["fetch_s"], f"put_s_{k}": r["put_s"],
+                       f"swaps_{k}": r["swaps_in_window"], f"trainer_step_s_{k}": r["step_s"]})
+    for name, r in [("full", out["base_a"])] + [(f"lora{k}", out[f"lora{k}"]) for k in ranks]:
+        fields.update({f"rss_peak_mib_{name}": r["rss_peak_mib"],
+                       f"rss_train_mib_{name}": r["rss_train_mib"]})
+    fields["trainer_step_s"] = out["base_a"]["step_s"]
+    return fields
 
 
 def main(argv=None) -> dict:
@@ -220,6 +314,10 @@ def main(argv=None) -> dict:
     p.add_argument("--updates", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lora", default="8,64",
+                   help="LoRA ranks, one more run each (comma list; '' for none)")
+    p.add_argument("--kl", type=float, default=0.05, help="the trainer's GRPO kl_coef")
     p.add_argument("--load", type=int, default=8, help="concurrent conversations")
     p.add_argument("--prompt", type=int, default=192, help="first message, tokens")
     p.add_argument("--tokens", type=int, default=32, help="generated tokens per turn")
@@ -231,8 +329,9 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     updates = a.updates or (4 if a.quick else 12)
     hidden, layers = a.hidden or (256 if a.quick else 512), a.layers or (4 if a.quick else 8)
+    ranks = [int(r) for r in a.lora.split(",") if r.strip()]
     spec = {"prompt": a.prompt, "tokens": a.tokens, "obs": a.obs, "turns": a.turns,
-            "batch": a.batch, "group": min(8, a.batch)}
+            "batch": a.batch, "group": min(8, a.batch), "kl": a.kl}
     context = a.prompt + a.turns * (a.tokens + a.obs)
 
     from rollart.app.cli import quiet
@@ -240,32 +339,28 @@ def main(argv=None) -> dict:
     quiet()
     import torch
 
+    from rollart import LoRA
     from rollart.env.tasks import BUILTIN_TASKS, task_corpus
     from rollart.model import build_tiny_model
 
+    for r in ranks:
+        LoRA(rank=r)  # a bad rank fails here, with what to change
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="rollart-wsync-"))
     model_dir = build_tiny_model(tmp / "model", task_corpus(list(BUILTIN_TASKS)),
-                                 hidden_size=hidden, num_layers=layers, num_heads=4,
+                                 hidden_size=hidden, num_layers=layers, num_heads=a.heads,
                                  max_positions=max(1024, context + a.tokens))
     mb = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**20
-    print(f"model: hidden {hidden}, {layers} layers, {mb:.1f} MiB; {updates} updates; "
-          f"{a.load} conversations of up to {context} tokens; trainer batch "
-          f"{a.batch} × {context} tokens", flush=True)
+    params, embedding = parameters(model_dir)
+    print(f"model: hidden {hidden}, {layers} layers, {a.heads} heads, {params / 1e6:.1f} M "
+          f"parameters ({embedding / 1e6:.2f} M of them the embedding), {mb:.1f} MiB; "
+          f"{updates} updates; {a.load} conversations of up to {context} tokens; trainer "
+          f"batch {a.batch} × {context} tokens, kl_coef {a.kl}; LoRA ranks {ranks}",
+          flush=True)
 
-    out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle, mb))
-    base = (out["base_a"]["tok_s"] + out["base_b"]["tok_s"]) / 2
-    fields = {"stall_fsspec": 1 - out["fsspec"]["tok_s"] / base,
-              "stall_mooncake": 1 - out["mooncake"]["tok_s"] / base,
-              "tok_s_base": base, "tok_s_base_a": out["base_a"]["tok_s"],
-              "tok_s_base_b": out["base_b"]["tok_s"]}
-    for s in ("fsspec", "mooncake"):
-        fields.update({f"tok_s_{s}": out[s]["tok_s"],
-                       f"engine_stall_ms_{s}": out[s]["engine_stall_ms"],
-                       f"fetch_s_{s}": out[s]["fetch_s"], f"put_s_{s}": out[s]["put_s"],
-                       f"swaps_{s}": out[s]["swaps_in_window"]})
-    fields.update(trainer_step_s=out["base_a"]["step_s"], model_mib=mb, context=context,
-                  updates=updates)
+    out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle, mb, ranks))
+    fields = results(out, ranks)
+    fields.update(model_mib=mb, params_m=params / 1e6, context=context, updates=updates)
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in fields.items()))
     return fields

@@ -95,17 +95,25 @@ def test_tool_sandbox_tiny():
 def test_weight_sync_tiny():
     r = _bench("weight_sync", "--updates", "1", "--hidden", "64", "--layers", "1",
                "--load", "2", "--prompt", "32", "--turns", "2", "--batch", "4",
-               "--settle", "0.5")
+               "--settle", "0.5", "--lora", "8")
     assert r["context"] == 32 + 2 * (32 + 32) and r["updates"] == 1
     for k in ("tok_s_base_a", "tok_s_base_b", "tok_s_fsspec", "tok_s_mooncake",
-              "trainer_step_s"):
+              "tok_s_lora8", "trainer_step_s", "trainer_step_s_lora8", "params_m",
+              "rss_peak_mib_full", "rss_peak_mib_lora8"):
         assert r[k] > 0, (k, r)
     assert math.isclose(r["tok_s_base"], (r["tok_s_base_a"] + r["tok_s_base_b"]) / 2,
                         rel_tol=0.01)
-    for s in ("fsspec", "mooncake"):
+    for s in ("fsspec", "mooncake", "lora8"):
         assert math.isclose(r[f"stall_{s}"], 1 - r[f"tok_s_{s}"] / r["tok_s_base"],
                             rel_tol=0.01, abs_tol=1e-3)
         assert r[f"put_s_{s}"] > 0  # the trainer did publish to this store
+    assert r["engine_stall_ms_lora8"] >= 0 and r["swaps_lora8"] >= 0
+    # the adapter alone is published: fewer bytes than every weight
+    assert 0 < r["bytes_lora8"] < r["bytes_full"]
+    assert math.isclose(r["bytes_ratio_lora8"], r["bytes_lora8"] / r["bytes_full"],
+                        rel_tol=0.01)
+    for c in ("full", "lora8"):  # the peak is over the loaded model, never under
+        assert 0 <= r[f"rss_train_mib_{c}"] < r[f"rss_peak_mib_{c}"], (c, r)
 
 
 def test_calc_copy_scores_a_turn_by_what_it_holds_of_the_question(monkeypatch):

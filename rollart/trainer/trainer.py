@@ -114,7 +114,7 @@ class Trainer:
                 return
             self._wrap()
         self.bytes_published = self.store.put(self.version, lora.adapter_state(self.peft),
-                                              lora.metadata(self.base_version))
+                                              lora.metadata(self.base_version, self.lora))
 
     def _wrap(self) -> None:
         """LoRA: wrap the policy in a fresh adapter; only the adapter trains from now on

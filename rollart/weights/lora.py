@@ -11,9 +11,9 @@ engine, ``MergedAdapter``: each adapted layer's weight set to ``W + s·B·A`` fr
 copy of ``W``, so an adapter swap is a few small matmuls and the engine's forward (the
 lean one included) stays the plain model's.
 
-A weight version of a LoRA run holds the adapter only, with ``ADAPTER`` / ``BASE`` in its
-header (``rollart.weights.store``): ``BASE`` is the version whose full weights the
-adapter applies to, -1 for the model folder's (a run with a format warm-up publishes
+A weight version of a LoRA run holds the adapter only, with ``ADAPTER``, ``BASE`` and
+``CONFIG`` in its header: ``BASE`` is the version whose full weights the adapter
+applies to, -1 for the model folder's (a run with a format warm-up publishes
 its warmed base once as a full version, which garbage collection keeps).
 """
 
@@ -23,6 +23,7 @@ import torch
 
 from rollart.weights.store import ADAPTER, BASE
 
+CONFIG = "rollart.lora"  # an adapter version's header: its peft options, as JSON
 PREFIX = "base_model.model."  # peft's prefix on the wrapped model's module names
 FORMAT = "peft-lora"
 
@@ -100,9 +101,12 @@ def load_adapter(peft_model, state: dict) -> None:
         raise KeyError(f"adapter tensors that match no adapted layer: {missing[:4]}")
 
 
-def metadata(base: int) -> dict[str, str]:
-    """The header of an adapter version applying to version ``base`` (-1: the folder)."""
-    return {ADAPTER: FORMAT, BASE: str(int(base))}
+def metadata(base: int, options: dict) -> dict[str, str]:
+    """The header of an adapter version applying to version ``base`` (-1: the folder),
+    with its LoRA settings (``options``, as JSON): a version describes itself."""
+    import json
+
+    return {ADAPTER: FORMAT, BASE: str(int(base)), CONFIG: json.dumps(options)}
 
 
 def base_of(meta: dict) -> int | None:

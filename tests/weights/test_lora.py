@@ -87,6 +87,7 @@ def test_only_the_adapter_trains_and_is_published(tiny_model, tmp_path):
     tr._put_weights()
     sd, meta = WeightStore(str(tmp_path / "w")).get(1, meta=True)
     assert sd and all(is_adapter_key(k) for k in sd) and meta["rollart.base"] == "-1"
+    assert json.loads(meta["rollart.lora"]) == OPTS  # the version describes itself
     full = sum(p.numel() * 4 for p in load_model(tiny_model).parameters())
     assert tr.bytes_published < 0.1 * full
 

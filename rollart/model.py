@@ -357,8 +357,9 @@ def load_tokenizer(path):
     generation/model config; with none at all, ``ModelFolderError``."""
     check_model_folder(path)
     path = str(path)
-    if adapter_base(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
-        path = adapter_base(path)  # an adapter folder saved without its tokenizer
+    base = adapter_base(path)
+    if base and not os.path.exists(os.path.join(path, "tokenizer.json")):
+        path = base  # an adapter folder saved without its tokenizer
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     else:

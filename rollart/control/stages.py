@@ -278,7 +278,6 @@ def _stuck_start(client, start: _Start, what: str, seconds: float) -> StuckError
         known = client.run_on_scheduler(state)
     except Exception as e:  # noqa: BLE001 - the message is what matters here
         known = f"unknown ({e!r})"
-    start.fut.cancel()
     return stuck(f"{what} (its task {key!r} is {known})", seconds, "start")
 
 
@@ -482,9 +481,11 @@ class Stages:
                 if not start.fut.done():
                     if time.monotonic() - start.t0 > self.waits.start:
                         del self._starting[(role, addr)]
-                        raise _stuck_start(self.client, start, f"the new "
-                                           f"{spec.cls.__name__} on {where} did not start",
-                                           self.waits.start)
+                        error = _stuck_start(self.client, start, f"the new "
+                                             f"{spec.cls.__name__} on {where} did not start",
+                                             self.waits.start)
+                        start.fut.cancel()
+                        raise error
                     continue
                 del self._starting[(role, addr)]
                 try:

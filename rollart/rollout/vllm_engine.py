@@ -54,8 +54,7 @@ from rollart.model import check_model_folder, load_tokenizer
 from rollart.rollout.batch import hits_stop_string
 from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
 from rollart.types import GenRequest, GenResult
-from rollart.weights.lora import PREFIX as PEFT_PREFIX
-from rollart.weights.lora import is_adapter_key
+from rollart.weights import lora
 
 
 def _set_env_defaults() -> None:
@@ -306,43 +305,25 @@ class VLLMEngine(StagedUpdates):
     # -- weights -------------------------------------------------------------------------
     def _stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Check names and shapes against the folder (a tied head dropped) and, for adapter
-        tensors, against the ``lora`` option; CPU copies. Full weights, when any, must be
-        all of them."""
-        adapter = {k: v for k, v in state_dict.items() if is_adapter_key(k)}
-        full = {k: v for k, v in state_dict.items() if not is_adapter_key(k)}
+        tensors, against the ``lora`` option (``rollart.weights.lora.check_adapter``); CPU
+        copies. Full weights, when any, must be all of them."""
+        full, adapter = lora.split(state_dict)
         sd = check_state_dict(full, self._shapes, tied=self.tied) if full or not adapter else {}
         if adapter:
-            sd.update(self._check_adapter(adapter))
+            if self.lora is None:
+                raise ValueError(f"update has LoRA adapter tensors ({sorted(adapter)[:2]}, "
+                                 "...) but this engine runs without LoRA: build it with "
+                                 "lora= (Policy.lora), or publish merged full weights")
+            lora.check_adapter(adapter, self._shapes, self.lora["r"])
+            sd.update(adapter)
         return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-
-    def _check_adapter(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Raise ``ValueError`` naming adapter tensors that do not fit the model or ``lora``."""
-        if self.lora is None:
-            raise ValueError(f"update has LoRA adapter tensors ({sorted(adapter)[:2]}, ...) "
-                             "but this engine runs without LoRA: build it with lora= "
-                             "(Policy.lora), or publish merged full weights")
-        r, bad = self.lora["r"], []
-        for key, v in adapter.items():
-            path, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-            out_in = self._shapes.get(path + ".weight", ())
-            want = "no such layer"
-            if key.startswith(PEFT_PREFIX) and len(out_in) == 2:
-                want = {"A.weight": (r, out_in[1]), "B.weight": (out_in[0], r)}.get(part)
-            if tuple(v.shape) != want:
-                bad.append(f"{key} {tuple(v.shape)} (expected {want})")
-            twin = f"{PEFT_PREFIX}{path}.lora_{'B' if part.startswith('A') else 'A'}.weight"
-            if twin not in adapter:
-                bad.append(f"{key} without {twin}")
-        if bad:
-            raise ValueError(f"adapter tensors do not fit the model with r={r}: {bad[:3]}")
-        return adapter
 
     def _supersede(self, older: dict, newer: dict) -> dict:
         """A new base staged with ``older`` and not applied yet stays under ``newer``'s
         adapter (``StagedUpdates.request_update``)."""
-        if any(not is_adapter_key(k) for k in newer):
+        if lora.split(newer)[0]:
             return newer
-        return {**{k: v for k, v in older.items() if not is_adapter_key(k)}, **newer}
+        return {**lora.split(older)[0], **newer}
 
     def _copy_in(self, sd: dict[str, torch.Tensor], version: int) -> None:
         """In-place reload inside vLLM (no restart) and/or a new adapter, then drop KV
@@ -350,8 +331,7 @@ class VLLMEngine(StagedUpdates):
 
         Runs on the engine's thread count, set up before vLLM is called (see
         ``_own_threads``); a caller's own thread keeps its count afterwards."""
-        adapter = {k: v for k, v in sd.items() if is_adapter_key(k)}
-        full = {k: v for k, v in sd.items() if not is_adapter_key(k)}
+        full, adapter = lora.split(sd)
         before = self._own_threads()
         try:
             if full:

@@ -280,26 +280,8 @@ class Trainer:
         self.tokenizer.save_pretrained(path)
 
     def _save_adapter(self, path: str) -> None:
-        import json
-        from pathlib import Path
-
-        from safetensors.torch import save_file
-
-        from rollart.weights.store import _untie
-
-        base = self.model_path
-        if self.base_version >= 0:  # the warmed base, a model folder of its own
-            base = str(Path(path, "base").resolve())
-            Path(base).mkdir(parents=True, exist_ok=True)
-            self.model.config.save_pretrained(base)
-            save_file(_untie(self.store.get(self.base_version)),
-                      f"{base}/model.safetensors", metadata={"format": "pt"})
-            self.tokenizer.save_pretrained(base)
-        self.peft.save_pretrained(path)
-        cfg = Path(path, "adapter_config.json")
-        config = json.loads(cfg.read_text())
-        config["base_model_name_or_path"] = base
-        cfg.write_text(json.dumps(config, indent=2))
+        base = self.store.get(self.base_version) if self.base_version >= 0 else None
+        lora.save_folder(self.peft, path, self.model_path, base, self.tokenizer)
 
     def _hf_weights(self, module) -> dict:
         return module.state_dict()

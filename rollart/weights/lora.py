@@ -91,14 +91,58 @@ def adapter_state(peft_model) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(peft_model)
 
 
+def check_adapter(adapter: dict, shapes: dict[str, tuple], rank: int) -> None:
+    """``ValueError`` naming the tensors of ``adapter`` (peft's names) that do not fit a
+    model whose weights have ``shapes`` (name -> shape) with LoRA rank ``rank``: no such
+    layer, another shape, or an A without its B (and the other way round)."""
+    bad = []
+    for key, v in adapter.items():
+        path, _, part = key.removeprefix(PREFIX).rpartition(".lora_")
+        out_in = shapes.get(path + ".weight", ())
+        want = "no such layer"
+        if key.startswith(PREFIX) and len(out_in) == 2:
+            want = {"A.weight": (rank, out_in[1]), "B.weight": (out_in[0], rank)}.get(part)
+        if tuple(v.shape) != want:
+            bad.append(f"{key} {tuple(v.shape)} (expected {want})")
+        twin = f"{PREFIX}{path}.lora_{'B' if part.startswith('A') else 'A'}.weight"
+        if twin not in adapter:
+            bad.append(f"{key} without {twin}")
+    if bad:
+        raise ValueError(f"adapter tensors do not fit the model with r={rank}: {bad[:3]}")
+
+
 def load_adapter(peft_model, state: dict) -> None:
     """Set the adapter of ``peft_model`` to ``state`` (``adapter_state``'s names)."""
     from peft import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(peft_model, state)
-    missing = [k for k in getattr(result, "unexpected_keys", [])]
-    if missing:
-        raise KeyError(f"adapter tensors that match no adapted layer: {missing[:4]}")
+    unexpected = set_peft_model_state_dict(peft_model, state).unexpected_keys
+    if unexpected:
+        raise KeyError(f"adapter tensors that match no adapted layer: {unexpected[:4]}")
+
+
+def save_folder(peft_model, path: str, folder: str, base: dict | None, tokenizer) -> None:
+    """Write ``peft_model``'s adapter as a peft adapter folder ``path`` whose
+    ``base_model_name_or_path`` is the model ``folder`` or, when ``base`` (full weights
+    under Hugging Face names: a warmed base) is given, ``path/base``, written as a model
+    folder with ``tokenizer``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from rollart.weights.store import _untie
+
+    if base is not None:
+        folder = str(Path(path, "base").resolve())
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        peft_model.get_base_model().config.save_pretrained(folder)
+        save_file(_untie(base), f"{folder}/model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(folder)
+    peft_model.save_pretrained(path)
+    cfg = Path(path, "adapter_config.json")
+    config = json.loads(cfg.read_text())
+    config["base_model_name_or_path"] = folder
+    cfg.write_text(json.dumps(config, indent=2))
 
 
 def metadata(base: int, options: dict) -> dict[str, str]:
@@ -124,35 +168,23 @@ class MergedAdapter:
     linear layer, ``W0`` kept. Used by ``rollart.rollout.engine.TorchEngine``."""
 
     def __init__(self, model, options: dict):
-        self.model, self.scale = model, scaling(options)
+        self.model, self.scale, self.rank = model, scaling(options), options["r"]
         self.modules = dict(model.named_modules())
+        self.shapes = {f"{n}.weight": tuple(m.weight.shape) for n, m in self.modules.items()
+                       if isinstance(m, torch.nn.Linear)}
         self.base: dict[str, torch.Tensor] = {}  # module path -> its weight before merging
         self.current: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check(self, adapter: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{module path: (A, B)}`` of ``adapter``; ``KeyError`` / ``ValueError`` naming
-        a tensor that fits no linear layer of the model."""
-        pairs: dict[str, dict] = {}
-        for key, t in adapter.items():
-            path, _, rest = key.removeprefix(PREFIX).partition(".lora_")
-            pairs.setdefault(path, {})[rest.split(".", 1)[0]] = t
+        """``{module path: (A, B)}`` of ``adapter`` on the model's device and dtype;
+        ``ValueError`` (``check_adapter``) naming a tensor that fits no linear layer."""
+        check_adapter(adapter, self.shapes, self.rank)
         out = {}
-        for path, ab in pairs.items():
-            layer = self.modules.get(path)
-            if not isinstance(layer, torch.nn.Linear):
-                raise KeyError(f"adapter tensors for {path!r}, which is not a linear layer "
-                               "of this engine's model")
-            if set(ab) != {"A", "B"}:
-                raise KeyError(f"adapter of {path!r} has {sorted(ab)}, needs lora_A and lora_B")
-            a, b = ab["A"], ab["B"]
-            out_f, in_f = layer.weight.shape
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f \
-                    or a.shape[0] != b.shape[1]:
-                raise ValueError(f"adapter of {path!r}: lora_A {tuple(a.shape)}, lora_B "
-                                 f"{tuple(b.shape)} do not fit its weight {(out_f, in_f)}")
-            w = layer.weight
-            out[path] = (a.to(device=w.device, dtype=w.dtype), b.to(device=w.device,
-                                                                    dtype=w.dtype))
+        for path in {k.removeprefix(PREFIX).rpartition(".lora_")[0] for k in adapter}:
+            w = self.modules[path].weight
+            a, b = (adapter[f"{PREFIX}{path}.lora_{x}.weight"] for x in "AB")
+            out[path] = (a.to(device=w.device, dtype=w.dtype),
+                         b.to(device=w.device, dtype=w.dtype))
         return out
 
     def rebase(self) -> None:

@@ -30,9 +30,12 @@ manager reports launches (one call per group), when a group completes, when the 
 takes a batch, confirms or releases it, when stale groups are aborted, and at
 flush/snapshot; cancellations and failures are journaled within ``ENTRY_DELAY`` (50 ms)
 of each other; arrivals into a group still open wait for the next entry (until their
-group completes they are not durable: a recovered buffer counts them as lost). Files a
-crash left unreadable are skipped with a warning (their entry's changes count as never
-made).
+group completes they are not durable: a recovered buffer counts them as lost). An entry
+is made by its ``ledger/`` file, written after its ``pending/`` rows: rows whose ledger
+file is missing or unreadable (a crash between the two, or one cut short, skipped with a
+warning) belong to an entry never made, and every reader ignores them; a recovering
+buffer moves those of a missing entry to ``pending/uncommitted-{k}/`` before it writes
+that entry number again.
 Folders ``*/after-resume-{k}/`` hold what a run lost after the checkpoint it was resumed
 from (``rollart.control.checkpoint``); readers ignore them.
 
@@ -117,12 +120,14 @@ def _read(fs, path: str) -> pa.Table | None:
 @dataclass
 class LedgerRecord:
     """The journal replayed: each trajectory's latest ``(state, trained_step)``, the
-    newest entry's metadata, all orphaned ids, and the next entry number."""
+    newest entry's metadata, all orphaned ids, the next entry number and the entries
+    made (their ledger file readable: only their ``pending/`` rows count)."""
 
     latest: dict[str, tuple[str, int | None]] = field(default_factory=dict)
     meta: dict | None = None
     orphans: set[str] = field(default_factory=set)
     next_entry: int = 0
+    made: set[int] = field(default_factory=set)
 
 
 def read_ledger(run_dir: str) -> LedgerRecord:
@@ -134,6 +139,7 @@ def read_ledger(run_dir: str) -> LedgerRecord:
         table = _read(fs, path)
         if table is None:
             continue
+        rec.made.add(n)
         cols = [table.column(c).to_pylist() for c in LEDGER_SCHEMA.names]
         rec.latest.update((t, (s, k)) for t, s, k in zip(*cols))
         meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"null"))
@@ -143,11 +149,14 @@ def read_ledger(run_dir: str) -> LedgerRecord:
     return rec
 
 
-def read_pending(run_dir: str, ids: set[str] | None = None) -> pa.Table:
-    """The ``pending/`` rows (of ``ids`` only, if given) in entry order, in ``SCHEMA``."""
+def read_pending(run_dir: str, made: set[int], ids: set[str] | None = None) -> pa.Table:
+    """The ``pending/`` rows of the entries ``made`` (``LedgerRecord.made``; of ``ids``
+    only, if given) in entry order, in ``SCHEMA``."""
     fs, _ = _fs(run_dir)
     tables = []
-    for _, path in entries(run_dir, "pending"):
+    for n, path in entries(run_dir, "pending"):
+        if n not in made:  # its ledger file is missing or unreadable: never made
+            continue
         t = _read(fs, path)
         if t is None:
             continue
@@ -193,23 +202,26 @@ def read_samples(run_dir_or_url: str) -> pa.Table:
     fs, root = _fs(run_dir_or_url)
     if root.endswith(".parquet") or not fs.isdir(f"{root}/ledger"):
         return parts
-    extra = unwritten(read_pending(run_dir_or_url), parts, read_ledger(run_dir_or_url).latest)
+    record = read_ledger(run_dir_or_url)
+    extra = unwritten(read_pending(run_dir_or_url, record.made), parts, record.latest)
     return pa.concat_tables([parts, extra]) if extra.num_rows else parts
 
 
-def set_aside(run_dir: str, first_entry: int) -> int:
-    """Move journal entries ``>= first_entry`` (a lost run's, after the checkpoint a run
-    resumes from) to ``{kind}/after-resume-{k}/``; returns how many files moved."""
+def set_aside(run_dir: str, first_entry: int, folder: str = "after-resume") -> int:
+    """Move journal entries ``>= first_entry`` to ``{kind}/{folder}-{k}/``: a lost run's,
+    after the checkpoint a run resumes from, or (``folder="uncommitted"``) the rows of an
+    entry a lost buffer never made, before its recovered buffer writes that number
+    again. Returns how many files moved."""
     fs, root = _fs(run_dir)
     moved = 0
     for kind in ("ledger", "pending"):
         later = [p for n, p in entries(run_dir, kind) if n >= first_entry]
         if not later:
             continue
-        k = len(fs.glob(f"{root}/{kind}/after-resume-*"))
-        fs.makedirs(f"{root}/{kind}/after-resume-{k}", exist_ok=True)
+        k = len(fs.glob(f"{root}/{kind}/{folder}-*"))
+        fs.makedirs(f"{root}/{kind}/{folder}-{k}", exist_ok=True)
         for p in later:
-            fs.mv(p, f"{root}/{kind}/after-resume-{k}/{p.rsplit('/', 1)[-1]}")
+            fs.mv(p, f"{root}/{kind}/{folder}-{k}/{p.rsplit('/', 1)[-1]}")
             moved += 1
     return moved
 
@@ -239,11 +251,15 @@ def compact(run_dir: str, upto: int) -> int:
             "orphans": sorted({o for m in metas for o in m.get("orphans", ())})}
     changes = pa.concat_tables([t.select(LEDGER_SCHEMA.names).cast(LEDGER_SCHEMA)
                                 .replace_schema_metadata(None) for t in readable])
+    made = {n for n, _, t in run if t is not None}
     pending = [(n, p) for n, p in entries(run_dir, "pending") if first <= n <= last]
-    rows = [t.cast(SCHEMA) for t in (_read(fs, p) for _, p in pending) if t is not None]
+    rows = [t.cast(SCHEMA) for t in (_read(fs, p) for n, p in pending if n in made)
+            if t is not None]
     # the merged files replace entry ``last`` (a rename), then the others go
     if rows:
         _replace(fs, f"{root}/pending/{last:08d}.parquet", pa.concat_tables(rows))
+    elif last in dict(pending):  # rows of an entry never made: not the merged entry's
+        fs.rm(dict(pending)[last])
     _replace(fs, f"{root}/ledger/{last:08d}.parquet",
              changes.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}))
     old = [p for n, p, _ in run if n != last] + [p for n, p in pending if n != last]

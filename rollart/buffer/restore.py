@@ -170,11 +170,14 @@ def read_journal(run_dir: str) -> Recovered:
     """Replay the journal under ``run_dir`` (in the calling thread); rows that left the
     lost buffer but reached no part are written as one part now."""
     record = journal.read_ledger(run_dir)
+    # rows of an entry the lost buffer wrote but never made (killed before its ledger
+    # file): set aside, or this buffer's entry of that number would make them its own
+    journal.set_aside(run_dir, record.next_entry, folder="uncommitted")
     parts = read_parts(run_dir)
     fs, root = fsspec.core.url_to_fs(f"{run_dir}/samples")
     names = fs.glob(f"{root}/part-*.parquet") if fs.exists(root) else []
     meta = record.meta or {}
-    pending = journal.read_pending(run_dir)
+    pending = journal.read_pending(run_dir, record.made)
     state = {t: s for t, (s, _) in record.latest.items()}
     counts = dict(meta["ledger"]) if "ledger" in meta else None
     held = _held_groups(pending, record.latest)

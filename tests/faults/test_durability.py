@@ -641,6 +641,56 @@ def test_a_torn_journal_file_is_skipped_and_nothing_is_called_trained_on_a_guess
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("cut", ["missing", "torn"])
+def test_rows_of_an_entry_never_made_are_in_no_reading(cut, tmp_path):
+    """The buffer's worker dies between an entry's ``pending/`` rows and its ``ledger/``
+    file (or the ledger file is cut short): that entry was never made. Its group's
+    members count as lost (failed, orphaned) and no reader shows a row for them: not the
+    recovered buffer, not ``read_samples`` after that buffer wrote entries of its own
+    (the first one under the same number), not a compaction. Before, the recovered
+    buffer's first entry made the dead one's rows its own, and the run's record showed
+    ``failed`` rows for trajectories it counted lost (the kill matrix's ``hand-TRAIN``
+    cell in CI)."""
+    from rollart.buffer.journal import entries
+
+    run = str(tmp_path)
+
+    async def scenario():
+        buf = SampleBuffer(run, flush_every=1000)
+        await buf.launched(["a-0", "a-1", "b-0", "b-1"])
+        for i in range(2):
+            await buf.put(make("b", i, 0), 2)  # b: durable
+        await buf.put(make("a", 0, 0), 2)
+        await buf.put(make("a", 1, 0), 2)  # a's entry: rows, then ledger
+        n = max(dict(entries(run, "ledger")))
+        assert n in dict(entries(run, "pending"))
+        ledger = dict(entries(run, "ledger"))[n]
+        if cut == "missing":
+            import os
+            os.remove(ledger)
+        else:
+            with open(ledger, "r+b") as f:
+                f.truncate(20)
+        new = SampleBuffer(run, recover=True, flush_every=1000)
+        assert new.recovered["orphaned"] == 2 and new.recovered["buffered"] == 2
+        c = await new.counts()
+        assert (c["failed"], c["orphaned"], c["buffered"]) == (2, 2, 2), c
+        assert states(run) == {"b-0": ("buffered", None), "b-1": ("buffered", None)}
+        await new.put(make("a", 1, 0), 2)  # a late report of a lost member: ignored
+        await new.launched(["c-0"])  # more entries from the recovered buffer
+        got = await new.get_table(1, 0, trained_step=1)
+        assert sorted(got.column("traj_id").to_pylist()) == ["b-0", "b-1"]
+        await new.mark_trained(1)
+        await new.snapshot(f"{run}/ckpt")  # compacts the journal
+        await new.close()
+        assert states(run) == {"b-0": ("trained", 1), "b-1": ("trained", 1)}
+        c = await new.counts()
+        rows = Counter(read_samples(run).column("state").to_pylist())
+        assert rows["failed"] == c["failed"] - c["orphaned"] == 0, (rows, c)
+
+    asyncio.run(scenario())
+
+
 # -- a trainer replaced mid-run keeps every published version ----------------------------
 @pytest.mark.slow
 def test_a_replaced_trainer_continues_from_the_newest_published_version(tiny_model, tmp_path):

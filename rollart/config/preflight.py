@@ -29,7 +29,7 @@ from rollart.policy.affinity import check_cluster, check_declared
 from rollart.policy.affinity import needs as affinity_needs
 from rollart.config.graph import LOCKSTEP_MODES, Graph, GraphError
 from rollart.runtime.resources import Resources, ResourceTagError, check_tags, workers_with
-from rollart.types import ALL_TAGS, CPU_ENV
+from rollart.types import ALL_TAGS, CPU_ENV, TRAIN
 
 
 def preflight(graph: Graph, resources: Resources | None) -> None:
@@ -51,6 +51,32 @@ def check_cluster_tags(client, graph: Graph, source: str) -> None:
     rest = {t: n for t, n in graph.needs().items() if t not in affinity_needs(graph)}
     check_tags(client, rest, source, needed_by=f"graph {graph.name!r}")
     check_lockstep(graph, len(workers_with(client, CPU_ENV)), source)
+    check_gang(graph, len(workers_with(client, TRAIN)), source)
+
+
+def check_gang(graph: Graph, ranks: int, source: str) -> None:
+    """``ranks`` TRAIN workers are a trainer gang of that many ranks
+    (``rollart.trainer.gang``: data-parallel FSDP2 on the torch backend). What a gang
+    cannot do yet is a ``GraphError`` naming both numbers and the fix."""
+    if ranks <= 1:
+        return
+    p = graph.policy
+    one = f"or give the trainer one worker (Pool(tag={TRAIN!r}, workers=1) in {source})"
+    if p.trainer_backend != "torch":
+        raise GraphError(
+            f"graph {graph.name!r}: Policy.trainer_backend={p.trainer_backend!r} with "
+            f"{ranks} {TRAIN} workers: a {p.trainer_backend} gang (tensor x data parallel) "
+            f"is not built yet; use trainer_backend='torch' (FSDP2 data parallel over the "
+            f"{ranks} ranks), {one}")
+    if p.lora is not None:
+        raise GraphError(
+            f"graph {graph.name!r}: Policy.lora with {ranks} {TRAIN} workers: LoRA on a "
+            f"trainer gang is not built yet; train LoRA on 1 rank, {one}")
+    if graph.checkpoint_every:
+        raise GraphError(
+            f"graph {graph.name!r}: checkpoint_every={graph.checkpoint_every} with {ranks} "
+            f"{TRAIN} workers: a trainer gang's (sharded) checkpoints are not built yet; set "
+            f"checkpoint_every=0 (--set checkpoint_every=0), {one}")
 
 
 def _carries(pool, tag: str) -> bool:

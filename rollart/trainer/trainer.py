@@ -189,7 +189,7 @@ class Trainer:
         batch = await self._run(from_table, table)  # off the event loop, as compute is
         waited = time.perf_counter() - t0
         self.waited_seconds += waited
-        metrics = await self._run(self._update, batch)
+        metrics = await self._compute(batch)
         trained_on = self.version
         self.version += 1
         await self._run(self._put_weights)
@@ -200,6 +200,11 @@ class Trainer:
         metrics.update({"step": step, "version": self.version,
                         "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
         return metrics
+
+    async def _compute(self, batch) -> dict:
+        """One optimizer step on ``batch`` (a gang's rank 0 spreads it over its ranks:
+        ``rollart.trainer.gang``)."""
+        return await self._run(self._update, batch)
 
     async def _confirm(self, buffer, step: int, take: bytes | None) -> None:
         """Tell the buffer that step ``step``'s update is published: the batch it handed
@@ -406,7 +411,7 @@ class Trainer:
         self.model.eval()
         stats.update({"trainer/loss": loss_sum, "trainer/grad_norm": float(grad_norm),
                       "trainer/tokens": int(sum(counts)),
-                      "trainer/micro_batches": len(parts),
+                      "trainer/micro_batches": len(parts), "trainer/ranks": 1,
                       "trainer/shared_prompt_rows": sum(len(r) for r, s in parts if s),
                       "trainer/adv_abs_mean": float(adv.abs().mean())})
         return dict(stats)

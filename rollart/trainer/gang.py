@@ -1,0 +1,327 @@
+"""The trainer gang: one training rank per ``TRAIN`` worker, data-parallel FSDP2.
+
+``Pool("trainer", tag=TRAIN, workers=N)`` with N > 1 makes the trainer role a gang
+(``rollart.control.stages`` builds ``GangTrainer`` on one TRAIN worker with the others'
+addresses). ``GangTrainer`` is rank 0 and speaks for the gang: the driver calls it as it
+calls the one-process ``Trainer`` (``train_step``, ``publish``, ``save``, ...). It starts
+one ``GangRank`` actor on each other TRAIN worker (pinned there) when it first publishes,
+opens the rendezvous (a ``TCPStore`` on a free port of its own host, never a fixed one),
+and every rank joins the process group (gloo on CPU, NCCL on GPU) within
+``join_timeout`` s, or the error names the rank that did not and the setting to raise.
+Each rank then loads the published version from the weight store (the store is the
+broadcast), keeps its KL reference (``Algo.kl_coef > 0``), and shards the policy with
+``fully_shard`` per decoder block and at the root over an explicit device mesh.
+
+A step: rank 0 pulls the batch and computes the advantages over all of it, splits the
+rows into N token-balanced shares (``balance``) and sends each rank its own; every rank
+runs the same number of micro-batches (a rank with fewer repeats one with weight 0, so
+the collectives line up), weighting each by its tokens over the whole batch's (a sum
+reduced across ranks): the loss and gradient are the one-process trainer's, the token
+mean over the whole batch. FSDP2 averages gradients over ranks, so each rank scales its
+loss by N. The gradient norm is clipped over the whole model (the sharded norms reduced),
+then AdamW steps on each rank's shard. The ranks' statistics are summed in one
+all-reduce; rank 0 reports the step row, with ``trainer/ranks``. Rank 0 then gathers the
+full weights (``get_model_state_dict``, a collective) and publishes them as the
+one-process trainer does.
+
+Not built yet, and said where a user meets it: HF-named buckets written by every rank
+(rank 0 gathers one full copy of the weights per version and publishes it); sharded
+checkpoints, LoRA and the Megatron backend in a gang (each a ``GraphError`` at start:
+``rollart.config.preflight.check_gang``); a gang restarted as a whole after a rank is
+lost (a lost rank fails rank 0's step: an ``OSError`` from its worker, or a collective
+that times out after ``join_timeout``; the driver then replaces the trainer role as
+for the one-process trainer, which forms a new gang on the TRAIN workers alive: not
+tested yet for a gang, and a process that still holds the lost gang's process group
+destroys it before it joins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import socket
+from collections import defaultdict
+
+import torch
+
+from rollart.trainer.advantages import compute_advantages
+from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GangRank", "GangTrainer", "balance", "decoder_blocks", "free_port"]
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def balance(lengths: list[int], n: int) -> list[list[int]]:
+    """Row indices split into ``n`` shares of nearly equal total length: longest first,
+    each to the share with the fewest tokens so far (ties: the lower rank). Each share in
+    row order.
+
+    >>> balance([5, 1, 4, 2, 3], 2)
+    [[0, 1, 3], [2, 4]]
+    """
+    loads = [0] * n
+    shares: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(n), key=lambda k: (loads[k], k))
+        shares[k].append(i)
+        loads[k] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def decoder_blocks(model) -> list:
+    """The model's repeated blocks, each sharded on its own: modules whose class the
+    model names in ``_no_split_modules`` (Hugging Face's list of its decoder layers), else
+    the members of its longest ``ModuleList``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+class _Ranked:
+    """What every rank of the gang does (mixed into ``Trainer``)."""
+
+    share_prompts = False  # a shared prompt is two forwards: the ranks' collectives must line up
+    rank, world, sharded = 0, 1, False
+
+    # -- joining and sharding (trainer thread) -------------------------------------------
+    def _join(self, host: str, port: int, rank: int, world: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a gang before this one, in this process
+            dist.destroy_process_group()
+        wait = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=wait)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=wait)
+        self.rank, self.world = rank, world
+
+    def _shard(self, state: dict | None) -> None:
+        """Load ``state`` (the published weights; rank 0 has them already), keep the KL
+        reference, shard every decoder block and the root over all ranks."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if state is not None:
+            self._load_hf(self.model, state)
+        if self.algo.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = self._frozen_copy().eval()
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,))
+        for block in decoder_blocks(self.model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = self._make_optimizer()
+        self.sharded = True
+
+    # -- one step (trainer thread) --------------------------------------------------------
+    def _share_update(self, batch, adv: torch.Tensor, real: int) -> dict:
+        """This rank's part of one optimizer step: ``batch``'s first ``real`` rows are its
+        share (the rest one filler row, weight 0, for a rank with no share). Returns the
+        step's statistics summed over ranks and, on rank 0, the gathered full weights
+        under ``"weights"``."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        from torch.distributed.tensor import DTensor
+
+        pad = self.tokenizer.pad_token_id
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
+        parts = [p for p in micro_batches(lengths, self.algo.micro_batch_tokens) if p]
+        collated = [collate([batch[i] for i in rows], pad) for rows in parts]
+        counts = [float(_loss_mask(c).sum()) if real else 0.0 for c in collated]
+        head = torch.tensor([sum(counts), len(parts)], dtype=torch.float64)
+        total, most = head.clone(), head.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        total_tokens = max(float(total[0]), 1.0)
+        plan = list(zip(parts, collated, counts))
+        plan += [(parts[0], collated[0], 0.0)] * (int(most[1]) - len(parts))  # weight 0
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, stats = 0.0, defaultdict(float)
+        for rows, tensors, n in plan:
+            loss, part_stats = self._loss(tensors, adv[rows])
+            share = n / total_tokens
+            (loss * (share * self.world)).backward()  # FSDP2 averages over the ranks
+            loss_sum += loss.item() * share
+            for k, v in part_stats.items():
+                stats[k] += v * share
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the whole model's norm, from every rank's shards
+        torch.nn.utils.clip_grads_with_norm_(params, self.algo.max_grad_norm, norm)
+        self.optimizer.step()
+        self.model.eval()
+        keys = sorted(stats)
+        summed = torch.tensor([loss_sum, len([n for _, _, n in plan if n > 0])]
+                              + [stats[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        out = {"trainer/loss": float(summed[0]), "trainer/grad_norm": float(norm),
+               "trainer/tokens": int(total[0]), "trainer/micro_batches": int(summed[1]),
+               "trainer/shared_prompt_rows": 0, "trainer/ranks": self.world,
+               **{k: float(v) for k, v in zip(keys, summed[2:].tolist())}}
+        full = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            out["weights"] = full
+        return out
+
+
+class GangRank(_Ranked, Trainer):
+    """Rank ≥ 1 of the gang, started by ``GangTrainer`` on its own TRAIN worker."""
+
+    async def join(self, host: str, port: int, rank: int, world: int, timeout: float) -> int:
+        await self._run(self._join, host, port, rank, world, timeout)
+        return rank
+
+    async def shard(self, version: int) -> int:
+        """Load ``version`` from the weight store and shard it with the other ranks."""
+        state = await self._run(self.store.get, version)
+        await self._run(self._shard, state)
+        self.version = version
+        return version
+
+    async def step(self, table, adv: list[float], real: int) -> int:
+        """This rank's part of a step (``_share_update``) on the rows of ``table``."""
+        from rollart.buffer.schema import from_table
+
+        batch = await self._run(from_table, table)
+        await self._run(self._share_update, batch, torch.tensor(adv), real)
+        self.version += 1
+        return self.version
+
+
+class GangTrainer(_Ranked, Trainer):
+    """Rank 0 of an N-rank gang; ``gang``: the addresses of the other ranks' TRAIN
+    workers (module docstring)."""
+
+    def __init__(self, *args, gang: list[str] = (), join_timeout: float = 300.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.lora is not None:
+            raise ValueError("Policy.lora on a trainer gang is not supported yet: train "
+                             "LoRA on one TRAIN worker (Pool(tag=TRAIN, workers=1))")
+        self.gang = list(gang)
+        self.world = 1 + len(self.gang)
+        self.join_timeout = float(join_timeout)
+        self.members: list = []
+        self._full: dict | None = None  # the gathered weights of self.version
+
+    def _hf_state_dict(self) -> dict:
+        if self.sharded:
+            return self._full
+        return super()._hf_state_dict()
+
+    def _save_hf(self, path: str) -> None:
+        """The policy as a model folder: the gathered weights in an unsharded copy."""
+        if not self.sharded:
+            return super()._save_hf(path)
+        from rollart.model import load_model
+
+        model = load_model(self.model_path)
+        model.load_state_dict(self._full, strict=False)
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    async def publish(self) -> int:
+        version = await super().publish()
+        if not self.sharded:
+            await self._form()
+        return version
+
+    async def _form(self) -> None:
+        """Start the other ranks, rendezvous, and shard the published version on all."""
+        from distributed import get_client, get_worker
+
+        from rollart.runtime.handles import handle
+        from rollart.types import TRAIN
+
+        client = get_client()
+        futs = [client.submit(GangRank, self.model_path, self.store.url, self.algo,
+                              temperature=self.temperature, threads=1, actor=True,
+                              workers=[addr], allow_other_workers=False,
+                              resources={TRAIN: 1}, key=f"GangRank-{i}-{id(self)}-{addr}")
+                for i, addr in enumerate(self.gang, start=1)]
+        self._futures = futs  # keeps the members alive as long as rank 0
+        self.members = []
+        for i, (fut, addr) in enumerate(zip(futs, self.gang), start=1):
+            try:
+                self.members.append(handle(await asyncio.wait_for(fut, self.join_timeout)))
+            except (asyncio.TimeoutError, TimeoutError) as e:
+                raise TimeoutError(self._late(i, addr, "did not start")) from e
+        host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
+        port = free_port(host)
+        joins = [m.join(host, port, i, self.world, self.join_timeout)
+                 for i, m in enumerate(self.members, start=1)]
+        await self._all([self._run(self._join, host, port, 0, self.world, self.join_timeout),
+                         *joins], "did not join the gang")
+        await self._all([self._run(self._shard, None),
+                         *(m.shard(self.version) for m in self.members)],
+                        "did not shard the policy")
+        logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
+                    port)
+
+    def _late(self, rank: int, addr: str, what: str) -> str:
+        return (f"trainer rank {rank} on {addr} {what} within {self.join_timeout:.0f} s; "
+                f"raise Dask's config rollart.waits.start (the gang's join time-out) or "
+                f"check that worker")
+
+    async def _all(self, calls: list, what: str) -> list:
+        """Await every rank's call (rank 0 first); a failure or time-out names the rank."""
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        done, pending = await asyncio.wait(tasks, timeout=self.join_timeout + 30,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+        for rank, t in enumerate(tasks):
+            where = self.gang[rank - 1] if rank else "rank 0's worker"
+            if t in done and t.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                e = t.exception()
+                if isinstance(e, OSError):  # a lost worker: the caller's rule for it holds
+                    raise e
+                raise RuntimeError(f"trainer rank {rank} on {where} {what}: {e!r}") from e
+        for rank, t in enumerate(tasks):
+            if t in pending:
+                for p in pending:
+                    p.cancel()
+                raise TimeoutError(self._late(rank, self.gang[rank - 1] if rank
+                                              else "rank 0's worker", what))
+        return [t.result() for t in tasks]
+
+    async def _compute(self, batch) -> dict:
+        """One step over the gang: the advantages over the whole batch, each rank its
+        token-balanced share (``balance``), the statistics summed over ranks."""
+        from rollart.buffer.schema import to_record_batch
+        import pyarrow as pa
+
+        if not self.sharded:  # a gang rebuilt after a loss restored, never published
+            await self._form()
+        adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
+                                 scale=self.algo.scale_rewards)
+        shares = balance([len(t.prompt_ids) + len(t.response_ids) for t in batch], self.world)
+        sent = []
+        for rows in shares:
+            real = len(rows)
+            rows = rows or [0]  # a filler row, weight 0: the rank still steps with the rest
+            sent.append(([batch[i] for i in rows], adv[rows].tolist() if real
+                         else [0.0], real))
+        calls = [self._run(self._share_update, sent[0][0], torch.tensor(sent[0][1]),
+                           sent[0][2])]
+        calls += [m.step(pa.Table.from_batches([to_record_batch(rows)]), a, real)
+                  for m, (rows, a, real) in zip(self.members, sent[1:])]
+        out = (await self._all(calls, "failed in the step"))[0]
+        self._full = out.pop("weights")
+        out["trainer/adv_abs_mean"] = float(adv.abs().mean())
+        return out

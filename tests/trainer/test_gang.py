@@ -1,0 +1,184 @@
+"""The trainer gang (``rollart.trainer.gang``): two FSDP2 ranks over gloo, each in its own
+Dask worker process, step exactly as the one-process trainer does on the same batch."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from rollart.config.graph import GRPO
+from rollart.trainer.gang import balance
+from rollart.types import TRAIN, Trajectory
+
+distributed = pytest.importorskip("distributed")
+
+
+def _batch(vocab: int, seed: int = 0) -> list[Trajectory]:
+    """Three groups of three, uneven lengths, an env token inside each response."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(3):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+        for i in range(3):
+            r = rng.randint(3, 9)
+            mask = [1] * r
+            mask[r // 2] = 0
+            out.append(Trajectory(
+                f"g{g}-{i}", "gridnav", f"g{g}", 0, list(prompt),
+                [rng.randrange(3, vocab) for _ in range(r)], mask,
+                [-rng.uniform(1.5, 4.0) * m for m in mask], [0 if m else -1 for m in mask],
+                reward=float(rng.random() < 0.5) + 0.1 * i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gang_model(tmp_path_factory):
+    """A tiny Qwen2 folder with two decoder blocks and non-trivial weights."""
+    from rollart.model import build_tiny_model, load_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("gang") / "m",
+                            ["gridnav : goal 3 right 1 up ; act ? left down , stop ."],
+                            hidden_size=64, num_heads=4)
+    model = load_model(path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def train_pool():
+    """Two worker processes carrying TRAIN, as ``Pool("trainer", tag=TRAIN, workers=2)``."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      resources={TRAIN: 1}, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        yield client
+
+
+def test_balance_spreads_tokens_and_keeps_every_row_once():
+    lengths = [9, 3, 7, 7, 2, 8, 1]
+    shares = balance(lengths, 3)
+    assert sorted(i for s in shares for i in s) == list(range(7))
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert balance([4], 2) == [[0], []]  # a rank may get nothing: it steps with weight 0
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.05])
+def test_a_two_rank_step_equals_the_one_process_trainer(kl, gang_model, train_pool, tmp_path):
+    from rollart.buffer import SampleBuffer
+    from rollart.runtime.handles import handle
+    from rollart.trainer import Trainer
+    from rollart.trainer.gang import GangTrainer
+    from rollart.weights import WeightStore
+
+    client = train_pool
+    a, b = sorted(client.scheduler_info()["workers"])
+    algo = GRPO(group_size=3, groups_per_step=3, lr=1e-2, kl_coef=kl, micro_batch_tokens=40)
+    ref = Trainer(gang_model, str(tmp_path / "ref"), algo)
+    batch = _batch(ref.model.config.vocab_size)
+    asyncio.run(ref.publish())
+    want = ref._update(batch)
+    ref_weights = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+
+    store = str(tmp_path / "gang")
+    gang = handle(client.submit(GangTrainer, gang_model, store, algo, gang=[b], actor=True,
+                                workers=[a], resources={TRAIN: 1}).result())
+    buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
+    for t in batch:
+        buf.put(t, 3).result()
+    assert gang.publish().result() == 0
+    got = gang.train_step(buf, 1).result()
+
+    assert got["trainer/ranks"] == 2 and want["trainer/ranks"] == 1
+    assert got["trainer/tokens"] == want["trainer/tokens"]
+    assert got["trainer/loss"] == pytest.approx(want["trainer/loss"], rel=1e-5, abs=1e-6)
+    assert got["trainer/grad_norm"] == pytest.approx(want["trainer/grad_norm"], rel=1e-5)
+    for k in ("trainer/clip_frac", "trainer/kl"):
+        if k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-7), k
+    assert got["version"] == 1
+    # AdamW's first step is about lr × sign(gradient): where a gradient is near 0, float
+    # rounding (two ranks sum in another order) moves that element differently. So: the
+    # step moved the weights by about lr, nearly every element agrees to 2e-6, none by more
+    # than a twentieth of lr (a rank's share lost or counted twice flips many signs)
+    published, before = WeightStore(store).get(1), WeightStore(store).get(0)
+    assert set(published) == set(ref_weights)
+    diff = torch.cat([(published[k] - v).abs().flatten() for k, v in ref_weights.items()])
+    moved = torch.cat([(v - before[k]).abs().flatten() for k, v in ref_weights.items()])
+    assert float(moved.median()) > algo.lr / 2
+    assert float((diff > 2e-6).float().mean()) < 1e-3
+    assert float(diff.max()) < algo.lr / 20
+
+
+def test_a_rank_that_cannot_start_is_named(gang_model, train_pool, tmp_path):
+    from rollart.runtime.handles import handle
+    from rollart.trainer.gang import GangTrainer
+
+    client = train_pool
+    a = sorted(client.scheduler_info()["workers"])[0]
+    gang = handle(client.submit(GangTrainer, gang_model, str(tmp_path / "w"),
+                                GRPO(group_size=2, groups_per_step=1), actor=True,
+                                gang=["tcp://127.0.0.1:9"], join_timeout=3.0,
+                                workers=[a], resources={TRAIN: 1}).result())
+    with pytest.raises(Exception, match=r"trainer rank 1 on tcp://127.0.0.1:9 did not start "
+                                        r"within 3 s; raise .*rollart.waits.start"):
+        gang.publish().result()
+
+
+GANG_RESOURCES = '''
+from dataclasses import replace
+
+from rollart.runtime.resources import load_resources
+
+
+def resources():
+    res = load_resources()  # resources/local.py, with a two-rank trainer
+    pools = tuple(replace(p, workers=2) if p.tag == "TRAIN" else p for p in res.pools)
+    return replace(res, pools=pools, dashboard_address=":0")
+'''
+
+
+@pytest.mark.slow
+def test_the_cli_trains_on_a_two_worker_train_pool(tiny_model, tmp_path):
+    """``rollart train gridnav --resources FILE`` with ``Pool(tag=TRAIN, workers=2)``: the
+    trainer is a two-rank gang, every step row says so, the run's model folder loads."""
+    import json
+
+    from rollart.app.cli import main
+    from rollart.model import load_model
+
+    res = tmp_path / "gang.py"
+    res.write_text(GANG_RESOURCES)
+    run = tmp_path / "run"
+    assert main(["train", "gridnav", "--resources", str(res), "--steps", "3", "--model",
+                 tiny_model, "--eval-seeds", "0", "--no-progress", "--run-dir", str(run)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {r["trainer/ranks"] for r in rows} == {2}
+    assert all(r["trainer/tokens"] > 0 for r in rows)
+    load_model(str(run / "model"))
+
+
+def test_what_a_gang_cannot_do_yet_is_a_graph_error():
+    from rollart import LoRA
+    from rollart.config.graph import Graph, GraphError, Policy
+    from rollart.config.preflight import check_gang
+
+    check_gang(Graph(name="g", tasks=("gridnav",)), 1, "r.py")  # one rank: anything goes
+    check_gang(Graph(name="g", tasks=("gridnav",)), 2, "r.py")
+    for graph, what in [
+            (Graph(name="g", tasks=("gridnav",), policy=Policy(trainer_backend="megatron")),
+             "trainer_backend='megatron' with 2 TRAIN workers"),
+            (Graph(name="g", tasks=("gridnav",), policy=Policy(lora=LoRA(rank=4))),
+             "Policy.lora with 2 TRAIN workers"),
+            (Graph(name="g", tasks=("gridnav",), checkpoint_every=5),
+             "checkpoint_every=5 with 2 TRAIN workers")]:
+        with pytest.raises(GraphError, match=what) as e:
+            check_gang(graph, 2, "r.py")
+        assert "Pool(tag='TRAIN', workers=1) in r.py" in str(e.value)

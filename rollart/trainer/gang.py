@@ -27,12 +27,14 @@ one-process trainer does.
 Not built yet, and said where a user meets it: HF-named buckets written by every rank
 (rank 0 gathers one full copy of the weights per version and publishes it); sharded
 checkpoints, LoRA and the Megatron backend in a gang (each a ``GraphError`` at start:
-``rollart.config.preflight.check_gang``); a gang restarted as a whole after a rank is
-lost (a lost rank fails rank 0's step: an ``OSError`` from its worker, or a collective
-that times out after ``join_timeout``; the driver then replaces the trainer role as
-for the one-process trainer, which forms a new gang on the TRAIN workers alive: not
-tested yet for a gang, and a process that still holds the lost gang's process group
-destroys it before it joins).
+``rollart.config.preflight.check_gang``).
+
+Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
+after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published
+weights, a new gang forms on the TRAIN workers alive (waiting for a restarted one) and
+the step runs again on its batch (``GangTrainer._compute``; ``trainer/gang_restarts``
+counts it). Rank 0's own worker lost is the trainer role lost: the driver replaces it as
+it replaces a one-process trainer, and the new rank 0 forms a new gang.
 """
 
 from __future__ import annotations
@@ -213,10 +215,12 @@ class GangTrainer(_Ranked, Trainer):
         if self.lora is not None:
             raise ValueError("Policy.lora on a trainer gang is not supported yet: train "
                              "LoRA on one TRAIN worker (Pool(tag=TRAIN, workers=1))")
-        self.gang = list(gang)
+        self.gang = list(gang)  # the other ranks' workers (at start; re-read at each form)
         self.world = 1 + len(self.gang)
         self.join_timeout = float(join_timeout)
         self.members: list = []
+        self.restarts = 0  # gangs formed again after a rank failed
+        self._forms = 0
         self._full: dict | None = None  # the gathered weights of self.version
 
     def _hf_state_dict(self) -> dict:
@@ -249,10 +253,13 @@ class GangTrainer(_Ranked, Trainer):
         from rollart.types import TRAIN
 
         client = get_client()
+        self.gang = await self._other_workers(client, get_worker().address)
+        self._forms += 1
         futs = [client.submit(GangRank, self.model_path, self.store.url, self.algo,
                               temperature=self.temperature, threads=1, actor=True,
                               workers=[addr], allow_other_workers=False,
-                              resources={TRAIN: 1}, key=f"GangRank-{i}-{id(self)}-{addr}")
+                              resources={TRAIN: 1},
+                              key=f"GangRank-{i}-{id(self)}-{self._forms}-{addr}")
                 for i, addr in enumerate(self.gang, start=1)]
         self._futures = futs  # keeps the members alive as long as rank 0
         self.members = []
@@ -273,6 +280,27 @@ class GangTrainer(_Ranked, Trainer):
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     port)
 
+    async def _other_workers(self, client, me: str) -> list[str]:
+        """The other ranks' workers: ``world - 1`` live TRAIN workers besides ``me``
+        (waiting up to ``join_timeout`` s for a lost one's Nanny to start it again)."""
+        from rollart.runtime.resources import workers_with
+        from rollart.types import TRAIN
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.join_timeout
+        while True:
+            found = [a for a in await loop.run_in_executor(None, workers_with, client, TRAIN)
+                     if a != me]
+            if len(found) >= self.world - 1:
+                return sorted(found)[:self.world - 1]
+            if loop.time() > deadline:
+                raise TimeoutError(
+                    f"the trainer gang has {self.world} ranks but only {len(found) + 1} "
+                    f"TRAIN workers are alive after {self.join_timeout:.0f} s; start "
+                    f"{self.world - 1 - len(found)} more (or raise Dask's config "
+                    f"rollart.waits.start)")
+            await asyncio.sleep(0.5)
+
     def _late(self, rank: int, addr: str, what: str) -> str:
         return (f"trainer rank {rank} on {addr} {what} within {self.join_timeout:.0f} s; "
                 f"raise Dask's config rollart.waits.start (the gang's join time-out) or "
@@ -281,6 +309,8 @@ class GangTrainer(_Ranked, Trainer):
     async def _all(self, calls: list, what: str) -> list:
         """Await every rank's call (rank 0 first); a failure or time-out names the rank."""
         tasks = [asyncio.ensure_future(c) for c in calls]
+        for t in tasks:  # a rank failing after another: its error was reported already
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
         done, pending = await asyncio.wait(tasks, timeout=self.join_timeout + 30,
                                            return_when=asyncio.FIRST_EXCEPTION)
         for rank, t in enumerate(tasks):
@@ -301,13 +331,45 @@ class GangTrainer(_Ranked, Trainer):
         return [t.result() for t in tasks]
 
     async def _compute(self, batch) -> dict:
-        """One step over the gang: the advantages over the whole batch, each rank its
-        token-balanced share (``balance``), the statistics summed over ranks."""
+        """One step over the gang (``_gang_step``). A rank that fails it (its worker
+        lost, a collective broken or timed out) fails the gang as a whole (torchelastic's
+        rule): rank 0 goes back to the newest published weights (the step's update was
+        not published; the optimizer's moments start again, as for a trainer replaced
+        without a checkpoint), a new gang forms on the TRAIN workers alive, and the step
+        runs again on the same batch, once."""
+        for attempt in (0, 1):
+            if not self.sharded:  # also a gang rebuilt after a loss restored, unpublished
+                await self._form()
+            try:
+                return await self._gang_step(batch)
+            except Exception as e:  # noqa: BLE001 - any rank's failure fails the gang
+                if attempt:
+                    raise
+                logger.warning("the trainer gang failed in a step (%r); forming it again "
+                               "from the published v%d", e, self.version)
+                self.restarts += 1
+                await self._run(self._unshard)
+
+    def _unshard(self) -> None:
+        """The policy unsharded again, at ``self.version``'s published weights."""
+        import torch.distributed as dist
+
+        state = self._full if self._full is not None else self.store.get(self.version)
+        self.model = self._load_policy(self.model_path)
+        self._load_hf(self.model, state)
+        self.model.eval()
+        self.sharded = False
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - a broken group: _join starts anew
+                logger.warning("destroying the failed gang's process group: %r", e)
+
+    async def _gang_step(self, batch) -> dict:
+        """The advantages over the whole batch, each rank its token-balanced share
+        (``balance``), the statistics summed over ranks."""
         from rollart.buffer.schema import to_record_batch
         import pyarrow as pa
-
-        if not self.sharded:  # a gang rebuilt after a loss restored, never published
-            await self._form()
         adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
                                  scale=self.algo.scale_rewards)
         shares = balance([len(t.prompt_ids) + len(t.response_ids) for t in batch], self.world)
@@ -324,4 +386,5 @@ class GangTrainer(_Ranked, Trainer):
         out = (await self._all(calls, "failed in the step"))[0]
         self._full = out.pop("weights")
         out["trainer/adv_abs_mean"] = float(adv.abs().mean())
+        out["trainer/gang_restarts"] = self.restarts
         return out

@@ -129,6 +129,12 @@ class Layouts:
             if layout == "hand":
                 self.cluster = HandStarted(self.tmp.mktemp("hand"))
                 self.client = Client(self.cluster.address, timeout=120)
+            elif layout == "gang":  # resources/local.py with a two-rank trainer gang
+                res = load_resources("local")
+                res = replace(res, processes=True, dashboard_address=":0", pools=tuple(
+                    replace(p, workers=2) if p.tag == TRAIN else p for p in res.pools))
+                self.cluster = res.make_cluster()
+                self.client = Client(self.cluster)
             else:
                 res = replace(load_resources(layout), processes=True, dashboard_address=":0")
                 self.cluster = res.make_cluster()
@@ -209,4 +215,44 @@ def test_sigkill_of_one_worker_process(layout, tag, roles, layouts, tiny_model, 
     assert killed, f"the {tag} worker was not killed"
     assert [r["step"] for r in result.metrics] == [1, 2, 3]
     assert roles <= {e["role"] for e in result.recovery}, result.recovery
+    check_run_record(result)
+
+
+def test_sigkill_of_one_of_two_trainer_ranks(layouts, tiny_model, tmp_path):
+    """A TRAIN pool of two workers trains with a two-rank gang; the worker of rank 1 is
+    SIGKILLed after step 1: the gang fails as a whole, forms again (on the worker its
+    Nanny restarts) from the newest published weights, and the step runs again. Every
+    step is a two-rank step, nothing is lost or trained twice."""
+    from rollart.control.supervisor import lose_worker
+
+    cluster, client = layouts.get("gang")
+    run_dir = tmp_path / "run"
+    killed: list = []
+
+    def rank_1() -> str | None:
+        def where(dask_scheduler):
+            for key, ts in dask_scheduler.tasks.items():
+                if str(key).startswith("GangRank-") and ts.who_has:
+                    return next(iter(ts.who_has)).address
+        return client.run_on_scheduler(where)
+
+    def kill() -> None:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 600
+        while not metrics.exists() or not metrics.read_text().strip() or rank_1() is None:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        addr = rank_1()
+        lose_worker(cluster, client, addr)
+        killed.append(addr)
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    result = train(_graph("t-kill-gang"), client=client, run_dir=run_dir, progress=False,
+                   eval_seeds=0, model=tiny_model)
+    t.join(5)
+    assert killed, "rank 1's worker was not killed"
+    assert [r["step"] for r in result.metrics] == [1, 2, 3]
+    assert {r["trainer/ranks"] for r in result.metrics} == {2}
+    assert result.metrics[-1]["trainer/gang_restarts"] >= 1, result.metrics
     check_run_record(result)

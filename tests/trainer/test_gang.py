@@ -67,6 +67,10 @@ def test_balance_spreads_tokens_and_keeps_every_row_once():
     loads = [sum(lengths[i] for i in s) for s in shares]
     assert max(loads) - min(loads) <= max(lengths)
     assert balance([4], 2) == [[0], []]  # a rank may get nothing: it steps with weight 0
+    import doctest
+
+    from rollart.trainer import gang
+    assert doctest.testmod(gang).failed == 0
 
 
 @pytest.mark.parametrize("kl", [0.0, 0.05])
@@ -116,7 +120,10 @@ def test_a_two_rank_step_equals_the_one_process_trainer(kl, gang_model, train_po
     assert float(diff.max()) < algo.lr / 20
 
 
-def test_a_rank_that_cannot_start_is_named(gang_model, train_pool, tmp_path):
+def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(gang_model, train_pool,
+                                                                     tmp_path):
+    """Three ranks declared, two TRAIN workers alive: rank 0 waits ``join_timeout`` for
+    the third, then says how many are missing and which setting bounds the wait."""
     from rollart.runtime.handles import handle
     from rollart.trainer.gang import GangTrainer
 
@@ -124,10 +131,11 @@ def test_a_rank_that_cannot_start_is_named(gang_model, train_pool, tmp_path):
     a = sorted(client.scheduler_info()["workers"])[0]
     gang = handle(client.submit(GangTrainer, gang_model, str(tmp_path / "w"),
                                 GRPO(group_size=2, groups_per_step=1), actor=True,
-                                gang=["tcp://127.0.0.1:9"], join_timeout=3.0,
+                                gang=["one", "two"], join_timeout=2.0,
                                 workers=[a], resources={TRAIN: 1}).result())
-    with pytest.raises(Exception, match=r"trainer rank 1 on tcp://127.0.0.1:9 did not start "
-                                        r"within 3 s; raise .*rollart.waits.start"):
+    with pytest.raises(Exception, match=r"the trainer gang has 3 ranks but only 2 TRAIN "
+                                        r"workers are alive after 2 s; start 1 more \(or "
+                                        r"raise Dask's config rollart.waits.start\)"):
         gang.publish().result()
 
 

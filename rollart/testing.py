@@ -189,6 +189,34 @@ def save_folder(path, model, tokenizer) -> str:
 
 
 # -- a finished run ------------------------------------------------------------------------
+def random_batch(vocab: int, groups: int = 2, size: int = 3, seed: int = 0,
+                 shared_prompt: bool = False) -> list:
+    """``groups`` GRPO groups of ``size`` random trajectories over token ids ``3..vocab``
+    (trainer tests): uneven lengths, an env token (loss mask 0) inside each response,
+    behaviour log-probs and versions, rewards that differ within a group; with
+    ``shared_prompt`` a group's members share one prompt (as a real group does)."""
+    import random
+
+    from rollart.types import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+        for i in range(size):
+            if not shared_prompt:
+                prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+            r = rng.randint(3, 9 if shared_prompt else 8)
+            mask = [1] * r
+            mask[r // 2] = 0
+            out.append(Trajectory(
+                f"g{g}-{i}", "gridnav", f"g{g}", 0, list(prompt),
+                [rng.randrange(3, vocab) for _ in range(r)], mask,
+                [-rng.uniform(1.5, 4.0) * m for m in mask], [0 if m else -1 for m in mask],
+                reward=float(rng.random() < 0.5) + 0.1 * i))
+    return out
+
+
 def check_run_record(result) -> None:
     """Check a finished run (a ``RunResult``) without trusting its ledger: each step's
     Parquet rows ``trained`` at that step (``rollart.buffer.read_samples``) are exactly

@@ -2,34 +2,21 @@
 Dask worker process, step exactly as the one-process trainer does on the same batch."""
 
 import asyncio
-import random
 
 import pytest
 import torch
 
 from rollart.config.graph import GRPO
 from rollart.trainer.gang import balance
-from rollart.types import TRAIN, Trajectory
+from rollart.testing import random_batch
+from rollart.types import TRAIN
 
 distributed = pytest.importorskip("distributed")
 
 
-def _batch(vocab: int, seed: int = 0) -> list[Trajectory]:
-    """Three groups of three, uneven lengths, an env token inside each response."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(3):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
-        for i in range(3):
-            r = rng.randint(3, 9)
-            mask = [1] * r
-            mask[r // 2] = 0
-            out.append(Trajectory(
-                f"g{g}-{i}", "gridnav", f"g{g}", 0, list(prompt),
-                [rng.randrange(3, vocab) for _ in range(r)], mask,
-                [-rng.uniform(1.5, 4.0) * m for m in mask], [0 if m else -1 for m in mask],
-                reward=float(rng.random() < 0.5) + 0.1 * i))
-    return out
+def _batch(vocab: int) -> list:
+    """Three groups of three, each sharing its prompt, uneven lengths."""
+    return random_batch(vocab, groups=3, shared_prompt=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@ trainer, tensor parallelism over gloo. Needs ``megatron-core`` (extra ``megatron
 
 import asyncio
 import os
-import random
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollart.config.graph import GRPO
+from rollart.testing import random_batch
 from rollart.trainer.megatron import hf_to_megatron, megatron_to_hf
 from rollart.types import Trajectory
 
@@ -49,19 +49,7 @@ def test_conversion_rejects_tp_that_does_not_divide_heads():
 
 
 def _batch(vocab: int, seed: int = 0) -> list[Trajectory]:
-    rng = random.Random(seed)
-    out = []
-    for g in range(2):
-        for i in range(3):
-            p, r = rng.randint(2, 6), rng.randint(3, 8)
-            mask = [1] * r
-            mask[r // 2] = 0  # an env token inside the response
-            out.append(Trajectory(
-                f"{g}-{i}", "gridnav", f"g{g}", 0, [rng.randrange(3, vocab) for _ in range(p)],
-                [rng.randrange(3, vocab) for _ in range(r)], mask,
-                [-rng.uniform(1.5, 4.0) * m for m in mask], [0 if m else -1 for m in mask],
-                reward=float(rng.random() < 0.5) + 0.1 * i))
-    return out
+    return random_batch(vocab, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -20,23 +20,6 @@ def _batch(vocab: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def gang_model(tmp_path_factory):
-    """A tiny Qwen2 folder with two decoder blocks and non-trivial weights."""
-    from rollart.model import build_tiny_model, load_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("gang") / "m",
-                            ["gridnav : goal 3 right 1 up ; act ? left down , stop ."],
-                            hidden_size=64, num_heads=4)
-    model = load_model(path)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def train_pool():
     """Two worker processes carrying TRAIN, as ``Pool("trainer", tag=TRAIN, workers=2)``."""
     from distributed import Client, LocalCluster
@@ -61,7 +44,7 @@ def test_balance_spreads_tokens_and_keeps_every_row_once():
 
 
 @pytest.mark.parametrize("kl", [0.0, 0.05])
-def test_a_two_rank_step_equals_the_one_process_trainer(kl, gang_model, train_pool, tmp_path):
+def test_a_two_rank_step_equals_the_one_process_trainer(kl, mg_model_dir, train_pool, tmp_path):
     from rollart.buffer import SampleBuffer
     from rollart.runtime.handles import handle
     from rollart.trainer import Trainer
@@ -71,14 +54,14 @@ def test_a_two_rank_step_equals_the_one_process_trainer(kl, gang_model, train_po
     client = train_pool
     a, b = sorted(client.scheduler_info()["workers"])
     algo = GRPO(group_size=3, groups_per_step=3, lr=1e-2, kl_coef=kl, micro_batch_tokens=40)
-    ref = Trainer(gang_model, str(tmp_path / "ref"), algo)
+    ref = Trainer(mg_model_dir, str(tmp_path / "ref"), algo)
     batch = _batch(ref.model.config.vocab_size)
     asyncio.run(ref.publish())
     want = ref._update(batch)
     ref_weights = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 
     store = str(tmp_path / "gang")
-    gang = handle(client.submit(GangTrainer, gang_model, store, algo, gang=[b], actor=True,
+    gang = handle(client.submit(GangTrainer, mg_model_dir, store, algo, gang=[b], actor=True,
                                 workers=[a], resources={TRAIN: 1}).result())
     buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
     for t in batch:
@@ -107,7 +90,7 @@ def test_a_two_rank_step_equals_the_one_process_trainer(kl, gang_model, train_po
     assert float(diff.max()) < algo.lr / 20
 
 
-def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(gang_model, train_pool,
+def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(mg_model_dir, train_pool,
                                                                      tmp_path):
     """Three ranks declared, two TRAIN workers alive: rank 0 waits ``join_timeout`` for
     the third, then says how many are missing and which setting bounds the wait."""
@@ -116,7 +99,7 @@ def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(gang_model, 
 
     client = train_pool
     a = sorted(client.scheduler_info()["workers"])[0]
-    gang = handle(client.submit(GangTrainer, gang_model, str(tmp_path / "w"),
+    gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "w"),
                                 GRPO(group_size=2, groups_per_step=1), actor=True,
                                 gang=["one", "two"], join_timeout=2.0,
                                 workers=[a], resources={TRAIN: 1}).result())

@@ -52,22 +52,6 @@ def _batch(vocab: int, seed: int = 0) -> list[Trajectory]:
     return random_batch(vocab, seed=seed)
 
 
-@pytest.fixture(scope="module")
-def mg_model_dir(tmp_path_factory):
-    """A tiny Qwen2 folder with grouped-query attention and non-trivial weights."""
-    from rollart.model import build_tiny_model, load_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("mg") / "m",
-                            ["gridnav : goal 3 right 1 up ; act ? left down , stop ."],
-                            hidden_size=64, num_heads=4)
-    model = load_model(path)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return str(path)
-
-
 @needs_megatron
 def test_megatron_forward_matches_hf_and_exports_the_same_weights(mg_model_dir):
     pytest.importorskip("megatron.core", reason="megatron-core not installed (extra 'megatron')")

@@ -210,7 +210,7 @@ def random_batch(vocab: int, groups: int = 2, size: int = 3, seed: int = 0,
             mask = [1] * r
             mask[r // 2] = 0
             out.append(Trajectory(
-                f"g{g}-{i}", "gridnav", f"g{g}", 0, list(prompt),
+                f"s{seed}g{g}-{i}", "gridnav", f"s{seed}g{g}", 0, list(prompt),
                 [rng.randrange(3, vocab) for _ in range(r)], mask,
                 [-rng.uniform(1.5, 4.0) * m for m in mask], [0 if m else -1 for m in mask],
                 reward=float(rng.random() < 0.5) + 0.1 * i))

@@ -72,11 +72,6 @@ def check_gang(graph: Graph, ranks: int, source: str) -> None:
         raise GraphError(
             f"graph {graph.name!r}: Policy.lora with {ranks} {TRAIN} workers: LoRA on a "
             f"trainer gang is not built yet; train LoRA on 1 rank, {one}")
-    if graph.checkpoint_every:
-        raise GraphError(
-            f"graph {graph.name!r}: checkpoint_every={graph.checkpoint_every} with {ranks} "
-            f"{TRAIN} workers: a trainer gang's (sharded) checkpoints are not built yet; set "
-            f"checkpoint_every=0 (--set checkpoint_every=0), {one}")
 
 
 def _carries(pool, tag: str) -> bool:

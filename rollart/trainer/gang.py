@@ -8,9 +8,9 @@ one ``GangRank`` actor on each other TRAIN worker (pinned there) when it first p
 opens the rendezvous (a ``TCPStore`` on a free port of its own host, never a fixed one),
 and every rank joins the process group (gloo on CPU, NCCL on GPU) within
 ``join_timeout`` s, or the error names the rank that did not and the setting to raise.
-Each rank then loads the published version from the weight store (the store is the
-broadcast), keeps its KL reference (``Algo.kl_coef > 0``), and shards the policy with
-``fully_shard`` per decoder block and at the root over an explicit device mesh.
+Every rank then takes rank 0's weights and KL reference (``Algo.kl_coef > 0``) by
+broadcast and shards the policy with ``fully_shard`` per decoder block and at the root
+over an explicit device mesh.
 
 A step: rank 0 pulls the batch and computes the advantages over all of it, splits the
 rows into N token-balanced shares (``balance``) and sends each rank its own; every rank
@@ -24,9 +24,16 @@ all-reduce; rank 0 reports the step row, with ``trainer/ranks``. Rank 0 then gat
 full weights (``get_model_state_dict``, a collective) and publishes them as the
 one-process trainer does.
 
+Checkpoints have the one-process trainer's layout, so a run resumes on any number of
+ranks (2 -> 1 and 1 -> 2 tested): rank 0 writes the gathered weights, the KL reference
+and the whole AdamW state under parameter names, gathered from every rank
+(``get_optimizer_state_dict``, ``optimizer_format: "names"``); a gang that loads a
+checkpoint broadcasts rank 0's weights, reference and moments to every rank when it forms.
+
 Not built yet, and said where a user meets it: HF-named buckets written by every rank
 (rank 0 gathers one full copy of the weights per version and publishes it); sharded
-checkpoints, LoRA and the Megatron backend in a gang (each a ``GraphError`` at start:
+(``torch.distributed.checkpoint``) checkpoints, which a model too large for rank 0's
+memory needs; LoRA and the Megatron backend in a gang (each a ``GraphError`` at start:
 ``rollart.config.preflight.check_gang``).
 
 Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
@@ -110,22 +117,47 @@ class _Ranked:
                                 timeout=wait)
         self.rank, self.world = rank, world
 
-    def _shard(self, state: dict | None) -> None:
-        """Load ``state`` (the published weights; rank 0 has them already), keep the KL
-        reference, shard every decoder block and the root over all ranks."""
+    def _shard(self, optimizer_state: bool) -> None:
+        """Every rank takes rank 0's weights and KL reference (broadcast, tensor by
+        tensor, before sharding), then shards every decoder block and the root over all
+        ranks; with ``optimizer_state``, rank 0's AdamW moments (a checkpoint's) reach
+        every rank's shard (``set_optimizer_state_dict``, broadcast from rank 0)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        if state is not None:
-            self._load_hf(self.model, state)
-        if self.algo.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = self._frozen_copy().eval()
+        for t in self.model.state_dict().values():
+            dist.broadcast(t.data, 0)
+        if self.algo.kl_coef > 0:
+            if self.ref_model is None:  # members: rank 0's reference comes next
+                self.ref_model = self._frozen_copy().eval()
+            for t in self.ref_model.state_dict().values():
+                dist.broadcast(t.data, 0)
+        full = None
+        if optimizer_state and self.rank == 0:
+            full = get_optimizer_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True))
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,))
         for block in decoder_blocks(self.model):
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = self._make_optimizer()
+        if optimizer_state:
+            set_optimizer_state_dict(self.model, self.optimizer, full or {},
+                                     options=StateDictOptions(full_state_dict=True,
+                                                              broadcast_from_rank0=True))
         self.sharded = True
+
+    def _full_optimizer(self) -> dict:
+        """The whole AdamW state under parameter names (a collective: every rank calls
+        it; rank 0 gets the dict, the others ``{}``)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
 
     # -- one step (trainer thread) --------------------------------------------------------
     def _share_update(self, batch, adv: torch.Tensor, real: int) -> dict:
@@ -189,12 +221,16 @@ class GangRank(_Ranked, Trainer):
         await self._run(self._join, host, port, rank, world, timeout)
         return rank
 
-    async def shard(self, version: int) -> int:
-        """Load ``version`` from the weight store and shard it with the other ranks."""
-        state = await self._run(self.store.get, version)
-        await self._run(self._shard, state)
+    async def shard(self, version: int, optimizer_state: bool) -> int:
+        """Take rank 0's policy at ``version`` and shard it with the other ranks."""
+        await self._run(self._shard, optimizer_state)
         self.version = version
         return version
+
+    async def full_optimizer(self) -> bool:
+        """This rank's part of gathering the optimizer state (for rank 0's checkpoint)."""
+        await self._run(self._full_optimizer)
+        return True
 
     async def step(self, table, adv: list[float], real: int) -> int:
         """This rank's part of a step (``_share_update``) on the rows of ``table``."""
@@ -222,6 +258,7 @@ class GangTrainer(_Ranked, Trainer):
         self.restarts = 0  # gangs formed again after a rank failed
         self._forms = 0
         self._full: dict | None = None  # the gathered weights of self.version
+        self._gathered_optimizer: dict | None = None  # while a checkpoint is written
 
     def _hf_state_dict(self) -> dict:
         if self.sharded:
@@ -244,6 +281,39 @@ class GangTrainer(_Ranked, Trainer):
         if not self.sharded:
             await self._form()
         return version
+
+    async def save_state(self, url: str) -> dict:
+        """A checkpoint in the one-process trainer's layout, so that a run resumes on any
+        number of ranks: the gathered weights (``model/``), the KL reference, and the
+        whole AdamW state under parameter names (gathered from every rank), marked
+        ``optimizer_format: "names"`` in ``trainer.pt``."""
+        if not self.sharded:
+            return await super().save_state(url)
+        state = (await self._all([self._run(self._full_optimizer),
+                                  *(m.full_optimizer() for m in self.members)],
+                                 "did not gather the optimizer state"))[0]
+        self._gathered_optimizer = state
+        try:
+            return await super().save_state(url)
+        finally:
+            self._gathered_optimizer = None
+
+    def _optimizer_state(self) -> tuple[dict, str]:
+        if self.sharded:
+            return self._gathered_optimizer, "names"
+        return super()._optimizer_state()
+
+    async def load_state(self, url: str, truncate: bool = True) -> int:
+        """As the one-process trainer's, into rank 0's unsharded policy; the gang forms
+        again at the next step, with these weights, reference and moments."""
+        if self.sharded:
+            await self._run(self._unshard)
+        return await super().load_state(url, truncate)
+
+    async def restore_latest(self) -> int:
+        if self.sharded:
+            await self._run(self._unshard)
+        return await super().restore_latest()
 
     async def _form(self) -> None:
         """Start the other ranks, rendezvous, and shard the published version on all."""
@@ -274,8 +344,9 @@ class GangTrainer(_Ranked, Trainer):
                  for i, m in enumerate(self.members, start=1)]
         await self._all([self._run(self._join, host, port, 0, self.world, self.join_timeout),
                          *joins], "did not join the gang")
-        await self._all([self._run(self._shard, None),
-                         *(m.shard(self.version) for m in self.members)],
+        moments = bool(self.optimizer.state)  # a checkpoint's, loaded before the gang
+        await self._all([self._run(self._shard, moments),
+                         *(m.shard(self.version, moments) for m in self.members)],
                         "did not shard the policy")
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     port)
@@ -358,6 +429,7 @@ class GangTrainer(_Ranked, Trainer):
         self.model = self._load_policy(self.model_path)
         self._load_hf(self.model, state)
         self.model.eval()
+        self.optimizer = self._make_optimizer()  # the moments were sharded: they start again
         self.sharded = False
         if dist.is_initialized():
             try:

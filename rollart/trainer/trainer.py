@@ -318,7 +318,8 @@ class Trainer:
             files.update(write_bytes(url, "ref_model.safetensors", st_save(_untie(ref))))
         sched = getattr(self, "scheduler", None)
         buf = io.BytesIO()
-        torch.save({"optimizer": self.optimizer.state_dict(),
+        optimizer, layout = self._optimizer_state()
+        torch.save({"optimizer": optimizer, "optimizer_format": layout,
                     "scheduler": sched.state_dict() if sched is not None else None,
                     "version": self.version, "torch_rng": torch.get_rng_state(),
                     "busy_seconds": self.busy_seconds,
@@ -326,6 +327,12 @@ class Trainer:
                     "lora": self.lora, "lora_base_version": self.base_version}, buf)
         files.update(write_bytes(url, "trainer.pt", buf.getvalue()))
         return files
+
+    def _optimizer_state(self) -> tuple[dict, str]:
+        """The optimizer's state for ``trainer.pt`` and its layout: ``"ids"`` (torch's
+        ``state_dict``, by parameter position) or ``"names"`` (by parameter name: a trainer
+        gang's, gathered from its ranks; any trainer loads either)."""
+        return self.optimizer.state_dict(), "ids"
 
     def _load_state(self, url: str, truncate: bool = True) -> int:
         import io
@@ -356,7 +363,12 @@ class Trainer:
             self.ref_model = self._frozen_copy().eval()
             self._load_hf(self.ref_model, ref)
         self.optimizer = self._make_optimizer()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer_format") == "names":  # a trainer gang's, gathered
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scheduler") is not None and getattr(self, "scheduler", None):
             self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])

@@ -123,9 +123,10 @@ def resources():
 
 
 @pytest.mark.slow
-def test_the_cli_trains_on_a_two_worker_train_pool(tiny_model, tmp_path):
+def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(tiny_model, tmp_path):
     """``rollart train gridnav --resources FILE`` with ``Pool(tag=TRAIN, workers=2)``: the
-    trainer is a two-rank gang, every step row says so, the run's model folder loads."""
+    trainer is a two-rank gang, every step row says so, the run's model folder loads,
+    and its checkpoint resumes on the default resources' one TRAIN worker."""
     import json
 
     from rollart.app.cli import main
@@ -134,13 +135,19 @@ def test_the_cli_trains_on_a_two_worker_train_pool(tiny_model, tmp_path):
     res = tmp_path / "gang.py"
     res.write_text(GANG_RESOURCES)
     run = tmp_path / "run"
-    assert main(["train", "gridnav", "--resources", str(res), "--steps", "3", "--model",
-                 tiny_model, "--eval-seeds", "0", "--no-progress", "--run-dir", str(run)]) == 0
+    assert main(["train", "gridnav", "--resources", str(res), "--steps", "2", "--model",
+                 tiny_model, "--eval-seeds", "0", "--no-progress", "--run-dir", str(run),
+                 "--set", "checkpoint_every=2"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert {r["trainer/ranks"] for r in rows} == {2}
     assert all(r["trainer/tokens"] > 0 for r in rows)
     load_model(str(run / "model"))
+    # its checkpoint resumes on one TRAIN worker (resources/local.py)
+    assert main(["train", "--resume", str(run), "--steps", "3", "--eval-seeds", "0",
+                 "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["trainer/ranks"]) for r in rows] == [(1, 2), (2, 2), (3, 1)]
 
 
 def test_what_a_gang_cannot_do_yet_is_a_graph_error():
@@ -155,8 +162,72 @@ def test_what_a_gang_cannot_do_yet_is_a_graph_error():
              "trainer_backend='megatron' with 2 TRAIN workers"),
             (Graph(name="g", tasks=("gridnav",), policy=Policy(lora=LoRA(rank=4))),
              "Policy.lora with 2 TRAIN workers"),
-            (Graph(name="g", tasks=("gridnav",), checkpoint_every=5),
-             "checkpoint_every=5 with 2 TRAIN workers")]:
+]:
         with pytest.raises(GraphError, match=what) as e:
             check_gang(graph, 2, "r.py")
         assert "Pool(tag='TRAIN', workers=1) in r.py" in str(e.value)
+
+
+def _close(a: dict, b: dict, lr: float) -> float:
+    """The share of elements of ``a`` and ``b`` (state dicts) more than 2e-6 apart; none
+    may be more than lr/20 apart (see the step test: AdamW's near-zero gradients)."""
+    diff = torch.cat([(a[k] - v).abs().flatten() for k, v in b.items()])
+    assert float(diff.max()) < lr / 20
+    return float((diff > 2e-6).float().mean())
+
+
+def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_pool, tmp_path):
+    """1 -> 2: a one-process trainer's checkpoint, loaded by a two-rank gang, steps as the
+    one-process trainer goes on; 2 -> 1: the gang's checkpoint (its AdamW moments gathered
+    from both ranks) loaded by a one-process trainer steps as the gang goes on. Without
+    the moments the step is visibly another one (the moments are what is tested)."""
+    from rollart.buffer import SampleBuffer
+    from rollart.runtime.handles import handle
+    from rollart.trainer import Trainer
+    from rollart.trainer.gang import GangTrainer
+    from rollart.weights import WeightStore
+
+    client = train_pool
+    a, b = sorted(client.scheduler_info()["workers"])
+    algo = GRPO(group_size=3, groups_per_step=3, lr=1e-2, kl_coef=0.05, alpha=8,
+                micro_batch_tokens=40)
+
+    def one(ckpt=None, store="one"):
+        t = Trainer(mg_model_dir, str(tmp_path / store), algo)
+        if ckpt:
+            asyncio.run(t.load_state(ckpt))
+        else:
+            asyncio.run(t.publish())
+        return t
+
+    def step(t, batch) -> dict:
+        t._update(batch)
+        return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+
+    vocab = one().model.config.vocab_size
+    b1, b2, b3 = (random_batch(vocab, groups=3, shared_prompt=True, seed=s) for s in (1, 2, 3))
+    first = one()
+    step(first, b1)
+    first.version = 1
+    ckpt1 = str(tmp_path / "ckpt1")
+    asyncio.run(first.save_state(ckpt1))
+    want2 = step(first, b2)
+
+    gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "gang"), algo,
+                                gang=[b], actor=True, workers=[a], resources={TRAIN: 1}).result())
+    buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
+    for t in b2 + b3:
+        buf.put(t, 3).result()
+    assert gang.load_state(ckpt1).result() == 1
+    assert gang.publish().result() == 1
+    assert gang.train_step(buf, 2).result()["trainer/ranks"] == 2
+    assert _close(WeightStore(str(tmp_path / "gang")).get(2), want2, algo.lr) < 1e-3  # 1 -> 2
+
+    ckpt2 = str(tmp_path / "ckpt2")
+    gang.save_state(ckpt2).result()
+    gang.train_step(buf, 3).result()
+    want3 = WeightStore(str(tmp_path / "gang")).get(3)
+    assert _close(step(one(ckpt2, "two"), b3), want3, algo.lr) < 1e-3  # 2 -> 1
+    fresh = one(ckpt2, "three")
+    fresh.optimizer = fresh._make_optimizer()  # the weights without the moments
+    assert _close(step(fresh, b3), want3, 1.0) > 0.1

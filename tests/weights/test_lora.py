@@ -263,5 +263,9 @@ def test_a_lora_run_end_to_end_and_its_resume(local_cluster, tmp_path):
     resumed = train(graph, resume=run, steps=3, **kw)
     assert [r["step"] for r in resumed.metrics] == [1, 2, 3]
     check_run_record(resumed)
-    # the resumed engines sample from the trainer's policy: warmed base + its adapter
-    assert abs(resumed.metrics[2]["trainer/approx_kl_behaviour"]) < 0.01
+    # the resumed engines sample from the trainer's policy: warmed base + its adapter.
+    # The checkpoint's buffered groups may be one version old (alpha 1): their KL is one
+    # update's (0.011 seen in CI); engines without the warmed base gave 0.69
+    row = resumed.metrics[2]
+    bound = 1e-3 if row["trainer/staleness_max"] == 0 else 0.1
+    assert abs(row["trainer/approx_kl_behaviour"]) < bound, row

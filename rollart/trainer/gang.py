@@ -6,7 +6,7 @@ addresses). ``GangTrainer`` is rank 0 and speaks for the gang: the driver calls 
 calls the one-process ``Trainer`` (``train_step``, ``publish``, ``save``, ...). It starts
 one ``GangRank`` actor on each other TRAIN worker (pinned there) when it first publishes,
 opens the rendezvous (a ``TCPStore`` on a free port of its own host, never a fixed one),
-and every rank joins the process group (gloo on CPU, NCCL on GPU) within
+and every rank joins the process group (gloo for a policy on the CPU, NCCL on a GPU) within
 ``join_timeout`` s, or the error names the rank that did not and the setting to raise.
 Every rank then takes rank 0's weights and KL reference (``Algo.kl_coef > 0``) by
 broadcast and shards the policy with ``fully_shard`` per decoder block and at the root
@@ -20,21 +20,26 @@ reduced across ranks): the loss and gradient are the one-process trainer's, the 
 mean over the whole batch. FSDP2 averages gradients over ranks, so each rank scales its
 loss by N. The gradient norm is clipped over the whole model (the sharded norms reduced),
 then AdamW steps on each rank's shard. The ranks' statistics are summed in one
-all-reduce; rank 0 reports the step row, with ``trainer/ranks``. Rank 0 then gathers the
-full weights (``get_model_state_dict``, a collective) and publishes them as the
-one-process trainer does.
+all-reduce; rank 0 reports the step row, with ``trainer/ranks``.
+
+Publishing a version (``_write_buckets``): the policy's HF-named tensors, in order, are
+cut into buckets of about ``bucket_bytes`` (``buckets``); every rank gathers each tensor
+whole (``full_tensor``), and bucket k's tensors are kept and written to the weight store
+by rank k mod N only (``WeightStore.put_bucket``), so no rank holds a second full copy.
+Rank 0 then writes the manifest that makes them a version (``put_manifest``): a reader
+never sees a partial one. Readers fetch the buckets in parallel (``WeightStore.get``).
 
 Checkpoints have the one-process trainer's layout, so a run resumes on any number of
-ranks (2 -> 1 and 1 -> 2 tested): rank 0 writes the gathered weights, the KL reference
+ranks (2 -> 1 and 1 -> 2 tested): rank 0 writes the published weights, the KL reference
 and the whole AdamW state under parameter names, gathered from every rank
 (``get_optimizer_state_dict``, ``optimizer_format: "names"``); a gang that loads a
 checkpoint broadcasts rank 0's weights, reference and moments to every rank when it forms.
 
-Not built yet, and said where a user meets it: HF-named buckets written by every rank
-(rank 0 gathers one full copy of the weights per version and publishes it); sharded
-(``torch.distributed.checkpoint``) checkpoints, which a model too large for rank 0's
-memory needs; LoRA and the Megatron backend in a gang (each a ``GraphError`` at start:
-``rollart.config.preflight.check_gang``).
+Not built yet, and said where a user meets it: sharded (``torch.distributed.checkpoint``)
+checkpoints, which a model too large for rank 0's memory needs (rank 0 gathers the
+optimizer state for a checkpoint); inference workers that load a version bucket by
+bucket or relay it to each other; LoRA and the Megatron backend in a gang (each a
+``GraphError`` at start: ``rollart.config.preflight.check_gang``).
 
 Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
 after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published
@@ -59,7 +64,7 @@ from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GangRank", "GangTrainer", "balance", "decoder_blocks", "free_port"]
+__all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks", "free_port"]
 
 
 def free_port(host: str) -> int:
@@ -84,6 +89,26 @@ def balance(lengths: list[int], n: int) -> list[list[int]]:
         shares[k].append(i)
         loads[k] += lengths[i]
     return [sorted(s) for s in shares]
+
+
+def buckets(state: dict, bucket_bytes: int) -> list[list[str]]:
+    """``state``'s names in order, cut into buckets of at least ``bucket_bytes`` (the last
+    may be smaller; a tensor never spans two). Sizes are the whole tensors' (a DTensor's
+    global shape), so every rank cuts alike.
+
+    >>> t = torch.zeros(4)  # 16 bytes
+    >>> buckets({"a": t, "b": t, "c": t}, 20)
+    [['a', 'b'], ['c']]
+    """
+    out: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        if size >= bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += t.numel() * t.element_size()
+    return [b for b in out if b]
 
 
 def decoder_blocks(model) -> list:
@@ -112,10 +137,17 @@ class _Ranked:
             dist.destroy_process_group()
         wait = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=wait)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if self._device().type == "cuda":
+            torch.cuda.set_device(self._device())
+        backend = "nccl" if self._device().type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=wait)
         self.rank, self.world = rank, world
+
+    def _device(self) -> torch.device:
+        """Where the policy's weights are: NCCL and a CUDA mesh for a GPU, else gloo and
+        a CPU mesh (the trainer actor's policy is on the CPU unless placed on a GPU)."""
+        return next(self.model.parameters()).device
 
     def _shard(self, optimizer_state: bool) -> None:
         """Every rank takes rank 0's weights and KL reference (broadcast, tensor by
@@ -139,7 +171,7 @@ class _Ranked:
         if optimizer_state and self.rank == 0:
             full = get_optimizer_state_dict(self.model, self.optimizer,
                                             options=StateDictOptions(full_state_dict=True))
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,))
+        mesh = init_device_mesh(self._device().type, (self.world,))
         for block in decoder_blocks(self.model):
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -149,6 +181,29 @@ class _Ranked:
                                      options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
         self.sharded = True
+
+    def _write_buckets(self, version: int, bucket_bytes: int) -> list[tuple[int, str, int]]:
+        """This rank's buckets of ``version``: the policy's HF-named tensors cut in order
+        into buckets of about ``bucket_bytes`` (``buckets``, the same on every rank);
+        bucket k is written by rank k mod N. Each tensor is gathered whole
+        (``full_tensor``, a collective) by every rank, kept only by its bucket's writer
+        and dropped once written: no rank holds more than a bucket beyond its shard.
+        Returns ``(k, name, bytes)`` of the buckets written here."""
+        from torch.distributed.tensor import DTensor
+
+        state = self.model.state_dict()
+        out = []
+        for k, names in enumerate(buckets(state, bucket_bytes)):
+            mine, part = k % self.world == self.rank, {}
+            for name in names:
+                t = state[name]
+                whole = t.full_tensor() if isinstance(t, DTensor) else t
+                if mine:
+                    part[name] = whole.detach().to("cpu")
+            if mine:
+                out.append((k, *self.store.put_bucket(version, k, part, {
+                    "rollart.rank": str(self.rank), "rollart.bucket": str(k)})))
+        return out
 
     def _full_optimizer(self) -> dict:
         """The whole AdamW state under parameter names (a collective: every rank calls
@@ -163,11 +218,8 @@ class _Ranked:
     def _share_update(self, batch, adv: torch.Tensor, real: int) -> dict:
         """This rank's part of one optimizer step: ``batch``'s first ``real`` rows are its
         share (the rest one filler row, weight 0, for a rank with no share). Returns the
-        step's statistics summed over ranks and, on rank 0, the gathered full weights
-        under ``"weights"``."""
+        step's statistics summed over ranks."""
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
         from torch.distributed.tensor import DTensor
 
         pad = self.tokenizer.pad_token_id
@@ -207,10 +259,6 @@ class _Ranked:
                "trainer/tokens": int(total[0]), "trainer/micro_batches": int(summed[1]),
                "trainer/shared_prompt_rows": 0, "trainer/ranks": self.world,
                **{k: float(v) for k, v in zip(keys, summed[2:].tolist())}}
-        full = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            out["weights"] = full
         return out
 
 
@@ -226,6 +274,10 @@ class GangRank(_Ranked, Trainer):
         await self._run(self._shard, optimizer_state)
         self.version = version
         return version
+
+    async def write_buckets(self, version: int, bucket_bytes: int) -> list:
+        """This rank's part of publishing ``version`` (``_write_buckets``)."""
+        return await self._run(self._write_buckets, version, bucket_bytes)
 
     async def full_optimizer(self) -> bool:
         """This rank's part of gathering the optimizer state (for rank 0's checkpoint)."""
@@ -246,7 +298,8 @@ class GangTrainer(_Ranked, Trainer):
     """Rank 0 of an N-rank gang; ``gang``: the addresses of the other ranks' TRAIN
     workers (module docstring)."""
 
-    def __init__(self, *args, gang: list[str] = (), join_timeout: float = 300.0, **kwargs):
+    def __init__(self, *args, gang: list[str] = (), join_timeout: float = 300.0,
+                 bucket_bytes: int = 256 << 20, **kwargs):
         super().__init__(*args, **kwargs)
         if self.lora is not None:
             raise ValueError("Policy.lora on a trainer gang is not supported yet: train "
@@ -257,13 +310,35 @@ class GangTrainer(_Ranked, Trainer):
         self.members: list = []
         self.restarts = 0  # gangs formed again after a rank failed
         self._forms = 0
-        self._full: dict | None = None  # the gathered weights of self.version
+        self.bucket_bytes = int(bucket_bytes)
         self._gathered_optimizer: dict | None = None  # while a checkpoint is written
 
     def _hf_state_dict(self) -> dict:
-        if self.sharded:
-            return self._full
+        if self.sharded:  # the ranks published it in buckets
+            return self.store.get(self.version)
         return super()._hf_state_dict()
+
+    async def _publish(self) -> None:
+        """Every rank writes its buckets of ``self.version`` (``_write_buckets``), then
+        rank 0 the manifest that makes them a version."""
+        if not self.sharded:
+            return await super()._publish()
+        try:
+            parts = await self._all([self._run(self._write_buckets, self.version,
+                                               self.bucket_bytes),
+                                     *(m.write_buckets(self.version, self.bucket_bytes)
+                                       for m in self.members)],
+                                    "did not write its weight buckets")
+        except Exception:  # the gang failed before the version was made: as in a step
+            logger.warning("the trainer gang failed publishing v%d; forming it again from "
+                           "v%d", self.version, self.version - 1)
+            self.version -= 1  # the step's update is lost; its batch goes back
+            self.restarts += 1
+            await self._run(self._unshard)
+            raise
+        written = sorted(b for part in parts for b in part)
+        await self._run(self.store.put_manifest, self.version, [n for _, n, _ in written])
+        self.bytes_published = sum(size for _, _, size in written)
 
     def _save_hf(self, path: str) -> None:
         """The policy as a model folder: the gathered weights in an unsharded copy."""
@@ -272,7 +347,7 @@ class GangTrainer(_Ranked, Trainer):
         from rollart.model import load_model
 
         model = load_model(self.model_path)
-        model.load_state_dict(self._full, strict=False)
+        model.load_state_dict(self.store.get(self.version), strict=False)
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
@@ -425,7 +500,7 @@ class GangTrainer(_Ranked, Trainer):
         """The policy unsharded again, at ``self.version``'s published weights."""
         import torch.distributed as dist
 
-        state = self._full if self._full is not None else self.store.get(self.version)
+        state = self.store.get(self.version)
         self.model = self._load_policy(self.model_path)
         self._load_hf(self.model, state)
         self.model.eval()
@@ -456,7 +531,6 @@ class GangTrainer(_Ranked, Trainer):
         calls += [m.step(pa.Table.from_batches([to_record_batch(rows)]), a, real)
                   for m, (rows, a, real) in zip(self.members, sent[1:])]
         out = (await self._all(calls, "failed in the step"))[0]
-        self._full = out.pop("weights")
         out["trainer/adv_abs_mean"] = float(adv.abs().mean())
         out["trainer/gang_restarts"] = self.restarts
         return out

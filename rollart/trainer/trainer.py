@@ -168,7 +168,7 @@ class Trainer:
 
     async def publish(self) -> int:
         """Put the current weights into the store as ``self.version``."""
-        await self._run(self._put_weights)
+        await self._publish()
         if self.algo.kl_coef > 0 and self.ref_model is None and self.lora is None:
             self.ref_model = self._frozen_copy().eval()  # LoRA: the adapter turned off
         return self.version
@@ -192,7 +192,7 @@ class Trainer:
         metrics = await self._compute(batch)
         trained_on = self.version
         self.version += 1
-        await self._run(self._put_weights)
+        await self._publish()
         await self._confirm(buffer, step, (table.schema.metadata or {}).get(TAKE_KEY))
         await self._run(self._gc)
         metrics.update(batch_metrics(batch, trained_on))
@@ -200,6 +200,11 @@ class Trainer:
         metrics.update({"step": step, "version": self.version,
                         "trainer/wait_s": waited, "trainer/step_s": time.perf_counter() - t0})
         return metrics
+
+    async def _publish(self) -> None:
+        """Publish ``self.version`` (a gang's ranks each write their buckets:
+        ``rollart.trainer.gang``)."""
+        await self._run(self._put_weights)
 
     async def _compute(self, batch) -> dict:
         """One optimizer step on ``batch`` (a gang's rank 0 spreads it over its ranks:

@@ -9,8 +9,13 @@ inference workers call ``latest()``, ``hold(reader, v)``, ``get(v)``, ``release(
 * anything else → ``FsspecWeightStore`` (a local path, ``file://``, ``memory://`` within
   one process, object stores).
 
-Each version is one safetensors blob. ``LATEST`` names the newest complete version and is
-written after the blob, so a reader never sees a half-written version. Garbage
+Each version is one safetensors blob, or (a trainer gang's, ``rollart.trainer.gang``)
+HF-named buckets written by several publishers (``put_bucket``, each its own) and then a
+manifest (``put_manifest``): a tensor-less blob under the version's name whose header
+lists the buckets (``BUCKETS``). ``get`` reads a manifest's buckets in parallel and
+returns the whole dict. ``LATEST`` names the newest complete version and is written after
+the blob or manifest, so a reader never sees a half-written version (buckets without
+their manifest are no version). Garbage
 collection removes versions that are neither among the newest ``keep`` nor held by a
 reader (a reader holds the version it is fetching); a backend may also refuse to remove
 a version while a read is in progress (Mooncake leases), and then it is retried at the
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import abc
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import torch
@@ -105,22 +112,81 @@ class WeightStore(abc.ABC):
     def put_bytes(self, version: int, blob: bytes) -> None:
         """Publish an already serialised safetensors blob as ``version``."""
         self._write(self._name(version), blob)
+        self._known_buckets()[int(version)] = []
         self._remember(int(version))
         self._write("LATEST", str(int(version)).encode())
 
+    @staticmethod
+    def _bucket_name(version: int, k: int) -> str:
+        return f"v{int(version):08d}.b{int(k):05d}.safetensors"
+
+    def put_bucket(self, version: int, k: int, state_dict: dict[str, torch.Tensor],
+                   metadata: dict[str, str] | None = None) -> tuple[str, int]:
+        """Write bucket ``k`` of ``version`` (no version yet: ``put_manifest`` makes it
+        one); returns its name and bytes."""
+        tensors = {n: v.detach().to("cpu").contiguous() for n, v in state_dict.items()}
+        blob = st_save(_untie(tensors), metadata=metadata)
+        name = self._bucket_name(version, k)
+        self._write(name, blob)
+        return name, len(blob)
+
+    def put_manifest(self, version: int, buckets: list[str],
+                     metadata: dict[str, str] | None = None) -> None:
+        """Publish ``version`` as the ``buckets`` written before (``put_bucket``)."""
+        head = {**(metadata or {}), BUCKETS: json.dumps(list(buckets))}
+        self.put_bytes(version, st_save({}, metadata=head))
+        self._known_buckets()[int(version)] = list(buckets)
+
+    def _buckets_of(self, version: int) -> list[str]:
+        """``version``'s bucket names (``[]``: one blob). Known without a read for what
+        this store object published; else read once and kept (a Mooncake read leases the
+        object, which holds off its removal until the next ``gc``)."""
+        known = self._known_buckets()
+        if version not in known:
+            data = self._read(self._name(version))
+            try:
+                known[version] = json.loads(header_metadata(data).get(BUCKETS, "[]")) \
+                    if data is not None else []
+            except Exception:  # noqa: BLE001 - an unreadable manifest: its buckets stay
+                known[version] = []
+        return known[version]
+
+    def _known_buckets(self) -> dict[int, list[str]]:
+        return self.__dict__.setdefault("_bucket_names", {})
+
     def get(self, version: int, meta: bool = False):
-        """The tensors of ``version``; with ``meta``, ``(tensors, header metadata)``."""
+        """The tensors of ``version`` (a manifest's buckets read in parallel and merged);
+        with ``meta``, ``(tensors, header metadata)``."""
         data = self._read(self._name(version))
         if data is None:
             raise KeyError(f"weight version {version} is not in the store at {self.url}")
         try:
-            tensors = st_load(data)
-            return (tensors, header_metadata(data)) if meta else tensors
+            tensors, head = st_load(data), header_metadata(data)
+            names = json.loads(head.pop(BUCKETS, "[]"))
+            if names:
+                with ThreadPoolExecutor(min(8, len(names))) as pool:
+                    blobs = list(pool.map(self._read, names))
+                missing = [n for n, b in zip(names, blobs) if b is None]
+                if missing:
+                    raise ValueError(f"buckets {missing} are missing")
+                for blob in blobs:
+                    tensors.update(st_load(blob))
+            return (tensors, head) if meta else tensors
         except Exception as e:
             raise UnreadableWeightsError(
                 f"weight version {version} in {self.url} is unreadable ({type(e).__name__}: "
                 f"{e}); it was truncated or is not a safetensors file. Delete it so the "
                 "previous version is used, or publish the weights again") from None
+
+    def _remove_version(self, version: int) -> bool:
+        """Remove ``version``: its buckets, then its blob or manifest (kept, to retry at
+        the next ``gc``, while a bucket cannot be removed yet)."""
+        if not all([self._remove(name) for name in self._buckets_of(version)]):
+            return False
+        if not self._remove(self._name(version)):
+            return False
+        self._known_buckets().pop(int(version), None)
+        return True
 
     def get_newest_readable(self, meta: bool = False) -> tuple:
         """``(version, tensors)`` of the newest version that loads (``(version, tensors,
@@ -145,7 +211,7 @@ class WeightStore(abc.ABC):
         returns them."""
         newer = [v for v in self.versions() if v > int(version)]
         for v in newer:
-            if self._remove(self._name(v)):
+            if self._remove_version(v):
                 self._forget(v)
         if self.latest() > int(version):
             self._write("LATEST", str(int(version)).encode())
@@ -160,7 +226,7 @@ class WeightStore(abc.ABC):
         protect |= set(self.holds().values())
         removed = []
         for v in present:
-            if v not in protect and self._remove(self._name(v)):
+            if v not in protect and self._remove_version(v):
                 self._forget(v)
                 removed.append(v)
         return removed
@@ -201,7 +267,7 @@ class FsspecWeightStore(WeightStore):
         if not self._fs.exists(self._root):
             return []
         names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
-        return sorted(int(n[1:9]) for n in names if n.startswith("v") and n.endswith(".safetensors"))
+        return sorted(int(n[1:9]) for n in names if _VERSION.fullmatch(n))  # not buckets
 
     def holds(self) -> dict[str, int]:
         root = self._path("holds")
@@ -226,6 +292,9 @@ class FsspecWeightStore(WeightStore):
 # header metadata of an adapter version (rollart.trainer.lora): its format, and the
 # version whose full weights it applies to (-1: the model folder's)
 ADAPTER, BASE = "rollart.adapter", "rollart.base"
+# header metadata of a bucketed version's manifest: its buckets' names, as a JSON list
+BUCKETS = "rollart.buckets"
+_VERSION = re.compile(r"v\d{8}\.safetensors")
 
 
 def header_metadata(blob: bytes) -> dict[str, str]:

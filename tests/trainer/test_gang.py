@@ -2,6 +2,7 @@
 Dask worker process, step exactly as the one-process trainer does on the same batch."""
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -62,7 +63,8 @@ def test_a_two_rank_step_equals_the_one_process_trainer(kl, mg_model_dir, train_
 
     store = str(tmp_path / "gang")
     gang = handle(client.submit(GangTrainer, mg_model_dir, store, algo, gang=[b], actor=True,
-                                workers=[a], resources={TRAIN: 1}).result())
+                                bucket_bytes=40_000, workers=[a],
+                                resources={TRAIN: 1}).result())
     buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
     for t in batch:
         buf.put(t, 3).result()
@@ -83,6 +85,13 @@ def test_a_two_rank_step_equals_the_one_process_trainer(kl, mg_model_dir, train_
     # than a twentieth of lr (a rank's share lost or counted twice flips many signs)
     published, before = WeightStore(store).get(1), WeightStore(store).get(0)
     assert set(published) == set(ref_weights)
+    # version 1 is buckets written by both ranks (bucket k by rank k mod 2), no gathered copy
+    from rollart.weights.store import BUCKETS, header_metadata
+    ws = WeightStore(store)
+    names = json.loads(header_metadata(ws._read(ws._name(1)))[BUCKETS])
+    writers = [header_metadata(ws._read(n))["rollart.rank"] for n in names]
+    assert len(names) > 2 and writers == [str(k % 2) for k in range(len(names))]
+    assert got["weights/bytes_published"] == sum(len(ws._read(n)) for n in names)
     diff = torch.cat([(published[k] - v).abs().flatten() for k, v in ref_weights.items()])
     moved = torch.cat([(v - before[k]).abs().flatten() for k, v in ref_weights.items()])
     assert float(moved.median()) > algo.lr / 2

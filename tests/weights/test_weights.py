@@ -81,6 +81,37 @@ def test_gc_keeps_newest_and_held_versions(store):
     assert store.truncate(3) == [4] and store.latest() == 3 and store.versions() == [3]
 
 
+def test_bucketed_versions_are_whole_or_absent(store):
+    """A trainer gang's version: buckets from several publishers, then the manifest that
+    makes them a version. Before it there is no version 1 (a reader racing the publish
+    sees version 0); after it, the whole dict; gc takes the buckets with it; a manifest
+    whose bucket is gone is unreadable and the previous version is used."""
+    from rollart.weights.store import UnreadableWeightsError
+
+    store.put(0, weights(0))
+    w = weights(1)
+    other = pickle.loads(pickle.dumps(store))  # another rank's handle on the same store
+    names = [store.put_bucket(1, 0, {"emb": w["emb"], "head": w["head"]})[0],
+             other.put_bucket(1, 1, {"bias": w["bias"]})[0]]
+    assert store.latest() == 0 and store.versions() == [0]
+    with pytest.raises(KeyError, match="version 1"):
+        store.get(1)
+    store.put_manifest(1, names, {"rollart.test": "yes"})
+    got, meta = store.get(1, meta=True)
+    assert meta == {"rollart.test": "yes"} and set(got) == set(w)
+    assert all(torch.equal(got[k], w[k]) for k in w)
+    assert store.latest() == 1 and store.versions() == [0, 1]
+    store.put(2, weights(2))
+    time.sleep(LEASE_MS / 1000 + 0.2)  # reads above hold Mooncake leases briefly
+    assert store.gc(keep=1) == [0, 1] and store.versions() == [2]
+    assert store._read(names[0]) is None and store._read(names[1]) is None
+    names = [store.put_bucket(3, 0, w)[0]]
+    store.put_manifest(3, names + [store._bucket_name(3, 1)])  # bucket 1 never written
+    with pytest.raises(UnreadableWeightsError, match="missing"):
+        store.get(3)
+    assert store.get_newest_readable()[0] == 2
+
+
 @pytest.mark.mooncake
 def test_mooncake_version_being_read_survives_gc_until_its_lease_ends(master):
     store = WeightStore(master.url("lease", segment_mb=64, buffer_mb=32))

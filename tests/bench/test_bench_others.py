@@ -1,5 +1,5 @@
-"""benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py and
-calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
+"""benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py,
+trainer_gang.py and calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
 not tests: see the README)."""
 
 import importlib
@@ -89,6 +89,15 @@ def test_tool_sandbox_tiny():
     assert math.isclose(r["calc_speedup"],
                         r["calc_batches_s_zygote"] / r["calc_batches_s_fresh"], rel_tol=0.02)
     assert r["blocks"] == 1
+
+
+@pytest.mark.bench
+def test_trainer_gang_tiny():
+    r = _bench("trainer_gang", "--quick", timeout=600)
+    assert r["steps"] == 2 and r["rows"] == 16 and r["params_m"] > 0
+    assert r["gang_step_s_1"] > 0 and r["gang_step_s_2"] > 0
+    assert math.isclose(r["gang_step_ratio"], r["gang_step_s_1"] / r["gang_step_s_2"],
+                        rel_tol=0.02)
 
 
 @pytest.mark.bench

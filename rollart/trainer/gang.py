@@ -5,7 +5,7 @@
 addresses). ``GangTrainer`` is rank 0 and speaks for the gang: the driver calls it as it
 calls the one-process ``Trainer`` (``train_step``, ``publish``, ``save``, ...). It starts
 one ``GangRank`` actor on each other TRAIN worker (pinned there) when it first publishes,
-opens the rendezvous (a ``TCPStore`` on a free port of its own host, never a fixed one),
+opens the rendezvous (a ``TCPStore`` on its own host, on a port the OS picks as it binds),
 and every rank joins the process group (gloo for a policy on the CPU, NCCL on a GPU) within
 ``join_timeout`` s, or the error names the rank that did not and the setting to raise.
 Every rank then takes rank 0's weights and KL reference (``Algo.kl_coef > 0``) by
@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import socket
 from collections import defaultdict
 
 import torch
@@ -64,14 +63,7 @@ from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks", "free_port"]
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks"]
 
 
 def balance(lengths: list[int], n: int) -> list[list[int]]:
@@ -130,13 +122,17 @@ class _Ranked:
     rank, world, sharded = 0, 1, False
 
     # -- joining and sharding (trainer thread) -------------------------------------------
-    def _join(self, host: str, port: int, rank: int, world: int, timeout: float) -> None:
+    def _join(self, host: str, port: int, rank: int, world: int, timeout: float,
+              store=None) -> None:
+        """Join the gang's process group at rank 0's rendezvous ``host:port`` (rank 0
+        passes the ``store`` it opened: ``GangTrainer._open``)."""
         import torch.distributed as dist
 
         if dist.is_initialized():  # a gang before this one, in this process
             dist.destroy_process_group()
         wait = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=wait)
+        if store is None:
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
         if self._device().type == "cuda":
             torch.cuda.set_device(self._device())
         backend = "nccl" if self._device().type == "cuda" else "gloo"
@@ -414,17 +410,18 @@ class GangTrainer(_Ranked, Trainer):
             except (asyncio.TimeoutError, TimeoutError) as e:
                 raise TimeoutError(self._late(i, addr, "did not start")) from e
         host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
-        port = free_port(host)
-        joins = [m.join(host, port, i, self.world, self.join_timeout)
+        store = await self._run(self._open, host)
+        joins = [m.join(host, store.port, i, self.world, self.join_timeout)
                  for i, m in enumerate(self.members, start=1)]
-        await self._all([self._run(self._join, host, port, 0, self.world, self.join_timeout),
-                         *joins], "did not join the gang")
+        await self._all([self._run(self._join, host, store.port, 0, self.world,
+                                   self.join_timeout, store), *joins],
+                        "did not join the gang")
         moments = bool(self.optimizer.state)  # a checkpoint's, loaded before the gang
         await self._all([self._run(self._shard, moments),
                          *(m.shard(self.version, moments) for m in self.members)],
                         "did not shard the policy")
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
-                    port)
+                    store.port)
 
     async def _other_workers(self, client, me: str) -> list[str]:
         """The other ranks' workers: ``world - 1`` live TRAIN workers besides ``me``
@@ -446,6 +443,14 @@ class GangTrainer(_Ranked, Trainer):
                     f"{self.world - 1 - len(found)} more (or raise Dask's config "
                     f"rollart.waits.start)")
             await asyncio.sleep(0.5)
+
+    def _open(self, host: str):
+        """The rendezvous: a ``TCPStore`` on a port of ``host`` the OS picks as it binds
+        (never a fixed one, and no window in which another process takes it)."""
+        import torch.distributed as dist
+
+        return dist.TCPStore(host, 0, self.world, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=self.join_timeout))
 
     def _late(self, rank: int, addr: str, what: str) -> str:
         return (f"trainer rank {rank} on {addr} {what} within {self.join_timeout:.0f} s; "

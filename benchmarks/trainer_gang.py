@@ -1,17 +1,21 @@
 """A trainer step on one rank against the same step on a two-rank gang (issue 37).
 
 Side by side on this machine, on one process cluster with two TRAIN workers (one thread
-each): the one-process ``Trainer`` on the first worker, then a ``GangTrainer`` on it with
-the second as rank 1 (FSDP2 over gloo, buckets written by both ranks). Both train the
+each): the one-process ``Trainer`` on the first worker with one torch thread (as a
+one-worker TRAIN pool runs it), the same with two torch threads (the strongest
+one-process alternative on 2 cores: it may use both), then a ``GangTrainer`` on it with
+the second worker as rank 1 (FSDP2 over gloo, one thread a rank, buckets written by both
+ranks). Both train the
 same fixed batches from their own ``SampleBuffer``: ``--groups`` groups of ``--size``
 random trajectories (``rollart.testing.random_batch``, about 60 tokens a row) on a model
 folder built here (``--hidden``, ``--layers``). The first step of each side is a warm-up
 and not timed; then ``--steps`` timed steps each (a step: take the batch, forward,
 backward, clip, AdamW, publish the version). The settings are fixed here, before any run.
 
-What to expect on 2 cores: no gain. Two ranks split the batch, but each rank also
-gathers every tensor whole to publish and pays gloo's collectives, and the two worker
-processes share the machine's two cores with the scheduler and the driver. The gang is
+What to expect on 2 cores: little or no gain over one rank on two threads. Two ranks
+split the batch, but each rank also gathers every tensor whole to publish and pays
+gloo's collectives, and the two worker processes share the machine's two cores with the
+scheduler and the driver. The gang is
 for a model that does not fit one device or a batch that needs several; on a host with
 a core (or a GPU) per rank the compute halves.
 
@@ -21,9 +25,12 @@ commit, load average before, command, figures). Run it alone on an idle machine:
     flock /tmp/rollart-bench.lock python benchmarks/trainer_gang.py
     python benchmarks/trainer_gang.py --quick      # a smoke run
 
-RESULT keys: ``gang_step_s_1`` and ``gang_step_s_2`` (median seconds a step, one rank and
-two), ``gang_step_ratio`` (one rank's ÷ two ranks': > 1 means the gang is faster),
+RESULT keys: ``gang_step_s_1``, ``gang_step_s_1t2`` and ``gang_step_s_2`` (median seconds a
+step: one rank, one rank on two threads, two ranks), ``gang_step_ratio`` (one rank's ÷
+two ranks': > 1 means the gang is faster) and ``gang_step_ratio_t2`` (one rank on two
+threads ÷ two ranks),
 ``params_m`` (the model's parameters, millions), ``rows`` (a batch), ``steps``, ``cores``.
+Run it for seeds 0, 1 and 2 (``--seed``) and take the median and spread of the ratios.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--size", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0, help="the batches' seed")
     ap.add_argument("--no-record", action="store_true",
                     help="do not append to benchmarks/results/trainer_gang.jsonl")
     args = ap.parse_args(argv)
@@ -113,7 +121,7 @@ def main(argv=None) -> dict:
 
         params = sum(p.numel() for p in load_model(model).parameters())
         vocab = load_model(model).config.vocab_size
-        batches = [random_batch(vocab, groups=args.groups, size=args.size, seed=1000 + s,
+        batches = [random_batch(vocab, groups=args.groups, size=args.size, seed=1000 * args.seed + s,
                                 shared_prompt=True, lengths=(24, 40))
                    for s in range(args.steps + 1)]
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -122,18 +130,22 @@ def main(argv=None) -> dict:
             a, b = sorted(client.scheduler_info()["workers"])
             one = _time_side(client, Trainer, {}, model, str(tmp / "w1"), algo, batches, a,
                              args.size)
+            one_t2 = _time_side(client, Trainer, {"threads": 2}, model, str(tmp / "w1t2"),
+                                algo, batches, a, args.size)
             two = _time_side(client, GangTrainer, {"gang": [b]}, model, str(tmp / "w2"),
                              algo, batches, a, args.size)
-    s1, s2 = statistics.median(one), statistics.median(two)
-    out = {"gang_step_s_1": round(s1, 3), "gang_step_s_2": round(s2, 3),
-           "gang_step_ratio": round(s1 / s2, 3), "params_m": round(params / 1e6, 2),
+    s1, s1t2, s2 = statistics.median(one), statistics.median(one_t2), statistics.median(two)
+    out = {"gang_step_s_1": round(s1, 3), "gang_step_s_1t2": round(s1t2, 3),
+           "gang_step_s_2": round(s2, 3), "gang_step_ratio": round(s1 / s2, 3),
+           "gang_step_ratio_t2": round(s1t2 / s2, 3), "params_m": round(params / 1e6, 2),
            "rows": args.groups * args.size, "steps": args.steps, "cores": os.cpu_count()}
     if not args.no_record and not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         with open(RESULTS, "a") as f:
             f.write(json.dumps({"date": started, "commit": _commit(), "load_before": load,
                                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                                "steps_s_1": one, "steps_s_2": two, **out}) + "\n")
+                                "seed": args.seed, "steps_s_1": one, "steps_s_1t2": one_t2,
+                                "steps_s_2": two, **out}) + "\n")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in out.items()), flush=True)
     return out
 

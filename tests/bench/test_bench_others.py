@@ -95,8 +95,10 @@ def test_tool_sandbox_tiny():
 def test_trainer_gang_tiny():
     r = _bench("trainer_gang", "--quick", timeout=600)
     assert r["steps"] == 2 and r["rows"] == 16 and r["params_m"] > 0
-    assert r["gang_step_s_1"] > 0 and r["gang_step_s_2"] > 0
+    assert r["gang_step_s_1"] > 0 and r["gang_step_s_1t2"] > 0 and r["gang_step_s_2"] > 0
     assert math.isclose(r["gang_step_ratio"], r["gang_step_s_1"] / r["gang_step_s_2"],
+                        rel_tol=0.02)
+    assert math.isclose(r["gang_step_ratio_t2"], r["gang_step_s_1t2"] / r["gang_step_s_2"],
                         rel_tol=0.02)
 
 

@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
                              args.size)
             one_t2 = _time_side(client, Trainer, {"threads": 2}, model, str(tmp / "w1t2"),
                                 algo, batches, a, args.size)
-            two = _time_side(client, GangTrainer, {"gang": [b]}, model, str(tmp / "w2"),
+            two = _time_side(client, GangTrainer, {"ranks": 2}, model, str(tmp / "w2"),
                              algo, batches, a, args.size)
     s1, s1t2, s2 = statistics.median(one), statistics.median(one_t2), statistics.median(two)
     out = {"gang_step_s_1": round(s1, 3), "gang_step_s_1t2": round(s1t2, 3),

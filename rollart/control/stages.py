@@ -331,19 +331,19 @@ class Stages:
         self.futures.append(fut)
         return fut
 
-    def _trainer_spec(self, live: dict, addr: str) -> RoleSpec:
-        """The trainer's spec for rank 0 on ``addr``: with more than one TRAIN worker, a
-        gang over all of them (``rollart.trainer.gang.GangTrainer``, the others' addresses
-        as ``gang``; its ranks join within ``waits.start``)."""
+    def _trainer_spec(self, live: dict) -> RoleSpec:
+        """The trainer's spec: with more than one TRAIN worker, a gang over all of them
+        (``rollart.trainer.gang.GangTrainer``, rank 0 where it is placed; its ranks join
+        within ``waits.start``)."""
         from dataclasses import replace
 
         spec = self.spec("trainer")
-        others = [a for a in _with_tag(live, TRAIN) if a != addr]
-        if not others:
+        ranks = len(_with_tag(live, TRAIN))
+        if ranks <= 1:
             return spec
         from rollart.trainer.gang import GangTrainer
 
-        return replace(spec, cls=GangTrainer, kwargs={**spec.kwargs, "gang": others,
+        return replace(spec, cls=GangTrainer, kwargs={**spec.kwargs, "ranks": ranks,
                                                       "join_timeout": self.waits.start})
 
     def _live(self, arg, actors: Actors | None):
@@ -357,7 +357,7 @@ class Stages:
         """Place every spec; returns the ``Actors`` record (with ``placement``)."""
         live = cluster_tags(self.client)
         trainer_addr = _with_tag(live, TRAIN)[0]
-        trainer = self.submit(self._trainer_spec(live, trainer_addr), trainer_addr, None)
+        trainer = self.submit(self._trainer_spec(live), trainer_addr, None)
         buf_spec = self.spec("buffer")
         buffer_addr, buffer_tag = buffer_worker(live, buf_spec)
         buffer = self.submit(buf_spec, buffer_addr, None, tag=buffer_tag)
@@ -458,7 +458,7 @@ class Stages:
         addr, tag = where
         extra = {"recover": True} if role == "buffer" else {}
         if role == "trainer":  # a gang is rebuilt whole, rank 0 on ``addr``
-            spec = self._trainer_spec(live, addr)
+            spec = self._trainer_spec(live)
         self._n += 1
         fut = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra)
         actor = handle(bounded(fut, self.waits.start, f"the replacement "

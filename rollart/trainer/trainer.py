@@ -411,17 +411,9 @@ class Trainer:
         collated = [collate_shared([batch[i] for i in rows], pad) if shared
                     else collate([batch[i] for i in rows], pad) for rows, shared in parts]
         counts = [float(_loss_mask(c).sum()) for c in collated]
-        total = max(sum(counts), 1.0)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, stats = 0.0, defaultdict(float)
-        for (rows, _), tensors, n in zip(parts, collated, counts):
-            loss, part_stats = self._loss(tensors, adv[rows])
-            share = n / total  # each part's token mean, weighted by its tokens
-            (loss * share).backward()
-            loss_sum += loss.item() * share
-            for k, v in part_stats.items():
-                stats[k] += v * share
+        loss_sum, stats = self._backward(
+            [(rows, c, n) for (rows, _), c, n in zip(parts, collated, counts)], adv,
+            max(sum(counts), 1.0))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.algo.max_grad_norm)
         self.optimizer.step()
@@ -432,6 +424,24 @@ class Trainer:
                       "trainer/shared_prompt_rows": sum(len(r) for r, s in parts if s),
                       "trainer/adv_abs_mean": float(adv.abs().mean())})
         return dict(stats)
+
+    def _backward(self, plan: list, adv: torch.Tensor, total: float, scale: float = 1.0
+                  ) -> tuple[float, dict]:
+        """Zero the gradients, then forward and backward each micro-batch of ``plan``
+        (``(rows, collated tensors, trained tokens)``), its token-mean loss weighted by
+        its tokens over ``total`` (the whole batch's) and by ``scale`` (a gang's rank
+        count: FSDP2 averages over ranks). Returns the weighted loss and statistics."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, stats = 0.0, defaultdict(float)
+        for rows, tensors, n in plan:
+            loss, part_stats = self._loss(tensors, adv[rows])
+            share = n / total  # each part's token mean, weighted by its tokens
+            (loss * (share * scale)).backward()
+            loss_sum += loss.item() * share
+            for k, v in part_stats.items():
+                stats[k] += v * share
+        return loss_sum, stats
 
     def _parts(self, batch) -> list[tuple[list[int], bool]]:
         """The batch's micro-batches: ``(rows, shared)``.

@@ -40,8 +40,8 @@ def test_balance_spreads_tokens_and_keeps_every_row_once():
     assert balance([4], 2) == [[0], []]  # a rank may get nothing: it steps with weight 0
     import doctest
 
-    from rollart.trainer import gang
-    assert doctest.testmod(gang).failed == 0
+    from rollart.trainer import fsdp
+    assert doctest.testmod(fsdp).failed == 0
 
 
 @pytest.mark.parametrize("kl", [0.0, 0.05])
@@ -62,7 +62,7 @@ def test_a_two_rank_step_equals_the_one_process_trainer(kl, mg_model_dir, train_
     ref_weights = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 
     store = str(tmp_path / "gang")
-    gang = handle(client.submit(GangTrainer, mg_model_dir, store, algo, gang=[b], actor=True,
+    gang = handle(client.submit(GangTrainer, mg_model_dir, store, algo, ranks=2, actor=True,
                                 bucket_bytes=40_000, workers=[a],
                                 resources={TRAIN: 1}).result())
     buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
@@ -110,7 +110,7 @@ def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(mg_model_dir
     a = sorted(client.scheduler_info()["workers"])[0]
     gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "w"),
                                 GRPO(group_size=2, groups_per_step=1), actor=True,
-                                gang=["one", "two"], join_timeout=2.0,
+                                ranks=3, join_timeout=2.0,
                                 workers=[a], resources={TRAIN: 1}).result())
     with pytest.raises(Exception, match=r"the trainer gang has 3 ranks but only 2 TRAIN "
                                         r"workers are alive after 2 s; start 1 more \(or "
@@ -223,7 +223,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
     want2 = step(first, b2)
 
     gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "gang"), algo,
-                                gang=[b], actor=True, workers=[a], resources={TRAIN: 1}).result())
+                                ranks=2, actor=True, workers=[a], resources={TRAIN: 1}).result())
     buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
     for t in b2 + b3:
         buf.put(t, 3).result()

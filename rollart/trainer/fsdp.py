@@ -1,0 +1,231 @@
+"""What every rank of a trainer gang does (``rollart.trainer.gang`` has the gang and its
+rank 0): join the process group, take rank 0's policy and shard it with FSDP2, train its
+share of a step, write its buckets of a published version, give its part of the
+optimizer state for a checkpoint. The work runs in the rank's trainer thread; every
+method that holds a collective is called on every rank, in the same order.
+
+``_Ranked`` is mixed into ``Trainer`` by both ``GangRank`` (ranks 1..N-1, each a Dask
+actor on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0). The plain
+helpers: ``balance`` (token-balanced shares of a batch), ``buckets`` (a version's cut into
+buckets, the same on every rank), ``decoder_blocks`` (what ``fully_shard`` wraps).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
+
+__all__ = ["GangRank", "balance", "buckets", "decoder_blocks"]
+
+def balance(lengths: list[int], n: int) -> list[list[int]]:
+    """Row indices split into ``n`` shares of nearly equal total length: longest first,
+    each to the share with the fewest tokens so far (ties: the lower rank). Each share in
+    row order.
+
+    >>> balance([5, 1, 4, 2, 3], 2)
+    [[0, 1, 3], [2, 4]]
+    """
+    loads = [0] * n
+    shares: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(n), key=lambda k: (loads[k], k))
+        shares[k].append(i)
+        loads[k] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def buckets(state: dict, bucket_bytes: int) -> list[list[str]]:
+    """``state``'s names in order, cut into buckets of at least ``bucket_bytes`` (the last
+    may be smaller; a tensor never spans two). Sizes are the whole tensors' (a DTensor's
+    global shape), so every rank cuts alike.
+
+    >>> t = torch.zeros(4)  # 16 bytes
+    >>> buckets({"a": t, "b": t, "c": t}, 20)
+    [['a', 'b'], ['c']]
+    """
+    out: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        if size >= bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += t.numel() * t.element_size()
+    return [b for b in out if b]
+
+
+def decoder_blocks(model) -> list:
+    """The model's repeated blocks, each sharded on its own: modules whose class the
+    model names in ``_no_split_modules`` (Hugging Face's list of its decoder layers), else
+    the members of its longest ``ModuleList``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+class _Ranked:
+    """What every rank of the gang does (mixed into ``Trainer``)."""
+
+    share_prompts = False  # a shared prompt is two forwards: the ranks' collectives must line up
+    rank, world, sharded = 0, 1, False
+
+    # -- joining and sharding (trainer thread) -------------------------------------------
+    def _join(self, host: str, port: int, rank: int, world: int, timeout: float,
+              store=None) -> None:
+        """Join the gang's process group at rank 0's rendezvous ``host:port`` (rank 0
+        passes the ``store`` it opened: ``GangTrainer._open``)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a gang before this one, in this process
+            dist.destroy_process_group()
+        wait = datetime.timedelta(seconds=timeout)
+        if store is None:
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
+        if self._device().type == "cuda":
+            torch.cuda.set_device(self._device())
+        backend = "nccl" if self._device().type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=wait)
+        self.rank, self.world = rank, world
+
+    def _device(self) -> torch.device:
+        """Where the policy's weights are: NCCL and a CUDA mesh for a GPU, else gloo and
+        a CPU mesh (the trainer actor's policy is on the CPU unless placed on a GPU)."""
+        return next(self.model.parameters()).device
+
+    def _shard(self, optimizer_state: bool) -> None:
+        """Every rank takes rank 0's weights and KL reference (broadcast, tensor by
+        tensor, before sharding), then shards every decoder block and the root over all
+        ranks; with ``optimizer_state``, rank 0's AdamW moments (a checkpoint's) reach
+        every rank's shard (``set_optimizer_state_dict``, broadcast from rank 0)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        for t in self.model.state_dict().values():
+            dist.broadcast(t.data, 0)
+        if self.algo.kl_coef > 0:
+            if self.ref_model is None:  # members: rank 0's reference comes next
+                self.ref_model = self._frozen_copy().eval()
+            for t in self.ref_model.state_dict().values():
+                dist.broadcast(t.data, 0)
+        full = None
+        if optimizer_state and self.rank == 0:
+            full = get_optimizer_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True))
+        mesh = init_device_mesh(self._device().type, (self.world,))
+        for block in decoder_blocks(self.model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = self._make_optimizer()
+        if optimizer_state:
+            set_optimizer_state_dict(self.model, self.optimizer, full or {},
+                                     options=StateDictOptions(full_state_dict=True,
+                                                              broadcast_from_rank0=True))
+        self.sharded = True
+
+    def _write_buckets(self, version: int, bucket_bytes: int) -> list[tuple[int, str, int]]:
+        """This rank's buckets of ``version``: the policy's HF-named tensors cut in order
+        into buckets of about ``bucket_bytes`` (``buckets``, the same on every rank);
+        bucket k is written by rank k mod N. Each tensor is gathered whole
+        (``full_tensor``, a collective) by every rank, kept only by its bucket's writer
+        and dropped once written: no rank holds more than a bucket beyond its shard.
+        Returns ``(k, name, bytes)`` of the buckets written here."""
+        from torch.distributed.tensor import DTensor
+
+        state = self.model.state_dict()
+        out = []
+        for k, names in enumerate(buckets(state, bucket_bytes)):
+            mine, part = k % self.world == self.rank, {}
+            for name in names:
+                t = state[name]
+                whole = t.full_tensor() if isinstance(t, DTensor) else t
+                if mine:
+                    part[name] = whole.detach().to("cpu")
+            if mine:
+                out.append((k, *self.store.put_bucket(version, k, part, {
+                    "rollart.rank": str(self.rank), "rollart.bucket": str(k)})))
+        return out
+
+    def _full_optimizer(self) -> dict:
+        """The whole AdamW state under parameter names (a collective: every rank calls
+        it; rank 0 gets the dict, the others ``{}``)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+
+    # -- one step (trainer thread) --------------------------------------------------------
+    def _share_update(self, batch, adv: torch.Tensor, real: int) -> dict:
+        """This rank's part of one optimizer step: ``batch``'s first ``real`` rows are its
+        share (the rest one filler row, weight 0, for a rank with no share). Returns the
+        step's statistics summed over ranks."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        pad = self.tokenizer.pad_token_id
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
+        parts = [p for p in micro_batches(lengths, self.algo.micro_batch_tokens) if p]
+        collated = [collate([batch[i] for i in rows], pad) for rows in parts]
+        counts = [float(_loss_mask(c).sum()) if real else 0.0 for c in collated]
+        head = torch.tensor([sum(counts), len(parts)], dtype=torch.float64)
+        total, most = head.clone(), head.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        total_tokens = max(float(total[0]), 1.0)
+        plan = list(zip(parts, collated, counts))
+        plan += [(parts[0], collated[0], 0.0)] * (int(most[1]) - len(parts))  # weight 0
+        loss_sum, stats = self._backward(plan, adv, total_tokens, scale=self.world)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the whole model's norm, from every rank's shards
+        torch.nn.utils.clip_grads_with_norm_(params, self.algo.max_grad_norm, norm)
+        self.optimizer.step()
+        self.model.eval()
+        keys = sorted(stats)
+        summed = torch.tensor([loss_sum, len([n for _, _, n in plan if n > 0])]
+                              + [stats[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        out = {"trainer/loss": float(summed[0]), "trainer/grad_norm": float(norm),
+               "trainer/tokens": int(total[0]), "trainer/micro_batches": int(summed[1]),
+               "trainer/shared_prompt_rows": 0, "trainer/ranks": self.world,
+               **{k: float(v) for k, v in zip(keys, summed[2:].tolist())}}
+        return out
+
+
+class GangRank(_Ranked, Trainer):
+    """Rank ≥ 1 of the gang, started by ``GangTrainer`` on its own TRAIN worker."""
+
+    async def join(self, host: str, port: int, rank: int, world: int, timeout: float) -> int:
+        await self._run(self._join, host, port, rank, world, timeout)
+        return rank
+
+    async def shard(self, optimizer_state: bool) -> None:
+        """Take rank 0's policy and shard it with the other ranks (``_shard``)."""
+        await self._run(self._shard, optimizer_state)
+
+    async def write_buckets(self, version: int, bucket_bytes: int) -> list:
+        """This rank's part of publishing ``version`` (``_write_buckets``)."""
+        return await self._run(self._write_buckets, version, bucket_bytes)
+
+    async def full_optimizer(self) -> bool:
+        """This rank's part of gathering the optimizer state (for rank 0's checkpoint)."""
+        await self._run(self._full_optimizer)
+        return True
+
+    async def step(self, table, adv: list[float], real: int) -> None:
+        """This rank's part of a step (``_share_update``) on the rows of ``table``."""
+        from rollart.buffer.schema import from_table
+
+        batch = await self._run(from_table, table)
+        await self._run(self._share_update, batch, torch.tensor(adv), real)

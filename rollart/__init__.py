@@ -15,6 +15,7 @@ _EXPORTS = {
     "rollart.app.api": ("Run", "start_run"),
     "rollart.app.cli": ("quiet",),
     "rollart.control.loop": ("RunResult", "train"),
+    "rollart.env.agent": ("AgentEndpoint", "AgentTask"),
     "rollart.env.faults": ("Faults", "Latency", "straggler_profile", "with_faults"),
     "rollart.env.tasks": ("BUILTIN_TASKS", "Task", "get_task"),
     "rollart.config.graph": ("GRPO", "Graph", "GraphError", "LoRA", "Policy", "Rollout", "load_graph"),
@@ -39,6 +40,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Affinity",
     "AffinityError",
+    "AgentEndpoint",
+    "AgentTask",
     "BUILTIN_TASKS",
     "CPU_ENV",
     "Episode",

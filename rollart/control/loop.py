@@ -45,6 +45,7 @@ from rollart.control.fleet import Fleet
 from rollart.control.modes import make_pipeline
 from rollart.control.prepare import Prepared, connect, prepare, prepare_model
 from rollart.control.stages import Actors, Stages
+from rollart.env.tasks import warmup_tasks
 from rollart.observe.figures import step_row
 from rollart.observe.monitor import Monitor
 from rollart.reward.offload import is_serverless
@@ -319,7 +320,7 @@ def _warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> s
     total = p.warmup_total_steps
     waits, on = stages.waits, f"on {actors.trainer._address}"
     info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
-        graph.tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
+        warmup_tasks(graph.tasks), p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
         threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
         episode_threads=p.warmup_episode_threads,
         **p.conversation_options()), waits.warmup(total),

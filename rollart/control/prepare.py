@@ -20,7 +20,7 @@ from pathlib import Path
 from rollart.config.graph import Graph, load_graph
 from rollart.config.preflight import preflight
 from rollart.env.corpus import chat_corpus
-from rollart.env.tasks import task_corpus
+from rollart.env.tasks import task_corpus, warmup_tasks
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.runtime.resources import Resources, load_resources
 
@@ -85,7 +85,8 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
     # a chat graph gets the chat toy (byte-level BPE + ChatML template, trained on the
     # tasks' own text); otherwise the word-level toy built from the tasks' vocabularies
     chat = graph.policy.conversation == "chat"
-    corpus = chat_corpus(graph.tasks) if chat else task_corpus(graph.tasks)
+    tasks = warmup_tasks(graph.tasks)  # an agent task's text is its agent's
+    corpus = chat_corpus(tasks) if chat else task_corpus(tasks)
     out = build_tiny_model(str(run_dir / "init_model"), corpus, chat=chat, seed=graph.seed)
     return out, graph.policy.warmup_total_steps > 0
 

@@ -300,6 +300,37 @@ class Conversation:
                                                                     self.tools)
         self._append(self._prompt)
 
+    @classmethod
+    def of_messages(cls, fmt: ConversationFormat, log: TokenLog, messages: list[dict],
+                    tools=None) -> "Conversation":
+        """A chat conversation whose prompt is ``messages`` as the template renders them
+        (an agent's request: ``rollart.env.agent``). A system message under a template
+        without a system role is folded into the first user message, as ``start``
+        does (``Policy.strict_template``: ``ChatTemplateError``)."""
+        if fmt.mode != "chat":
+            raise ConversationError("an agent's messages need a chat template: the "
+                                    f"tokenizer of {fmt.name!r} is used in raw mode")
+        self = cls.__new__(cls)
+        self.fmt, self.log, self.tools = fmt, log, tools or None
+        self.truncated, self.cut, self._ended = False, 0, True
+        msgs = [dict(m) for m in messages]
+        if msgs and msgs[0]["role"] == "system" and not fmt.system_role:
+            if fmt.strict:
+                raise support.no_system_role(fmt.name, "the agent's system message")
+            support.note_fold(fmt.name)
+            system = msgs.pop(0)["content"]
+            first = next((m for m in msgs if m["role"] == "user"), None)
+            if first is None:
+                msgs.insert(0, {"role": "user", "content": system})
+            else:
+                first["content"] = support.fold_system(system, first["content"])
+        for m in msgs:
+            m["content"] = self._cap(m.get("content") or "")
+        self.messages = msgs
+        self._prompt = fmt.render(msgs, True, self.tools)
+        self._append(self._prompt)
+        return self
+
     def room(self, max_new_tokens: int) -> bool:
         return len(self.log) + max_new_tokens <= self.fmt.max_context
 
@@ -350,8 +381,15 @@ class Conversation:
             return
         self._add_messages([{"role": "tool", "content": self._cap(r)} for r in results])
 
+    def add_messages(self, new: list[dict]) -> None:
+        """Messages after the last assistant turn (an agent's ``user`` / ``tool``
+        messages, with their own keys such as ``tool_call_id``), each capped."""
+        self._add_messages([{**m, "content": self._cap(m.get("content") or "")}
+                            for m in new])
+
     def _add_messages(self, new: list[dict]) -> None:
-        cached = self._cached_delta(new)
+        plain = all(m.keys() <= {"role", "content"} for m in new)  # the cache keys no more
+        cached = self._cached_delta(new) if plain else None
         if cached is not None:
             self.messages.extend(new)
             self._prompt = None

@@ -151,6 +151,19 @@ def get_task(name_or_task: str | Task) -> Task:
     return factory()
 
 
+def warmup_tasks(tasks: Iterable[Task]) -> tuple[Task, ...]:
+    """The tasks an env plays, which the built-in model's corpus and format warm-up are
+    made from (an ``AgentTask``'s text is its agent's; ``rollart.env.agent``). None left
+    is a ``ValueError`` naming the fix."""
+    tasks = tuple(tasks)
+    out = tuple(t for t in tasks if getattr(t, "agent", None) is None)
+    if tasks and not out:
+        raise ValueError("every task is an AgentTask, so the built-in model has no text to "
+                         "be built and warmed up from: give the graph a chat model folder "
+                         "(Policy.model or --model) or add a task its env plays")
+    return out
+
+
 def task_corpus(tasks: Iterable[str | Task]) -> list[str]:
     """Sorted union of the tasks' vocabularies: the words the tokenizer must know."""
     words: set[str] = set()

@@ -163,8 +163,8 @@ def check_templates(graph, model_path: str) -> None:
     fmt = ConversationFormat(tokenizer, opts["conversation"], system_prompt=opts[
         "system_prompt"], max_context=opts["max_context"] or 2048, model_path=model_path,
         strict=policy.strict_template, cache=False)
-    folded = [t.name for t in graph.tasks if check_task(fmt, t, _tools(t, without_faults,
-                                                                      env_tools))]
+    folded = [t.name for t in graph.tasks if not hasattr(t, "agent") and check_task(
+        fmt, t, _tools(t, without_faults, env_tools))]  # an agent's tools come per call
     if folded:
         note_fold(f"{fmt.name} (tasks {', '.join(folded)})", logging.WARNING)
 

@@ -82,6 +82,23 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolError]:
         pos = end + len(CLOSE)
 
 
+def strip_tool_calls(text: str) -> str:
+    """``text`` without its tool-call blocks, stripped.
+
+    >>> strip_tool_calls('let me see <tool_call>{"name": "f"}</tool_call>')
+    'let me see'
+    """
+    out, pos = [], 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        out.append(text[pos:start])
+        end = text.find(CLOSE, start)
+        if end < 0:
+            return "".join(out).strip()
+        pos = end + len(CLOSE)
+    out.append(text[pos:])
+    return "".join(out).strip()
+
+
 def _parse_one(body: str) -> ToolCall | ToolError:
     try:
         obj = json.loads(body)

@@ -33,7 +33,9 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
+from rollart.env.agent import agent_session, is_agent_task, run_agent
 from rollart.env.conversation import ConversationFormat, TokenLog, cap_text
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
@@ -110,7 +112,8 @@ class TrajectoryRunner:
                                          max_context=max_context, model_path=model_path)
         self.stop_ids = self.format.stop_ids
         self.counts = {"cut_generations": 0, "truncated": 0, "tool_turns": 0,
-                       "invalid_tool_calls": 0, "bad_env_outputs": 0}
+                       "invalid_tool_calls": 0, "bad_env_outputs": 0, "agent_calls": 0,
+                       "agent_rewrites": 0, "agent_dropped_tokens": 0}
         self.temperature, self.top_p = temperature, top_p
         self.env_step_timeout, self.reward_timeout = env_step_timeout, reward_timeout
         self.trajectory_timeout = trajectory_timeout
@@ -133,6 +136,8 @@ class TrajectoryRunner:
         self._reward_slots: dict[str, asyncio.Semaphore | None] = {}  # tag -> slots here
         self._reward_executor: ThreadPoolExecutor | None = None
         self.rewards = {"here": 0, "tasks": 0}  # how rewards ran: on this worker / as tasks
+        self._server = None  # the agent endpoint (rollart.env.endpoint), made on first use
+        self._agent_executor: ThreadPoolExecutor | None = None  # plain agent functions
 
     def stats(self) -> dict:
         """Conversation counters, namespaced ``rollout/…`` (merged into
@@ -140,6 +145,9 @@ class TrajectoryRunner:
         return {f"rollout/{k}": v for k, v in self.counts.items()}
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._agent_executor.shutdown(wait=False, cancel_futures=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._reward_executor is not None:
             self._reward_executor.shutdown(wait=False, cancel_futures=True)
@@ -191,11 +199,60 @@ class TrajectoryRunner:
         return traj
 
     async def _episode(self, task, seed, log, ep, traj, barrier, holder) -> None:
+        if is_agent_task(task):  # its agent plays it through the chat endpoint
+            return await self._agent_episode(task, seed, log, ep, traj)
         env = await self._env_call(traj, task.env_factory)
         holder.append(env)
         obs = check_observation(await self._env_call(
             traj, env.reset, seed, is_async=hasattr(env, "areset")))
         await self._turns(task, env, obs, log, ep, traj, barrier)
+
+    async def _agent_episode(self, task, seed, log, ep, traj) -> None:
+        """An ``AgentTask``'s episode: its agent's calls to a route of this runner's
+        endpoint (``rollart.env.agent``), each a generation through the proxy."""
+        if self._server is None:
+            from rollart.env.endpoint import AgentServer
+
+            self._server = AgentServer()
+            self._agent_executor = ThreadPoolExecutor(
+                max_workers=256, thread_name_prefix="rollart-agent")
+        top_p = self.top_p if getattr(task, "top_p", None) is None else task.top_p
+
+        async def generate(req, call: int):
+            self.running[traj.traj_id] = TrajState.GENERATING.value
+            t0 = time.perf_counter()
+            req = replace(req, temperature=self.temperature, top_p=top_p,
+                          seed=request_seed(self.seed, traj.traj_id, call),
+                          request_id=f"{traj.traj_id}/{call}")
+            try:
+                return await self.proxy.generate(traj.traj_id, req, self.inference_pools,
+                                                 task=task.name)
+            finally:
+                dt = time.perf_counter() - t0
+                traj.gen_time += dt
+                self.gen_seconds += dt
+                self.turns += 1
+                self.running[traj.traj_id] = TrajState.IN_ENV.value
+
+        session = agent_session(task, self.format, log, generate)
+        endpoint = self._server.open(session, seed)
+        self.running[traj.traj_id] = TrajState.IN_ENV.value
+        try:
+            returned = await run_agent(task.agent, endpoint, session,
+                                       self.env_step_timeout, self._agent_executor)
+        finally:
+            self._server.close(endpoint)
+            c = session.counts
+            for key, n in (("agent_calls", c.calls), ("agent_rewrites", c.rewrites),
+                           ("agent_dropped_tokens", c.dropped_tokens),
+                           ("invalid_tool_calls", c.invalid_tool_calls)):
+                self.counts[key] = self.counts.get(key, 0) + n
+            self.counts["cut_generations"] += session.conv.cut if session.conv else 0
+        done = session.episode(task.name, seed, returned)
+        ep.observations, ep.actions = done.observations, done.actions
+        ep.env_rewards, ep.info, ep.truncated = done.env_rewards, done.info, done.truncated
+        if ep.truncated:
+            self.counts["truncated"] += 1
 
     def _close_env(self, env, urgent: bool) -> None:
         """Close ``env`` off the loop. A failed/timed-out env may hold every pool thread

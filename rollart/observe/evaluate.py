@@ -10,11 +10,19 @@ on seeds training never saw) and by the learning test.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
 from rollart.env.conversation import ConversationFormat, TokenLog, context_budget
 from rollart.env.faults import without_faults
 from rollart.env.protocol import env_tools
 from rollart.env.trajectory import check_calls, request_seed, tool_calls
 from rollart.types import GenRequest
+
+logger = logging.getLogger(__name__)
+AGENT_IDLE_S = 300.0  # an agent's own time between two calls, at most (else it failed)
 
 
 def evaluate(model_path: str, tasks, seeds, *, temperature: float = 1.0,
@@ -39,6 +47,9 @@ def evaluate(model_path: str, tasks, seeds, *, temperature: float = 1.0,
 
 
 def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
+    if hasattr(task, "agent"):  # an AgentTask: its agent plays, through the endpoint
+        return asyncio.run(_agent_success(engine, fmt, task, seeds, temperature,
+                                          sample_seed))
     episodes = []
     for seed in seeds:
         env = task.env_factory()
@@ -78,3 +89,76 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
         for e in episodes:
             e["env"].close()
     return sum(e["success"] for e in episodes) / max(len(episodes), 1)
+
+
+# -- agent tasks ----------------------------------------------------------------------------
+async def _agent_success(engine, fmt, task, seeds, temperature, sample_seed) -> float:
+    """Success rate of an ``AgentTask``: every seed's agent at once against a local
+    endpoint, their calls batched into the engine. A failed episode counts as a failure
+    (a warning says how many failed, and the first error)."""
+    from rollart.env.agent import agent_session, run_agent
+    from rollart.env.endpoint import AgentServer
+
+    server, batcher = AgentServer(), _Batcher(engine)
+    pool = ThreadPoolExecutor(max_workers=max(min(len(seeds), 64), 1),
+                              thread_name_prefix="rollart-eval-agent")
+    errors: list[str] = []
+
+    async def one(seed) -> bool:
+        async def generate(req, call: int):
+            return await batcher.generate(replace(
+                req, temperature=temperature, top_p=1.0, cache_key=f"eval-{task.name}-{seed}",
+                seed=request_seed(sample_seed, f"{task.name}-{seed}", call)))
+
+        session = agent_session(task, fmt, TokenLog(), generate)
+        endpoint = server.open(session, seed)
+        try:
+            returned = await run_agent(task.agent, endpoint, session, AGENT_IDLE_S, pool)
+            return bool(session.episode(task.name, seed, returned).info.get("success"))
+        except Exception as e:  # noqa: BLE001 - counted, named below
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+            return False
+        finally:
+            server.close(endpoint)
+
+    try:
+        wins = await asyncio.gather(*(one(s) for s in seeds))
+    finally:
+        server.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+    if errors:
+        logger.warning("evaluation of %s: %d of %d agent episodes failed (counted as "
+                       "failures); the first: %s", task.name, len(errors), len(seeds),
+                       errors[0])
+    return sum(wins) / max(len(wins), 1)
+
+
+class _Batcher:
+    """Concurrent agents' generations, batched into ``engine.generate`` on a thread:
+    what arrives while a batch runs goes into the next."""
+
+    def __init__(self, engine):
+        self.engine, self.pending, self.running = engine, [], None
+
+    async def generate(self, req):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((req, fut))
+        if self.running is None or self.running.done():
+            self.running = asyncio.ensure_future(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # the calls of this loop turn join the batch
+        while self.pending:
+            batch, self.pending = self.pending, []
+            try:
+                results = await asyncio.to_thread(self.engine.generate,
+                                                  [r for r, _ in batch])
+            except Exception as e:  # noqa: BLE001 - each caller gets the error
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (_, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)

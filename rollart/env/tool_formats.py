@@ -253,8 +253,8 @@ class MistralFormat(ToolFormat):
     name = "mistral"
     syntax = '[TOOL_CALLS] [{"name": ..., "arguments": {...}}]'
     TAG = "[TOOL_CALLS]"
-    _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*\S*?\s*)?(?:\[ARGS\])?\s*",
-                        re.DOTALL)
+    _NAMED = re.compile(r"([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_\-]*\s*)?"
+                        r"(?:\[ARGS\])?\s*")
 
     def _regions(self, text: str) -> list[tuple[int, int]]:
         start = text.find(self.TAG)

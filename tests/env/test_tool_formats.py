@@ -206,7 +206,7 @@ def test_several_calls_in_one_turn(name, tokenizers):
     assert fmt.parse(text, TOOLS) == [ToolCall(*c) for c in two]
 
 
-def test_llama3_calls_on_lines_after_the_python_tag_and_with_arguments():
+def test_call_variants_python_tag_lines_arguments_lists_and_call_ids():
     fmt = get_tool_format("llama3")
     text = ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}\n'
             '{"name": "add", "arguments": {"a": 3, "b": 4}}')
@@ -216,6 +216,9 @@ def test_llama3_calls_on_lines_after_the_python_tag_and_with_arguments():
     text = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "f"}]'
     assert get_tool_format("mistral").parse(text) == [ToolCall("add", {"a": 1}),
                                                       ToolCall("f", {})]
+    text = '[TOOL_CALLS]add[CALL_ID]a1B2c3D4e[ARGS]{"a": 1}[TOOL_CALLS] f {"b": 2}'
+    assert get_tool_format("mistral").parse(text) == [ToolCall("add", {"a": 1}),
+                                                      ToolCall("f", {"b": 2})]
 
 
 @pytest.mark.parametrize("name, text, content", [

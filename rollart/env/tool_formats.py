@@ -111,7 +111,7 @@ def _spans(text: str, open_: str, close: str) -> list[tuple[int, int, str | None
 
 class ToolFormat:
     """One family's tool-call syntax. Subclasses set ``name``, ``syntax`` and
-    implement ``parse``, ``format`` and ``_region`` (where the calls are)."""
+    implement ``parse``, ``format`` and ``_regions`` (where the calls are)."""
 
     name = ""
     syntax = ""

@@ -30,9 +30,6 @@ from rollart.env.tool_formats import ToolCall, ToolError, ToolFormat, get_tool_f
 __all__ = ["ToolCall", "ToolError", "check_call", "format_tool_call", "function_tool",
            "has_tool_call", "parse_tool_calls", "python_tool"]
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
 def has_tool_call(text: str, fmt: str | ToolFormat = "hermes") -> bool:
     """Whether ``text`` holds a call in format ``fmt`` (a tool-call opening tag, for
     hermes).

@@ -24,7 +24,9 @@ Underneath, each chat completion is token in, token out (``AgentSession``):
   prompt and what followed it (what the final answer was generated from); the dropped
   part is counted (``rollout/agent_rewrites``, ``rollout/agent_dropped_tokens``), never
   silently glued on to a context the policy did not see.
-* the assistant text is parsed for tool calls in the task's format (``tools=`` given):
+* the assistant text is parsed for tool calls in the task's format
+  (``Task.tool_format``, else the one the chat template writes:
+  ``rollart.env.tool_formats``), when the request has ``tools``:
   well-formed calls come back as OpenAI ``tool_calls`` (arguments a JSON string,
   ``finish_reason`` ``"tool_calls"``); a malformed one is counted as an invalid tool
   call and its raw text comes back as ``content``.
@@ -147,8 +149,8 @@ class AgentSession:
     ``generate(request, call_index)`` is an async function returning a ``GenResult``
     (the runner's ``LLMProxy`` call, or a local engine's in evaluation); ``fmt`` the
     policy's ``ConversationFormat``; ``log`` the trajectory's ``TokenLog`` (refilled in
-    place when a rewritten history restarts it); ``parse_calls(text)`` the task's
-    tool-call parser (``ToolCall`` / ``ToolError`` items).
+    place when a rewritten history restarts it); ``parse_calls(text, tools)`` and
+    ``strip_calls(text)`` the task's tool-call format's (``rollart.env.tool_formats``).
     """
 
     task: Task
@@ -263,7 +265,7 @@ class AgentSession:
             "whose chat template renders tools")
 
     def _calls(self, text: str) -> tuple[list[dict], str | None]:
-        calls, out = self.parse_calls(text), []
+        calls, out = self.parse_calls(text, self.tools), []
         for i, call in enumerate(calls):
             if hasattr(call, "message"):  # a ToolError: the raw text goes back as content
                 self.counts.invalid_tool_calls += 1
@@ -311,9 +313,10 @@ class AgentSession:
 
 def agent_session(task, fmt, log: TokenLog, generate: Callable) -> AgentSession:
     """The session of one trajectory of ``task`` in the format ``fmt``."""
-    from rollart.env.tools import parse_tool_calls, strip_tool_calls
+    from rollart.env.tool_formats import get_tool_format, tool_format_of
 
-    return AgentSession(task, fmt, log, generate, parse_tool_calls, strip_tool_calls,
+    calls = get_tool_format(tool_format_of(fmt, task))
+    return AgentSession(task, fmt, log, generate, calls.parse, calls.content,
                         model=str(fmt.name or "rollart-policy"))
 
 

@@ -19,7 +19,9 @@ a chat template, else ``raw``):
   A template without a system role gets the system prompt folded into the first user
   turn; ``Task.tools_in_prompt`` writes the tools into the system prompt instead of
   ``tools=`` (``rollart.env.template_support``, which also checks at start that the
-  template shows a task's tools).
+  template shows a task's tools). The template also tells how the model writes tool
+  calls: ``ConversationFormat.tool_format`` (``rollart.env.tool_formats``; hermes in raw
+  mode), unless ``Task.tool_format`` says otherwise.
 
 Token in, token out: the ids the policy generated are kept verbatim (never decoded and
 re-encoded). Each new message adds only the template's delta: the end of the assistant
@@ -54,6 +56,7 @@ from dataclasses import dataclass, field
 
 from rollart.env import template_support as support
 from rollart.env.template_cache import TemplateCache
+from rollart.env.tool_formats import detect_tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +160,8 @@ class ConversationFormat:
                 "= '...', then save_pretrained)")
         self.mode = "chat" if conversation == "chat" or (conversation == "auto" and
                                                          template) else "raw"
+        # how the model writes tool calls (Task.tool_format overrides it: tool_format_of)
+        self.tool_format = detect_tool_format(template) if self.mode == "chat" else "hermes"
         self.prefix_stable = self.system_role = self.tools_rendered = True
         self.end_id: int | None = None  # the template's end-of-turn token (chat)
         eos = _eos_ids(tokenizer, model_path or getattr(tokenizer, "name_or_path", None))

@@ -19,6 +19,7 @@ from typing import Iterable
 from rollart.env.faults import without_faults
 from rollart.env.protocol import env_tools
 from rollart.env.tasks import Task, get_task
+from rollart.env.tool_formats import tool_format_of
 from rollart.env.tools import ToolError, check_call, parse_tool_calls
 
 
@@ -55,7 +56,9 @@ def task_texts(task: Task, seeds: Iterable[int]) -> list[str]:
                 out.append(obs)
                 action = task.warmup_action(rng, obs)
                 out.append(action)
-                calls = parse_tool_calls(action) if tools else []
+                # the chat toy's template writes hermes calls (no format given: hermes)
+                calls = parse_tool_calls(action, tool_format_of(None, task),
+                                         tools) if tools else []
                 if calls:  # the runner's tool turn: results come back, the env waits
                     obs = "\n".join(_run(env, call, tools) for call in calls)
                     continue

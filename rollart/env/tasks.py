@@ -4,7 +4,8 @@ A ``Task`` bundles an env factory, a reward function, turn/token limits, the ran
 valid-action policy used for the supervised warm-up, how the assistant's text becomes the
 env's action (``parse_action``, ``stop`` strings, the ``system_prompt`` of a chat model,
 the ``invalid_penalty`` of a bad tool call, ``tools_in_prompt`` for a template that does
-not render tools: ``rollart.env.conversation``), and — only for
+not render tools: ``rollart.env.conversation``; ``tool_format``, the syntax of its tool
+calls when not the template's own: ``rollart.env.tool_formats``), and — only for
 building the built-in word-level toy tokenizer — a vocabulary. ``BUILTIN_TASKS`` lists the built-in ones explicitly; ``get_task``
 resolves a name; ``task_corpus`` gives the tokenizer its words. Consumed by the env
 manager, the warm-up, and the CLI/config layer.
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterable
 from rollart.env.builtin import boxpush, gridnav, guess
 from rollart.env.conversation import whole_text
 from rollart.env.protocol import Env
+from rollart.env.tool_formats import TOOL_FORMATS
 from rollart.types import Episode
 
 
@@ -52,6 +54,9 @@ class Task:
     # line, rollart.env.template_support.tools_prompt) instead of the template's tools=,
     # for a chat template that does not render tools
     tools_in_prompt: bool = False
+    # chat: how the model writes tool calls (rollart.env.tool_formats: "hermes", "llama3",
+    # "mistral", "qwen3_coder"); None = the format detected from the chat template
+    tool_format: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -91,6 +96,10 @@ class Task:
         if not isinstance(self.tools_in_prompt, bool):
             raise TypeError(f"Task {self.name!r}: tools_in_prompt must be True or False, "
                             f"got {self.tools_in_prompt!r}")
+        if self.tool_format is not None and self.tool_format not in TOOL_FORMATS:
+            raise ValueError(f"Task {self.name!r}: tool_format must be one of "
+                             f"{', '.join(TOOL_FORMATS)} or None (detected from the chat "
+                             f"template), got {self.tool_format!r}")
         pen = self.invalid_penalty
         if isinstance(pen, bool) or not isinstance(pen, (int, float)) or not pen >= 0:
             raise ValueError(f"Task {self.name!r}: invalid_penalty must be a number >= 0, "

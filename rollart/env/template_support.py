@@ -17,7 +17,8 @@ the driver once the model folder is known, before a cluster starts.
   check raises a ``ChatTemplateError`` naming the fix, unless the task sets
   ``Task.tools_in_prompt=True``: its tool schemas are then written into the system prompt
   (folded too, where there is no system role) as ``tools_prompt`` states: one line of
-  text, then one JSON schema per line.
+  text naming the call syntax of the task's tool format (``tools_header``), then one
+  JSON schema per line.
 """
 
 from __future__ import annotations
@@ -25,16 +26,30 @@ from __future__ import annotations
 import json
 import logging
 
+from rollart.env.tool_formats import get_tool_format, tool_format_of
+
 logger = logging.getLogger(__name__)
 
 _SYSTEM_PROBE = "rollart probe system"
 _PROBE_TOOL = {"type": "function", "function": {
     "name": "rollart_probe", "description": "rollart probe tool",
     "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
-#: the line before the tool schemas of ``Task.tools_in_prompt``
-TOOLS_HEADER = ('You can call these tools, one JSON schema per line; call one with '
-                '<tool_call>{"name": ..., "arguments": {...}}</tool_call>:')
 _NOTED: set[str] = set()  # templates whose fold was logged (once per process)
+
+
+def tools_header(tool_format: str = "hermes") -> str:
+    """The line before the tool schemas of ``Task.tools_in_prompt``: it names the call
+    syntax of ``tool_format`` (``rollart.env.tool_formats``).
+
+    >>> tools_header("llama3").split("; ")[1]
+    'call one with {"name": ..., "parameters": {...}}:'
+    """
+    return ("You can call these tools, one JSON schema per line; call one with "
+            f"{get_tool_format(tool_format).syntax}:")
+
+
+#: the line before the tool schemas of ``Task.tools_in_prompt`` (hermes calls)
+TOOLS_HEADER = tools_header("hermes")
 
 
 class ChatTemplateError(ValueError):
@@ -71,16 +86,18 @@ def fold_system(system: str, text: str) -> str:
     return f"{system}\n\n{text}"
 
 
-def tools_prompt(tools: list[dict], system: str | None = None) -> str:
+def tools_prompt(tools: list[dict], system: str | None = None,
+                 tool_format: str = "hermes") -> str:
     """``system`` (if any), a blank line, then the tools as ``Task.tools_in_prompt``
-    writes them: ``TOOLS_HEADER``, then one JSON schema per line.
+    writes them: ``tools_header(tool_format)`` (``TOOLS_HEADER`` for hermes), then one
+    JSON schema per line.
 
     >>> lines = tools_prompt([{"type": "function", "function": {"name": "f"}}], "hi")
     >>> lines = lines.split("\\n")
     >>> lines[:3] == ["hi", "", TOOLS_HEADER], lines[3:]
     (True, ['{"type": "function", "function": {"name": "f"}}'])
     """
-    text = "\n".join([TOOLS_HEADER] + [json.dumps(t) for t in tools])
+    text = "\n".join([tools_header(tool_format)] + [json.dumps(t) for t in tools])
     return f"{system}\n\n{text}" if system else text
 
 
@@ -93,7 +110,7 @@ def opening(fmt, task, tools) -> tuple[str | None, list | None]:
     if fmt.mode != "chat":
         return system, tools
     if tools and getattr(task, "tools_in_prompt", False):
-        system, tools = tools_prompt(tools, system), None
+        system, tools = tools_prompt(tools, system, tool_format_of(fmt, task)), None
     if system and not fmt.system_role:
         if fmt.strict:
             raise no_system_role(fmt.name)

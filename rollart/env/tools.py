@@ -1,128 +1,59 @@
-"""Tool calls in model text: parse the Hermes/Qwen format, check calls against schemas.
+"""Tool calls in model text: parse them in the model's format, check them against schemas.
 
-A chat model asks for a tool by writing, inside its assistant turn::
+A chat model asks for a tool by writing a call in its family's syntax inside its
+assistant turn; Qwen2.5's and Hermes' templates (the default, ``"hermes"``) write::
 
     <tool_call>
     {"name": "python", "arguments": {"code": "6 * 7"}}
     </tool_call>
 
-(the format of Qwen2.5's and Hermes' chat templates; several calls may follow each
-other). ``parse_tool_calls(text)`` returns one ``ToolCall`` or ``ToolError`` per
-``<tool_call>`` block, never raising: malformed JSON, a missing name, arguments that are
-not an object (a JSON *string* holding an object is accepted, as OpenAI-style APIs send
-it) and an unclosed tag each become a ``ToolError`` whose message is what the model is
-shown. ``check_call(call, tools)`` checks a parsed call against the env's declared tools
-(OpenAI-style ``{"type": "function", "function": {"name", "description",
-"parameters"}}`` dicts; ``parameters`` is a JSON schema, checked with ``jsonschema``).
-``format_tool_call`` writes a call the way the templates render one (used by warm-up
-actions). Consumed by the trajectory runner's tool turn and by tool-using envs
-(``rollart.env.adapters.tool``); the env side of the contract is in
+(several calls may follow each other; the other families, ``llama3``, ``mistral`` and
+``qwen3_coder``, are in ``rollart.env.tool_formats``). ``parse_tool_calls(text, fmt)``
+returns one ``ToolCall`` or ``ToolError`` per call, never raising: malformed JSON, a
+missing name, arguments that are not an object (a JSON *string* holding an object is
+accepted, as OpenAI-style APIs send it) and an unclosed tag each become a ``ToolError``
+whose message is what the model is shown. ``check_call(call, tools)`` checks a parsed
+call against the env's declared tools (OpenAI-style ``{"type": "function", "function":
+{"name", "description", "parameters"}}`` dicts; ``parameters`` is a JSON schema, checked
+with ``jsonschema``). ``format_tool_call`` writes a call the way the templates render one
+(used by warm-up actions). Consumed by the trajectory runner's tool turn and by
+tool-using envs (``rollart.env.adapters.tool``); the env side of the contract is in
 ``rollart.env.protocol``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from typing import Any
-
 import jsonschema
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from rollart.env.tool_formats import ToolCall, ToolError, ToolFormat, get_tool_format
+
+__all__ = ["ToolCall", "ToolError", "check_call", "format_tool_call", "function_tool",
+           "has_tool_call", "parse_tool_calls", "python_tool"]
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """A well-formed call: the tool's ``name`` and its ``arguments`` (a dict)."""
-
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ToolError:
-    """A call that cannot run; ``message`` is returned to the model as the tool result."""
-
-    message: str
-
-
-def has_tool_call(text: str) -> bool:
-    """Whether ``text`` contains a tool-call opening tag.
+def has_tool_call(text: str, fmt: str | ToolFormat = "hermes") -> bool:
+    """Whether ``text`` holds a call in format ``fmt`` (a tool-call opening tag, for
+    hermes).
 
     >>> has_tool_call('<tool_call>{"name": "f", "arguments": {}}</tool_call>'), has_tool_call("42")
     (True, False)
     """
-    return OPEN in text
+    return get_tool_format(fmt).has_call(text)
 
 
-def parse_tool_calls(text: str) -> list[ToolCall | ToolError]:
-    """Every ``<tool_call>…</tool_call>`` block of ``text``, in order; ``[]`` if none.
+def parse_tool_calls(text: str, fmt: str | ToolFormat = "hermes",
+                     tools=None) -> list[ToolCall | ToolError]:
+    """Every call of ``text`` in format ``fmt``, in order; ``[]`` if none. ``tools``
+    (the env's declarations) types the text values of ``qwen3_coder`` calls.
 
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     [ToolCall(name='f', arguments={'x': 1})]
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}')
     [ToolError(message='tool call not closed: end it with </tool_call>')]
+    >>> parse_tool_calls('{"name": "f", "parameters": {"x": 1}}', "llama3")
+    [ToolCall(name='f', arguments={'x': 1})]
     """
-    calls: list[ToolCall | ToolError] = []
-    pos = 0
-    while True:
-        start = text.find(OPEN, pos)
-        if start < 0:
-            return calls
-        body_start = start + len(OPEN)
-        end = text.find(CLOSE, body_start)
-        nested = text.find(OPEN, body_start)
-        if end < 0 or 0 <= nested < end:
-            calls.append(ToolError(f"tool call not closed: end it with {CLOSE}"))
-            if end < 0:
-                return calls
-            pos = nested
-            continue
-        calls.append(_parse_one(text[body_start:end]))
-        pos = end + len(CLOSE)
-
-
-def strip_tool_calls(text: str) -> str:
-    """``text`` without its tool-call blocks, stripped.
-
-    >>> strip_tool_calls('let me see <tool_call>{"name": "f"}</tool_call>')
-    'let me see'
-    """
-    out, pos = [], 0
-    while (start := text.find(OPEN, pos)) >= 0:
-        out.append(text[pos:start])
-        end = text.find(CLOSE, start)
-        if end < 0:
-            return "".join(out).strip()
-        pos = end + len(CLOSE)
-    out.append(text[pos:])
-    return "".join(out).strip()
-
-
-def _parse_one(body: str) -> ToolCall | ToolError:
-    try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as e:
-        msg = getattr(e, "msg", type(e).__name__)
-        return ToolError(f"tool call is not valid JSON ({msg}): write "
-                         '{"name": <tool name>, "arguments": {...}}')
-    if not isinstance(obj, dict):
-        return ToolError(f"tool call must be a JSON object, got {type(obj).__name__}")
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return ToolError('tool call has no "name" (a non-empty string)')
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # OpenAI-style: the arguments as a JSON string
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except (json.JSONDecodeError, RecursionError):
-            return ToolError(f"tool {name!r}: arguments string is not valid JSON")
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        return ToolError(f'tool {name!r}: "arguments" must be a JSON object, '
-                         f"got {type(args).__name__}")
-    return ToolCall(name, args)
+    return get_tool_format(fmt).parse(text, tools)
 
 
 def _function(tool: dict) -> dict:
@@ -156,14 +87,16 @@ def check_call(call: ToolCall | ToolError, tools) -> ToolCall | ToolError:
     return call
 
 
-def format_tool_call(name: str, arguments: dict) -> str:
-    """A call as Qwen2.5-style templates render it (and as a model should write it).
+def format_tool_call(name: str, arguments: dict, fmt: str | ToolFormat = "hermes") -> str:
+    """A call as the templates of format ``fmt`` render it (and as a model should write
+    it).
 
     >>> format_tool_call("python", {"code": "6 * 7"})
     '<tool_call>\\n{"name": "python", "arguments": {"code": "6 * 7"}}\\n</tool_call>'
+    >>> format_tool_call("python", {"code": "6 * 7"}, "mistral")
+    '[TOOL_CALLS] [{"name": "python", "arguments": {"code": "6 * 7"}}]'
     """
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{OPEN}\n{body}\n{CLOSE}"
+    return get_tool_format(fmt).format(name, arguments)
 
 
 def function_tool(name: str, description: str, properties: dict,

@@ -14,10 +14,11 @@ thread comes back); ``stuck_calls`` counts env calls and rewards that were given
 How the turns become token ids is ``rollart.env.conversation`` (the one definition,
 shared with the warm-up and evaluation): raw concatenation or the tokenizer's chat
 template, generated ids kept verbatim. A generation that calls tools (an env with
-``tools``, chat format) is a tool turn: each call is parsed and checked
-(``rollart.env.tools``), run by ``env.call_tool`` on the env thread pool with the step
-time-out, and its result (or the error of an invalid call, which costs
-``Task.invalid_penalty``) returns as ``tool`` messages. A conversation that outgrows the
+``tools``, chat format) is a tool turn: each call is parsed in the task's tool format
+(``rollart.env.tool_formats``) and checked (``rollart.env.tools``), run by
+``env.call_tool`` on the env thread pool with the step time-out, and its result (or
+the error of an invalid call, which costs ``Task.invalid_penalty``) returns as ``tool``
+messages. A conversation that outgrows the
 context budget ends ``truncated``. ``stats`` counts cut generations, truncations, tool
 turns and invalid calls. ``TurnBarrier`` makes a batch of trajectories advance turn by
 turn (the synchronous baselines).
@@ -39,6 +40,7 @@ from rollart.env.agent import agent_session, is_agent_task, run_agent
 from rollart.env.conversation import ConversationFormat, TokenLog, cap_text
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
+from rollart.env.tool_formats import tool_format_of
 from rollart.reward import check_reward
 from rollart.policy.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
@@ -295,7 +297,8 @@ class TrajectoryRunner:
                 t0 = time.perf_counter()
                 env_before, gen_before = traj.env_time, traj.gen_time
                 text = await self._generate(task, conv, traj, turn)
-                calls = tool_calls(text) if tools else []
+                calls = tool_calls(text, tool_format_of(self.format, task),
+                                   tools) if tools else []
                 if calls:
                     await self._tool_turn(task, env, tools, calls, conv, ep, traj)
                     done = False
@@ -468,11 +471,13 @@ class TrajectoryRunner:
                 raise
 
 
-def tool_calls(text: str) -> list:
-    """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text."""
+def tool_calls(text: str, fmt: str = "hermes", tools=None) -> list:
+    """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text written in
+    tool format ``fmt`` (``rollart.env.tool_formats``; ``tools`` types qwen3_coder's
+    text values)."""
     from rollart.env.tools import parse_tool_calls
 
-    return list(parse_tool_calls(text))
+    return list(parse_tool_calls(text, fmt, tools))
 
 
 def check_calls(calls, tools) -> list:

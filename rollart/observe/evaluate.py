@@ -18,6 +18,7 @@ from dataclasses import replace
 from rollart.env.conversation import ConversationFormat, TokenLog, context_budget
 from rollart.env.faults import without_faults
 from rollart.env.protocol import env_tools
+from rollart.env.tool_formats import tool_format_of
 from rollart.env.trajectory import check_calls, request_seed, tool_calls
 from rollart.types import GenRequest
 
@@ -74,7 +75,8 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
                     for i, e in enumerate(live)]
             for e, res in zip(live, engine.generate(reqs)):
                 text = e["conv"].add_generation(res.token_ids, finish_reason=res.finish_reason)
-                calls = tool_calls(text) if e["tools"] else []
+                calls = tool_calls(text, tool_format_of(fmt, task),
+                                   e["tools"]) if e["tools"] else []
                 if calls:  # a tool turn, as in rollout
                     e["conv"].add_tool_results([
                         c if isinstance(c, str) else e["env"].call_tool(c.name, c.arguments)

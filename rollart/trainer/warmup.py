@@ -26,6 +26,7 @@ from rollart.env.conversation import ConversationFormat, TokenLog
 from rollart.env.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
+from rollart.env.tool_formats import tool_format_of
 from rollart.env.trajectory import check_calls, tool_calls
 from rollart.trainer.losses import target_logprobs
 
@@ -64,7 +65,7 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
                 break
             action = task.warmup_action(rng, obs)
             text = conv.add_text_generation(action)
-            calls = tool_calls(text) if tools else []
+            calls = tool_calls(text, tool_format_of(fmt, task), tools) if tools else []
             if calls:  # a tool turn, as rollout plays it: results come back as messages
                 results = _run_tools(task, env, tools, calls)
                 conv.add_tool_results(results)

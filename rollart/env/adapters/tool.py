@@ -21,8 +21,11 @@ model only as an observation or ``tool`` message, both masked out of the loss.
 
 ``calc_tool_task(tool_format=...)`` picks what the format warm-up teaches:
 ``"hermes"`` (tool calls as ``<tool_call>{"name": "python", ...}</tool_call>``, for chat
-models and the chat toy) or ``"text"`` (``python <code>``, a few words: the word-level
-toy in raw mode; the default, as the ``calc`` name and ``graphs/ecosystem.py`` use it).
+models and the chat toy), another family of ``rollart.env.tool_formats`` (``"llama3"``,
+``"mistral"``, ``"qwen3_coder"``: the task's ``Task.tool_format`` is then that family, so
+rollout parses what the warm-up taught, and so does ``step`` in raw mode) or ``"text"``
+(``python <code>``, a few words: the word-level toy in raw mode; the default, as the
+``calc`` name and ``graphs/ecosystem.py`` use it).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from functools import partial
 
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
 from rollart.env.sandbox import run_code
+from rollart.env.tool_formats import TOOL_FORMATS
 from rollart.env.tools import (
     ToolCall,
     ToolError,
@@ -86,7 +90,8 @@ def run_python(code: str, limits: ToolLimits = ToolLimits(), fresh: bool = False
 
 
 OPS = ("+", "-", "*")
-TOOL_FORMATS = ("hermes", "text")
+#: what ``calc_tool_task(tool_format=...)`` takes: the word form, or a tool-call format
+CALC_FORMATS = ("text", *TOOL_FORMATS)
 
 
 class CalcToolEnv(AdapterEnv):
@@ -96,9 +101,10 @@ class CalcToolEnv(AdapterEnv):
     _live = ()
 
     def __init__(self, max_turns: int = 3, limits: ToolLimits = ToolLimits(),
-                 name: str = "calc") -> None:
+                 name: str = "calc", tool_format: str = "hermes") -> None:
         super().__init__(max_turns)
         self.limits, self.name = limits, name
+        self.tool_format = tool_format  # the call syntax ``step`` reads in raw mode
         self._question, self._answer = "", 0
         self.tool_calls = 0
 
@@ -124,8 +130,8 @@ class CalcToolEnv(AdapterEnv):
     def _step(self, action: str):
         words = action.strip().split()
         head = words[0].lower() if words else ""
-        if has_tool_call(action):  # raw mode: nobody ran the call before step
-            return self._tool_turn(parse_tool_calls(action))
+        if has_tool_call(action, self.tool_format):  # raw mode: nobody ran it before step
+            return self._tool_turn(parse_tool_calls(action, self.tool_format, self.tools))
         if head == "python" and len(words) > 1:
             return self._tool_turn([ToolCall("python", {"code": " ".join(words[1:])})])
         number = words[1] if head == "answer" and len(words) > 1 else (
@@ -171,9 +177,19 @@ def calc_warmup_action(rng: random.Random, observation: str) -> str:
 
 
 def calc_hermes_warmup_action(rng: random.Random, observation: str) -> str:
-    """A well-formed move in the chat templates' format: while the question is in view,
-    the question as a ``<tool_call>`` to the python tool; after the tool's result, an
-    answer: a number seen in the observation (half the time: the tool's result) or a
+    """A well-formed move in the hermes format (``calc_call_warmup_action``).
+
+    >>> calc_hermes_warmup_action(random.Random(1), "calc : what is 3 * 4 ? use python")
+    '<tool_call>\\n{"name": "python", "arguments": {"code": "3 * 4"}}\\n</tool_call>'
+    """
+    return calc_call_warmup_action(rng, observation, "hermes")
+
+
+def calc_call_warmup_action(rng: random.Random, observation: str,
+                            tool_format: str = "hermes") -> str:
+    """A well-formed move in a chat template's format: while the question is in view,
+    the question as a call to the python tool in ``tool_format``; after the tool's
+    result, an answer: a number seen in the observation (half the time: the tool's result) or a
     uniform one in -8..81. Its success rate (about half of the calls it copies right) is
     the baseline RL must beat by answering with the tool's result every time.
 
@@ -182,12 +198,12 @@ def calc_hermes_warmup_action(rng: random.Random, observation: str) -> str:
     had copied none right after 150 warm-up steps (0 of 53 calls), so RL never saw a
     tool call pay off.
 
-    >>> calc_hermes_warmup_action(random.Random(1), "calc : what is 3 * 4 ? use python")
-    '<tool_call>\\n{"name": "python", "arguments": {"code": "3 * 4"}}\\n</tool_call>'
+    >>> calc_call_warmup_action(random.Random(1), "calc : what is 3 * 4 ?", "llama3")
+    '{"name": "python", "parameters": {"code": "3 * 4"}}'
     """
     question = _question(observation)
     if question:
-        return format_tool_call("python", {"code": question})
+        return format_tool_call("python", {"code": question}, tool_format)
     seen = re.findall(r"-?\d+", observation)
     if seen and rng.random() < 0.5:
         return f"answer {rng.choice(seen)}"
@@ -200,18 +216,25 @@ def calc_tool_task(name: str = "calc", max_turns: int = 3, limits: ToolLimits = 
     """The tool-use arithmetic task (reward: the env's return, minus invalid moves).
 
     ``tool_format`` picks the warm-up's call syntax (module docstring); the env accepts
-    both. ``max_new_tokens`` defaults to what that syntax needs (5 or 48)."""
-    if tool_format not in TOOL_FORMATS:
-        raise ValueError(f"calc_tool_task: tool_format must be one of {TOOL_FORMATS}, got "
-                         f"{tool_format!r}; use 'hermes' for chat models, 'text' for the "
-                         "word-level toy")
-    factory = partial(CalcToolEnv, max_turns=max_turns, limits=limits, name=name)
-    hermes = tool_format == "hermes"
+    the text form and that format's calls. ``max_new_tokens`` defaults to what that
+    syntax needs (5 or 48)."""
+    if tool_format not in CALC_FORMATS:
+        raise ValueError(f"calc_tool_task: tool_format must be one of {CALC_FORMATS}, got "
+                         f"{tool_format!r}; use 'hermes' (or the chat model's own family) "
+                         "for chat models, 'text' for the word-level toy")
+    calls = tool_format != "text"
+    factory = partial(CalcToolEnv, max_turns=max_turns, limits=limits, name=name,
+                      tool_format=tool_format if calls else "hermes")
+    warmup = calc_warmup_action
+    if calls:  # rollout parses the calls the warm-up writes
+        task_fields = {"tool_format": tool_format, **task_fields}
+        warmup = (calc_hermes_warmup_action if tool_format == "hermes" else
+                  partial(calc_call_warmup_action, tool_format=tool_format))
     words = ["tool", "error", "no", "output", "python", "answer", "what", "is", "?", "use",
              "or", *OPS, *(str(n) for n in range(-8, 82))]
     return make_task(name, factory, max_turns=max_turns,
-                     warmup_action=calc_hermes_warmup_action if hermes else calc_warmup_action,
-                     max_new_tokens=max_new_tokens or (48 if hermes else 5),
+                     warmup_action=warmup,
+                     max_new_tokens=max_new_tokens or (48 if calls else 5),
                      extra_words=words, vocab_seeds=range(4),
                      description="arithmetic with a sandboxed Python tool", top_p=top_p,
                      **task_fields)

@@ -286,3 +286,27 @@ def test_agent_task_checks_its_agent_and_pickles():
     assert pickle.loads(pickle.dumps(t)).agent is plain_agent
     with pytest.raises(TypeError, match="no env"):
         t.env_factory()
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3_coder"])
+def test_tool_calls_come_back_in_openai_form_from_each_familys_syntax(server, family):
+    from test_tool_formats import FAMILIES  # tests/env/
+
+    from rollart.env.tool_formats import get_tool_format
+
+    template, specials, eos = FAMILIES[family]
+    tok = bpe_tokenizer(specials, template, eos=eos)
+    if "<s>" in specials:
+        tok.bos_token = "<s>"
+    f = ConversationFormat(tok, "chat", max_context=1024)
+    assert f.tool_format == family
+    written = get_tool_format(family).format("add", {"a": 2, "b": 3})
+    s = session(f, ["I add.\n" + written])
+    ep = server.open(s, seed=0)
+    out = client(ep).chat.completions.create(
+        model=ep.model, messages=[{"role": "user", "content": QUESTION}], tools=[ADD_TOOL])
+    server.close(ep)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {
+        "a": 2, "b": 3}  # qwen3_coder's text values typed by the tool's schema
+    assert out.choices[0].message.content == "I add."

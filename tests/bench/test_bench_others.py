@@ -181,3 +181,13 @@ def test_calc_copy_bare_calc_puts_the_question_near_the_call(monkeypatch, tmp_pa
     assert "<|im_start|>system" in real and "<|im_start|>system" not in bare
     assert call in real and call in bare
     assert bare.index(call) < 200 < real.index(call) - bare.index(call)
+
+
+@pytest.mark.bench
+def test_agent_endpoint_tiny():
+    r = _bench("agent_endpoint", "--quick", timeout=600)
+    assert r["agents"] == 4 and r["calls"] == 2 and r["rounds"] == 1
+    assert r["call_ms_direct"] > 0 and r["call_ms_endpoint"] > 0
+    assert math.isclose(r["endpoint_overhead"] + 1,
+                        r["call_ms_endpoint"] / r["call_ms_direct"], rel_tol=0.02)
+    assert r["traj_s_env"] > 0 and r["traj_s_agent"] > 0

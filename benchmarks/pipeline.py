@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import hashlib
 import math
+import os
 import random
 import shutil
 import statistics
@@ -293,8 +294,17 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
     order = random.Random(seed).sample(labels, len(labels))
     print(f"seed {seed}: order {' '.join(order)}", flush=True)
     tasks = tuple(with_workload(t, Workload(seed=seed)) for t in base.tasks)
+    from rollart.runtime.priority import thread_nices
+
     for label in order:
         t0 = time.time()
+        # every run starts from the cluster's own priorities (an asynchronous run nices
+        # its rollout workers and gives it back at its end: rollart.runtime.priority)
+        mine = [os.getpriority(os.PRIO_PROCESS, 0)]  # the workers' own, inherited
+        nices = {w: sorted(set(n)) for w, n in client.run(thread_nices).items()}
+        if any(n != mine for n in nices.values()):
+            raise RuntimeError(f"before {label}/{seed}: worker priorities are not the "
+                               f"cluster's start (nice {mine[0]}): {nices}")
         try:
             run = run_one(client, base, tasks, model, label, seed, a, Path(tmp))
         except Exception as e:  # noqa: BLE001 - reported, counted, the rest go on

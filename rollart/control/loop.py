@@ -232,6 +232,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         raise
     finally:
         monitor.close()
+        pipeline.close()  # e.g. the rollout workers' priority back
         final_counts = _shutdown(fleet.actors, pools)
         (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")

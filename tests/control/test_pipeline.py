@@ -380,21 +380,35 @@ def _nice_of_threads() -> set:
     return out
 
 
-def test_rollout_processes_on_the_trainers_host_yield_the_cpu_to_it():
+def _start_a_thread() -> None:
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+
+
+def test_rollout_processes_on_the_trainers_host_yield_the_cpu_to_it_and_get_it_back():
     """``rollart.runtime.priority``: on a process cluster every worker but the trainer's
-    gets nice 10 on all its threads; the driver and the trainer keep theirs."""
+    gets nice 10 on all its threads; the driver and the trainer keep theirs. When the
+    run ends (``give_back``) every thread of theirs, one started meanwhile included, has
+    the nice value it had, so the next run on the cluster starts as the first did."""
     from distributed import Client, LocalCluster
 
-    from rollart.runtime.priority import ROLLOUT_NICE, yield_to_trainer
+    from rollart.runtime.priority import ROLLOUT_NICE, give_back, yield_to_trainer
 
     before = _nice_of_threads()
     with LocalCluster(n_workers=3, threads_per_worker=2, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
         trainer, *rollout = sorted(client.scheduler_info()["workers"])
-        assert sorted(yield_to_trainer(client, trainer)) == rollout
+        at_start = client.run(_nice_of_threads)
+        yielded = yield_to_trainer(client, trainer)
+        assert sorted(yielded) == rollout
+        client.run(_start_a_thread, workers=rollout)  # inherits nice 10
         nice = client.run(_nice_of_threads)
-    assert nice[trainer] == before and _nice_of_threads() == before
-    assert all(nice[a] == {ROLLOUT_NICE} for a in rollout)
+        assert nice[trainer] == before and _nice_of_threads() == before
+        assert all(nice[a] == {ROLLOUT_NICE} for a in rollout)
+        assert give_back(client, yielded) == []  # root here, as in CI
+        assert client.run(_nice_of_threads) == at_start
 
 
 def test_an_in_process_cluster_is_left_alone(local_cluster):
@@ -402,4 +416,4 @@ def test_an_in_process_cluster_is_left_alone(local_cluster):
 
     before = _nice_of_threads()
     trainer = sorted(local_cluster.scheduler_info()["workers"])[0]
-    assert yield_to_trainer(local_cluster, trainer) == [] and _nice_of_threads() == before
+    assert yield_to_trainer(local_cluster, trainer) == {} and _nice_of_threads() == before

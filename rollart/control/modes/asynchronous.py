@@ -36,7 +36,7 @@ class AsyncPipeline(Pipeline):
         self.takers: dict[int, tuple] = {}  # id(manager) -> (manager, holder, future)
         self._slotted = None  # the buffer handle that has this run's slots
         self._holders = 0
-        self.yielded: list[str] = []  # workers that yield the CPU to the trainer
+        self.yielded: dict[str, int] = {}  # workers that yield the CPU: their nice before
 
     def state(self) -> dict:
         """The buffer draws the groups: its sequence (ours until slots are opened)."""
@@ -56,6 +56,20 @@ class AsyncPipeline(Pipeline):
                                             self.actors.placement["trainer"][0])
         except Exception as e:  # noqa: BLE001 - a speed-up, never a reason to stop
             logger.warning("could not give the trainer's host to the trainer first: %r", e)
+
+    def close(self) -> None:
+        """The run is over: the rollout workers get their priority back."""
+        if not self.yielded:
+            return
+        from distributed import default_client
+
+        from rollart.runtime.priority import give_back
+
+        try:
+            give_back(default_client(), self.yielded)
+        except Exception as e:  # noqa: BLE001 - best effort, as the yield was
+            logger.warning("could not give the rollout workers their priority back: %r", e)
+        self.yielded = {}
 
     def admission(self):
         """The buffer's admission policy: ``slot_capacity`` groups at once."""

@@ -91,6 +91,10 @@ class Pipeline(abc.ABC):
     def step(self, step: int) -> dict:
         """One trainer step in this mode; returns the trainer's metrics."""
 
+    def close(self) -> None:
+        """The run is over (finished, stopped or failed): undo what the mode changed
+        on the cluster (the asynchronous modes: process priorities)."""
+
     # -- waiting, healing, watching ---------------------------------------------------
     def heal(self) -> None:
         if self.supervisor is not None:

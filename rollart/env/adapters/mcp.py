@@ -14,13 +14,14 @@ tools stay and win on a name clash). Its server starts at first use, one per env
 instance, and stops in ``close()``; pickling keeps the configuration only.
 
 ``mcp_calc_task()`` is a task built on it: one-digit arithmetic (``ArithmeticEnv``)
-with the calculator server of ``mcp_calc_server.py`` (``CALC_SERVER``); reward = the
+with the calculator server of ``servers/mcp_calc.py`` (``CALC_SERVER``); reward = the
 exact answer. Needs ``pip install mcp`` (``rollart[envs]``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -35,9 +36,10 @@ from functools import partial
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
 from rollart.env.tools import format_tool_call
 
-#: the calculator MCP server, run as ``python -I CALC_SERVER``: as a script its start does
-#: not import rollart, and ``-I`` keeps its folder (with this ``mcp.py``) off ``sys.path``
-CALC_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_calc_server.py")
+#: the calculator MCP server, run as a script (its start does not import rollart) from
+#: ``servers/``, where no module shadows the ``mcp`` package as this ``mcp.py`` would
+CALC_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "servers",
+                           "mcp_calc.py")
 
 
 class MCPServerError(RuntimeError):
@@ -65,7 +67,9 @@ def result_text(result) -> str:
     if not parts and structured is not None:
         parts.append(json.dumps(structured, ensure_ascii=False, default=str))
     text = "\n".join(parts).strip() or "no output"
-    is_error = getattr(result, "is_error", None) or getattr(result, "isError", False)
+    is_error = getattr(result, "is_error", None)
+    if is_error is None:  # mcp 1.x spelling
+        is_error = getattr(result, "isError", False)
     return f"error : {text}" if is_error else text
 
 
@@ -90,8 +94,9 @@ class MCPClient:
 
     def start(self) -> list[dict]:
         """Spawn the server, initialize the session, list its tools."""
-        from mcp import StdioServerParameters  # noqa: F401  (fail early: mcp missing)
-
+        if importlib.util.find_spec("mcp") is None:
+            raise ImportError("MCPClient needs the mcp SDK: pip install mcp "
+                              "(or pip install 'rollart[envs]')")
         self._stderr = tempfile.TemporaryFile("w+")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -195,6 +200,9 @@ class MCPToolEnv:
         self.tool_calls = 0  # calls that reached the server
         self._inner = None
         self._client: MCPClient | None = None
+        # a close while reset starts the server (a trajectory cancelled then) waits for
+        # the start and stops that server, rather than miss it
+        self._lock = threading.Lock()
 
     @property
     def inner(self):
@@ -207,12 +215,13 @@ class MCPToolEnv:
         return getattr(self.inner, "affinity", None)
 
     def _server(self) -> MCPClient:
-        if self._client is None:
-            client = MCPClient(self.command, self.args, self.server_env, self.cwd,
-                               self.timeout)
-            client.start()
-            self._client = client
-        return self._client
+        with self._lock:
+            if self._client is None:
+                client = MCPClient(self.command, self.args, self.server_env, self.cwd,
+                                   self.timeout)
+                client.start()
+                self._client = client
+            return self._client
 
     @property
     def tools(self) -> list[dict]:
@@ -235,7 +244,8 @@ class MCPToolEnv:
         return self.inner.step(action)
 
     def close(self) -> None:
-        client, self._client = self._client, None
+        with self._lock:
+            client, self._client = self._client, None
         try:
             if self._inner is not None:
                 self._inner.close()
@@ -244,7 +254,10 @@ class MCPToolEnv:
                 client.close()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_inner": None, "_client": None}
+        return {**self.__dict__, "_inner": None, "_client": None, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
 
 # -- a task: arithmetic with the calculator server ---------------------------------------
@@ -281,6 +294,13 @@ class ArithmeticEnv(AdapterEnv):
                 {"success": right})
 
 
+def python_path_env() -> dict | None:
+    """This process's ``PYTHONPATH`` for a Python server (an MCP stdio server gets only a
+    minimal environment: ``HOME``, ``PATH``, ...), or None when unset."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": path} if path else None
+
+
 def calc_warmup_action(rng: random.Random, observation: str) -> str:
     """A well-formed move: while the question is in view, the question as a
     ``calculate`` call; after a tool result, an answer (a number seen, half the time)."""
@@ -298,7 +318,8 @@ def mcp_calc_task(name: str = "mcp_calc", max_turns: int = 3, max_new_tokens: in
     """Arithmetic with the calculator MCP server's tools (chat format: the model calls
     ``calculate`` in ``<tool_call>`` blocks). Reward: the env's return."""
     factory = partial(MCPToolEnv, partial(ArithmeticEnv, max_turns=max_turns, name=name),
-                      sys.executable, ("-I", CALC_SERVER), timeout=timeout)
+                      sys.executable, (CALC_SERVER,), env=python_path_env(),
+                      timeout=timeout)
     words = ["calculate", "answer", "what", "is", "?", "use", "or", "error", *OPS,
              *(str(n) for n in range(-8, 82))]
     return make_task(name, factory, max_turns=max_turns, warmup_action=calc_warmup_action,

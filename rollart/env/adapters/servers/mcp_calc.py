@@ -1,8 +1,8 @@
 """A small MCP server over stdio: a calculator, for ``rollart.env.adapters.mcp``'s task
 and tests.
 
-Run as a script (``python <this file>``; ``CALC_SERVER`` is its path), so starting it
-does not import rollart. Built with the ``mcp`` SDK's ``MCPServer`` (``FastMCP`` before
+Run as a script (``python <this file>``; ``rollart.env.adapters.mcp.CALC_SERVER`` is its
+path), so starting it does not import rollart. Built with the ``mcp`` SDK's ``MCPServer`` (``FastMCP`` before
 mcp 2). Tools:
 
 * ``calculate(expression)``: the value of an integer expression of ``+ - * // % ( )``

@@ -19,8 +19,6 @@ these tasks. To train a real chat model, set ``Policy(model="path/to/hf-chat-mod
 Needs ``pip install mcp openenv-core`` (``rollart[envs]``).
 """
 
-from dataclasses import replace
-
 from rollart import GRPO, Graph, Policy
 from rollart.env.adapters.mcp import mcp_calc_task
 from rollart.env.adapters.openenv import openenv_calc_task
@@ -31,14 +29,14 @@ BARE_TOOL_STEPS = 300  # graphs/chat.py: the copy of the question into the call
 
 
 def tasks() -> tuple:
-    return (mcp_calc_task(max_turns=3, max_new_tokens=TOOL_TOKENS, top_p=1.0),
-            openenv_calc_task(max_turns=3, max_new_tokens=TOOL_TOKENS, top_p=1.0))
+    return mcp_task(), openenv_task()
 
 
-def graph() -> Graph:
+def graph(tasks_=None, name: str = "shared-envs") -> Graph:
+    """Both tasks (or ``tasks_``) on the chat toy."""
     return Graph(
-        name="shared-envs",
-        tasks=tasks(),
+        name=name,
+        tasks=tasks() if tasks_ is None else tasks_,
         policy=Policy(model=None, conversation="chat", warmup_steps=150,
                       warmup_bare_tool_steps=BARE_TOOL_STEPS, warmup_lr=WARMUP_LR,
                       warmup_episode_threads=4),
@@ -49,12 +47,19 @@ def graph() -> Graph:
 
 
 def mcp() -> Graph:
-    """The MCP task alone: ``python -m rollart train graphs/shared_envs.py:mcp``."""
-    g = graph()
-    return replace(g, name="shared-envs-mcp", tasks=g.tasks[:1])
+    """The MCP task alone (needs only ``mcp``):
+    ``python -m rollart train graphs/shared_envs.py:mcp``."""
+    return graph((mcp_task(),), name="shared-envs-mcp")
 
 
 def openenv() -> Graph:
     """The OpenEnv task alone: ``python -m rollart train graphs/shared_envs.py:openenv``."""
-    g = graph()
-    return replace(g, name="shared-envs-openenv", tasks=g.tasks[1:])
+    return graph((openenv_task(),), name="shared-envs-openenv")
+
+
+def mcp_task():
+    return mcp_calc_task(max_turns=3, max_new_tokens=TOOL_TOKENS, top_p=1.0)
+
+
+def openenv_task():
+    return openenv_calc_task(max_turns=3, max_new_tokens=TOOL_TOKENS, top_p=1.0)

@@ -125,6 +125,21 @@ def test_the_task_pickles_and_a_bad_factory_is_named():
         verifiers_task(make_sums(), name="x")
 
 
+class TwoAgentEnv(vf.Env):
+    async def run(self, task, agents):
+        await agents.solver.run(task)
+        await agents.checker.run(task)
+
+
+def test_a_single_agent_env_plays_its_taskset_and_a_multi_agent_one_is_refused():
+    single = object.__new__(vf.SingleAgentEnv)  # built as verifiers' loaders would
+    single.taskset = SumsTaskset()
+    assert [t.data.prompt for t in load_tasks(lambda: single)] == [
+        t.data.prompt for t in load_tasks(make_sums)]
+    with pytest.raises(TypeError, match="multi-agent verifiers Env"):
+        load_tasks(lambda: object.__new__(TwoAgentEnv))
+
+
 def test_the_env_twin_asks_the_same_tasks():
     tasks = load_tasks(make_sums)
     env = pickle.loads(pickle.dumps(SumsEnv()))

@@ -7,7 +7,9 @@ scored by the library), ``skyrl`` (skyrl-gym gsm8k multi-turn and text2sql on lo
 data), ``tool`` (a sandboxed Python tool). Each offers ``*_task(...)`` functions that
 return a ``rollart.env.Task``; ``ADAPTER_TASKS`` lists the ones that need no data files
 by name, so ``Graph(tasks=("frozenlake", "calc", ...))`` works like the built-in names.
-Install the libraries with ``pip install 'rollart[envs]'``.
+Install the libraries with ``pip install 'rollart[envs]'``. ``verifiers`` (a verifiers
+v1 taskset as an ``AgentTask``; its example taskset in ``verifiers_example``) imports its
+library at import, so it is imported from its module, not here (``rollart[agents]``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 ``AgentTask``.
 
 Consumes a verifiers taskset — a ``vf.Taskset`` whose ``load()`` yields ``vf.Task``\\ s
-(a prompt, the answer, ``@vf.reward`` methods) — or a ``vf.Env`` (its ``taskset`` is
-used), built on the worker by a picklable ``factory`` (a module-level function or class,
-called with no arguments). Produces ``verifiers_task(factory, name=...)``: an
+(a prompt, the answer, ``@vf.reward`` methods) — or a single-agent ``vf.Env`` (its
+``taskset`` is used; a multi-agent env is refused, its ``run()`` would be skipped),
+built on the worker by a picklable ``factory`` (a module-level function or class, called
+with no arguments). Produces ``verifiers_task(factory, name=...)``: an
 ``AgentTask`` whose agent plays task ``seed % len(taskset)`` as one verifiers rollout
 (``vf.Agent(...).run(task)``: verifiers' interception server, its own client, the
 task's setup, scoring and rewards) against the OpenAI-compatible endpoint rollart
@@ -16,8 +17,9 @@ trace's (``trace.reward``: the sum of the task's weighted rewards), with
 The program that talks to the model is ``ChatHarness``: verifiers' built-in harnesses
 launch a ``uv`` script in a runtime (installing packages at run time); this one runs the
 chat in process (the harness contract allows it: every call goes through verifiers'
-interception endpoint) and answers once per segment, without tools. A task whose taskset
-declares MCP toolsets is refused by verifiers' pairing check.
+interception endpoint) and answers once per segment, without tools: one model call per
+rollout (``max_turns=1``). A task whose taskset declares MCP toolsets is refused by
+verifiers' pairing check.
 
 Nothing silent: a rollout verifiers marks failed (``trace.ok`` false: a model error, a
 task hook or a reward that raised, a time-out) raises ``VerifiersRolloutError`` with
@@ -67,6 +69,10 @@ def load_tasks(factory: Callable) -> list:
 
 
 def _tasks_of(built) -> list:
+    if isinstance(built, vf.Env) and not isinstance(built, vf.SingleAgentEnv):
+        raise TypeError(f"{type(built).__name__} is a multi-agent verifiers Env: rollart "
+                        "plays a taskset with one agent and would skip its run() and "
+                        "finalize(); return its taskset from the factory if that is meant")
     taskset = built.taskset if isinstance(built, vf.Env) else built
     if not isinstance(taskset, vf.Taskset):
         raise TypeError(f"the verifiers factory returned {type(built).__name__}; it must "

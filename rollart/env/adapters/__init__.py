@@ -9,7 +9,9 @@ server's tools added to any env) and ``openenv`` (Meta's OpenEnv environments, i
 process or over their server); ``servers/`` holds the small servers their tasks run. Each offers ``*_task(...)`` functions that
 return a ``rollart.env.Task``; ``ADAPTER_TASKS`` lists the ones that need no data files
 by name, so ``Graph(tasks=("frozenlake", "calc", ...))`` works like the built-in names.
-Install the libraries with ``pip install 'rollart[envs]'``.
+Install the libraries with ``pip install 'rollart[envs]'``. ``verifiers`` (a verifiers
+v1 taskset as an ``AgentTask``; its example taskset in ``verifiers_example``) imports its
+library at import, so it is imported from its module, not here (``rollart[agents]``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Installs and downloads nothing: it uses what the machine's environment already has
 (``vllm``, optionally ``megatron.core``) and a local model folder (``--model``; default:
 the built-in tiny Qwen2, built offline). Per step: vLLM generates a batch of groups
-(``VLLMEngine``), the trainer (``--trainer torch|megatron``; the torch reference trainer
-computes on CPU, Megatron on the GPU) takes one GRPO step on them,
+(``VLLMEngine``), the trainer (``--trainer torch|megatron``, on ``--device``: the torch
+trainer through ``ROLLART_DEVICE``, as a TRAIN worker owning a GPU computes) takes one
+GRPO step on them,
 publishes the weights to a ``WeightStore`` and vLLM loads them in place. Then it measures
 the PD (prefill -> decode) transfer rate: the KV cache of a batched prefill computed in
 one Dask worker process, moved over Dask's TCP comm to a second worker process and onto
@@ -59,7 +60,11 @@ def rl_steps(args, model_path: str, store_url: str) -> dict:
     from rollart.weights import WeightStore
 
     algo = GRPO(group_size=args.group_size, groups_per_step=args.groups, lr=1e-4)
+    # the torch trainer computes where its worker's device is (rollart.runtime.devices):
+    # here the GPU, as a TRAIN worker that owns one would
+    os.environ.setdefault("ROLLART_DEVICE", args.device)
     trainer = trainer_class(args.trainer)(model_path, store_url, algo)
+    print(f"trainer on {getattr(trainer, 'device', '?')}", flush=True)
     gpu = {"gpu_memory_utilization": args.gpu_mem} if args.device == "cuda" else {}
     engine = VLLMEngine(model_path, max_batch=args.group_size * args.groups, **gpu)
     store, rng = WeightStore(store_url), random.Random(0)

@@ -23,7 +23,7 @@ POOLS = {
     H20: ("h20", 4, ["--gres=gpu:1"]),
     CPU_ENV: ("cpu", 2, []),
     REWARD: ("cpu", 1, []),
-    TRAIN: ("h800", 1, ["--gres=gpu:8"]),
+    TRAIN: ("h800", 8, ["--gres=gpu:1"]),  # a GPU a rank: an 8-rank trainer gang
     BUFFER: ("cpu", 1, []),  # the sample buffer (ledger, samples), off the env pool
 }
 _CLUSTER = None  # keeps the scheduler alive for the run

@@ -52,6 +52,7 @@ class Pool:
     threads: int = 1
     memory_limit: str | None = None
     extra_tags: dict[str, float] = field(default_factory=dict)
+    gpus: int = 0  # GPUs of each worker (rollart.runtime.devices: CUDA_VISIBLE_DEVICES)
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -62,9 +63,10 @@ class Pool:
             )
         if not isinstance(self.tag, str) or not self.tag:
             raise ResourcesError(f"Pool {self.name!r}: tag must be a non-empty string")
-        for attr in ("workers", "threads"):
+        for attr in ("workers", "threads", "gpus"):
             value = getattr(self, attr)
-            if not isinstance(value, int) or value < 0 or (attr == "threads" and value < 1):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
+                    attr == "threads" and value < 1):
                 raise ResourcesError(f"Pool {self.name!r}: {attr} must be a whole number ≥ "
                                      f"{1 if attr == 'threads' else 0}, got {value!r}")
         if not isinstance(self.slots, (int, float)) or self.slots <= 0:
@@ -107,9 +109,16 @@ class Resources:
         return dict(total)
 
     def worker_specs(self) -> dict[str, dict]:
-        """The ``SpecCluster`` worker spec: one entry per worker, named ``{pool}-{i}``."""
+        """The ``SpecCluster`` worker spec: one entry per worker, named ``{pool}-{i}``;
+        a worker of a pool with ``gpus`` gets its own (``rollart.runtime.devices``)."""
         from distributed import Worker
 
+        from rollart.runtime.devices import GPUAssignmentError, check_gpus, worker_env
+
+        try:
+            gpus = check_gpus(self.pools, self.processes, self.source)
+        except GPUAssignmentError as e:
+            raise ResourcesError(str(e)) from None
         specs = {}
         for p in self.pools:
             for i in range(p.workers):
@@ -126,6 +135,9 @@ class Resources:
                 if self.processes:
                     threads = str(p.threads)
                     options["env"] = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+                    if gpus is not None:
+                        options["env"].update(worker_env(
+                            gpus[f"{p.name}-{i}"], os.environ.get("CUDA_VISIBLE_DEVICES")))
                 specs[f"{p.name}-{i}"] = {"cls": worker_nanny() if self.processes else Worker,
                                           "options": options}
         return specs

@@ -127,7 +127,7 @@ class ClusterSpec:
         """From a rollart ``Resources``: each GPU pool's tag and worker count (a worker =
         one GPU; ``gpus`` maps a tag to its GPU type, default the tag's own name), env
         pools' workers × slots × ``env_slots`` (default each worker's threads × 32),
-        the reward pool's workers, the trainer pool's workers."""
+        the reward pool's workers, the trainer pool's GPUs (``Pool.gpus`` per worker)."""
         gpus = dict(gpus or {})
         inf, env, reward, trainer = [], [], RewardPool(), 0
         for pool in resources.pools:
@@ -141,8 +141,8 @@ class ClusterSpec:
                         inf.append(GPUPool(tag, gpus[tag], pool.workers))
             elif pool.kind == "reward":
                 reward = RewardPool("dedicated", pool.workers * pool.threads)
-            elif pool.kind == "trainer":
-                trainer += pool.workers
+            elif pool.kind == "trainer":  # a worker per rank: its GPUs (one if undeclared)
+                trainer += pool.workers * max(pool.gpus, 1)
         if not inf:
             raise SimConfigError(f"{resources.source} declares no GPU pool (kind "
                                  "compute_gpu/bandwidth_gpu); pass gpus={tag: type} for "

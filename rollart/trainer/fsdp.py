@@ -177,7 +177,8 @@ class _Ranked:
         parts = [p for p in micro_batches(lengths, self.algo.micro_batch_tokens) if p]
         collated = [collate([batch[i] for i in rows], pad) for rows in parts]
         counts = [float(_loss_mask(c).sum()) if real else 0.0 for c in collated]
-        head = torch.tensor([sum(counts), len(parts)], dtype=torch.float64)
+        head = torch.tensor([sum(counts), len(parts)], dtype=torch.float64,
+                            device=self._device())  # NCCL reduces on the GPU
         total, most = head.clone(), head.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -194,7 +195,8 @@ class _Ranked:
         self.model.eval()
         keys = sorted(stats)
         summed = torch.tensor([loss_sum, len([n for _, _, n in plan if n > 0])]
-                              + [stats[k] for k in keys], dtype=torch.float64)
+                              + [stats[k] for k in keys], dtype=torch.float64,
+                              device=self._device())
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         out = {"trainer/loss": float(summed[0]), "trainer/grad_norm": float(norm),
                "trainer/tokens": int(total[0]), "trainer/micro_batches": int(summed[1]),

@@ -104,13 +104,14 @@ def shared_prompt_logprobs(model, prompt: torch.Tensor, resp: torch.Tensor,
                 **keep)
     first = out.logits[:, -1].expand(n, -1)  # predicts each response's first token
     values = [token_logprobs(first, resp[:, 0], temperature)[:, None]]
-    where = [torch.zeros(1, dtype=torch.long)]
+    where = [torch.zeros(1, dtype=torch.long, device=resp.device)]
     cols = need[:, 1:].any(0).nonzero().squeeze(1)  # response position j predicts j + 1
     if cols.numel():
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         cache.batch_repeat_interleave(n)
-        attn = torch.cat([torch.ones((n, plen), dtype=resp_attn.dtype), resp_attn], dim=1)
-        pos = torch.arange(plen, plen + width)[None].expand(n, width)
+        attn = torch.cat([torch.ones((n, plen), dtype=resp_attn.dtype,
+                                     device=resp.device), resp_attn], dim=1)
+        pos = torch.arange(plen, plen + width, device=resp.device)[None].expand(n, width)
         kwargs = {cache_arg: cache, "use_cache": True}
         if takes_keep and cols.numel() < width:
             logits = model(input_ids=resp, attention_mask=attn, position_ids=pos,

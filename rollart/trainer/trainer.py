@@ -24,6 +24,7 @@ import torch
 from rollart.buffer.buffer import TAKE_KEY
 from rollart.buffer.schema import batch_digest, batch_metrics, from_table  # noqa: F401 (re-exported)
 from rollart.model import load_model, load_tokenizer
+from rollart.runtime.devices import worker_device
 from rollart.runtime.resources import set_worker_threads, usable_cores
 from rollart.policy.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
@@ -69,6 +70,7 @@ class Trainer:
         self.algo = algo
         self.temperature = temperature
         self.model_path = str(model_path)
+        self.device = worker_device()  # its worker's GPU, else the CPU
         self.model = self._load_policy(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.store = WeightStore(store_url)
@@ -88,12 +90,14 @@ class Trainer:
         self.stepping = False  # a train_step is running
 
     def _load_policy(self, model_path: str):
-        """The model being trained (backends override: ``rollart.trainer.megatron``)."""
-        return load_model(model_path)
+        """The model being trained (backends override: ``rollart.trainer.megatron``), on
+        this worker's device (``rollart.runtime.devices.worker_device``)."""
+        return load_model(model_path, device=self.device)
 
     def _hf_state_dict(self) -> dict:
-        """The policy's weights under Hugging Face names, as the weight store holds them."""
-        return self.model.state_dict()
+        """The policy's weights under Hugging Face names, as the weight store holds them
+        (in host memory: the store writes bytes)."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def _frozen_copy(self):
         """A copy of the current policy, the KL reference."""
@@ -476,7 +480,10 @@ class Trainer:
 
     def _loss(self, tensors, adv):
         """The GRPO loss (token mean) and its statistics on one collated micro-batch:
-        ``collate``'s tensors, or ``collate_shared``'s (a shared prompt)."""
+        ``collate``'s tensors, or ``collate_shared``'s (a shared prompt), moved to the
+        policy's device."""
+        tensors = tuple(t.to(self.device) for t in tensors)
+        adv = adv.to(self.device)
         if len(tensors) == 5:
             prompt, resp, attn, mask, behaviour = tensors
             need = mask > 0

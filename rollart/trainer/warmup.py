@@ -262,7 +262,9 @@ def _batches(make, n: int, ahead: Executor | None):
 
 
 def _step(model, opt, ids, attn, mask, obs_weight: float) -> float:
-    """One supervised step; returns its loss."""
+    """One supervised step; returns its loss (the batch moves to the model's device)."""
+    device = next(model.parameters()).device
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
     # Actions carry full weight; every other token (the env's text) is language-modelled
     # too (``obs_weight``), so the model learns to read observations instead of learning
     # that its output may ignore them (the random actions are context-free).

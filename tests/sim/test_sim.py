@@ -195,7 +195,7 @@ def test_cluster_spec_from_a_resources_file():
 
     spec = ClusterSpec.from_resources(load_resources("gpu_cluster"))
     assert {p.tag: p.count for p in spec.inference} == {H800: 2, H20: 4}
-    assert spec.trainer_gpus == 1 and spec.reward.workers == 8
+    assert spec.trainer_gpus == 2 and spec.reward.workers == 8
 
 
 @pytest.mark.bench

@@ -354,10 +354,12 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
                           "recovery/groups_restarted": pipeline.restarted_groups,
                           "rollout/groups_refilled": pipeline.refilled_groups})
             row = step_row(trainer, sample, elapsed=time.time() - t_start,
-                           driver_errors=len(pipeline.errors), extra=extra)
+                           driver_errors=len(pipeline.errors), extra=extra,
+                           tasks=graph.task_names)
             bar.update(1)
-            bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in row.items()
-                                         if k.startswith("reward/") and k != "reward/mean"))
+            bar.set_postfix_str(" ".join(
+                f"{k[7:]}={'-' if v is None else format(v, '.2f')}" for k, v in row.items()
+                if k.startswith("reward/") and k != "reward/mean"))
             yield row, sample
     finally:
         bar.close()

@@ -24,8 +24,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import sys
-import threading
 import time
 from collections import deque
 

@@ -5,6 +5,7 @@ starts and once when it recovers (``rollart.observe.silent``).
 Pure logic first; then a short run (~5 s) of a real in-process cluster whose second task
 always gets the same reward (so none of its groups is trainable)."""
 
+import doctest
 import json
 import logging
 from dataclasses import replace
@@ -22,6 +23,17 @@ from rollart.observe.figures import step_row
 from rollart.observe.metrics import TOPIC, RunState, fold
 from rollart.observe.silent import SilentTasks
 from rollart.types import Trajectory
+
+
+def test_doctests():
+    import rollart.buffer.arrivals
+    import rollart.buffer.schema
+    import rollart.observe.figures
+    import rollart.observe.silent
+
+    for module in (rollart.observe.silent, rollart.observe.figures, rollart.buffer.arrivals,
+                   rollart.buffer.schema):
+        assert doctest.testmod(module).failed == 0
 
 
 def _row(step, **per_task):

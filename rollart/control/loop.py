@@ -205,7 +205,9 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     pipeline, log = make_pipeline(fleet, graph), MetricsLog(run_dir / "metrics.jsonl")
     first, t_start = _resume(pipeline, log, ckpt, run_dir)
     monitor = Monitor(client, fleet, graph, run_dir.name)  # live figures -> dashboard
-    silent = SilentTasks(graph.task_names, graph.rollout.silent_task_steps,
+    weights = graph.task_weights or [1] * len(graph.tasks)
+    silent = SilentTasks([t for t, w in zip(graph.task_names, weights) if w > 0],  # watched
+                         graph.rollout.silent_task_steps,
                          exempt=[t.name for t in graph.tasks  # agent tasks
                                  if getattr(t, "agent", None) is not None])
     feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page

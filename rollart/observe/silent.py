@@ -11,6 +11,7 @@ A task goes silent when, for ``Rollout.silent_task_steps`` (K) trainer steps in 
   arrived leaves this streak as it was). An ``AgentTask`` is exempt: its agent, not an
   env, decides which tools it offers.
 
+The control loop watches every task with a weight above 0 (``Graph.task_weights``).
 ``SilentTasks.update(row, per_task)`` returns the ``Notice`` s of that step: one when a
 task goes silent, one when it recovers, nothing on the steps between, so the console
 (``rollart.control.loop`` logs them) and the dashboard (``Monitor.notice``, shown by

@@ -22,6 +22,7 @@ from rollart.env.tasks import get_task
 from rollart.observe.figures import step_row
 from rollart.observe.metrics import TOPIC, RunState, fold
 from rollart.observe.silent import SilentTasks
+from rollart.observe.trackers import scalars
 from rollart.types import Trajectory
 
 
@@ -111,6 +112,8 @@ def test_every_task_has_its_keys_in_a_row_even_with_nothing_in_the_batch():
     assert row["traj/failed/b"] == row["traj/invalid_tool_calls/b"] == 0
     assert row["rollout/tool_calls/b"] == 0
     json.dumps(row, allow_nan=False)  # null, never NaN
+    got = scalars(row)  # what TensorBoard, MLflow and W&B are given: no null
+    assert "reward/b" not in got and got["trainer/batch_size/b"] == 0.0
 
 
 def test_per_task_counts_continue_in_a_recovered_buffer():

@@ -184,9 +184,9 @@ def batch_metrics(batch, trainer_version: int) -> dict:
     trainable groups (``trainer/trainable_groups/<task>``), staleness and sizes of a
     trained batch (a list of ``Trajectory``; ``trainer_version``: the version its update
     was computed on); a task with nothing in the batch gets its keys from
-    ``rollart.observe.figures.step_row``. The
-    trainer reports them per step; the pipeline for a step whose trainer was lost after
-    publishing, from the buffer (``SampleBuffer.release_taken``)."""
+    ``rollart.observe.figures.step_row``. The trainer reports them per step; the pipeline
+    for a step whose trainer was lost after publishing, from the buffer
+    (``SampleBuffer.release_taken``)."""
     from collections import defaultdict
 
     by_task = defaultdict(list)

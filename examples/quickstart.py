@@ -29,7 +29,7 @@ def main(steps: int = 30, warmup_steps: int | None = None, run_dir: str | None =
         result = rollart.train(graph, client=client, run_dir=run_dir, eval_seeds=eval_seeds)
     print("run directory:", result.run_dir)
     print("last step reward:", {k: round(v, 2) for k, v in result.metrics[-1].items()
-                                if k.startswith("reward/")})
+                                if k.startswith("reward/") and v is not None})
     print("held-out success:", result.evaluation)
     return result
 

@@ -135,6 +135,10 @@ class Trajectory:
     outcome: str = ""  # "success" | "failure" | "truncated" | "failed"
     error: str = ""
     state: str = TrajState.GENERATING.value
+    # tool calls the policy made / how many of them were invalid; None when it was
+    # offered no tools (its env declares none, or the raw format)
+    tool_calls: int | None = None
+    invalid_tool_calls: int | None = None
 
     @property
     def version(self) -> int:

@@ -74,8 +74,8 @@ def test_metrics_log_has_per_task_reward_and_accounting(run):
         # the ledger's trained count against the Parquet rows trained by this step (the
         # row is written after the step's train_step confirmed its batch: mark_trained)
         assert r["traj/trained"] == sum(n for s, n in trained_at.items() if s <= r["step"])
-    assert all(f"reward/{t}" in {k for r in rows for k in r} for t in ("gridnav", "guess",
-                                                                       "boxpush"))
+    assert all(any(r[f"reward/{t}"] is not None for r in rows)  # every row has every key
+               for t in ("gridnav", "guess", "boxpush"))
     with open(f"{result.run_dir}/metrics.jsonl") as f:
         assert len(f.readlines()) == STEPS
 

@@ -68,7 +68,8 @@ def _train(args) -> int:
     if result.evaluation:
         print(format_evaluation(result.evaluation))
     print("last step: " + " ".join(f"{k}={v:.3f}" for k, v in last.items()
-                                   if k.startswith(("reward/", "success/"))))
+                                   if k.startswith(("reward/", "success/"))
+                                   and v is not None))
     if result.timings:
         print(format_timings(result.timings))
     return 0

@@ -5,19 +5,26 @@ arrivals; ``orphaned``: ids failed because their worker was lost; ``ignored``: a
 of orphaned ids, a recovered buffer's late members), the ids given up as lost (a late
 arrival of one is ignored), the failed arrivals since the last good one and what the
 latest failures said (a run whose every trajectory fails is stopped by the pipeline:
-``rollart.control.modes``). Used by ``rollart.buffer.buffer`` (each arrival, each orphan)
-and ``rollart.buffer.restore`` (counters and orphans continued from durable state).
+``rollart.control.modes``), and per task what arrived (``tasks``: the step rows'
+``traj/<kind>/<task>``, ``rollart.observe.figures``). Used by ``rollart.buffer.buffer``
+(each arrival, each orphan) and ``rollart.buffer.restore`` (counters, per-task counts and
+orphans continued from durable state).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 
 from rollart.types import Trajectory, TrajState
 
 logger = logging.getLogger(__name__)
 FAILED = TrajState.FAILED.value
+#: what ``Arrivals.tasks`` counts per task, cumulative: arrivals, failed ones, truncated
+#: ones, ones with at least one invalid tool call, tool calls made, and arrivals that
+#: were offered tools (``Trajectory.tool_calls`` not None)
+TASK_COUNTS = ("received", "failed", "truncated", "invalid_tool_calls", "tool_calls",
+               "tools_offered")
 
 
 def is_failed(traj: Trajectory) -> bool:
@@ -31,6 +38,10 @@ class Arrivals:
     >>> a = Arrivals()
     >>> a.orphaned(["t-0"]); a.ignore("t-0"), a.ignore("t-1"), a.counts()
     (True, False, {'received': 0, 'orphaned': 1, 'ignored': 1})
+    >>> t = Trajectory("t-2", "calc", "g", 0, [], [], [], [], [], outcome="truncated",
+    ...                tool_calls=3, invalid_tool_calls=1)
+    >>> a.received(t); a.tasks()["calc"]["truncated"], a.tasks()["calc"]["tool_calls"]
+    (1, 3)
     """
 
     def __init__(self):
@@ -38,6 +49,7 @@ class Arrivals:
         self._orphans: set[str] = set()
         self.streak = 0  # failed arrivals since the last good one
         self._errors: deque[str] = deque(maxlen=5)
+        self._tasks: dict[str, Counter] = {}
 
     def ignore(self, traj_id: str) -> bool:
         """True for a trajectory already given up as lost (its late arrival is ignored,
@@ -48,9 +60,21 @@ class Arrivals:
             return True
         return False
 
-    def received(self) -> None:
-        """One arrival (not an ignored one)."""
+    def received(self, traj: Trajectory) -> None:
+        """One arrival (not an ignored one), counted for its task too."""
         self._counts["received"] += 1
+        c = self._tasks.setdefault(traj.task, Counter())
+        c["received"] += 1
+        c["failed"] += is_failed(traj)
+        c["truncated"] += traj.outcome == "truncated"
+        if traj.tool_calls is not None:
+            c["tools_offered"] += 1
+            c["tool_calls"] += traj.tool_calls
+            c["invalid_tool_calls"] += bool(traj.invalid_tool_calls)
+
+    def tasks(self) -> dict[str, dict[str, int]]:
+        """Per task seen, ``TASK_COUNTS`` so far."""
+        return {t: {k: c[k] for k in TASK_COUNTS} for t, c in sorted(self._tasks.items())}
 
     def noted(self, traj: Trajectory, failed: bool) -> None:
         """The streak goes on with a failed ``traj`` (what it said kept), ends with a
@@ -77,10 +101,16 @@ class Arrivals:
     def counts(self) -> dict[str, int]:
         return dict(self._counts)
 
+    def record(self) -> dict:
+        """``counts()`` and, under ``"tasks"``, ``tasks()``: what ``load`` continues from."""
+        return {**self._counts, "tasks": self.tasks()}
+
     def load(self, counts: dict | None, orphans=None) -> None:
-        """Continue from recorded counters (missing ones are 0) and, when given, the ids
-        given up as lost."""
+        """Continue from recorded counters (``record()``; missing ones are 0) and, when
+        given, the ids given up as lost."""
         counts = counts or {}
         self._counts = {k: int(counts.get(k, 0)) for k in self._counts}
+        self._tasks = {t: Counter({k: int(c.get(k, 0)) for k in TASK_COUNTS})
+                       for t, c in (counts.get("tasks") or {}).items()}
         if orphans is not None:
             self._orphans = set(orphans)

@@ -99,7 +99,7 @@ class SampleBuffer:
         return self.journal.entry(self.ledger.drain(), self._meta())
 
     def _meta(self) -> dict:
-        return {"counts": self.arrivals.counts(), "ledger": dict(self.ledger.counts),
+        return {"counts": self.arrivals.record(), "ledger": dict(self.ledger.counts),
                 "taken": self.taken.meta()}
 
     async def _durable(self, fut: asyncio.Future | None) -> None:
@@ -114,7 +114,7 @@ class SampleBuffer:
             return False
         if traj.traj_id not in self.ledger:
             self.ledger.launch(traj.traj_id)
-        self.arrivals.received()
+        self.arrivals.received(traj)
         return True
 
     def _add(self, traj: Trajectory, group_size: int) -> bool:
@@ -473,6 +473,7 @@ class SampleBuffer:
         return {
             **self._counts_now(),
             **self.groups.figures(),
+            "tasks": self.arrivals.tasks(),  # per task: rollart.buffer.arrivals.TASK_COUNTS
             "taken_steps": self.taken.steps(),
             "waiters": self._waiters,
             "pending_rows": self.store.pending_rows,

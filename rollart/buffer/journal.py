@@ -61,7 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollart.buffer.schema import SCHEMA, read_parts
+from rollart.buffer.schema import SCHEMA, conform, read_parts
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def read_pending(run_dir: str, made: set[int], ids: set[str] | None = None) -> p
         t = _read(fs, path)
         if t is None:
             continue
-        t = t.cast(SCHEMA)
+        t = conform(t)
         if ids is not None:
             t = t.filter(pc.is_in(t.column("traj_id"), pa.array(list(ids), pa.string())))
         tables.append(t)
@@ -253,7 +253,7 @@ def compact(run_dir: str, upto: int) -> int:
                                 .replace_schema_metadata(None) for t in readable])
     made = {n for n, _, t in run if t is not None}
     pending = [(n, p) for n, p in entries(run_dir, "pending") if first <= n <= last]
-    rows = [t.cast(SCHEMA) for t in (_read(fs, p) for n, p in pending if n in made)
+    rows = [conform(t) for t in (_read(fs, p) for n, p in pending if n in made)
             if t is not None]
     # the merged files replace entry ``last`` (a rename), then the others go
     if rows:

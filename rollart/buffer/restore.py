@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from rollart.buffer import journal
 from rollart.buffer.group import Group, Groups
 from rollart.buffer.ledger import BUFFERED, FINAL, IN_FLIGHT, TAKEN, Ledger
-from rollart.buffer.schema import SCHEMA, read_parts, write_parquet
+from rollart.buffer.schema import SCHEMA, conform, read_parts, write_parquet
 from rollart.buffer.taken import TakenBatches
 from rollart.types import TrajState
 
@@ -75,7 +75,7 @@ def read_snapshot(url: str) -> tuple[dict, pa.Table]:
     with fs.open(f"{root}/buffer.json", "r") as f:
         meta = json.load(f)
     with fs.open(f"{root}/buffer.parquet", "rb") as f:
-        table = pq.read_table(io.BytesIO(f.read())).cast(SCHEMA)
+        table = conform(pq.read_table(io.BytesIO(f.read())))
     return meta, table
 
 

@@ -6,7 +6,8 @@ trajectories that leave it to ``{run_dir}/samples/part-*.parquet``; ``read_parts
 them back (analysis code uses ``rollart.buffer.read_samples``, which adds the journal).
 Every path is an fsspec URL (local, ``memory://``, ...).
 
-One row per trajectory (schema metadata ``rollart_schema_version = "1"``):
+One row per trajectory (schema metadata ``rollart_schema_version = "2"``; version 1 had
+no ``tool_calls`` / ``invalid_tool_calls``: ``conform`` reads its files with those null):
 
 ==============  ===============  ========  ==================================================
 column          type             nullable  meaning
@@ -27,6 +28,9 @@ gen_time        float64          no        seconds spent waiting for generation
 outcome         string           no        "success" | "failure" | "truncated" | "failed"
 error           string           no        error text when the rollout failed
 state           string           no        ``TrajState`` value (how it left the buffer)
+tool_calls      int32            yes       tool calls the policy made (null: no tools offered)
+invalid_tool_   int32            yes       how many of them were invalid (unknown tool, bad
+calls                                      arguments, unparsable); null: no tools offered
 version         int32            no        derived: oldest generated-token version (-1: none)
 trained_step    int32            yes       trainer step that took it (taken, trained,
                                            lost_in_step; null otherwise)
@@ -44,7 +48,7 @@ import pyarrow.parquet as pq
 
 from rollart.types import Trajectory
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 _COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("traj_id", pa.string(), False, "unique id of the rollout"),
@@ -63,6 +67,8 @@ _COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("outcome", pa.string(), False, "success | failure | truncated | failed"),
     ("error", pa.string(), False, "error text when the rollout failed"),
     ("state", pa.string(), False, "TrajState value: how the row left the buffer"),
+    ("tool_calls", pa.int32(), True, "tool calls the policy made (null: no tools offered)"),
+    ("invalid_tool_calls", pa.int32(), True, "invalid ones among them (null: no tools)"),
     ("version", pa.int32(), False, "derived: oldest generated-token policy version (-1 none)"),
     ("trained_step", pa.int32(), True, "trainer step that took the row (null otherwise)"),
 ]
@@ -95,6 +101,15 @@ def from_table(table_or_batch: pa.Table | pa.RecordBatch) -> list[Trajectory]:
         Trajectory(**{name: cols[name][i] for name in TRAJ_FIELDS})
         for i in range(table_or_batch.num_rows)
     ]
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A table read from a file in ``SCHEMA``: a nullable column that an older version
+    lacks (``tool_calls``, ``invalid_tool_calls`` before version 2) comes back null."""
+    for f in SCHEMA:
+        if f.name not in table.column_names and f.nullable:
+            table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+    return table.select(SCHEMA.names).cast(SCHEMA)
 
 
 def _as_table(data: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> pa.Table:
@@ -134,7 +149,7 @@ def read_parts(run_dir_or_url: str) -> pa.Table:
     tables = []
     for path in paths:
         with fs.open(path, "rb") as f:
-            tables.append(pq.read_table(f).cast(SCHEMA))
+            tables.append(conform(pq.read_table(f)))
     if not tables:
         return SCHEMA.empty_table()
     return pa.concat_tables(tables)
@@ -150,11 +165,28 @@ def batch_digest(traj_ids) -> str:
     return hashlib.sha1("\n".join(sorted(traj_ids)).encode()).hexdigest()[:16]
 
 
+def trainable_groups(trajs) -> int:
+    """How many GRPO groups among ``trajs`` have unequal rewards (a group whose members all
+    got the same reward has zero advantages: nothing to learn from it).
+
+    >>> T = lambda g, r: Trajectory("", "t", g, 0, [], [], [], [], [], reward=r)
+    >>> trainable_groups([T("a", 1.0), T("a", 1.0), T("b", 0.0), T("b", 1.0)])
+    1
+    """
+    rewards: dict[str, set] = {}
+    for t in trajs:
+        rewards.setdefault(t.group_id, set()).add(t.reward)
+    return sum(len(r) > 1 for r in rewards.values())
+
+
 def batch_metrics(batch, trainer_version: int) -> dict:
-    """Per-task reward and success, staleness and sizes of a trained batch (a list of
-    ``Trajectory``; ``trainer_version``: the version its update was computed on). The
-    trainer reports them per step; the pipeline for a step whose trainer was lost after
-    publishing, from the buffer (``SampleBuffer.release_taken``)."""
+    """Per-task reward, success, trajectories (``trainer/batch_size/<task>``) and
+    trainable groups (``trainer/trainable_groups/<task>``), staleness and sizes of a
+    trained batch (a list of ``Trajectory``; ``trainer_version``: the version its update
+    was computed on); a task with nothing in the batch gets its keys from
+    ``rollart.observe.figures.step_row``. The trainer reports them per step; the pipeline
+    for a step whose trainer was lost after publishing, from the buffer
+    (``SampleBuffer.release_taken``)."""
     from collections import defaultdict
 
     by_task = defaultdict(list)
@@ -164,6 +196,8 @@ def batch_metrics(batch, trainer_version: int) -> dict:
     for task, ts in sorted(by_task.items()):
         out[f"reward/{task}"] = sum(t.reward for t in ts) / len(ts)
         out[f"success/{task}"] = sum(t.outcome == "success" for t in ts) / len(ts)
+        out[f"trainer/batch_size/{task}"] = len(ts)
+        out[f"trainer/trainable_groups/{task}"] = trainable_groups(ts)
     stale = [trainer_version - t.version for t in batch]
     out["trainer/staleness_mean"] = sum(stale) / len(stale)
     out["trainer/staleness_max"] = max(stale)

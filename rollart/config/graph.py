@@ -341,6 +341,10 @@ class Rollout:
     # trajectory may legitimately take (trajectory_timeout, or env_step_timeout × the
     # longest task's turns + reward_timeout), at least 300 s; 0: never
     stall_timeout: float | None = None
+    # name a task on the console and the dashboard once it has produced no trainable
+    # group, or (its env declaring tools) no tool call, for this many trainer steps in a
+    # row, and again once it recovers (rollart.observe.silent); 0: never
+    silent_task_steps: int = 10
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -354,6 +358,10 @@ class Rollout:
                f"Rollout.failure_streak_limit must be ≥ 0 (0: never stop) or None, got "
                f"{self.failure_streak_limit!r}")
         _numbers(self, "stall_timeout", optional=True)
+        _numbers(self, "silent_task_steps", integer=True)
+        _check(self.silent_task_steps >= 0,
+               f"Rollout.silent_task_steps must be an int ≥ 0 (trainer steps; 0: never "
+               f"warn), got {self.silent_task_steps!r}")
         _check(self.stall_timeout is None or self.stall_timeout >= 0,
                f"Rollout.stall_timeout must be ≥ 0 seconds (0: never stop) or None, got "
                f"{self.stall_timeout!r}")

@@ -48,6 +48,7 @@ from rollart.control.stages import Actors, Stages
 from rollart.env.tasks import warmup_tasks
 from rollart.observe.figures import step_row
 from rollart.observe.monitor import Monitor
+from rollart.observe.silent import SilentTasks
 from rollart.reward.offload import is_serverless
 from rollart.runtime.resources import CONFIG_MODULE_PREFIX, Resources
 from rollart.runtime.waits import Bounded, bounded
@@ -204,6 +205,11 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     pipeline, log = make_pipeline(fleet, graph), MetricsLog(run_dir / "metrics.jsonl")
     first, t_start = _resume(pipeline, log, ckpt, run_dir)
     monitor = Monitor(client, fleet, graph, run_dir.name)  # live figures -> dashboard
+    weights = graph.task_weights or [1] * len(graph.tasks)
+    silent = SilentTasks([t for t, w in zip(graph.task_names, weights) if w > 0],  # watched
+                         graph.rollout.silent_task_steps,
+                         exempt=[t.name for t in graph.tasks  # agent tasks
+                                 if getattr(t, "agent", None) is not None])
     feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page
     record = {"graph": {"source": graph_source, **graph.to_dict()},
               "resources": {"source": resources_source, **fleet.actors.placement}}
@@ -214,6 +220,9 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                                                   t_start, progress)) as steps:
             for row, sample in steps:
                 running = monitor.step(row, sample)  # False once request_stop(run)
+                for notice in silent.update(row, sample.buffer.get("tasks")):
+                    logger.warning("%s", notice.text)
+                    monitor.notice(notice)
                 log.write(row)
                 trackers.log_step(row["step"], row)
                 feed.maybe_publish()
@@ -355,10 +364,12 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
                           "recovery/groups_restarted": pipeline.restarted_groups,
                           "rollout/groups_refilled": pipeline.refilled_groups})
             row = step_row(trainer, sample, elapsed=time.time() - t_start,
-                           driver_errors=len(pipeline.errors), extra=extra)
+                           driver_errors=len(pipeline.errors), extra=extra,
+                           tasks=graph.task_names)
             bar.update(1)
-            bar.set_postfix_str(" ".join(f"{k[7:]}={v:.2f}" for k, v in row.items()
-                                         if k.startswith("reward/") and k != "reward/mean"))
+            bar.set_postfix_str(" ".join(
+                f"{k[7:]}={'-' if v is None else format(v, '.2f')}" for k, v in row.items()
+                if k.startswith("reward/") and k != "reward/mean"))
             yield row, sample
     finally:
         bar.close()

@@ -250,6 +250,7 @@ class TrajectoryRunner:
                            ("invalid_tool_calls", c.invalid_tool_calls)):
                 self.counts[key] = self.counts.get(key, 0) + n
             self.counts["cut_generations"] += session.conv.cut if session.conv else 0
+            traj.tool_calls, traj.invalid_tool_calls = c.tool_calls, c.invalid_tool_calls
         done = session.episode(task.name, seed, returned)
         ep.observations, ep.actions = done.observations, done.actions
         ep.env_rewards, ep.info, ep.truncated = done.env_rewards, done.info, done.truncated
@@ -281,6 +282,8 @@ class TrajectoryRunner:
     async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
         tools = env_tools(env) if self.format.mode == "chat" else []
         conv = self.format.start(log, task, obs, tools)
+        if tools:  # counted on the record (null: no tools offered)
+            traj.tool_calls, traj.invalid_tool_calls = 0, 0
         budget = self.format.max_context
         ep.observations.append(cap_text(obs, budget))  # bounded: the reward travels
         try:
@@ -365,6 +368,8 @@ class TrajectoryRunner:
         self.counts["invalid_tool_calls"] += invalid
         ep.info["invalid_tool_calls"] = ep.info.get("invalid_tool_calls", 0) + invalid
         ep.info["tool_calls"] = ep.info.get("tool_calls", 0) + len(calls)
+        traj.tool_calls += len(calls)
+        traj.invalid_tool_calls += invalid
         if invalid:
             ep.env_rewards.append(-float(task.invalid_penalty) * invalid)
         conv.add_tool_results(results)

@@ -9,7 +9,21 @@ recovery counters), then ``time``. The sample is ``rollart.control.fleet.Sample`
 (``Fleet.sample``, read once per step by ``rollart.control.loop``); a test or a simulator
 can pass plain dicts.
 
-Every figure is cumulative over the run (a replaced env manager starts again at 0).
+Every figure is cumulative over the run (a replaced env manager starts again at 0),
+but the trained batch's (``reward/…``, ``success/…``, ``trainer/…``: this step's).
+
+Every task of the graph (``tasks``) has its keys in every row (``task_keys``):
+
+* this step's batch: ``reward/<task>`` and ``success/<task>``, the mean over the task's
+  trajectories in it, or ``None`` (JSON ``null``; trackers skip it) when it had none;
+  ``trainer/batch_size/<task>``, how many (0 then), and ``trainer/trainable_groups/<task>``,
+  its groups with unequal rewards (``rollart.buffer.schema.trainable_groups``);
+* cumulative, from the buffer's arrivals (``rollart.buffer.arrivals.TASK_COUNTS``),
+  like ``traj/<state>``: ``traj/received/<task>`` trajectories that reached the buffer,
+  ``traj/failed/<task>`` failed ones, ``traj/truncated/<task>`` truncated ones (context
+  or turns ran out), ``traj/invalid_tool_calls/<task>`` ones with at least one invalid
+  tool call, and ``rollout/tool_calls/<task>`` tool calls made. A step's own count is
+  the difference from the row before.
 """
 
 from __future__ import annotations
@@ -18,11 +32,12 @@ from rollart.buffer.ledger import STATES
 
 
 def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
-             extra: dict | None = None) -> dict:
+             extra: dict | None = None, tasks=()) -> dict:
     """The metrics row of one trainer step (see the module doc); ``elapsed``: the run's
-    time so far (``time``)."""
+    time so far (``time``); ``tasks``: the graph's task names."""
     row = dict(trainer)
     row.update({f"traj/{k}": sample.buffer[k] for k in ("launched", *STATES)})
+    row.update(task_keys(row, tasks, sample.buffer.get("tasks", {})))
     row.update(rollout_figures([s for _, _, s in sample.workers], sample.managers,
                                driver_errors))
     for tag, p in pool_totals(sample.workers).items():
@@ -31,6 +46,26 @@ def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
     row.update(extra or {})
     row["time"] = elapsed
     return row
+
+
+def task_keys(trainer: dict, tasks, per_task: dict) -> dict:
+    """Each task's keys (module doc) from the trainer's figures and the buffer's
+    per-task counts; a task missing from either gets ``None`` / 0.
+
+    >>> keys = task_keys({"reward/a": 0.5}, ["a", "b"], {"b": {"received": 4}})
+    >>> keys["reward/a"], keys["reward/b"], keys["trainer/batch_size/b"], keys["traj/received/b"]
+    (0.5, None, 0, 4)
+    """
+    out = {}
+    for task in sorted(set(tasks) | set(per_task)):
+        for key, none in (("reward", None), ("success", None), ("trainer/batch_size", 0),
+                          ("trainer/trainable_groups", 0)):
+            out[f"{key}/{task}"] = trainer.get(f"{key}/{task}", none)
+        c = per_task.get(task, {})
+        for k in ("received", "failed", "truncated", "invalid_tool_calls"):
+            out[f"traj/{k}/{task}"] = c.get(k, 0)
+        out[f"rollout/tool_calls/{task}"] = c.get("tool_calls", 0)
+    return out
 
 
 def pool_totals(workers: list[tuple]) -> dict[str, dict]:

@@ -12,8 +12,9 @@
                                                        ├─ rollart_* on /metrics
                                                        └─ rollart status (run_on_scheduler)
 
-Messages are plain dicts (msgpack-able): ``{"kind": "snapshot"|"step"|"end", "run": name,
-...}``. ``RunState`` folds them into the figures every reader shows; it is pure logic
+Messages are plain dicts (msgpack-able): ``{"kind": "snapshot"|"step"|"warning"|"end",
+"run": name, ...}`` (a warning names a silent task or its recovery:
+``rollart.observe.silent.Notice.message``). ``RunState`` folds them into the figures every reader shows; it is pure logic
 (no Dask) so the page, Prometheus, ``rollart status`` and the tests share it. The sampling
 side is ``rollart.observe.monitor.Monitor``.
 """
@@ -23,8 +24,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import sys
-import threading
 import time
 from collections import deque
 
@@ -70,6 +69,7 @@ class RunState:
         self.snapshot: dict = {}  # the latest live figures
         self.series: deque = deque(maxlen=history)  # (time, tokens/s per pool, buffer)
         self.staleness: dict[int, int] = {}  # trained samples by versions behind
+        self.warnings: dict[tuple[str, str], str] = {}  # (task, reason) -> text, active
         self.updated = 0.0
 
     def ingest(self, msg: dict) -> None:
@@ -92,6 +92,12 @@ class RunState:
                                    for p, v in msg.get("pools", {}).items()},
                                 **{f"busy/{p}": v["busy"]
                                    for p, v in msg.get("pools", {}).items()}})
+        elif kind == "warning":
+            key = (msg.get("task", "?"), msg.get("reason", "?"))
+            if msg.get("active", True):
+                self.warnings[key] = msg.get("text", "")
+            else:
+                self.warnings.pop(key, None)
         elif kind == "end":
             self.status = msg.get("status", "finished")
 
@@ -124,6 +130,7 @@ class RunState:
             "pools": snap.get("pools", {}),
             "workers": snap.get("workers", {}),
             "buffer": snap.get("buffer", 0),
+            "warnings": list(self.warnings.values()),  # silent tasks, now
         }
 
     def prometheus(self) -> list[tuple[str, str, dict, float]]:

@@ -4,7 +4,8 @@ scheduler (``rollart.observe.metrics`` has the message format and ``RunState``).
 It reads what the fleet samples (``rollart.control.fleet.Fleet.sample``: the one
 reader of the actors' figures, which the step row and the watchdog use too). The
 control loop's only hooks are ``Monitor.step(row, sample)`` (returns False once
-``request_stop`` named the run) and ``Monitor.close()``. ``install`` registers the
+``request_stop`` named the run), ``Monitor.notice`` (a silent task,
+``rollart.observe.silent``) and ``Monitor.close()``. ``install`` registers the
 dashboard plugin (``rollart.observe.dashboard``) on the scheduler.
 """
 
@@ -58,6 +59,10 @@ class Monitor:
         self._publish({"kind": "step", "row": {k: v for k, v in row.items()
                                                if isinstance(v, (int, float))}})
         return self.run not in _STOP
+
+    def notice(self, notice) -> None:
+        """Publish a ``rollart.observe.silent.Notice`` (a task silent or recovered)."""
+        self._publish(notice.message(self.run))
 
     def close(self, status: str | None = None) -> None:
         """Stop sampling; the run ends as ``status`` (default: failed while an exception

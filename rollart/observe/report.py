@@ -64,8 +64,8 @@ def plot_rewards(metrics_path: str | Path, out_png: str | Path) -> str:
     keys = sorted({k for r in rows for k in r if k.startswith("reward/") and k != "reward/mean"})
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for k in keys:
-        steps = [r["step"] for r in rows if k in r]
-        vals = [r[k] for r in rows if k in r]
+        steps = [r["step"] for r in rows if r.get(k) is not None]  # None: none that step
+        vals = [r[k] for r in rows if r.get(k) is not None]
         line, = ax.plot(steps, smooth(vals), label=k[len("reward/"):], linewidth=2)
         ax.plot(steps, vals, color=line.get_color(), alpha=0.25, linewidth=1)
     ax.set_xlabel("trainer step")

@@ -15,7 +15,7 @@ def describe(run) -> str:
     rows = run.rows()
     last = rows[-1] if rows else {}
     rewards = " ".join(f"{k[7:]}={v:.2f}" for k, v in sorted(last.items())
-                       if k.startswith("reward/") and k != "reward/mean")
+                       if k.startswith("reward/") and k != "reward/mean" and v is not None)
     tok = last.get("rollout/tokens_generated", 0)
     rate = tok / last["time"] if last.get("time") else 0.0
     return (f"{run.name}: {run.status}, step {last.get('step', 0)}/{run.steps} "

@@ -65,7 +65,7 @@ def test_schema_round_trip():
 
 
 def test_schema_docs_and_metadata():
-    assert SCHEMA.metadata[b"rollart_schema_version"] == b"1"
+    assert SCHEMA.metadata[b"rollart_schema_version"] == b"2"
     for f in SCHEMA:
         assert f.metadata and f.metadata[b"doc"].strip(), f.name
         assert f.name in schema_mod.__doc__

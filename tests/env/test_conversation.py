@@ -651,6 +651,7 @@ def test_chat_rollout_runs_tool_turns_and_decodes_to_the_template(chat_rollout, 
         generated = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
         assert generated == enc(tok, CALL_ADD) + [end] + enc(tok, "5") + [end]
         assert t.num_turns == 1 and t.outcome == "success"
+        assert (t.tool_calls, t.invalid_tool_calls) == (1, 0)  # on the record
     summary = mgr.run_group(_chat_task("sub", SubEnv), 1, "chat-sub", 2).result()
     assert [r % 10 for r in summary["rewards"]] == [1.0, 1.0], summary  # one invalid call
     for t in buf.get_batch(1, min_version=-1, timeout=10).result():
@@ -658,6 +659,10 @@ def test_chat_rollout_runs_tool_turns_and_decodes_to_the_template(chat_rollout, 
         assert f"<tool_response>\n{SUB_ERROR}\n</tool_response>" in text
         tool_part = [i for i, m in zip(t.response_ids, t.loss_mask) if not m]
         assert SUB_ERROR in tok.decode(tool_part)  # the error message is masked out
+        assert t.tool_calls >= 1 and t.invalid_tool_calls == 1
+    per_task = buf.stats().result()["tasks"]  # the step rows' traj/…/<task> counts
+    assert per_task["add"]["tool_calls"] == 2 and per_task["add"]["invalid_tool_calls"] == 0
+    assert per_task["sub"]["invalid_tool_calls"] == 2 and per_task["sub"]["tools_offered"] == 2
     stats = mgr.stats().result()
     assert stats["rollout/tool_turns"] >= 4 and stats["rollout/invalid_tool_calls"] >= 2
 

@@ -5,10 +5,14 @@ Reads the ``RunState`` kept by ``RollartPlugin`` on the scheduler (the latest ru
 (or a curious user in the browser console) can read what is drawn. Below the plots, the
 ``rollart-samples`` section shows the latest decoded trajectories of each task (turn by
 turn: observation, action and its policy version; reward, outcome), as
-``rollart.observe.samples.SampleFeed`` published them.
+``rollart.observe.samples.SampleFeed`` published them. Silent tasks
+(``rollart.observe.silent``) are named under the header in ``rollart-warning`` lines
+while they last.
 """
 
 from __future__ import annotations
+
+import html
 
 from bokeh.layouts import column, gridplot
 from bokeh.models import ColumnDataSource, Div, FactorRange
@@ -127,7 +131,9 @@ class RollartPage:
             f"<span id='rollart-status'>{r.status}</span>, step {summ['step']}"
             f"/{info.get('steps', '?')}, {summ['elapsed_s']:.0f} s, "
             f"{states.get('launched', 0)} trajectories launched, "
-            f"env step p99 {summ['env_step_p99_s'] * 1000:.0f} ms")
+            f"env step p99 {summ['env_step_p99_s'] * 1000:.0f} ms"
+            + "".join(f"<br><span class='rollart-warning' style='color:#b00'>warning: "
+                      f"{html.escape(text)}</span>" for text in summ["warnings"]))
 
 
     def _update_samples(self, run: str) -> None:

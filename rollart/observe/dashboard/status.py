@@ -53,4 +53,5 @@ def format_status(state: dict) -> str:
                          f"{p['busy']:.0%}  {p['tokens']} tokens")
         for addr, w in s["workers"].items():
             lines.append(f"  worker {addr} ({w['pool']}): weights v{w['version']}")
+        lines += [f"  warning:      {text}" for text in s.get("warnings", ())]
     return "\n".join(lines)

@@ -180,7 +180,7 @@ def trainable_groups(trajs) -> int:
 
 
 def batch_metrics(batch, trainer_version: int) -> dict:
-    """Per-task reward, success, trajectories (``trainer/batch_size/<task>``) and
+    """Per-task reward, success, trajectories (``trainer/rows/<task>``) and
     trainable groups (``trainer/trainable_groups/<task>``), staleness and sizes of a
     trained batch (a list of ``Trajectory``; ``trainer_version``: the version its update
     was computed on); a task with nothing in the batch gets its keys from
@@ -196,7 +196,7 @@ def batch_metrics(batch, trainer_version: int) -> dict:
     for task, ts in sorted(by_task.items()):
         out[f"reward/{task}"] = sum(t.reward for t in ts) / len(ts)
         out[f"success/{task}"] = sum(t.outcome == "success" for t in ts) / len(ts)
-        out[f"trainer/batch_size/{task}"] = len(ts)
+        out[f"trainer/rows/{task}"] = len(ts)
         out[f"trainer/trainable_groups/{task}"] = trainable_groups(ts)
     stale = [trainer_version - t.version for t in batch]
     out["trainer/staleness_mean"] = sum(stale) / len(stale)

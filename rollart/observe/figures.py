@@ -16,14 +16,18 @@ Every task of the graph (``tasks``) has its keys in every row (``task_keys``):
 
 * this step's batch: ``reward/<task>`` and ``success/<task>``, the mean over the task's
   trajectories in it, or ``None`` (JSON ``null``; trackers skip it) when it had none;
-  ``trainer/batch_size/<task>``, how many (0 then), and ``trainer/trainable_groups/<task>``,
+  ``trainer/rows/<task>``, how many (0 then), and ``trainer/trainable_groups/<task>``,
   its groups with unequal rewards (``rollart.buffer.schema.trainable_groups``);
 * cumulative, from the buffer's arrivals (``rollart.buffer.arrivals.TASK_COUNTS``),
-  like ``traj/<state>``: ``traj/received/<task>`` trajectories that reached the buffer,
-  ``traj/failed/<task>`` failed ones, ``traj/truncated/<task>`` truncated ones (context
-  or turns ran out), ``traj/invalid_tool_calls/<task>`` ones with at least one invalid
-  tool call, and ``rollout/tool_calls/<task>`` tool calls made. A step's own count is
+  like ``traj/<state>``: ``task/received/<task>`` trajectories that reached the buffer,
+  ``task/failed/<task>`` failed ones, ``task/truncated/<task>`` truncated ones (context
+  or turns ran out), ``task/invalid_tool_calls/<task>`` ones with at least one invalid
+  tool call, and ``task/tool_calls/<task>`` tool calls made. A step's own count is
   the difference from the row before.
+
+No key is also the prefix of others (``traj/failed`` and ``traj/failed/<task>``):
+MLflow's file store keeps each key as a file path, and a key that is also a folder
+made it drop the rest of the row; hence ``trainer/rows/<task>`` and ``task/…``.
 """
 
 from __future__ import annotations
@@ -53,18 +57,18 @@ def task_keys(trainer: dict, tasks, per_task: dict) -> dict:
     per-task counts; a task missing from either gets ``None`` / 0.
 
     >>> keys = task_keys({"reward/a": 0.5}, ["a", "b"], {"b": {"received": 4}})
-    >>> keys["reward/a"], keys["reward/b"], keys["trainer/batch_size/b"], keys["traj/received/b"]
+    >>> keys["reward/a"], keys["reward/b"], keys["trainer/rows/b"], keys["task/received/b"]
     (0.5, None, 0, 4)
     """
     out = {}
     for task in sorted(set(tasks) | set(per_task)):
-        for key, none in (("reward", None), ("success", None), ("trainer/batch_size", 0),
+        for key, none in (("reward", None), ("success", None), ("trainer/rows", 0),
                           ("trainer/trainable_groups", 0)):
             out[f"{key}/{task}"] = trainer.get(f"{key}/{task}", none)
         c = per_task.get(task, {})
         for k in ("received", "failed", "truncated", "invalid_tool_calls"):
-            out[f"traj/{k}/{task}"] = c.get(k, 0)
-        out[f"rollout/tool_calls/{task}"] = c.get("tool_calls", 0)
+            out[f"task/{k}/{task}"] = c.get(k, 0)
+        out[f"task/tool_calls/{task}"] = c.get("tool_calls", 0)
     return out
 
 

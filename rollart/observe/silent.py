@@ -6,8 +6,8 @@ A task goes silent when, for ``Rollout.silent_task_steps`` (K) trainer steps in 
   ``trainer/trainable_groups/<task>`` is 0: its groups all had equal rewards, so GRPO's
   advantages are zero; or its trajectories failed or never reached the batch), or
 * ``no_tool_calls``: its trajectories were offered tools (``Trajectory.tool_calls`` not
-  None) and made no tool call at all (the cumulative ``rollout/tool_calls/<task>`` did
-  not move while ``traj/received/<task>`` did; a step in which none of its trajectories
+  None) and made no tool call at all (the cumulative ``task/tool_calls/<task>`` did
+  not move while ``task/received/<task>`` did; a step in which none of its trajectories
   arrived leaves this streak as it was). An ``AgentTask`` is exempt: its agent, not an
   env, decides which tools it offers.
 
@@ -18,7 +18,7 @@ task goes silent, one when it recovers, nothing on the steps between, so the con
 ``RunState.warnings``) say it once each way. Pure: no Dask, no logging.
 
 >>> w = SilentTasks(["calc"], steps=2)
->>> row = {"trainer/trainable_groups/calc": 0, "traj/received/calc": 8}
+>>> row = {"trainer/trainable_groups/calc": 0, "task/received/calc": 8}
 >>> w.update(row), [n.reason for n in w.update(row)], w.update(row)
 ([], ['untrainable'], [])
 >>> [(n.reason, n.active) for n in w.update({**row, "trainer/trainable_groups/calc": 1})]
@@ -72,7 +72,7 @@ class SilentTasks:
 
     def _no_tool_calls(self, task: str, row: dict, counts: dict) -> bool | None:
         """True/False: this step's arrivals made no tool call / some; None: no evidence."""
-        now = (row.get(f"traj/received/{task}", 0), row.get(f"rollout/tool_calls/{task}", 0),
+        now = (row.get(f"task/received/{task}", 0), row.get(f"task/tool_calls/{task}", 0),
                counts.get("tools_offered", 0))
         before, self._last[task] = self._last.get(task, (0, 0, 0)), now
         if task in self.exempt or now[0] == before[0] or now[2] == before[2]:
@@ -100,9 +100,9 @@ _RECOVERED = {"untrainable": "a group of it is trainable again",
 
 
 def _silent_text(task: str, reason: str, steps: int, row: dict) -> str:
-    counts = (f"so far: {row.get(f'traj/received/{task}', 0)} of its trajectories "
-              f"arrived, {row.get(f'traj/failed/{task}', 0)} failed, "
-              f"{row.get(f'traj/truncated/{task}', 0)} truncated")
+    counts = (f"so far: {row.get(f'task/received/{task}', 0)} of its trajectories "
+              f"arrived, {row.get(f'task/failed/{task}', 0)} failed, "
+              f"{row.get(f'task/truncated/{task}', 0)} truncated")
     if reason == "untrainable":
         return (f"task {task!r} produced no trainable group for {steps} steps (to step "
                 f"{row.get('step', '?')}): its groups all had equal rewards, failed, or "

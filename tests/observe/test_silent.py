@@ -65,7 +65,7 @@ def test_a_task_offered_tools_that_never_calls_one_is_named():
         row = _row(s, calc=1, agent=1)
         per_task = {}
         for t in ("calc", "agent"):
-            row.update({f"traj/received/{t}": received, f"rollout/tool_calls/{t}": calls})
+            row.update({f"task/received/{t}": received, f"task/tool_calls/{t}": calls})
             per_task[t] = {"tools_offered": offered}
         return w.update(row, per_task)
 
@@ -77,7 +77,7 @@ def test_a_task_offered_tools_that_never_calls_one_is_named():
     (back,) = step(5, 16, 3, 16)
     assert (back.task, back.reason, back.active) == ("calc", "no_tool_calls", False)
     tools_never_offered = SilentTasks(["plain"], steps=1)
-    row = {**_row(1, plain=1), "traj/received/plain": 4, "rollout/tool_calls/plain": 0}
+    row = {**_row(1, plain=1), "task/received/plain": 4, "task/tool_calls/plain": 0}
     assert tools_never_offered.update(row, {"plain": {"tools_offered": 0}}) == []
 
 
@@ -102,18 +102,18 @@ class _Sample:
 
 
 def test_every_task_has_its_keys_in_a_row_even_with_nothing_in_the_batch():
-    trainer = {"reward/a": 0.5, "success/a": 1.0, "trainer/batch_size/a": 4,
+    trainer = {"reward/a": 0.5, "success/a": 1.0, "trainer/rows/a": 4,
                "trainer/trainable_groups/a": 1}
     row = step_row(trainer, _Sample({"a": {"received": 4, "truncated": 1}}), elapsed=1.0,
                    tasks=["a", "b"])
-    assert row["reward/a"] == 0.5 and row["traj/truncated/a"] == 1
+    assert row["reward/a"] == 0.5 and row["task/truncated/a"] == 1
     assert row["reward/b"] is None and row["success/b"] is None
-    assert row["trainer/batch_size/b"] == row["trainer/trainable_groups/b"] == 0
-    assert row["traj/failed/b"] == row["traj/invalid_tool_calls/b"] == 0
-    assert row["rollout/tool_calls/b"] == 0
+    assert row["trainer/rows/b"] == row["trainer/trainable_groups/b"] == 0
+    assert row["task/failed/b"] == row["task/invalid_tool_calls/b"] == 0
+    assert row["task/tool_calls/b"] == 0
     json.dumps(row, allow_nan=False)  # null, never NaN
     got = scalars(row)  # what TensorBoard, MLflow and W&B are given: no null
-    assert "reward/b" not in got and got["trainer/batch_size/b"] == 0.0
+    assert "reward/b" not in got and got["trainer/rows/b"] == 0.0
 
 
 def test_per_task_counts_continue_in_a_recovered_buffer():
@@ -163,14 +163,17 @@ def test_a_run_names_the_task_whose_groups_never_train(local_cluster, tmp_path, 
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows == result.metrics
     keys = [f"{k}/{t}" for t in ("gridnav", "flat") for k in (
-        "reward", "success", "trainer/batch_size", "trainer/trainable_groups",
-        "traj/received", "traj/failed", "traj/truncated", "traj/invalid_tool_calls",
-        "rollout/tool_calls")]
+        "reward", "success", "trainer/rows", "trainer/trainable_groups",
+        "task/received", "task/failed", "task/truncated", "task/invalid_tool_calls",
+        "task/tool_calls")]
     for r in rows:
         assert all(k in r for k in keys), [k for k in keys if k not in r]
+        # no key is also the folder of others (MLflow's file store keeps each key as a
+        # file path: trainer/batch_size beside trainer/batch_size/<task> lost the rest)
+        assert not [k for k in r if any(o.startswith(k + "/") for o in r)]
         assert r["trainer/trainable_groups/flat"] == 0
         assert r["reward/flat"] in (None, 0.5)
-        assert r["trainer/batch_size/flat"] + r["trainer/batch_size/gridnav"] == 4
+        assert r["trainer/rows/flat"] + r["trainer/rows/gridnav"] == 4
     named = [rec.getMessage() for rec in caplog.records
              if "'flat' produced no trainable group" in rec.getMessage()]
     assert len(named) == 1 and "for 2 steps (to step 2)" in named[0], caplog.text

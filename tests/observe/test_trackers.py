@@ -43,7 +43,8 @@ def mlflow_run(run_dir):
 
     client = MlflowClient(tracking_uri=(Path(run_dir) / "mlruns").resolve().as_uri())
     exp = client.get_experiment_by_name("rollart")
-    (run,) = client.search_runs([exp.experiment_id])
+    (found,) = client.search_runs([exp.experiment_id])
+    run = client.get_run(found.info.run_id)  # every key (a search's run carries ≤ 100)
     metrics = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
                for k in run.data.metrics}
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]

@@ -1,8 +1,19 @@
 """The audit of ``benchmarks/chaos.py``, apart from its run: ``lost`` and ``duplicated``
-counted without the ledger's totals, from the envs' own record (``RecordedEnv``'s
-``env-*.jsonl``), the run's Parquet rows and the trainer's report of each step's batch
-(its ``trainer/batch_size`` and ``trainer/batch_sha1``); ``chaos.py``'s docstring says
-what each figure means. ``chaos.py`` imports these, and its tests through it.
+counted without the ledger or the journal, from the envs' own record (``RecordedEnv``'s
+``env-*.jsonl``), the run's Parquet rows, the trainer's report of each step's batch
+(its ``trainer/batch_size`` and ``trainer/batch_sha1``) and the run's group sequence,
+replayed from its ``graph.json`` (task, seed, group size: which groups were drawn, in
+order); ``chaos.py``'s docstring says what each figure means. ``chaos.py`` imports
+these, and its tests through it.
+
+An env-finished episode with no row is excused only by the group structure: a group
+that left the buffer whole (a row of it trained, dropped, taken or buffered, or all of
+its members rowed) may have had members beyond its size that ended unrowed (redundant
+members, aborted and restarted ones, those lost with a worker and restarted: each of
+them started an episode of its own), at most ``started - size`` of them; a group with
+fewer rows than members and none of them left was still running when the run ended
+(``open_at_end``, reported). Episodes of a (task, seed) the sequence never drew, and
+any other unrowed one, are ``lost_completed``.
 """
 
 from __future__ import annotations
@@ -73,47 +84,63 @@ def check_trainer_record(trained_at: dict, metrics: list[dict]) -> tuple[int, in
     return lost_trained, unreported, mismatched
 
 
+def drawn_groups(run_dir: Path, n: int) -> tuple[int, set]:
+    """The group size and the ``(task, seed)`` of the first ``n`` groups the run's
+    sequence draws (``rollart.policy.admission.GroupSequence``, from ``graph.json``)."""
+    import json
+
+    from rollart.policy.admission import GroupSequence
+
+    g = json.loads((Path(run_dir) / "graph.json").read_text())
+    names = [t if isinstance(t, str) else t["name"] for t in g["tasks"]]
+    size = int(g["algo"]["group_size"])
+    seq = GroupSequence(names, g.get("task_weights"), int(g["seed"]), size)
+    return size, {seq.next()[:2] for _ in range(n)}
+
+
 def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
     """``lost`` and ``duplicated`` from the env record, the rows and the trainer's
     report (module docstring), without the ledger's totals."""
     from collections import Counter, defaultdict
 
     from rollart.buffer import read_samples
-    from rollart.buffer.journal import read_ledger
     from rollart.buffer.schema import read_parts
 
     rows = read_samples(str(run_dir)).to_pydict()
     trained_at = defaultdict(list)  # step -> ids trained there (rows)
-    seed_of: dict[str, tuple] = {}  # group id -> (task, seed)
-    settled = Counter()  # (task, seed) -> rows/ids that say what became of them
-    left = 0
-    for t, task, g, seed, state, step, err in zip(
+    ended_rows, rowed, whole = Counter(), Counter(), set()  # per (task, seed)
+    left, last_group = 0, -1
+    for t, task, g, seed, state, step, outcome in zip(
             rows["traj_id"], rows["task"], rows["group_id"], rows["seed"], rows["state"],
-            rows["trained_step"], rows["error"]):
-        seed_of[g] = (task, seed)
+            rows["trained_step"], rows["outcome"]):
+        key = (task, seed)
+        last_group = max(last_group, int(g[1:]) if g[1:].isdigit() else -1)
+        rowed[key] += 1
+        if outcome in ("success", "failure"):  # the env said done: an "end" line
+            ended_rows[key] += 1
         if state == "trained":
             trained_at[step].append(t)
-        if state in ("trained", "dropped") or (state == "failed" and err):
-            settled[(task, seed)] += 1
-        elif state in ("buffered", "taken"):  # durable, still in the buffer: not lost
-            settled[(task, seed)] += 1
+        if state in ("trained", "dropped", "taken", "buffered"):
+            whole.add(key)  # a group leaves (or waits) whole
+        if state in ("buffered", "taken"):  # durable, still in the buffer: not lost
             left += 1
-    with_row = set(rows["traj_id"])
-    unmapped = 0
-    for t, (state, _) in read_ledger(str(run_dir)).latest.items():
-        if t in with_row or state not in ("cancelled", "aborted", "failed"):
-            continue
-        key = seed_of.get(t.rsplit("-", 1)[0])
-        if key is None:
-            unmapped += 1
-        else:
-            settled[key] += 1
     lost_trained, unreported, mismatched = check_trainer_record(trained_at, metrics)
     ended = Counter((e["task"], e["seed"]) for e in env_events if e["ev"] == "end")
-    # ids settled without a row in groups with no row at all (all lost with their
-    # worker) have no known seed: they may account for any seed's shortfall
-    short = sum(max(n - settled[k], 0) for k, n in ended.items())
-    lost_completed = max(short - unmapped, 0)
+    started = Counter((e["task"], e["seed"]) for e in env_events if e["ev"] == "start")
+    size, drawn = drawn_groups(run_dir, last_group + 1 + 1000)
+    lost_completed = excused = open_at_end = 0
+    for key, n in ended.items():
+        missing = max(n - ended_rows[key], 0)
+        if not missing:
+            continue
+        if key not in drawn:  # no group of this (task, seed) was ever drawn
+            lost_completed += missing
+        elif key in whole or rowed[key] >= size:
+            extras = max(started[key] - size, 0)
+            excused += min(missing, extras)
+            lost_completed += max(missing - extras, 0)
+        else:
+            open_at_end += missing
     parts = read_parts(str(run_dir)).to_pydict()
     steps_of = defaultdict(set)
     for t, state, step in zip(parts["traj_id"], parts["state"], parts["trained_step"]):
@@ -129,4 +156,5 @@ def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
             "left_buffered": left,
             "mismatched_steps": mismatched, "env_episodes": sum(
                 e["ev"] == "start" for e in env_events),
-            "env_ended": sum(ended.values()), "unmapped_settled": unmapped}
+            "env_ended": sum(ended.values()), "excused_extra": excused,
+            "open_at_end": open_at_end}

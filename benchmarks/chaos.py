@@ -20,20 +20,24 @@ It prints the kills, the recoveries and one line
 
     RESULT lost=… duplicated=… max_recovery_s=… steps=… failed_frac=… restarted_groups=…
 
-``lost`` and ``duplicated`` are counted without the ledger's totals (``audit``), from
-three records: what the envs played (every env is wrapped by ``RecordedEnv``, which
+``lost`` and ``duplicated`` are counted without the ledger or its journal (``audit``),
+from four records: what the envs played (every env is wrapped by ``RecordedEnv``, which
 appends each episode's start and end, with its task and seed, to files of its own
-outside the run dir), the trajectory rows (``rollart.buffer.read_samples``) and the
+outside the run dir), the trajectory rows (``rollart.buffer.read_samples``), the
 trainer's own report of each step's batch (``trainer/batch_size`` and
-``trainer/batch_sha1`` in ``metrics.jsonl``):
+``trainer/batch_sha1`` in ``metrics.jsonl``) and the group sequence the run's seed
+draws (replayed from ``graph.json``):
 
 * ``lost_trained``: trajectories the trainer says it trained at a step that are not
   ``trained`` at that step in the rows (per step: the batch size minus the rows there;
   a step whose rows do not hash to the trainer's digest counts its whole batch);
-* ``lost_completed``: episodes an env played to the end whose trajectory has no record
-  of what became of it: per (task, seed), env-finished episodes beyond the rows in a
-  final state (trained, dropped, failed with its error) plus the ids the buffer's
-  journal settled without a row (cancelled, aborted, failed with their worker);
+* ``lost_completed``: episodes an env played to the end whose trajectory has no row:
+  per (task, seed), env-finished episodes beyond the rows whose env finished, less the
+  members its group may have had beyond its size (redundant, aborted or lost-and-
+  restarted members each started an episode of their own: at most ``started - size``),
+  for a group that left the buffer whole; all of them for a (task, seed) the sequence
+  never drew. A group with fewer rows than members, none of them left, was running when
+  the run ended: its unrowed episodes are ``open_at_end`` (printed in the audit line);
 * ``lost`` = the two; ``duplicated``: ids ``trained`` at two steps in the raw Parquet
   parts, plus trainer-reported trajectories beyond the distinct ids trained.
 

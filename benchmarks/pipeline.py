@@ -126,7 +126,8 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
                     checkpoint_every=a.every, policy=replace(base.policy, model=model),
                     algo=replace(base.algo, groups_per_step=a.groups, alpha=None),
-                    rollout=replace(base.rollout, redundancy=redundancy))
+                    rollout=replace(base.rollout, redundancy=redundancy,
+                                    max_in_flight=a.max_in_flight))
     client.run(drain_pools, on_error="return")  # no run inherits another's warm sandboxes
     ckpt_s: dict[int, float] = {}
     run_dir = out / f"{label.replace('@', '_r').replace('+', 'plus')}-seed{seed}"
@@ -247,6 +248,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     p.add_argument("--redundant", default=None,
                    help="modes also run with redundancy (of REDUNDANT_MODES; '' = none)")
+    p.add_argument("--max-in-flight", type=float, default=None,
+                   help="Rollout.max_in_flight for async and areal (steps' worth of groups "
+                        "in flight at once; default: async max(alpha, 1), areal its start "
+                        "bound)")
     p.add_argument("--redundancy", type=float, default=1.5,
                    help="members launched per group member in the redundant runs")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -349,7 +354,9 @@ def main(argv=None) -> dict:
                 print("PARTIAL " + " ".join(f"{k}={fmt(v)}" for k, v in part.items()
                                             if k != "target"), flush=True)
     out = summarise(runs, seeds)
-    out.update(target=target, failed_runs=len(failed), heldout_warm=warm, margin=a.margin,
+    out.update(inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
+               order="completion", target=target, failed_runs=len(failed),
+               heldout_warm=warm, margin=a.margin,
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,
                total_s=round(time.time() - t_all))
     print("RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in out.items()), flush=True)

@@ -345,6 +345,11 @@ class Rollout:
     # group, or (its env declaring tools) no tool call, for this many trainer steps in a
     # row, and again once it recovers (rollart.observe.silent); 0: never
     silent_task_steps: int = 10
+    # async and areal: groups in flight or buffered at once, in trainer steps' worth of
+    # groups (GRPO.groups_per_step each), apart from the staleness bound alpha; None:
+    # max(alpha, 1) steps' worth in async (rollart.policy.admission.slot_capacity) and
+    # AReaL's own start bound alone in areal
+    max_in_flight: float | None = None
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -375,6 +380,10 @@ class Rollout:
                f"{self.trajectory_timeout!r}")
         _check(isinstance(self.redundancy, (int, float)) and 1 <= self.redundancy <= 8,
                f"Rollout.redundancy must be a factor in [1, 8], got {self.redundancy!r}")
+        _numbers(self, "max_in_flight", optional=True)
+        _check(self.max_in_flight is None or self.max_in_flight > 0,
+               f"Rollout.max_in_flight must be > 0 (trainer steps' worth of groups) or None "
+               f"(max(alpha, 1) steps' worth), got {self.max_in_flight!r}")
         _numbers(self, "backup_after", optional=True)
         _check(self.backup_after is None or 0 < self.backup_after <= 1,
                f"Rollout.backup_after must be a fraction in (0, 1] of the group (extra "

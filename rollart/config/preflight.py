@@ -103,11 +103,13 @@ def check_pools(graph: Graph, resources: Resources) -> None:
 
 
 def check_picklable(graph: Graph) -> None:
-    """Each task's ``env_factory`` and ``reward_fn`` survive Dask's serialisation."""
+    """Each task's ``env_factory`` and ``reward_fn`` (an ``AgentTask``'s ``agent`` too)
+    survive Dask's serialisation."""
     import cloudpickle
 
     for task in graph.tasks:
-        for field in ("env_factory", "reward_fn"):
+        for field in ("env_factory", "reward_fn") + (("agent",) if hasattr(task, "agent")
+                                                      else ()):
             fn = getattr(task, field)
             try:
                 cloudpickle.dumps(fn)

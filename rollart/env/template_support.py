@@ -171,10 +171,16 @@ def check_templates(graph, model_path: str) -> None:
     from rollart.model import load_tokenizer
 
     policy = graph.policy
+    agents = [t.name for t in graph.tasks if hasattr(t, "agent")]
     if policy.conversation == "raw":
+        if agents:
+            raise _agents_need_chat(agents, "Policy.conversation='raw'")
         return
     tokenizer = load_tokenizer(model_path)
     if not getattr(tokenizer, "chat_template", None):
+        if agents:
+            raise _agents_need_chat(agents, f"the tokenizer of {model_path} has no chat "
+                                    "template")
         return  # "auto" without a template is raw; "chat" fails in the format below
     opts = policy.conversation_options()
     fmt = ConversationFormat(tokenizer, opts["conversation"], system_prompt=opts[
@@ -184,6 +190,13 @@ def check_templates(graph, model_path: str) -> None:
         fmt, t, _tools(t, without_faults, env_tools))]  # an agent's tools come per call
     if folded:
         note_fold(f"{fmt.name} (tasks {', '.join(folded)})", logging.WARNING)
+
+
+def _agents_need_chat(names: list[str], why: str) -> ChatTemplateError:
+    return ChatTemplateError(
+        f"agent tasks ({', '.join(names)}) send chat messages, but {why}: use a model "
+        "folder with a chat template and Policy.conversation='chat' or 'auto' (the "
+        "built-in chat toy: Policy(model=None, conversation='chat'))")
 
 
 def _tools(task, without_faults, env_tools) -> list[dict]:

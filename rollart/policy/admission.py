@@ -42,6 +42,7 @@ AReaL's rule counts a batch the trainer took until its update is published:
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ class StartBound:
 
     alpha: int
     groups_per_step: int
+    limit: int | None = None  # at most this many held at once too (Rollout.max_in_flight)
 
     @property
     def capacity(self) -> int:
@@ -141,8 +143,9 @@ class StartBound:
     def room(self, held: int, started: int, version: int) -> int:
         """Groups that may start now: the bound less the groups started (trained, in
         training, buffered or in flight: ``started``) at trainer ``version`` (counted
-        from the slots' opening)."""
-        return (version + self.alpha + 1) * self.groups_per_step - started
+        from the slots' opening); no more than ``limit`` held at once when it is set."""
+        room = (version + self.alpha + 1) * self.groups_per_step - started
+        return room if self.limit is None else min(room, self.limit - held)
 
     def stale_floor(self, min_version: int) -> int | None:
         """None: nothing is dropped; the bound was checked when each group started."""
@@ -243,8 +246,14 @@ def _tupled(x):
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
 
 
-def slot_capacity(algo) -> int:
-    """Groups in flight or buffered at once in async mode: ``max(alpha, 1)`` steps' worth.
+def slot_capacity(algo, max_in_flight: float | None = None) -> int:
+    """Groups in flight or buffered at once in async mode: ``max_in_flight`` steps' worth
+    (``Rollout.max_in_flight``, rounded up) when given, else ``max(alpha, 1)`` steps'
+    worth.
+
+    >>> from rollart.config.graph import GRPO
+    >>> slot_capacity(GRPO(groups_per_step=4, alpha=1)), slot_capacity(GRPO(groups_per_step=4), 2.5)
+    (4, 10)
 
     Not ``alpha + 1``: with two steps' worth of slots for ``alpha = 1`` the default
     graph's gridnav held-out gain fell from ≥ 0.1 to 0.055 / 0.078 (two runs); with
@@ -254,4 +263,6 @@ def slot_capacity(algo) -> int:
     episodes (the failing ones, run to the turn limit) lose the race, go stale and are
     dropped, and the trained sample is biased toward short episodes.
     """
+    if max_in_flight is not None:
+        return max(math.ceil(max_in_flight * algo.groups_per_step), 1)
     return max(algo.alpha, 1) * algo.groups_per_step

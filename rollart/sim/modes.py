@@ -40,12 +40,13 @@ def asynchronous(cl, areal: bool = False):
     """``async`` / ``areal``: slots pace rollout while the trainer steps."""
     from rollart.policy.admission import slot_capacity
 
-    algo = cl.graph.algo
-    if areal:
-        admission = StartBound(algo.alpha, algo.groups_per_step)
+    algo, limit = cl.graph.algo, cl.graph.rollout.max_in_flight
+    if areal:  # Rollout.max_in_flight bounds it as it bounds async, when set
+        admission = StartBound(algo.alpha, algo.groups_per_step,
+                               None if limit is None else slot_capacity(algo, limit))
         slots = Slots(admission.capacity, _sequence(cl), admission)
     else:
-        slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo), _sequence(cl))
+        slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo, limit), _sequence(cl))
     training = [0]
 
     def fill() -> None:

@@ -141,7 +141,9 @@ def test_pipeline_benchmark_tiny():
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
-    r = {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    r = dict(kv.split("=") for kv in line.split()[1:])
+    assert r.pop("inflight") == "alpha" and r.pop("order") == "completion", line
+    r = {k: float(v) for k, v in r.items()}
     assert list(r)[:len(REQUIRED)] == list(REQUIRED), line
     for k in ("speedup_vs_sync", "throughput_vs_sync", "ttt_async", "ttt_sync",
               "tps_async", "tps_sync"):

@@ -227,6 +227,30 @@ def test_the_start_bound_counts_groups_started_against_the_trainer_version():
     assert plain.take("m", training=1) is not None
 
 
+def test_max_in_flight_is_the_same_budget_for_async_and_areal_apart_from_alpha():
+    """``Rollout.max_in_flight`` (steps' worth of groups) bounds the groups held at once
+    in both asynchronous modes; alpha bounds staleness only (issue 42)."""
+    from rollart.policy.admission import slot_capacity
+
+    algo = GRPO(groups_per_step=4, alpha=1)
+    assert slot_capacity(algo) == 4 and slot_capacity(algo, 2) == 8
+    assert slot_capacity(GRPO(groups_per_step=4, alpha=3)) == 12  # the default: alpha's
+    assert slot_capacity(GRPO(groups_per_step=4, alpha=3), 1) == 4  # decoupled
+    budget = slot_capacity(algo, 2)
+    async_, areal = Capacity(budget), StartBound(1, 4, limit=budget)
+    # nothing held: async may start 8, areal its start bound ((0 + 1 + 1) * 4 = 8)
+    assert async_.room(held=0, started=0, version=0) == 8
+    assert areal.room(held=0, started=0, version=0) == 8
+    # three versions on, AReaL's start bound alone would let 12 more start than started
+    # (20 - 8); the shared budget keeps both at 8 held
+    assert StartBound(1, 4).room(held=8, started=8, version=3) == 12
+    assert areal.room(held=8, started=8, version=3) == 0
+    assert async_.room(held=8, started=8, version=3) == 0
+    for bad in (0, -1, "2"):
+        with pytest.raises(Exception, match="max_in_flight"):
+            Rollout(max_in_flight=bad)
+
+
 def test_the_buffer_counts_a_taken_batch_until_published_and_drops_nothing_in_areal(
         tmp_path):
     async def scenario():

@@ -310,3 +310,16 @@ def test_tool_calls_come_back_in_openai_form_from_each_familys_syntax(server, fa
     assert call.function.name == "add" and json.loads(call.function.arguments) == {
         "a": 2, "b": 3}  # qwen3_coder's text values typed by the tool's schema
     assert out.choices[0].message.content == "I add."
+
+
+def test_agent_tasks_without_a_chat_template_are_refused_at_start(tmp_path):
+    from rollart import Graph, Policy
+    from rollart.env.template_support import ChatTemplateError, check_templates
+    from rollart.testing import save_folder, tiny_qwen2
+
+    tok = bpe_tokenizer(CHATML_SPECIALS, None, eos="<|im_end|>", pad="<|endoftext|>")
+    folder = save_folder(tmp_path / "m", tiny_qwen2(tok), tok)
+    for policy in (Policy(model=folder, conversation="raw", warmup_steps=0),
+                   Policy(model=folder, warmup_steps=0)):
+        with pytest.raises(ChatTemplateError, match=r"agent tasks \(qa\) send chat"):
+            check_templates(Graph(name="g", tasks=(task(),), policy=policy), folder)

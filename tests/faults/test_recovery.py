@@ -111,8 +111,9 @@ def _chaos(tmp_path, *args) -> tuple[dict, str]:
 
 def _planted(chaos, tmp_path) -> dict:
     """The chaos run's audit again, on a copy with one of each fault planted: a step
-    the trainer reports one more trajectory for than the rows hold, env-finished
-    episodes of seeds no row has, and a trained row written again at another step."""
+    the trainer reports one more trajectory for than the rows hold, one env-finished
+    episode of a seed the run never drew, and a trained row written again at another
+    step."""
     import json
     import shutil
 
@@ -128,14 +129,43 @@ def _planted(chaos, tmp_path) -> dict:
     metrics[0] = {**metrics[0], "trainer/batch_size": metrics[0]["trainer/batch_size"] + 1,
                   "trainer/batch_sha1": "0" * 16}
     events = chaos.read_env_log(tmp_path / "envs")
-    honest = chaos.audit(tmp_path / "run", metrics[1:], events)
-    events += [{"ev": "end", "task": "guess", "seed": -1 - k, "success": True}
-               for k in range(honest["unmapped_settled"] + 1)]
+    events += [{"ev": "start", "task": "guess", "seed": -1},  # a single vanished episode
+               {"ev": "end", "task": "guess", "seed": -1, "success": True}]
     parts = read_parts(str(run))
     row = parts.filter(pc.equal(parts["state"], "trained")).slice(0, 1)
     again = row.set_column(row.schema.get_field_index("trained_step"), "trained_step",
                            pa.array([10_000], pa.int32()))
     pq.write_table(again, run / "samples" / "part-zzzz-planted.parquet")
+    return chaos.audit(run, metrics, events)
+
+
+def _vanished_row(chaos, tmp_path) -> dict:
+    """The audit on a copy whose rows lack one episode an env finished, in a group that
+    left whole with no member beyond its size (nothing may excuse it): one lost."""
+    import json
+    import shutil
+    from collections import Counter
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollart.buffer.schema import read_parts
+
+    run = tmp_path / "vanished"
+    shutil.copytree(tmp_path / "run", run)
+    events = chaos.read_env_log(tmp_path / "envs")
+    started = Counter((e["task"], e["seed"]) for e in events if e["ev"] == "start")
+    table = read_parts(str(run))
+    parts = table.to_pylist()
+    pick = next(r for r in parts if r["state"] in ("trained", "dropped")
+                and r["outcome"] in ("success", "failure")
+                and started[(r["task"], r["seed"])] == 2)  # group_size 2, no extra
+    kept = [r for r in parts if r["traj_id"] != pick["traj_id"]]
+    for p in (run / "samples").glob("*.parquet"):
+        p.unlink()
+    pq.write_table(pa.Table.from_pylist(kept, schema=table.schema),
+                   run / "samples" / "part-0000-kept.parquet")
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     return chaos.audit(run, metrics, events)
 
 
@@ -164,8 +194,10 @@ def test_chaos_script_short(tmp_path):
     sys.modules[spec.name] = chaos
     spec.loader.exec_module(chaos)
     planted = _planted(chaos, tmp_path)
-    assert planted["lost_trained"] >= 1 and planted["lost_completed"] >= 1, planted
+    assert planted["lost_trained"] >= 1 and planted["lost_completed"] == 1, planted
     assert planted["duplicated"] >= 1, planted
+    vanished = _vanished_row(chaos, tmp_path)
+    assert vanished["lost_completed"] == 1, vanished
 
 
 def test_chaos_run_outlasts_a_slow_restart(tmp_path):

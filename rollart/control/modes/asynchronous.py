@@ -72,8 +72,9 @@ class AsyncPipeline(Pipeline):
         self.yielded = {}
 
     def admission(self):
-        """The buffer's admission policy: ``slot_capacity`` groups at once."""
-        return Capacity(slot_capacity(self.graph.algo))
+        """The buffer's admission policy: ``slot_capacity`` groups at once
+        (``Rollout.max_in_flight`` steps' worth, else ``max(alpha, 1)``)."""
+        return Capacity(slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight))
 
     def keep_taking(self) -> None:
         """While the trainer steps: the buffer has its slots (once per buffer: a
@@ -156,7 +157,9 @@ class AReaLPipeline(AsyncPipeline):
 
     def admission(self):
         algo = self.graph.algo
-        return StartBound(algo.alpha, algo.groups_per_step)
+        limit = self.graph.rollout.max_in_flight  # the same budget as async's, if set
+        return StartBound(algo.alpha, algo.groups_per_step,
+                          None if limit is None else slot_capacity(algo, limit))
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.keep_taking)

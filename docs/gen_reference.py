@@ -224,7 +224,8 @@ def api_page() -> str:
     return "\n".join(out)
 
 
-PAGES = {"reference/api.md": api_page, "reference/config.md": config_page, "reference/cli.md": cli_page,
+PAGES = {"reference/api.md": api_page, "reference/config.md": config_page,
+         "reference/cli.md": cli_page,
          "reference/parquet.md": parquet_page, "benchmarks/results.md": results_page}
 
 

@@ -120,14 +120,14 @@ def test_every_actor_ran_on_its_tag(run):
 # With the warm-up at lr 1e-3 (graphs/chat.py WARMUP_LR; the figures above were at 3e-3):
 # gridnav 0.16 -> 0.46 (+0.30), guess 0.38 -> 0.53 (+0.15), boxpush 0.27 -> 0.47 (+0.20),
 # 4.7 min in all for this test on the 2-core machine, 2026-12-02 22:24 UTC (one run; the
-# full graph's three seeds at 1e-3 are in the README). The bounds sit two or more standard
+# full graph's three seeds at 1e-3: docs/benchmarks/). The bounds sit two or more standard
 # errors below that: gridnav and boxpush must gain, guess must not fall, and the mean of
 # the three must gain 0.08 (a run that does not learn has a mean near 0, sd ~0.035).
 # The test stays under the `learning` marker (deselected by default, ~5 min); .ci/run
 # runs it as its own step. The graph's GRPO scales advantages by the batch's reward std
 # since 2026-12-03 (scale_rewards="batch", for calc; these bounds were measured with the
 # per-group std, and the full graph's games gained as much or more with "batch" on three
-# seeds: README). The full chat graph's calc learns on two seeds of three (README).
+# seeds: docs/benchmarks/). The full chat graph's calc learns on two seeds of three (ibid.).
 CHAT_GAMES = ("gridnav", "guess", "boxpush")
 # the least gain per task the quick run must show
 CHAT_MIN_GAIN = {"gridnav": 0.05, "guess": -0.05, "boxpush": 0.05}

@@ -70,10 +70,10 @@ class LoRA:
     2.0
     """
 
-    rank: int = 16
-    alpha: float | None = None
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = "auto"
+    rank: int = 16  # the adapters' rank r
+    alpha: float | None = None  # LoRA alpha (the scale is alpha / rank); None: twice the rank
+    dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
+    target_modules: str | tuple[str, ...] = "auto"  # "auto": every linear layer but the head
     rslora: bool = False  # scaling alpha / sqrt(rank) instead of alpha / rank
 
     def __post_init__(self):
@@ -120,10 +120,10 @@ class LoRA:
 class Policy:
     """The model and how it samples. ``model=None`` builds the built-in tiny model."""
 
-    model: str | None = None
+    model: str | None = None  # a Hugging Face model folder on disk (None: the built-in tiny model)
     warmup_steps: int = 300  # supervised format warm-up of the built-in model (0 = none)
-    warmup_batch: int = 32
-    warmup_lr: float = 3e-3
+    warmup_batch: int = 32  # episodes per warm-up step
+    warmup_lr: float = 3e-3  # the warm-up's learning rate
     # torch threads for the warm-up on the trainer's host (None: every core that host gives
     # the trainer's process; nothing else of the run computes before the first weights)
     warmup_threads: int | None = None
@@ -137,8 +137,8 @@ class Policy:
     # the call) and the loss on the model's turns only: teaches a small model to copy an
     # observation into its tool call (rollart.trainer.warmup.run_warmup; 0 = none)
     warmup_bare_tool_steps: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling (1.0: off; Task.top_p overrides it per task)
     max_batch: int = 64  # requests batched together by one inference worker
     # torch engine: decode steps between admissions into a running batch (arrivals in
     # between share one prefill; 1 = admit at every step)
@@ -242,11 +242,11 @@ class GRPO:
 
     group_size: int = 8  # trajectories per group (same task and seed)
     groups_per_step: int = 12  # groups per trainer step; batch = group_size * this
-    lr: float = 5e-4
-    clip_eps: float = 0.2
+    lr: float = 5e-4  # AdamW learning rate
+    clip_eps: float = 0.2  # PPO clip range: the ratio is clipped at 1 ± clip_eps
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the initial policy
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # gradient clipping by global norm
+    weight_decay: float = 0.0  # AdamW weight decay
     # staleness bound: train on trajectories ≤ alpha versions old. None: the mode's
     # (MODE_ALPHA: async 1, areal 1, one-off 1, sync+ 0, sync 0), resolved by resolve_alpha
     alpha: int | None = None
@@ -320,14 +320,14 @@ def resolve_alpha(algo: GRPO, mode: str = "async", graph: str | None = None) -> 
 class Rollout:
     """Where and how trajectories run."""
 
-    inference_pools: tuple[str, ...] = INFERENCE_TAGS
+    inference_pools: tuple[str, ...] = INFERENCE_TAGS  # resource tags of the pools that generate
     env_concurrency: int = 256  # trajectories one EnvManager runs at once
     redundancy: float = 1.0  # async mode: launch this many × group_size members per group
     # when the extra members start: None = with the group; a fraction f in (0, 1] = as
     # backups, once f × group_size members are delivered (for the ones still running)
     backup_after: float | None = None
     env_step_timeout: float = 30.0  # seconds; a slower env step fails its trajectory
-    reward_timeout: float = 30.0
+    reward_timeout: float = 30.0  # seconds; a slower reward fails its trajectory
     # a plain reward whose pool includes the env manager's own worker runs there, on a
     # thread (as many at once as that worker has slots of the tag), instead of as a
     # Dask task through the scheduler (~7 messages a trajectory); False: always a task
@@ -395,16 +395,16 @@ class Rollout:
 class Graph:
     """A training run's definition. ``tasks`` are names of built-in tasks or ``Task`` s."""
 
-    name: str
-    tasks: tuple = ("gridnav", "guess", "boxpush")
-    task_weights: tuple[float, ...] | None = None
-    policy: Policy = field(default_factory=Policy)
-    algo: GRPO = field(default_factory=GRPO)
-    rollout: Rollout = field(default_factory=Rollout)
-    steps: int = 120
-    seed: int = 0
-    mode: str = "async"
-    checkpoint_every: int = 0
+    name: str  # the run's name (the run directory is runs/NAME-TIME)
+    tasks: tuple = ("gridnav", "guess", "boxpush")  # task names (rollart.env.tasks) or Task objects
+    task_weights: tuple[float, ...] | None = None  # the task mix, one weight per task (None: equal)
+    policy: Policy = field(default_factory=Policy)  # the model and how it samples
+    algo: GRPO = field(default_factory=GRPO)  # the optimisation settings
+    rollout: Rollout = field(default_factory=Rollout)  # where and how trajectories run
+    steps: int = 120  # trainer steps (--steps)
+    seed: int = 0  # seeds the group sequence, the model and sampling (--seed)
+    mode: str = "async"  # async | areal | one-off | sync+ | sync (--mode)
+    checkpoint_every: int = 0  # a checkpoint every N steps, and at the end (0: none)
 
     def __post_init__(self):
         _check(isinstance(self.name, str) and self.name, "Graph.name must be a non-empty str")

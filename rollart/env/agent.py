@@ -113,11 +113,11 @@ class AgentTask(Task):
     256
     """
 
-    env_factory: Callable = _no_env
-    reward_fn: Callable = agent_reward
-    max_turns: int = 8
-    max_new_tokens: int = 256
-    agent: Callable | None = None
+    env_factory: Callable = _no_env  # not used: the agent is the env
+    reward_fn: Callable = agent_reward  # default: the reward the agent returned
+    max_turns: int = 8  # the agent's chat completion calls at most
+    max_new_tokens: int = 256  # tokens per completion at most
+    agent: Callable | None = None  # agent(endpoint, seed) -> float | Episode (plain or async)
 
     def __post_init__(self) -> None:
         super().__post_init__()

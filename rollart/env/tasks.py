@@ -36,14 +36,14 @@ class Task:
     """One task. ``env_factory`` and ``reward_fn`` must pickle (use a class and a
     module-level function, not a lambda) since they travel to Dask workers."""
 
-    name: str
-    env_factory: Callable[[], Env]
-    reward_fn: Callable[[Episode], float]
-    max_turns: int
-    max_new_tokens: int = 4
+    name: str  # unique task name (metrics: reward/NAME, success/NAME)
+    env_factory: Callable[[], Env]  # makes one env (picklable: a class or module-level function)
+    reward_fn: Callable[[Episode], float]  # an episode -> its reward (module-level, picklable)
+    max_turns: int  # turns before the episode is cut
+    max_new_tokens: int = 4  # tokens generated per turn at most
     warmup_action: Callable[..., str] | None = None  # (rng, observation) -> action
-    vocabulary: Callable[[], list[str]] | None = None
-    description: str = ""
+    vocabulary: Callable[[], list[str]] | None = None  # the words the built-in tokenizer must know
+    description: str = ""  # one line about the task
     affinity: Any = None  # rollart.policy.affinity.Affinity: where it generates (task_affinity)
     top_p: float | None = None  # per-task nucleus sampling (None = the policy's top_p)
     stop: tuple[str, ...] = ()  # stop strings: generation ends once one is produced

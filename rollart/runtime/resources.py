@@ -44,14 +44,14 @@ class ResourceTagError(ResourcesError):
 class Pool:
     """``workers`` Dask workers, each carrying ``{tag: slots}`` and ``threads`` threads."""
 
-    name: str
-    tag: str
-    kind: str
-    workers: int = 1
-    slots: float = 1
-    threads: int = 1
-    memory_limit: str | None = None
-    extra_tags: dict[str, float] = field(default_factory=dict)
+    name: str  # the pool's name (its workers are NAME-0, NAME-1, ...)
+    tag: str  # the resource tag its workers carry (rollart.types: H800, H20, CPU_ENV, ...)
+    kind: str  # one of POOL_KINDS: compute_gpu, bandwidth_gpu, cpu_env, reward, trainer, cpu
+    workers: int = 1  # Dask workers in the pool (a TRAIN pool of N is an N-rank gang)
+    slots: float = 1  # how much of the tag each worker carries ({tag: slots})
+    threads: int = 1  # threads of each worker
+    memory_limit: str | None = None  # each worker's Dask memory limit, e.g. "4GB" (None: none)
+    extra_tags: dict[str, float] = field(default_factory=dict)  # more resource tags of each worker
     gpus: int = 0  # GPUs of each worker (rollart.runtime.devices: CUDA_VISIBLE_DEVICES)
 
     def __post_init__(self):
@@ -77,11 +77,11 @@ class Pool:
 class Resources:
     """Pools to start locally, or the address of an existing scheduler."""
 
-    pools: tuple[Pool, ...] = ()
-    address: str | None = None
-    processes: bool = True
-    dashboard_address: str | None = ":8787"
-    source: str = "<python>"
+    pools: tuple[Pool, ...] = ()  # the pools to start here (a SpecCluster)
+    address: str | None = None  # an existing scheduler to connect to instead
+    processes: bool = True  # workers as processes (False: threads of this process)
+    dashboard_address: str | None = ":8787"  # the Dask dashboard (None: none)
+    source: str = "<python>"  # where it was declared, named in error messages
     host: str = "127.0.0.1"  # interface the scheduler, workers and dashboard listen on
     security: object = None  # a distributed.security.Security (TLS); None = plain tcp
 

@@ -1,6 +1,6 @@
 """benchmarks/lora_chat.py runs tiny (one seed, 3 RL steps, 8 held-out seeds: full
 fine-tuning and LoRA on the chat graph) and reports figures that make sense; its full
-run is a script, not a test (README, LoRA)."""
+run is a script, not a test (docs/how-to/lora.md)."""
 
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py,
 trainer_gang.py and calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
-not tests: see the README)."""
+not tests: see docs/benchmarks/)."""
 
 import importlib
 import math

@@ -1,0 +1,245 @@
+"""Reference pages generated from the code, at build time (a MkDocs hook, mkdocs.yml).
+
+Produces five pages that are not in git: ``reference/config.md`` (every field of the
+configuration dataclasses: type, default and meaning), ``reference/cli.md`` (every
+``rollart`` subcommand and option, from ``rollart.app.cli.build_parser``),
+``reference/parquet.md`` (the Arrow schema of ``rollart.buffer.schema``) and
+``benchmarks/results.md`` (every record of ``benchmarks/results/*.jsonl``), and
+``reference/api.md`` (mkdocstrings directives for every public name of ``rollart``);
+it also copies ``benchmarks/figures/*.png`` into the site.
+
+A field's meaning is its comment in the dataclass source: the comment at the end of its
+line, the ``#`` lines right above it, or both. ``tests/docs/test_reference.py`` fails
+when a field has none. The dataclasses are read with ``ast`` (nothing is imported for
+them); the CLI and the schema are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import sys
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (title, source file, class name, a sentence on where it is used)
+CLASSES = [
+    ("Graph", "rollart/config/graph.py", "Graph",
+     "A training run: tasks, policy, algorithm, rollout settings. A function in "
+     "`graphs/` returns one; `--set FIELD=VALUE` overrides a field."),
+    ("Policy", "rollart/config/graph.py", "Policy",
+     "`Graph.policy`: the model, how it samples, its engines (`--set policy.FIELD=...`)."),
+    ("GRPO", "rollart/config/graph.py", "GRPO",
+     "`Graph.algo`: the optimisation settings (`--set algo.FIELD=...`)."),
+    ("Rollout", "rollart/config/graph.py", "Rollout",
+     "`Graph.rollout`: where and how trajectories run (`--set rollout.FIELD=...`)."),
+    ("LoRA", "rollart/config/graph.py", "LoRA",
+     "`Policy.lora`: low-rank adapters instead of full fine-tuning "
+     "(`--set policy.lora.rank=16`)."),
+    ("Resources", "rollart/runtime/resources.py", "Resources",
+     "What a file in `resources/` returns: pools to start, or a scheduler address."),
+    ("Pool", "rollart/runtime/resources.py", "Pool",
+     "One pool of tagged Dask workers (`Resources.pools`)."),
+    ("Task", "rollart/env/tasks.py", "Task",
+     "One task: env, reward and how the model talks to it (`Graph.tasks`)."),
+    ("AgentTask", "rollart/env/agent.py", "AgentTask",
+     "A `Task` played by an agent function against rollart's OpenAI-compatible "
+     "endpoint. The fields below are the ones it declares or overrides; every other "
+     "field is `Task`'s."),
+]
+
+
+def _comments(source: str) -> dict[int, str]:
+    """Line number -> the text of the comment on that line."""
+    out = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out[tok.start[0]] = tok.string.lstrip("#").strip()
+    return out
+
+
+def field_docs(path: str, name: str) -> list[dict]:
+    """The fields a dataclass declares in its own body, in order: ``name``, ``type``,
+    ``default`` (source text; ``None`` when required) and ``doc`` (its comments)."""
+    source = (ROOT / path).read_text()
+    lines = source.splitlines()
+    comments = _comments(source)
+    cls = next(n for n in ast.walk(ast.parse(source))
+               if isinstance(n, ast.ClassDef) and n.name == name)
+    fields = []
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, line = [], node.lineno - 1
+        while line >= 1 and lines[line - 1].strip().startswith("#"):
+            above.insert(0, comments[line])
+            line -= 1
+        trailing = comments.get(node.end_lineno) if node.end_lineno != line else None
+        doc = " ".join(above + ([trailing] if trailing else []))
+        default = None
+        if node.value is not None:
+            default = ast.get_source_segment(source, node.value)
+            if (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "")
+                    == "field"):
+                kw = {k.arg: k.value for k in node.value.keywords}
+                if "default_factory" in kw:
+                    default = ast.get_source_segment(source, kw["default_factory"]) + "()"
+        fields.append({"name": node.target.id, "doc": doc, "default": default,
+                       "type": ast.get_source_segment(source, node.annotation)})
+    return fields
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def config_page() -> str:
+    out = ["# Configuration fields", "",
+           "Generated from the dataclasses' source by `docs/gen_reference.py`: a field's",
+           "meaning is its comment in the code. Validation (`__post_init__`) rejects bad",
+           "values with a message saying what to change.", ""]
+    for title, path, name, intro in CLASSES:
+        out += [f"## {title}", "", f"`{path}` · {intro}", "",
+                "| field | type | default | meaning |", "|---|---|---|---|"]
+        for f in field_docs(path, name):
+            default = "required" if f["default"] is None else f"`{_cell(f['default'])}`"
+            out.append(f"| `{f['name']}` | `{_cell(f['type'])}` | {default} | "
+                       f"{_cell(f['doc'])} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _option(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return f"`{action.dest}`" + (" (optional)" if action.nargs == "?" else "")
+    names = ", ".join(f"`{s}`" for s in action.option_strings)
+    if action.metavar:
+        names += f" `{action.metavar}`"
+    elif action.choices:
+        names += " `{" + ",".join(map(str, action.choices)) + "}`"
+    return names
+
+
+def cli_page() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from rollart.app.cli import build_parser
+
+    parser = build_parser()
+    out = ["# Command line", "",
+           "Generated from `rollart.app.cli.build_parser` by `docs/gen_reference.py`.",
+           "`rollart` and `python -m rollart` are the same command; `rollart COMMAND -h`",
+           "prints the same text.", "", "```text", parser.format_usage().strip(), "```", ""]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    for name, p in sub.choices.items():
+        out += [f"## rollart {name}", "", _cell(helps.get(name) or ""), "",
+                "```text", p.format_usage().strip(), "```", "",
+                "| argument | default | meaning |", "|---|---|---|"]
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            default = "" if a.default in (None, False, argparse.SUPPRESS) else f"`{a.default}`"
+            out.append(f"| {_option(a)} | {default} | {_cell(a.help or '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def parquet_page() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from rollart.buffer.schema import SCHEMA, SCHEMA_VERSION
+
+    out = ["# Parquet schema", "",
+           "Generated from `rollart.buffer.schema.SCHEMA` by `docs/gen_reference.py`. One",
+           "row per trajectory in `samples/*.parquet` (schema metadata",
+           f"`rollart_schema_version = \"{SCHEMA_VERSION}\"`). Read it back with",
+           "`rollart.buffer.read_samples(run_dir)` or any Parquet reader.", "",
+           "| column | type | nullable | meaning |", "|---|---|---|---|"]
+    for f in SCHEMA:
+        doc = (f.metadata or {}).get(b"doc", b"").decode()
+        out.append(f"| `{f.name}` | `{f.type}` | {'yes' if f.nullable else 'no'} | "
+                   f"{_cell(doc)} |")
+    return "\n".join(out) + "\n"
+
+
+def _figures(record: dict) -> str:
+    """A record's scalar figures as ``key=value`` (nested ``result``/``summary`` dicts too)."""
+    flat = {}
+    for key, value in record.items():
+        if key in ("date", "commit", "command", "load_before"):
+            continue
+        if isinstance(value, dict):
+            flat.update({k: v for k, v in value.items() if isinstance(v, (int, float, str))})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[key] = value
+    return " ".join(f"{k}={round(v, 4) if isinstance(v, float) else v}"
+                    for k, v in flat.items())
+
+
+def results_page() -> str:
+    """Every record of ``benchmarks/results/*.jsonl``, newest first, per benchmark."""
+    import json
+
+    out = ["# Results log", "",
+           "Generated by `docs/gen_reference.py` from `benchmarks/results/*.jsonl`: the records",
+           "the benchmark scripts append (date, commit, load average before the run, command,",
+           "figures), newest first. Lists of per-step timings and per-run details stay in the",
+           "files.", ""]
+    for path in sorted((ROOT / "benchmarks/results").glob("*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out += [f"## {path.stem}", "", f"`benchmarks/results/{path.name}`, "
+                f"{len(records)} record(s).", "",
+                "| date | commit | command | figures |", "|---|---|---|---|"]
+        for r in sorted(records, key=lambda r: r.get("date", ""), reverse=True):
+            out.append(f"| {r.get('date', '')} | `{r.get('commit', '')}` | "
+                       f"`{_cell(r.get('command', '')).strip()}` | {_cell(_figures(r))} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def api_page() -> str:
+    """``::: module.Name`` for every public name of ``rollart`` (its lazy exports), for
+    mkdocstrings to render from the docstrings."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import rollart
+
+    out = ["# Python API", "",
+           "Every public name of `rollart` (`from rollart import NAME`), rendered from its",
+           "docstring by mkdocstrings; the list is `rollart._EXPORTS` (generated by",
+           "`docs/gen_reference.py`). Resource tags (`H800`, `H20`, `CPU_ENV`, `REWARD`,",
+           "`TRAIN`) are plain strings from `rollart.types`.", ""]
+    for module, names in sorted(rollart._EXPORTS.items()):
+        shown = [n for n in names if not n.isupper()]
+        if not shown:
+            continue
+        out += [f"## `{module}`", ""]
+        for name in sorted(shown, key=str.lower):
+            out += [f"::: {module}.{name}", "    options:", "      heading_level: 3",
+                    "      show_root_full_path: false", ""]
+    return "\n".join(out)
+
+
+PAGES = {"reference/api.md": api_page, "reference/config.md": config_page,
+         "reference/cli.md": cli_page,
+         "reference/parquet.md": parquet_page, "benchmarks/results.md": results_page}
+
+
+def on_files(files, config):
+    """MkDocs hook: add the generated pages to the site."""
+    from mkdocs.structure.files import File
+
+    for uri, make in PAGES.items():
+        files.append(File.generated(config, uri, content=make()))
+    for png in sorted((ROOT / "benchmarks/figures").glob("*.png")):
+        files.append(File.generated(config, f"benchmarks/figures/{png.name}",
+                                    abs_src_path=str(png)))
+    return files
+
+
+if __name__ == "__main__":  # print a page: python docs/gen_reference.py reference/cli.md
+    print(PAGES[sys.argv[1]]())

@@ -1,0 +1,78 @@
+"""Every ```python and ```bash block in README.md and docs/ is run here at its size, or
+carries a marker saying why it cannot be (issue 41): an HTML comment right before it,
+``<!-- not run: REASON -->`` (a training run of minutes, a GPU, a cluster, a model folder).
+
+The unmarked Python blocks of a page run in order in one fresh interpreter (a later block
+may use an earlier one's names), the unmarked shell blocks with ``bash -e``, both from
+the repository root."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+LANGS = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash",
+         "console": "bash"}
+MARKER = re.compile(r"^<!-- not run: (.+\S) -->$")
+
+
+def blocks(path: Path) -> list[dict]:
+    """``{"lang", "code", "line", "why"}`` for each Python or shell block of ``path``;
+    ``why`` is the marker's reason (None: the block must run)."""
+    lines, out, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        m = re.match(r"^\s*```(\w+)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
+        if m.group(1) in LANGS:
+            before = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()),
+                          "")
+            marker = MARKER.match(before)
+            out.append({"lang": LANGS[m.group(1)], "code": "\n".join(lines[i + 1:end]),
+                        "line": i + 1, "why": marker.group(1) if marker else None})
+        i = end + 1
+    return out
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]), "MPLBACKEND": "Agg"}
+
+
+def test_the_runner_finds_blocks_and_markers(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("x\n```python\nprint(1)\n```\n<!-- not run: needs a GPU -->\n\n```bash\n"
+                    "nvidia-smi\n```\n```text\nnot code\n```\n")
+    assert blocks(page) == [
+        {"lang": "python", "code": "print(1)", "line": 2, "why": None},
+        {"lang": "bash", "code": "nvidia-smi", "line": 7, "why": "needs a GPU"}]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_block_runs_or_says_why_not(page):
+    found = blocks(page)
+    python = "\n\n".join(b["code"] for b in found if b["lang"] == "python" and not b["why"])
+    if python:
+        done = subprocess.run([sys.executable, "-c", python], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (f"{_name(page)}: a Python block failed (mark it "
+                                      f"<!-- not run: REASON --> if it cannot run "
+                                      f"here):\n{done.stderr[-3000:]}")
+    for b in found:
+        if b["lang"] == "bash" and not b["why"]:
+            done = subprocess.run(["bash", "-e", "-c", b["code"]], cwd=ROOT, env=_env(),
+                                  capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, (f"{_name(page)}:{b['line']}: a shell block failed "
+                                          f"(mark it <!-- not run: REASON --> if it cannot "
+                                          f"run here):\n{done.stderr[-3000:]}")

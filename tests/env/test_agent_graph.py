@@ -3,40 +3,29 @@ agent (``play_guess``) beside the same game as an env task, the chat toy warmed 
 the env task's text. The agent's Parquet rows decode to the chat turns it sent, with the
 loss on generated tokens only, as the env task's do; evaluation plays the agent too."""
 
-import json
-from dataclasses import replace
-
 import pytest
 
 pytest.importorskip("openai", reason="the agent graph's agent uses the openai client")
 
-from rollart import load_graph, train  # noqa: E402
-from rollart.buffer import read_samples  # noqa: E402
+import graph_runs  # noqa: E402 (tests/env/)
 from rollart.model import load_tokenizer  # noqa: E402
-from rollart.runtime.resources import load_resources  # noqa: E402
 
 pytestmark = pytest.mark.slow  # ~30 s on 2 cores
 
 
-def test_an_openai_client_agent_trains_from_a_graph_file(tmp_path):
-    from distributed import Client
+def train_briefly(name: str, task: str, tmp_path):
+    """``graph_runs.train_briefly`` of graph ``name``; ``task`` has a reward in a row and
+    rows. Returns ``(graph, result, task's rows, tokenizer)``; the verifiers graph's test
+    uses it too."""
+    graph, result, rows = graph_runs.train_briefly(name, tmp_path / "run")
+    assert any(r.get(f"reward/{task}") is not None for r in result.metrics)
+    mine = [s for s in rows if s["task"] == task]
+    assert mine
+    return graph, result, mine, load_tokenizer(result.model_dir)
 
-    graph, _ = load_graph("agent")
-    graph = replace(graph, steps=2, policy=replace(graph.policy, warmup_steps=2,
-                                                   warmup_batch=8),
-                    algo=replace(graph.algo, group_size=2, groups_per_step=4))
-    res = replace(load_resources(), processes=False, dashboard_address=":0")
-    with res.make_cluster() as cluster, Client(cluster) as client:
-        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
-                       eval_seeds=3)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["rollout/group_errors"] == 0 for r in rows)
-    assert any(r.get("reward/guess_agent") is not None for r in rows)
-    samples = read_samples(result.run_dir).to_pylist()
-    agent = [s for s in samples if s["task"] == "guess_agent"]
-    assert agent and not [s["error"] for s in agent if s["outcome"] == "failed"]
-    tok = load_tokenizer(result.model_dir)
+
+def test_an_openai_client_agent_trains_from_a_graph_file(tmp_path):
+    graph, result, agent, tok = train_briefly("agent", "guess_agent", tmp_path)
     for s in agent:
         text = tok.decode(s["prompt_ids"] + s["response_ids"])
         # the agent's first message is the game's observation, as the env task's is

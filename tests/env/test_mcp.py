@@ -8,7 +8,6 @@ import pickle
 import random
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -117,31 +116,13 @@ def test_warmup_episode_calls_the_tool_through_the_chat_format():
 
 @pytest.mark.slow
 def test_mcp_graph_trains_two_steps(tmp_path, monkeypatch):
-    from distributed import Client
-
-    from rollart import load_graph, train
-    from rollart.buffer import read_samples
-    from rollart.runtime.resources import load_resources
+    from graph_runs import train_briefly  # tests/env/
 
     calls = []
     real = MCPClient.call
     monkeypatch.setattr(MCPClient, "call", lambda self, *a: calls.append(a) or real(self, *a))
-    graph, _ = load_graph("shared_envs:mcp")
-    graph = replace(graph, steps=2,
-                    policy=replace(graph.policy, warmup_steps=2, warmup_batch=4,
-                                               warmup_bare_tool_steps=2),
-                    algo=replace(graph.algo, group_size=2, groups_per_step=2))
-    res = replace(load_resources(), processes=False, dashboard_address=":0")
     t0 = time.time()
-    with res.make_cluster() as cluster, Client(cluster) as client:
-        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
-                       eval_seeds=2)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["rollout/group_errors"] == 0 for r in rows)
-    samples = read_samples(result.run_dir)
-    failed = [e for e, o in zip(samples.column("error").to_pylist(),
-                                samples.column("outcome").to_pylist()) if o == "failed"]
-    assert not failed, failed[:3]
+    train_briefly("shared_envs:mcp", tmp_path / "run", groups_per_step=2, eval_seeds=2,
+                  warmup_batch=4, warmup_bare_tool_steps=2)
     assert calls, "no MCP tool call ran (warm-up episodes call calculate)"
     assert not _servers(), f"leaked MCP servers after {time.time() - t0:.0f}s"

@@ -6,8 +6,6 @@ two steps (slow)."""
 import json
 import pickle
 import random
-import time
-from dataclasses import replace
 
 import pytest
 
@@ -114,32 +112,14 @@ def test_warmup_episode_calls_the_tool_through_the_chat_format():
 
 @pytest.mark.slow
 def test_openenv_graph_trains_two_steps(tmp_path, monkeypatch):
-    from distributed import Client
-
-    from rollart import load_graph, train
-    from rollart.buffer import read_samples
-    from rollart.runtime.resources import load_resources
+    from graph_runs import train_briefly  # tests/env/
 
     calls = []
     real = OpenEnvEnv.call_tool
     monkeypatch.setattr(OpenEnvEnv, "call_tool",
                         lambda self, *a: calls.append(a) or real(self, *a))
-    graph, _ = load_graph("shared_envs:openenv")
-    graph = replace(graph, steps=2,
-                    policy=replace(graph.policy, warmup_steps=2, warmup_batch=4,
-                                   warmup_bare_tool_steps=2),
-                    algo=replace(graph.algo, group_size=2, groups_per_step=2))
-    res = replace(load_resources(), processes=False, dashboard_address=":0")
-    t0 = time.time()
-    with res.make_cluster() as cluster, Client(cluster) as client:
-        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
-                       eval_seeds=2)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2], f"after {time.time() - t0:.0f}s"
-    assert all(r["rollout/group_errors"] == 0 for r in rows)
-    samples = read_samples(result.run_dir)
-    failed = [e for e, o in zip(samples.column("error").to_pylist(),
-                                samples.column("outcome").to_pylist()) if o == "failed"]
-    assert not failed, failed[:3]
+    _, result, _ = train_briefly("shared_envs:openenv", tmp_path / "run",
+                                 groups_per_step=2, eval_seeds=2, warmup_batch=4,
+                                 warmup_bare_tool_steps=2)
     assert calls, "no OpenEnv tool call ran (warm-up episodes call calculate)"
     assert set(result.evaluation["trained"]) == {"openenv_calc"}

@@ -6,9 +6,7 @@ one verifiers' ``@vf.reward`` computed: the right sum scores 1, a wrong one 0; a
 verifiers marks failed (a reward that raises, a refused model call) raises with
 verifiers' message; the task pickles. The graph file trains in test_verifiers_graph.py."""
 
-import asyncio
 import pickle
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,43 +14,15 @@ import pytest
 vf = pytest.importorskip("verifiers.v1", reason="the verifiers adapter needs verifiers")
 pytest.importorskip("openai", reason="the verifiers adapter's harness uses openai")
 
-from test_agent import Script, on  # noqa: E402 (tests/env/)
+# the fixtures of test_agent.py: a ChatML format, a loop thread, the endpoint on it
+from test_agent import Script, fmt, loop, on, server  # noqa: E402,F401 (tests/env/)
 
 from rollart.env.adapters.verifiers import (  # noqa: E402
     VerifiersRolloutError, load_tasks, verifiers_task)
 from rollart.env.adapters.verifiers_example import (  # noqa: E402
     SIZE, SumsEnv, SumsTask, SumsTaskset, make_sums)
 from rollart.env.agent import agent_session, run_agent  # noqa: E402
-from rollart.env.conversation import ConversationFormat, TokenLog  # noqa: E402
-from rollart.env.endpoint import AgentServer  # noqa: E402
-from rollart.testing import CHATML, CHATML_SPECIALS, bpe_tokenizer  # noqa: E402
-
-
-# -- the fixtures of test_agent.py: a ChatML format, a loop thread, the endpoint on it ------
-@pytest.fixture(scope="module")
-def fmt():
-    tok = bpe_tokenizer(CHATML_SPECIALS, CHATML, eos="<|im_end|>", pad="<|endoftext|>")
-    return ConversationFormat(tok, "chat", max_context=512)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    thread = threading.Thread(target=lp.run_forever, daemon=True)
-    thread.start()
-    yield lp
-    lp.call_soon_threadsafe(lp.stop)
-    thread.join(5)
-
-
-@pytest.fixture(scope="module")
-def server(loop):
-    async def make():
-        return AgentServer()
-
-    srv = on(loop, make())
-    yield srv
-    loop.call_soon_threadsafe(srv.stop)
+from rollart.env.conversation import TokenLog  # noqa: E402
 
 
 class BrokenSumsTask(SumsTask):

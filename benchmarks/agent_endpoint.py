@@ -48,10 +48,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,16 +58,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "agent_endpoint.jsonl"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
+from _results import record  # noqa: E402
 
 
 class CallBench:
@@ -266,12 +258,8 @@ def main(argv=None) -> dict:
            "hidden": args.hidden, "rounds": args.rounds,
            "processes": int(not args.in_process)}
     if not args.no_record and not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a") as f:
-            f.write(json.dumps({"date": started, "commit": _commit(), "load_before": load,
-                                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                                "overhead_rounds": overhead, "agent_vs_env_rounds": ratios,
-                                **out}) + "\n")
+        record("agent_endpoint", started, load, {
+            "overhead_rounds": overhead, "agent_vs_env_rounds": ratios, **out}, argv)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in out.items()), flush=True)
     return out
 

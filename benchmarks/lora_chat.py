@@ -40,7 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "lora_chat.jsonl"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
+
+from _results import record  # noqa: E402
 SIDES = {"full": "graphs/chat.py", "lora": "graphs/chat.py:lora"}
 QUICK = ["--steps", "3", "--set", "policy.warmup_steps=5",
          "--set", "policy.warmup_bare_tool_steps=0"]
@@ -70,14 +72,6 @@ def run_one(graph: str, seed: int, eval_seeds: int, run_dir: Path, extra: list[s
             "wall_s": time.time() - t0, "timings": timings, "tasks": tasks,
             "bytes_per_version": statistics.median(sent) if sent else None,
             "rl_step_s": timings["rl_s"] / max(timings["rl_steps"], 1)}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -149,13 +143,8 @@ def main(argv=None) -> dict:
     out = summarise(runs)
     print(table(runs))
     if not a.no_record and not a.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a") as f:
-            f.write(json.dumps({"date": started, "commit": _commit(), "load_before": load,
-                                "command": "python benchmarks/lora_chat.py "
-                                           + " ".join(argv or sys.argv[1:]),
-                                "eval_seeds": eval_seeds, "runs": runs, "summary": out})
-                    + "\n")
+        record("lora_chat", started, load, {"eval_seeds": eval_seeds, "runs": runs,
+                                            "summary": out}, argv)
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in out.items()))
     return out

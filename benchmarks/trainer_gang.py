@@ -36,10 +36,8 @@ Run it for seeds 0, 1 and 2 (``--seed``) and take the median and spread of the r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,15 +45,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "trainer_gang.jsonl"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
+from _results import record  # noqa: E402
 
 
 def _model(path: Path, hidden: int, layers: int) -> str:
@@ -140,12 +132,9 @@ def main(argv=None) -> dict:
            "gang_step_ratio_t2": round(s1t2 / s2, 3), "params_m": round(params / 1e6, 2),
            "rows": args.groups * args.size, "steps": args.steps, "cores": os.cpu_count()}
     if not args.no_record and not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a") as f:
-            f.write(json.dumps({"date": started, "commit": _commit(), "load_before": load,
-                                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                                "seed": args.seed, "steps_s_1": one, "steps_s_1t2": one_t2,
-                                "steps_s_2": two, **out}) + "\n")
+        record("trainer_gang", started, load, {
+            "seed": args.seed, "steps_s_1": one, "steps_s_1t2": one_t2, "steps_s_2": two,
+            **out}, argv)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in out.items()), flush=True)
     return out
 

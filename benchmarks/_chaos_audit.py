@@ -6,14 +6,16 @@ replayed from its ``graph.json`` (task, seed, group size: which groups were draw
 order); ``chaos.py``'s docstring says what each figure means. ``chaos.py`` imports
 these, and its tests through it.
 
-An env-finished episode with no row is excused only by the group structure: a group
-that left the buffer whole (a row of it trained, dropped, taken or buffered, or all of
-its members rowed) may have had members beyond its size that ended unrowed (redundant
-members, aborted and restarted ones, those lost with a worker and restarted: each of
-them started an episode of its own), at most ``started - size`` of them; a group with
-fewer rows than members and none of them left was still running when the run ended
-(``open_at_end``, reported). Episodes of a (task, seed) the sequence never drew, and
-any other unrowed one, are ``lost_completed``.
+Per (task, seed) group: a group trained, taken or buffered holds all its members, so it
+must have at least ``size`` rows; env-finished episodes beyond its rows are excused only
+by members beyond its size (redundant members, aborted and restarted ones, those lost
+with a worker and restarted: each started an episode of its own), at most ``started -
+size`` of them. A group with ``size`` rows otherwise (all failed, or dropped complete)
+is held to the second rule only; one with fewer rows and none trained, taken or buffered
+was still running at the end or dropped unfinished (``open_at_end``, reported). Every
+episode of a (task, seed) the sequence never drew is lost. Rows of any outcome count: a
+``truncated`` or ``failed`` row may follow an env that said done (the turn limit, a
+reward that failed). What fails these rules is ``lost_completed``.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
 
     rows = read_samples(str(run_dir)).to_pydict()
     trained_at = defaultdict(list)  # step -> ids trained there (rows)
-    ended_rows, rowed, whole = Counter(), Counter(), set()  # per (task, seed)
+    rowed, whole = Counter(), set()  # per (task, seed)
     left, last_group = 0, -1
     for t, task, g, seed, state, step, outcome in zip(
             rows["traj_id"], rows["task"], rows["group_id"], rows["seed"], rows["state"],
@@ -116,12 +118,10 @@ def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
         key = (task, seed)
         last_group = max(last_group, int(g[1:]) if g[1:].isdigit() else -1)
         rowed[key] += 1
-        if outcome in ("success", "failure"):  # the env said done: an "end" line
-            ended_rows[key] += 1
         if state == "trained":
             trained_at[step].append(t)
-        if state in ("trained", "dropped", "taken", "buffered"):
-            whole.add(key)  # a group leaves (or waits) whole
+        if state in ("trained", "taken", "buffered"):
+            whole.add(key)  # taken whole, or waiting whole: every member arrived
         if state in ("buffered", "taken"):  # durable, still in the buffer: not lost
             left += 1
     lost_trained, unreported, mismatched = check_trainer_record(trained_at, metrics)
@@ -129,18 +129,17 @@ def audit(run_dir: Path, metrics: list[dict], env_events: list[dict]) -> dict:
     started = Counter((e["task"], e["seed"]) for e in env_events if e["ev"] == "start")
     size, drawn = drawn_groups(run_dir, last_group + 1 + 1000)
     lost_completed = excused = open_at_end = 0
-    for key, n in ended.items():
-        missing = max(n - ended_rows[key], 0)
-        if not missing:
-            continue
+    for key in set(ended) | whole:
+        unrowed = max(ended[key] - rowed[key], 0)
+        extras = max(started[key] - size, 0)
         if key not in drawn:  # no group of this (task, seed) was ever drawn
-            lost_completed += missing
+            lost_completed += ended[key]
         elif key in whole or rowed[key] >= size:
-            extras = max(started[key] - size, 0)
-            excused += min(missing, extras)
-            lost_completed += max(missing - extras, 0)
+            short = max(size - rowed[key], 0) if key in whole else 0
+            lost_completed += max(short, unrowed - extras)
+            excused += min(unrowed, extras)
         else:
-            open_at_end += missing
+            open_at_end += unrowed
     parts = read_parts(str(run_dir)).to_pydict()
     steps_of = defaultdict(set)
     for t, state, step in zip(parts["traj_id"], parts["state"], parts["trained_step"]):

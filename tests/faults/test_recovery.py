@@ -140,31 +140,37 @@ def _planted(chaos, tmp_path) -> dict:
 
 
 def _vanished_row(chaos, tmp_path) -> dict:
-    """The audit on a copy whose rows lack one episode an env finished, in a group that
-    left whole with no member beyond its size (nothing may excuse it): one lost."""
+    """The audit on a copy whose rows lack one trajectory of a trained group that had
+    exactly its size in rows (a trained group holds every member: nothing may excuse
+    it): one lost."""
     import json
     import shutil
     from collections import Counter
 
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from rollart.buffer import read_samples
     from rollart.buffer.schema import read_parts
 
     run = tmp_path / "vanished"
     shutil.copytree(tmp_path / "run", run)
     events = chaos.read_env_log(tmp_path / "envs")
-    started = Counter((e["task"], e["seed"]) for e in events if e["ev"] == "start")
     table = read_parts(str(run))
     parts = table.to_pylist()
-    pick = next(r for r in parts if r["state"] in ("trained", "dropped")
-                and r["outcome"] in ("success", "failure")
-                and started[(r["task"], r["seed"])] == 2)  # group_size 2, no extra
+    rows = Counter((r["task"], r["seed"]) for r in read_samples(str(run)).to_pylist())
+    pick = next(r for r in parts if r["state"] == "trained"
+                and rows[(r["task"], r["seed"])] == 2)  # group_size 2: no row to spare
     kept = [r for r in parts if r["traj_id"] != pick["traj_id"]]
     for p in (run / "samples").glob("*.parquet"):
         p.unlink()
     pq.write_table(pa.Table.from_pylist(kept, schema=table.schema),
                    run / "samples" / "part-0000-kept.parquet")
+    for p in (run / "pending").glob("**/*.parquet"):  # the journal's copy of its row
+        entry = pq.read_table(p)
+        pq.write_table(entry.filter(pc.invert(pc.equal(entry["traj_id"], pick["traj_id"]))),
+                       p)
     metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     return chaos.audit(run, metrics, events)
 

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rollart.env.conversation import Conversation, TokenLog
+from rollart.env.conversation import Conversation, TokenLog, cap_text
 from rollart.env.protocol import EnvOutputError
 from rollart.env.tasks import Task
 from rollart.types import Episode, GenRequest
@@ -239,7 +239,7 @@ class AgentSession:
                 and all(_key(a) == _key(b) for a, b in zip(messages[:n], self.wire)))
         new = messages[n:] if same else messages
         if same and all(m["role"] in ("user", "tool") for m in new):
-            self.observations += [m["content"] for m in new]
+            self.observations += [cap_text(m["content"], self.fmt.max_context) for m in new]
             self.conv.add_messages([_internal(m) for m in new])
             return
         if self.conv is not None:  # a history the agent rewrote: a new prompt
@@ -248,7 +248,8 @@ class AgentSession:
         self.tools = tools
         self.log.prompt_ids, self.log.response_ids = [], []
         self.log.loss_mask, self.log.logprobs, self.log.versions = [], [], []
-        self.observations += [m["content"] for m in messages if m["role"] != "assistant"]
+        self.observations += [cap_text(m["content"], self.fmt.max_context)
+                              for m in messages if m["role"] != "assistant"]  # bounded
         self.conv = Conversation.of_messages(self.fmt, self.log,
                                              [_internal(m) for m in messages],
                                              self._render_tools(tools))

@@ -57,7 +57,8 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
         tools = env_tools(env) if fmt.mode == "chat" else []
         conv = fmt.start(TokenLog(), task, env.reset(seed), tools)
         episodes.append({"env": env, "conv": conv, "tools": tools, "done": False,
-                         "success": False, "key": f"eval-{task.name}-{seed}"})
+                         "success": False, "key": f"eval-{task.name}-{seed}",
+                         "seed": seed})
     try:
         for turn in range(task.max_turns):
             live = [e for e in episodes if not e["done"]]
@@ -69,10 +70,14 @@ def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
                 break
             # cache_key: an episode's next turn forwards only its new tokens (the
             # engine's prefix cache, sized to the batch)
+            # an episode's sampling seed is keyed on its held-out seed (not its place among
+            # the live ones), so two evaluations of the same seeds (the warm-up policy and
+            # the trained one) sample each episode alike: paired per seed
             reqs = [GenRequest(e["conv"].log.ids, task.max_new_tokens, temperature, 1.0,
-                               fmt.stop_ids, request_seed(sample_seed, f"{task.name}-{i}", turn),
+                               fmt.stop_ids,
+                               request_seed(sample_seed, f"{task.name}-{e['seed']}", turn),
                                stop_strings=task.stop, cache_key=e["key"])
-                    for i, e in enumerate(live)]
+                    for e in live]
             for e, res in zip(live, engine.generate(reqs)):
                 text = e["conv"].add_generation(res.token_ids, finish_reason=res.finish_reason)
                 calls = tool_calls(text, tool_format_of(fmt, task),

@@ -12,8 +12,8 @@ trained one. A task's gain on a seed is trained − warm-up; its standard error
 standard errors on ≥ 2 of 3 seeds.
 
 Each invocation appends one record to ``benchmarks/results/lora_chat.jsonl`` (date,
-commit, load average before, command, every run's figures); the README's table is
-made from it. Run it alone on an idle machine::
+commit, load average before, command, every run's figures); the table of
+docs/benchmarks/lora-chat.md is made from it. Run it alone on an idle machine::
 
     flock /tmp/rollart-bench.lock python benchmarks/lora_chat.py
     python benchmarks/lora_chat.py --quick      # one seed, a few steps: a smoke run

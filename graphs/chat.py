@@ -32,18 +32,18 @@ number it sees half the time, so its baseline is half of what its calls get righ
 gains by copying the tool's result. Measured: after the 150 mixed warm-up steps alone
 the chat toy copies neither (the question into ``code``, the result into the answer),
 and its groups, whose rewards then differ mostly by invalid-call penalties, carry ~44%
-of the trained tokens (README, "Bring your own model"); what this graph adds for it is
+of the trained tokens (docs/benchmarks/chat-graph.md); what this graph adds for it is
 below.
 
 The warm-up runs at ``WARMUP_LR`` (1e-3), not the raw graph's 3e-3: at 3e-3 the chat toy
 barely learns to copy from its context (``benchmarks/calc_copy.py --echo``, a pure
 "repeat these words" task, seed 0, 450 steps: 0-1 exact repeats of 64 at 3e-3, 23-57
 at 1e-3; at 3e-3 it writes how many words but not which), and RL
-then learns priors instead of reading the observation (README, "Bring your own model":
+then learns priors instead of reading the observation (docs/benchmarks/chat-graph.md:
 3-seed held-out gains at 3e-3 gridnav +0.16, guess +0.08, boxpush +0.22; the table there
 has them at 1e-3). ``calc`` needed two more things, both measured on three seeds
-(README). First, the copy of the question into the call: 150 mixed warm-up steps do not
-teach it (0 of 64 calls hold the question on each of seeds 0-2), because the tool
+(docs/benchmarks/chat-graph.md). First, the copy of the question into the call: 150 mixed
+warm-up steps do not teach it (0 of 64 calls hold the question on each of seeds 0-2), because the tool
 list's ~219-token system turn sits before the question (with the tool undeclared, calc
 alone copies 46 of 64 after 300 steps, with it 0: ``calc_copy.py --no-tools``).
 Learned first in that short context, it carries over: ``BARE_TOOL_STEPS``
@@ -61,7 +61,7 @@ whose warm-up copied least, 0.03 -> 0.06; 300, this graph: 0.21 -> 0.61, 0.09 ->
 0.12 -> 0.83 on 256 held-out seeds, commit 9ef1c22).
 
 The warm-up and step counts are sized for two shared CPU cores (``quick``: the
-slow end-to-end test's shorter run); the README's "Bring your own model" section has the
+slow end-to-end test's shorter run); docs/benchmarks/chat-graph.md has the
 measured figures.
 """
 

@@ -96,9 +96,9 @@ CHAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 # Here an observation's "goal 2 right" holds the very token an assistant's "right" is, as
 # in the word-level toy, so copying a word of the input is the same id (through the tied
 # embeddings) for a model with no pretraining, not a mapping " right" -> "right" it must
-# learn first. (Alone this did not make the chat toy learn to copy: README, "Bring your
-# own model".) ids survive AutoTokenizer's reload (it keeps the folder's pre-tokenizer;
-# tests/env/test_chat_model.py).
+# learn first. (Alone this did not make the chat toy learn to copy:
+# docs/benchmarks/chat-graph.md.) ids survive AutoTokenizer's reload (it keeps the
+# folder's pre-tokenizer; tests/env/test_chat_model.py).
 CHAT_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\s\p{L}\p{N}]?\p{L}+|\p{N}|"""
               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user "

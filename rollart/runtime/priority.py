@@ -27,7 +27,8 @@ import socket
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_NICE = 10  # measured on 2 cores: the trainer's step 1.98 s -> 1.25 s (README)
+#: measured on 2 cores: the trainer's step 1.98 s -> 1.25 s (docs/benchmarks/default-run.md)
+ROLLOUT_NICE = 10
 
 
 def host_and_pid() -> tuple[str, int]:

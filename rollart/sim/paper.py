@@ -30,7 +30,7 @@ PD splits, the figures); what it does not state is assumed here and said so in e
 
 Figures are throughput ratios (trained trajectories per simulated second) unless said.
 The workloads were fixed before any run; a figure that misses the paper's range is
-reported as it is, with the reason we see (README, simulator section).
+reported as it is, with the reason we see (docs/benchmarks/cluster-sim.md).
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def mooncake_pull(transport: str = "rdma") -> dict:
 
 
 def experiments(quick: bool = True) -> list[Experiment]:
-    """Every simulated experiment, in the order of the README table."""
+    """Every simulated experiment, in the order of the table in docs/benchmarks/cluster-sim.md."""
     out = []
     for build in (affinity, modes, env_interaction, redundancy, alpha, pd, serverless):
         out += build(quick)
@@ -396,7 +396,8 @@ def _span(values, unit: str) -> str:
 
 
 def table(results: dict) -> str:
-    """The README table: experiment, simulated, paper, what is assumed."""
+    """The table of docs/benchmarks/cluster-sim.md: experiment, simulated, paper, what is
+    assumed."""
     lines = ["| experiment | simulated | paper | assumed |", "|---|---|---|---|"]
     for r in results.values():
         lines.append(f"| {r['title']} | {_span(r['sim'], r['unit'])} | "

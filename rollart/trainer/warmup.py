@@ -194,8 +194,8 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     and with the loss on the model's turns only; then ``steps`` on every task, as
     rollout renders them. The chat toy learns to copy an observation into its tool call
     in the short context and keeps the copy in the long one, where 150 steps of the
-    second stage alone did not teach it (README, "Bring your own model"). Each stage has
-    its own optimizer.
+    second stage alone did not teach it (docs/benchmarks/chat-graph.md and calc-copy.md).
+    Each stage has its own optimizer.
 
     ``episode_threads`` (``Policy.warmup_episode_threads``): batches are played ahead on
     that many threads while the model computes the step before (env steps and tool calls,

@@ -1,7 +1,8 @@
 """Reference pages generated from the code, at build time (a MkDocs hook, mkdocs.yml).
 
 Produces five pages that are not in git: ``reference/config.md`` (every field of the
-configuration dataclasses: type, default and meaning), ``reference/cli.md`` (every
+configuration dataclasses and of the Dask config section ``rollart.waits``: type,
+default and meaning), ``reference/cli.md`` (every
 ``rollart`` subcommand and option, from ``rollart.app.cli.build_parser``),
 ``reference/parquet.md`` (the Arrow schema of ``rollart.buffer.schema``) and
 ``benchmarks/results.md`` (every record of ``benchmarks/results/*.jsonl``), and
@@ -45,6 +46,12 @@ CLASSES = [
      "One pool of tagged Dask workers (`Resources.pools`)."),
     ("Task", "rollart/env/tasks.py", "Task",
      "One task: env, reward and how the model talks to it (`Graph.tasks`)."),
+    ("Waits (Dask config `rollart.waits`)", "rollart/runtime/waits.py", "Waits",
+     "Bounds on what start-up, recovery and shutdown wait for, so no wait is silent: set "
+     "in Dask's config, `dask.config.set({'rollart.waits.start': 1800})`, or in the "
+     "driver's environment, `DASK_ROLLART__WAITS__START=1800` (a field's underscore is a "
+     "dash there: `warmup-step`). Past a bound, `StuckError` names what is stuck. These "
+     "are the only Dask config keys rollart reads."),
     ("AgentTask", "rollart/env/agent.py", "AgentTask",
      "A `Task` played by an agent function against rollart's OpenAI-compatible "
      "endpoint. The fields below are the ones it declares or overrides; every other "

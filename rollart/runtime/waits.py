@@ -49,9 +49,9 @@ class Waits:
     260.0
     """
 
-    start: float = 900.0
-    call: float = 600.0
-    warmup_step: float = 30.0
+    start: float = 900.0  # seconds for an actor's constructor (it loads a model)
+    call: float = 600.0  # seconds for one call on an actor (publish, a load, a save)
+    warmup_step: float = 30.0  # seconds per warm-up step, on top of ``call``
 
     def __post_init__(self):
         for name in ("start", "call", "warmup_step"):

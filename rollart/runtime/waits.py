@@ -10,7 +10,8 @@ setting that raises the bound. ``Waits`` holds the bounds, read from Dask's conf
 publish, saves) and ``rollart.control.checkpoint``; ``close_bounded`` closes a client and its
 cluster within a bound (``benchmarks/chaos.py``); ``wait_result`` waits on a Dask
 future from a coroutine within a time-out, whatever the client (``result_unless``: the
-synchronous client's thread, which the wait releases when it ends).
+synchronous client's thread, which the wait releases when it ends); ``stop_process``
+ends a child process within a bound (terminate, then kill).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded",
-           "result_unless", "stuck", "wait_result"]
+           "result_unless", "stop_process", "stuck", "wait_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,3 +206,18 @@ async def _awaited(fut):
 def _swallow(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def stop_process(proc, grace: float = 10.0) -> None:
+    """End ``proc`` (a ``subprocess.Popen``) if it still runs: SIGTERM, then SIGKILL
+    once ``grace`` seconds pass (a server that ignores SIGTERM cannot hold its caller)."""
+    import subprocess
+
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -33,6 +33,7 @@ import time
 import uuid
 from urllib.parse import parse_qs, urlencode, urlparse
 
+from rollart.runtime.waits import stop_process
 from rollart.weights.store import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -143,13 +144,7 @@ class MooncakeMaster:
         against a stopped master it hangs 8-17 s at exit), then stop it."""
         if self.rpc_port is not None:
             close_clients(f"{self.host}:{self.rpc_port}")
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def __enter__(self) -> MooncakeMaster:

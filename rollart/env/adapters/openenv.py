@@ -33,6 +33,7 @@ from functools import partial
 
 from rollart.env.adapters.base import AdapterEnv, make_task
 from rollart.env.adapters.mcp import calc_warmup_action  # the same question, the same call
+from rollart.runtime.waits import stop_process
 
 _MCP_TYPES = ("list_tools", "call_tool")
 
@@ -256,13 +257,7 @@ class OpenEnvServer:
                            f"/health within {self.timeout}s")
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def openenv_calc_task(name: str = "openenv_calc", max_turns: int = 3,

@@ -33,6 +33,7 @@ conversation format, the trajectory runner, the warm-up and evaluation.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from dataclasses import dataclass, field
@@ -109,24 +110,24 @@ def _spans(text: str, open_: str, close: str) -> list[tuple[int, int, str | None
     return out
 
 
-class ToolFormat:
+class ToolFormat(abc.ABC):
     """One family's tool-call syntax. Subclasses set ``name``, ``syntax`` and
     implement ``parse``, ``format`` and ``_regions`` (where the calls are)."""
 
     name = ""
     syntax = ""
 
+    @abc.abstractmethod
     def parse(self, text: str, tools=None) -> list[ToolCall | ToolError]:
         """Every call in ``text``, in order; ``[]`` if none. Never raises."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def format(self, name: str, arguments: dict) -> str:
         """A call as this family's templates render it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _regions(self, text: str) -> list[tuple[int, int]]:
         """The spans of ``text`` that hold calls."""
-        raise NotImplementedError
 
     def has_call(self, text: str) -> bool:
         """Whether ``text`` holds a call (well-formed or not)."""

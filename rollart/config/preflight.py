@@ -28,6 +28,7 @@ from pathlib import Path
 from rollart.policy.affinity import check_cluster, check_declared
 from rollart.policy.affinity import needs as affinity_needs
 from rollart.config.graph import LOCKSTEP_MODES, Graph, GraphError
+from rollart.env.tasks import is_agent_task
 from rollart.runtime.resources import Resources, ResourceTagError, check_tags, workers_with
 from rollart.types import ALL_TAGS, CPU_ENV, TRAIN
 
@@ -108,7 +109,7 @@ def check_picklable(graph: Graph) -> None:
     import cloudpickle
 
     for task in graph.tasks:
-        for field in ("env_factory", "reward_fn") + (("agent",) if hasattr(task, "agent")
+        for field in ("env_factory", "reward_fn") + (("agent",) if is_agent_task(task)
                                                       else ()):
             fn = getattr(task, field)
             try:

@@ -45,7 +45,7 @@ from rollart.control.fleet import Fleet
 from rollart.control.modes import make_pipeline
 from rollart.control.prepare import Prepared, connect, prepare, prepare_model
 from rollart.control.stages import Actors, Stages
-from rollart.env.tasks import warmup_tasks
+from rollart.env.tasks import is_agent_task, warmup_tasks
 from rollart.observe.figures import step_row
 from rollart.observe.monitor import Monitor
 from rollart.observe.silent import SilentTasks
@@ -208,8 +208,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     weights = graph.task_weights or [1] * len(graph.tasks)
     silent = SilentTasks([t for t, w in zip(graph.task_names, weights) if w > 0],  # watched
                          graph.rollout.silent_task_steps,
-                         exempt=[t.name for t in graph.tasks  # agent tasks
-                                 if getattr(t, "agent", None) is not None])
+                         exempt=[t.name for t in graph.tasks if is_agent_task(t)])
     feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page
     record = {"graph": {"source": graph_source, **graph.to_dict()},
               "resources": {"source": resources_source, **fleet.actors.placement}}

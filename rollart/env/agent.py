@@ -57,11 +57,11 @@ from typing import Any, Callable
 
 from rollart.env.conversation import Conversation, TokenLog, cap_text
 from rollart.env.protocol import EnvOutputError
-from rollart.env.tasks import Task
+from rollart.env.tasks import Task, is_agent_task  # noqa: F401 (re-exported)
 from rollart.types import Episode, GenRequest
 
 __all__ = ["AgentEndpoint", "AgentError", "AgentSession", "AgentTask", "agent_reward",
-           "agent_session", "is_agent_task", "run_agent"]
+           "agent_session", "is_agent_task", "play", "run_agent"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -125,10 +125,6 @@ class AgentTask(Task):
             raise TypeError(f"AgentTask {self.name!r}: agent must be a function "
                             "(endpoint, seed) -> float | rollart.Episode (plain or async, "
                             f"module-level so it pickles), got {type(self.agent).__name__}")
-
-
-def is_agent_task(task) -> bool:
-    return isinstance(task, AgentTask)
 
 
 # -- one trajectory's endpoint state -----------------------------------------------------
@@ -319,6 +315,20 @@ def agent_session(task, fmt, log: TokenLog, generate: Callable) -> AgentSession:
     calls = get_tool_format(tool_format_of(fmt, task))
     return AgentSession(task, fmt, log, generate, calls.parse, calls.content,
                         model=str(fmt.name or "rollart-policy"))
+
+
+async def play(server, session: AgentSession, seed: int, idle_timeout: float | None,
+               executor) -> Episode:
+    """One episode of ``session``'s task: its agent against a route of ``server``
+    (``rollart.env.endpoint.AgentServer``), closed when the agent returns or fails
+    (``run_agent``); the ``Episode`` of what it returned."""
+    endpoint = server.open(session, seed)
+    try:
+        returned = await run_agent(session.task.agent, endpoint, session, idle_timeout,
+                                   executor)
+    finally:
+        server.close(endpoint)
+    return session.episode(session.task.name, seed, returned)
 
 
 async def run_agent(agent: Callable, endpoint: AgentEndpoint, session: AgentSession,

@@ -160,12 +160,18 @@ def get_task(name_or_task: str | Task) -> Task:
     return factory()
 
 
+def is_agent_task(task) -> bool:
+    """Whether ``task`` is played by an agent through rollart's chat endpoint
+    (``rollart.env.agent.AgentTask``) rather than by an env."""
+    return getattr(task, "agent", None) is not None
+
+
 def warmup_tasks(tasks: Iterable[Task]) -> tuple[Task, ...]:
     """The tasks an env plays, which the built-in model's corpus and format warm-up are
     made from (an ``AgentTask``'s text is its agent's; ``rollart.env.agent``). None left
     is a ``ValueError`` naming the fix."""
     tasks = tuple(tasks)
-    out = tuple(t for t in tasks if getattr(t, "agent", None) is None)
+    out = tuple(t for t in tasks if not is_agent_task(t))
     if tasks and not out:
         raise ValueError("every task is an AgentTask, so the built-in model has no text to "
                          "be built and warmed up from: give the graph a chat model folder "

@@ -168,10 +168,11 @@ def check_templates(graph, model_path: str) -> None:
     from rollart.env.conversation import ConversationFormat
     from rollart.env.faults import without_faults
     from rollart.env.protocol import env_tools
+    from rollart.env.tasks import is_agent_task
     from rollart.model import load_tokenizer
 
     policy = graph.policy
-    agents = [t.name for t in graph.tasks if hasattr(t, "agent")]
+    agents = [t.name for t in graph.tasks if is_agent_task(t)]
     if policy.conversation == "raw":
         if agents:
             raise _agents_need_chat(agents, "Policy.conversation='raw'")
@@ -186,7 +187,7 @@ def check_templates(graph, model_path: str) -> None:
     fmt = ConversationFormat(tokenizer, opts["conversation"], system_prompt=opts[
         "system_prompt"], max_context=opts["max_context"] or 2048, model_path=model_path,
         strict=policy.strict_template, cache=False)
-    folded = [t.name for t in graph.tasks if not hasattr(t, "agent") and check_task(
+    folded = [t.name for t in graph.tasks if not is_agent_task(t) and check_task(
         fmt, t, _tools(t, without_faults, env_tools))]  # an agent's tools come per call
     if folded:
         note_fold(f"{fmt.name} (tasks {', '.join(folded)})", logging.WARNING)

@@ -36,7 +36,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from rollart.env.agent import agent_session, is_agent_task, run_agent
+from rollart.env.agent import agent_session, is_agent_task, play
 from rollart.env.conversation import ConversationFormat, TokenLog, cap_text
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
@@ -237,21 +237,18 @@ class TrajectoryRunner:
                 self.running[traj.traj_id] = TrajState.IN_ENV.value
 
         session = agent_session(task, self.format, log, generate)
-        endpoint = self._server.open(session, seed)
         self.running[traj.traj_id] = TrajState.IN_ENV.value
         try:
-            returned = await run_agent(task.agent, endpoint, session,
-                                       self.env_step_timeout, self._agent_executor)
+            done = await play(self._server, session, seed, self.env_step_timeout,
+                              self._agent_executor)
         finally:
-            self._server.close(endpoint)
             c = session.counts
             for key, n in (("agent_calls", c.calls), ("agent_rewrites", c.rewrites),
                            ("agent_dropped_tokens", c.dropped_tokens),
                            ("invalid_tool_calls", c.invalid_tool_calls)):
-                self.counts[key] = self.counts.get(key, 0) + n
+                self.counts[key] += n
             self.counts["cut_generations"] += session.conv.cut if session.conv else 0
             traj.tool_calls, traj.invalid_tool_calls = c.tool_calls, c.invalid_tool_calls
-        done = session.episode(task.name, seed, returned)
         ep.observations, ep.actions = done.observations, done.actions
         ep.env_rewards, ep.info, ep.truncated = done.env_rewards, done.info, done.truncated
         if ep.truncated:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from rollart.env.conversation import ConversationFormat, TokenLog, context_budget
 from rollart.env.faults import without_faults
 from rollart.env.protocol import env_tools
+from rollart.env.tasks import is_agent_task
 from rollart.env.tool_formats import tool_format_of
 from rollart.env.trajectory import check_calls, request_seed, tool_calls
 from rollart.types import GenRequest
@@ -48,7 +49,7 @@ def evaluate(model_path: str, tasks, seeds, *, temperature: float = 1.0,
 
 
 def _success_rate(engine, fmt, task, seeds, temperature, sample_seed) -> float:
-    if hasattr(task, "agent"):  # an AgentTask: its agent plays, through the endpoint
+    if is_agent_task(task):  # its agent plays, through the endpoint
         return asyncio.run(_agent_success(engine, fmt, task, seeds, temperature,
                                           sample_seed))
     episodes = []
@@ -103,7 +104,7 @@ async def _agent_success(engine, fmt, task, seeds, temperature, sample_seed) -> 
     """Success rate of an ``AgentTask``: every seed's agent at once against a local
     endpoint, their calls batched into the engine. A failed episode counts as a failure
     (a warning says how many failed, and the first error)."""
-    from rollart.env.agent import agent_session, run_agent
+    from rollart.env.agent import agent_session, play
     from rollart.env.endpoint import AgentServer
 
     server, batcher = AgentServer(), _Batcher(engine)
@@ -118,15 +119,12 @@ async def _agent_success(engine, fmt, task, seeds, temperature, sample_seed) -> 
                 seed=request_seed(sample_seed, f"{task.name}-{seed}", call)))
 
         session = agent_session(task, fmt, TokenLog(), generate)
-        endpoint = server.open(session, seed)
         try:
-            returned = await run_agent(task.agent, endpoint, session, AGENT_IDLE_S, pool)
-            return bool(session.episode(task.name, seed, returned).info.get("success"))
+            done = await play(server, session, seed, AGENT_IDLE_S, pool)
         except Exception as e:  # noqa: BLE001 - counted, named below
             errors.append(f"{type(e).__name__}: {e}"[:300])
             return False
-        finally:
-            server.close(endpoint)
+        return bool(done.info.get("success"))
 
     try:
         wins = await asyncio.gather(*(one(s) for s in seeds))

@@ -47,11 +47,13 @@ class MCPServerError(RuntimeError):
 
 
 def openai_tool(tool) -> dict:
-    """An MCP ``Tool`` as the OpenAI-style dict chat templates and ``check_call`` use."""
-    schema = dict(getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None)
+    """An MCP ``Tool`` (the SDK's object, or its JSON dict as OpenEnv sends it) as the
+    OpenAI-style dict chat templates and ``check_call`` use."""
+    get = tool.get if isinstance(tool, dict) else (lambda k: getattr(tool, k, None))
+    schema = dict(get("input_schema") or get("inputSchema")
                   or {"type": "object", "properties": {}})
-    return {"type": "function", "function": {"name": tool.name,
-                                             "description": tool.description or "",
+    return {"type": "function", "function": {"name": get("name"),
+                                             "description": get("description") or "",
                                              "parameters": schema}}
 
 

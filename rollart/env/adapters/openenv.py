@@ -32,7 +32,7 @@ import urllib.request
 from functools import partial
 
 from rollart.env.adapters.base import AdapterEnv, make_task
-from rollart.env.adapters.mcp import calc_warmup_action  # the same question, the same call
+from rollart.env.adapters.mcp import calc_warmup_action, openai_tool  # the same call
 from rollart.runtime.waits import stop_process
 
 _MCP_TYPES = ("list_tools", "call_tool")
@@ -190,7 +190,7 @@ class OpenEnvEnv(AdapterEnv):
                 except RuntimeError:  # a server whose env has no tools: none, unless asked
                     if self.use_tools:
                         raise
-            self._tools = [_openai_tool(t) for t in
+            self._tools = [openai_tool(t) for t in
                            (listed.get("observation") or {}).get("tools") or ()]
         return self._tools
 
@@ -217,13 +217,6 @@ class OpenEnvEnv(AdapterEnv):
         success = bool(done and reward > 0) if success is None else bool(success)
         return (observation_text(obs, self.text_field), reward, bool(done),
                 {"success": success})
-
-
-def _openai_tool(tool: dict) -> dict:
-    schema = tool.get("input_schema") or tool.get("inputSchema") or {"type": "object"}
-    return {"type": "function", "function": {"name": tool["name"],
-                                             "description": tool.get("description") or "",
-                                             "parameters": schema}}
 
 
 class OpenEnvServer:

@@ -1,8 +1,14 @@
 """The results log of the benchmark scripts: one JSON line per invocation, appended to
 ``benchmarks/results/<script>.jsonl`` with its date, commit, load average before the
 run and command (``record``), from which the docs' benchmark pages are generated
-(``docs/gen_reference.py``). Imported by the scripts that record (``lora_chat.py``,
-``trainer_gang.py``, ``agent_endpoint.py``)."""
+(``docs/gen_reference.py``: each page's "Latest records" and the results log page).
+
+Every script that prints a ``RESULT`` line does it through ``Run``: ``run = Run(script,
+args)`` when it starts (its date and the load average before it), ``run.result(figures,
+details)`` at the end, which prints ``RESULT k=v ...`` and appends the record, unless the
+run is ``--quick`` (a smoke run: the tests run every script so) or ``--no-record``
+(``add_arguments`` adds that flag). ``details`` go to the record only (per-step lists,
+per-seed rows)."""
 
 from __future__ import annotations
 
@@ -36,3 +42,46 @@ def record(script: str, started: str, load, fields: dict, argv=None) -> Path:
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
     return path
+
+
+def add_arguments(parser) -> None:
+    """Add ``--no-record`` (print the RESULT line, append nothing) to a script's parser."""
+    parser.add_argument("--no-record", action="store_true",
+                        help="print the RESULT line without appending it to "
+                             "benchmarks/results/<script>.jsonl")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.6g}"
+    return str(value)
+
+
+class Run:
+    """One invocation of ``benchmarks/<script>.py`` (module docstring)."""
+
+    def __init__(self, script: str, args=None, argv=None):
+        import datetime
+        import os
+
+        self.script = script
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds")
+        self.load = [round(x, 2) for x in os.getloadavg()]
+        self.argv = sys.argv[1:] if argv is None else list(argv)
+        self.recording = not (getattr(args, "quick", False) or getattr(args, "tiny", False)
+                              or getattr(args, "no_record", False))
+
+    @staticmethod
+    def line(figures: dict, fmt=None) -> str:
+        """``RESULT k=v ...`` (floats to 4 significant digits, or ``fmt(value)``)."""
+        return "RESULT " + " ".join(f"{k}={(fmt or _fmt)(v)}" for k, v in figures.items())
+
+    def result(self, figures: dict, details: dict | None = None, fmt=None) -> Path | None:
+        """Print the RESULT line of ``figures``; append the record (``figures`` and
+        ``details``) unless the run does not record. Returns the log's path, if written."""
+        print(self.line(figures, fmt), flush=True)
+        if not self.recording:
+            return None
+        return record(self.script, self.started, self.load, {**(details or {}), **figures},
+                      self.argv)

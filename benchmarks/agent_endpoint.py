@@ -48,20 +48,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-from _results import record  # noqa: E402
+from _results import Run, add_arguments  # noqa: E402
 
 
 class CallBench:
@@ -190,8 +188,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--in-process", action="store_true",
                     help="the cluster as threads of this process (tests, profiling)")
-    ap.add_argument("--no-record", action="store_true")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    run = Run("agent_endpoint", args, argv)
     if args.quick:
         args.agents, args.calls, args.hidden, args.rounds, args.groups = 4, 2, 64, 1, 2
 
@@ -206,8 +205,6 @@ def main(argv=None) -> dict:
     from rollart.types import CPU_ENV, H800
     from rollart.weights import WeightStore
 
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    load = os.getloadavg()
     overhead, direct_ms, endpoint_ms, env_rate, agent_rate = [], [], [], [], []
     env_task, agent_task = (replace(t, max_new_tokens=args.max_new)
                             for t in agent_graph_tasks())
@@ -257,10 +254,7 @@ def main(argv=None) -> dict:
            "agents": args.agents, "calls": args.calls, "max_new": args.max_new,
            "hidden": args.hidden, "rounds": args.rounds,
            "processes": int(not args.in_process)}
-    if not args.no_record and not args.quick:
-        record("agent_endpoint", started, load, {
-            "overhead_rounds": overhead, "agent_vs_env_rounds": ratios, **out}, argv)
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in out.items()), flush=True)
+    run.result(out, {"overhead_rounds": overhead, "agent_vs_env_rounds": ratios})
     return out
 
 

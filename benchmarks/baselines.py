@@ -17,7 +17,12 @@ and no cluster: it runs in seconds. Ends with one line
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+from _results import Run, add_arguments  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -26,7 +31,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", type=int, default=None,
                    help="held-out seeds per task (default 512; 64 with --quick)")
     p.add_argument("--tasks", default="gridnav,guess,boxpush,calc")
+    add_arguments(p)
     a = p.parse_args(argv)
+    run = Run("baselines", a, argv)
     n = a.seeds or (64 if a.quick else 512)
 
     from rollart.env.scripted import POLICIES, baselines
@@ -39,7 +46,7 @@ def main(argv=None) -> dict:
         print(f"{task:8s} " + " ".join(f"{row[p]:9.3f}" for p in POLICIES))
     figures = {f"{t}_{p}": round(v, 3) for t, row in table.items() for p, v in row.items()}
     figures.update({"seeds": n, "total_s": round(time.time() - t0, 1)})
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in figures.items()))
+    run.result(figures)
     return table
 
 

@@ -53,6 +53,9 @@ import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 #: what a probe counts, in the order it prints them
 KEYS = ("calls", "copies", "digit1", "op", "digit2", "answers")
@@ -192,7 +195,9 @@ def main(argv=None) -> dict:
     p.add_argument("--heads", type=int, default=4, help="the toy's attention heads (graph: 4)")
     p.add_argument("--hidden", type=int, default=128, help="the toy's width (graph: 128)")
     p.add_argument("--seed", type=int, default=0)
+    add_arguments(p)
     a = p.parse_args(argv)
+    run = Run("calc_copy", a, argv)
     steps = a.steps or (20 if a.quick else 300)
     every = a.every or (10 if a.quick else 50)
     n_probes = a.probes or (16 if a.quick else 64)
@@ -251,7 +256,7 @@ def main(argv=None) -> dict:
                bare_tool_steps=a.bare_tool_steps)
     figures = dict(last, probes=n_probes)
     keys = ("echoes",) if a.echo else KEYS
-    print("RESULT " + " ".join(f"{k}={figures[k]}" for k in ("steps", *keys, "probes")))
+    run.result({k: figures[k] for k in ("steps", *keys, "probes")})
     return figures
 
 

@@ -67,6 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _chaos_audit.py
 
+from _results import Run, add_arguments  # noqa: E402
 from _chaos_audit import (audit, check_trainer_record, digest_of,  # noqa: E402,F401
                           read_env_log, reported_subset)
 
@@ -312,7 +313,9 @@ def main() -> None:
     ap.add_argument("--recovery-wait", type=float, default=120.0,
                     help="after --steps, go on at most this long until every kill has "
                          "been recovered from")
+    add_arguments(ap)
     args = ap.parse_args()
+    run = Run("chaos", args)
     steps = args.steps or (8 if args.quick else 30)
 
     from distributed import Client
@@ -383,7 +386,7 @@ def main() -> None:
     print(f"{len(result.metrics)} steps in {wall:.0f}s; ledger after shutdown: {final}")
     print(f"audit: {counted}")
     mid = [k["mid_step"] for k in kills if "mid_step" in k]
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in {
+    run.result({
         "lost": counted["lost"], "duplicated": counted["duplicated"],
         "lost_trained": counted["lost_trained"],
         "trained_unreported": counted["trained_unreported"],
@@ -395,7 +398,7 @@ def main() -> None:
         "orphaned": final.get("orphaned", 0),
         "env_episodes": counted["env_episodes"],
         "trainer_mid_step": int(all(mid)) if mid else "none",
-        "killed": next((k["tag"] for k in kills if "mid_step" not in k), "none")}.items()))
+        "killed": next((k["tag"] for k in kills if "mid_step" not in k), "none")})
 
 
 if __name__ == "__main__":

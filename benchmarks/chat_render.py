@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 
 def batches_per_s(tasks, tok, cache: bool, batches: int):
@@ -50,7 +53,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="3 batches per side")
+    add_arguments(p)
     args = p.parse_args(argv)
+    run = Run("chat_render", args, argv)
     n = 3 if args.quick else args.batches
     torch.set_num_threads(1)
     tasks = chat_tasks()
@@ -65,7 +70,7 @@ def main(argv=None) -> dict:
         result.update({f"{name}_cached": round(cached, 2), f"{name}_full": round(full, 2),
                        f"{name}_speedup": round(cached / full, 2)})
     result["batches"] = n
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+    run.result(result)
     return result
 
 

@@ -24,9 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 
 def tiny_model(path: Path, hidden: int) -> str:
@@ -159,7 +164,9 @@ def main() -> None:
     ap.add_argument("--pd-batch", type=int, default=16)
     ap.add_argument("--pd-len", type=int, default=256)
     ap.add_argument("--pd-repeats", type=int, default=3)
+    add_arguments(ap)
     args = ap.parse_args()
+    run = Run("gpu_check", args)
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -172,9 +179,7 @@ def main() -> None:
         res = rl_steps(args, model, str(Path(tmp) / "weights"))
         res.update(pd_transfer(args, model))
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") if args.device == "cuda" else "cpu"
-    print("RESULT " + " ".join(
-        [f"device={gpu}", f"trainer={args.trainer}", f"steps={args.steps}"]
-        + [f"{k}={v:.4g}" for k, v in res.items()]), flush=True)
+    run.result({"device": gpu, "trainer": args.trainer, "steps": args.steps, **res})
     # vLLM's in-process engine and torch.distributed's groups (Megatron) can keep the
     # interpreter from exiting: the check is done, leave at once.
     os._exit(0)

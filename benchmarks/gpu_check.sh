@@ -26,3 +26,7 @@ if "$PY" -c "import megatron.core" 2>/dev/null; then
 else
   echo "gpu_check: megatron-core not installed: Megatron run skipped"
 fi
+# on a lent device machine only $OUT comes back: the run's records with it
+if [ -n "${OUT:-}" ] && [ -f benchmarks/results/gpu_check.jsonl ]; then
+  cp benchmarks/results/gpu_check.jsonl "$OUT/"
+fi

@@ -42,9 +42,15 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import sys
 import tempfile
 import time
 import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 BYTES_PER_TOKEN = 28 * 2 * 4 * 128 * 2  # layers × (k, v) × KV heads × head dim × fp16
 
@@ -354,7 +360,9 @@ def main(argv=None) -> dict:
                     help="concurrent requests per PD/colocated burst")
     ap.add_argument("--transfer-only", action="store_true",
                     help="only the KV transfer part (e.g. in a venv with the ucx extra)")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    run = Run("kv_transfer", args, argv)
     sizes = args.mib or ([4, 16, 64] if args.quick else [4, 16, 64, 256])
     repeats = args.repeats or (5 if args.quick else 9)
     reps = args.reps or (3 if args.quick else 5)
@@ -372,8 +380,7 @@ def main(argv=None) -> dict:
     for k, v in gen.items():
         print(f"{k}: {v:.3f}", flush=True)
     result.update(gen)
-    print("RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in result.items()))
+    run.result(result, fmt=lambda v: f"{v:.3f}" if isinstance(v, float) else str(v))
     return result
 
 

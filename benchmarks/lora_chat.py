@@ -30,19 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-from _results import record  # noqa: E402
+from _results import Run, add_arguments  # noqa: E402
 SIDES = {"full": "graphs/chat.py", "lora": "graphs/chat.py:lora"}
 QUICK = ["--steps", "3", "--set", "policy.warmup_steps=5",
          "--set", "policy.warmup_bare_tool_steps=0"]
@@ -123,15 +121,13 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="one seed, 3 steps, 8 eval seeds")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--eval-seeds", type=int, default=256)
-    p.add_argument("--no-record", action="store_true",
-                   help="do not append to benchmarks/results/lora_chat.jsonl")
+    add_arguments(p)
     a = p.parse_args(argv)
+    run = Run("lora_chat", a, argv)
     seeds = [0] if a.quick else [int(s) for s in a.seeds.split(",")]
     eval_seeds = 8 if a.quick else a.eval_seeds
     extra = QUICK if a.quick else []
-    load = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="rollart-lora-chat-"))
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     runs = []
     for seed in seeds:  # the two sides alternate: a drift in the machine's speed hits both
         for side, graph in SIDES.items():
@@ -142,11 +138,7 @@ def main(argv=None) -> dict:
             runs.append(r)
     out = summarise(runs)
     print(table(runs))
-    if not a.no_record and not a.quick:
-        record("lora_chat", started, load, {"eval_seeds": eval_seeds, "runs": runs,
-                                            "summary": out}, argv)
-    print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in out.items()))
+    run.result(out, {"eval_seeds": eval_seeds, "runs": runs})
     return out
 
 

@@ -43,10 +43,15 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 MODES = ("sync", "sync+", "one-off", "areal", "async")
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
@@ -127,7 +132,8 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
                     checkpoint_every=a.every, policy=replace(base.policy, model=model),
                     algo=replace(base.algo, groups_per_step=a.groups, alpha=None),
                     rollout=replace(base.rollout, redundancy=redundancy,
-                                    max_in_flight=a.max_in_flight))
+                                    max_in_flight=a.max_in_flight,
+                                    take_window=a.take_window))
     client.run(drain_pools, on_error="return")  # no run inherits another's warm sandboxes
     ckpt_s: dict[int, float] = {}
     run_dir = out / f"{label.replace('@', '_r').replace('+', 'plus')}-seed{seed}"
@@ -252,6 +258,9 @@ def parse(argv) -> argparse.Namespace:
                    help="Rollout.max_in_flight for async and areal (steps' worth of groups "
                         "in flight at once; default: async max(alpha, 1), areal its start "
                         "bound)")
+    p.add_argument("--take-window", type=float, default=None,
+                   help="Rollout.take_window for async and areal: take groups in start "
+                        "order within this many steps' worth (default: completion order)")
     p.add_argument("--redundancy", type=float, default=1.5,
                    help="members launched per group member in the redundant runs")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -262,6 +271,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--warm-cache", default=WARM_CACHE,
                    help="a folder to keep the warmed-up model in and reuse it from "
                    "('' = build it afresh in a temporary folder)")
+    add_arguments(p)
     a = p.parse_args(argv)
     preset = QUICK if a.quick else FULL
     for k, v in preset.items():
@@ -327,6 +337,7 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
 
 def main(argv=None) -> dict:
     a = parse(argv)
+    run = Run("pipeline", a, argv)
     from rollart.app.cli import quiet
 
     quiet()
@@ -355,11 +366,12 @@ def main(argv=None) -> dict:
                                             if k != "target"), flush=True)
     out = summarise(runs, seeds)
     out.update(inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
-               order="completion", target=target, failed_runs=len(failed),
+               order="completion" if a.take_window is None else f"start{a.take_window:g}",
+               target=target, failed_runs=len(failed),
                heldout_warm=warm, margin=a.margin,
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,
                total_s=round(time.time() - t_all))
-    print("RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in out.items()), flush=True)
+    run.result(out, fmt=fmt)
     return out
 
 

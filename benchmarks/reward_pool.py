@@ -42,10 +42,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 DEDICATED = "DEDICATED"  # resource tag of the always-on reward worker
 
@@ -168,7 +173,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-wait", type=float, default=default.batch_wait)
     p.add_argument("--judge-hidden", type=int, default=256)
     p.add_argument("--judge-layers", type=int, default=4)
+    add_arguments(p)
     a = p.parse_args(argv)
+    run = Run("reward_pool", a, argv)
     steps = a.steps or (6 if a.quick else 20)
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not kinds or set(kinds) - {"threads", "procs"}:
@@ -206,8 +213,7 @@ def main(argv=None) -> dict:
             })
     result.update(idle_timeout=a.idle_timeout, max_batch=a.max_batch,
                   batch_wait=a.batch_wait, steps=steps)
-    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in result.items()))
+    run.result(result, fmt=lambda v: f"{v:.3g}" if isinstance(v, float) else str(v))
     return result
 
 

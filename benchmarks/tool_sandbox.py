@@ -32,6 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -104,7 +107,9 @@ def main(argv=None) -> dict:
     p.add_argument("--calls", type=int, default=200, help="calls a block (seq and par)")
     p.add_argument("--batches", type=int, default=10, help="calc warm-up batches a block")
     p.add_argument("--quick", action="store_true", help="1 block of 20 calls, 2 batches")
+    add_arguments(p)
     args = p.parse_args(argv)
+    run = Run("tool_sandbox", args, argv)
     if not can_fork():
         raise SystemExit("this platform has no os.fork / socket.send_fds: no zygote")
     blocks, calls, batches = ((1, 20, 2) if args.quick
@@ -136,7 +141,7 @@ def main(argv=None) -> dict:
     result["calc_speedup"] = round(result["calc_batches_s_zygote"]
                                    / result["calc_batches_s_fresh"], 2)
     result["blocks"] = blocks
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+    run.result(result)
     return result
 
 

@@ -41,13 +41,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-from _results import record  # noqa: E402
+from _results import Run, add_arguments  # noqa: E402
 
 
 def _model(path: Path, hidden: int, layers: int) -> str:
@@ -88,9 +87,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="the batches' seed")
-    ap.add_argument("--no-record", action="store_true",
-                    help="do not append to benchmarks/results/trainer_gang.jsonl")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    run = Run("trainer_gang", args, argv)
     if args.quick:
         args.steps, args.groups, args.hidden, args.layers = 2, 4, 64, 2
 
@@ -102,8 +101,6 @@ def main(argv=None) -> dict:
     from rollart.trainer.gang import GangTrainer
     from rollart.types import TRAIN
 
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    load = os.getloadavg()
     algo = GRPO(group_size=args.size, groups_per_step=args.groups, lr=1e-4, alpha=10**6,
                 micro_batch_tokens=512)
     with tempfile.TemporaryDirectory(prefix="rollart-gang-bench-") as tmp:
@@ -131,11 +128,8 @@ def main(argv=None) -> dict:
            "gang_step_s_2": round(s2, 3), "gang_step_ratio": round(s1 / s2, 3),
            "gang_step_ratio_t2": round(s1t2 / s2, 3), "params_m": round(params / 1e6, 2),
            "rows": args.groups * args.size, "steps": args.steps, "cores": os.cpu_count()}
-    if not args.no_record and not args.quick:
-        record("trainer_gang", started, load, {
-            "seed": args.seed, "steps_s_1": one, "steps_s_1t2": one_t2, "steps_s_2": two,
-            **out}, argv)
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in out.items()), flush=True)
+    run.result(out, {"seed": args.seed, "steps_s_1": one, "steps_s_1t2": one_t2,
+                     "steps_s_2": two})
     return out
 
 

@@ -57,6 +57,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _trl_env.py, _vs_trl_figures.py
 
+from _results import Run, add_arguments  # noqa: E402
+
 from _vs_trl_figures import (MODES, SETTING_KEYS, aggregate, aggregate_files,  # noqa: E402,F401
                              combine, key, parse_result, ratios, speedup, summarise,
                              time_to, verdict)
@@ -276,6 +278,7 @@ def parse_args(argv):
     p.add_argument("--aggregate", nargs="+", metavar="FILE", default=None,
                    help="run nothing: combine the RESULT lines of these saved outputs "
                    "(one seed each) into medians with their min and max")
+    add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -294,6 +297,7 @@ def settings(a) -> Settings:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    run = Run("vs_trl", a, argv)
     if a.aggregate:
         return {"result": aggregate_files(a.aggregate)}
     s = settings(a)
@@ -338,8 +342,7 @@ def main(argv=None) -> dict:
                     "resources": a.resources,
                     "inference_pools": a.inference_pools.replace(",", "+"),
                     "total_s": round(time.time() - t_all)})
-    print("RESULT " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in figures.items()))
+    run.result(figures, fmt=lambda v: f"{v:.3g}" if isinstance(v, float) else str(v))
     return {"runs": runs[seeds[0]], "seeds": runs, "result": figures}
 
 

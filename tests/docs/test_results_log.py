@@ -1,0 +1,77 @@
+"""Results as data: every benchmark script prints its RESULT line through
+``benchmarks/_results.Run``, which appends a record (date, commit, load, command,
+figures) unless the run is a smoke run, and each script's docs page shows its newest
+records generated from that log (``<!-- results: SCRIPT -->``, ``docs/gen_reference.py``)."""
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                 if not p.stem.startswith("_") and p.stem not in ("cluster_sim", "weight_sync"))
+
+
+@pytest.fixture
+def results(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    mod = importlib.import_module("_results")
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    return mod
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_records_through_run_and_its_page_shows_the_log(script):
+    src = (ROOT / "benchmarks" / f"{script}.py").read_text()
+    assert f'Run("{script}"' in src, f"benchmarks/{script}.py prints no RESULT through Run"
+    assert not re.search(r'print\(\s*"RESULT ', src), \
+        f"benchmarks/{script}.py prints a RESULT line of its own (use Run.result)"
+    pages = [p for p in (ROOT / "docs/benchmarks").glob("*.md")
+             if f"<!-- results: {script} -->" in p.read_text()]
+    assert pages, f"no docs/benchmarks page shows benchmarks/{script}.py's records"
+
+
+def test_a_run_records_unless_quick_or_no_record(results, capsys):
+    run = results.Run("demo", argparse.Namespace(quick=False, no_record=False), ["--x", "1"])
+    path = run.result({"ratio": 1.23456, "seeds": 3}, {"per_seed": [1.0, 1.5]})
+    assert capsys.readouterr().out.strip() == "RESULT ratio=1.235 seeds=3"
+    rec = json.loads(path.read_text())
+    assert rec["command"] == "demo.py --x 1" and rec["ratio"] == 1.23456
+    assert rec["per_seed"] == [1.0, 1.5] and len(rec["load_before"]) == 3
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", rec["date"])
+    assert rec["commit"] != "" and rec["commit"] == results.commit()
+    for args in (argparse.Namespace(quick=True, no_record=False),
+                 argparse.Namespace(quick=False, no_record=True)):
+        assert results.Run("demo", args, []).result({"ratio": 2.0}) is None
+    assert len(path.read_text().splitlines()) == 1
+
+
+def test_a_page_shows_the_newest_records_from_the_log(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    gen = importlib.import_module("gen_reference")
+    (tmp_path / "benchmarks/results").mkdir(parents=True)
+    (tmp_path / "benchmarks/trainer_gang.py").write_text("")
+    log = tmp_path / "benchmarks/results/trainer_gang.jsonl"
+    log.write_text("".join(json.dumps({"date": f"2026-12-0{d}T10:00:00+00:00",
+                                       "commit": f"c{d}", "load_before": [0.5, 0.4, 0.3],
+                                       "command": "trainer_gang.py", "gang_step_ratio": d / 10,
+                                       "steps_s_1": [1.0, 2.0]}) + "\n"
+                           for d in (2, 5, 1, 4, 3)))
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    page = gen.on_page_markdown("before\n<!-- results: trainer_gang -->\nafter", None, None,
+                                None)
+    rows = [line for line in page.splitlines() if line.startswith("| 2026")]
+    assert [r.split("|")[2].strip() for r in rows] == ["`c5`", "`c4`", "`c3`"]
+    assert "gang_step_ratio=0.5" in rows[0] and "steps_s_1" not in rows[0]
+    assert "newest 3 of 5" in page and page.startswith("before\n") and page.endswith("after")
+    (tmp_path / "benchmarks/chaos.py").write_text("")
+    assert "No record yet" in gen.latest_records("chaos")
+    with pytest.raises(ValueError, match="no benchmarks/nosuch.py"):
+        gen.on_page_markdown("<!-- results: nosuch -->", None, None, None)
+    sys.modules.pop("gen_reference", None)

@@ -23,14 +23,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
+from rollart.policy.admission import group_number
+
 ACQUIRE_WAIT = 2.0  # s: the longest an acquire waits before its manager asks again
-
-
-def _group_index(group_id: str) -> int:
-    try:
-        return int(group_id.split("-", 1)[0][1:])
-    except ValueError:
-        return -1
 
 
 def next_group(ids: Iterable[str]) -> int:
@@ -39,7 +34,7 @@ def next_group(ids: Iterable[str]) -> int:
     >>> next_group(["g000004-1", "g000002", "x"])
     5
     """
-    return max((_group_index(g) for g in ids), default=-1) + 1
+    return max((group_number(g) for g in ids), default=-1) + 1
 
 
 class Admission:
@@ -85,6 +80,11 @@ class Admission:
         """``group_id`` is back in the buffer (its step was lost): it holds a slot."""
         if self._slots is not None:
             self._slots.hold(group_id)
+
+    def take_limit(self) -> int | None:
+        """Complete groups numbered below this may be taken (start order within the
+        window, ``Slots.take_limit``); None: any, in completion order."""
+        return self._slots.take_limit() if self._slots is not None else None
 
     def stale_floor(self, min_version: int) -> int | None:
         """Complete groups older than this are dropped for a trainer at ``min_version``

@@ -153,9 +153,10 @@ class SampleBuffer:
             self._leave(g.arrow(), TrajState.DROPPED, durable=done)
 
     def _take(self, n_groups: int, step: int | None, min_version: int) -> pa.Table:
-        """Hand out the ``n_groups`` oldest complete groups: ``taken`` for ``step``
+        """Hand out the ``n_groups`` oldest complete groups (first completed, or first
+        started within the window: ``Rollout.take_window``): ``taken`` for ``step``
         (``trained`` at once when there is no step to confirm)."""
-        groups = self.groups.oldest(n_groups)
+        groups = self.groups.oldest(n_groups, self.admission.take_limit())
         for g in groups:
             self._close(g)
         if step is None:
@@ -240,6 +241,8 @@ class SampleBuffer:
             if self._add(traj, group_size):
                 self._condition.notify_all()
                 fut = self._entry()
+            elif self.admission.take_limit() is not None:
+                self._condition.notify_all()  # a group that ended may have moved the window
         await self._durable(fut)
 
     async def launched(self, traj_ids: list[str]) -> None:
@@ -331,7 +334,7 @@ class SampleBuffer:
                 floor = self.admission.stale_floor(min_version)  # areal: None
                 if floor is not None:
                     self._drop(self.groups.older_than(floor))
-                if self.groups.ready() >= n_groups:
+                if self.groups.ready(self.admission.take_limit()) >= n_groups:
                     batch = self._take(n_groups, trained_step, min_version)
                     fut = self._entry()
                     break
@@ -395,6 +398,8 @@ class SampleBuffer:
             stale = self.groups.older_than(min_version, open_too=True)
             self._drop(stale)
             fut = self._entry() if stale else None
+            if stale:
+                self._condition.notify_all()  # the start-order window may have moved
         await self._durable(fut)
         return sum(g.rows for g, _ in stale)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from rollart.buffer.schema import SCHEMA, to_record_batch
+from rollart.policy.admission import group_number
 from rollart.policy.staleness import within
 from rollart.types import Trajectory, TrajState
 
@@ -125,9 +126,12 @@ class Groups:
         """Open groups, then complete ones."""
         return list(self.open.values()) + list(self.complete.values())
 
-    def ready(self) -> int:
-        """Complete groups waiting for the trainer."""
-        return len(self.complete)
+    def ready(self, limit: int | None = None) -> int:
+        """Complete groups waiting for the trainer (with ``limit``: those numbered below
+        it, ``Slots.take_limit``)."""
+        if limit is None:
+            return len(self.complete)
+        return sum(group_number(g) < limit for g in self.complete)
 
     def ended(self, group_id: str) -> bool:
         """Complete or closed: a member arriving now is late."""
@@ -181,9 +185,13 @@ class Groups:
         return {"buffered_rows": sum(g.rows for g in held),
                 "arrow_bytes": sum(g.nbytes for g in held), "groups_incomplete": len(self.open)}
 
-    def oldest(self, n: int) -> list[Group]:
-        """The ``n`` complete groups that completed first."""
-        return list(self.complete.values())[:n]
+    def oldest(self, n: int, limit: int | None = None) -> list[Group]:
+        """The ``n`` complete groups that completed first; with ``limit`` (start order),
+        the ``n`` that started first among those numbered below ``limit``."""
+        if limit is None:
+            return list(self.complete.values())[:n]
+        ready = [g for g in self.complete.values() if group_number(g.group_id) < limit]
+        return sorted(ready, key=lambda g: group_number(g.group_id))[:n]
 
     def first_in_line(self, group: Group) -> None:
         """A complete ``group`` (back from a lost step) goes to the front of the queue."""

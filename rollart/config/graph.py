@@ -350,6 +350,13 @@ class Rollout:
     # max(alpha, 1) steps' worth in async (rollart.policy.admission.slot_capacity) and
     # AReaL's own start bound alone in areal
     max_in_flight: float | None = None
+    # async and areal: the trainer takes complete groups in the order they started, each
+    # only once fewer than this many trainer steps' worth of groups (at least one step's)
+    # started before it are still running or waiting, so a long episode is overtaken by
+    # at most that many and the batch is not biased toward short ones
+    # (rollart.policy.admission.Slots.take_limit); None: the first groups to complete are
+    # taken first
+    take_window: float | None = None
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -384,6 +391,11 @@ class Rollout:
         _check(self.max_in_flight is None or self.max_in_flight > 0,
                f"Rollout.max_in_flight must be > 0 (trainer steps' worth of groups) or None "
                f"(max(alpha, 1) steps' worth), got {self.max_in_flight!r}")
+        _numbers(self, "take_window", optional=True)
+        _check(self.take_window is None or self.take_window >= 1,
+               f"Rollout.take_window must be ≥ 1 (trainer steps' worth of groups: fewer "
+               f"could never fill a batch) or None (completion order), got "
+               f"{self.take_window!r}")
         _numbers(self, "backup_after", optional=True)
         _check(self.backup_after is None or 0 < self.backup_after <= 1,
                f"Rollout.backup_after must be a fraction in (0, 1] of the group (extra "

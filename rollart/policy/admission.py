@@ -156,7 +156,8 @@ class Slots:
     """Hands out groups under ``admission`` (default ``Capacity(capacity)``); who holds
     which, what to re-run, and the trainer's progress the admission counts."""
 
-    def __init__(self, capacity: int, sequence: GroupSequence, admission=None):
+    def __init__(self, capacity: int, sequence: GroupSequence, admission=None,
+                 take_window: int | None = None):
         if capacity < 1:
             raise ValueError(f"Slots(capacity={capacity}): at least one group must be "
                              "allowed to run; raise GRPO.groups_per_step")
@@ -167,6 +168,8 @@ class Slots:
         self.retry: deque[Work] = deque()  # groups of lost holders, first in line
         self.version = 0  # updates published since the slots opened (``published``)
         self.trained = 0  # groups in those updates
+        # start order (Rollout.take_window, in groups): ``take_limit``; None: completion order
+        self.take_window = None if take_window is None else max(1, int(take_window))
 
     def room(self, training: int = 0) -> int:
         """Groups the admission lets start now; ``training``: groups a trainer step took
@@ -177,6 +180,17 @@ class Slots:
     @property
     def free(self) -> int:
         return max(0, self.room())
+
+    def take_limit(self) -> int | None:
+        """The trainer takes complete groups in the order they started, and only those
+        numbered below this: the oldest group holding a slot (running, or complete and
+        not taken) plus ``take_window``. So a long group is overtaken by at most
+        ``take_window - 1`` groups started after it: the trainer waits for it rather than
+        train on the short ones that finish first. None: no window (completion order)."""
+        if self.take_window is None:
+            return None
+        oldest = min((group_number(g) for g in self.held), default=self.sequence.n_groups)
+        return oldest + self.take_window
 
     def published(self, n_groups: int) -> None:
         """An update trained on ``n_groups`` groups was published."""
@@ -238,12 +252,33 @@ class Slots:
     def stats(self) -> dict:
         return {"slots_capacity": self.capacity, "slots_held": len(self.held),
                 "slots_retry": len(self.retry), "groups_drawn": self.sequence.n_groups,
-                "slots_version": self.version, "slots_trained": self.trained}
+                "slots_version": self.version, "slots_trained": self.trained,
+                "slots_take_window": self.take_window}
 
 
 def _tupled(x):
     """JSON lists back to the tuples ``random.Random.setstate`` wants."""
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+def group_number(group_id: str) -> int:
+    """The start number of a group (``g000042`` -> 42), also of a member's trajectory id
+    (``g000042-3``); -1 for an id not made by ``GroupSequence``.
+
+    >>> group_number("g000042-3"), group_number("x")
+    (42, -1)
+    """
+    try:
+        return int(group_id.split("-", 1)[0][1:])
+    except ValueError:
+        return -1
+
+
+def take_window_groups(algo, take_window: float | None) -> int | None:
+    """``Rollout.take_window`` (steps' worth of groups) in groups, rounded up; None: none."""
+    if take_window is None:
+        return None
+    return max(math.ceil(take_window * algo.groups_per_step), int(algo.groups_per_step))
 
 
 def slot_capacity(algo, max_in_flight: float | None = None) -> int:

@@ -176,6 +176,76 @@ def test_the_buffer_hands_out_a_slot_only_when_a_group_leaves(tmp_path):
     asyncio.run(scenario())
 
 
+def test_start_order_takes_the_first_started_and_waits_within_the_window(tmp_path):
+    """Rollout.take_window: complete groups are taken in the order they started, and a
+    group that started more than the window after the oldest one still running waits
+    for it; without a window the first to complete go first (what biased the batch
+    toward short episodes)."""
+    slots = Slots(6, _seq(), take_window=2)
+    works = [slots.take("m") for _ in range(4)]
+    assert slots.take_limit() == 2  # g0 is the oldest held
+    slots.release("g000000")
+    assert slots.take_limit() == 3
+    assert Slots(6, _seq()).take_limit() is None
+
+    async def scenario(window):
+        buf = SampleBuffer(str(tmp_path / f"run-{window}"))
+        await buf.open_slots(Slots(6, _seq(), take_window=window))
+        w = [await buf.acquire("m") for _ in range(4)]
+        for k in (3, 2, 1):  # g0 is the long episode: the others complete before it
+            await _run_group(buf, w[k])
+        if window is None:
+            t = await buf.get_table(2, min_version=0, trained_step=1)
+            return sorted(set(t.column("group_id").to_pylist())), None
+        # g1 is within the window of g0; g2, g3 are not: one group is not a batch of 2
+        with pytest.raises(TimeoutError):
+            await buf.get_table(2, min_version=0, timeout=0.3, trained_step=1)
+        taking = asyncio.ensure_future(buf.get_table(2, min_version=0, trained_step=1))
+        await asyncio.sleep(0.1)
+        assert not taking.done()
+        await _run_group(buf, w[0])  # the long one arrives: the trainer takes g0, g1
+        first = await asyncio.wait_for(taking, 5)
+        await buf.mark_trained(1)
+        second = await buf.get_table(2, min_version=0, trained_step=2)
+        return (sorted(set(first.column("group_id").to_pylist())),
+                sorted(set(second.column("group_id").to_pylist())))
+
+    assert asyncio.run(scenario(None))[0] == ["g000002", "g000003"]  # completion order
+    assert asyncio.run(scenario(2)) == (["g000000", "g000001"], ["g000002", "g000003"])
+
+
+def test_a_group_that_ends_with_nothing_moves_the_window(tmp_path):
+    """The oldest group failing whole frees its slot: the window moves on and the
+    waiting trainer wakes (no hang behind a group that will never complete)."""
+    async def scenario():
+        buf = SampleBuffer(str(tmp_path / "run"))
+        await buf.open_slots(Slots(4, _seq(), take_window=1))
+        w = [await buf.acquire("m") for _ in range(2)]
+        await _run_group(buf, w[1])
+        taking = asyncio.ensure_future(buf.get_table(1, min_version=0, trained_step=1))
+        await asyncio.sleep(0.1)
+        assert not taking.done()  # g1 waits for g0
+        for i in range(w[0].size):
+            t = _traj(w[0].group_id, i)
+            t.outcome, t.error = "failed", "env crashed"
+            await buf.put(t, w[0].size)
+        got = await asyncio.wait_for(taking, 5)
+        return sorted(set(got.column("group_id").to_pylist()))
+
+    assert asyncio.run(scenario()) == ["g000001"]
+
+
+def test_take_window_is_checked_and_reaches_the_slots():
+    from rollart.config.graph import GraphError
+    from rollart.policy.admission import take_window_groups
+
+    with pytest.raises(GraphError, match="take_window must be ≥ 1"):
+        Rollout(take_window=0.5)
+    algo = GRPO(group_size=2, groups_per_step=4)
+    assert take_window_groups(algo, None) is None
+    assert (take_window_groups(algo, 1), take_window_groups(algo, 1.5)) == (4, 6)
+
+
 def test_slots_are_right_again_after_the_buffer_is_recovered(tmp_path):
     run = str(tmp_path / "run")
 
@@ -359,6 +429,32 @@ def test_an_async_run_stays_within_its_slots_and_workers_follow_the_trainer(
     finally:
         stop.set()
         _stop(actors)
+
+
+def test_an_async_run_with_a_take_window_trains_groups_in_start_order(
+        local_cluster, tiny_model, tmp_path):
+    """take_window = one step's worth: each step trains the oldest groups started (every
+    group of step k started before every group of step k+1), on a real cluster."""
+    from rollart.buffer import read_samples
+    from rollart.policy.admission import group_number
+
+    graph = _graph("bp-window", take_window=1, max_in_flight=3)
+    actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
+    try:
+        steps = [pipe.step(s) for s in range(1, 5)]
+        assert [m["version"] for m in steps] == [1, 2, 3, 4]
+        assert actors.buffer.slot_stats().result()["slots_take_window"] == 2
+        actors.buffer.flush().result()
+    finally:
+        _stop(actors)
+    rows = read_samples(str(tmp_path / "run")).to_pylist()
+    by_step: dict[int, set[int]] = {}
+    for r in rows:
+        if r["state"] == "trained":
+            by_step.setdefault(r["trained_step"], set()).add(group_number(r["group_id"]))
+    assert sorted(by_step) == [1, 2, 3, 4], by_step
+    for k in (1, 2, 3):
+        assert max(by_step[k]) < min(by_step[k + 1]), by_step
 
 
 def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_path):

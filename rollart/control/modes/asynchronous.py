@@ -17,7 +17,8 @@ import time
 
 from rollart.control.fleet import ActorLost
 from rollart.control.modes.base import Pipeline
-from rollart.policy.admission import Capacity, Slots, StartBound, slot_capacity
+from rollart.policy.admission import (Capacity, Slots, StartBound, slot_capacity,
+                                      take_window_groups)
 from rollart.policy.staleness import StalenessBound
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class AsyncPipeline(Pipeline):
         if self._slotted is not self.actors.buffer:
             admission = self.admission()
             slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
-                          self.sequence, admission)
+                          self.sequence, admission,
+                          take_window_groups(self.graph.algo, self.graph.rollout.take_window))
             self.fleet.ask_buffer("open_slots", slots)
             self._slotted = self.actors.buffer
         live = {id(m) for m in self.actors.managers}

@@ -69,6 +69,8 @@ __all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks"]
 class GangTrainer(_Ranked, Trainer):
     """Rank 0 of a gang of ``ranks`` ranks, one per TRAIN worker (module docstring)."""
 
+    rank_class = GangRank  # the other ranks' actor (the Megatron gang: its own)
+
     def __init__(self, *args, ranks: int = 2, join_timeout: float = 300.0,
                  bucket_bytes: int = 256 << 20, **kwargs):
         super().__init__(*args, **kwargs)
@@ -163,8 +165,9 @@ class GangTrainer(_Ranked, Trainer):
         client = get_client()
         self.gang = await self._other_workers(client, get_worker().address)
         self._forms += 1
-        futs = [client.submit(GangRank, self.model_path, self.store.url, self.algo,
+        futs = [client.submit(self.rank_class, self.model_path, self.store.url, self.algo,
                               temperature=self.temperature, threads=1, actor=True,
+                              **self._rank_kwargs(),
                               workers=[addr], allow_other_workers=False,
                               resources={TRAIN: 1},
                               key=f"GangRank-{i}-{id(self)}-{self._forms}-{addr}")
@@ -189,6 +192,10 @@ class GangTrainer(_Ranked, Trainer):
                         "did not shard the policy")
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     store.port)
+
+    def _rank_kwargs(self) -> dict:
+        """What the other ranks' constructor takes besides the trainer's arguments."""
+        return {}
 
     async def _other_workers(self, client, me: str) -> list[str]:
         """The other ranks' workers: ``world - 1`` live TRAIN workers besides ``me``
@@ -276,19 +283,16 @@ class GangTrainer(_Ranked, Trainer):
 
     def _unshard(self) -> None:
         """The policy unsharded again, at ``self.version``'s published weights."""
-        import torch.distributed as dist
-
         state = self.store.get(self.version)
+        try:
+            self._leave()  # before the policy is built again (Megatron's needs a group)
+        except Exception as e:  # noqa: BLE001 - a broken group: _join starts anew
+            logger.warning("leaving the failed gang's process group: %r", e)
         self.model = self._load_policy(self.model_path)
         self._load_hf(self.model, state)
         self.model.eval()
         self.optimizer = self._make_optimizer()  # the moments were sharded: they start again
         self.sharded = False
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001 - a broken group: _join starts anew
-                logger.warning("destroying the failed gang's process group: %r", e)
 
     async def _gang_step(self, batch) -> dict:
         """The advantages over the whole batch, each rank its token-balanced share
@@ -297,10 +301,12 @@ class GangTrainer(_Ranked, Trainer):
         import pyarrow as pa
         adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
                                  scale=self.algo.scale_rewards)
-        shares = balance([len(t.prompt_ids) + len(t.response_ids) for t in batch], self.world)
-        # a rank with no share steps on a filler row with weight 0, in step with the rest
+        shares = balance([len(t.prompt_ids) + len(t.response_ids) for t in batch], self.dp)
+        # a rank with no share steps on a filler row with weight 0, in step with the rest;
+        # the ranks of one tensor-parallel group (r // tp) get the same share
         sent = [([batch[i] for i in rows or [0]], adv[rows].tolist() if rows else [0.0],
                  len(rows)) for rows in shares]
+        sent = [sent[r // self.tp] for r in range(self.world)]
         (rows, a, real), rest = sent[0], sent[1:]
         calls = [self._run(self._share_update, rows, torch.tensor(a), real)]
         calls += [m.step(pa.Table.from_batches([to_record_batch(rows)]), a, real)

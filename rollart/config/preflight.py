@@ -12,6 +12,8 @@ cluster. What is checked here is what only shows up when the pieces meet:
 * every task's env factory and reward function pickle (they travel to Dask workers);
 * a lockstep batch (``sync`` / ``one-off``) fits the env managers' concurrency (else
   the turn barrier waits for members that can never start);
+* a trainer gang's layout (``Policy.trainer_parallel``: tp x dp) makes the TRAIN
+  workers, declared and live (``check_gang``);
 * a new run gets a run directory, a weight store and checkpoints of its own
   (``check_run_dir``, ``check_weight_store``, ``check_checkpoints``): another run's weight
   versions outrank the new run's, so the store's garbage collection deleted each version

@@ -1,4 +1,5 @@
-"""The trainer gang: one training rank per ``TRAIN`` worker, data-parallel FSDP2.
+"""The trainer gang: one training rank per ``TRAIN`` worker, data-parallel FSDP2 (the
+Megatron backend's tensor x data parallel gang reuses it: ``rollart.trainer.megatron_gang``).
 
 ``Pool("trainer", tag=TRAIN, workers=N)`` with N > 1 makes the trainer role a gang
 (``rollart.control.stages`` builds ``GangTrainer`` on one TRAIN worker, with the number
@@ -38,8 +39,8 @@ checkpoint broadcasts rank 0's weights, reference and moments to every rank when
 Not built yet, and said where a user meets it: sharded (``torch.distributed.checkpoint``)
 checkpoints, which a model too large for rank 0's memory needs (rank 0 gathers the
 optimizer state for a checkpoint); inference workers that load a version bucket by
-bucket or relay it to each other; LoRA and the Megatron backend in a gang (each a
-``GraphError`` at start: ``rollart.config.preflight.check_gang``).
+bucket or relay it to each other; LoRA in a gang (a ``GraphError`` at start:
+``rollart.config.preflight.check_gang``).
 
 Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
 after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published

@@ -73,7 +73,6 @@ class _MegatronRanked(_Ranked):
         """Rank 0's weights, reference and moments to every rank (broadcast under HF
         names, from the one-process policy each rank built), then megatron's parallel
         state for ``tp`` over the gang and each rank's TP shard of the policy."""
-        import torch.distributed as dist
         from megatron.core import parallel_state
 
         from rollart.trainer.megatron import (MegatronLM, _cpu_workarounds,

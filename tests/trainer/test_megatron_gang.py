@@ -50,7 +50,8 @@ def test_two_megatron_ranks_step_as_one_process(tp, mg_model_dir, train_pool, tm
     once; DP: the shares' gradients summed), weights. The clip binds with a different
     factor each step, so a missing or wrong clip shows in the second step's weights. The
     gang's checkpoint after step 1 (moments gathered over TP under HF names) loaded by a
-    one-process MegatronTrainer steps to the gang's version 2 (2 -> 1)."""
+    one-process MegatronTrainer steps to the gang's version 2 (2 -> 1), and so does the
+    gang that loads it (1 -> 2)."""
     from rollart.buffer import SampleBuffer
     from rollart.runtime.handles import handle
     from rollart.trainer.megatron import MegatronTrainer
@@ -118,6 +119,18 @@ def test_two_megatron_ranks_step_as_one_process(tp, mg_model_dir, train_pool, tm
     diff = torch.cat([(fresh._hf_state_dict()[k] - v).abs().flatten()
                       for k, v in ws.get(2).items()])
     assert float((diff > 2e-6).float().mean()) > 0.1  # the moments are what is tested
+
+    # 1 -> 2 on the same gang: it loads that checkpoint (back to one process), forms again
+    # (the moments cut into TP shards on every rank) and steps to version 2 again
+    v2 = ws.get(2)
+    assert gang.load_state(ckpt).result() == 1
+    assert gang.publish().result() == 1
+    again_buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
+    for t in b2:
+        again_buf.put(t, 3).result()
+    again = gang.train_step(again_buf, 2).result()
+    assert again["trainer/loss"] == pytest.approx(got[1]["trainer/loss"], rel=1e-6)
+    assert _far(WeightStore(store).get(2), v2, algo.lr) < 1e-3
 
 
 def test_a_layout_that_does_not_make_the_train_workers_is_a_graph_error():

@@ -21,7 +21,8 @@ reduced across ranks): the loss and gradient are the one-process trainer's, the 
 mean over the whole batch. FSDP2 averages gradients over ranks, so each rank scales its
 loss by N. The gradient norm is clipped over the whole model (the sharded norms reduced),
 then AdamW steps on each rank's shard. The ranks' statistics are summed in one
-all-reduce; rank 0 reports the step row, with ``trainer/ranks``.
+all-reduce; rank 0 reports the step row, with ``trainer/ranks`` (and ``trainer/tp`` = 1,
+``trainer/dp`` = N).
 
 Publishing a version (``_write_buckets``): the policy's HF-named tensors, in order, are
 cut into buckets of about ``bucket_bytes`` (``buckets``); every rank gathers each tensor

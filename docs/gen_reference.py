@@ -44,6 +44,9 @@ CLASSES = [
     ("LoRA", "rollart/config/graph.py", "LoRA",
      "`Policy.lora`: low-rank adapters instead of full fine-tuning "
      "(`--set policy.lora.rank=16`)."),
+    ("TrainerParallel", "rollart/config/graph.py", "TrainerParallel",
+     "`Policy.trainer_parallel`: how a trainer gang of N TRAIN workers is laid out, "
+     "tensor x data parallel (`--set policy.trainer_parallel.tp=2`)."),
     ("Resources", "rollart/runtime/resources.py", "Resources",
      "What a file in `resources/` returns: pools to start, or a scheduler address."),
     ("Pool", "rollart/runtime/resources.py", "Pool",

@@ -117,6 +117,54 @@ class LoRA:
 
 
 @dataclass(frozen=True)
+class TrainerParallel:
+    """How the N ranks of a trainer gang (``Pool(tag=TRAIN, workers=N)``) are laid out
+    (``Policy.trainer_parallel``): ``tp`` ranks share each weight matrix (tensor
+    parallel, the Megatron backend's), ``dp`` such groups each train their share of a
+    batch (data parallel); ``tp × dp`` must be N (checked against the TRAIN workers at
+    start: ``layout``). The torch backend is data parallel only (FSDP2 over all N ranks,
+    ``tp=1``). One TRAIN worker is one process whatever the layout says (``tp=1``).
+
+    >>> TrainerParallel(tp=2).layout(4, "megatron")
+    (2, 2)
+    """
+
+    tp: int = 1  # tensor-parallel size: ranks sharing each weight matrix (Megatron only)
+    dp: int | None = None  # data-parallel size (None: the TRAIN workers over tp)
+
+    def __post_init__(self):
+        _check(isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1,
+               f"TrainerParallel.tp must be an int ≥ 1, got {self.tp!r}")
+        _check(self.dp is None or (isinstance(self.dp, int) and not isinstance(self.dp, bool)
+                                   and self.dp >= 1),
+               f"TrainerParallel.dp must be an int ≥ 1 or None (the TRAIN workers over "
+               f"tp), got {self.dp!r}")
+
+    def check_backend(self, backend: str) -> None:
+        """Tensor parallelism is the Megatron backend's: ``tp > 1`` on another backend is a
+        ``GraphError`` that says what to change."""
+        _check(self.tp == 1 or backend == "megatron",
+               f"Policy.trainer_parallel.tp={self.tp} with trainer_backend={backend!r}: "
+               f"the torch backend has no tensor parallelism (FSDP2 data parallel over "
+               f"every TRAIN worker); set trainer_backend='megatron', or tp=1 "
+               f"(--set policy.trainer_parallel.tp=1)")
+
+    def layout(self, ranks: int, backend: str = "torch") -> tuple[int, int]:
+        """``(tp, dp)`` for a gang of ``ranks`` TRAIN workers on ``backend``; a layout
+        that does not multiply to ``ranks`` is a ``GraphError`` naming both numbers and
+        the fix."""
+        self.check_backend(backend)
+        dp = self.dp if self.dp is not None else max(ranks // self.tp, 1)
+        _check(self.tp * dp == ranks,
+               f"Policy.trainer_parallel tp={self.tp} x dp={dp} = {self.tp * dp} ranks, but "
+               f"the trainer has {ranks} TRAIN worker(s): make tp x dp = {ranks} (e.g. "
+               f"--set policy.trainer_parallel.tp=... and leave dp unset), or give the "
+               f"TRAIN pool {self.tp * dp} workers (Pool(tag='TRAIN', workers="
+               f"{self.tp * dp}))")
+        return self.tp, dp
+
+
+@dataclass(frozen=True)
 class Policy:
     """The model and how it samples. ``model=None`` builds the built-in tiny model."""
 
@@ -158,10 +206,21 @@ class Policy:
     # LoRA adapters instead of full fine-tuning (None: every weight trains), e.g.
     # LoRA(rank=16), or from the command line --set policy.lora.rank=16
     lora: LoRA | None = None
+    # how a gang of N TRAIN workers is laid out: tensor x data parallel, tp x dp = N
+    # (TrainerParallel; the torch backend: data parallel only, tp=1), e.g.
+    # --set policy.trainer_parallel.tp=2 with trainer_backend="megatron"
+    trainer_parallel: TrainerParallel = TrainerParallel()
 
     def __post_init__(self):
         if isinstance(self.lora, dict):  # as graph.json records it
             object.__setattr__(self, "lora", LoRA(**self.lora))
+        if isinstance(self.trainer_parallel, dict):
+            object.__setattr__(self, "trainer_parallel",
+                               TrainerParallel(**self.trainer_parallel))
+        _check(isinstance(self.trainer_parallel, TrainerParallel),
+               f"Policy.trainer_parallel must be a rollart.TrainerParallel, got "
+               f"{self.trainer_parallel!r}")
+        self.trainer_parallel.check_backend(self.trainer_backend)
         _check(self.lora is None or isinstance(self.lora, LoRA),
                f"Policy.lora must be a rollart.LoRA or None, got {self.lora!r}")
         _check(self.lora is None or self.trainer_backend == "torch",

@@ -12,6 +12,8 @@ cluster. What is checked here is what only shows up when the pieces meet:
 * every task's env factory and reward function pickle (they travel to Dask workers);
 * a lockstep batch (``sync`` / ``one-off``) fits the env managers' concurrency (else
   the turn barrier waits for members that can never start);
+* a trainer gang's layout (``Policy.trainer_parallel``: tp x dp) makes the TRAIN
+  workers, declared and live (``check_gang``);
 * a new run gets a run directory, a weight store and checkpoints of its own
   (``check_run_dir``, ``check_weight_store``, ``check_checkpoints``): another run's weight
   versions outrank the new run's, so the store's garbage collection deleted each version
@@ -43,6 +45,8 @@ def preflight(graph: Graph, resources: Resources | None) -> None:
         check_pools(graph, resources)
         env_workers = sum(p.workers for p in resources.pools if _carries(p, CPU_ENV))
         check_lockstep(graph, env_workers, resources.source)
+        train_workers = sum(p.workers for p in resources.pools if _carries(p, TRAIN))
+        check_gang(graph, train_workers, resources.source)
 
 
 def check_cluster_tags(client, graph: Graph, source: str) -> None:
@@ -57,22 +61,23 @@ def check_cluster_tags(client, graph: Graph, source: str) -> None:
 
 def check_gang(graph: Graph, ranks: int, source: str) -> None:
     """``ranks`` TRAIN workers are a trainer gang of that many ranks
-    (``rollart.trainer.gang``: data-parallel FSDP2 on the torch backend). What a gang
-    cannot do yet is a ``GraphError`` naming both numbers and the fix."""
-    if ranks <= 1:
+    (``rollart.trainer.gang``), laid out by ``Policy.trainer_parallel``: data-parallel
+    FSDP2 on the torch backend, tensor x data parallel on the Megatron one
+    (``rollart.trainer.megatron_gang``). A layout that does not make ``ranks`` and what a
+    gang cannot do yet are a ``GraphError`` naming both numbers and the fix."""
+    if ranks < 1:  # no TRAIN worker: the tag checks say so
         return
     p = graph.policy
-    one = f"or give the trainer one worker (Pool(tag={TRAIN!r}, workers=1) in {source})"
-    if p.trainer_backend != "torch":
-        raise GraphError(
-            f"graph {graph.name!r}: Policy.trainer_backend={p.trainer_backend!r} with "
-            f"{ranks} {TRAIN} workers: a {p.trainer_backend} gang (tensor x data parallel) "
-            f"is not built yet; use trainer_backend='torch' (FSDP2 data parallel over the "
-            f"{ranks} ranks), {one}")
-    if p.lora is not None:
+    try:
+        p.trainer_parallel.layout(ranks, p.trainer_backend)
+    except GraphError as e:
+        raise GraphError(f"graph {graph.name!r} with the TRAIN workers of {source}: {e}"
+                         ) from None
+    if ranks > 1 and p.lora is not None:
         raise GraphError(
             f"graph {graph.name!r}: Policy.lora with {ranks} {TRAIN} workers: LoRA on a "
-            f"trainer gang is not built yet; train LoRA on 1 rank, {one}")
+            f"trainer gang is not built yet; train LoRA on 1 rank, or give the trainer one "
+            f"worker (Pool(tag={TRAIN!r}, workers=1) in {source})")
 
 
 def _carries(pool, tag: str) -> bool:

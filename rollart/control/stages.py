@@ -333,18 +333,26 @@ class Stages:
 
     def _trainer_spec(self, live: dict) -> RoleSpec:
         """The trainer's spec: with more than one TRAIN worker, a gang over all of them
-        (``rollart.trainer.gang.GangTrainer``, rank 0 where it is placed; its ranks join
-        within ``waits.start``)."""
+        (rank 0 where it is placed; its ranks join within ``waits.start``), laid out by
+        ``Policy.trainer_parallel``: ``rollart.trainer.gang.GangTrainer`` (FSDP2) on the
+        torch backend, ``rollart.trainer.megatron_gang.MegatronGangTrainer`` (tensor x
+        data parallel) on the Megatron one."""
         from dataclasses import replace
 
         spec = self.spec("trainer")
         ranks = len(_with_tag(live, TRAIN))
         if ranks <= 1:
             return spec
+        policy = self.graph.policy
+        tp, _ = policy.trainer_parallel.layout(ranks, policy.trainer_backend)
+        kwargs = {**spec.kwargs, "ranks": ranks, "join_timeout": self.waits.start}
+        if policy.trainer_backend == "megatron":
+            from rollart.trainer.megatron_gang import MegatronGangTrainer
+
+            return replace(spec, cls=MegatronGangTrainer, kwargs={**kwargs, "tp": tp})
         from rollart.trainer.gang import GangTrainer
 
-        return replace(spec, cls=GangTrainer, kwargs={**spec.kwargs, "ranks": ranks,
-                                                      "join_timeout": self.waits.start})
+        return replace(spec, cls=GangTrainer, kwargs=kwargs)
 
     def _live(self, arg, actors: Actors | None):
         if arg is LIVE_BUFFER:

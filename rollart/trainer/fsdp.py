@@ -5,7 +5,11 @@ optimizer state for a checkpoint. The work runs in the rank's trainer thread; ev
 method that holds a collective is called on every rank, in the same order.
 
 ``_Ranked`` is mixed into ``Trainer`` by both ``GangRank`` (ranks 1..N-1, each a Dask
-actor on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0). The plain
+actor on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0). What is
+FSDP2's is in a few hooks (``_shard``, ``_publish_state``/``_whole``, ``_grad_norm``,
+``_loss_scale``, ``_full_optimizer``); the Megatron gang
+(``rollart.trainer.megatron_gang``) overrides them and keeps the rest: joining, the
+token-weighted step over the data-parallel shares, the buckets. The plain
 helpers: ``balance`` (token-balanced shares of a batch), ``buckets`` (a version's cut into
 buckets, the same on every rank), ``decoder_blocks`` (what ``fully_shard`` wraps).
 """
@@ -74,6 +78,20 @@ class _Ranked:
 
     share_prompts = False  # a shared prompt is two forwards: the ranks' collectives must line up
     rank, world, sharded = 0, 1, False
+    tp = 1  # ranks per tensor-parallel group (FSDP2: 1, every rank its own share)
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size: how many shares a batch is split into (rank r trains
+        share ``r // tp``)."""
+        return self.world // self.tp
+
+    def _leave(self) -> None:
+        """Leave this process's gang, if any (its process group destroyed)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # -- joining and sharding (trainer thread) -------------------------------------------
     def _join(self, host: str, port: int, rank: int, world: int, timeout: float,
@@ -82,8 +100,7 @@ class _Ranked:
         passes the ``store`` it opened: ``GangTrainer._open``)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():  # a gang before this one, in this process
-            dist.destroy_process_group()
+        self._leave()  # a gang before this one, in this process
         wait = datetime.timedelta(seconds=timeout)
         if store is None:
             store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
@@ -139,21 +156,29 @@ class _Ranked:
         (``full_tensor``, a collective) by every rank, kept only by its bucket's writer
         and dropped once written: no rank holds more than a bucket beyond its shard.
         Returns ``(k, name, bytes)`` of the buckets written here."""
-        from torch.distributed.tensor import DTensor
-
-        state = self.model.state_dict()
+        state = self._publish_state()
         out = []
         for k, names in enumerate(buckets(state, bucket_bytes)):
             mine, part = k % self.world == self.rank, {}
             for name in names:
-                t = state[name]
-                whole = t.full_tensor() if isinstance(t, DTensor) else t
+                whole = self._whole(state[name])
                 if mine:
                     part[name] = whole.detach().to("cpu")
             if mine:
                 out.append((k, *self.store.put_bucket(version, k, part, {
                     "rollart.rank": str(self.rank), "rollart.bucket": str(k)})))
         return out
+
+    def _publish_state(self) -> dict:
+        """The policy's HF-named tensors, in the same order on every rank (FSDP2: its
+        state dict of DTensors, each gathered whole by ``_whole`` as it is written)."""
+        return self.model.state_dict()
+
+    def _whole(self, t) -> torch.Tensor:
+        """One tensor of ``_publish_state`` whole (a collective for a DTensor)."""
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor() if isinstance(t, DTensor) else t
 
     def _full_optimizer(self) -> dict:
         """The whole AdamW state under parameter names (a collective: every rank calls
@@ -165,12 +190,31 @@ class _Ranked:
             full_state_dict=True, cpu_offload=True))
 
     # -- one step (trainer thread) --------------------------------------------------------
+    def _dp_group(self):
+        """The process group over which shares differ (FSDP2: every rank, ``None``)."""
+        return None
+
+    def _loss_scale(self) -> float:
+        """FSDP2 averages gradients over ranks: each rank's loss is scaled by N."""
+        return float(self.world)
+
+    def _reduce_grads(self) -> None:
+        """After the backward: FSDP2 has reduced the gradients already."""
+
+    def _grad_norm(self, params: list) -> torch.Tensor:
+        """The whole model's gradient norm (a sharded one reduced over the ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
     def _share_update(self, batch, adv: torch.Tensor, real: int) -> dict:
         """This rank's part of one optimizer step: ``batch``'s first ``real`` rows are its
-        share (the rest one filler row, weight 0, for a rank with no share). Returns the
-        step's statistics summed over ranks."""
+        share (the rest one filler row, weight 0, for a rank with no share). Every rank
+        of one tensor-parallel group has the same share; token counts, micro-batch counts
+        and statistics are reduced over the data-parallel group (``_dp_group``), so each
+        share counts once. Returns the step's statistics, summed over shares."""
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
 
         pad = self.tokenizer.pad_token_id
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t in batch]
@@ -179,17 +223,16 @@ class _Ranked:
         counts = [float(_loss_mask(c).sum()) if real else 0.0 for c in collated]
         head = torch.tensor([sum(counts), len(parts)], dtype=torch.float64,
                             device=self._device())  # NCCL reduces on the GPU
-        total, most = head.clone(), head.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        total, most, group = head.clone(), head.clone(), self._dp_group()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         total_tokens = max(float(total[0]), 1.0)
         plan = list(zip(parts, collated, counts))
         plan += [(parts[0], collated[0], 0.0)] * (int(most[1]) - len(parts))  # weight 0
-        loss_sum, stats = self._backward(plan, adv, total_tokens, scale=self.world)
+        loss_sum, stats = self._backward(plan, adv, total_tokens, scale=self._loss_scale())
+        self._reduce_grads()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # the whole model's norm, from every rank's shards
+        norm = self._grad_norm(params)  # the whole model's, from every rank's part
         torch.nn.utils.clip_grads_with_norm_(params, self.algo.max_grad_norm, norm)
         self.optimizer.step()
         self.model.eval()
@@ -197,10 +240,11 @@ class _Ranked:
         summed = torch.tensor([loss_sum, len([n for _, _, n in plan if n > 0])]
                               + [stats[k] for k in keys], dtype=torch.float64,
                               device=self._device())
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
         out = {"trainer/loss": float(summed[0]), "trainer/grad_norm": float(norm),
                "trainer/tokens": int(total[0]), "trainer/micro_batches": int(summed[1]),
                "trainer/shared_prompt_rows": 0, "trainer/ranks": self.world,
+               "trainer/tp": self.tp, "trainer/dp": self.dp,
                **{k: float(v) for k, v in zip(keys, summed[2:].tolist())}}
         return out
 

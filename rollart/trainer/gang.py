@@ -1,4 +1,5 @@
-"""The trainer gang: one training rank per ``TRAIN`` worker, data-parallel FSDP2.
+"""The trainer gang: one training rank per ``TRAIN`` worker, data-parallel FSDP2 (the
+Megatron backend's tensor x data parallel gang reuses it: ``rollart.trainer.megatron_gang``).
 
 ``Pool("trainer", tag=TRAIN, workers=N)`` with N > 1 makes the trainer role a gang
 (``rollart.control.stages`` builds ``GangTrainer`` on one TRAIN worker, with the number
@@ -20,7 +21,8 @@ reduced across ranks): the loss and gradient are the one-process trainer's, the 
 mean over the whole batch. FSDP2 averages gradients over ranks, so each rank scales its
 loss by N. The gradient norm is clipped over the whole model (the sharded norms reduced),
 then AdamW steps on each rank's shard. The ranks' statistics are summed in one
-all-reduce; rank 0 reports the step row, with ``trainer/ranks``.
+all-reduce; rank 0 reports the step row, with ``trainer/ranks`` (and ``trainer/tp`` = 1,
+``trainer/dp`` = N).
 
 Publishing a version (``_write_buckets``): the policy's HF-named tensors, in order, are
 cut into buckets of about ``bucket_bytes`` (``buckets``); every rank gathers each tensor
@@ -38,8 +40,8 @@ checkpoint broadcasts rank 0's weights, reference and moments to every rank when
 Not built yet, and said where a user meets it: sharded (``torch.distributed.checkpoint``)
 checkpoints, which a model too large for rank 0's memory needs (rank 0 gathers the
 optimizer state for a checkpoint); inference workers that load a version bucket by
-bucket or relay it to each other; LoRA and the Megatron backend in a gang (each a
-``GraphError`` at start: ``rollart.config.preflight.check_gang``).
+bucket or relay it to each other; LoRA in a gang (a ``GraphError`` at start:
+``rollart.config.preflight.check_gang``).
 
 Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
 after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published
@@ -68,6 +70,8 @@ __all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks"]
 
 class GangTrainer(_Ranked, Trainer):
     """Rank 0 of a gang of ``ranks`` ranks, one per TRAIN worker (module docstring)."""
+
+    rank_class = GangRank  # the other ranks' actor (the Megatron gang: its own)
 
     def __init__(self, *args, ranks: int = 2, join_timeout: float = 300.0,
                  bucket_bytes: int = 256 << 20, **kwargs):
@@ -163,8 +167,9 @@ class GangTrainer(_Ranked, Trainer):
         client = get_client()
         self.gang = await self._other_workers(client, get_worker().address)
         self._forms += 1
-        futs = [client.submit(GangRank, self.model_path, self.store.url, self.algo,
+        futs = [client.submit(self.rank_class, self.model_path, self.store.url, self.algo,
                               temperature=self.temperature, threads=1, actor=True,
+                              **self._rank_kwargs(),
                               workers=[addr], allow_other_workers=False,
                               resources={TRAIN: 1},
                               key=f"GangRank-{i}-{id(self)}-{self._forms}-{addr}")
@@ -189,6 +194,10 @@ class GangTrainer(_Ranked, Trainer):
                         "did not shard the policy")
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     store.port)
+
+    def _rank_kwargs(self) -> dict:
+        """What the other ranks' constructor takes besides the trainer's arguments."""
+        return {}
 
     async def _other_workers(self, client, me: str) -> list[str]:
         """The other ranks' workers: ``world - 1`` live TRAIN workers besides ``me``
@@ -276,19 +285,16 @@ class GangTrainer(_Ranked, Trainer):
 
     def _unshard(self) -> None:
         """The policy unsharded again, at ``self.version``'s published weights."""
-        import torch.distributed as dist
-
         state = self.store.get(self.version)
+        try:
+            self._leave()  # before the policy is built again (Megatron's needs a group)
+        except Exception as e:  # noqa: BLE001 - a broken group: _join starts anew
+            logger.warning("leaving the failed gang's process group: %r", e)
         self.model = self._load_policy(self.model_path)
         self._load_hf(self.model, state)
         self.model.eval()
         self.optimizer = self._make_optimizer()  # the moments were sharded: they start again
         self.sharded = False
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001 - a broken group: _join starts anew
-                logger.warning("destroying the failed gang's process group: %r", e)
 
     async def _gang_step(self, batch) -> dict:
         """The advantages over the whole batch, each rank its token-balanced share
@@ -297,10 +303,12 @@ class GangTrainer(_Ranked, Trainer):
         import pyarrow as pa
         adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
                                  scale=self.algo.scale_rewards)
-        shares = balance([len(t.prompt_ids) + len(t.response_ids) for t in batch], self.world)
-        # a rank with no share steps on a filler row with weight 0, in step with the rest
+        shares = balance([len(t.prompt_ids) + len(t.response_ids) for t in batch], self.dp)
+        # a rank with no share steps on a filler row with weight 0, in step with the rest;
+        # the ranks of one tensor-parallel group (r // tp) get the same share
         sent = [([batch[i] for i in rows or [0]], adv[rows].tolist() if rows else [0.0],
                  len(rows)) for rows in shares]
+        sent = [sent[r // self.tp] for r in range(self.world)]
         (rows, a, real), rest = sent[0], sent[1:]
         calls = [self._run(self._share_update, rows, torch.tensor(a), real)]
         calls += [m.step(pa.Table.from_batches([to_record_batch(rows)]), a, real)

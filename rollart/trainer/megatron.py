@@ -303,6 +303,60 @@ class MegatronLM(torch.nn.Module):
         return megatron_to_hf(shards, self.hf_config)
 
 
+# -- optimizer state under Hugging Face names ---------------------------------------
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def named_moments(model: MegatronLM, optimizer) -> dict | None:
+    """``optimizer``'s AdamW state as the ``"names"`` layout a trainer gang's checkpoint
+    holds: keyed by Hugging Face parameter names (what ``get_optimizer_state_dict`` gives
+    for the HF model), whole tensors gathered from every TP rank (a collective over the
+    TP group when TP > 1). ``None`` before the first step."""
+    params = list(model.gpt.named_parameters())
+    state = optimizer.state
+    if not params or params[0][1] not in state:
+        return None
+    mine = {kind: {n: state[p][kind].detach().cpu() for n, p in params} for kind in _MOMENTS}
+    step = state[params[0][1]]["step"].detach().cpu().clone()
+    if model.tp_size > 1:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        shards: list = [None] * model.tp_size
+        dist.all_gather_object(shards, mine,
+                               group=parallel_state.get_tensor_model_parallel_group())
+    else:
+        shards = [mine]
+    cfg = model.hf_config
+    hf = {kind: megatron_to_hf([s[kind] for s in shards], cfg) for kind in _MOMENTS}
+    names = [n for n in hf["exp_avg"]
+             if not (cfg.tie_word_embeddings and n == "lm_head.weight")]  # one parameter
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return {"state": {n: {"step": step.clone(), **{kind: hf[kind][n] for kind in _MOMENTS}}
+                      for n in names},
+            "param_groups": [{**group, "params": names}]}
+
+
+def load_named_moments(model: MegatronLM, optimizer, named: dict) -> None:
+    """Load a ``"names"`` AdamW state (``named_moments``'s, or a torch gang's) into
+    ``optimizer`` over this TP rank's parameters (each moment cut as its weight is)."""
+    cfg, state = model.hf_config, named["state"]
+    mine = {kind: hf_to_megatron({n: s[kind] for n, s in state.items()}, cfg,
+                                 tp_rank=model.tp_rank, tp_size=model.tp_size)
+            for kind in _MOMENTS}
+    step = next(iter(state.values()))["step"]
+    own = optimizer.state_dict()
+    params = [n for n, _ in model.gpt.named_parameters()]
+    missing = [n for n in params if n not in mine["exp_avg"]]
+    if missing:
+        raise KeyError(f"the checkpoint's optimizer state has no moments for {missing[:5]}")
+    own["state"] = {i: {"step": step.clone(), **{kind: mine[kind][n].clone()
+                                                   for kind in _MOMENTS}}
+                    for i, n in enumerate(params)}
+    optimizer.load_state_dict(own)
+
+
 def load_megatron_model(path, *, tp_size: int = 1) -> MegatronLM:
     """Build a ``MegatronLM`` from an HF model folder (starts a 1-process group if none)."""
     hf_model = load_model(path)
@@ -319,10 +373,11 @@ class MegatronTrainer(Trainer):
     """``Trainer`` with the policy as a megatron-core ``GPTModel`` (``MegatronLM``).
 
     Same actor API, loss, optimizer (plain torch AdamW) and weight store; the store gets
-    HF-named weights, so inference workers (torch or vLLM) load them unchanged. The
-    actor is one process: tensor parallelism 1 (multi-process TP over gloo/NCCL is what
-    ``init_parallel(tp_size, rank=..., world_size=...)`` + ``MegatronLM`` provide; the
-    gradient-norm clip here is not TP-aware).
+    HF-named weights, so inference workers (torch or vLLM) load them unchanged. This
+    actor is one process (one TRAIN worker: tensor parallelism 1); N TRAIN workers are a
+    tensor x data parallel gang of them (``rollart.trainer.megatron_gang``, laid out by
+    ``Policy.trainer_parallel``), whose checkpoints this one loads (``"names"`` layout:
+    ``_load_named_optimizer``).
     """
 
     def _load_policy(self, model_path: str):
@@ -353,3 +408,6 @@ class MegatronTrainer(Trainer):
 
     def _load_hf(self, module, state: dict) -> None:
         module.load_hf_state_dict(state)
+
+    def _load_named_optimizer(self, state: dict) -> None:
+        load_named_moments(self.model, self.optimizer, state)

@@ -343,6 +343,14 @@ class Trainer:
         gang's, gathered from its ranks; any trainer loads either)."""
         return self.optimizer.state_dict(), "ids"
 
+    def _load_named_optimizer(self, state: dict) -> None:
+        """Load an optimizer state in the ``"names"`` layout (keyed by Hugging Face
+        parameter names; a gang's checkpoint) into ``self.optimizer`` (a backend whose
+        parameters have other names converts them: ``rollart.trainer.megatron``)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
     def _load_state(self, url: str, truncate: bool = True) -> int:
         import io
 
@@ -373,9 +381,7 @@ class Trainer:
             self._load_hf(self.ref_model, ref)
         self.optimizer = self._make_optimizer()
         if state.get("optimizer_format") == "names":  # a trainer gang's, gathered
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            self._load_named_optimizer(state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scheduler") is not None and getattr(self, "scheduler", None):

@@ -29,11 +29,12 @@ def test_every_field_has_a_description_in_its_source(title, path, name):
 
 
 def test_the_page_lists_every_field_of_the_live_dataclasses():
-    from rollart import AgentTask, Graph, GRPO, LoRA, Policy, Pool, Resources, Rollout, Task
+    from rollart import (AgentTask, Graph, GRPO, LoRA, Policy, Pool, Resources, Rollout, Task,
+                         TrainerParallel)
     from rollart.runtime.waits import Waits
 
     classes = {"Graph": Graph, "Policy": Policy, "GRPO": GRPO, "Rollout": Rollout,
-               "LoRA": LoRA, "Resources": Resources, "Pool": Pool, "Task": Task,
+               "LoRA": LoRA, "TrainerParallel": TrainerParallel, "Resources": Resources, "Pool": Pool, "Task": Task,
                "AgentTask": AgentTask, "Waits (Dask config `rollart.waits`)": Waits}
     assert set(classes) == {c[0] for c in gen.CLASSES}
     for title, path, name, _ in gen.CLASSES:

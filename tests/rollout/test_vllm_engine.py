@@ -449,3 +449,26 @@ def test_many_adapter_versions_do_not_run_out_of_lora_slots(lora_engine, vllm_mo
         assert eng.llm.list_loras() == {eng._lora_request.lora_int_id}
         assert len(os.listdir(eng._lora_dir)) <= 2
     assert eng.update_error is None
+
+
+def test_the_gpu_check_runs_on_the_cpu():
+    """``benchmarks/gpu_check.py --quick --device cpu``: the script a lent GPU machine runs,
+    every part of it on the CPU (vLLM generating and loading each version, trainer steps,
+    the PD transfer, a two-rank trainer gang publishing a version and pullers reading it),
+    ending in its RESULT line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--quick", "--device",
+                           "cpu", "--no-record"], cwd=root, capture_output=True, text=True,
+                          timeout=800, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    figures = dict(kv.split("=", 1) for kv in line.split()[1:])
+    assert (figures["device"], figures["trainer"], figures["ranks"]) == ("cpu", "torch", "2")
+    for key in ("gen_tok_s", "train_tok_s", "update_s", "pd_gib_s", "version_mib",
+                "publish_gb_s", "pull_gb_s"):
+        assert float(figures[key]) > 0, (key, line)

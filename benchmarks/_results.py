@@ -2,7 +2,7 @@
 ``benchmarks/results/<script>.jsonl`` with its date, commit, load average before the
 run and command (``record``), from which the docs' benchmark pages are generated
 (``docs/gen_reference.py``). Imported by the scripts that record (``lora_chat.py``,
-``trainer_gang.py``, ``agent_endpoint.py``)."""
+``trainer_gang.py``, ``agent_endpoint.py``, ``cluster_sim.py``)."""
 
 from __future__ import annotations
 

@@ -213,12 +213,13 @@ WEIGHT_PATHS = ("relay", "store")  # the scale run's weight paths: the first one
 # are the RESULT line's scale_* keys, the others' carry the path's name as a suffix
 
 
-def run_scale(tiny: bool, path: str = "relay", log=print):
-    """The 3,000-GPU run with weights over ``path`` (``WeightSync.path``)."""
+def run_scale(tiny: bool, path: str = "relay", steps: int | None = None, log=print):
+    """The 3,000-GPU run with weights over ``path`` (``WeightSync.path``), ``steps``
+    trainer steps (default 2; 1 when ``tiny``)."""
     from rollart.sim import simulate
     from rollart.sim.paper import scale_config
 
-    cfg = scale_config(quick=tiny, steps=1 if tiny else 2)
+    cfg = scale_config(quick=tiny, steps=steps or (1 if tiny else 2))
     cfg = replace(cfg, costs=cfg.costs.with_(weights=replace(cfg.costs.weights, path=path)))
     if tiny:
         cfg = _tiny(cfg)
@@ -269,6 +270,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--scale-only", action="store_true",
                     help="the 3,000-GPU run alone, through each weight path (no real runs, "
                          "no paper experiments)")
+    ap.add_argument("--scale-steps", type=int, default=None, metavar="N",
+                    help="trainer steps of the 3,000-GPU runs (default 2)")
     ap.add_argument("--no-record", action="store_true",
                     help="do not append the RESULT to benchmarks/results/cluster_sim.jsonl")
     ap.add_argument("--save-measured", default=None, metavar="PATH",
@@ -282,7 +285,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     figures: dict = {}
     if args.scale_only:
-        figures = _scale(args.tiny, out, t0)
+        figures = _scale(args.tiny, out, t0, steps=args.scale_steps)
         _record(args, started, load, figures, argv)
         return figures
     if args.no_calibration or args.tiny:
@@ -324,18 +327,18 @@ def main(argv=None) -> dict:
     if args.diagnostics and not args.tiny:
         diag = run_diagnostics()
         print("DIAGNOSTIC " + " ".join(f"{k}={_fmt(v)}" for k, v in diag.items()))
-    figures.update(_scale(args.tiny, out, t0, t_sim, figures))
+    figures.update(_scale(args.tiny, out, t0, t_sim, figures, args.scale_steps))
     _record(args, started, load, figures, argv)
     return figures
 
 
 def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,
-           figures: dict | None = None) -> dict:
+           figures: dict | None = None, steps: int | None = None) -> dict:
     """Step 3 and step 4 (the scale runs, their plots) and the RESULT line (``figures``
     of the steps before first)."""
     figures = dict(figures or {})
     t_sim = time.perf_counter() if t_sim is None else t_sim
-    runs = {path: run_scale(tiny, path)[1] for path in WEIGHT_PATHS}
+    runs = {path: run_scale(tiny, path, steps)[1] for path in WEIGHT_PATHS}
     scale = runs[WEIGHT_PATHS[0]]
     figures.update(scale_figures(runs))
     figures["sim_wall_s"] = time.perf_counter() - t_sim

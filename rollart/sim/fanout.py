@@ -23,7 +23,11 @@ Two paths (``WeightSync.path``):
   about one copy in all (origin bytes ratio ``1/K``) and the copies of a bucket grow by
   ``1 + tp`` per round: a version takes about ``B / tp + log(K) / log(1 + tp)`` rounds.
 
-Every pull also pays ``WeightSync.latency_s`` once (the manifest read and set-up).
+Every pull also pays ``WeightSync.latency_s`` once (the manifest read and set-up). A
+relaying puller joins at the first round boundary after its start (up to one bucket
+time late: 21 ms for 256 MiB at 12.5 GB/s). Not modelled: links shared with other
+traffic (KV transfers, training collectives), several GPUs' links through one node's
+switch, cut-through (a bucket is relayed only once whole).
 """
 
 from __future__ import annotations

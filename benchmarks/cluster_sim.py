@@ -13,13 +13,19 @@ the 3,000-GPU run, two plots and one RESULT line.
    paper's figure.
 3. **Scale** (``rollart.sim.paper.scale_config``): 3,000 GPUs (500 train, 2,500 rollout),
    α = 1, tens of thousands of env slots: throughput, utilisation per pool, staleness,
-   aborts, control-plane load, and the wall time of the simulation itself.
+   aborts, control-plane load, and the wall time of the simulation itself; run twice,
+   weights relayed from the trainer gang (``WeightSync.path="relay"``, the default) and
+   from one store node (``"store"``, rollart before the gang), each with its per-version
+   sync time and origin bytes ratio (``rollart.sim.fanout``).
 4. Plots into ``--out``: ``sim_utilisation.png`` (busy share over time per pool, scale
    run) and ``sim_staleness.png`` (trained trajectories by versions behind).
 
 ``--no-calibration`` skips step 1 (no real runs; ``calibration_error=nan``);
-``--calibration-only`` runs step 1 alone; ``--save-measured PATH`` keeps its measurements
-and the real runs' metrics (cloudpickle) to look at the prediction again;
+``--calibration-only`` runs step 1 alone; ``--scale-only`` steps 3–4 alone (no real
+runs, deterministic: the simulator and its seed); a run other than ``--tiny`` appends
+its RESULT figures to ``benchmarks/results/cluster_sim.jsonl`` (``--no-record``: not);
+``--save-measured PATH`` keeps its measurements and the real runs' metrics
+(cloudpickle) to look at the prediction again;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
 ``--diagnostics`` adds, after the paper's table, the headline affinity and PD configs
@@ -33,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,21 +209,50 @@ def _utilisation(exp, cache: dict) -> str:
     return "; ".join(parts)
 
 
-def run_scale(tiny: bool, log=print):
+WEIGHT_PATHS = ("relay", "store")  # the scale run's weight paths: the first one's figures
+# are the RESULT line's scale_* keys, the others' carry the path's name as a suffix
+
+
+def run_scale(tiny: bool, path: str = "relay", steps: int | None = None, log=print):
+    """The 3,000-GPU run with weights over ``path`` (``WeightSync.path``), ``steps``
+    trainer steps (default 2; 1 when ``tiny``)."""
     from rollart.sim import simulate
     from rollart.sim.paper import scale_config
 
-    cfg = scale_config(quick=tiny, steps=1 if tiny else 2)
+    cfg = scale_config(quick=tiny, steps=steps or (1 if tiny else 2))
+    cfg = replace(cfg, costs=cfg.costs.with_(weights=replace(cfg.costs.weights, path=path)))
     if tiny:
         cfg = _tiny(cfg)
-    log(f"scale: {cfg.cluster.gpus} GPUs, {cfg.cluster.env[0].slots} env slots, "
+    log(f"scale ({path}): {cfg.cluster.gpus} GPUs, {cfg.cluster.env[0].slots} env slots, "
         f"{cfg.graph.algo.groups_per_step} groups of {cfg.graph.algo.group_size} per step, "
         f"{cfg.steps} steps")
     r = simulate(cfg)
-    log(f"scale: {r.summary()}")
-    log(f"scale: staleness {r.staleness} aborts {r.aborts}")
-    log(f"scale: control {r.control}")
+    x = r.extra
+    log(f"scale ({path}): {r.summary()}")
+    log(f"scale ({path}): weights {x['weight_buckets']} buckets from {x['weight_origins']} "
+        f"origin(s), sync per version {[round(s, 2) for s in x['weight_sync_s']]} s, "
+        f"origin bytes ratio {x['origin_bytes_ratio']:.4g}, trainer utilisation "
+        f"{r.utilisation['trainer']:.3f}")
+    log(f"scale ({path}): staleness {r.staleness} aborts {r.aborts}")
+    log(f"scale ({path}): control {r.control}")
     return cfg, r
+
+
+def scale_figures(runs: dict) -> dict:
+    """The RESULT line's figures of the scale runs (``{path: SimResult}``)."""
+    out = {}
+    for i, (path, r) in enumerate(runs.items()):
+        sfx = "" if i == 0 else f"_{path}"
+        if i == 0:
+            out["gpus"] = r.gpus
+        out[f"scale_wall_s{sfx}"] = r.sim_wall_s
+        out[f"scale_traj_s{sfx}"] = r.throughput["trajectories_s"]
+        syncs = r.extra["weight_sync_s"]
+        out[f"weight_sync_s{sfx}"] = max(syncs) if syncs else float("nan")
+        out[f"origin_bytes_ratio{sfx}"] = r.extra["origin_bytes_ratio"]
+        if i == 0:
+            out["scheduler_load"] = r.control["scheduler_load"]
+    return out
 
 
 def main(argv=None) -> dict:
@@ -230,14 +267,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--diagnostics", action="store_true",
                     help="also the affinity and PD experiments with the GPUs on the "
                          "critical path (rollart.sim.diagnose) and a DIAGNOSTIC line")
+    ap.add_argument("--scale-only", action="store_true",
+                    help="the 3,000-GPU run alone, through each weight path (no real runs, "
+                         "no paper experiments)")
+    ap.add_argument("--scale-steps", type=int, default=None, metavar="N",
+                    help="trainer steps of the 3,000-GPU runs (default 2)")
+    ap.add_argument("--no-record", action="store_true",
+                    help="do not append the RESULT to benchmarks/results/cluster_sim.jsonl")
     ap.add_argument("--save-measured", default=None, metavar="PATH",
                     help="write the calibration's measurements and real runs' metrics "
                          "(cloudpickle) to PATH, to look at the prediction again")
     args = ap.parse_args(argv)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load = os.getloadavg()
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     figures: dict = {}
+    if args.scale_only:
+        figures = _scale(args.tiny, out, t0, steps=args.scale_steps)
+        _record(args, started, load, figures, argv)
+        return figures
     if args.no_calibration or args.tiny:
         figures["calibration_error"] = float("nan")
     else:
@@ -260,6 +310,7 @@ def main(argv=None) -> dict:
             figures["calibration_rounds"] = len(cal["round_errors"])
     if args.calibration_only:
         print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
+        _record(args, started, load, figures, argv)
         return figures
     t_sim = time.perf_counter()
     paper = run_paper(args.tiny)
@@ -276,12 +327,21 @@ def main(argv=None) -> dict:
     if args.diagnostics and not args.tiny:
         diag = run_diagnostics()
         print("DIAGNOSTIC " + " ".join(f"{k}={_fmt(v)}" for k, v in diag.items()))
-    cfg, scale = run_scale(args.tiny)
-    figures["gpus"] = scale.gpus
+    figures.update(_scale(args.tiny, out, t0, t_sim, figures, args.scale_steps))
+    _record(args, started, load, figures, argv)
+    return figures
+
+
+def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,
+           figures: dict | None = None, steps: int | None = None) -> dict:
+    """Step 3 and step 4 (the scale runs, their plots) and the RESULT line (``figures``
+    of the steps before first)."""
+    figures = dict(figures or {})
+    t_sim = time.perf_counter() if t_sim is None else t_sim
+    runs = {path: run_scale(tiny, path, steps)[1] for path in WEIGHT_PATHS}
+    scale = runs[WEIGHT_PATHS[0]]
+    figures.update(scale_figures(runs))
     figures["sim_wall_s"] = time.perf_counter() - t_sim
-    figures["scale_wall_s"] = scale.sim_wall_s
-    figures["scale_traj_s"] = scale.throughput["trajectories_s"]
-    figures["scheduler_load"] = scale.control["scheduler_load"]
     plot_utilisation(scale, out / "sim_utilisation.png")
     stale = {f"{scale.gpus} GPUs async α=1": scale}
     plot_staleness(stale, out / "sim_staleness.png")
@@ -289,6 +349,22 @@ def main(argv=None) -> dict:
           f"({time.time() - t0:.0f}s in all)")
     print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
     return figures
+
+
+def _record(args, started: str, load, figures: dict, argv) -> None:
+    """Append the run's RESULT figures to ``benchmarks/results/cluster_sim.jsonl`` (not
+    for ``--tiny`` or ``--no-record``)."""
+    if args.tiny or args.no_record:
+        return
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
+    from _results import record
+
+    path = record("cluster_sim", started, load,
+                  {k: (round(v, 6) if isinstance(v, float) and v == v else
+                       (None if isinstance(v, float) else v)) for k, v in figures.items()},
+                  argv)
+    print(f"recorded: {path}")
 
 
 def _fmt(v) -> str:

@@ -6,10 +6,11 @@ the staleness bound (``rollart.policy.staleness.StalenessBound``), redundancy
 (``rollart.policy.redundancy.Redundancy``), the buffer's slots
 (``rollart.policy.admission.Slots``/``GroupSequence``), the elastic reward pool's scaling
 (``rollart.policy.scaling.Scaling``) — with the cost models of ``rollart.sim.costs`` in
-place of engines, envs, rewards, trainer and weight transfers. ``rollart.sim.calibrate``
-measures this machine and checks the simulator against a real run;
-``rollart.sim.paper`` holds the paper's experiments. ``benchmarks/cluster_sim.py`` runs
-them all.
+place of engines, envs, rewards, trainer and weight transfers (a version's way to the
+workers, from one store node or relayed from the trainer gang: ``rollart.sim.fanout``).
+``rollart.sim.calibrate`` measures this machine and checks the simulator against a real
+run; ``rollart.sim.paper`` holds the paper's experiments. ``benchmarks/cluster_sim.py``
+runs them all.
 
 >>> from rollart.sim import ClusterSpec, GPUPool, SimConfig, simulate  # doctest: +SKIP
 >>> from rollart import Graph                                          # doctest: +SKIP

@@ -26,8 +26,9 @@ What is simulated (and what is aggregated to stay fast at thousands of GPUs):
   a trainer step (``TrainCost`` on the batch's tokens, then the weight push) takes
   ``groups_per_step`` complete groups the runtime's ``StalenessBound`` calls fresh;
   workers find the new version after up to one store poll (``WeightRule``), pull it
-  while generating (``WeightSync``), stall for the exposed part and re-prefill their
-  in-flight contexts; members the bound rules out are aborted and replaced.
+  while generating (``WeightSync``; from one store node or as the trainer gang's buckets
+  relayed among the workers, ``rollart.sim.fanout``), stall for the load and re-prefill
+  their in-flight contexts; members the bound rules out are aborted and replaced.
 * **Control plane**: Dask messages counted per turn and per step, their cost
   (``ControlPlane``) summed into scheduler, driver and env-manager loop load, and each
   round trip charged as latency on the path that waits for it (a turn's generation
@@ -52,6 +53,7 @@ from rollart.policy.affinity import env_tag, task_routes
 from rollart.policy.redundancy import Redundancy
 from rollart.policy.routing import Router
 from rollart.sim.config import SimConfig, SimConfigError, SimResult
+from rollart.sim.fanout import fan_out
 from rollart.sim.pools import Meter, Req, RewardSim, SimWorker
 from rollart.policy.staleness import StalenessBound, WeightRule, within
 
@@ -189,6 +191,7 @@ class Cluster:
         self.staleness: Counter = Counter()
         self.decisions: list = []
         self.step_times: list[float] = []
+        self.syncs: list[dict] = []  # per published version: rollart.sim.fanout's figures
         self.trained = self.trained_tokens = 0
 
     # -- groups and members -------------------------------------------------------------
@@ -440,7 +443,8 @@ class Cluster:
             if not m.failed and m.oldest is not None:
                 self.staleness[self.bound.lag(m.oldest, self.version)] += 1
         yield self.env.timeout(self.train_cost.step_s(tokens))
-        yield self.env.timeout(self.costs.weights.push_s(self.costs.model))
+        yield self.env.timeout(self.costs.weights.publish_s(
+            self.costs.model, self.cfg.cluster.trainer_gpus))
         self.trainer.add(t0, self.env.now)
         self.version += 1
         self.trained += len(members)
@@ -451,22 +455,31 @@ class Cluster:
 
     def publish(self, wait: bool = False) -> simpy.Event:
         """Workers load the new version: lockstep (``wait``) at once, nothing hidden;
-        otherwise each finds it within one store poll and pulls it while generating."""
+        otherwise each finds it within one store poll and pulls it while generating.
+        When each worker holds the whole version is ``rollart.sim.fanout``'s answer for
+        ``WeightSync.path`` (the store node's shared links, or the gang's buckets
+        relayed among the workers); the version's sync time and origin bytes are kept
+        in ``syncs``."""
         version, w_cost, model = self.version, self.costs.weights, self.costs.model
+        pools = [self.pool_of[w.tag] for w in self.workers]
+        starts = [0.0 if wait else self.rng_misc.uniform(0, self.weights_rule.poll_s)
+                  for _ in self.workers]
+        fan = fan_out(w_cost, model.weight_bytes, [p.tp for p in pools],
+                      self.cfg.cluster.trainer_gpus, starts)
+        self.syncs.append({"version": version, "sync_s": fan.sync_s,
+                           "origin_bytes": fan.origin_bytes,
+                           "origin_ratio": fan.origin_ratio, "buckets": fan.buckets,
+                           "origins": fan.origins})
         loads = []
-        for w in self.workers:
-            pool = self.pool_of[w.tag]
-            gpu = self.costs.gpus[pool.gpu]
-            pull = w_cost.pull_s(model, pool.tp)
-            if wait:
-                loads.append(w.load(version, w_cost.exposed_pull_s(model, gpu, pool.tp, 0.0)))
+        for w, pool, pulled in zip(self.workers, pools, fan.done_s):
+            load = w_cost.load_s(model, self.costs.gpus[pool.gpu], pool.tp)
+            if wait:  # nothing to overlap: the pull and the load both stall the worker
+                loads.append(w.load(version, pulled + load))
                 continue
-            delay = self.rng_misc.uniform(0, self.weights_rule.poll_s) + pull
-            exposed = w_cost.exposed_pull_s(model, gpu, pool.tp, overlap_s=pull)
-            done = self.env.event()
+            done = self.env.event()  # prefetched while generating: the load is exposed
             loads.append(done)
-            ev = self.env.timeout(delay)
-            ev.callbacks.append(lambda _e, w=w, x=exposed, v=version, d=done:
+            ev = self.env.timeout(pulled)
+            ev.callbacks.append(lambda _e, w=w, x=load, v=version, d=done:
                                 w.load(v, x).callbacks.append(lambda _l: d.succeed()))
         return self.env.all_of(loads)
 

@@ -31,6 +31,14 @@ Assumptions (every figure here is either a public datasheet number or stated as 
   over RDMA at 12.5 GB/s per pulling node (one 100 Gb/s effective path) and plain TCP
   at 1.25 GB/s, plus a fixed per-transfer latency. The paper's exposed pull for
   Qwen3-8B / 14B / 32B is 1.4 / 5.1 / 9.6 s; ``rollart.sim.paper`` prints ours beside.
+  That rate is one path per GPU, each way (``WeightSync.pull_s`` has a TP-``t`` worker
+  pull ``1/t`` per GPU in parallel): HGX/DGX H100-class nodes carry one ConnectX-7
+  400 Gb/s NIC per GPU for the compute fabric (NVIDIA DGX H100 user guide), of which
+  we assume a quarter effective (ours). A trainer rank (one GPU) has one path; the
+  ``store`` path's store node has ``store_paths`` = 1 (one 100 Gb/s effective node,
+  the 55-min-a-version figure of docs/benchmarks/cluster-sim.md); buckets are
+  ``rollart.trainer.gang.TrainerGang``'s default 256 MiB. ``rollart.sim.fanout`` turns
+  these into each version's distribution.
 """
 
 from __future__ import annotations
@@ -329,24 +337,43 @@ class TrainCost:
 class WeightSync:
     """Weights from the trainer to the inference workers through the versioned store.
 
-    ``push_s``: the trainer writes one copy; ``pull_s``: each inference instance reads
-    its shard (``tp`` GPUs pull ``1/tp`` each, in parallel), over ``transport``.
+    ``push_s``: the trainer writes one copy; ``pull_s``: one inference instance alone
+    reads its shard (``tp`` GPUs pull ``1/tp`` each, in parallel), over ``transport``.
     ``prefetch``: pulls overlap generation (rollart's workers watch the store), so only
     ``exposed_pull_s`` (pull minus the overlap available) stalls decoding; the in-engine
-    load (``load_s``, an HBM copy) is always exposed.
+    load (``load_s``, an HBM copy; the engine loads bucket by bucket, each bucket's
+    ``1/tp`` per GPU, ``load_s`` in all) is always exposed: the pull is prefetched in
+    the background, the load happens at the suspend point.
+
+    ``path`` says how a version reaches many workers at once (``rollart.sim.fanout``):
+    ``relay`` (default: the trainer gang's ranks each serve their ``bucket_bytes``
+    buckets, pullers relay buckets to each other; ``publish_s``: each rank writes its
+    share) or ``store`` (one store node with ``store_paths`` links serves every worker a
+    whole copy: pulls share its links; ``publish_s`` = ``push_s``). Every link, a GPU's
+    or the store node's, carries ``bytes_s`` each way.
     """
 
     transport: str = "rdma"
-    rdma_bytes_s: float = 12.5e9  # ours: one 100 Gb/s effective path per node
+    rdma_bytes_s: float = 12.5e9  # ours: one 100 Gb/s effective path per node (GPU)
     tcp_bytes_s: float = 1.25e9  # ours: 10 Gb/s effective
     latency_s: float = 0.05
     prefetch: bool = True
+    path: str = "relay"
+    bucket_bytes: float = 256 * 2 ** 20  # rollart.trainer.gang.TrainerGang's default
+    store_paths: int = 1  # the store node: one 100 Gb/s effective path, as a puller's
 
     def __post_init__(self):
         if self.transport not in ("rdma", "tcp"):
             raise ValueError(f"WeightSync.transport must be 'rdma' or 'tcp', got "
                              f"{self.transport!r}")
-        _positive(self, "rdma_bytes_s", "tcp_bytes_s")
+        if self.path not in ("relay", "store"):
+            raise ValueError(f"WeightSync.path must be 'relay' (the trainer gang's buckets, "
+                             f"relayed among pullers) or 'store' (one store node), got "
+                             f"{self.path!r}")
+        if not isinstance(self.store_paths, int) or self.store_paths < 1:
+            raise ValueError(f"WeightSync.store_paths must be an int ≥ 1, got "
+                             f"{self.store_paths!r}")
+        _positive(self, "rdma_bytes_s", "tcp_bytes_s", "bucket_bytes")
 
     @property
     def bytes_s(self) -> float:
@@ -357,6 +384,18 @@ class WeightSync:
 
     def pull_s(self, model: ModelSpec, tp: int = 1) -> float:
         return self.latency_s + model.weight_bytes / tp / self.bytes_s
+
+    def publish_s(self, model: ModelSpec, ranks: int = 1) -> float:
+        """The trainer's side of a version: ``store``: one copy written to the store
+        (``push_s``); ``relay``: each of ``ranks`` ranks writes its buckets (bucket ``k``
+        by rank ``k mod ranks``) at its link's rate, in parallel."""
+        if self.path == "store":
+            return self.push_s(model)
+        from rollart.sim.fanout import bucket_count
+
+        buckets = bucket_count(model.weight_bytes, self.bucket_bytes)
+        per_rank = math.ceil(buckets / min(max(int(ranks), 1), buckets))
+        return self.latency_s + per_rank * model.weight_bytes / buckets / self.bytes_s
 
     def load_s(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1) -> float:
         return model.weight_bytes / tp / gpu.hbm_bytes_s

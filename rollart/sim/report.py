@@ -111,4 +111,19 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
                "turns": cl.counts["turn_requests"],
                "requests": sum(w.admitted for w in cl.workers),
                "worker_busy": spread,
-               "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes})
+               "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes,
+               **weight_sync(cl)})
+
+
+def weight_sync(cl) -> dict:
+    """The weight path's figures (``rollart.sim.fanout``): per published version the
+    seconds until the last worker held it (``weight_sync_s``), the origins' bytes over
+    the bytes delivered (``origin_bytes_ratio``: 1 from the store, about 1/workers
+    relayed), the buckets and the ranks that served them."""
+    s = cl.syncs
+    return {"weight_path": cl.costs.weights.path,
+            "weight_sync_s": [x["sync_s"] for x in s],
+            "origin_bytes_ratio": s[-1]["origin_ratio"] if s else float("nan"),
+            "origin_bytes_per_version": s[-1]["origin_bytes"] if s else float("nan"),
+            "weight_buckets": s[-1]["buckets"] if s else 0,
+            "weight_origins": s[-1]["origins"] if s else 0}

@@ -219,6 +219,9 @@ def test_cluster_sim_benchmark_tiny(tmp_path):
                 "sim_wall_s"):
         assert key in got, line
     assert got["gpus"] == 3000 and got["async_vs_sync"] > 0 and got["pd_gain"] > 0
+    # the scale run through both weight paths: relayed from the gang, from one store
+    assert got["weight_sync_s"] < 10 < 3000 < got["weight_sync_s_store"]
+    assert got["origin_bytes_ratio"] < 0.01 and got["origin_bytes_ratio_store"] == 1
     assert (tmp_path / "sim_utilisation.png").stat().st_size > 1000
     assert (tmp_path / "sim_staleness.png").stat().st_size > 1000
 

@@ -38,10 +38,22 @@ def record(script: str, started: str, load, fields: dict, argv=None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     args = sys.argv[1:] if argv is None else list(argv)
     line = {"date": started, "commit": commit(), "load_before": load,
-            "command": " ".join([f"{script}.py", *args]), **fields}
+            "command": " ".join([f"{script}.py", *args]), **_json_safe(fields)}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
     return path
+
+
+def _json_safe(x):
+    """NaN and infinities (a figure that could not be computed) as ``null``: JSON has
+    neither."""
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def add_arguments(parser) -> None:

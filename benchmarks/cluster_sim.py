@@ -39,16 +39,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
 
 RESULT_KEYS = ("affinity_vs_h20", "affinity_vs_h800", "async_vs_sync", "syncplus_vs_sync",
                "pd_gain", "redundancy_gain", "alpha_gain", "alpha_gain_fixed_slots")
@@ -272,21 +273,19 @@ def main(argv=None) -> dict:
                          "no paper experiments)")
     ap.add_argument("--scale-steps", type=int, default=None, metavar="N",
                     help="trainer steps of the 3,000-GPU runs (default 2)")
-    ap.add_argument("--no-record", action="store_true",
-                    help="do not append the RESULT to benchmarks/results/cluster_sim.jsonl")
     ap.add_argument("--save-measured", default=None, metavar="PATH",
                     help="write the calibration's measurements and real runs' metrics "
                          "(cloudpickle) to PATH, to look at the prediction again")
+    add_arguments(ap)
     args = ap.parse_args(argv)
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    load = os.getloadavg()
+    run = Run("cluster_sim", args, argv)  # not recorded: --tiny, --no-record
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     figures: dict = {}
     if args.scale_only:
         figures = _scale(args.tiny, out, t0, steps=args.scale_steps)
-        _record(args, started, load, figures, argv)
+        run.result(figures, fmt=_fmt)
         return figures
     if args.no_calibration or args.tiny:
         figures["calibration_error"] = float("nan")
@@ -309,8 +308,7 @@ def main(argv=None) -> dict:
                 cal["calibration_error_probe_stretch"]
             figures["calibration_rounds"] = len(cal["round_errors"])
     if args.calibration_only:
-        print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
-        _record(args, started, load, figures, argv)
+        run.result(figures, fmt=_fmt)
         return figures
     t_sim = time.perf_counter()
     paper = run_paper(args.tiny)
@@ -328,14 +326,14 @@ def main(argv=None) -> dict:
         diag = run_diagnostics()
         print("DIAGNOSTIC " + " ".join(f"{k}={_fmt(v)}" for k, v in diag.items()))
     figures.update(_scale(args.tiny, out, t0, t_sim, figures, args.scale_steps))
-    _record(args, started, load, figures, argv)
+    run.result(figures, fmt=_fmt)
     return figures
 
 
 def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,
            figures: dict | None = None, steps: int | None = None) -> dict:
-    """Step 3 and step 4 (the scale runs, their plots) and the RESULT line (``figures``
-    of the steps before first)."""
+    """Step 3 and step 4 (the scale runs, their plots): the RESULT line's figures
+    (``figures`` of the steps before first)."""
     figures = dict(figures or {})
     t_sim = time.perf_counter() if t_sim is None else t_sim
     runs = {path: run_scale(tiny, path, steps)[1] for path in WEIGHT_PATHS}
@@ -347,24 +345,7 @@ def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,
     plot_staleness(stale, out / "sim_staleness.png")
     print(f"plots: {out / 'sim_utilisation.png'} {out / 'sim_staleness.png'} "
           f"({time.time() - t0:.0f}s in all)")
-    print("RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
     return figures
-
-
-def _record(args, started: str, load, figures: dict, argv) -> None:
-    """Append the run's RESULT figures to ``benchmarks/results/cluster_sim.jsonl`` (not
-    for ``--tiny`` or ``--no-record``)."""
-    if args.tiny or args.no_record:
-        return
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
-    from _results import record
-
-    path = record("cluster_sim", started, load,
-                  {k: (round(v, 6) if isinstance(v, float) and v == v else
-                       (None if isinstance(v, float) else v)) for k, v in figures.items()},
-                  argv)
-    print(f"recorded: {path}")
 
 
 def _fmt(v) -> str:

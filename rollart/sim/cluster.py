@@ -49,6 +49,7 @@ from collections import Counter, OrderedDict
 
 import simpy
 
+from rollart.policy.admission import group_number
 from rollart.policy.affinity import env_tag, task_routes
 from rollart.policy.redundancy import Redundancy
 from rollart.policy.routing import Router
@@ -184,6 +185,7 @@ class Cluster:
         self.version = 0
         self.groups: dict[str, Group] = {}
         self.complete: OrderedDict[str, Group] = OrderedDict()
+        self.trained_groups: list[list[int]] = []  # each step's groups, by start number
         self.changed = self.env.event()
         self.on_release = None  # the mode's hook when a group leaves (frees a slot)
         self.counts = Counter()
@@ -390,6 +392,7 @@ class Cluster:
         if grp.version is None:  # every member failed: nothing to train, slot frees
             self.counts["groups_failed"] += 1
             self.release(grp)
+            self.notify()  # a start-order window may have moved past it
             return
         self.complete[grp.gid] = grp
         self.notify()
@@ -402,9 +405,11 @@ class Cluster:
         if self.on_release is not None:
             self.on_release(grp)
 
-    def take_batch(self, n: int, floor: int | None):
+    def take_batch(self, n: int, floor: int | None, limit=None):
         """``SampleBuffer.get_table``: drop complete groups below ``floor`` (``None``:
-        never), wait for ``n``, take the oldest ``n``."""
+        never), wait for ``n``, take the first ``n`` completed; with ``limit`` (a callable,
+        ``Slots.take_limit``: ``Rollout.take_window``) the first ``n`` started among
+        those numbered below it."""
         while True:
             if floor is not None:
                 for gid, g in list(self.complete.items()):
@@ -412,8 +417,14 @@ class Cluster:
                         del self.complete[gid]
                         self.counts["dropped"] += len(g.delivered)
                         self.release(g)
-            if len(self.complete) >= n:
-                batch = [self.complete.popitem(last=False)[1] for _ in range(n)]
+            below = None if limit is None else limit()
+            if below is None:
+                ready = list(self.complete)
+            else:
+                ready = sorted((gid for gid in self.complete if group_number(gid) < below),
+                               key=group_number)
+            if len(ready) >= n:
+                batch = [self.complete.pop(gid) for gid in ready[:n]]
                 for g in batch:
                     self.release(g)
                 return batch
@@ -450,6 +461,7 @@ class Cluster:
         self.trained += len(members)
         self.trained_tokens += tokens
         self.step_times.append(self.env.now)
+        self.trained_groups.append(sorted(group_number(g.gid) for g in batch))
         self.msgs["driver"] += 2  # train_step + its result
         self.msgs["trainer"] += 3  # get_table, weight store put, mark_trained
 

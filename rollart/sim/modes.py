@@ -27,7 +27,8 @@ Consumes the cluster's state and policy objects; produces trainer steps. Called 
 
 from __future__ import annotations
 
-from rollart.policy.admission import GroupSequence, Slots, StartBound, Work
+from rollart.policy.admission import (GroupSequence, Slots, StartBound, Work,
+                                      take_window_groups)
 from rollart.policy.redundancy import Redundancy
 
 
@@ -41,12 +42,14 @@ def asynchronous(cl, areal: bool = False):
     from rollart.policy.admission import slot_capacity
 
     algo, limit = cl.graph.algo, cl.graph.rollout.max_in_flight
+    window = take_window_groups(algo, cl.graph.rollout.take_window)  # None: completion order
     if areal:  # Rollout.max_in_flight bounds it as it bounds async, when set
         admission = StartBound(algo.alpha, algo.groups_per_step,
                                None if limit is None else slot_capacity(algo, limit))
-        slots = Slots(admission.capacity, _sequence(cl), admission)
+        slots = Slots(admission.capacity, _sequence(cl), admission, window)
     else:
-        slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo, limit), _sequence(cl))
+        slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo, limit), _sequence(cl),
+                      take_window=window)
     training = [0]
 
     def fill() -> None:
@@ -66,7 +69,8 @@ def asynchronous(cl, areal: bool = False):
     fill()
     for _ in range(cl.cfg.steps):
         floor = None if areal else cl.bound.min_version(cl.version)
-        batch = yield from cl.take_batch(algo.groups_per_step, floor)
+        batch = yield from cl.take_batch(algo.groups_per_step, floor,
+                                         None if window is None else slots.take_limit)
         training[0] = len(batch)
         fill()
         yield from cl.train(batch)

@@ -112,6 +112,7 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
                "requests": sum(w.admitted for w in cl.workers),
                "worker_busy": spread,
                "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes,
+               "trained_groups": [list(b) for b in cl.trained_groups],
                **weight_sync(cl)})
 
 

@@ -168,6 +168,27 @@ def test_aborts_keep_async_within_alpha_while_areal_trains_older_data():
     assert areal.aborts["aborted"] == 0 and max(areal.staleness) > 2, areal.staleness
 
 
+def test_a_take_window_trains_groups_in_start_order_in_the_simulator_too():
+    """Rollout.take_window, as the runtime's buffer applies it (Slots.take_limit): with
+    three steps' worth in flight and long-tailed episodes the first to complete are
+    not the first started; with a window of one step's worth every step's groups
+    started before the next step's."""
+    long_tail = EnvCost("tail", reset=Latency("fixed", 1.0),
+                        step=Latency("pareto", 1.0, shape=1.1, cap=400.0))
+    costs = _costs(long_tail, train_s=1.0)
+    base = replace(_graph(steps=8, max_in_flight=3),
+                   algo=GRPO(group_size=2, groups_per_step=4, alpha=3))
+    free, window = (_run(replace(base, rollout=replace(base.rollout, take_window=w)),
+                         mode="async", costs=costs, seed=1) for w in (None, 1))
+
+    def ordered(batches):
+        return all(max(a) < min(b) for a, b in zip(batches, batches[1:]))
+
+    assert len(window.extra["trained_groups"]) == 8
+    assert ordered(window.extra["trained_groups"]), window.extra["trained_groups"]
+    assert not ordered(free.extra["trained_groups"]), free.extra["trained_groups"]
+
+
 def test_redundancy_launches_extras_and_cancels_the_last_finishers():
     tail = EnvCost("tail", reset=Latency("fixed", 1.0),
                    step=Latency("lognormal", 1.0, sigma=1.5))

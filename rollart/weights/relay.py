@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_WAIT_S = 10.0  # for a claimed bucket's replica before reading the origin
 DEFAULT_TIMEOUT_S = 10.0  # for one replica read before abandoning it
 POLL_S = 0.01
+CLAIM_S = 1.0  # a claim that stays unreadable this long: its owner is gone
 
 
 def striped(names: list[str], slot: int) -> list[str]:
@@ -164,12 +165,19 @@ class Relay:
         reads it and will relay it) or ``"lost"`` (the claim cannot be read: its owner's
         segment is gone)."""
         key, me = self.store._key(f"{name}.c"), f"{slot}/{self._me}".encode()
-        try:
-            self.client.put(key, me, self._here())  # never overwrites: the first wins
-            owner = bytes(self.client.get(key))
-        except Exception as e:  # noqa: BLE001 - no claim: read the origin anyway
-            logger.warning("relay: claiming %s failed (%r)", key, e)
-            return "lost"
+        deadline = time.monotonic() + CLAIM_S
+        while True:
+            # a claim another reader is putting is invisible for a moment (its put
+            # fails ours); one whose owner is gone stays unreadable: lost after CLAIM_S
+            try:
+                self.client.put(key, me, self._here())  # never overwrites: first wins
+                owner = bytes(self.client.get(key))
+            except Exception as e:  # noqa: BLE001 - no claim: read the origin anyway
+                logger.warning("relay: claiming %s failed (%r)", key, e)
+                return "lost"
+            if owner or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
         return "mine" if owner == me else "other" if owner else "lost"
 
     def _fallback(self, why: str, name: str, text: str, count: bool = True) -> None:

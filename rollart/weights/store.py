@@ -184,8 +184,7 @@ class WeightStore(abc.ABC):
                     raise ValueError(f"buckets {missing} are missing")
                 for blob in blobs:
                     tensors.update(st_load(blob))
-            else:
-                self._count("origin_bytes", len(data))
+            self._count("origin_bytes", len(data))  # the blob, or the manifest
             return (tensors, head) if meta else tensors
         except Exception as e:
             raise self._unreadable(version, e) from None
@@ -213,8 +212,7 @@ class WeightStore(abc.ABC):
             first = None if names else st_load(data)
         except Exception as e:
             raise self._unreadable(version, e) from None
-        if first is not None:
-            self._count("origin_bytes", len(data))
+        self._count("origin_bytes", len(data))  # the blob, or the manifest
         return BucketStream(self, version, names, head, reader=reader, ahead=ahead,
                             whole=first, on_close=on_close)
 

@@ -178,9 +178,14 @@ def test_a_dead_relay_sends_its_readers_to_the_origin_and_counts_it(master, how)
         finish(first)
     assert r1["digests"] == digests(sd)
     t = r1["transfer"]
-    assert t["fallbacks"] == 4 and t["origin_bytes"] >= size and t["relay_bytes"] == 0
-    if how == "killed":  # the dead relay's reads failed, then its claims did
-        assert t.get("relay_failed_reads", 0) >= 4 and t.get("relay_fallback_claim") == 4
-    else:  # no replica came within relay_wait (1 s) for any claimed bucket
-        assert t.get("relay_fallback_wait") == 4
+    assert t["origin_bytes"] >= size and t["relay_bytes"] == 0  # all from the origin
+    if how == "killed":
+        # until the master drops the dead process's segment (client_ttl, 10 s) its
+        # replicas and claims stay listed: each read of them failed, then the claim,
+        # and the bucket came from the origin, counted; a bucket read after the drop
+        # was claimed afresh (no relay left to fall back from)
+        assert 1 <= t["fallbacks"] == t.get("relay_fallback_claim") <= 4, t
+        assert t.get("relay_failed_reads", 0) >= t["fallbacks"], t
+    else:  # its claims stand: no replica came within relay_wait (1 s) for any bucket
+        assert t["fallbacks"] == t.get("relay_fallback_wait") == 4, t
     assert took < 120

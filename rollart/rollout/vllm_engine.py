@@ -364,9 +364,15 @@ class VLLMEngine(StagedUpdates):
         The tensors are kept for ``state_dict`` (as ``_copy_in`` keeps them)."""
         head = "lm_head.weight"
         kept: dict[str, torch.Tensor] = {}
+        buckets = iter(stream)
+        first = next(buckets, None)  # a stream failing at once leaves vLLM untouched
+        if first is None:
+            raise KeyError(f"version {version} has no weights")
 
         def weights():
-            for name, part in stream:
+            nonlocal first
+            for name, part in itertools.chain([first], buckets):
+                first = None
                 part = {k: v for k, v in part.items() if not (self.tied and k == head)}
                 unexpected = sorted(set(part) - self._shapes.keys())
                 wrong = [k for k, v in part.items()
@@ -374,7 +380,6 @@ class VLLMEngine(StagedUpdates):
                 if unexpected or wrong:
                     raise KeyError(f"bucket {name} does not match the model: unexpected "
                                    f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
-                stream.copied += 1
                 for k, v in part.items():
                     kept[k] = v.detach().to("cpu").contiguous()
                     yield k, kept[k]
@@ -386,6 +391,7 @@ class VLLMEngine(StagedUpdates):
                                f"{missing[:5]} ({len(missing)} in all)")
 
         before = self._own_threads()
+        stream.copied += 1  # from here a failure may leave vLLM's model half-reloaded
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
             if self.tied:

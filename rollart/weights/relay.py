@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WAIT_S = 10.0  # for a claimed bucket's replica before reading the origin
 DEFAULT_TIMEOUT_S = 10.0  # for one replica read before abandoning it
-POLL_S = 0.01
+POLL_S = 0.02
 CLAIM_S = 1.0  # a claim that stays unreadable this long: its owner is gone
 
 

@@ -1,7 +1,8 @@
 """A versioned store of model weights: one interface, two backends.
 
 The trainer calls ``put(version, state_dict)`` after each step and ``gc(keep)``;
-inference workers call ``latest()``, ``hold(reader, v)``, ``get(v)``, ``release(reader)``.
+inference workers call ``latest()``, ``hold(reader, v)``, ``get(v)`` or
+``iter_buckets(v)``, ``release(reader)``.
 ``WeightStore(url)`` picks the backend from the URL:
 
 * ``mooncake://HOST:PORT/PREFIX?metadata=URL`` → ``rollart.weights.mooncake`` (a
@@ -18,7 +19,8 @@ after another, a bounded number ahead of its consumer, so a reader that loads ea
 as it arrives (an inference worker) never holds more than about two buckets. Every bucket
 read goes through ``_read_bucket``, which counts the bytes read in ``transfer``; the
 Mooncake backend's relay (``rollart.weights.relay``) overrides it so that pullers of a
-version serve its buckets to each other and the trainer's side serves about one copy. ``LATEST`` names the newest complete version and is written after
+version serve its buckets to each other and the trainer's side serves about one copy.
+``LATEST`` names the newest complete version and is written after
 the blob or manifest, so a reader never sees a half-written version (buckets without
 their manifest are no version). Garbage
 collection removes versions that are neither among the newest ``keep`` nor held by a

@@ -106,6 +106,11 @@ def finish(*procs: subprocess.Popen) -> None:
 
 
 def test_striping_and_the_names_gc_removes():
+    import doctest
+
+    from rollart.weights import relay
+
+    assert doctest.testmod(relay).failed == 0
     assert striped(["a", "b", "c"], 0) == ["a", "b", "c"]
     assert striped(["a", "b", "c"], 5) == ["c", "a", "b"] and striped([], 3) == []
     assert extra_names("x", 2) == ["x.r0", "x.r1", "x.c"]

@@ -121,10 +121,17 @@ class StagedUpdates:
             dropped.close()
 
     def cancel_updates(self) -> None:
-        """Stop waiting for an update to mend mixed weights (the engine is closing)."""
+        """The engine is closing: stop waiting for an update to mend mixed weights, and
+        close a staged stream (its reader stops, its hold is released)."""
+        dropped = None
         with self._update_lock:
             self._updates_cancelled = True
+            if self._pending_update is not None and isinstance(self._pending_update[0],
+                                                               _Stream):
+                dropped, self._pending_update = self._pending_update[0], None
             self._update_cond.notify_all()
+        if dropped is not None:
+            dropped.close()
 
     def _supersede(self, older, newer):
         """What to stage when ``newer`` replaces ``older`` before it was applied (an

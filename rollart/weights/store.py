@@ -232,17 +232,24 @@ class WeightStore(abc.ABC):
 
     @property
     def transfer(self) -> dict[str, int]:
-        """Bytes this store object read: ``origin_bytes`` from the objects the trainer
-        wrote, ``relay_bytes`` from other readers' replicas; ``fallbacks``: bucket reads
-        that went to the origin because no replica could be read (``relay_*`` keys: the
-        relay's own counts)."""
-        return self.__dict__.setdefault("_transfer", {"origin_bytes": 0, "relay_bytes": 0,
-                                                      "fallbacks": 0})
+        """Bytes this store object read (a copy): ``origin_bytes`` from the objects the
+        trainer wrote (buckets, blobs, manifests), ``relay_bytes`` from other readers'
+        replicas; ``fallbacks``: bucket reads that went to the origin because no replica
+        could be read (``relay_*`` keys: the relay's own counts)."""
+        with self._transfer_lock():
+            return dict(self._transfer())
+
+    def _transfer(self) -> dict[str, int]:
+        return self.__dict__.setdefault("_transfer_counts", {
+            "origin_bytes": 0, "relay_bytes": 0, "fallbacks": 0})
+
+    def _transfer_lock(self) -> threading.Lock:
+        return self.__dict__.setdefault("_transfer_mutex", threading.Lock())
 
     def _count(self, key: str, n: int = 1) -> None:
-        lock = self.__dict__.setdefault("_transfer_lock", threading.Lock())
-        with lock:
-            self.transfer[key] = self.transfer.get(key, 0) + int(n)
+        with self._transfer_lock():
+            counts = self._transfer()
+            counts[key] = counts.get(key, 0) + int(n)
 
     def _remove_extras(self, name: str) -> bool:
         """Hook: remove what readers added next to bucket ``name`` (relay replicas);

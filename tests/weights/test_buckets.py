@@ -216,11 +216,18 @@ def test_a_stream_failing_half_way_never_lets_a_mix_generate(tmp_path, model_dir
     assert engine.mixed is None
     now = engine.state_dict()
     assert all(torch.equal(now[k], new[k]) for k in new if k != "lm_head.weight")
-    # a mix and the engine closing: the wait ends with an error naming it
+    # a mix and the engine closing meanwhile: the wait ends with an error naming it
     engine.request_stream(Failing(store, 1, at=1), 2)
-    engine.cancel_updates()
+    closing = threading.Timer(0.5, engine.cancel_updates)
+    closing.start()
     with pytest.raises(RuntimeError, match="mix of two versions"):
         engine.apply_pending_update()
+    closing.join()
+    # closing drops a staged stream: its reader stops (and its hold is released)
+    staged = Failing(store, 1, at=9)
+    engine.request_stream(staged, 3)
+    engine.cancel_updates()
+    assert staged.closed and engine.pending_version is None
 
 
 def test_lora_engines_take_whole_versions(model_dir):

@@ -23,16 +23,20 @@ pytestmark = pytest.mark.mooncake
 # the digest of every tensor and its transfer counts, then keeps its segment (its
 # replicas) alive until told to exit
 PULLER = """
-import hashlib, json, sys
+import hashlib, json, sys, time
 from rollart.weights import WeightStore
 store, version = WeightStore(sys.argv[1]), int(sys.argv[2])
-reader = f"puller-{sys.argv[3]}"
+reader, pause = f"puller-{sys.argv[3]}", float(sys.argv[4])
 store.hold(reader, version)
 digests = {}
-with store.iter_buckets(version, reader=reader) as stream:
-    for name, part in stream:
+with store.iter_buckets(version, reader=reader, ahead=1) as stream:
+    for i, (name, part) in enumerate(stream):
         digests.update({k: hashlib.sha256(v.numpy().tobytes()).hexdigest()
                         for k, v in part.items()})
+        if pause:  # a slow loader: says when it has its first bucket
+            if i == 0:
+                print(json.dumps({"first": name, "transfer": store.transfer}), flush=True)
+            time.sleep(pause)
 store.release(reader)
 print(json.dumps({"digests": digests, "transfer": store.transfer}), flush=True)
 sys.stdin.readline()
@@ -75,8 +79,9 @@ def digests(sd: dict) -> dict[str, str]:
     return {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sd.items()}
 
 
-def start(url: str, version: int, i: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PULLER, url, str(version), str(i)],
+def start(url: str, version: int, i: int, pause: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PULLER, url, str(version), str(i),
+                             str(pause)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -194,3 +199,33 @@ def test_a_dead_relay_sends_its_readers_to_the_origin_and_counts_it(master, how)
     else:  # its claims stand: no replica came within relay_wait (1 s) for any bucket
         assert t["fallbacks"] == t.get("relay_fallback_wait") == 4, t
     assert took < 120
+
+
+def test_a_relay_killed_while_a_reader_pulls_through_it(master):
+    """The reader's first bucket comes from the relay; then the relay's process is
+    killed: the rest comes from the origin, each counted as a fallback, and the reader
+    ends with every tensor right."""
+    url = master.url("dead-mid", segment_mb=64, buffer_mb=16, relay_mb=32, relay_wait=1,
+                     relay_timeout=5)
+    trainer = WeightStore(url)
+    sd = state(5)
+    size = publish(trainer, 1, sd, buckets=6)
+    relay = start(url, 1, 0)
+    try:
+        result(relay)  # it read (and relays) every bucket
+        reader = start(url, 1, 1, pause=0.5)
+        try:
+            first = result(reader)  # its first bucket, read through the live relay
+            assert first["transfer"]["relay_bytes"] > 0, first
+            relay.send_signal(signal.SIGKILL)
+            relay.wait()
+            r = result(reader)
+        finally:
+            finish(reader)
+    finally:
+        finish(relay)
+    assert r["digests"] == digests(sd)
+    t = r["transfer"]
+    # ahead=1: at most the first two buckets were read before the kill, the rest after
+    assert 0 < t["relay_bytes"] < size and t["relay_bytes"] + t["origin_bytes"] >= size
+    assert 1 <= t["fallbacks"] <= 5 and t.get("relay_failed_reads", 0) >= t["fallbacks"], t

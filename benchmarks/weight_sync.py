@@ -39,6 +39,18 @@ that peak minus the resident memory right after the model was loaded and the bat
 built (peft imported in every process before that, so its code is not counted): the
 frozen reference, gradients, optimizer state and activations.
 
+Fan-out (``--fanout 1,2,4,8``): the version a trainer gang publishes (the model's
+weights as ``--fanout-buckets`` HF-named buckets and a manifest, written by this
+process, the publisher) pulled by K reader processes at once over a Mooncake master on
+loopback started here, with the relay on (``relay_mb``: each reader serves the buckets
+it has to the others, ``rollart.weights.relay``). Each reader streams the version
+bucket by bucket (``iter_buckets``, held meanwhile) and reports the bytes it read from
+the trainer's objects and from other readers' replicas; the K readers are the first K
+of a pool started once. Per K: ``fanout_s_K`` (seconds from the go to the last reader
+done, mean over ``--fanout-versions``) and ``origin_bytes_ratio_K`` = bytes the trainer's
+objects served ÷ (version bytes × K) (the goal: ≤ 0.3 at K = 8; without the relay it is
+1); ``fanout_fallbacks`` (relay reads that went to the origin, all K), ``fanout_mib``.
+
 RESULT keys: ``stall_fsspec``, ``stall_mooncake``, ``stall_lora<r>`` (fraction of
 decode tokens/s lost; negative = within noise of none); ``tok_s_base`` (mean of
 ``tok_s_base_a``/``_b``, to judge the noise), ``tok_s_fsspec``, ``tok_s_mooncake``,
@@ -52,6 +64,7 @@ per version), ``bytes_ratio_lora<r>`` (adapter ÷ full; the goal is ≤ 0.05);
 context, tokens), ``updates``.
 
     python benchmarks/weight_sync.py --quick                      # ranks 8 and 64
+    python benchmarks/weight_sync.py --quick --lora '' --fanout 1,2,4,8
     python benchmarks/weight_sync.py --hidden 768 --layers 12 --heads 12  # 113 M params
 """
 
@@ -132,6 +145,115 @@ for line in sys.stdin:  # one run per command: {"url": ..., "publish": ..., "lor
 sys.stdout.flush()
 os._exit(0)
 """
+
+
+PULLER = """
+import json, os, sys, time
+from rollart.weights import WeightStore
+store, reader = WeightStore(sys.argv[1]), f"fanout-{sys.argv[2]}"
+store.release(reader)  # claims this reader's slot now, not in the timed pull
+print("ready", flush=True)
+for line in sys.stdin:  # one pull per command; between them the relay keeps serving
+    cmd = json.loads(line)
+    if cmd.get("exit"):
+        break
+    before, t0 = dict(store.transfer), time.perf_counter()
+    store.hold(reader, cmd["version"])
+    n = 0
+    with store.iter_buckets(cmd["version"], reader=reader) as stream:
+        for _, part in stream:
+            n += sum(t.numel() * t.element_size() for t in part.values())
+    store.release(reader)
+    got = {k: v - before.get(k, 0) for k, v in store.transfer.items()}
+    print(json.dumps({"s": time.perf_counter() - t0, "tensor_bytes": n, **got}), flush=True)
+sys.stdout.flush()
+os._exit(0)  # the master may be gone by now: skip the client's teardown
+"""
+
+
+def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
+    """The fan-out runs (see the module docstring): per K, seconds per version and the
+    share of the K copies the trainer's objects served."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from rollart.weights import MooncakeMaster, WeightStore
+
+    state = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(f))
+    keys = list(state)
+    per = -(-len(keys) // buckets)
+    parts = [keys[i:i + per] for i in range(0, len(keys), per)]
+    mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
+    big = max(sum(state[k].numel() * state[k].element_size() for k in p) for p in parts)
+    buf = max(16, int(big / 2**20 * 2) + 8)
+    out, version = {"fanout_mib": mib, "fanout_buckets": len(parts), "fanout_fallbacks": 0}, 0
+    with MooncakeMaster() as master:
+        url = master.url("fanout", segment_mb=int(mib * 3) + 64, buffer_mb=buf,
+                         relay_mb=int(mib * 2.5) + 32)
+        trainer = WeightStore(url)
+        logs = [tempfile.NamedTemporaryFile("w+", prefix=f"rollart-fanout-{i}-",
+                                            suffix=".log") for i in range(max(ks))]
+        procs = [subprocess.Popen([sys.executable, "-c", PULLER, url, str(i)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=log, text=True) for i, log in enumerate(logs)]
+
+        def line(i: int) -> str:
+            got = procs[i].stdout.readline()
+            if not got:
+                logs[i].seek(0)
+                raise RuntimeError(f"fan-out reader {i} ended (exit status "
+                                   f"{procs[i].poll()}): {logs[i].read()[-2000:]}")
+            return got
+
+        try:
+            for i in range(len(procs)):
+                if line(i).strip() != "ready":
+                    raise RuntimeError(f"fan-out reader {i} did not start")
+            for k in ks:
+                seconds, origin, served = [], 0, 0
+                for _ in range(versions):
+                    version += 1
+                    names, size = [], 0
+                    for j, part in enumerate(parts):  # a trainer gang's version
+                        name, n = trainer.put_bucket(version, j, {
+                            x: state[x] + version * 1e-3 for x in part})
+                        names.append(name)
+                        size += n
+                    trainer.put_manifest(version, names)
+                    t0 = time.perf_counter()
+                    for p in procs[:k]:
+                        p.stdin.write(json.dumps({"version": version}) + "\n")
+                        p.stdin.flush()
+                    rows = [json.loads(line(i)) for i in range(k)]
+                    seconds.append(time.perf_counter() - t0)
+                    origin += sum(r["origin_bytes"] for r in rows)
+                    served += size * k
+                    out["fanout_fallbacks"] += sum(r.get("fallbacks", 0) for r in rows)
+                    if any(r["tensor_bytes"] != rows[0]["tensor_bytes"] for r in rows):
+                        raise RuntimeError(f"fan-out readers got different versions: {rows}")
+                    trainer.gc(keep=1)
+                out[f"fanout_s_{k}"] = sum(seconds) / len(seconds)
+                out[f"origin_bytes_ratio_{k}"] = origin / served
+                print(f"fan-out   K={k}: {out[f'fanout_s_{k}']:.3f} s/version of "
+                      f"{mib:.1f} MiB in {len(parts)} buckets; the trainer's objects "
+                      f"served {out[f'origin_bytes_ratio_{k}']:.3f} of K copies", flush=True)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    try:
+                        p.stdin.write(json.dumps({"exit": True}) + "\n")
+                        p.stdin.flush()
+                    except BrokenPipeError:
+                        pass
+            for p in procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return out
 
 
 class TrainerProcess:
@@ -326,10 +448,20 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=16, help="trajectories per trainer step")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of load before each measured window")
+    p.add_argument("--fanout", default="1,2,4,8",
+                   help="reader processes per fan-out run (comma list; '' for none)")
+    p.add_argument("--fanout-buckets", type=int, default=16,
+                   help="buckets of the fan-out version")
+    p.add_argument("--fanout-versions", type=int, default=None,
+                   help="versions pulled per K (default 1 with --quick, else 3)")
     a = p.parse_args(argv)
     updates = a.updates or (4 if a.quick else 12)
     hidden, layers = a.hidden or (256 if a.quick else 512), a.layers or (4 if a.quick else 8)
     ranks = [int(r) for r in a.lora.split(",") if r.strip()]
+    ks = [int(k) for k in a.fanout.split(",") if k.strip()]
+    if any(k < 1 for k in ks) or a.fanout_buckets < 1:
+        p.error("--fanout takes reader counts >= 1 and --fanout-buckets at least 1")
+    fan_versions = a.fanout_versions or (1 if a.quick else 3)
     spec = {"prompt": a.prompt, "tokens": a.tokens, "obs": a.obs, "turns": a.turns,
             "batch": a.batch, "group": min(8, a.batch), "kl": a.kl}
     context = a.prompt + a.turns * (a.tokens + a.obs)
@@ -360,6 +492,8 @@ def main(argv=None) -> dict:
 
     out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle, mb, ranks))
     fields = results(out, ranks)
+    if ks:
+        fields.update(fanout(model_dir, ks, fan_versions, a.fanout_buckets))
     fields.update(model_mib=mb, params_m=params / 1e6, context=context, updates=updates)
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in fields.items()))

@@ -24,6 +24,9 @@ class GenerationEngine(Protocol):
     ``generate`` applies a staged update before each chunk and at decode-step
     boundaries (suspend -> swap -> re-prefill the in-flight contexts -> resume); tokens
     keep the version that produced them. Counters are read by ``InferenceWorker.stats``.
+    Optional: ``streams_weights`` and ``request_stream(buckets, version)`` (a version
+    loaded bucket by bucket, ``rollart.rollout.staging``); a worker whose engine lacks
+    them stages whole state dicts.
     """
 
     version: int

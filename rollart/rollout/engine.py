@@ -282,6 +282,41 @@ class TorchEngine(StagedUpdates):
             return older[0], newer[1] if newer[1] is not None else older[1]
         return newer
 
+    @property
+    def streams_weights(self) -> bool:
+        """Whether ``request_stream`` (bucket by bucket) is supported: without LoRA (an
+        engine with an adapter takes whole versions)."""
+        return self.adapter is None
+
+    def _copy_stream(self, stream, version: int) -> None:
+        """Copy each bucket into the parameters in place as it arrives (suspended: see
+        ``rollart.rollout.staging``): names and shapes checked per bucket before it is
+        written, every weight required by the end."""
+        own = self.model.state_dict()  # views of the parameters: copy_ writes them
+        shapes = {k: tuple(v.shape) for k, v in own.items()}
+        tied = _tied(self.model)
+        head = "lm_head.weight"
+        seen: set[str] = set()
+        with torch.inference_mode(False), torch.no_grad():
+            for name, part in stream:
+                part = {k: v for k, v in part.items() if not (tied and k == head)}
+                unexpected = sorted(set(part) - shapes.keys())
+                wrong = [k for k, v in part.items()
+                         if k in shapes and tuple(v.shape) != shapes[k]]
+                if unexpected or wrong:
+                    raise KeyError(f"bucket {name} does not match the model: unexpected "
+                                   f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+                stream.copied += 1
+                for k, v in part.items():
+                    own[k].copy_(v)
+                seen.update(part)
+                del part
+        missing = sorted(k for k in shapes if k not in seen and not (tied and k == head))
+        if missing:
+            raise KeyError(f"version {version} lacks weights the model has: {missing[:5]} "
+                           f"({len(missing)} in all)")
+        self.version = int(version)
+
     def _copy_in(self, sd, version: int) -> None:
         full, pairs = sd if self.adapter is not None else (sd, None)
         if full:

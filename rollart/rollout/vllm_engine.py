@@ -351,6 +351,58 @@ class VLLMEngine(StagedUpdates):
                 torch.set_num_threads(before)
         self.version = int(version)
 
+    @property
+    def streams_weights(self) -> bool:
+        """Whether ``request_stream`` (bucket by bucket) is supported: without LoRA."""
+        return self.lora is None
+
+    def _copy_stream(self, stream, version: int) -> None:
+        """One ``reload_weights`` whose iterator yields each bucket's tensors as they
+        arrive (vLLM's ``load_weights`` takes any iterable of ``(name, tensor)``), names
+        and shapes checked per bucket, every weight required. Suspended meanwhile (see
+        ``rollart.rollout.staging``); a failure half-way leaves the engine ``mixed``.
+        The tensors are kept for ``state_dict`` (as ``_copy_in`` keeps them)."""
+        head = "lm_head.weight"
+        kept: dict[str, torch.Tensor] = {}
+        buckets = iter(stream)
+        first = next(buckets, None)  # a stream failing at once leaves vLLM untouched
+        if first is None:
+            raise KeyError(f"version {version} has no weights")
+
+        def weights():
+            nonlocal first
+            for name, part in itertools.chain([first], buckets):
+                first = None
+                part = {k: v for k, v in part.items() if not (self.tied and k == head)}
+                unexpected = sorted(set(part) - self._shapes.keys())
+                wrong = [k for k, v in part.items()
+                         if k in self._shapes and tuple(v.shape) != tuple(self._shapes[k])]
+                if unexpected or wrong:
+                    raise KeyError(f"bucket {name} does not match the model: unexpected "
+                                   f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+                for k, v in part.items():
+                    kept[k] = v.detach().to("cpu").contiguous()
+                    yield k, kept[k]
+                del part
+            missing = sorted(k for k in self._shapes
+                             if k not in kept and not (self.tied and k == head))
+            if missing:
+                raise KeyError(f"version {version} lacks weights the model has: "
+                               f"{missing[:5]} ({len(missing)} in all)")
+
+        before = self._own_threads()
+        stream.copied += 1  # from here a failure may leave vLLM's model half-reloaded
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+            if self.tied:
+                self.llm.collective_rpc(_refresh_tied_head)
+            self._weights = kept
+            self.llm.reset_prefix_cache()
+        finally:
+            if before != self._threads:
+                torch.set_num_threads(before)
+        self.version = int(version)
+
     def _set_adapter(self, adapter: dict[str, torch.Tensor], version: int) -> None:
         """Write ``adapter`` as a peft folder, load it into vLLM under a new id, drop the
         previous one; the two newest folders stay on disk (vLLM reloads from them)."""

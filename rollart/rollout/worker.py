@@ -18,7 +18,12 @@ of the store, or ``update_weights(v)``, which returns at once), the prefetch thr
 loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
 then stages it with the engine's ``request_update``. The engine swaps it in at the next
 decode-step boundary (suspend -> update -> resume) and re-prefills the in-flight rows
-(recompute KV), or at once when idle. Tokens generated before the swap keep their
+(recompute KV), or at once when idle. A bucketed full version (a trainer gang's) is
+staged as a stream instead (``request_stream``): two buckets are read ahead while the
+engine decodes, and at the boundary the engine copies each bucket in as it arrives, so
+the worker holds about two buckets instead of a second model copy (the fetch of the
+rest then falls inside the suspension; with a Mooncake relay, ``relay_mb``, the buckets
+come mostly from the other workers). Tokens generated before the swap keep their
 version; later ones carry ``v``. ``wait_version(v)`` resolves when the swap happened.
 A version that fails to load is tried again after ``retry_after`` s; the latest error is
 in ``stats()["load_error"]`` (the pipeline's stall check names it).
@@ -37,7 +42,7 @@ import torch
 from rollart.rollout.base import make_engine
 from rollart.types import GenRequest, GenResult
 from rollart.weights import lora
-from rollart.weights.store import WeightStore
+from rollart.weights.store import BucketStream, WeightStore
 
 
 @dataclass
@@ -125,6 +130,8 @@ class InferenceWorker:
         self.kv_stats = {"sent": 0, "received": 0, "bytes_received": 0,
                          "fetch_seconds": 0.0}
         self.prefetches = 0  # versions read from the store and staged
+        self.streamed = 0  # of them, staged bucket by bucket (request_stream)
+        self._holding: int | None = None  # the version this worker holds in the store
         self._store: WeightStore | None = None  # opened by the prefetch thread
         # LoRA: the base version (rollart.weights.lora) sent to the engine; -1: the
         # model folder's, None: unknown (send the base again)
@@ -267,10 +274,21 @@ class InferenceWorker:
             "stall_seconds": eng.stall_seconds,
             "prefetch_seconds": self.prefetch_seconds,
             "prefetches": self.prefetches,
+            "streamed": self.streamed,
+            "weights_mixed": getattr(eng, "mixed", None) is not None,
+            **self._transfer_stats(),
             "abandoned": self.abandoned,
             "load_error": self._error_text(),
             **self._pd_stats(),
         }
+
+    def _transfer_stats(self) -> dict:
+        """Bytes this worker read from the trainer's objects and from relays, and the
+        relay reads that fell back to the origin (``WeightStore.transfer``)."""
+        t = dict(self._store.transfer) if self._store is not None else {}
+        return {"weights_origin_bytes": t.get("origin_bytes", 0),
+                "weights_relay_bytes": t.get("relay_bytes", 0),
+                "weights_fallbacks": t.get("fallbacks", 0)}
 
     def _error_text(self) -> str | None:
         """The latest failure to find or load a version, as one line (None if none)."""
@@ -297,6 +315,9 @@ class InferenceWorker:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        cancel = getattr(self.engine, "cancel_updates", None)
+        if cancel is not None:  # an engine waiting to mend mixed weights stops waiting
+            cancel()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._thread.join, 60)
         await loop.run_in_executor(None, self._prefetcher.join, 60)
@@ -386,6 +407,12 @@ class InferenceWorker:
                     self._fetched = self.engine.version
                 if self._wanted <= version:
                     self._wanted = self.engine.version
+                if getattr(self.engine, "mixed", None) is not None:
+                    # half of a version was copied in: the engine waits for a whole one;
+                    # read this one (or the newest) again at once
+                    self._wanted = max(self._wanted, version)
+                    self._fetched = min(self._fetched, self.engine.version)
+                    self._cond.notify_all()
             self._settle_waiters(version, error)
 
     # -- prefetch thread ----------------------------------------------------------------
@@ -404,8 +431,7 @@ class InferenceWorker:
                 continue
             t0 = time.perf_counter()
             try:
-                state_dict, target = self._fetch(target)
-                self.engine.request_update(state_dict, target)
+                target = self._stage(target)
                 error = None
             except Exception as exc:  # noqa: BLE001 - reported to wait_version callers
                 error = exc
@@ -444,24 +470,81 @@ class InferenceWorker:
             self._store = WeightStore(self.store_url)
         return self._store
 
-    def _fetch(self, target: int) -> tuple[dict, int]:
-        """Read ``target`` from the store, held so garbage collection keeps it meanwhile.
-        If it was collected before the hold (newer versions exist), read the newest."""
+    def _stage(self, target: int) -> int:
+        """Fetch ``target`` (``_fetch``) and stage it with the engine; returns the
+        version staged."""
+        got, target = self._fetch(target)
+        if isinstance(got, BucketStream):
+            try:
+                self.engine.request_stream(got, target)  # the engine closes it
+            except BaseException:
+                got.close()
+                raise
+            self.streamed += 1
+        else:
+            self.engine.request_update(got, target)
+        return target
+
+    def _fetch(self, target: int) -> tuple[dict | BucketStream, int]:
+        """``(weights, version)`` of ``target`` from the store. Held (``hold``) so garbage
+        collection keeps it while it is read; if it was collected before the hold (newer
+        versions exist), the newest instead.
+
+        A bucketed full version, for an engine that ``streams_weights``, comes as a
+        started ``BucketStream`` for ``request_stream``: it reads two buckets ahead now
+        and the engine copies each in at its next decode-step boundary, so this worker
+        never holds a second copy of the model; the hold ends when the stream is closed
+        (loaded or superseded). Anything else (one blob, a LoRA adapter, an engine with
+        LoRA) is read whole: a state dict for ``request_update``."""
         store, reader = self._open_store(), self._reader
         store.hold(reader, target)
         try:
             try:
-                return self._with_base(store, target, *store.get(target, meta=True)), target
+                stream = store.iter_buckets(target, reader=reader,
+                                            on_close=self._releaser(store, target))
             except KeyError:
                 newest = store.latest()
                 if newest <= target:
                     raise
-                store.hold(reader, newest)
+                target = newest
+                store.hold(reader, target)
                 with self._cond:
                     self._wanted = max(self._wanted, newest)
-                return self._with_base(store, newest, *store.get(newest, meta=True)), newest
-        finally:
+                stream = store.iter_buckets(target, reader=reader,
+                                            on_close=self._releaser(store, target))
+        except BaseException:
             store.release(reader)
+            raise
+        with self._cond:
+            self._holding = target
+        try:
+            if stream.names and lora.base_of(stream.metadata) is None and \
+                    getattr(self.engine, "streams_weights", False):
+                self._base = target  # a full version is a base of its own
+                return stream.start(), target
+            if stream.names:  # whole: the buckets in parallel
+                state = store.get(target, reader=reader)
+            else:
+                state = dict(next(iter(stream))[1])
+            state = self._with_base(store, target, state, stream.metadata)
+        except BaseException:
+            stream.close()
+            raise
+        stream.close()
+        return state, target
+
+    def _releaser(self, store: WeightStore, version: int):
+        """``on_close`` of ``version``'s stream: release the hold unless this worker
+        holds a newer version by now."""
+
+        def release():
+            with self._cond:
+                if self._holding not in (None, version):
+                    return
+                self._holding = None
+            store.release(self._reader)
+
+        return release
 
     def _with_base(self, store: WeightStore, target: int, state: dict, meta: dict) -> dict:
         """A LoRA adapter version (``rollart.weights.lora``) with the full weights of its

@@ -15,6 +15,11 @@ slot ``readers/{i}`` (Mooncake's ``put`` never overwrites, so the first claim wi
 whose ``holds/{i}`` object names the version they fetch. A version being read is leased
 by Mooncake and cannot be removed until the read ends; ``gc`` retries it later.
 
+Relay (``relay_mb=N`` in the URL; off by default): each reading process mounts an N MiB
+segment of its own and serves the buckets it has read to the other readers of that
+version, so the publisher's segment serves about one copy per version however many
+workers pull (``rollart.weights.relay``; ``relay_wait``, ``relay_timeout``: seconds).
+
 Requires the extra ``pip install 'rollart[mooncake]'`` (``mooncake-transfer-engine-non-cuda``
 on CPU machines) and the system library ``libibverbs1``.
 """
@@ -34,6 +39,8 @@ import uuid
 from urllib.parse import parse_qs, urlencode, urlparse
 
 from rollart.runtime.waits import stop_process
+from rollart.weights.relay import (DEFAULT_TIMEOUT_S, DEFAULT_WAIT_S, Relay,
+                                  extra_names, striped)
 from rollart.weights.store import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -175,8 +182,10 @@ _clients: dict[tuple, object] = {}
 _clients_lock = threading.Lock()
 
 
-def _client(master: str, metadata: str, publisher: bool, segment_mb: int, buffer_mb: int):
-    key = (master, metadata, publisher)
+def _client(master: str, metadata: str, kind: str, segment_mb: int, buffer_mb: int):
+    """This process's client of ``kind``: ``"publisher"`` (mounts ``segment_mb``: holds
+    the versions), ``"relay"`` (mounts ``segment_mb``: holds replicas) or ``"reader"``."""
+    key = (master, metadata, kind)
     with _clients_lock:
         if key in _clients:
             return _clients[key]
@@ -190,7 +199,8 @@ def _client(master: str, metadata: str, publisher: bool, segment_mb: int, buffer
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", master.rsplit(":", 1)[0])
         store = import_store()()
         rc = store.setup(master.rsplit(":", 1)[0], metadata,
-                         (segment_mb << 20) if publisher else 0, buffer_mb << 20, "tcp", "",
+                         (segment_mb << 20) if kind != "reader" else 0, buffer_mb << 20,
+                         "tcp", "",
                          master)
         if rc != 0:
             raise MooncakeError(f"could not connect to the Mooncake master at {master} "
@@ -227,8 +237,19 @@ class MooncakeWeightStore(WeightStore):
         self.master = f"{u.hostname}:{u.port}"
         self.metadata = q["metadata"]
         self.prefix = u.path.strip("/") or "rollart"
-        self.segment_mb = int(q.get("segment_mb", DEFAULT_SEGMENT_MB))
-        self.buffer_mb = int(q.get("buffer_mb", DEFAULT_BUFFER_MB))
+        try:
+            self.segment_mb = int(q.get("segment_mb", DEFAULT_SEGMENT_MB))
+            self.buffer_mb = int(q.get("buffer_mb", DEFAULT_BUFFER_MB))
+            self.relay_mb = int(q.get("relay_mb", 0))
+            self.relay_wait = float(q.get("relay_wait", DEFAULT_WAIT_S))
+            self.relay_timeout = float(q.get("relay_timeout", DEFAULT_TIMEOUT_S))
+        except ValueError as e:
+            raise MooncakeError(f"bad option in the Mooncake store URL {url!r} ({e}): "
+                                "segment_mb, buffer_mb, relay_mb are integers (MiB), "
+                                "relay_wait, relay_timeout numbers (s)") from None
+        if self.relay_mb < 0 or self.relay_wait < 0 or self.relay_timeout <= 0:
+            raise MooncakeError(f"bad relay option in {url!r}: relay_mb >= 0 (0: off), "
+                                "relay_wait >= 0 and relay_timeout > 0 seconds")
         self._slots: dict[str, int] = {}  # reader -> claimed slot (this process)
         self._versions: list[int] | None = None  # the publisher's copy of INDEX
 
@@ -236,11 +257,43 @@ class MooncakeWeightStore(WeightStore):
         return {"url": self.url}
 
     def _store(self, publisher: bool = False):
-        key = (self.master, self.metadata, True)
+        key = (self.master, self.metadata, "publisher")
         if not publisher and key in _clients:  # a publisher process reads through it too
             return _clients[key]
-        return _client(self.master, self.metadata, publisher, self.segment_mb,
-                       self.buffer_mb)
+        if publisher:
+            return _client(self.master, self.metadata, "publisher", self.segment_mb,
+                           self.buffer_mb)
+        if self.relay_mb:  # a relaying reader reads through its segment's client
+            return _client(self.master, self.metadata, "relay", self.relay_mb,
+                           self.buffer_mb)
+        return _client(self.master, self.metadata, "reader", 0, self.buffer_mb)
+
+    @property
+    def relay(self) -> Relay | None:
+        """This process's relay (``relay_mb`` in the URL), or ``None``: off, or this
+        process publishes (its reads are the origin's own)."""
+        if not self.relay_mb or (self.master, self.metadata, "publisher") in _clients:
+            return None
+        if self.__dict__.get("_relay") is None:
+            self._relay = Relay(self, self._store(), max_readers=MAX_READERS,
+                                      wait_s=self.relay_wait, timeout_s=self.relay_timeout)
+        return self._relay
+
+    def _read_bucket(self, version: int, name: str, reader: str | None) -> bytes | None:
+        if reader is None or self.relay is None:
+            return super()._read_bucket(version, name, reader)
+        return self.relay.read(version, name, self._slot(reader))
+
+    def _bucket_order(self, names: list[str], reader: str | None) -> list[str]:
+        if reader is None or self.relay is None:
+            return list(names)
+        return striped(names, self._slot(reader))
+
+    def _remove_extras(self, name: str) -> bool:
+        """Remove the relay's replicas and claim of bucket ``name`` (``False`` while one
+        is being read: Mooncake leases it; the next ``gc`` retries)."""
+        keys = [self._key(n) for n in extra_names(name, MAX_READERS)]
+        return all(rc in (0, -704) for rc in self._store().batch_remove(keys))
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"

@@ -1,7 +1,8 @@
 """A versioned store of model weights: one interface, two backends.
 
 The trainer calls ``put(version, state_dict)`` after each step and ``gc(keep)``;
-inference workers call ``latest()``, ``hold(reader, v)``, ``get(v)``, ``release(reader)``.
+inference workers call ``latest()``, ``hold(reader, v)``, ``get(v)`` or
+``iter_buckets(v)``, ``release(reader)``.
 ``WeightStore(url)`` picks the backend from the URL:
 
 * ``mooncake://HOST:PORT/PREFIX?metadata=URL`` → ``rollart.weights.mooncake`` (a
@@ -13,7 +14,13 @@ Each version is one safetensors blob, or (a trainer gang's, ``rollart.trainer.ga
 HF-named buckets written by several publishers (``put_bucket``, each its own) and then a
 manifest (``put_manifest``): a tensor-less blob under the version's name whose header
 lists the buckets (``BUCKETS``). ``get`` reads a manifest's buckets in parallel and
-returns the whole dict. ``LATEST`` names the newest complete version and is written after
+returns the whole dict; ``iter_buckets`` returns a ``BucketStream`` that reads them one
+after another, a bounded number ahead of its consumer, so a reader that loads each bucket
+as it arrives (an inference worker) never holds more than about two buckets. Every bucket
+read goes through ``_read_bucket``, which counts the bytes read in ``transfer``; the
+Mooncake backend's relay (``rollart.weights.relay``) overrides it so that pullers of a
+version serve its buckets to each other and the trainer's side serves about one copy.
+``LATEST`` names the newest complete version and is written after
 the blob or manifest, so a reader never sees a half-written version (buckets without
 their manifest are no version). Garbage
 collection removes versions that are neither among the newest ``keep`` nor held by a
@@ -26,13 +33,19 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
+import queue
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
 
 import fsspec
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+logger = logging.getLogger(__name__)
 
 
 class UnreadableWeightsError(ValueError):
@@ -154,9 +167,10 @@ class WeightStore(abc.ABC):
     def _known_buckets(self) -> dict[int, list[str]]:
         return self.__dict__.setdefault("_bucket_names", {})
 
-    def get(self, version: int, meta: bool = False):
+    def get(self, version: int, meta: bool = False, reader: str | None = None):
         """The tensors of ``version`` (a manifest's buckets read in parallel and merged);
-        with ``meta``, ``(tensors, header metadata)``."""
+        with ``meta``, ``(tensors, header metadata)``. ``reader``: the name the caller
+        holds the version under (a relaying backend reads through its peers then)."""
         data = self._read(self._name(version))
         if data is None:
             raise KeyError(f"weight version {version} is not in the store at {self.url}")
@@ -165,23 +179,90 @@ class WeightStore(abc.ABC):
             names = json.loads(head.pop(BUCKETS, "[]"))
             if names:
                 with ThreadPoolExecutor(min(8, len(names))) as pool:
-                    blobs = list(pool.map(self._read, names))
+                    blobs = list(pool.map(lambda n: self._read_bucket(version, n, reader),
+                                          names))
                 missing = [n for n, b in zip(names, blobs) if b is None]
                 if missing:
                     raise ValueError(f"buckets {missing} are missing")
                 for blob in blobs:
                     tensors.update(st_load(blob))
+            self._count("origin_bytes", len(data))  # the blob, or the manifest
             return (tensors, head) if meta else tensors
         except Exception as e:
-            raise UnreadableWeightsError(
-                f"weight version {version} in {self.url} is unreadable ({type(e).__name__}: "
-                f"{e}); it was truncated or is not a safetensors file. Delete it so the "
-                "previous version is used, or publish the weights again") from None
+            raise self._unreadable(version, e) from None
+
+    def _unreadable(self, version: int, e: BaseException) -> UnreadableWeightsError:
+        return UnreadableWeightsError(
+            f"weight version {version} in {self.url} is unreadable ({type(e).__name__}: "
+            f"{e}); it was truncated or is not a safetensors file. Delete it so the "
+            "previous version is used, or publish the weights again")
+
+    def iter_buckets(self, version: int, *, reader: str | None = None, ahead: int = 2,
+                     on_close: Callable[[], None] | None = None) -> BucketStream:
+        """``version`` bucket by bucket: a ``BucketStream`` yielding ``(bucket name,
+        tensors)``, read by a thread at most ``ahead`` buckets before its consumer
+        (``ahead=2``: bucket k+1 is read while bucket k is loaded). A version stored as
+        one blob is one bucket. ``KeyError`` when ``version`` is not in the store;
+        ``UnreadableWeightsError`` (from the manifest here, from a bucket while
+        iterating) when it cannot be read. ``reader``: as for ``get``."""
+        data = self._read(self._name(version))
+        if data is None:
+            raise KeyError(f"weight version {version} is not in the store at {self.url}")
+        try:
+            head = header_metadata(data)
+            names = json.loads(head.pop(BUCKETS, "[]"))
+            first = None if names else st_load(data)
+        except Exception as e:
+            raise self._unreadable(version, e) from None
+        self._count("origin_bytes", len(data))  # the blob, or the manifest
+        return BucketStream(self, version, names, head, reader=reader, ahead=ahead,
+                            whole=first, on_close=on_close)
+
+    def _read_bucket(self, version: int, name: str, reader: str | None) -> bytes | None:
+        """One bucket's bytes (``None``: missing), counted in ``transfer``. A relaying
+        backend overrides this (``rollart.weights.relay``)."""
+        data = self._read(name)
+        if data is not None:
+            self._count("origin_bytes", len(data))
+        return data
+
+    def _bucket_order(self, names: list[str], reader: str | None) -> list[str]:
+        """The order a reader takes a version's buckets in (a relay stripes it)."""
+        return list(names)
+
+    @property
+    def transfer(self) -> dict[str, int]:
+        """Bytes this store object read (a copy): ``origin_bytes`` from the objects the
+        trainer wrote (buckets, blobs, manifests), ``relay_bytes`` from other readers'
+        replicas; ``fallbacks``: bucket reads that went to the origin because no replica
+        could be read (``relay_*`` keys: the relay's own counts)."""
+        with self._transfer_lock():
+            return dict(self._transfer())
+
+    def _transfer(self) -> dict[str, int]:
+        return self.__dict__.setdefault("_transfer_counts", {
+            "origin_bytes": 0, "relay_bytes": 0, "fallbacks": 0})
+
+    def _transfer_lock(self) -> threading.Lock:
+        return self.__dict__.setdefault("_transfer_mutex", threading.Lock())
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._transfer_lock():
+            counts = self._transfer()
+            counts[key] = counts.get(key, 0) + int(n)
+
+    def _remove_extras(self, name: str) -> bool:
+        """Hook: remove what readers added next to bucket ``name`` (relay replicas);
+        ``False`` when something must wait for the next ``gc``."""
+        return True
 
     def _remove_version(self, version: int) -> bool:
         """Remove ``version``: its buckets, then its blob or manifest (kept, to retry at
         the next ``gc``, while a bucket cannot be removed yet)."""
-        if not all([self._remove(name) for name in self._buckets_of(version)]):
+        names = self._buckets_of(version)
+        if not all([self._remove_extras(name) for name in names]):
+            return False
+        if not all([self._remove(name) for name in names]):
             return False
         if not self._remove(self._name(version)):
             return False
@@ -230,6 +311,120 @@ class WeightStore(abc.ABC):
                 self._forget(v)
                 removed.append(v)
         return removed
+
+
+class BucketStream:
+    """One version's buckets as they arrive: iterate for ``(bucket name, tensors)``.
+
+    ``names`` (the manifest's buckets, ``[]`` for a one-blob version) and ``metadata``
+    (its header) are known at once. From ``start()`` (or the first ``next``) a reader
+    thread reads the buckets in the store's
+    order (``_bucket_order``) and parses them; it starts a bucket only while fewer than
+    ``ahead`` are read and not yet released by the consumer (a bucket is released when
+    the consumer asks for the next one), so at most about ``ahead`` buckets are held.
+    A bucket that cannot be read raises ``UnreadableWeightsError`` from the iteration.
+    ``close`` (or leaving a ``with`` block) stops the reader and calls ``on_close`` once
+    (an inference worker releases its hold there).
+    """
+
+    _END = object()
+
+    def __init__(self, store: WeightStore, version: int, names: list[str],
+                 metadata: dict[str, str], *, reader: str | None = None, ahead: int = 2,
+                 whole: dict | None = None, on_close: Callable[[], None] | None = None):
+        if int(ahead) < 1:
+            raise ValueError(f"ahead must be at least 1 bucket, got {ahead}")
+        self.store, self.version = store, int(version)
+        self.names, self.metadata = list(names), dict(metadata)
+        self.reader, self.on_close = reader, on_close
+        self.received: list[str] = []  # bucket names handed to the consumer so far
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(int(ahead))
+        self._closed = threading.Event()
+        self._held = False  # the consumer holds a bucket (its slot is released at next)
+        self._done = False
+        if whole is not None:  # one blob: already read
+            self._queue.put((store._name(version), whole))
+            self._queue.put(self._END)
+            self._thread = None
+        else:
+            self._thread = threading.Thread(target=self._read_all, daemon=True,
+                                            name=f"rollart-buckets-v{version}")
+
+    def start(self) -> BucketStream:
+        """Start reading ahead now (else at the first ``next``)."""
+        if self._thread is not None and self._thread.ident is None and \
+                not self._closed.is_set():
+            self._thread.start()
+        return self
+
+    def _read_all(self) -> None:
+        for name in self.store._bucket_order(self.names, self.reader):
+            while not self._slots.acquire(timeout=0.1):
+                if self._closed.is_set():
+                    return
+            if self._closed.is_set():
+                return
+            try:
+                blob = self.store._read_bucket(self.version, name, self.reader)
+                if blob is None:
+                    raise ValueError(f"bucket {name} is missing")
+                tensors = st_load(blob)
+                del blob
+            except Exception as e:  # noqa: BLE001 - raised to the consumer
+                self._queue.put(self.store._unreadable(self.version, e))
+                return
+            self._queue.put((name, tensors))
+            del tensors
+        self._queue.put(self._END)
+
+    def __iter__(self) -> Iterator[tuple[str, dict]]:
+        return self
+
+    def __next__(self) -> tuple[str, dict]:
+        if self._held:  # the consumer is done with the previous bucket
+            self._held = False
+            self._slots.release()
+        if self._done:
+            raise StopIteration
+        self.start()
+        item = self._queue.get()
+        if item is self._END:
+            self._done = True
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            self.close()
+            raise item
+        self._held = True
+        self.received.append(item[0])
+        return item
+
+    def close(self) -> None:
+        """Stop reading (a version superseded or loaded) and call ``on_close`` once."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        while True:  # drop what was read ahead
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not None and self._thread.ident is not None and \
+                self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)  # a bucket read in progress ends on its own
+        if self.on_close is not None:
+            try:
+                self.on_close()
+            except Exception as e:  # noqa: BLE001 - a release that failed: say so
+                logger.warning("closing the bucket stream of v%d: %r", self.version, e)
+
+    def __enter__(self) -> BucketStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class FsspecWeightStore(WeightStore):

@@ -106,7 +106,7 @@ def test_trainer_gang_tiny():
 def test_weight_sync_tiny():
     r = _bench("weight_sync", "--updates", "1", "--hidden", "64", "--layers", "1",
                "--load", "2", "--prompt", "32", "--turns", "2", "--batch", "4",
-               "--settle", "0.5", "--lora", "8")
+               "--settle", "0.5", "--lora", "8", timeout=600)
     assert r["context"] == 32 + 2 * (32 + 32) and r["updates"] == 1
     for k in ("tok_s_base_a", "tok_s_base_b", "tok_s_fsspec", "tok_s_mooncake",
               "tok_s_lora8", "trainer_step_s", "trainer_step_s_lora8", "params_m",
@@ -125,6 +125,15 @@ def test_weight_sync_tiny():
                         rel_tol=0.01)
     for c in ("full", "lora8"):  # the peak is over the loaded model, never under
         assert 0 <= r[f"rss_train_mib_{c}"] < r[f"rss_peak_mib_{c}"], (c, r)
+    # fan-out: K readers through the relay; K = 1 reads every byte from the origin (plus
+    # the manifest), more readers share one copy of it (16 buckets: each read once)
+    assert r["fanout_mib"] > 0 and r["fanout_buckets"] > 1
+    for k in (1, 2, 4, 8):
+        assert r[f"fanout_s_{k}"] > 0, (k, r)
+    assert 1 <= r["origin_bytes_ratio_1"] < 1.05
+    for k in (2, 4, 8):
+        assert r[f"origin_bytes_ratio_{k}"] < 1.5 / k + 0.05, (k, r)
+    assert r["origin_bytes_ratio_8"] <= 0.3
 
 
 def test_calc_copy_scores_a_turn_by_what_it_holds_of_the_question(monkeypatch):

@@ -165,6 +165,32 @@ def test_update_mid_batch_suspends_and_recomputes_like_torch_engine(engines):
     assert eng.recompute_tokens - recomputed == sum(len(p) + 3 for p in PROMPTS)
 
 
+def test_a_version_streamed_bucket_by_bucket_mid_batch_equals_torch_engine(engines,
+                                                                          tmp_path):
+    """A trainer gang's bucketed version, staged as a stream mid-batch: one
+    reload_weights over the arriving buckets, then the same recompute as a whole dict."""
+    from rollart.weights import WeightStore
+
+    ref, eng = engines
+    v = eng.version
+    new = scrambled(ref.state_dict(), 17 + v)
+    store = WeightStore(str(tmp_path / "w"))
+    keys = list(new)
+    store.put_manifest(v + 1, [store.put_bucket(v + 1, k, {x: new[x] for x in keys[k::3]})[0]
+                               for k in range(3)])
+    ref.step_callback = (lambda n: ref.request_update(new, v + 1) if n == 3 else None)
+    eng.step_callback = (lambda n: eng.request_stream(store.iter_buckets(v + 1), v + 1)
+                         if n == 3 else None)
+    try:
+        ours, theirs = eng.generate(greedy(10)), ref.generate(greedy(10))
+    finally:
+        ref.step_callback = eng.step_callback = None
+    assert_same(ours, theirs)
+    assert ours[0].versions == [v] * 3 + [v + 1] * 7 and eng.mixed is None
+    assert eng.streams_weights and set(eng.state_dict()) >= {k for k in new
+                                                             if k != "lm_head.weight"}
+
+
 def test_abort_stops_one_request_and_keeps_its_tokens(engines):
     _, eng = engines
     reqs = greedy(10)

@@ -78,6 +78,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
+
 TRAINER = """
 import asyncio, gc, json, os, random, resource, sys, time
 import peft, torch  # peft's code before the after-load figure, in every config
@@ -454,7 +458,11 @@ def main(argv=None) -> dict:
                    help="buckets of the fan-out version")
     p.add_argument("--fanout-versions", type=int, default=None,
                    help="versions pulled per K (default 1 with --quick, else 3)")
+    p.add_argument("--fanout-only", action="store_true",
+                   help="only the fan-out (no stall, LoRA or memory runs)")
+    add_arguments(p)
     a = p.parse_args(argv)
+    run = Run("weight_sync", a, argv)
     updates = a.updates or (4 if a.quick else 12)
     hidden, layers = a.hidden or (256 if a.quick else 512), a.layers or (4 if a.quick else 8)
     ranks = [int(r) for r in a.lora.split(",") if r.strip()]
@@ -490,13 +498,15 @@ def main(argv=None) -> dict:
           f"batch {a.batch} × {context} tokens, kl_coef {a.kl}; LoRA ranks {ranks}",
           flush=True)
 
-    out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle, mb, ranks))
-    fields = results(out, ranks)
+    fields = {}
+    if not a.fanout_only:
+        out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle, mb,
+                                   ranks))
+        fields = results(out, ranks)
     if ks:
         fields.update(fanout(model_dir, ks, fan_versions, a.fanout_buckets))
     fields.update(model_mib=mb, params_m=params / 1e6, context=context, updates=updates)
-    print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in fields.items()))
+    run.result(fields)
     return fields
 
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
-                 if not p.stem.startswith("_") and p.stem != "weight_sync")
+                 if not p.stem.startswith("_"))
 
 
 @pytest.fixture

@@ -15,29 +15,14 @@ import torch
 from rollart.rollout import InferenceWorker, TorchEngine
 from rollart.types import GenRequest
 from rollart.weights import WeightStore
-from rollart.weights import mooncake as mc
 from rollart.weights.store import UnreadableWeightsError
-
-
-@pytest.fixture(scope="module")
-def master():
-    try:
-        mc.import_store()
-    except mc.MooncakeError as e:
-        pytest.skip(f"Mooncake extra not installed: {e}")
-    with mc.MooncakeMaster(lease_ms=300) as m:
-        yield m
-
-
-_n = iter(range(10_000))
+from stores import backend_store  # tests/weights/
 
 
 @pytest.fixture(params=["fsspec", "mooncake"])
 def store(request, tmp_path):
-    if request.param == "fsspec":
-        return WeightStore(str(tmp_path / "w"))
-    m = request.getfixturevalue("master")
-    return WeightStore(m.url(f"buckets-{next(_n)}", segment_mb=128, buffer_mb=32))
+    return backend_store(request, tmp_path, "buckets", segment_mb=128)
+
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from rollart.weights import WeightStore
-from rollart.weights import mooncake as mc
 from rollart.weights.relay import extra_names, striped
 
 pytestmark = pytest.mark.mooncake
@@ -41,20 +40,6 @@ store.release(reader)
 print(json.dumps({"digests": digests, "transfer": store.transfer}), flush=True)
 sys.stdin.readline()
 """
-
-
-def _mooncake_or_skip():
-    try:
-        mc.import_store()
-    except mc.MooncakeError as e:
-        pytest.skip(f"Mooncake extra not installed: {e}")
-
-
-@pytest.fixture(scope="module")
-def master():
-    _mooncake_or_skip()
-    with mc.MooncakeMaster(lease_ms=300) as m:
-        yield m
 
 
 def state(seed: int, n: int = 12) -> dict[str, torch.Tensor]:

@@ -17,33 +17,11 @@ from rollart.rollout import InferenceWorker, TorchEngine
 from rollart.types import GenRequest
 from rollart.weights import FsspecWeightStore, WeightStore
 from rollart.weights import mooncake as mc
-
-LEASE_MS = 300  # short Mooncake read leases so GC tests need not wait 10 s
-
-
-def _mooncake_or_skip():
-    try:
-        mc.import_store()
-    except mc.MooncakeError as e:
-        pytest.skip(f"Mooncake extra not installed: {e}")
-
-
-@pytest.fixture(scope="module")
-def master():
-    _mooncake_or_skip()
-    with mc.MooncakeMaster(lease_ms=LEASE_MS) as m:
-        yield m
-
-
-_n = iter(range(10_000))
-
+from stores import LEASE_MS, backend_store, mooncake_or_skip  # tests/weights/
 
 @pytest.fixture(params=["fsspec", "mooncake"])
 def store(request, tmp_path):
-    if request.param == "fsspec":
-        return WeightStore(str(tmp_path / "w"))
-    m = request.getfixturevalue("master")
-    return WeightStore(m.url(f"test-{next(_n)}", segment_mb=64, buffer_mb=32))
+    return backend_store(request, tmp_path, "test", segment_mb=64)
 
 
 def weights(v: float) -> dict:
@@ -145,7 +123,7 @@ def test_mooncake_another_process_reads_what_the_trainer_published(master):
 
 @pytest.mark.mooncake
 def test_master_retries_when_its_port_is_taken(monkeypatch):
-    _mooncake_or_skip()
+    mooncake_or_skip()
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -167,7 +145,7 @@ def test_master_retries_when_its_port_is_taken(monkeypatch):
 @pytest.mark.mooncake
 def test_stopping_the_master_closes_this_process_s_clients():
     """Their teardown needs the master: left open, a process hung 8-17 s at exit."""
-    _mooncake_or_skip()
+    mooncake_or_skip()
     with mc.MooncakeMaster() as m:
         store = WeightStore(m.url("closing", segment_mb=16, buffer_mb=8))
         store.put(0, weights(0))
@@ -182,7 +160,7 @@ def test_clear_errors():
         mc.MooncakeMaster(binary="/no/such/mooncake_master").start()
     with pytest.raises(mc.MooncakeError, match="bad Mooncake store URL"):
         WeightStore("mooncake://127.0.0.1/x")
-    _mooncake_or_skip()
+    mooncake_or_skip()
     t0 = time.perf_counter()
     with pytest.raises(mc.MooncakeError, match="does not accept connections"):
         WeightStore("mooncake://127.0.0.1:1/x?metadata=http://127.0.0.1:2/metadata").latest()

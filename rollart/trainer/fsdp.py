@@ -20,6 +20,7 @@ import datetime
 
 import torch
 
+from rollart.trainer.shards import DCP_DIR, METADATA, dcp_storage, hash_files
 from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
 
 __all__ = ["GangRank", "balance", "buckets", "decoder_blocks"]
@@ -116,11 +117,13 @@ class _Ranked:
         a CPU mesh (the trainer actor's policy is on the CPU unless placed on a GPU)."""
         return next(self.model.parameters()).device
 
-    def _shard(self, optimizer_state: bool) -> None:
+    def _shard(self, optimizer_state: bool, dcp: str | None = None) -> None:
         """Every rank takes rank 0's weights and KL reference (broadcast, tensor by
         tensor, before sharding), then shards every decoder block and the root over all
-        ranks; with ``optimizer_state``, rank 0's AdamW moments (a checkpoint's) reach
-        every rank's shard (``set_optimizer_state_dict``, broadcast from rank 0)."""
+        ranks; with ``optimizer_state``, rank 0's AdamW moments (a one-process layout
+        checkpoint's) reach every rank's shard (``set_optimizer_state_dict``, broadcast
+        from rank 0); with ``dcp`` (a sharded checkpoint's folder), every rank reads its
+        own shard of the moments from it (``_read_dcp``: nothing gathered on rank 0)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
@@ -143,31 +146,79 @@ class _Ranked:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = self._make_optimizer()
-        if optimizer_state:
+        self.sharded = True
+        if dcp is not None:
+            self._read_dcp(dcp, model=False, optimizer=True)
+        elif optimizer_state:
             set_optimizer_state_dict(self.model, self.optimizer, full or {},
                                      options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-        self.sharded = True
 
     def _write_buckets(self, version: int, bucket_bytes: int) -> list[tuple[int, str, int]]:
-        """This rank's buckets of ``version``: the policy's HF-named tensors cut in order
-        into buckets of about ``bucket_bytes`` (``buckets``, the same on every rank);
-        bucket k is written by rank k mod N. Each tensor is gathered whole
-        (``full_tensor``, a collective) by every rank, kept only by its bucket's writer
-        and dropped once written: no rank holds more than a bucket beyond its shard.
+        """This rank's buckets of ``version`` in the weight store (``_buckets_here``).
         Returns ``(k, name, bytes)`` of the buckets written here."""
+        return [(k, *self.store.put_bucket(version, k, part, {
+                    "rollart.rank": str(self.rank), "rollart.bucket": str(k)}))
+                for k, _, part in self._buckets_here(bucket_bytes)]
+
+    def _buckets_here(self, bucket_bytes: int):
+        """Yield ``(k, how many buckets, tensors)`` for each bucket this rank writes: the
+        policy's HF-named tensors cut in order into buckets of about ``bucket_bytes``
+        (``buckets``, the same on every rank); bucket k is rank k mod N's. Each tensor
+        is gathered whole (``full_tensor``, a collective) by every rank, kept only by
+        its bucket's writer and dropped once written: no rank holds more than a bucket
+        beyond its shard. Every rank must consume the whole generator."""
         state = self._publish_state()
-        out = []
-        for k, names in enumerate(buckets(state, bucket_bytes)):
+        cut = buckets(state, bucket_bytes)
+        for k, names in enumerate(cut):
             mine, part = k % self.world == self.rank, {}
             for name in names:
                 whole = self._whole(state[name])
                 if mine:
                     part[name] = whole.detach().to("cpu")
             if mine:
-                out.append((k, *self.store.put_bucket(version, k, part, {
-                    "rollart.rank": str(self.rank), "rollart.bucket": str(k)})))
-        return out
+                yield k, len(cut), part
+
+    # -- sharded checkpoints (trainer thread; every rank, together) ----------------------
+    def _save_shards(self, url: str, bucket_bytes: int) -> tuple[dict, dict]:
+        """This rank's part of a sharded checkpoint at ``url`` (a collective):
+
+        * ``dcp/``: its shards of the policy and of the AdamW state, written by
+          ``torch.distributed.checkpoint.save`` from ``get_state_dict`` (DTensors, not
+          gathered: a rank writes its own ``__<rank>_<i>.distcp``; the coordinator,
+          rank 0, the ``.metadata`` that maps every shard to its file);
+        * ``model/``: its buckets of the HF-named weights as the model folder's shards
+          ``model-<k+1>-of-<K>.safetensors`` (``_buckets_here``: bucket k by rank k mod
+          N, no rank holding more than a bucket beyond its shard).
+
+        Returns the manifest entries of the files this rank wrote or hashed (the
+        ``dcp/`` files are hashed in parallel, file i by rank i mod N) and the model
+        folder's ``weight_map`` part (HF name -> shard file)."""
+        import fsspec
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import save as st_save
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from rollart.runtime.storage import write_bytes
+        from rollart.weights.store import _untie
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        path = f"{url.rstrip('/')}/{DCP_DIR}"
+        meta = dcp.save({"model": model, "optimizer": optim},
+                        storage_writer=dcp_storage(path, write=True))
+        del model, optim
+        names = sorted({i.relative_path for i in meta.storage_data.values()})
+        files, weight_map = hash_files(path, names[self.rank::self.world], DCP_DIR), {}
+        if self.rank == 0:
+            files.update(hash_files(path, [METADATA], DCP_DIR))
+        fs, root = fsspec.core.url_to_fs(url)
+        fs.makedirs(f"{root.rstrip('/')}/model", exist_ok=True)
+        for k, n, part in self._buckets_here(bucket_bytes):
+            shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            files.update(write_bytes(url, f"model/{shard}",
+                                     st_save(_untie(part), metadata={"format": "pt"})))
+            weight_map.update({name: shard for name in part})
+        return files, weight_map
 
     def _publish_state(self) -> dict:
         """The policy's HF-named tensors, in the same order on every rank (FSDP2: its
@@ -256,13 +307,17 @@ class GangRank(_Ranked, Trainer):
         await self._run(self._join, host, port, rank, world, timeout)
         return rank
 
-    async def shard(self, optimizer_state: bool) -> None:
+    async def shard(self, optimizer_state: bool, dcp: str | None = None) -> None:
         """Take rank 0's policy and shard it with the other ranks (``_shard``)."""
-        await self._run(self._shard, optimizer_state)
+        await self._run(self._shard, optimizer_state, dcp)
 
     async def write_buckets(self, version: int, bucket_bytes: int) -> list:
         """This rank's part of publishing ``version`` (``_write_buckets``)."""
         return await self._run(self._write_buckets, version, bucket_bytes)
+
+    async def save_shards(self, url: str, bucket_bytes: int) -> tuple[dict, dict]:
+        """This rank's part of a sharded checkpoint (``_save_shards``)."""
+        return await self._run(self._save_shards, url, bucket_bytes)
 
     async def full_optimizer(self) -> bool:
         """This rank's part of gathering the optimizer state (for rank 0's checkpoint)."""

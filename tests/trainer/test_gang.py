@@ -183,10 +183,13 @@ def _close(a: dict, b: dict, lr: float) -> float:
 
 def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_pool, tmp_path):
     """1 -> 2: a one-process trainer's checkpoint, loaded by a two-rank gang, steps as the
-    one-process trainer goes on; 2 -> 1: the gang's checkpoint (its AdamW moments gathered
-    from both ranks) loaded by a one-process trainer steps as the gang goes on. Without
-    the moments the step is visibly another one (the moments are what is tested)."""
+    one-process trainer goes on; 2 -> 1: the gang's sharded checkpoint
+    (torch.distributed.checkpoint, each rank its own AdamW shard) loaded by a one-process
+    trainer steps as the gang goes on; 2 -> 2: a new gang loads it (each rank reading its
+    own shard of the moments as it forms) and steps as the gang goes on. Without the
+    moments the step is visibly another one (the moments are what is tested)."""
     from rollart.buffer import SampleBuffer
+    from rollart.model import load_model
     from rollart.runtime.handles import handle
     from rollart.trainer import Trainer
     from rollart.trainer.gang import GangTrainer
@@ -209,6 +212,15 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
         t._update(batch)
         return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
 
+    def gang_on(store, batches):
+        g = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / store), algo,
+                                 ranks=2, actor=True, bucket_bytes=40_000, workers=[a],
+                                 resources={TRAIN: 1}).result())
+        buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
+        for t in batches:
+            buf.put(t, 3).result()
+        return g, buf
+
     vocab = one().model.config.vocab_size
     b1, b2, b3 = (random_batch(vocab, groups=3, shared_prompt=True, seed=s) for s in (1, 2, 3))
     first = one()
@@ -218,21 +230,89 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
     asyncio.run(first.save_state(ckpt1))
     want2 = step(first, b2)
 
-    gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "gang"), algo,
-                                ranks=2, actor=True, workers=[a], resources={TRAIN: 1}).result())
-    buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
-    for t in b2 + b3:
-        buf.put(t, 3).result()
+    gang, buf = gang_on("gang", b2 + b3)
     assert gang.load_state(ckpt1).result() == 1
     assert gang.publish().result() == 1
     assert gang.train_step(buf, 2).result()["trainer/ranks"] == 2
     assert _close(WeightStore(str(tmp_path / "gang")).get(2), want2, algo.lr) < 1e-3  # 1 -> 2
 
     ckpt2 = str(tmp_path / "ckpt2")
-    gang.save_state(ckpt2).result()
+    files = gang.save_state(ckpt2).result()
     gang.train_step(buf, 3).result()
     want3 = WeightStore(str(tmp_path / "gang")).get(3)
     assert _close(step(one(ckpt2, "two"), b3), want3, algo.lr) < 1e-3  # 2 -> 1
     fresh = one(ckpt2, "three")
     fresh.optimizer = fresh._make_optimizer()  # the weights without the moments
     assert _close(step(fresh, b3), want3, 1.0) > 0.1
+
+    gang2, buf2 = gang_on("gang2", b3)  # 2 -> 2: each rank reads its shard of the moments
+    assert gang2.load_state(ckpt2).result() == 2
+    assert gang2.publish().result() == 2
+    gang2.train_step(buf2, 3).result()
+    assert _close(WeightStore(str(tmp_path / "gang2")).get(3), want3, algo.lr) < 1e-3
+
+    # ckpt2 is sharded, with no whole copy on rank 0: every rank wrote its own DCP shard
+    # file of the policy and of the AdamW state, trainer.pt holds no optimizer state, and
+    # model/ is the HF folder of the published weights in shards written by both ranks
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from rollart.weights.store import header_metadata  # noqa: F401 (the store's format)
+    state = torch.load(os.path.join(ckpt2, "trainer.pt"), weights_only=False)
+    assert state["optimizer_format"] == "dcp" and state["optimizer"] is None
+    meta = dcp.FileSystemReader(os.path.join(ckpt2, "dcp")).read_metadata()
+    by_file: dict = {}
+    for index, info in meta.storage_data.items():
+        by_file.setdefault(info.relative_path, set()).add(index.fqn.split(".")[0])
+    assert by_file == {"__0_0.distcp": {"model", "optimizer"},
+                       "__1_0.distcp": {"model", "optimizer"}}
+    exp_avg = [i for i in meta.storage_data if i.fqn.startswith("optimizer.state.")
+               and i.fqn.endswith(".exp_avg")]
+    assert {meta.storage_data[i].relative_path for i in exp_avg} == set(by_file)
+    assert {n for n in files if n.startswith("dcp/")} == {"dcp/.metadata",
+                                                          *(f"dcp/{f}" for f in by_file)}
+    shards = sorted(f for f in os.listdir(os.path.join(ckpt2, "model"))
+                    if f.endswith(".safetensors"))
+    assert len(shards) > 2 and f"model/{shards[0]}" in files
+    index = json.load(open(os.path.join(ckpt2, "model", "model.safetensors.index.json")))
+    assert sorted(set(index["weight_map"].values())) == shards
+    for name, shard in index["weight_map"].items():
+        with safe_open(os.path.join(ckpt2, "model", shard), "pt") as f:
+            assert name in f.keys()
+    published = WeightStore(str(tmp_path / "gang")).get(2)
+    folder = load_model(os.path.join(ckpt2, "model")).state_dict()
+    assert all(torch.equal(folder[k], v) for k, v in published.items())
+
+
+def test_a_sharded_checkpoint_missing_a_rank_s_shard_says_which(mg_model_dir, train_pool,
+                                                                tmp_path):
+    """A gang's sharded checkpoint whose rank-1 shard file is gone (a checkpoint URL local
+    to each worker's host, a partial copy) fails the load naming the file, the rank and
+    the fix, never a half-loaded trainer."""
+    import os
+
+    from rollart.runtime.handles import handle
+    from rollart.trainer import Trainer
+    from rollart.trainer.gang import GangTrainer
+
+    client = train_pool
+    a = sorted(client.scheduler_info()["workers"])[0]
+    algo = GRPO(group_size=3, groups_per_step=3, lr=1e-2)
+    gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "w"), algo,
+                                ranks=2, actor=True, workers=[a],
+                                resources={TRAIN: 1}).result())
+    gang.publish().result()
+    ckpt = str(tmp_path / "ckpt")
+    gang.save_state(ckpt).result()
+    t = Trainer(mg_model_dir, str(tmp_path / "one"), algo)
+    asyncio.run(t.load_state(ckpt))  # whole, it loads
+    os.remove(os.path.join(ckpt, "dcp", "__1_0.distcp"))
+    with pytest.raises(ValueError, match=r"missing __1_0.distcp \(written by rank 1 of "
+                                         r"the gang that saved it\).*every TRAIN worker "
+                                         r"reaches"):
+        asyncio.run(Trainer(mg_model_dir, str(tmp_path / "two"), algo).load_state(ckpt))
+    os.remove(os.path.join(ckpt, "dcp", ".metadata"))
+    with pytest.raises(ValueError, match=r"has no .metadata .*the save did not finish"):
+        asyncio.run(Trainer(mg_model_dir, str(tmp_path / "three"), algo).load_state(ckpt))

@@ -180,7 +180,8 @@ class _Ranked:
                 yield k, len(cut), part
 
     # -- sharded checkpoints (trainer thread; every rank, together) ----------------------
-    def _save_shards(self, url: str, bucket_bytes: int) -> tuple[dict, dict]:
+    def _save_shards(self, url: str, bucket_bytes: int, state: bool = True
+                     ) -> tuple[dict, dict]:
         """This rank's part of a sharded checkpoint at ``url`` (a collective):
 
         * ``dcp/``: its shards of the policy and of the AdamW state, written by
@@ -191,9 +192,10 @@ class _Ranked:
           ``model-<k+1>-of-<K>.safetensors`` (``_buckets_here``: bucket k by rank k mod
           N, no rank holding more than a bucket beyond its shard).
 
-        Returns the manifest entries of the files this rank wrote or hashed (the
-        ``dcp/`` files are hashed in parallel, file i by rank i mod N) and the model
-        folder's ``weight_map`` part (HF name -> shard file)."""
+        Without ``state``, only the weight shards, into the model folder ``url`` itself
+        (``GangTrainer.save``). Returns the manifest entries of the files this rank
+        wrote or hashed (the ``dcp/`` files are hashed in parallel, file i by rank i mod
+        N) and the model folder's ``weight_map`` part (HF name -> shard file)."""
         import fsspec
         import torch.distributed.checkpoint as dcp
         from safetensors.torch import save as st_save
@@ -202,21 +204,25 @@ class _Ranked:
         from rollart.runtime.storage import write_bytes
         from rollart.weights.store import _untie
 
-        model, optim = get_state_dict(self.model, self.optimizer)
-        path = f"{url.rstrip('/')}/{DCP_DIR}"
-        meta = dcp.save({"model": model, "optimizer": optim},
-                        storage_writer=dcp_storage(path, write=True))
-        del model, optim
-        names = sorted({i.relative_path for i in meta.storage_data.values()})
-        files, weight_map = hash_files(path, names[self.rank::self.world], DCP_DIR), {}
-        if self.rank == 0:
-            files.update(hash_files(path, [METADATA], DCP_DIR))
-        fs, root = fsspec.core.url_to_fs(url)
-        fs.makedirs(f"{root.rstrip('/')}/model", exist_ok=True)
+        files, weight_map, url = {}, {}, url.rstrip("/")
+        if state:
+            model, optim = get_state_dict(self.model, self.optimizer)
+            path = f"{url}/{DCP_DIR}"
+            meta = dcp.save({"model": model, "optimizer": optim},
+                            storage_writer=dcp_storage(path, write=True))
+            del model, optim
+            names = sorted({i.relative_path for i in meta.storage_data.values()})
+            files.update(hash_files(path, names[self.rank::self.world], DCP_DIR))
+            if self.rank == 0:
+                files.update(hash_files(path, [METADATA], DCP_DIR))
+        folder, prefix = (f"{url}/model", "model/") if state else (url, "")
+        fs, root = fsspec.core.url_to_fs(folder)
+        fs.makedirs(root, exist_ok=True)
         for k, n, part in self._buckets_here(bucket_bytes):
             shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            files.update(write_bytes(url, f"model/{shard}",
-                                     st_save(_untie(part), metadata={"format": "pt"})))
+            entry = write_bytes(folder, shard, st_save(_untie(part),
+                                                       metadata={"format": "pt"}))
+            files.update({prefix + shard: entry[shard]})
             weight_map.update({name: shard for name in part})
         return files, weight_map
 
@@ -315,9 +321,10 @@ class GangRank(_Ranked, Trainer):
         """This rank's part of publishing ``version`` (``_write_buckets``)."""
         return await self._run(self._write_buckets, version, bucket_bytes)
 
-    async def save_shards(self, url: str, bucket_bytes: int) -> tuple[dict, dict]:
-        """This rank's part of a sharded checkpoint (``_save_shards``)."""
-        return await self._run(self._save_shards, url, bucket_bytes)
+    async def save_shards(self, url: str, bucket_bytes: int, state: bool = True
+                          ) -> tuple[dict, dict]:
+        """This rank's part of a sharded checkpoint or model folder (``_save_shards``)."""
+        return await self._run(self._save_shards, url, bucket_bytes, state)
 
     async def full_optimizer(self) -> bool:
         """This rank's part of gathering the optimizer state (for rank 0's checkpoint)."""

@@ -128,11 +128,11 @@ class GangTrainer(_Ranked, Trainer):
         self.bytes_published = sum(size for _, _, size in written)
 
     def _save_hf(self, path: str) -> None:
-        """The policy as a model folder. Writing a sharded checkpoint: only what rank 0
-        adds to the weight shards the ranks wrote (``_save_shards``): the index that maps
-        each HF name to its shard, the config and the tokenizer. Otherwise (the Megatron
-        gang's checkpoint, the run's final model) the newest published version, read
-        whole from the weight store, in an unsharded copy."""
+        """The policy as a model folder. Sharded (``_save_sharded``, ``save``): only what
+        rank 0 adds to the weight shards the ranks wrote: the index, config, tokenizer
+        (``_save_index``). Otherwise (the Megatron gang's checkpoint and final model) the
+        newest published version, read whole from the weight store, in an unsharded
+        copy."""
         if not self.sharded:
             return super()._save_hf(path)
         if self._weight_map is not None:
@@ -143,6 +143,21 @@ class GangTrainer(_Ranked, Trainer):
         model.load_state_dict(self.store.get(self.version), strict=False)
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+    async def save(self, path: str) -> str:
+        """The policy as a Hugging Face model folder at ``path``; on a sharded gang each
+        rank writes its buckets of the weights as the folder's shards, rank 0 the index,
+        config and tokenizer (nothing gathered on rank 0)."""
+        if not (self.sharded and self.sharded_checkpoints):
+            return await super().save(path)
+        parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes, False),
+                                 *(m.save_shards(path, self.bucket_bytes, False)
+                                   for m in self.members)],
+                                "did not write its model shards")
+        weight_map = {name: f for _, part in parts for name, f in part.items()}
+        await self._run(_drop_stale_weights, path, set(weight_map.values()))
+        await self._run(self._save_index, path, weight_map)
+        return path
 
     def _save_index(self, path: str, weight_map: dict) -> None:
         """A model folder's files besides its weight shards: ``model.safetensors.index.json``
@@ -199,6 +214,8 @@ class GangTrainer(_Ranked, Trainer):
         for part, weight_map in parts:
             files.update(part)
             self._weight_map.update(weight_map)
+        await self._run(_drop_stale_weights, f"{url.rstrip('/')}/model",
+                        set(self._weight_map.values()))
         try:
             files.update(await super().save_state(url))
         finally:
@@ -395,3 +412,20 @@ class GangTrainer(_Ranked, Trainer):
         out["trainer/adv_abs_mean"] = float(adv.abs().mean())
         out["trainer/gang_restarts"] = self.restarts
         return out
+
+
+def _drop_stale_weights(folder: str, keep: set[str]) -> None:
+    """Remove weight files of an earlier save from the model folder ``folder`` (a URL)
+    that are not among ``keep`` (this save's shards): ``from_pretrained`` would prefer a
+    stale ``model.safetensors`` to the index."""
+    import re
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(folder)
+    if not fs.exists(root):
+        return
+    for p in fs.ls(root, detail=False):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name not in keep and re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name):
+            fs.rm(p)

@@ -152,11 +152,19 @@ def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(tiny_model
     assert {r["trainer/ranks"] for r in rows} == {2}
     assert all(r["trainer/tokens"] > 0 for r in rows)
     load_model(str(run / "model"))
-    # its checkpoint resumes on one TRAIN worker (resources/local.py)
+    # its checkpoint is sharded (each rank's DCP shard file; model/ in shards with an
+    # index) and resumes on one TRAIN worker (resources/local.py), whose model path is
+    # the checkpoint's model/ folder
+    ckpt = run / "checkpoints" / "step-00000002"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(
+        p.name for p in (ckpt / "dcp").iterdir())
+    assert (ckpt / "model" / "model.safetensors.index.json").exists()
+    assert (run / "model" / "model.safetensors.index.json").exists()
     assert main(["train", "--resume", str(run), "--steps", "3", "--eval-seeds", "0",
                  "--no-progress"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["trainer/ranks"]) for r in rows] == [(1, 2), (2, 2), (3, 1)]
+    load_model(str(run / "model"))  # written again by the one-process trainer
 
 
 def test_what_a_gang_cannot_do_yet_is_a_graph_error():
@@ -240,6 +248,16 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
     files = gang.save_state(ckpt2).result()
     gang.train_step(buf, 3).result()
     want3 = WeightStore(str(tmp_path / "gang")).get(3)
+    # the run's model folder, also written in shards by both ranks; a stale whole-model
+    # file of an earlier save there is removed (from_pretrained would prefer it)
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"stale")
+    assert gang.save(str(final)).result() == str(final)
+    assert not (final / "model.safetensors").exists()
+    assert len(list(final.glob("model-*-of-*.safetensors"))) > 2
+    saved = load_model(str(final)).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in want3.items())
     assert _close(step(one(ckpt2, "two"), b3), want3, algo.lr) < 1e-3  # 2 -> 1
     fresh = one(ckpt2, "three")
     fresh.optimizer = fresh._make_optimizer()  # the weights without the moments
@@ -308,6 +326,12 @@ def test_a_sharded_checkpoint_missing_a_rank_s_shard_says_which(mg_model_dir, tr
     gang.save_state(ckpt).result()
     t = Trainer(mg_model_dir, str(tmp_path / "one"), algo)
     asyncio.run(t.load_state(ckpt))  # whole, it loads
+    pytest.importorskip("megatron.core")
+    from rollart.trainer.megatron import MegatronTrainer
+    with pytest.raises(ValueError, match=r"which the Megatron backend does not load: resume "
+                                         r"it with the backend it was trained with \(--set "
+                                         r"policy.trainer_backend=torch\)"):
+        asyncio.run(MegatronTrainer(mg_model_dir, str(tmp_path / "mg"), algo).load_state(ckpt))
     os.remove(os.path.join(ckpt, "dcp", "__1_0.distcp"))
     with pytest.raises(ValueError, match=r"missing __1_0.distcp \(written by rank 1 of "
                                          r"the gang that saved it\).*every TRAIN worker "

@@ -269,6 +269,22 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
     gang2.train_step(buf2, 3).result()
     assert _close(WeightStore(str(tmp_path / "gang2")).get(3), want3, algo.lr) < 1e-3
 
+    # a lost rank 0 replaced as the supervisor does (load_state(truncate=False), then the
+    # newest published weights, v3): the checkpoint's moments on v3, as one process does
+    import shutil
+    for d in ("gang3", "one3"):
+        shutil.copytree(tmp_path / "gang", tmp_path / d)
+    b4 = random_batch(vocab, groups=3, shared_prompt=True, seed=4)
+    alone = Trainer(mg_model_dir, str(tmp_path / "one3"), algo)
+    asyncio.run(alone.load_state(ckpt2, truncate=False))
+    assert asyncio.run(alone.restore_latest()) == 3
+    want4 = step(alone, b4)
+    gang3, buf3 = gang_on("gang3", b4)
+    assert gang3.load_state(ckpt2, truncate=False).result() == 2
+    assert gang3.restore_latest().result() == 3
+    assert gang3.train_step(buf3, 4).result()["trainer/ranks"] == 2
+    assert _close(WeightStore(str(tmp_path / "gang3")).get(4), want4, algo.lr) < 1e-3
+
     # ckpt2 is sharded, with no whole copy on rank 0: every rank wrote its own DCP shard
     # file of the policy and of the AdamW state, trainer.pt holds no optimizer state, and
     # model/ is the HF folder of the published weights in shards written by both ranks

@@ -1,15 +1,18 @@
 """What every rank of a trainer gang does (``rollart.trainer.gang`` has the gang and its
 rank 0): join the process group, take rank 0's policy and shard it with FSDP2, train its
-share of a step, write its buckets of a published version, give its part of the
-optimizer state for a checkpoint. The work runs in the rank's trainer thread; every
-method that holds a collective is called on every rank, in the same order.
+share of a step, write its buckets of a published version, write its own shards of a
+checkpoint (``_save_shards``: torch.distributed.checkpoint, nothing gathered) and read
+its own shard of a checkpoint's AdamW state when the gang forms (``_shard``). The work
+runs in the rank's trainer thread; every method that holds a collective is called on
+every rank, in the same order.
 
 ``_Ranked`` is mixed into ``Trainer`` by both ``GangRank`` (ranks 1..N-1, each a Dask
 actor on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0). What is
 FSDP2's is in a few hooks (``_shard``, ``_publish_state``/``_whole``, ``_grad_norm``,
-``_loss_scale``, ``_full_optimizer``); the Megatron gang
-(``rollart.trainer.megatron_gang``) overrides them and keeps the rest: joining, the
-token-weighted step over the data-parallel shares, the buckets. The plain
+``_loss_scale``, ``_save_shards``; ``_full_optimizer`` for a gathered checkpoint); the
+Megatron gang (``rollart.trainer.megatron_gang``) overrides them and keeps the rest:
+joining, the token-weighted step over the data-parallel shares, the buckets (its
+checkpoints are gathered: ``GangTrainer.sharded_checkpoints``). The plain
 helpers: ``balance`` (token-balanced shares of a batch), ``buckets`` (a version's cut into
 buckets, the same on every rank), ``decoder_blocks`` (what ``fully_shard`` wraps).
 """

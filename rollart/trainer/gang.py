@@ -192,6 +192,8 @@ class GangTrainer(_Ranked, Trainer):
         rank 0. Gathered (the Megatron gang): the one-process trainer's layout, with the
         whole AdamW state under parameter names gathered from every rank
         (``optimizer_format: "names"``). Either resumes on any number of ranks."""
+        if not self.sharded and self._dcp_moments is not None:
+            await self._form()  # the moments of the checkpoint loaded are the ranks' to read
         if not self.sharded:
             return await super().save_state(url)
         if self.sharded_checkpoints:

@@ -208,6 +208,9 @@ class GangTrainer(_Ranked, Trainer):
             self._gathered_optimizer = None
 
     async def _save_sharded(self, url: str) -> dict:
+        """Every rank's shards (``_save_shards``, together), then rank 0's files
+        (``Trainer._save_state``, whose ``model/`` is then only the index, config and
+        tokenizer: ``_save_hf``); returns all their manifest entries."""
         parts = await self._all([self._run(self._save_shards, url, self.bucket_bytes),
                                  *(m.save_shards(url, self.bucket_bytes)
                                    for m in self.members)],

@@ -10,9 +10,13 @@ API (used by the control loop and by anything that restarts a lost trainer)::
 ``url`` is a folder URL (a local path, ``file://``, ``memory://``, object stores); each
 checkpoint is ``{url}/step-{step:08d}/``::
 
-    model/              the policy as a Hugging Face model folder (model + tokenizer)
+    model/              the policy as a Hugging Face model folder (model + tokenizer;
+                        a trainer gang's in shards, one per weight bucket, with an index)
+    dcp/                a torch trainer gang's: each rank's shards of the weights and
+                        AdamW state (torch.distributed.checkpoint; ``rollart.trainer.gang``)
     ref_model.safetensors  the KL reference policy, when the algorithm uses one
-    trainer.pt          optimizer and scheduler state, version counter, torch RNG state
+    trainer.pt          optimizer state (or ``optimizer_format: "dcp"``: it is in
+                        ``dcp/``), scheduler state, version counter, torch RNG state
     buffer.parquet      trajectories the buffer holds, buffered or taken (``SCHEMA``) ...
     buffer.json         ... and the buffer's counts, ledger totals, groups (and the step
                         holding a taken one), next Parquet part and journal entry (a
@@ -26,7 +30,8 @@ checkpoint is ``{url}/step-{step:08d}/``::
 
 ``load`` checks the manifest, so a truncated or altered file is a ``CheckpointError``
 naming the file, never a half-restored run. The trainer writes its own files (model and
-optimizer stay on its worker); the buffer writes its own; the driver writes the rest.
+optimizer stay on its worker; a gang's ranks each write theirs, so ``url`` must be one
+place every TRAIN worker reaches); the buffer writes its own; the driver writes the rest.
 Who calls: ``rollart.control.loop`` (every ``Graph.checkpoint_every`` steps and at the end,
 and ``train(resume=RUN)``).
 """

@@ -1,15 +1,18 @@
 """What every rank of a trainer gang does (``rollart.trainer.gang`` has the gang and its
 rank 0): join the process group, take rank 0's policy and shard it with FSDP2, train its
-share of a step, write its buckets of a published version, give its part of the
-optimizer state for a checkpoint. The work runs in the rank's trainer thread; every
-method that holds a collective is called on every rank, in the same order.
+share of a step, write its buckets of a published version, write its own shards of a
+checkpoint (``_save_shards``: torch.distributed.checkpoint, nothing gathered) and read
+its own shard of a checkpoint's AdamW state when the gang forms (``_shard``). The work
+runs in the rank's trainer thread; every method that holds a collective is called on
+every rank, in the same order.
 
 ``_Ranked`` is mixed into ``Trainer`` by both ``GangRank`` (ranks 1..N-1, each a Dask
 actor on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0). What is
 FSDP2's is in a few hooks (``_shard``, ``_publish_state``/``_whole``, ``_grad_norm``,
-``_loss_scale``, ``_full_optimizer``); the Megatron gang
-(``rollart.trainer.megatron_gang``) overrides them and keeps the rest: joining, the
-token-weighted step over the data-parallel shares, the buckets. The plain
+``_loss_scale``, ``_save_shards``; ``_full_optimizer`` for a gathered checkpoint); the
+Megatron gang (``rollart.trainer.megatron_gang``) overrides them and keeps the rest:
+joining, the token-weighted step over the data-parallel shares, the buckets (its
+checkpoints are gathered: ``GangTrainer.sharded_checkpoints``). The plain
 helpers: ``balance`` (token-balanced shares of a batch), ``buckets`` (a version's cut into
 buckets, the same on every rank), ``decoder_blocks`` (what ``fully_shard`` wraps).
 """
@@ -20,6 +23,7 @@ import datetime
 
 import torch
 
+from rollart.trainer.shards import DCP_DIR, METADATA, dcp_storage, hash_files
 from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
 
 __all__ = ["GangRank", "balance", "buckets", "decoder_blocks"]
@@ -116,11 +120,13 @@ class _Ranked:
         a CPU mesh (the trainer actor's policy is on the CPU unless placed on a GPU)."""
         return next(self.model.parameters()).device
 
-    def _shard(self, optimizer_state: bool) -> None:
+    def _shard(self, optimizer_state: bool, dcp: str | None = None) -> None:
         """Every rank takes rank 0's weights and KL reference (broadcast, tensor by
         tensor, before sharding), then shards every decoder block and the root over all
-        ranks; with ``optimizer_state``, rank 0's AdamW moments (a checkpoint's) reach
-        every rank's shard (``set_optimizer_state_dict``, broadcast from rank 0)."""
+        ranks; with ``optimizer_state``, rank 0's AdamW moments (a one-process layout
+        checkpoint's) reach every rank's shard (``set_optimizer_state_dict``, broadcast
+        from rank 0); with ``dcp`` (a sharded checkpoint's folder), every rank reads its
+        own shard of the moments from it (``_read_dcp``: nothing gathered on rank 0)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
@@ -143,31 +149,85 @@ class _Ranked:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = self._make_optimizer()
-        if optimizer_state:
+        self.sharded = True
+        if dcp is not None:
+            self._read_dcp(dcp, model=False, optimizer=True)
+        elif optimizer_state:
             set_optimizer_state_dict(self.model, self.optimizer, full or {},
                                      options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-        self.sharded = True
 
     def _write_buckets(self, version: int, bucket_bytes: int) -> list[tuple[int, str, int]]:
-        """This rank's buckets of ``version``: the policy's HF-named tensors cut in order
-        into buckets of about ``bucket_bytes`` (``buckets``, the same on every rank);
-        bucket k is written by rank k mod N. Each tensor is gathered whole
-        (``full_tensor``, a collective) by every rank, kept only by its bucket's writer
-        and dropped once written: no rank holds more than a bucket beyond its shard.
+        """This rank's buckets of ``version`` in the weight store (``_buckets_here``).
         Returns ``(k, name, bytes)`` of the buckets written here."""
+        return [(k, *self.store.put_bucket(version, k, part, {
+                    "rollart.rank": str(self.rank), "rollart.bucket": str(k)}))
+                for k, _, part in self._buckets_here(bucket_bytes)]
+
+    def _buckets_here(self, bucket_bytes: int):
+        """Yield ``(k, how many buckets, tensors)`` for each bucket this rank writes: the
+        policy's HF-named tensors cut in order into buckets of about ``bucket_bytes``
+        (``buckets``, the same on every rank); bucket k is rank k mod N's. Each tensor
+        is gathered whole (``full_tensor``, a collective) by every rank, kept only by
+        its bucket's writer and dropped once written: no rank holds more than a bucket
+        beyond its shard. Every rank must consume the whole generator."""
         state = self._publish_state()
-        out = []
-        for k, names in enumerate(buckets(state, bucket_bytes)):
+        cut = buckets(state, bucket_bytes)
+        for k, names in enumerate(cut):
             mine, part = k % self.world == self.rank, {}
             for name in names:
                 whole = self._whole(state[name])
                 if mine:
                     part[name] = whole.detach().to("cpu")
             if mine:
-                out.append((k, *self.store.put_bucket(version, k, part, {
-                    "rollart.rank": str(self.rank), "rollart.bucket": str(k)})))
-        return out
+                yield k, len(cut), part
+
+    # -- sharded checkpoints (trainer thread; every rank, together) ----------------------
+    def _save_shards(self, url: str, bucket_bytes: int, state: bool = True
+                     ) -> tuple[dict, dict]:
+        """This rank's part of a sharded checkpoint at ``url`` (a collective):
+
+        * ``dcp/``: its shards of the policy and of the AdamW state, written by
+          ``torch.distributed.checkpoint.save`` from ``get_state_dict`` (DTensors, not
+          gathered: a rank writes its own ``__<rank>_<i>.distcp``; the coordinator,
+          rank 0, the ``.metadata`` that maps every shard to its file);
+        * ``model/``: its buckets of the HF-named weights as the model folder's shards
+          ``model-<k+1>-of-<K>.safetensors`` (``_buckets_here``: bucket k by rank k mod
+          N, no rank holding more than a bucket beyond its shard).
+
+        Without ``state``, only the weight shards, into the model folder ``url`` itself
+        (``GangTrainer.save``). Returns the manifest entries of the files this rank
+        wrote or hashed (the ``dcp/`` files are hashed in parallel, file i by rank i mod
+        N) and the model folder's ``weight_map`` part (HF name -> shard file)."""
+        import fsspec
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import save as st_save
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from rollart.runtime.storage import write_bytes
+        from rollart.weights.store import _untie
+
+        files, weight_map, url = {}, {}, url.rstrip("/")
+        if state:
+            model, optim = get_state_dict(self.model, self.optimizer)
+            path = f"{url}/{DCP_DIR}"
+            meta = dcp.save({"model": model, "optimizer": optim},
+                            storage_writer=dcp_storage(path, write=True))
+            del model, optim
+            names = sorted({i.relative_path for i in meta.storage_data.values()})
+            files.update(hash_files(path, names[self.rank::self.world], DCP_DIR))
+            if self.rank == 0:
+                files.update(hash_files(path, [METADATA], DCP_DIR))
+        folder, prefix = (f"{url}/model", "model/") if state else (url, "")
+        fs, root = fsspec.core.url_to_fs(folder)
+        fs.makedirs(root, exist_ok=True)
+        for k, n, part in self._buckets_here(bucket_bytes):
+            shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            entry = write_bytes(folder, shard, st_save(_untie(part),
+                                                       metadata={"format": "pt"}))
+            files.update({prefix + shard: entry[shard]})
+            weight_map.update({name: shard for name in part})
+        return files, weight_map
 
     def _publish_state(self) -> dict:
         """The policy's HF-named tensors, in the same order on every rank (FSDP2: its
@@ -256,13 +316,18 @@ class GangRank(_Ranked, Trainer):
         await self._run(self._join, host, port, rank, world, timeout)
         return rank
 
-    async def shard(self, optimizer_state: bool) -> None:
+    async def shard(self, optimizer_state: bool, dcp: str | None = None) -> None:
         """Take rank 0's policy and shard it with the other ranks (``_shard``)."""
-        await self._run(self._shard, optimizer_state)
+        await self._run(self._shard, optimizer_state, dcp)
 
     async def write_buckets(self, version: int, bucket_bytes: int) -> list:
         """This rank's part of publishing ``version`` (``_write_buckets``)."""
         return await self._run(self._write_buckets, version, bucket_bytes)
+
+    async def save_shards(self, url: str, bucket_bytes: int, state: bool = True
+                          ) -> tuple[dict, dict]:
+        """This rank's part of a sharded checkpoint or model folder (``_save_shards``)."""
+        return await self._run(self._save_shards, url, bucket_bytes, state)
 
     async def full_optimizer(self) -> bool:
         """This rank's part of gathering the optimizer state (for rank 0's checkpoint)."""

@@ -31,16 +31,28 @@ by rank k mod N only (``WeightStore.put_bucket``), so no rank holds a second ful
 Rank 0 then writes the manifest that makes them a version (``put_manifest``): a reader
 never sees a partial one. Readers fetch the buckets in parallel (``WeightStore.get``).
 
-Checkpoints have the one-process trainer's layout, so a run resumes on any number of
-ranks (2 -> 1 and 1 -> 2 tested): rank 0 writes the published weights, the KL reference
-and the whole AdamW state under parameter names, gathered from every rank
-(``get_optimizer_state_dict``, ``optimizer_format: "names"``); a gang that loads a
-checkpoint broadcasts rank 0's weights, reference and moments to every rank when it forms.
+Checkpoints are sharded (``torch.distributed.checkpoint``, DCP): every rank writes its own
+shards of the policy and of the AdamW state into the checkpoint's ``dcp/`` folder
+(``dcp.save`` of ``get_state_dict``: DTensors, nothing gathered; ``_save_shards``), and
+its buckets of the HF-named weights as the shards of the checkpoint's ``model/`` folder
+(bucket k by rank k mod N, as for publishing), so ``model/`` stays a Hugging Face model
+folder (``rollart eval``, export, a resumed run's model path) without a whole copy on
+rank 0; rank 0 adds the folder's index, config and tokenizer, the KL reference (frozen
+and whole on every rank: written as before) and ``trainer.pt`` (``optimizer_format:
+"dcp"``). The checkpoint URL must therefore be one place every TRAIN worker reaches (one
+host, a shared file system, an object store). A run resumes on any number of ranks (2 ->
+1 and 1 -> 2 tested): DCP reshards. A one-process trainer reads the shards whole with no
+process group; a gang's rank 0 reads the weights whole into its unsharded policy (every
+rank builds the policy whole before ``fully_shard`` anyway: that, and the broadcast of
+rank 0's weights when a gang forms, stay as they were) and leaves the AdamW state, the
+larger part, to the ranks: when the gang forms, each reads only its own shard of it
+(``_shard`` with ``dcp``). A gang still loads the one-process layout (weights, reference
+and moments broadcast from rank 0 as it forms) and the gathered ``"names"`` layout of
+older gang checkpoints and of the Megatron gang, whose checkpoints stay gathered
+(``rollart.trainer.megatron_gang``: its TP shards are plain tensors DCP cannot reshard).
 
-Not built yet, and said where a user meets it: sharded (``torch.distributed.checkpoint``)
-checkpoints, which a model too large for rank 0's memory needs (rank 0 gathers the
-optimizer state for a checkpoint); inference workers that load a version bucket by
-bucket or relay it to each other; LoRA in a gang (a ``GraphError`` at start:
+Not built yet, and said where a user meets it: inference workers that load a version
+bucket by bucket or relay it to each other; LoRA in a gang (a ``GraphError`` at start:
 ``rollart.config.preflight.check_gang``).
 
 Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
@@ -72,6 +84,10 @@ class GangTrainer(_Ranked, Trainer):
     """Rank 0 of a gang of ``ranks`` ranks, one per TRAIN worker (module docstring)."""
 
     rank_class = GangRank  # the other ranks' actor (the Megatron gang: its own)
+    #: checkpoints sharded with torch.distributed.checkpoint (module docstring); the
+    #: Megatron gang's are gathered in the one-process layout (its TP shards are plain
+    #: tensors, not DTensors that DCP could reshard)
+    sharded_checkpoints = True
 
     def __init__(self, *args, ranks: int = 2, join_timeout: float = 300.0,
                  bucket_bytes: int = 256 << 20, **kwargs):
@@ -87,6 +103,10 @@ class GangTrainer(_Ranked, Trainer):
         self._forms = 0
         self.bucket_bytes = int(bucket_bytes)
         self._gathered_optimizer: dict | None = None  # while a checkpoint is written
+        self._weight_map: dict | None = None  # while a sharded one is: HF name -> file
+        # a sharded checkpoint's dcp/ folder whose AdamW state the ranks read, each its
+        # own shard, when the gang next forms (loaded by rank 0 while unsharded)
+        self._dcp_moments: str | None = None
 
     async def _publish(self) -> None:
         """Every rank writes its buckets of ``self.version`` (``_write_buckets``), then
@@ -108,14 +128,52 @@ class GangTrainer(_Ranked, Trainer):
         self.bytes_published = sum(size for _, _, size in written)
 
     def _save_hf(self, path: str) -> None:
-        """The policy as a model folder: the gathered weights in an unsharded copy."""
+        """The policy as a model folder. Sharded (``_save_sharded``, ``save``): only what
+        rank 0 adds to the weight shards the ranks wrote: the index, config, tokenizer
+        (``_save_index``). Otherwise (the Megatron gang's checkpoint and final model) the
+        newest published version, read whole from the weight store, in an unsharded
+        copy."""
         if not self.sharded:
             return super()._save_hf(path)
+        if self._weight_map is not None:
+            return self._save_index(path, self._weight_map)
         from rollart.model import load_model
 
         model = load_model(self.model_path)
         model.load_state_dict(self.store.get(self.version), strict=False)
         model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    async def save(self, path: str) -> str:
+        """The policy as a Hugging Face model folder at ``path``; on a sharded gang each
+        rank writes its buckets of the weights as the folder's shards, rank 0 the index,
+        config and tokenizer (nothing gathered on rank 0)."""
+        if not (self.sharded and self.sharded_checkpoints):
+            return await super().save(path)
+        parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes, False),
+                                 *(m.save_shards(path, self.bucket_bytes, False)
+                                   for m in self.members)],
+                                "did not write its model shards")
+        weight_map = {name: f for _, part in parts for name, f in part.items()}
+        await self._run(_drop_stale_weights, path, set(weight_map.values()))
+        await self._run(self._save_index, path, weight_map)
+        return path
+
+    def _save_index(self, path: str, weight_map: dict) -> None:
+        """A model folder's files besides its weight shards: ``model.safetensors.index.json``
+        (HF's map of names to shard files, which ``from_pretrained`` follows), the
+        config (and generation config) and the tokenizer."""
+        import json
+        import os
+
+        total = sum(v.numel() * v.element_size()  # a DTensor's numel is the whole tensor's
+                    for v in self._publish_state().values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+        self.model.config.save_pretrained(path)
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
     async def publish(self) -> int:
@@ -125,12 +183,21 @@ class GangTrainer(_Ranked, Trainer):
         return version
 
     async def save_state(self, url: str) -> dict:
-        """A checkpoint in the one-process trainer's layout, so that a run resumes on any
-        number of ranks: the gathered weights (``model/``), the KL reference, and the
-        whole AdamW state under parameter names (gathered from every rank), marked
-        ``optimizer_format: "names"`` in ``trainer.pt``."""
+        """A checkpoint of the gang. Sharded (``sharded_checkpoints``): every rank writes
+        its shards of the policy and AdamW state (``dcp/``, torch.distributed.checkpoint)
+        and its buckets of the HF-named weights (``model/``'s shards); rank 0 adds the
+        model folder's index, config and tokenizer, the KL reference (frozen, held whole
+        by every rank: written as the one-process trainer does) and ``trainer.pt``
+        (``optimizer_format: "dcp"``, no optimizer state in it). Nothing is gathered on
+        rank 0. Gathered (the Megatron gang): the one-process trainer's layout, with the
+        whole AdamW state under parameter names gathered from every rank
+        (``optimizer_format: "names"``). Either resumes on any number of ranks."""
+        if not self.sharded and self._dcp_moments is not None:
+            await self._form()  # the moments of the checkpoint loaded are the ranks' to read
         if not self.sharded:
             return await super().save_state(url)
+        if self.sharded_checkpoints:
+            return await self._save_sharded(url)
         state = (await self._all([self._run(self._full_optimizer),
                                   *(m.full_optimizer() for m in self.members)],
                                  "did not gather the optimizer state"))[0]
@@ -140,14 +207,45 @@ class GangTrainer(_Ranked, Trainer):
         finally:
             self._gathered_optimizer = None
 
-    def _optimizer_state(self) -> tuple[dict, str]:
+    async def _save_sharded(self, url: str) -> dict:
+        """Every rank's shards (``_save_shards``, together), then rank 0's files
+        (``Trainer._save_state``, whose ``model/`` is then only the index, config and
+        tokenizer: ``_save_hf``); returns all their manifest entries."""
+        parts = await self._all([self._run(self._save_shards, url, self.bucket_bytes),
+                                 *(m.save_shards(url, self.bucket_bytes)
+                                   for m in self.members)],
+                                "did not write its checkpoint shards")
+        files, self._weight_map = {}, {}
+        for part, weight_map in parts:
+            files.update(part)
+            self._weight_map.update(weight_map)
+        await self._run(_drop_stale_weights, f"{url.rstrip('/')}/model",
+                        set(self._weight_map.values()))
+        try:
+            files.update(await super().save_state(url))
+        finally:
+            self._weight_map = None
+        return files
+
+    def _optimizer_state(self) -> tuple[dict | None, str]:
         if self.sharded:
+            if self.sharded_checkpoints:
+                return None, "dcp"
             return self._gathered_optimizer, "names"
         return super()._optimizer_state()
 
+    def _load_dcp_optimizer(self, path: str) -> None:
+        """Rank 0 loads a sharded checkpoint unsharded (the weights whole, as every rank
+        builds the policy whole before it shards it); its AdamW state is left for the
+        ranks to read, each its own shard, when the gang forms (``_form``)."""
+        self._dcp_moments = path
+
     async def load_state(self, url: str, truncate: bool = True) -> int:
         """As the one-process trainer's, into rank 0's unsharded policy; the gang forms
-        again at the next step, with these weights, reference and moments."""
+        again at the next step, with these weights and reference, and these moments:
+        broadcast from rank 0 (a one-process layout checkpoint) or read by every rank,
+        its own shard (a sharded one)."""
+        self._dcp_moments = None
         if self.sharded:
             await self._run(self._unshard)
         return await super().load_state(url, truncate)
@@ -189,9 +287,11 @@ class GangTrainer(_Ranked, Trainer):
                                    self.join_timeout, store), *joins],
                         "did not join the gang")
         moments = bool(self.optimizer.state)  # a checkpoint's, loaded before the gang
-        await self._all([self._run(self._shard, moments),
-                         *(m.shard(moments) for m in self.members)],
+        dcp = self._dcp_moments  # or a sharded checkpoint's: every rank reads its shard
+        await self._all([self._run(self._shard, moments, dcp),
+                         *(m.shard(moments, dcp) for m in self.members)],
                         "did not shard the policy")
+        self._dcp_moments = None
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     store.port)
 
@@ -317,3 +417,20 @@ class GangTrainer(_Ranked, Trainer):
         out["trainer/adv_abs_mean"] = float(adv.abs().mean())
         out["trainer/gang_restarts"] = self.restarts
         return out
+
+
+def _drop_stale_weights(folder: str, keep: set[str]) -> None:
+    """Remove weight files of an earlier save from the model folder ``folder`` (a URL)
+    that are not among ``keep`` (this save's shards): ``from_pretrained`` would prefer a
+    stale ``model.safetensors`` to the index."""
+    import re
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(folder)
+    if not fs.exists(root):
+        return
+    for p in fs.ls(root, detail=False):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name not in keep and re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name):
+            fs.rm(p)

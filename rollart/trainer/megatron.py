@@ -411,3 +411,14 @@ class MegatronTrainer(Trainer):
 
     def _load_named_optimizer(self, state: dict) -> None:
         load_named_moments(self.model, self.optimizer, state)
+
+    def _read_dcp(self, path: str, *, model: bool, optimizer: bool) -> None:
+        """A torch trainer gang's sharded checkpoint holds the Hugging Face model's
+        parameters as DTensor shards (``rollart.trainer.fsdp``); a megatron ``GPTModel``'s
+        are others, under other names: refused, with the fix."""
+        raise ValueError(
+            f"{path} is a torch trainer gang's sharded checkpoint (torch.distributed."
+            f"checkpoint, optimizer_format 'dcp'), which the Megatron backend does not "
+            f"load: resume it with the backend it was trained with (--set "
+            f"policy.trainer_backend=torch), or start the Megatron run from its model/ "
+            f"folder (--model PATH/model; the optimizer's moments start again)")

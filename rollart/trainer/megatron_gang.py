@@ -6,7 +6,8 @@
 (``MegatronGangTrainer``) speaks for it, starts ``MegatronGangRank`` on the other TRAIN
 workers, joins them in one process group, splits each step's batch into token-balanced
 shares (``balance``), publishes HF-named buckets (bucket k by rank k mod N, manifest
-last), writes checkpoints in the one-process layout and forms again after a lost rank.
+last), writes checkpoints (gathered, in the one-process layout: below) and forms again
+after a lost rank.
 What differs from FSDP2 is in ``_MegatronRanked``'s hooks:
 
 * forming (``_shard``): every rank takes rank 0's HF weights, KL reference and (from a
@@ -27,10 +28,16 @@ What differs from FSDP2 is in ``_MegatronRanked``'s hooks:
   the norms) counted once;
 * publishing (``_publish_state``): every rank gathers the HF-named weights over its TP
   group (``MegatronLM.hf_state_dict``), then writes its buckets;
-* checkpoints: rank 0 writes the published weights (``model/``), the KL reference (kept
-  under HF names since the gang formed: ``_ref_hf``) and the AdamW moments gathered over
-  TP under HF names (``named_moments``, ``optimizer_format: "names"``), which a
-  one-process ``MegatronTrainer`` (2 -> 1) or a gang of another layout loads.
+* checkpoints: gathered, not sharded (``sharded_checkpoints = False``): rank 0 writes
+  the published weights (``model/``), the KL reference (kept under HF names since the
+  gang formed: ``_ref_hf``) and the AdamW moments gathered over TP under HF names
+  (``named_moments``, ``optimizer_format: "names"``), which a one-process
+  ``MegatronTrainer`` (2 -> 1) or a gang of another layout loads. The torch gang's
+  ``torch.distributed.checkpoint`` shards do not fit here: each rank's parameters are
+  its TP shard as plain tensors under megatron's names, not DTensors DCP could reshard
+  to another TP size, so rank 0's memory still bounds the model a Megatron gang can
+  checkpoint. A torch gang's sharded checkpoint is refused by the Megatron backend
+  (``MegatronTrainer._read_dcp``: resume it with the torch backend).
 
 megatron's ``parallel_state`` and torch's default process group are per process: a rank
 leaves any earlier gang's (``_leave``) before building a policy, and rank 0 returns to a
@@ -69,10 +76,12 @@ class _MegatronRanked(_Ranked):
         super()._leave()
 
     # -- forming ------------------------------------------------------------------------
-    def _shard(self, optimizer_state: bool) -> None:
+    def _shard(self, optimizer_state: bool, dcp: str | None = None) -> None:
         """Rank 0's weights, reference and moments to every rank (broadcast under HF
         names, from the one-process policy each rank built), then megatron's parallel
-        state for ``tp`` over the gang and each rank's TP shard of the policy."""
+        state for ``tp`` over the gang and each rank's TP shard of the policy. (``dcp``,
+        a sharded checkpoint's moments, never comes: a Megatron trainer refuses such a
+        checkpoint when it loads it, ``MegatronTrainer._read_dcp``.)"""
         from megatron.core import parallel_state
 
         from rollart.trainer.megatron import (MegatronLM, _cpu_workarounds,
@@ -210,6 +219,10 @@ class MegatronGangTrainer(_MegatronRanked, GangTrainer, MegatronTrainer):
     (module docstring)."""
 
     rank_class = None  # set below: MegatronGangRank
+    #: its checkpoints stay gathered in the one-process layout (module docstring): its
+    #: parameters are each rank's TP shard as a plain tensor, under megatron's names,
+    #: not DTensors that torch.distributed.checkpoint could reshard to another TP size
+    sharded_checkpoints = False
 
     def __init__(self, *args, tp: int = 1, **kwargs):
         super().__init__(*args, **kwargs)

@@ -30,6 +30,7 @@ from rollart.policy.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.losses import (grpo_loss, shared_prompt_logprobs, shares_prompts,
                                      target_logprobs)
+from rollart.trainer.shards import DCP_DIR
 from rollart.trainer.warmup import run_warmup
 from rollart.weights import WeightStore
 from rollart.weights import lora
@@ -337,11 +338,21 @@ class Trainer:
         files.update(write_bytes(url, "trainer.pt", buf.getvalue()))
         return files
 
-    def _optimizer_state(self) -> tuple[dict, str]:
+    def _optimizer_state(self) -> tuple[dict | None, str]:
         """The optimizer's state for ``trainer.pt`` and its layout: ``"ids"`` (torch's
-        ``state_dict``, by parameter position) or ``"names"`` (by parameter name: a trainer
-        gang's, gathered from its ranks; any trainer loads either)."""
+        ``state_dict``, by parameter position), ``"names"`` (by parameter name: a Megatron
+        trainer gang's, gathered from its ranks) or ``"dcp"`` (``None`` here: a torch
+        trainer gang's, each rank's shard in the checkpoint's ``dcp/`` folder,
+        ``rollart.trainer.fsdp._Ranked._save_shards``). Any trainer loads each (the
+        Megatron backend: not ``"dcp"``)."""
         return self.optimizer.state_dict(), "ids"
+
+    def _load_dcp_optimizer(self, path: str) -> None:
+        """Load the AdamW state of a sharded checkpoint (layout ``"dcp"``, a torch trainer
+        gang's: ``rollart.trainer.fsdp``) from its folder ``path`` into
+        ``self.optimizer``: here, whole, at once (a gang's rank 0 leaves it to the
+        ranks, each its own shard, when the gang forms: ``rollart.trainer.gang``)."""
+        self._read_dcp(path, model=False, optimizer=True)
 
     def _load_named_optimizer(self, state: dict) -> None:
         """Load an optimizer state in the ``"names"`` layout (keyed by Hugging Face
@@ -369,8 +380,12 @@ class Trainer:
                 f"with the graph it was trained with ("
                 + ("--set policy.lora.rank=..." if adapter else "--set policy.lora=none")
                 + "), or start a new run")
+        layout = state.get("optimizer_format", "ids")
+        sharded = f"{str(url).rstrip('/')}/{DCP_DIR}"  # layout "dcp": a trainer gang's
         if adapter:
             self._load_adapter_state(fs, root, state)
+        elif layout == "dcp":  # the weights as trained, from every rank's shards
+            self._read_dcp(sharded, model=True, optimizer=False)
         else:
             with fs.open(f"{root}/model/model.safetensors", "rb") as f:
                 self._load_hf(self.model, st_load(f.read()))
@@ -380,7 +395,9 @@ class Trainer:
             self.ref_model = self._frozen_copy().eval()
             self._load_hf(self.ref_model, ref)
         self.optimizer = self._make_optimizer()
-        if state.get("optimizer_format") == "names":  # a trainer gang's, gathered
+        if layout == "dcp":
+            self._load_dcp_optimizer(sharded)
+        elif layout == "names":  # a gang's, gathered (Megatron; a torch gang's before DCP)
             self._load_named_optimizer(state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -393,6 +410,37 @@ class Trainer:
         self.busy_seconds = state.get("busy_seconds", 0.0)
         self.waited_seconds = state.get("waited_seconds", 0.0)
         return self.version
+
+    def _read_dcp(self, path: str, *, model: bool, optimizer: bool) -> None:
+        """Load the policy's weights and/or AdamW state from the sharded checkpoint folder
+        ``path`` (``_save_shards``) with ``torch.distributed.checkpoint.load``, which
+        reshards: a sharded rank of a gang reads only its own shards (a collective over
+        the gang), an unsharded policy (the one-process trainer, or rank 0 before a gang
+        forms) reads whole tensors alone, with no process group (``no_dist``)."""
+        import warnings
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+            set_optimizer_state_dict)
+
+        from rollart.trainer.shards import check_dcp, dcp_storage
+
+        check_dcp(path)
+        want = {}
+        if model:
+            want["model"] = get_model_state_dict(self.model)
+        if optimizer:  # an AdamW without moments yet: a zero step (lr 0) makes its slots
+            want["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        alone = not (getattr(self, "sharded", False) and dist.is_initialized())
+        with warnings.catch_warnings():  # alone is meant: no process group to use
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(want, storage_reader=dcp_storage(path, write=False), no_dist=alone)
+        if model:
+            set_model_state_dict(self.model, want["model"])
+        if optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, want["optimizer"])
 
     def _load_adapter_state(self, fs, root: str, state: dict) -> None:
         """LoRA ``load_state``: the checkpoint's base (when not the model folder's), a

@@ -152,11 +152,19 @@ def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(tiny_model
     assert {r["trainer/ranks"] for r in rows} == {2}
     assert all(r["trainer/tokens"] > 0 for r in rows)
     load_model(str(run / "model"))
-    # its checkpoint resumes on one TRAIN worker (resources/local.py)
+    # its checkpoint is sharded (each rank's DCP shard file; model/ in shards with an
+    # index) and resumes on one TRAIN worker (resources/local.py), whose model path is
+    # the checkpoint's model/ folder
+    ckpt = run / "checkpoints" / "step-00000002"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(
+        p.name for p in (ckpt / "dcp").iterdir())
+    assert (ckpt / "model" / "model.safetensors.index.json").exists()
+    assert (run / "model" / "model.safetensors.index.json").exists()
     assert main(["train", "--resume", str(run), "--steps", "3", "--eval-seeds", "0",
                  "--no-progress"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["trainer/ranks"]) for r in rows] == [(1, 2), (2, 2), (3, 1)]
+    load_model(str(run / "model"))  # written again by the one-process trainer
 
 
 def test_what_a_gang_cannot_do_yet_is_a_graph_error():
@@ -183,10 +191,13 @@ def _close(a: dict, b: dict, lr: float) -> float:
 
 def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_pool, tmp_path):
     """1 -> 2: a one-process trainer's checkpoint, loaded by a two-rank gang, steps as the
-    one-process trainer goes on; 2 -> 1: the gang's checkpoint (its AdamW moments gathered
-    from both ranks) loaded by a one-process trainer steps as the gang goes on. Without
-    the moments the step is visibly another one (the moments are what is tested)."""
+    one-process trainer goes on; 2 -> 1: the gang's sharded checkpoint
+    (torch.distributed.checkpoint, each rank its own AdamW shard) loaded by a one-process
+    trainer steps as the gang goes on; 2 -> 2: a new gang loads it (each rank reading its
+    own shard of the moments as it forms) and steps as the gang goes on. Without the
+    moments the step is visibly another one (the moments are what is tested)."""
     from rollart.buffer import SampleBuffer
+    from rollart.model import load_model
     from rollart.runtime.handles import handle
     from rollart.trainer import Trainer
     from rollart.trainer.gang import GangTrainer
@@ -209,6 +220,15 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
         t._update(batch)
         return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
 
+    def gang_on(store, batches):
+        g = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / store), algo,
+                                 ranks=2, actor=True, bucket_bytes=40_000, workers=[a],
+                                 resources={TRAIN: 1}).result())
+        buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
+        for t in batches:
+            buf.put(t, 3).result()
+        return g, buf
+
     vocab = one().model.config.vocab_size
     b1, b2, b3 = (random_batch(vocab, groups=3, shared_prompt=True, seed=s) for s in (1, 2, 3))
     first = one()
@@ -218,21 +238,126 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(mg_model_dir, train_poo
     asyncio.run(first.save_state(ckpt1))
     want2 = step(first, b2)
 
-    gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "gang"), algo,
-                                ranks=2, actor=True, workers=[a], resources={TRAIN: 1}).result())
-    buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
-    for t in b2 + b3:
-        buf.put(t, 3).result()
+    gang, buf = gang_on("gang", b2 + b3)
     assert gang.load_state(ckpt1).result() == 1
     assert gang.publish().result() == 1
     assert gang.train_step(buf, 2).result()["trainer/ranks"] == 2
     assert _close(WeightStore(str(tmp_path / "gang")).get(2), want2, algo.lr) < 1e-3  # 1 -> 2
 
     ckpt2 = str(tmp_path / "ckpt2")
-    gang.save_state(ckpt2).result()
+    files = gang.save_state(ckpt2).result()
     gang.train_step(buf, 3).result()
     want3 = WeightStore(str(tmp_path / "gang")).get(3)
+    # the run's model folder, also written in shards by both ranks; a stale whole-model
+    # file of an earlier save there is removed (from_pretrained would prefer it)
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"stale")
+    assert gang.save(str(final)).result() == str(final)
+    assert not (final / "model.safetensors").exists()
+    assert len(list(final.glob("model-*-of-*.safetensors"))) > 2
+    saved = load_model(str(final)).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in want3.items())
     assert _close(step(one(ckpt2, "two"), b3), want3, algo.lr) < 1e-3  # 2 -> 1
     fresh = one(ckpt2, "three")
     fresh.optimizer = fresh._make_optimizer()  # the weights without the moments
     assert _close(step(fresh, b3), want3, 1.0) > 0.1
+
+    gang2, buf2 = gang_on("gang2", b3)  # 2 -> 2: each rank reads its shard of the moments
+    assert gang2.load_state(ckpt2).result() == 2
+    ckpt2b = str(tmp_path / "ckpt2b")  # saved before any step: the moments are kept
+    gang2.save_state(ckpt2b).result()
+    moments = [one(c, f"m{i}").optimizer.state_dict()["state"] for i, c in
+               enumerate((ckpt2, ckpt2b))]
+    assert all(torch.equal(moments[0][i]["exp_avg"], moments[1][i]["exp_avg"])
+               for i in moments[0]) and moments[0]
+    assert gang2.publish().result() == 2
+    gang2.train_step(buf2, 3).result()
+    assert _close(WeightStore(str(tmp_path / "gang2")).get(3), want3, algo.lr) < 1e-3
+
+    # a lost rank 0 replaced as the supervisor does (load_state(truncate=False), then the
+    # newest published weights, v3): the checkpoint's moments on v3, as one process does
+    import shutil
+    for d in ("gang3", "one3"):
+        shutil.copytree(tmp_path / "gang", tmp_path / d)
+    b4 = random_batch(vocab, groups=3, shared_prompt=True, seed=4)
+    alone = Trainer(mg_model_dir, str(tmp_path / "one3"), algo)
+    asyncio.run(alone.load_state(ckpt2, truncate=False))
+    assert asyncio.run(alone.restore_latest()) == 3
+    want4 = step(alone, b4)
+    gang3, buf3 = gang_on("gang3", b4)
+    assert gang3.load_state(ckpt2, truncate=False).result() == 2
+    assert gang3.restore_latest().result() == 3
+    assert gang3.train_step(buf3, 4).result()["trainer/ranks"] == 2
+    assert _close(WeightStore(str(tmp_path / "gang3")).get(4), want4, algo.lr) < 1e-3
+
+    # ckpt2 is sharded, with no whole copy on rank 0: every rank wrote its own DCP shard
+    # file of the policy and of the AdamW state, trainer.pt holds no optimizer state, and
+    # model/ is the HF folder of the published weights in shards written by both ranks
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    state = torch.load(os.path.join(ckpt2, "trainer.pt"), weights_only=False)
+    assert state["optimizer_format"] == "dcp" and state["optimizer"] is None
+    meta = dcp.FileSystemReader(os.path.join(ckpt2, "dcp")).read_metadata()
+    by_file: dict = {}
+    for index, info in meta.storage_data.items():
+        by_file.setdefault(info.relative_path, set()).add(index.fqn.split(".")[0])
+    assert by_file == {"__0_0.distcp": {"model", "optimizer"},
+                       "__1_0.distcp": {"model", "optimizer"}}
+    exp_avg = [i for i in meta.storage_data if i.fqn.startswith("optimizer.state.")
+               and i.fqn.endswith(".exp_avg")]
+    assert {meta.storage_data[i].relative_path for i in exp_avg} == set(by_file)
+    assert {n for n in files if n.startswith("dcp/")} == {"dcp/.metadata",
+                                                          *(f"dcp/{f}" for f in by_file)}
+    shards = sorted(f for f in os.listdir(os.path.join(ckpt2, "model"))
+                    if f.endswith(".safetensors"))
+    assert len(shards) > 2 and f"model/{shards[0]}" in files
+    index = json.load(open(os.path.join(ckpt2, "model", "model.safetensors.index.json")))
+    assert sorted(set(index["weight_map"].values())) == shards
+    for name, shard in index["weight_map"].items():
+        with safe_open(os.path.join(ckpt2, "model", shard), "pt") as f:
+            assert name in f.keys()
+    published = WeightStore(str(tmp_path / "gang")).get(2)
+    folder = load_model(os.path.join(ckpt2, "model")).state_dict()
+    assert all(torch.equal(folder[k], v) for k, v in published.items())
+
+
+def test_a_sharded_checkpoint_missing_a_rank_s_shard_says_which(mg_model_dir, train_pool,
+                                                                tmp_path):
+    """A gang's sharded checkpoint whose rank-1 shard file is gone (a checkpoint URL local
+    to each worker's host, a partial copy) fails the load naming the file, the rank and
+    the fix, never a half-loaded trainer."""
+    import os
+
+    from rollart.runtime.handles import handle
+    from rollart.trainer import Trainer
+    from rollart.trainer.gang import GangTrainer
+
+    client = train_pool
+    a = sorted(client.scheduler_info()["workers"])[0]
+    algo = GRPO(group_size=3, groups_per_step=3, lr=1e-2)
+    gang = handle(client.submit(GangTrainer, mg_model_dir, str(tmp_path / "w"), algo,
+                                ranks=2, actor=True, workers=[a],
+                                resources={TRAIN: 1}).result())
+    gang.publish().result()
+    ckpt = str(tmp_path / "ckpt")
+    gang.save_state(ckpt).result()
+    t = Trainer(mg_model_dir, str(tmp_path / "one"), algo)
+    asyncio.run(t.load_state(ckpt))  # whole, it loads
+    pytest.importorskip("megatron.core")
+    from rollart.trainer.megatron import MegatronTrainer
+    with pytest.raises(ValueError, match=r"which the Megatron backend does not load: resume "
+                                         r"it with the backend it was trained with \(--set "
+                                         r"policy.trainer_backend=torch\)"):
+        asyncio.run(MegatronTrainer(mg_model_dir, str(tmp_path / "mg"), algo).load_state(ckpt))
+    os.remove(os.path.join(ckpt, "dcp", "__1_0.distcp"))
+    with pytest.raises(ValueError, match=r"missing __1_0.distcp \(written by rank 1 of "
+                                         r"the gang that saved it\).*every TRAIN worker "
+                                         r"reaches"):
+        asyncio.run(Trainer(mg_model_dir, str(tmp_path / "two"), algo).load_state(ckpt))
+    os.remove(os.path.join(ckpt, "dcp", ".metadata"))
+    with pytest.raises(ValueError, match=r"has no .metadata .*the save did not finish"):
+        asyncio.run(Trainer(mg_model_dir, str(tmp_path / "three"), algo).load_state(ckpt))

@@ -51,9 +51,14 @@ and moments broadcast from rank 0 as it forms) and the gathered ``"names"`` layo
 older gang checkpoints and of the Megatron gang, whose checkpoints stay gathered
 (``rollart.trainer.megatron_gang``: its TP shards are plain tensors DCP cannot reshard).
 
-Not built yet, and said where a user meets it: inference workers that load a version
-bucket by bucket or relay it to each other; LoRA in a gang (a ``GraphError`` at start:
-``rollart.config.preflight.check_gang``).
+Readers: an inference worker streams a bucketed version into its engine bucket by bucket
+(``WeightStore.iter_buckets``; about two buckets in memory beyond the model), and on a
+Mooncake store with ``relay_mb`` set the readers serve the buckets to each other
+(``rollart.weights.relay``), so the trainer's side serves about one copy a version.
+
+Not built yet, and said where a user meets it: LoRA in a gang (a ``GraphError`` at start:
+``rollart.config.preflight.check_gang``); a KL reference sharded like the policy (every
+rank holds it whole).
 
 Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or timed out
 after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published

@@ -22,12 +22,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def commit() -> str:
-    """The short hash of HEAD (``unknown`` without git)."""
+    """The short hash of HEAD, with ``+dirty`` when tracked files differ from it (the run's
+    code is then not that commit's); ``unknown`` without git."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, text=True, capture_output=True).stdout.strip()
     except OSError:
         return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
 
 
 def record(script: str, started: str, load, fields: dict, argv=None) -> Path:

@@ -175,6 +175,12 @@ os._exit(0)  # the master may be gone by now: skip the client's teardown
 """
 
 
+# read leases of the fan-out's master: short, so that each version can be removed (its
+# replicas with it) soon after its readers are done; Mooncake's default is 10 s, in which
+# a dozen versions of a fast loopback fan-out would fill the segments and be evicted
+FANOUT_LEASE_MS = 500
+
+
 def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
     """The fan-out runs (see the module docstring): per K, seconds per version and the
     share of the K copies the trainer's objects served."""
@@ -194,7 +200,7 @@ def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
     big = max(sum(state[k].numel() * state[k].element_size() for k in p) for p in parts)
     buf = max(16, int(big / 2**20 * 2) + 8)
     out, version = {"fanout_mib": mib, "fanout_buckets": len(parts), "fanout_fallbacks": 0}, 0
-    with MooncakeMaster() as master:
+    with MooncakeMaster(lease_ms=FANOUT_LEASE_MS) as master:
         url = master.url("fanout", segment_mb=int(mib * 3) + 64, buffer_mb=buf,
                          relay_mb=int(mib * 2.5) + 32)
         trainer = WeightStore(url)
@@ -238,7 +244,13 @@ def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
                     out["fanout_fallbacks"] += sum(r.get("fallbacks", 0) for r in rows)
                     if any(r["tensor_bytes"] != rows[0]["tensor_bytes"] for r in rows):
                         raise RuntimeError(f"fan-out readers got different versions: {rows}")
+                    # (untimed) the previous version leaves once its read leases end,
+                    # as a trainer's gc does it: the segments hold about two versions
+                    deadline = time.monotonic() + 10
                     trainer.gc(keep=1)
+                    while len(trainer.versions()) > 1 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        trainer.gc(keep=1)
                 out[f"fanout_s_{k}"] = sum(seconds) / len(seconds)
                 out[f"origin_bytes_ratio_{k}"] = origin / served
                 print(f"fan-out   K={k}: {out[f'fanout_s_{k}']:.3f} s/version of "

@@ -46,6 +46,7 @@ def test_a_run_records_unless_quick_or_no_record(results, capsys):
     assert rec["per_seed"] == [1.0, 1.5] and len(rec["load_before"]) == 3
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", rec["date"])
     assert rec["commit"] != "" and rec["commit"] == results.commit()
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", rec["commit"]), rec["commit"]
     for args in (argparse.Namespace(quick=True, no_record=False),
                  argparse.Namespace(quick=False, no_record=True)):
         assert results.Run("demo", args, []).result({"ratio": 2.0}) is None

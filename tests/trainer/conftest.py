@@ -20,3 +20,40 @@ def mg_model_dir(tmp_path_factory):
             p.add_(0.05 * torch.randn_like(p))
     model.save_pretrained(path)
     return str(path)
+
+
+GANG_RESOURCES = '''
+from dataclasses import replace
+
+from rollart.runtime.resources import load_resources
+
+
+def resources():
+    res = load_resources()  # resources/local.py, with a two-rank trainer
+    pools = tuple(replace(p, workers=2) if p.tag == "TRAIN" else p for p in res.pools)
+    return replace(res, pools=pools, dashboard_address=":0")
+'''
+
+
+@pytest.fixture
+def train_on_two_ranks(tiny_model, tmp_path):
+    """``rollart train gridnav --steps 2`` on resources/local.py with a two-worker TRAIN
+    pool (extra ``--set`` overrides given); returns the run dir and its step rows."""
+    import json
+
+    from rollart.app.cli import main
+
+    def run(*sets: str):
+        res = tmp_path / "gang.py"
+        res.write_text(GANG_RESOURCES)
+        run_dir = tmp_path / "run"
+        args = ["train", "gridnav", "--resources", str(res), "--steps", "2", "--model",
+                tiny_model, "--eval-seeds", "0", "--no-progress", "--run-dir", str(run_dir)]
+        for s in sets:
+            args += ["--set", s]
+        assert main(args) == 0
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        return run_dir, rows
+
+    return run

@@ -118,21 +118,8 @@ def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(mg_model_dir
         gang.publish().result()
 
 
-GANG_RESOURCES = '''
-from dataclasses import replace
-
-from rollart.runtime.resources import load_resources
-
-
-def resources():
-    res = load_resources()  # resources/local.py, with a two-rank trainer
-    pools = tuple(replace(p, workers=2) if p.tag == "TRAIN" else p for p in res.pools)
-    return replace(res, pools=pools, dashboard_address=":0")
-'''
-
-
 @pytest.mark.slow
-def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(tiny_model, tmp_path):
+def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(train_on_two_ranks):
     """``rollart train gridnav --resources FILE`` with ``Pool(tag=TRAIN, workers=2)``: the
     trainer is a two-rank gang, every step row says so, the run's model folder loads,
     and its checkpoint resumes on the default resources' one TRAIN worker."""
@@ -141,14 +128,7 @@ def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(tiny_model
     from rollart.app.cli import main
     from rollart.model import load_model
 
-    res = tmp_path / "gang.py"
-    res.write_text(GANG_RESOURCES)
-    run = tmp_path / "run"
-    assert main(["train", "gridnav", "--resources", str(res), "--steps", "2", "--model",
-                 tiny_model, "--eval-seeds", "0", "--no-progress", "--run-dir", str(run),
-                 "--set", "checkpoint_every=2"]) == 0
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    run, rows = train_on_two_ranks("checkpoint_every=2")
     assert {r["trainer/ranks"] for r in rows} == {2}
     assert all(r["trainer/tokens"] > 0 for r in rows)
     load_model(str(run / "model"))

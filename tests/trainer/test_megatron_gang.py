@@ -170,36 +170,15 @@ def test_a_layout_that_does_not_make_the_train_workers_is_a_graph_error():
     assert Policy(**two.to_dict()["policy"]).trainer_parallel == TrainerParallel(tp=2)
 
 
-GANG_RESOURCES = '''
-from dataclasses import replace
-
-from rollart.runtime.resources import load_resources
-
-
-def resources():
-    res = load_resources()  # resources/local.py, with a two-rank trainer
-    pools = tuple(replace(p, workers=2) if p.tag == "TRAIN" else p for p in res.pools)
-    return replace(res, pools=pools, dashboard_address=":0")
-'''
-
-
 @pytest.mark.slow
-def test_the_cli_trains_a_tensor_parallel_megatron_gang(tiny_model, tmp_path):
+def test_the_cli_trains_a_tensor_parallel_megatron_gang(train_on_two_ranks):
     """``rollart train gridnav`` on two TRAIN workers with the Megatron backend and
     ``--set policy.trainer_parallel.tp=2``: every step row says two ranks, TP 2, DP 1,
     and the run's model folder loads."""
-    from rollart.app.cli import main
     from rollart.model import load_model
 
-    res = tmp_path / "gang.py"
-    res.write_text(GANG_RESOURCES)
-    run = tmp_path / "run"
-    assert main(["train", "gridnav", "--resources", str(res), "--steps", "2", "--model",
-                 tiny_model, "--eval-seeds", "0", "--no-progress", "--run-dir", str(run),
-                 "--set", "policy.trainer_backend=megatron",
-                 "--set", "policy.trainer_parallel.tp=2"]) == 0
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    run, rows = train_on_two_ranks("policy.trainer_backend=megatron",
+                                   "policy.trainer_parallel.tp=2")
     assert {(r["trainer/ranks"], r["trainer/tp"], r["trainer/dp"]) for r in rows} == {(2, 2, 1)}
     assert all(r["trainer/tokens"] > 0 and r["trainer/grad_norm"] > 0 for r in rows)
     load_model(str(run / "model"))

@@ -371,7 +371,7 @@ class InferenceWorker:
         """PD prefills (no decode here): one ``KVHandoff`` each; a bad one fails alone."""
         try:
             outcomes = self.engine.prefill([it.req for it in items], source=self.address)
-        except Exception as exc:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - each request again, alone
             outcomes = []
             for it in items:
                 try:

@@ -49,30 +49,44 @@ def preflight(graph: Graph, resources: Resources | None) -> None:
         check_gang(graph, train_workers, resources.source)
 
 
-def check_cluster_tags(client, graph: Graph, source: str) -> None:
+def check_cluster_tags(client, graph: Graph, source: str,
+                       model_path: str | None = None) -> None:
     """On a running cluster: every tag the graph needs is carried by a worker (affinity
-    tags named by the task that asks), and a lockstep batch fits its env workers."""
+    tags named by the task that asks), a lockstep batch fits its env workers, and the
+    TRAIN workers make the trainer's layout (for the model at ``model_path``)."""
     check_cluster(client, graph, source)
     rest = {t: n for t, n in graph.needs().items() if t not in affinity_needs(graph)}
     check_tags(client, rest, source, needed_by=f"graph {graph.name!r}")
     check_lockstep(graph, len(workers_with(client, CPU_ENV)), source)
-    check_gang(graph, len(workers_with(client, TRAIN)), source)
+    check_gang(graph, len(workers_with(client, TRAIN)), source, model_path)
 
 
-def check_gang(graph: Graph, ranks: int, source: str) -> None:
+def check_gang(graph: Graph, ranks: int, source: str, model_path: str | None = None) -> None:
     """``ranks`` TRAIN workers are a trainer gang of that many ranks
     (``rollart.trainer.gang``), laid out by ``Policy.trainer_parallel``: data-parallel
     FSDP2 on the torch backend, tensor x data parallel on the Megatron one
-    (``rollart.trainer.megatron_gang``). A layout that does not make ``ranks`` and what a
-    gang cannot do yet are a ``GraphError`` naming both numbers and the fix."""
+    (``rollart.trainer.megatron_gang``). A layout that does not make ``ranks``, a TP size
+    that does not divide the heads of the model at ``model_path``, and what a gang cannot
+    do yet are a ``GraphError`` naming the numbers and the fix, before any actor starts."""
     if ranks < 1:  # no TRAIN worker: the tag checks say so
         return
     p = graph.policy
     try:
-        p.trainer_parallel.layout(ranks, p.trainer_backend)
+        tp, _ = p.trainer_parallel.layout(ranks, p.trainer_backend)
     except GraphError as e:
         raise GraphError(f"graph {graph.name!r} with the TRAIN workers of {source}: {e}"
                          ) from None
+    if tp > 1 and model_path is not None:
+        from transformers import AutoConfig
+
+        from rollart.trainer.megatron import check_tp
+
+        try:
+            check_tp(AutoConfig.from_pretrained(str(model_path)), tp)
+        except ValueError as e:
+            raise GraphError(f"graph {graph.name!r}, Policy.trainer_parallel on the model "
+                             f"{model_path}: {e} (--set policy.trainer_parallel.tp=...)"
+                             ) from None
     if ranks > 1 and p.lora is not None:
         raise GraphError(
             f"graph {graph.name!r}: Policy.lora with {ranks} {TRAIN} workers: LoRA on a "

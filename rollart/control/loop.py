@@ -134,7 +134,7 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
     source = prep.resources.source if prep.resources else "the cluster you connected"
     with connect(prep.resources, client, progress) as c, \
             store_url(weights, run_dir) as weights_url:
-        check_cluster_tags(c, graph, source)
+        check_cluster_tags(c, graph, source, model_path)
         if progress and c.dashboard_link:
             print(f"Dask dashboard: {c.dashboard_link}")
         return run_loop(c, graph, run_dir, model_path, warm, progress=progress,

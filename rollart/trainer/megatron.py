@@ -60,13 +60,21 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.chunk(size, dim=dim)[rank].clone()
 
 
+def check_tp(cfg, tp_size: int) -> None:
+    """``tp_size`` must divide the model's attention heads and KV heads (each TP rank
+    holds whole heads); a ``ValueError`` naming the divisors that would do otherwise."""
+    heads, groups, _, _ = _dims(cfg)
+    if groups % tp_size or heads % tp_size:
+        fits = [d for d in range(1, groups + 1) if groups % d == 0 and heads % d == 0]
+        raise ValueError(f"tensor parallel size {tp_size} must divide the {heads} attention "
+                         f"heads and {groups} KV heads; pick a divisor: {fits}")
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg, *, tp_rank: int = 0,
                    tp_size: int = 1) -> dict[str, torch.Tensor]:
     """The Megatron ``GPTModel`` state dict of TP rank ``tp_rank`` from an HF one."""
     heads, groups, hd, _ = _dims(cfg)
-    if groups % tp_size or heads % tp_size:
-        raise ValueError(f"tensor parallel size {tp_size} must divide the {heads} attention "
-                         f"heads and {groups} KV heads; pick a divisor")
+    check_tp(cfg, tp_size)
     q_per_g = heads // groups
     rows = padded_vocab(cfg, tp_size)
     out = {"embedding.word_embeddings.weight":

@@ -170,6 +170,32 @@ def test_a_layout_that_does_not_make_the_train_workers_is_a_graph_error():
     assert Policy(**two.to_dict()["policy"]).trainer_parallel == TrainerParallel(tp=2)
 
 
+def test_a_tp_size_that_does_not_divide_the_models_heads_is_refused_before_start(
+        mg_model_dir):
+    """Each TP rank holds whole heads: a TP size that does not divide the model's
+    attention and KV heads is a GraphError at preflight, naming the divisors."""
+    import json
+    from pathlib import Path
+
+    from rollart import TrainerParallel
+    from rollart.config.graph import Graph, GraphError, Policy
+    from rollart.config.preflight import check_gang
+
+    cfg = json.loads((Path(mg_model_dir) / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    assert (heads, kv) == (4, 4)
+
+    def graph(tp):
+        return Graph(name="g", tasks=("gridnav",), policy=Policy(
+            trainer_backend="megatron", trainer_parallel=TrainerParallel(tp=tp)))
+
+    check_gang(graph(2), 2, "test", mg_model_dir)  # 2 divides both
+    with pytest.raises(GraphError, match=r"tensor parallel size 3 must divide the 4 attention "
+                                         r"heads and 4 KV heads; pick a divisor: \[1, 2, 4\]"):
+        check_gang(graph(3), 3, "test", mg_model_dir)
+    check_gang(graph(3), 3, "test")  # no model folder known yet: the gang says it later
+
+
 @pytest.mark.slow
 def test_the_cli_trains_a_tensor_parallel_megatron_gang(train_on_two_ranks):
     """``rollart train gridnav`` on two TRAIN workers with the Megatron backend and

@@ -218,12 +218,18 @@ def test_sigkill_of_one_worker_process(layout, tag, roles, layouts, tiny_model, 
     check_run_record(result)
 
 
-def test_sigkill_of_one_of_two_trainer_ranks(layouts, tiny_model, tmp_path):
-    """A TRAIN pool of two workers trains with a two-rank gang; the worker of rank 1 is
-    SIGKILLed after step 1: the gang fails as a whole, forms again (on the worker its
-    Nanny restarts) from the newest published weights, and the step runs again. Every
-    step is a two-rank step, nothing is lost or trained twice."""
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_sigkill_of_one_of_two_trainer_ranks(backend, layouts, tiny_model, tmp_path):
+    """A TRAIN pool of two workers trains with a two-rank gang (FSDP2; Megatron with
+    tensor parallelism 2); the worker of rank 1 is SIGKILLed after step 1: the gang fails
+    as a whole, forms again (on the worker its Nanny restarts) from the newest published
+    weights, and the step runs again. Every step is a two-rank step, nothing is lost or
+    trained twice."""
+    from rollart import TrainerParallel
     from rollart.control.supervisor import lose_worker
+
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
 
     cluster, client = layouts.get("gang")
     run_dir = tmp_path / "run"
@@ -232,7 +238,7 @@ def test_sigkill_of_one_of_two_trainer_ranks(layouts, tiny_model, tmp_path):
     def rank_1() -> str | None:
         def where(dask_scheduler):
             for key, ts in dask_scheduler.tasks.items():
-                if str(key).startswith("GangRank-") and ts.who_has:
+                if "GangRank-" in str(key) and ts.who_has:  # or MegatronGangRank-
                     return next(iter(ts.who_has)).address
         return client.run_on_scheduler(where)
 
@@ -248,7 +254,11 @@ def test_sigkill_of_one_of_two_trainer_ranks(layouts, tiny_model, tmp_path):
 
     t = threading.Thread(target=kill, daemon=True)
     t.start()
-    result = train(_graph("t-kill-gang"), client=client, run_dir=run_dir, progress=False,
+    graph = _graph(f"t-kill-gang-{backend}")
+    graph = replace(graph, policy=replace(graph.policy, trainer_backend=backend,
+                                          trainer_parallel=TrainerParallel(
+                                              tp=2 if backend == "megatron" else 1)))
+    result = train(graph, client=client, run_dir=run_dir, progress=False,
                    eval_seeds=0, model=tiny_model)
     t.join(5)
     assert killed, "rank 1's worker was not killed"

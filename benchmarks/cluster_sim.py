@@ -239,10 +239,17 @@ def run_scale(tiny: bool, path: str = "relay", steps: int | None = None, log=pri
     return cfg, r
 
 
+def gpu_util(cfg, r) -> float:
+    """The inference GPUs' busy fraction over the run, weighted by each pool's GPUs."""
+    pools = [p for p in cfg.cluster.inference if p.tag in r.utilisation]
+    gpus = sum(p.count for p in pools)
+    return sum(r.utilisation[p.tag] * p.count for p in pools) / gpus if gpus else float("nan")
+
+
 def scale_figures(runs: dict) -> dict:
-    """The RESULT line's figures of the scale runs (``{path: SimResult}``)."""
+    """The RESULT line's figures of the scale runs (``{path: (SimConfig, SimResult)}``)."""
     out = {}
-    for i, (path, r) in enumerate(runs.items()):
+    for i, (path, (cfg, r)) in enumerate(runs.items()):
         sfx = "" if i == 0 else f"_{path}"
         if i == 0:
             out["gpus"] = r.gpus
@@ -251,6 +258,7 @@ def scale_figures(runs: dict) -> dict:
         syncs = r.extra["weight_sync_s"]
         out[f"weight_sync_s{sfx}"] = max(syncs) if syncs else float("nan")
         out[f"origin_bytes_ratio{sfx}"] = r.extra["origin_bytes_ratio"]
+        out[f"gpu_util_3000{sfx}"] = gpu_util(cfg, r)
         if i == 0:
             out["scheduler_load"] = r.control["scheduler_load"]
     return out
@@ -336,8 +344,8 @@ def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,
     (``figures`` of the steps before first)."""
     figures = dict(figures or {})
     t_sim = time.perf_counter() if t_sim is None else t_sim
-    runs = {path: run_scale(tiny, path, steps)[1] for path in WEIGHT_PATHS}
-    scale = runs[WEIGHT_PATHS[0]]
+    runs = {path: run_scale(tiny, path, steps) for path in WEIGHT_PATHS}
+    scale = runs[WEIGHT_PATHS[0]][1]
     figures.update(scale_figures(runs))
     figures["sim_wall_s"] = time.perf_counter() - t_sim
     plot_utilisation(scale, out / "sim_utilisation.png")

@@ -243,6 +243,7 @@ def test_cluster_sim_benchmark_tiny(tmp_path):
     # the scale run through both weight paths: relayed from the gang, from one store
     assert got["weight_sync_s"] < 10 < 3000 < got["weight_sync_s_store"]
     assert got["origin_bytes_ratio"] < 0.01 and got["origin_bytes_ratio_store"] == 1
+    assert 0 < got["gpu_util_3000"] <= 1 and 0 < got["gpu_util_3000_store"] <= 1
     assert (tmp_path / "sim_utilisation.png").stat().st_size > 1000
     assert (tmp_path / "sim_staleness.png").stat().st_size > 1000
 

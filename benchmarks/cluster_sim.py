@@ -214,14 +214,20 @@ WEIGHT_PATHS = ("relay", "store")  # the scale run's weight paths: the first one
 # are the RESULT line's scale_* keys, the others' carry the path's name as a suffix
 
 
-def run_scale(tiny: bool, path: str = "relay", steps: int | None = None, log=print):
+def run_scale(tiny: bool, path: str = "relay", steps: int | None = None, log=print,
+              max_in_flight: float | None = None):
     """The 3,000-GPU run with weights over ``path`` (``WeightSync.path``), ``steps``
-    trainer steps (default 2; 1 when ``tiny``)."""
+    trainer steps (default 2; 1 when ``tiny``), ``Rollout.max_in_flight`` (default: the
+    graph's, ``max(alpha, 1)`` steps' worth)."""
     from rollart.sim import simulate
     from rollart.sim.paper import scale_config
 
     cfg = scale_config(quick=tiny, steps=steps or (1 if tiny else 2))
     cfg = replace(cfg, costs=cfg.costs.with_(weights=replace(cfg.costs.weights, path=path)))
+    if max_in_flight is not None:
+        g = cfg.graph
+        cfg = replace(cfg, graph=replace(g, rollout=replace(g.rollout,
+                                                            max_in_flight=max_in_flight)))
     if tiny:
         cfg = _tiny(cfg)
     log(f"scale ({path}): {cfg.cluster.gpus} GPUs, {cfg.cluster.env[0].slots} env slots, "
@@ -279,6 +285,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--scale-only", action="store_true",
                     help="the 3,000-GPU run alone, through each weight path (no real runs, "
                          "no paper experiments)")
+    ap.add_argument("--scale-max-in-flight", type=float, default=None, metavar="X",
+                    help="Rollout.max_in_flight of the 3,000-GPU runs (steps' worth of "
+                         "groups; default: the graph's)")
     ap.add_argument("--scale-steps", type=int, default=None, metavar="N",
                     help="trainer steps of the 3,000-GPU runs (default 2)")
     ap.add_argument("--save-measured", default=None, metavar="PATH",
@@ -339,12 +348,14 @@ def main(argv=None) -> dict:
 
 
 def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,
-           figures: dict | None = None, steps: int | None = None) -> dict:
+           figures: dict | None = None, steps: int | None = None,
+           max_in_flight: float | None = None) -> dict:
     """Step 3 and step 4 (the scale runs, their plots): the RESULT line's figures
     (``figures`` of the steps before first)."""
     figures = dict(figures or {})
     t_sim = time.perf_counter() if t_sim is None else t_sim
-    runs = {path: run_scale(tiny, path, steps) for path in WEIGHT_PATHS}
+    runs = {path: run_scale(tiny, path, steps, max_in_flight=max_in_flight)
+            for path in WEIGHT_PATHS}
     scale = runs[WEIGHT_PATHS[0]][1]
     figures.update(scale_figures(runs))
     figures["sim_wall_s"] = time.perf_counter() - t_sim

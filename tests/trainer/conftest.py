@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from rollart.types import TRAIN
+
 
 @pytest.fixture(scope="module")
 def mg_model_dir(tmp_path_factory):
@@ -20,6 +22,17 @@ def mg_model_dir(tmp_path_factory):
             p.add_(0.05 * torch.randn_like(p))
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def train_pool():
+    """(the gang tests) Two worker processes carrying TRAIN, as ``Pool("trainer", tag=TRAIN, workers=2)``."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      resources={TRAIN: 1}, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        yield client
 
 
 GANG_RESOURCES = '''

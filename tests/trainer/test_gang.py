@@ -20,17 +20,6 @@ def _batch(vocab: int) -> list:
     return random_batch(vocab, groups=3, shared_prompt=True)
 
 
-@pytest.fixture(scope="module")
-def train_pool():
-    """Two worker processes carrying TRAIN, as ``Pool("trainer", tag=TRAIN, workers=2)``."""
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={TRAIN: 1}, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
-        yield client
-
-
 def test_balance_spreads_tokens_and_keeps_every_row_once():
     lengths = [9, 3, 7, 7, 2, 8, 1]
     shares = balance(lengths, 3)

@@ -18,17 +18,6 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (extra 
 pytestmark = pytest.mark.megatron
 
 
-@pytest.fixture(scope="module")
-def train_pool():
-    """Two worker processes carrying TRAIN, as ``Pool("trainer", tag=TRAIN, workers=2)``."""
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={TRAIN: 1}, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
-        yield client
-
-
 def _far(a: dict, b: dict, lr: float) -> float:
     """The share of elements of state dicts ``a`` and ``b`` more than 2e-6 apart. AdamW's
     first steps are about lr × sign(gradient): an element whose gradient is float noise

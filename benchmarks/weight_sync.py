@@ -188,6 +188,7 @@ def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
 
     from safetensors.torch import load_file
 
+    from rollart.runtime.waits import stop_processes
     from rollart.weights import MooncakeMaster, WeightStore
 
     state = {}
@@ -257,18 +258,7 @@ def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
                       f"{mib:.1f} MiB in {len(parts)} buckets; the trainer's objects "
                       f"served {out[f'origin_bytes_ratio_{k}']:.3f} of K copies", flush=True)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    try:
-                        p.stdin.write(json.dumps({"exit": True}) + "\n")
-                        p.stdin.flush()
-                    except BrokenPipeError:
-                        pass
-            for p in procs:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs, grace=60, ask=json.dumps({"exit": True}))
     return out
 
 

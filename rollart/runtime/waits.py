@@ -10,8 +10,9 @@ setting that raises the bound. ``Waits`` holds the bounds, read from Dask's conf
 publish, saves) and ``rollart.control.checkpoint``; ``close_bounded`` closes a client and its
 cluster within a bound (``benchmarks/chaos.py``); ``wait_result`` waits on a Dask
 future from a coroutine within a time-out, whatever the client (``result_unless``: the
-synchronous client's thread, which the wait releases when it ends); ``stop_process``
-ends a child process within a bound (terminate, then kill).
+synchronous client's thread, which the wait releases when it ends); ``stop_process`` /
+``stop_processes`` end child processes within a bound (a polite exit line on stdin when
+asked, then terminate, then kill).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded",
-           "result_unless", "stop_process", "stuck", "wait_result"]
+           "result_unless", "stop_process", "stop_processes", "stuck", "wait_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,16 +209,39 @@ def _swallow(task: asyncio.Future) -> None:
         task.exception()
 
 
-def stop_process(proc, grace: float = 10.0) -> None:
-    """End ``proc`` (a ``subprocess.Popen``) if it still runs: SIGTERM, then SIGKILL
-    once ``grace`` seconds pass (a server that ignores SIGTERM cannot hold its caller)."""
-    import subprocess
+def stop_process(proc, grace: float = 10.0, ask: str | None = None) -> None:
+    """End ``proc`` (a ``subprocess.Popen``) if it still runs (``stop_processes``)."""
+    stop_processes([proc], grace, ask)
 
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+
+def stop_processes(procs, grace: float = 10.0, ask: str | None = None) -> None:
+    """End each of ``procs`` (``subprocess.Popen``) that still runs: with ``ask``, first
+    that line on its stdin (a polite exit) and ``grace`` seconds for all of them to go;
+    then SIGTERM, then SIGKILL once ``grace`` more pass (a process that ignores SIGTERM
+    cannot hold its caller)."""
+    import subprocess
+    import time
+
+    live = [p for p in procs if p is not None and p.poll() is None]
+    if ask is not None:
+        for p in live:
+            try:
+                p.stdin.write(ask if ask.endswith("\n") else ask + "\n")
+                p.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):  # gone, or stdin closed
+                pass
+        deadline = time.monotonic() + grace
+        for p in live:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        live = [p for p in live if p.poll() is None]
+    for p in live:
+        p.terminate()
+    for p in live:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from rollart.runtime.waits import stop_processes
 from rollart.weights import WeightStore
 from rollart.weights.relay import extra_names, striped
 
@@ -80,19 +81,7 @@ def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
 
 
 def finish(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.stdin.write("exit\n")
-                p.stdin.flush()
-            except BrokenPipeError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_processes(procs, grace=60, ask="exit")
 
 
 def test_striping_and_the_names_gc_removes():

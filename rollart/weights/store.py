@@ -171,12 +171,9 @@ class WeightStore(abc.ABC):
         """The tensors of ``version`` (a manifest's buckets read in parallel and merged);
         with ``meta``, ``(tensors, header metadata)``. ``reader``: the name the caller
         holds the version under (a relaying backend reads through its peers then)."""
-        data = self._read(self._name(version))
-        if data is None:
-            raise KeyError(f"weight version {version} is not in the store at {self.url}")
+        data, head, names = self._manifest(version)
         try:
-            tensors, head = st_load(data), header_metadata(data)
-            names = json.loads(head.pop(BUCKETS, "[]"))
+            tensors = st_load(data)
             if names:
                 with ThreadPoolExecutor(min(8, len(names))) as pool:
                     blobs = list(pool.map(lambda n: self._read_bucket(version, n, reader),
@@ -186,8 +183,21 @@ class WeightStore(abc.ABC):
                     raise ValueError(f"buckets {missing} are missing")
                 for blob in blobs:
                     tensors.update(st_load(blob))
-            self._count("origin_bytes", len(data))  # the blob, or the manifest
             return (tensors, head) if meta else tensors
+        except Exception as e:
+            raise self._unreadable(version, e) from None
+
+    def _manifest(self, version: int) -> tuple[bytes, dict[str, str], list[str]]:
+        """``version``'s blob or manifest, read (and counted in ``transfer``): ``(bytes,
+        header metadata less the bucket list, bucket names)``; ``KeyError`` when it is
+        not in the store, ``UnreadableWeightsError`` when its header cannot be read."""
+        data = self._read(self._name(version))
+        if data is None:
+            raise KeyError(f"weight version {version} is not in the store at {self.url}")
+        self._count("origin_bytes", len(data))  # the blob, or the manifest
+        try:
+            head = header_metadata(data)
+            return data, head, json.loads(head.pop(BUCKETS, "[]"))
         except Exception as e:
             raise self._unreadable(version, e) from None
 
@@ -205,16 +215,11 @@ class WeightStore(abc.ABC):
         one blob is one bucket. ``KeyError`` when ``version`` is not in the store;
         ``UnreadableWeightsError`` (from the manifest here, from a bucket while
         iterating) when it cannot be read. ``reader``: as for ``get``."""
-        data = self._read(self._name(version))
-        if data is None:
-            raise KeyError(f"weight version {version} is not in the store at {self.url}")
+        data, head, names = self._manifest(version)
         try:
-            head = header_metadata(data)
-            names = json.loads(head.pop(BUCKETS, "[]"))
             first = None if names else st_load(data)
         except Exception as e:
             raise self._unreadable(version, e) from None
-        self._count("origin_bytes", len(data))  # the blob, or the manifest
         return BucketStream(self, version, names, head, reader=reader, ahead=ahead,
                             whole=first, on_close=on_close)
 

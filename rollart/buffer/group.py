@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from rollart.buffer.schema import SCHEMA, to_record_batch
-from rollart.policy.admission import group_number
+from rollart.policy.admission import take_order
 from rollart.policy.staleness import within
 from rollart.types import Trajectory, TrajState
 
@@ -129,9 +129,7 @@ class Groups:
     def ready(self, limit: int | None = None) -> int:
         """Complete groups waiting for the trainer (with ``limit``: those numbered below
         it, ``Slots.take_limit``)."""
-        if limit is None:
-            return len(self.complete)
-        return sum(group_number(g) < limit for g in self.complete)
+        return len(take_order(self.complete, limit))
 
     def ended(self, group_id: str) -> bool:
         """Complete or closed: a member arriving now is late."""
@@ -188,10 +186,7 @@ class Groups:
     def oldest(self, n: int, limit: int | None = None) -> list[Group]:
         """The ``n`` complete groups that completed first; with ``limit`` (start order),
         the ``n`` that started first among those numbered below ``limit``."""
-        if limit is None:
-            return list(self.complete.values())[:n]
-        ready = [g for g in self.complete.values() if group_number(g.group_id) < limit]
-        return sorted(ready, key=lambda g: group_number(g.group_id))[:n]
+        return [self.complete[g] for g in take_order(self.complete, limit)[:n]]
 
     def first_in_line(self, group: Group) -> None:
         """A complete ``group`` (back from a lost step) goes to the front of the queue."""

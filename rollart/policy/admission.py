@@ -274,6 +274,21 @@ def group_number(group_id: str) -> int:
         return -1
 
 
+def take_order(group_ids, limit: int | None = None) -> list[str]:
+    """The complete groups ``group_ids`` (in the order they completed) in the order the
+    trainer takes them: as given without a window (``limit`` None); else those numbered
+    below ``limit`` (``Slots.take_limit``), first started first. The buffer and the
+    simulator take by this.
+
+    >>> done = ["g000003", "g000001", "g000002"]
+    >>> take_order(done), take_order(done, 3)
+    (['g000003', 'g000001', 'g000002'], ['g000001', 'g000002'])
+    """
+    if limit is None:
+        return list(group_ids)
+    return sorted((g for g in group_ids if group_number(g) < limit), key=group_number)
+
+
 def take_window_groups(algo, take_window: float | None) -> int | None:
     """``Rollout.take_window`` (steps' worth of groups) in groups, rounded up; None: none."""
     if take_window is None:

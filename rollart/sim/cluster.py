@@ -49,7 +49,7 @@ from collections import Counter, OrderedDict
 
 import simpy
 
-from rollart.policy.admission import group_number
+from rollart.policy.admission import group_number, take_order
 from rollart.policy.affinity import env_tag, task_routes
 from rollart.policy.redundancy import Redundancy
 from rollart.policy.routing import Router
@@ -417,12 +417,7 @@ class Cluster:
                         del self.complete[gid]
                         self.counts["dropped"] += len(g.delivered)
                         self.release(g)
-            below = None if limit is None else limit()
-            if below is None:
-                ready = list(self.complete)
-            else:
-                ready = sorted((gid for gid in self.complete if group_number(gid) < below),
-                               key=group_number)
+            ready = take_order(self.complete, None if limit is None else limit())
             if len(ready) >= n:
                 batch = [self.complete.pop(gid) for gid in ready[:n]]
                 for g in batch:

@@ -301,7 +301,8 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     figures: dict = {}
     if args.scale_only:
-        figures = _scale(args.tiny, out, t0, steps=args.scale_steps)
+        figures = _scale(args.tiny, out, t0, steps=args.scale_steps,
+                         max_in_flight=args.scale_max_in_flight)
         run.result(figures, fmt=_fmt)
         return figures
     if args.no_calibration or args.tiny:
@@ -342,7 +343,8 @@ def main(argv=None) -> dict:
     if args.diagnostics and not args.tiny:
         diag = run_diagnostics()
         print("DIAGNOSTIC " + " ".join(f"{k}={_fmt(v)}" for k, v in diag.items()))
-    figures.update(_scale(args.tiny, out, t0, t_sim, figures, args.scale_steps))
+    figures.update(_scale(args.tiny, out, t0, t_sim, figures, args.scale_steps,
+                          args.scale_max_in_flight))
     run.result(figures, fmt=_fmt)
     return figures
 

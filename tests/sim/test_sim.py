@@ -248,6 +248,32 @@ def test_cluster_sim_benchmark_tiny(tmp_path):
     assert (tmp_path / "sim_staleness.png").stat().st_size > 1000
 
 
+def _cluster_sim_scale(tmp_path, *args) -> dict:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "cluster_sim.py"),
+                          "--tiny", "--scale-only", "--out", str(tmp_path), *args], cwd=root,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+
+
+def test_cluster_sim_scale_max_in_flight_reaches_the_scale_runs(tmp_path):
+    """--scale-max-in-flight X is the 3,000-GPU runs' Rollout.max_in_flight: three steps'
+    worth in flight keeps the inference GPUs busier than the default one step's worth
+    (it was parsed and never passed on: both runs gave the same figures to four digits)."""
+    default = _cluster_sim_scale(tmp_path / "a")
+    three = _cluster_sim_scale(tmp_path / "b", "--scale-max-in-flight", "3")
+    assert three["gpu_util_3000"] > 1.5 * default["gpu_util_3000"], (default, three)
+    assert three["scale_traj_s"] > 1.5 * default["scale_traj_s"], (default, three)
+
+
 # -- control-plane latency, the env managers' loops, the shared GIL ----------------------
 INSTANT = GPUSpec("instant", flops=1e19, hbm_bytes_s=1e19, mem_bytes=1e15)  # ~1e-8 s a step
 TURNS, RESET, STEP, REWARD_S, CALL = 3, 1.0, 0.5, 0.2, 0.01

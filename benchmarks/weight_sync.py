@@ -17,14 +17,16 @@ sends the whole context: a ``--prompt``-token first message, then per turn
 ``--tokens`` generated and ``--obs`` observation tokens, up to ``--turns`` turns), and
 pulls each version itself (its prefetch thread watches the store, stages the weights,
 swaps at a decode-step boundary and re-prefills the in-flight rows' KV; with LoRA its
-engine merges each adapter into the adapted layers at that boundary).
+engine merges each adapter into the adapted layers at that boundary). The ``keep`` run
+is the fsspec run again with ``Policy.weight_update="keep"``: the in-flight rows go on
+over their KV after a swap, nothing is re-prefilled.
 
 The same run is made without publishing (the trainer computes identically, the worker
 never updates): the baseline. All runs are measured side by side in one invocation over
 the same window (from the trainer's first step to the end of its last), in the order
-baseline, fsspec, Mooncake, LoRA per ``--lora`` rank (fsspec, target "auto": every
-linear layer but the head), baseline; the baseline is the mean of its two runs. Per
-store or rank:
+baseline, fsspec, fsspec keep, Mooncake, LoRA per ``--lora`` rank (fsspec, target
+"auto": every linear layer but the head), baseline; the baseline is the mean of its two
+runs. Per store, mode or rank:
 
     stall_<run> = 1 − decode tokens/s with updates ÷ decode tokens/s without
 
@@ -52,11 +54,13 @@ objects served ÷ (version bytes × K) (the goal: ≤ 0.3 at K = 8; without the 
 1); ``fanout_fallbacks`` (relay reads that went to the origin, all K), ``fanout_mib``.
 
 RESULT keys: ``stall_fsspec``, ``stall_mooncake``, ``stall_lora<r>`` (fraction of
-decode tokens/s lost; negative = within noise of none); ``tok_s_base`` (mean of
-``tok_s_base_a``/``_b``, to judge the noise), ``tok_s_fsspec``, ``tok_s_mooncake``,
-``tok_s_lora<r>``; ``engine_stall_ms_<run>`` (per update, swap + KV recompute as the
-engine counts it), ``fetch_s_<run>`` (per update, the prefetch the worker hid),
-``put_s_<run>``, ``swaps_<run>``; ``bytes_full``, ``bytes_lora<r>`` (bytes published
+decode tokens/s lost; negative = within noise of none); ``stall_recompute`` (the fsspec
+run's, the default mode) and ``stall_keep`` (the keep run's), side by side;
+``tok_s_base`` (mean of ``tok_s_base_a``/``_b``, to judge the noise), ``tok_s_fsspec``,
+``tok_s_keep``, ``tok_s_mooncake``, ``tok_s_lora<r>``; ``engine_stall_ms_<run>`` (per
+update, swap + KV recompute as the engine counts it), ``recompute_tokens_<run>`` (per
+update, context tokens re-prefilled: 0 for keep), ``fetch_s_<run>`` (per update, the
+prefetch the worker hid), ``put_s_<run>``, ``swaps_<run>``; ``bytes_full``, ``bytes_lora<r>`` (bytes published
 per version), ``bytes_ratio_lora<r>`` (adapter ÷ full; the goal is ≤ 0.05);
 ``trainer_step_s`` (full, median), ``trainer_step_s_lora<r>``;
 ``rss_peak_mib_<full|lora<r>>``, ``rss_train_mib_<full|lora<r>>``; ``model_mib``,
@@ -311,17 +315,18 @@ async def conversation(w, i: int, spec: dict, vocab: int, stop: asyncio.Event) -
 
 async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: int,
                   publish: bool, spec: dict, load: int, settle: float,
-                  lora: dict | None = None) -> dict:
+                  lora: dict | None = None, weight_update: str = "recompute") -> dict:
     """One run: the trainer's ``updates + 1`` steps under ``load`` conversations; with
     ``lora`` (peft options) the trainer trains and publishes that adapter only and the
-    worker's engine applies each one."""
+    worker's engine applies each one; ``weight_update``: ``Policy.weight_update``."""
     from rollart.rollout import InferenceWorker
 
     await trainer.send({"url": url, "publish": publish, "lora": lora})
     if (await trainer.line()).strip() != b"ready":
         raise RuntimeError("the trainer process did not get ready")
+    options = {"weight_update": weight_update, **({"lora": lora} if lora else {})}
     w = InferenceWorker(model_dir, url, pool="H800", max_batch=64, version=0, threads=1,
-                        engine_options={"lora": lora} if lora else None)
+                        engine_options=options)
     vocab = w.engine.model.config.vocab_size
     stop = asyncio.Event()
     users = [asyncio.ensure_future(conversation(w, i, spec, vocab, stop))
@@ -343,6 +348,7 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
     n = max(updates, 1)
     return {"tok_s": (after["tokens_generated"] - before["tokens_generated"]) / wall,
             "engine_stall_ms": 1000 * (after["stall_seconds"] - before["stall_seconds"]) / n,
+            "recompute_tokens": (after["recompute_tokens"] - before["recompute_tokens"]) / n,
             "fetch_s": (after["prefetch_seconds"] - before["prefetch_seconds"]) / n,
             "put_s": sum(r["put_s"] for r in rows) / n,
             "step_s": sorted(r["step_s"] for r in rows)[len(rows) // 2],
@@ -354,17 +360,18 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
 
 async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: int,
                    settle: float, mb: float, ranks: list[int]) -> dict:
-    """Baseline, fsspec, Mooncake, LoRA per rank, baseline. The full-weight runs share
-    one trainer process; each LoRA rank has one of its own (its peak memory is its own)."""
+    """Baseline, fsspec, fsspec keep, Mooncake, LoRA per rank, baseline. The full-weight
+    runs share one trainer process; each LoRA rank has one of its own (its peak memory
+    is its own)."""
     from rollart import LoRA
     from rollart.weights import MooncakeMaster
 
     full = await TrainerProcess(model_dir, updates, spec).start()
     out = {}
 
-    async def run(name, key, trainer, url, publish, lora=None):
+    async def run(name, key, trainer, url, publish, lora=None, weight_update="recompute"):
         r = await measure(trainer, url, model_dir, updates, publish, spec, load, settle,
-                          lora)
+                          lora, weight_update)
         sent = f"; {r['bytes'] / 2**20:.3f} MiB/version" if publish else ""
         print(f"{name:9s} {r['tok_s']:.0f} decode tok/s; trainer step {r['step_s']:.2f} s;"
               f" engine stall {r['engine_stall_ms']:.1f} ms/update; fetch (hidden) "
@@ -375,6 +382,7 @@ async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: in
     try:
         await run("baseline", "base_a", full, str(tmp / "w-base-a"), False)
         await run("fsspec", "fsspec", full, str(tmp / "w-fsspec"), True)
+        await run("keep", "keep", full, str(tmp / "w-keep"), True, weight_update="keep")
         with MooncakeMaster() as master:
             buf = max(64, int(mb * 2) + 16)
             await run("mooncake", "mooncake", full, master.url(
@@ -413,11 +421,14 @@ def results(out: dict, ranks: list[int]) -> dict:
     base = (out["base_a"]["tok_s"] + out["base_b"]["tok_s"]) / 2
     fields = {"stall_fsspec": 1 - out["fsspec"]["tok_s"] / base,
               "stall_mooncake": 1 - out["mooncake"]["tok_s"] / base,
+              "stall_recompute": 1 - out["fsspec"]["tok_s"] / base,
+              "stall_keep": 1 - out["keep"]["tok_s"] / base,
               "tok_s_base": base, "tok_s_base_a": out["base_a"]["tok_s"],
               "tok_s_base_b": out["base_b"]["tok_s"]}
-    for s in ("fsspec", "mooncake"):
+    for s in ("fsspec", "keep", "mooncake"):
         fields.update({f"tok_s_{s}": out[s]["tok_s"],
                        f"engine_stall_ms_{s}": out[s]["engine_stall_ms"],
+                       f"recompute_tokens_{s}": out[s]["recompute_tokens"],
                        f"fetch_s_{s}": out[s]["fetch_s"], f"put_s_{s}": out[s]["put_s"],
                        f"swaps_{s}": out[s]["swaps_in_window"]})
     full = out["fsspec"]["bytes"]

@@ -18,7 +18,7 @@ from rollart.policy.affinity import needs as affinity_needs
 from rollart.env.conversation import CONVERSATIONS
 from rollart.env.tasks import get_task
 from rollart.runtime.resources import find_file, load_module
-from rollart.rollout.base import ENGINES
+from rollart.rollout.base import ENGINES, weight_update_problem
 from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLICY, REWARD,
                            SCALE_REWARDS, TRAIN)
 
@@ -192,6 +192,15 @@ class Policy:
     # between share one prefill; 1 = admit at every step)
     admit_every: int = 4
     engine: str = "torch"  # generation engine: "torch" | "vllm" (rollart.rollout.base)
+    # what a new policy version does to the requests being generated when it arrives:
+    # "recompute" re-prefills their contexts (prompt + tokens so far) under the new
+    # weights, a stall per swap; "keep" goes on over the KV cache they have, no
+    # re-prefill: their later tokens come from the new weights attending to KV computed
+    # by the old ones (each token keeps the version and behaviour log-prob it was
+    # sampled under, so the off-policy correction covers it). KV of other weights is
+    # never reused by another request in either mode. "keep" with engine="vllm" and
+    # lora is refused (vLLM fixes a request's adapter when the request is added)
+    weight_update: str = "recompute"
     trainer_backend: str = "torch"  # "torch" (HF model) | "megatron" (megatron-core GPTModel)
     # how a trajectory becomes ids (rollart.env.conversation): "chat" renders messages
     # with the tokenizer's chat template, "raw" concatenates text, "auto" = chat when the
@@ -260,6 +269,8 @@ class Policy:
                f"Policy.admit_every must be ≥ 1, got {self.admit_every!r}")
         _check(self.engine in ENGINES, f"Policy.engine must be one of {ENGINES}, "
                f"got {self.engine!r}")
+        problem = weight_update_problem(self.weight_update, self.engine, self.lora is not None)
+        _check(problem is None, problem)
         _check(self.trainer_backend in TRAINER_BACKENDS, f"Policy.trainer_backend must be "
                f"one of {TRAINER_BACKENDS}, got {self.trainer_backend!r}")
         _check(self.conversation in CONVERSATIONS, f"Policy.conversation must be one of "
@@ -288,10 +299,10 @@ class Policy:
         """The ``InferenceWorker`` keyword arguments this policy implies."""
         opts = {"max_batch": self.max_batch, "engine": self.engine}
         engine = {"admit_every": self.admit_every} if self.engine == "torch" else {}
+        engine["weight_update"] = self.weight_update
         if self.lora is not None:
             engine["lora"] = self.lora.peft_options()
-        if engine:
-            opts["engine_options"] = engine
+        opts["engine_options"] = engine
         return opts
 
 

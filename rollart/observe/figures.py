@@ -103,6 +103,10 @@ def rollout_figures(workers: list[dict], managers: list[dict], driver_errors: in
         "rollout/engine_busy_s": total(workers, "busy_seconds"),
         "rollout/requests": total(workers, "requests"),  # admitted
         "rollout/suspends": total(workers, "suspends"),
+        # context tokens re-prefilled after swaps (0 with Policy.weight_update="keep")
+        # and the engines' time suspended for swaps (+ that re-prefill)
+        "rollout/recompute_tokens": total(workers, "recompute_tokens"),
+        "rollout/swap_stall_s": total(workers, "stall_seconds"),
         "rollout/turns": turns,
         "rollout/group_errors": driver_errors + total(managers, "group_errors"),
         "rollout/backups": total(managers, "backups"),  # backup_after

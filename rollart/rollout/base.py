@@ -14,6 +14,33 @@ from typing import Callable, Protocol, runtime_checkable
 from rollart.types import GenRequest, GenResult
 
 ENGINES = ("torch", "vllm")  # Policy.engine values
+#: Policy.weight_update values: what a weight swap does to the requests being generated
+#: ("recompute": re-prefill their contexts under the new weights; "keep": go on over the
+#: KV cache they have, computed by the old weights)
+WEIGHT_UPDATES = ("recompute", "keep")
+
+
+def weight_update_problem(mode: str, engine: str = "torch", lora: bool = False) -> str | None:
+    """Why ``mode`` (``Policy.weight_update``) cannot run on ``engine`` (with LoRA when
+    ``lora``), or ``None``: the one rule, checked by ``Policy`` and by each engine.
+
+    >>> weight_update_problem("keep") is None
+    True
+    >>> weight_update_problem("fast").split(":")[0]
+    "Policy.weight_update must be one of ('recompute', 'keep'), got 'fast'"
+    """
+    if mode not in WEIGHT_UPDATES:
+        return (f"Policy.weight_update must be one of {WEIGHT_UPDATES}, got {mode!r}: "
+                "'recompute' re-prefills the in-flight requests under new weights, 'keep' "
+                "continues them over the KV cache they have (e.g. --set "
+                "policy.weight_update=keep)")
+    if mode == "keep" and engine == "vllm" and lora:
+        return ("Policy.weight_update='keep' with engine='vllm' and Policy.lora: vLLM "
+                "fixes a request's adapter when the request is added, so an in-flight "
+                "request cannot move to a new adapter without being re-added (recomputed); "
+                "set weight_update='recompute', or engine='torch' (it merges each adapter "
+                "into its weights)")
+    return None
 
 
 @runtime_checkable
@@ -22,8 +49,9 @@ class GenerationEngine(Protocol):
     except ``request_update`` / ``abort``, which are thread-safe).
 
     ``generate`` applies a staged update before each chunk and at decode-step
-    boundaries (suspend -> swap -> re-prefill the in-flight contexts -> resume); tokens
-    keep the version that produced them. Counters are read by ``InferenceWorker.stats``.
+    boundaries (suspend -> swap -> resume; the in-flight contexts are re-prefilled, or
+    with ``weight_update="keep"`` go on over their KV); tokens keep the version that
+    produced them. Counters are read by ``InferenceWorker.stats``.
     Optional: ``streams_weights`` and ``request_stream(buckets, version)`` (a version
     loaded bucket by bucket, ``rollart.rollout.staging``); a worker whose engine lacks
     them stages whole state dicts.
@@ -37,6 +65,7 @@ class GenerationEngine(Protocol):
     batches: int
     decode_steps: int
     busy_seconds: float
+    weight_update: str  # one of WEIGHT_UPDATES
     suspends: int
     recompute_tokens: int
     stall_seconds: float

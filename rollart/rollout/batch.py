@@ -17,10 +17,15 @@ from rollart.types import GenRequest, GenResult
 class _Row:
     """One request being generated: its sampling state and what it has produced."""
 
-    __slots__ = ("req", "tag", "rng", "tokens", "logps", "versions", "reason", "handoff")
+    __slots__ = ("req", "tag", "rng", "tokens", "logps", "versions", "reason", "handoff",
+                 "kv_version")
 
-    def __init__(self, req: GenRequest, tag, rng: torch.Generator, handoff=None):
+    def __init__(self, req: GenRequest, tag, rng: torch.Generator, handoff=None,
+                 kv_version: int = 0):
         self.req, self.tag, self.rng, self.handoff = req, tag, rng, handoff
+        # the weights its oldest KV was computed under: older than the engine's once the
+        # row went on over its KV through a weight swap (weight_update="keep")
+        self.kv_version = kv_version
         self.tokens: list[int] = []
         self.logps: list[float] = []
         self.versions: list[int] = []
@@ -50,8 +55,8 @@ class _Batch:
     def admit(self, items: list[tuple]) -> None:
         """New rows join: their own prefill (or a PD handoff), then one merged cache."""
         eng = self.engine
-        new = [_Row(it[0], it[1], _request_rng(it[0], eng._rng), it[2] if len(it) > 2 else None)
-               for it in items]
+        new = [_Row(it[0], it[1], _request_rng(it[0], eng._rng),
+                    it[2] if len(it) > 2 else None, eng.version) for it in items]
         eng.requests += len(new)
         self.empty.extend(r for r in new if r.reason is not None)
         new = [r for r in new if r.reason is None]
@@ -97,8 +102,10 @@ class _Batch:
 
     def retire(self) -> list[_Row]:
         """Remove the rows that are done (their KV kept for the trajectory's next turn in
-        the prefix cache: prompt + every token but the last, all under the current
-        weights); return them."""
+        the prefix cache: prompt + every token but the last, when all of it was computed
+        under the current weights; a row that went on over older KV through a swap
+        leaves nothing there, so the next turn prefills under the current weights);
+        return them."""
         gone = [j for j, r in enumerate(self.rows) if r.reason is not None]
         if not gone:
             return []
@@ -106,10 +113,14 @@ class _Batch:
         if prefix is not None:
             for j in gone:
                 row = self.rows[j]
-                if row.handoff is None and row.req.cache_key is not None:
-                    kv = pd.row_kv(self.cache, j, self.mask[j].bool())
-                    prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
-                                 kv, self.engine.version, owned=True)
+                if row.handoff is not None or row.req.cache_key is None:
+                    continue
+                if row.kv_version != self.engine.version:
+                    prefix.drop(row.req.cache_key)
+                    continue
+                kv = pd.row_kv(self.cache, j, self.mask[j].bool())
+                prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
+                             kv, self.engine.version, owned=True)
         done = [self.rows[j] for j in gone]
         self.drop(gone)
         return done
@@ -148,6 +159,8 @@ class _Batch:
         weights; return the number of context tokens re-prefilled."""
         contexts = [list(r.req.prompt_ids) + r.tokens for r in self.rows]
         self.logits, self.mask, self.next_pos, self.cache = pd.prefill(self.engine, contexts)
+        for r in self.rows:
+            r.kv_version = self.engine.version
         return sum(len(c) for c in contexts)
 
 

@@ -7,13 +7,20 @@ stop string, ``length`` at ``max_new_tokens``; the vLLM engine follows the same 
 Weights come from a model folder (``rollart.model``) and are replaced in place, either
 at once by ``load_state_dict`` or, while a batch is being generated, by
 ``request_update`` (any thread): the decode loop then suspends at the next decode-step
-boundary, swaps the weights, re-prefills the contexts (prompt + tokens so far) of the
-rows still generating to rebuild their KV cache under the new weights, and resumes.
-Tokens already generated keep their behaviour log-probs and versions. Two hooks serve
-PD disaggregation (``rollart.rollout.pd``): ``prefill`` returns a portable KV cache per
-request and ``decode`` continues from such caches; a per-trajectory prefix cache lets a
-later turn prefill only its new tokens. No Dask here:
-the ``InferenceWorker`` actor owns one engine and calls it from its engine thread.
+boundary, swaps the weights and resumes. What the rows still generating do then is
+``weight_update`` (``Policy.weight_update``): ``"recompute"`` re-prefills their contexts
+(prompt + tokens so far) to rebuild their KV cache under the new weights; ``"keep"``
+goes on over the KV cache they have (the old weights'), so their later tokens come from
+the new weights attending to old KV, with no re-prefill. Either way tokens keep the
+behaviour log-probs and versions they were sampled under. KV made under other weights
+is never reused beyond those rows, in both modes: the prefix cache keeps a finished
+row's KV only when all of it was computed under the current weights and uses an entry
+only under the version that made it, and a PD handoff prefilled under other weights is
+recomputed here. Two hooks serve PD disaggregation (``rollart.rollout.pd``):
+``prefill`` returns a portable KV cache per request and ``decode`` continues from such
+caches; a per-trajectory prefix cache lets a later turn prefill only its new tokens. No
+Dask here: the ``InferenceWorker`` actor owns one engine and calls it from its engine
+thread.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from transformers import DynamicCache
 
 from rollart.model import load_model, load_tokenizer
 from rollart.rollout import pd
+from rollart.rollout.base import weight_update_problem
 from rollart.rollout.batch import _Batch
 from rollart.rollout.lean import LeanForward, unsupported
 from rollart.weights import lora
@@ -62,7 +70,12 @@ class TorchEngine(StagedUpdates):
         admit_every: int = 4,
         lean: bool = True,
         lora: dict | None = None,
+        weight_update: str = "recompute",
     ):
+        problem = weight_update_problem(weight_update, "torch", bool(lora))
+        if problem:
+            raise ValueError(problem)
+        self.weight_update = weight_update
         self.model_path = str(model_path)
         self.version = int(version)
         self.max_batch = max(1, int(max_batch))
@@ -94,7 +107,7 @@ class TorchEngine(StagedUpdates):
         self.decode_steps = 0  # sampling rounds, counted live (not only per chunk)
         self.busy_seconds = 0.0
         self.suspends = 0  # weight swaps applied in the middle of a chunk
-        self.recompute_tokens = 0  # context tokens re-prefilled after those swaps
+        self.recompute_tokens = 0  # context tokens re-prefilled after those swaps (keep: 0)
         # prefill (rollart.rollout.pd.prefill): tokens forwarded, the same with the padding
         # their chunks carried, rows that shared another row's forward (equal prompts)
         self.prefill_tokens = self.prefill_padded = self.prefill_shared = 0
@@ -198,16 +211,17 @@ class TorchEngine(StagedUpdates):
                     for row in b.retire():
                         deliver(row.tag, row.result())
                 if b.rows:
-                    # -- decode-step boundary: suspend -> update -> resume -> recompute KV
+                    # -- decode-step boundary: suspend -> update -> resume (-> recompute KV)
                     if self.step_callback is not None:
                         self.step_callback(n)
-                    if self._pending_update is not None and \
-                            self._apply_pending(raise_errors=False) is not None:
+                    swapped = self._pending_update is not None and \
+                        self._apply_pending(raise_errors=False) is not None
+                    self.suspends += swapped
+                    if swapped and self.weight_update == "recompute":
                         t1 = time.perf_counter()
                         self.recompute_tokens += b.recompute()
-                        self.suspends += 1
                         self.stall_seconds += time.perf_counter() - t1
-                    else:
+                    else:  # no swap, or "keep": the rows go on over the KV they have
                         b.step()
             except Exception as exc:  # noqa: BLE001 - every live row learns of it
                 live = [row.tag for row in b.rows]
@@ -248,7 +262,8 @@ class TorchEngine(StagedUpdates):
         """Continue ``requests`` from their prefill ``handoffs`` (made by another engine).
 
         Exactly what ``generate`` does after its own prefill; a handoff made under other
-        weights than this engine's is recomputed here (like a mid-batch weight swap).
+        weights than this engine's is recomputed here, whatever ``weight_update`` says
+        (that setting concerns only rows already generating when the weights change).
         """
         from rollart.rollout.base import serve_all
 

@@ -10,12 +10,20 @@ the protocol points:
 * **abort**: ``abort(req)`` (any thread) drops a request at the next step; its result
   has the tokens so far and ``finish_reason="abort"``.
 * **suspend -> update -> resume**: a ``request_update`` staged while a batch runs is
-  applied at the next step boundary: the in-flight requests are aborted inside vLLM,
-  the new weights are loaded in place (``reload_weights`` over ``collective_rpc``; no
-  restart), the prefix cache is reset (its KV came from the old weights), and every
-  unfinished request is re-added with its prompt + tokens so far, so its KV is
-  recomputed under the new weights. Tokens before the swap keep their old version.
-* **prefix caching** is on: the shared prompt of a group is prefilled once.
+  applied at the next step boundary, the new weights loaded in place
+  (``reload_weights`` over ``collective_rpc``; no restart). With
+  ``weight_update="recompute"`` the in-flight requests are first aborted inside vLLM,
+  the prefix cache is reset (its KV came from the old weights), and every unfinished
+  request is re-added with its prompt + tokens so far, so its KV is recomputed under the
+  new weights. With ``"keep"`` the requests stay scheduled, their KV blocks with them
+  (vLLM's own ``pause_generation(mode="keep")``): the next step decodes them under the
+  new weights over the old KV. Tokens before the swap keep their old version. Keep mode
+  turns vLLM's async scheduling off (a step already in flight at the swap would run on
+  the old weights and be stamped with the new version) and is refused with LoRA (a
+  request's adapter is fixed when it is added: ``weight_update_problem``).
+* **prefix caching** is on: the shared prompt of a group is prefilled once. Each
+  request carries its engine version as vLLM's ``cache_salt``, so a request never
+  reuses KV blocks cached under other weights (those of requests kept through a swap).
 * **stops**: ``stop_ids`` go to vLLM's ``stop_token_ids``; ``stop_strings`` are checked
   here, on the decoded tail after each token, with the torch engine's own
   ``hits_stop_string`` (vLLM runs without its tokenizer, ``detokenize=False``, and its
@@ -51,59 +59,13 @@ from typing import Callable
 import torch
 
 from rollart.model import check_model_folder, load_tokenizer
+from rollart.rollout.base import weight_update_problem
 from rollart.rollout.batch import hits_stop_string
 from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
+from rollart.rollout.vllm_setup import (VLLM_RANKS, check_lora, folder_shapes,
+                                        refresh_tied_head, set_env_defaults)
 from rollart.types import GenRequest, GenResult
 from rollart.weights import lora
-
-
-def _set_env_defaults() -> None:
-    """vLLM reads these at engine start; the caller's own settings win."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step it in-process
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # host owns threads
-
-
-#: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``).
-_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def _check_lora(lora: dict | None) -> dict | None:
-    """The engine's ``lora`` option, checked; ``None`` stays ``None``."""
-    if lora is None:
-        return None
-    missing = sorted({"r", "lora_alpha", "target_modules"} - set(lora))
-    if missing:
-        raise ValueError(f"lora option misses {missing}: pass peft's LoRA options, e.g. "
-                         "rollart.LoRA(rank=16).peft_options()")
-    r = lora["r"]
-    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= _VLLM_RANKS[-1]:
-        raise ValueError(f"lora r must be an int in [1, {_VLLM_RANKS[-1]}] (vLLM's largest "
-                         f"max_lora_rank), got {r!r}")
-    targets = lora["target_modules"]
-    if not (targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets)):
-        raise ValueError(f"lora target_modules must be 'all-linear' or a list of module-name "
-                         f"suffixes such as ['q_proj', 'v_proj'], got {targets!r}")
-    return {"r": r, "lora_alpha": float(lora["lora_alpha"]),
-            "lora_dropout": float(lora.get("lora_dropout", 0.0)),
-            "target_modules": targets if isinstance(targets, str) else list(targets),
-            "use_rslora": bool(lora.get("use_rslora", False))}
-
-
-def _refresh_tied_head(worker) -> bool:
-    """(runs in vLLM's worker) Re-derive the tied LM head's packed CPU weight.
-
-    On CPU the head keeps a pre-packed copy of the embedding; after an in-place reload
-    it may be stale. Re-running its ``process_weights_after_loading`` rebuilds it.
-    """
-    model = worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is None or method is None:
-        return False
-    method.process_weights_after_loading(head)
-    return True
 
 
 class VLLMEngine(StagedUpdates):
@@ -118,10 +80,18 @@ class VLLMEngine(StagedUpdates):
     def __init__(self, model_path: str, *, version: int = 0, max_batch: int = 64,
                  dtype: str | None = None, step_callback: Callable[[int], None] | None = None,
                  on_update: UpdateHook | None = None, lora: dict | None = None,
-                 **engine_kwargs):
+                 weight_update: str = "recompute", **engine_kwargs):
         check_model_folder(model_path)
-        self.lora = _check_lora(lora)
-        _set_env_defaults()
+        self.lora = check_lora(lora)
+        problem = weight_update_problem(weight_update, "vllm", self.lora is not None)
+        if weight_update == "keep" and engine_kwargs.get("async_scheduling"):
+            problem = ("weight_update='keep' needs vLLM's async scheduling off (a step in "
+                       "flight at a swap would run on the old weights): drop "
+                       "async_scheduling=True")
+        if problem:
+            raise ValueError(problem)
+        self.weight_update = weight_update
+        set_env_defaults()
         from transformers import AutoConfig
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -142,14 +112,16 @@ class VLLMEngine(StagedUpdates):
                     logprobs_mode="processed_logprobs", max_num_seqs=self.max_batch,
                     max_model_len=self.max_positions, skip_tokenizer_init=True, seed=0)
         if self.lora is not None:  # one adapter live at a time, the previous one cached
-            rank = min(r for r in _VLLM_RANKS if r >= self.lora["r"])
+            rank = min(r for r in VLLM_RANKS if r >= self.lora["r"])
             args.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)
+        if weight_update == "keep":
+            args["async_scheduling"] = False
         args.update(engine_kwargs)
         self.llm = LLMEngine.from_engine_args(EngineArgs(**args))
         # vLLM sizes CPU attention metadata by the OpenMP thread count it set on this
         # thread; OpenMP settings are per thread, so the engine thread must match it.
         self._threads = torch.get_num_threads()
-        self._shapes = _folder_shapes(self.model_path)
+        self._shapes = folder_shapes(self.model_path)
         self._ids = itertools.count()
         self._aborted: set[int] = set()  # id() of requests asked to stop
         self._weights: dict[str, torch.Tensor] | None = None  # last loaded (None: folder)
@@ -274,7 +246,11 @@ class VLLMEngine(StagedUpdates):
                         self.step_callback(n)
                     self._drop_aborted(rows, deliver)
                     if rows and self._pending_update is not None:
-                        rows = self._swap_and_resume(rows)
+                        if self.weight_update == "keep":  # requests stay, KV and all
+                            self.suspends += self._apply_pending(
+                                raise_errors=False) is not None
+                        else:
+                            rows = self._swap_and_resume(rows)
             except Exception as exc:  # noqa: BLE001 - every live row learns of it
                 if rows:
                     self.llm.abort_request(list(rows))
@@ -338,14 +314,14 @@ class VLLMEngine(StagedUpdates):
                 self.llm.collective_rpc("reload_weights",
                                         kwargs={"weights_iterator": list(full.items())})
                 if self.tied:
-                    self.llm.collective_rpc(_refresh_tied_head)
+                    self.llm.collective_rpc(refresh_tied_head)
                 self._weights = full
                 if self._lora_request is not None and not adapter:
                     # vLLM drops its adapters with the old base: load the current one again
                     self.llm.add_lora(self._lora_request)
             if adapter:
                 self._set_adapter(adapter, int(version))
-            self.llm.reset_prefix_cache()
+            self._forget_old_kv()
         finally:
             if before != self._threads:
                 torch.set_num_threads(before)
@@ -395,13 +371,20 @@ class VLLMEngine(StagedUpdates):
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
             if self.tied:
-                self.llm.collective_rpc(_refresh_tied_head)
+                self.llm.collective_rpc(refresh_tied_head)
             self._weights = kept
-            self.llm.reset_prefix_cache()
+            self._forget_old_kv()
         finally:
             if before != self._threads:
                 torch.set_num_threads(before)
         self.version = int(version)
+
+    def _forget_old_kv(self) -> None:
+        """Drop the prefix cache's blocks (made under the old weights) when no request
+        holds blocks; requests kept through a swap ("keep") hold theirs, which no new
+        request hits anyway (``cache_salt``: the version each request was added under)."""
+        if not self.llm.has_unfinished_requests():
+            self.llm.reset_prefix_cache()
 
     def _set_adapter(self, adapter: dict[str, torch.Tensor], version: int) -> None:
         """Write ``adapter`` as a peft folder, load it into vLLM under a new id, drop the
@@ -460,7 +443,8 @@ class VLLMEngine(StagedUpdates):
             stop_token_ids=[int(t) for t in req.stop_ids], ignore_eos=True, logprobs=0,
             seed=None if req.seed is None else int(req.seed) + done, detokenize=False,
             output_kind=RequestOutputKind.DELTA)
-        self.llm.add_request(rid, {"prompt_token_ids": [int(t) for t in context]}, params,
+        self.llm.add_request(rid, {"prompt_token_ids": [int(t) for t in context],
+                                   "cache_salt": f"rollart-v{self.version}"}, params,
                              lora_request=self._lora_request)
         return rid
 
@@ -507,18 +491,3 @@ class _VRow:
     def result(self, reason: str) -> GenResult:
         return GenResult(token_ids=self.tokens, logprobs=self.logps, versions=self.versions,
                          finish_reason=reason)
-
-
-def _folder_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the weights in a model folder (read from safetensors headers)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), framework="pt") as f:
-                for key in f.keys():
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-    if not shapes:
-        raise ValueError(f"model folder {path!r} has no *.safetensors weights; vLLM needs them")
-    return shapes

@@ -18,7 +18,8 @@ of the store, or ``update_weights(v)``, which returns at once), the prefetch thr
 loads ``v`` from the ``WeightStore`` while the engine keeps decoding,
 then stages it with the engine's ``request_update``. The engine swaps it in at the next
 decode-step boundary (suspend -> update -> resume) and re-prefills the in-flight rows
-(recompute KV), or at once when idle. A bucketed full version (a trainer gang's) is
+(recompute KV) or, with ``weight_update="keep"`` (``Policy.weight_update``, an engine
+option), lets them go on over the KV they have; or at once when idle. A bucketed full version (a trainer gang's) is
 staged as a stream instead (``request_stream``): two buckets are read ahead while the
 engine decodes, and at the boundary the engine copies each bucket in as it arrives, so
 the worker holds about two buckets instead of a second model copy (the fetch of the
@@ -219,8 +220,9 @@ class InferenceWorker:
         """Ask for ``version``; returns at once.
 
         The weights are read from the store in the background and swapped in at the next
-        decode-step boundary (the running batch continues under them after re-prefilling
-        its KV cache), or at once when the engine is idle. Versions not newer than the
+        decode-step boundary (the running batch continues under them, after re-prefilling
+        its KV cache unless the engine's ``weight_update`` is ``"keep"``), or at once
+        when the engine is idle. Versions not newer than the
         held or already requested one are ignored; a failed load is reported to
         ``wait_version`` callers and the worker keeps serving its current weights.
         """
@@ -269,6 +271,7 @@ class InferenceWorker:
             "mean_batch_size": eng.requests / eng.batches if eng.batches else 0.0,
             "decode_steps": eng.decode_steps,
             "pending_version": eng.pending_version,
+            "weight_update": getattr(eng, "weight_update", "recompute"),
             "suspends": eng.suspends,
             "recompute_tokens": eng.recompute_tokens,
             "stall_seconds": eng.stall_seconds,

@@ -28,7 +28,8 @@ What is simulated (and what is aggregated to stay fast at thousands of GPUs):
   workers find the new version after up to one store poll (``WeightRule``), pull it
   while generating (``WeightSync``; from one store node or as the trainer gang's buckets
   relayed among the workers, ``rollart.sim.fanout``), stall for the load and re-prefill
-  their in-flight contexts; members the bound rules out are aborted and replaced.
+  their in-flight contexts (with ``Policy.weight_update="keep"``: the load alone);
+  members the bound rules out are aborted and replaced.
 * **Control plane**: Dask messages counted per turn and per step, their cost
   (``ControlPlane``) summed into scheduler, driver and env-manager loop load, and each
   round trip charged as latency on the path that waits for it (a turn's generation
@@ -156,8 +157,9 @@ class Cluster:
             self.meters[pool.tag] = Meter(pool.workers, dt)
             gen = self.costs.gen_for(pool.gpu, pool.tp, pool.tag)
             for _ in range(pool.workers):
-                self.workers.append(SimWorker(self.env, len(self.workers), pool.tag, gen,
-                                              pool.max_batch, self.meters[pool.tag]))
+                self.workers.append(SimWorker(
+                    self.env, len(self.workers), pool.tag, gen, pool.max_batch,
+                    self.meters[pool.tag], keep_kv=self.graph.policy.weight_update == "keep"))
         self.pool_of = {p.tag: p for p in cfg.cluster.inference}
         routes = task_routes(self.graph.tasks)
         tags = [w.tag for w in self.workers]

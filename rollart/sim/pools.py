@@ -77,12 +77,13 @@ class Req:
 
 
 class SimWorker:
-    """An inference worker: continuous batching of up to ``max_batch`` rows."""
+    """An inference worker: continuous batching of up to ``max_batch`` rows.
+    ``keep_kv`` (``Policy.weight_update="keep"``): a weight load re-prefills nothing."""
 
     def __init__(self, env: simpy.Environment, index: int, tag: str, gen, max_batch: int,
-                 meter: Meter):
+                 meter: Meter, keep_kv: bool = False):
         self.env, self.index, self.tag, self.gen = env, index, tag, gen
-        self.max_batch, self.meter = int(max_batch), meter
+        self.max_batch, self.meter, self.keep_kv = int(max_batch), meter, bool(keep_kv)
         self.version = 0
         self.active: list[Req] = []
         self.pending: deque[Req] = deque()
@@ -122,7 +123,8 @@ class SimWorker:
 
     def load(self, version: int, exposed_s: float) -> simpy.Event:
         """Suspend, swap in ``version`` (``exposed_s`` stalled), resume, recompute the
-        in-flight rows' KV (one prefill of their contexts)."""
+        in-flight rows' KV (one prefill of their contexts; none with ``keep_kv``: the
+        rows go on over the KV they have)."""
         done = self.env.event()
         waiting = self._load[2] if self._load is not None else []
         self._load = (version, exposed_s, waiting + [done])
@@ -200,7 +202,8 @@ class SimWorker:
             self._loading, self._load = self._load, None
             version, exposed, _ = self._loading
             self.version = version
-            recompute = self.gen.prefill_batch_s((int(r.context), 0) for r in self.active)
+            recompute = 0.0 if self.keep_kv else \
+                self.gen.prefill_batch_s((int(r.context), 0) for r in self.active)
             self._step = 0.0
             self._at(exposed + recompute, "load")
             return

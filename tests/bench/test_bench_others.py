@@ -108,13 +108,15 @@ def test_weight_sync_tiny():
                "--load", "2", "--prompt", "32", "--turns", "2", "--batch", "4",
                "--settle", "0.5", "--lora", "8", timeout=600)
     assert r["context"] == 32 + 2 * (32 + 32) and r["updates"] == 1
-    for k in ("tok_s_base_a", "tok_s_base_b", "tok_s_fsspec", "tok_s_mooncake",
+    for k in ("tok_s_base_a", "tok_s_base_b", "tok_s_fsspec", "tok_s_keep", "tok_s_mooncake",
               "tok_s_lora8", "trainer_step_s", "trainer_step_s_lora8", "params_m",
               "rss_peak_mib_full", "rss_peak_mib_lora8"):
         assert r[k] > 0, (k, r)
     assert math.isclose(r["tok_s_base"], (r["tok_s_base_a"] + r["tok_s_base_b"]) / 2,
                         rel_tol=0.01)
-    for s in ("fsspec", "mooncake", "lora8"):
+    # the two modes side by side: recompute is the fsspec run; keep re-prefills nothing
+    assert r["stall_recompute"] == r["stall_fsspec"] and r["recompute_tokens_keep"] == 0
+    for s in ("fsspec", "keep", "mooncake", "lora8"):
         assert math.isclose(r[f"stall_{s}"], 1 - r[f"tok_s_{s}"] / r["tok_s_base"],
                             rel_tol=0.01, abs_tol=1e-3)
         assert r[f"put_s_{s}"] > 0  # the trainer did publish to this store

@@ -53,6 +53,8 @@ def test_wrong_type_names_the_field(assignment, needle):
     ("policy.temperature=0", "Policy.temperature must be > 0"),
     ("mode=fast", "Graph.mode 'fast' is not one of"),
     ("steps=0", "Graph.steps must be an int ≥ 1, got 0"),
+    ("policy.weight_update=fast", "Policy.weight_update must be one of ('recompute', "
+                                  "'keep'), got 'fast'"),
 ])
 def test_out_of_range_is_the_dataclasss_own_error(assignment, needle):
     with pytest.raises(GraphError) as e:

@@ -417,3 +417,27 @@ def test_an_in_process_cluster_is_left_alone(local_cluster):
     before = _nice_of_threads()
     trainer = sorted(local_cluster.scheduler_info()["workers"])[0]
     assert yield_to_trainer(local_cluster, trainer) == {} and _nice_of_threads() == before
+
+
+def test_an_async_run_with_keep_weight_updates_trains(local_cluster, tmp_path):
+    """Policy.weight_update="keep" through --set, on a real (in-process) cluster: no
+    context is re-prefilled after a swap, and the trained rows are sound: each row's
+    version is its oldest generated token's (the one staleness is judged by), within the
+    bound, whatever versions its later tokens carry."""
+    from rollart.config.overrides import apply_overrides
+
+    graph = apply_overrides(_quick("async"), ["policy.weight_update=keep"])
+    assert graph.policy.worker_options()["engine_options"]["weight_update"] == "keep"
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "keep", progress=False,
+                   eval_seeds=0)
+    _adds_up(result)
+    # swaps mid-generation happen here (timing decides how many; the recompute mode
+    # re-prefilled hundreds of tokens in this run), none re-prefills anything
+    assert all(r["rollout/recompute_tokens"] == 0 for r in result.metrics)
+    trained = _trained(result.run_dir)
+    assert trained.num_rows == 3 * 3 * 2
+    for versions, mask, version, step in zip(
+            trained["versions"].to_pylist(), trained["loss_mask"].to_pylist(),
+            trained["version"].to_pylist(), trained["trained_step"].to_pylist()):
+        gen = [v for v, m in zip(versions, mask) if m]
+        assert version == min(gen) and step - 2 <= version <= step - 1, (gen, step)

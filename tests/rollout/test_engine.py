@@ -174,6 +174,92 @@ def test_swap_mid_generation_recomputes_kv(model_dir):
     assert eng.stall_seconds > 0
 
 
+def _swap_at(eng, k: int, weights: dict, version: int, reqs):
+    """``eng.generate(reqs)`` with ``weights`` staged as ``version`` at boundary ``k``."""
+    def at_boundary(n):
+        if n == k:
+            eng.request_update(weights, version)
+
+    eng.step_callback = at_boundary
+    try:
+        return eng.generate(reqs)
+    finally:
+        eng.step_callback = None
+
+
+def test_keep_mode_goes_on_over_the_old_kv_without_recomputing(model_dir):
+    """weight_update="keep": an update at boundary k re-prefills nothing; the live rows'
+    first k tokens are the old weights', the rest exactly what the new weights give over
+    the KV the old ones computed (teacher-forced below: A's cache of prompt + k - 1
+    tokens, then B's forward of the rest); the recompute mode gives other tokens there."""
+    k = 4
+    eng = TorchEngine(model_dir, weight_update="keep")
+    eng.load_state_dict(scrambled(eng, 1), version=0)
+    weights_a, weights_b = eng.state_dict(), scrambled(eng, 2)
+    reqs = [GenRequest(p, 8, 0.0) for p in PROMPTS[:3]]
+    ref = eng.generate(reqs)
+    res = _swap_at(eng, k, weights_b, 1, reqs)
+    assert eng.version == 1 and eng.suspends == 1 and eng.recompute_tokens == 0
+    assert eng.stall_seconds > 0  # the swap alone
+    teacher = TorchEngine(model_dir, lean=False)
+    for r, a in zip(res, ref):
+        assert r.versions == [0] * k + [1] * (8 - k) and r.finish_reason == "length"
+        assert r.token_ids[:k] == a.token_ids[:k]
+        assert r.logprobs[:k] == pytest.approx(a.logprobs[:k], abs=1e-5)
+    for req, r in zip(reqs, res):
+        teacher.load_state_dict(weights_a, version=0)
+        cache = teacher._new_cache()
+        with torch.no_grad():
+            teacher.model(input_ids=torch.tensor([req.prompt_ids + r.token_ids[:k - 1]]),
+                          use_cache=True, **{teacher._cache_kwarg: cache})
+            teacher.load_state_dict(weights_b, version=1)  # in place: the cache stays
+            logits = teacher.model(input_ids=torch.tensor([r.token_ids[k - 1:-1]]),
+                                   use_cache=True, **{teacher._cache_kwarg: cache}).logits[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        assert r.token_ids[k:] == logp.argmax(-1).tolist()
+        expected = logp.gather(1, torch.tensor(r.token_ids[k:])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.logprobs[k:]), expected, atol=1e-4)
+    # the recompute mode, same update: its tokens after the swap see B's KV instead
+    eng.weight_update = "recompute"
+    eng.load_state_dict(weights_a, version=0)
+    rec = _swap_at(eng, k, weights_b, 1, reqs)
+    assert eng.recompute_tokens > 0
+    assert any(abs(x - y) > 1e-3 for r, c in zip(res, rec)
+               for x, y in zip(r.logprobs[k:], c.logprobs[k:]))
+
+
+def test_keep_mode_with_the_same_weights_equals_no_update(model_dir):
+    """A 'new' version holding the old weights: keep mode's output is the output without
+    any update (only the versions say a swap happened)."""
+    eng = TorchEngine(model_dir, weight_update="keep")
+    eng.load_state_dict(scrambled(eng, 1), version=0)
+    reqs = [GenRequest(p, 8, 0.7, seed=i) for i, p in enumerate(PROMPTS)]
+    ref = eng.generate(reqs)
+    res = _swap_at(eng, 3, eng.state_dict(), 1, reqs)
+    assert eng.suspends == 1 and eng.recompute_tokens == 0
+    for r, a in zip(res, ref):
+        assert r.token_ids == a.token_ids
+        assert r.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        assert r.versions == [0] * 3 + [1] * (len(r.token_ids) - 3)
+
+
+def test_keep_mode_leaves_no_prefix_entry_made_under_two_versions(model_dir):
+    """A row that went on over old KV through a swap does not leave its KV for the
+    trajectory's next turn (that turn prefills under the new weights); without a swap,
+    or with the recompute mode (its KV all rebuilt), it does."""
+    eng = TorchEngine(model_dir, weight_update="keep")
+    req = GenRequest(PROMPTS[1], 6, 0.0, cache_key="traj-1")
+    eng.generate([req])
+    assert len(eng.prefix_cache) == 1
+    _swap_at(eng, 2, eng.state_dict(), 1, [req])
+    assert len(eng.prefix_cache) == 0 and eng.suspends == 1
+    eng.weight_update = "recompute"
+    _swap_at(eng, 2, eng.state_dict(), 2, [req])
+    assert len(eng.prefix_cache) == 1 and eng.suspends == 2
+    with pytest.raises(ValueError, match="Policy.weight_update must be one of"):
+        TorchEngine(model_dir, weight_update="fast")
+
+
 def test_swap_requested_while_idle_applies_before_next_batch(model_dir):
     seen = []
     eng = TorchEngine(model_dir, on_update=lambda v, err: seen.append((v, err)))

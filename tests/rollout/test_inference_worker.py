@@ -67,7 +67,8 @@ class TestInferenceWorker:
         stats = worker.stats().result()
         for key in ("address", "pool", "version", "tokens_generated", "batches", "busy_seconds",
                     "queued", "in_flight", "mean_batch_size", "decode_steps", "pending_version",
-                    "suspends", "recompute_tokens", "stall_seconds", "prefetch_seconds"):
+                    "suspends", "recompute_tokens", "stall_seconds", "prefetch_seconds",
+                    "weight_update"):
             assert key in stats
         assert stats["pool"] == "H800" and stats["queued"] == 0 and stats["in_flight"] == 0
 
@@ -203,15 +204,21 @@ def test_worker_without_dask_batches_times_out_and_closes(model_dir, tmp_path):
     assert stats["mean_batch_size"] == pytest.approx(6 / stats["batches"])
 
 
-def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path):
-    """Long concurrent generations: update_weights(1) must not wait for the batch."""
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path, mode):
+    """Long concurrent generations: update_weights(1) must not wait for the batch. The
+    engine options come from Policy.weight_update: "keep" re-prefills nothing."""
+    from rollart.config.graph import Policy
+
+    options = Policy(weight_update=mode).worker_options()["engine_options"]
     store = WeightStore(str(tmp_path / "w"))
     store.put(1, perturbed(TorchEngine(model_dir)))
     long = [GenRequest([3 + i, 4, 5 + i], max_new_tokens=300, temperature=1.0, seed=i)
             for i in range(4)]
 
     async def scenario():  # watch=None: only update_weights asks (v1 is there already)
-        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8, watch=None)
+        w = InferenceWorker(model_dir, store.url, pool="H20", max_batch=8, watch=None,
+                            engine_options=options)
         tasks = [asyncio.ensure_future(w.generate(r)) for r in long]
         for _ in range(2000):  # wait until the batch is decoding
             if (await w.stats())["decode_steps"] >= 5:
@@ -228,7 +235,11 @@ def test_update_lands_mid_batch_at_a_step_boundary(model_dir, tmp_path):
     results, stats, resolved_mid_batch = asyncio.run(scenario())
     assert resolved_mid_batch  # wait_version did not wait for the batch to end
     assert stats["batches"] == 1 and stats["suspends"] >= 1 and stats["version"] == 1
-    assert stats["recompute_tokens"] >= 4 * (3 + 5)
+    assert stats["weight_update"] == mode
+    if mode == "keep":
+        assert stats["recompute_tokens"] == 0
+    else:
+        assert stats["recompute_tokens"] >= 4 * (3 + 5)
     assert stats["stall_seconds"] > 0 and stats["prefetch_seconds"] > 0
     for res in results:
         assert len(res.token_ids) == 300 and len(res.logprobs) == 300

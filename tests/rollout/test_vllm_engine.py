@@ -191,6 +191,53 @@ def test_a_version_streamed_bucket_by_bucket_mid_batch_equals_torch_engine(engin
                                                              if k != "lm_head.weight"}
 
 
+@pytest.mark.parametrize("how", ["whole", "stream"])
+def test_keep_mode_update_mid_batch_equals_torch_engines_keep_mode(engines, tmp_path, how):
+    """weight_update="keep": the update at step 3 is loaded with the requests still
+    scheduled in vLLM (no abort, nothing re-prefilled), and every token and log-prob is
+    the torch engine's keep mode: the new weights over the KV the old ones computed.
+    Afterwards the same prompts get no KV block cached under the old weights (they would
+    if vLLM's prefix cache served them: the LONG prompts fill whole blocks)."""
+    from rollart.weights import WeightStore
+
+    ref, eng = engines
+    v = eng.version
+    new = scrambled(ref.state_dict(), 29 + v)
+    ref.step_callback = (lambda n: ref.request_update(new, v + 1) if n == 3 else None)
+    if how == "whole":
+        eng.step_callback = (lambda n: eng.request_update(new, v + 1) if n == 3 else None)
+    else:  # a trainer gang's bucketed version, staged as a stream
+        store = WeightStore(str(tmp_path / "w"))
+        keys = list(new)
+        store.put_manifest(v + 1, [store.put_bucket(v + 1, k, {x: new[x] for x in keys[k::3]})[0]
+                                   for k in range(3)])
+        eng.step_callback = (lambda n: eng.request_stream(store.iter_buckets(v + 1), v + 1)
+                             if n == 3 else None)
+    recomputed, suspends, aborts = eng.recompute_tokens, eng.suspends, eng.aborts
+    ref.weight_update = eng.weight_update = "keep"
+    try:
+        ours, theirs = eng.generate(greedy(10)), ref.generate(greedy(10))
+    finally:
+        ref.step_callback = eng.step_callback = None
+        ref.weight_update = eng.weight_update = "recompute"
+    assert_same(ours, theirs)
+    assert all(r.versions == [v] * 3 + [v + 1] * 7 for r in ours)
+    assert eng.version == v + 1 and eng.suspends == suspends + 1 and eng.mixed is None
+    assert eng.recompute_tokens == recomputed and eng.aborts == aborts
+    assert_same(eng.generate(greedy()), ref.generate(greedy()))
+
+
+def test_keep_mode_is_refused_where_vllm_cannot_keep_requests(vllm_model_dir):
+    with pytest.raises(ValueError, match="weight_update='keep' with engine='vllm' and "
+                                         "Policy.lora"):
+        VLLMEngine(vllm_model_dir, weight_update="keep",
+                   lora={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    with pytest.raises(ValueError, match="async scheduling"):
+        VLLMEngine(vllm_model_dir, weight_update="keep", async_scheduling=True)
+    with pytest.raises(ValueError, match="Policy.weight_update must be one of"):
+        VLLMEngine(vllm_model_dir, weight_update="fast")
+
+
 def test_abort_stops_one_request_and_keeps_its_tokens(engines):
     _, eng = engines
     reqs = greedy(10)

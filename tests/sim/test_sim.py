@@ -424,6 +424,17 @@ def test_a_weight_load_re_prefills_each_in_flight_row_over_its_own_context():
         / (989e12 * 0.5)
     assert env.now == pytest.approx(1e-6 + recompute)
     assert recompute == pytest.approx(1.21, abs=0.01) and w.version == 1 and w.loads == 1
+    # Policy.weight_update="keep": the same load re-prefills nothing, the rows go on
+    keep = Cluster(SimConfig(_cluster(), replace(_graph(), policy=Policy(
+        warmup_steps=0, weight_update="keep")), _costs()))
+    assert all(x.keep_kv for x in keep.workers)
+    env = simpy.Environment()
+    w = SimWorker(env, 0, "H800", gen, 8, Meter(1, 1.0), keep_kv=True)
+    for _ in range(4):
+        w.submit(Req(env, 0, 8000, 8000, 1000, "decode"))
+    env.timeout(1e-6).callbacks.append(lambda _e: w.load(1, 0.0))
+    env.run(until=2e-6)  # the load is done at once, not 1.21 s later
+    assert w.version == 1 and w.loads == 1
 
 
 def test_members_draw_their_length_from_measured_episodes():

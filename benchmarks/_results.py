@@ -7,17 +7,20 @@ Every script that prints a ``RESULT`` line does it through ``Run``: ``run = Run(
 args)`` when it starts (its date and the load average before it), ``run.result(figures,
 details)`` at the end, which prints ``RESULT k=v ...`` and appends the record, unless the
 run is ``--quick`` (a smoke run: the tests run every script so) or ``--no-record``
-(``add_arguments`` adds that flag). ``details`` go to the record only (per-step lists,
+(``add_arguments`` adds that flag), or ``ROLLART_NO_RECORD`` is set in the environment
+(the test suite sets it: its smoke runs of a script at other small sizes record nothing). ``details`` go to the record only (per-step lists,
 per-seed rows)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_RECORD_ENV = "ROLLART_NO_RECORD"
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -78,7 +81,6 @@ class Run:
 
     def __init__(self, script: str, args=None, argv=None):
         import datetime
-        import os
 
         self.script = script
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -86,7 +88,8 @@ class Run:
         self.load = [round(x, 2) for x in os.getloadavg()]
         self.argv = sys.argv[1:] if argv is None else list(argv)
         self.recording = not (getattr(args, "quick", False) or getattr(args, "tiny", False)
-                              or getattr(args, "no_record", False))
+                              or getattr(args, "no_record", False)
+                              or os.environ.get(NO_RECORD_ENV))
 
     @staticmethod
     def line(figures: dict, fmt=None) -> str:

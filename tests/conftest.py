@@ -7,6 +7,8 @@ import pytest
 import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# the benchmark scripts' smoke runs append nothing to benchmarks/results (_results.Run)
+os.environ["ROLLART_NO_RECORD"] = "1"
 torch.set_num_threads(1)
 
 

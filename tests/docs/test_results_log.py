@@ -37,7 +37,8 @@ def test_every_script_records_through_run_and_its_page_shows_the_log(script):
     assert pages, f"no docs/benchmarks page shows benchmarks/{script}.py's records"
 
 
-def test_a_run_records_unless_quick_or_no_record(results, capsys):
+def test_a_run_records_unless_quick_or_no_record(results, capsys, monkeypatch):
+    monkeypatch.delenv("ROLLART_NO_RECORD", raising=False)  # tests/conftest.py sets it
     run = results.Run("demo", argparse.Namespace(quick=False, no_record=False), ["--x", "1"])
     path = run.result({"ratio": 1.23456, "seeds": 3}, {"per_seed": [1.0, 1.5]})
     assert capsys.readouterr().out.strip() == "RESULT ratio=1.235 seeds=3"
@@ -50,6 +51,8 @@ def test_a_run_records_unless_quick_or_no_record(results, capsys):
     for args in (argparse.Namespace(quick=True, no_record=False),
                  argparse.Namespace(quick=False, no_record=True)):
         assert results.Run("demo", args, []).result({"ratio": 2.0}) is None
+    monkeypatch.setenv("ROLLART_NO_RECORD", "1")  # as the test suite runs the scripts
+    assert results.Run("demo", argparse.Namespace(quick=False), []).result({"r": 1}) is None
     assert len(path.read_text().splitlines()) == 1
 
 

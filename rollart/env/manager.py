@@ -270,6 +270,9 @@ class EnvManager:
                 "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,
                 "turn_overhead_s": (r.turn_seconds - r.gen_seconds - r.env_seconds) / turns,
                 "barrier_wait_s": r.barrier_wait, "rewards_here": r.rewards["here"],
+                # in all: CPU seconds rendering/tokenising turns; wall seconds of env
+                # calls (summed over the trajectories running at once)
+                "render_cpu_s": r.render_seconds, "env_s": r.env_seconds,
                 "reward_tasks": r.rewards["tasks"], "stuck_env_calls": r.stuck_calls,
                 **r.stats(), **r.serverless.stats()}
 

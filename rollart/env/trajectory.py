@@ -133,6 +133,7 @@ class TrajectoryRunner:
         self.gen_seconds = 0.0
         self.env_seconds = 0.0
         self.barrier_wait = 0.0
+        self.render_seconds = 0.0  # CPU seconds rendering and tokenising turns (loop)
         self.serverless = Dispatchers()  # serverless rewards: batched, retried
         self.local_reward = local_reward
         self._reward_slots: dict[str, asyncio.Semaphore | None] = {}  # tag -> slots here
@@ -254,6 +255,15 @@ class TrajectoryRunner:
         if ep.truncated:
             self.counts["truncated"] += 1
 
+    def _render(self, fn, *args):
+        """``fn(*args)``, a conversation's rendering or tokenising, its CPU time
+        (``time.thread_time``: the event loop's thread) added to ``render_seconds``."""
+        t0 = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.render_seconds += time.thread_time() - t0
+
     def _close_env(self, env, urgent: bool) -> None:
         """Close ``env`` off the loop. A failed/timed-out env may hold every pool thread
         (hung calls), so it gets a thread of its own: closing it releases those calls."""
@@ -278,7 +288,7 @@ class TrajectoryRunner:
 
     async def _turns(self, task, env, obs, log, ep, traj, barrier) -> None:
         tools = env_tools(env) if self.format.mode == "chat" else []
-        conv = self.format.start(log, task, obs, tools)
+        conv = self._render(self.format.start, log, task, obs, tools)
         if tools:  # counted on the record (null: no tools offered)
             traj.tool_calls, traj.invalid_tool_calls = 0, 0
         budget = self.format.max_context
@@ -329,8 +339,8 @@ class TrajectoryRunner:
                                         task=task.name)
         gen = time.perf_counter() - t0
         traj.gen_time += gen
-        return conv.add_generation(res.token_ids, res.logprobs, res.versions,
-                                   res.finish_reason)
+        return self._render(conv.add_generation, res.token_ids, res.logprobs, res.versions,
+                            res.finish_reason)
 
     async def _env_turn(self, task, env, text: str, conv, ep, traj) -> bool:
         """``env.step`` on the parsed action; True when the episode is over."""
@@ -346,7 +356,7 @@ class TrajectoryRunner:
         if step.done:
             ep.truncated = bool(step.info.get("truncated", False))
             return True
-        conv.add_user(step.observation)
+        self._render(conv.add_user, step.observation)
         return False
 
     async def _tool_turn(self, task, env, tools, calls, conv, ep, traj) -> None:
@@ -369,7 +379,7 @@ class TrajectoryRunner:
         traj.invalid_tool_calls += invalid
         if invalid:
             ep.env_rewards.append(-float(task.invalid_penalty) * invalid)
-        conv.add_tool_results(results)
+        self._render(conv.add_tool_results, results)
 
     async def _env_call(self, traj, fn, *args, is_async: bool = False):
         """Call an env method off the event loop with the per-step time-out."""

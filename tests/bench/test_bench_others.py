@@ -1,5 +1,5 @@
 """benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py,
-trainer_gang.py and calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
+trainer_gang.py, limits.py and calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
 not tests: see docs/benchmarks/)."""
 
 import importlib
@@ -100,6 +100,30 @@ def test_trainer_gang_tiny():
                         rel_tol=0.02)
     assert math.isclose(r["gang_step_ratio_t2"], r["gang_step_s_1t2"] / r["gang_step_s_2"],
                         rel_tol=0.02)
+
+
+@pytest.mark.bench
+def test_limits_tiny():
+    """A run of the default graph and both bare loops: the ratios are those of the
+    figures it printed, and the shares split one capacity."""
+    r = _bench("limits", "--tiny", timeout=300)
+    assert r["steps"] == 3 and r["groups"] == 2 and r["cores"] >= 1
+    assert r["threads_infer"] >= 1 and r["threads_train"] >= 1
+    for k in ("run_tok_s", "run_tok_s_busy", "bare_tok_s", "run_train_tok_s",
+              "run_train_tok_s_wait", "bare_train_tok_s", "window_s", "live_batch",
+              "gen_len", "context", "prefill", "share_inference", "share_trainer",
+              "control_share"):
+        assert 0 < r[k] < math.inf, (k, r)
+    for ratio, num, den in (("rollout_vs_bare", "run_tok_s", "bare_tok_s"),
+                            ("rollout_vs_bare_busy", "run_tok_s_busy", "bare_tok_s"),
+                            ("trainer_vs_bare", "run_train_tok_s", "bare_train_tok_s")):
+        assert math.isclose(r[ratio], r[num] / r[den], rel_tol=0.01), (ratio, r)
+    # busy time within the window's wall time; a wait within the step
+    assert r["run_tok_s_busy"] >= 0.95 * r["run_tok_s"]
+    assert r["run_train_tok_s"] >= r["run_train_tok_s_wait"]
+    assert 0 <= r["trainer_wait"] <= 1 and r["prefill"] <= r["context"]
+    shares = [v for k, v in r.items() if k.startswith("share_")] + [r["control_share"]]
+    assert math.isclose(sum(shares), 1.0, abs_tol=0.01), r
 
 
 @pytest.mark.bench

@@ -1,0 +1,344 @@
+"""Distance to the physical limit on this machine (issue 42 item 5): how close a real
+rollart run gets to bare PyTorch on the same cores, and where the rest of its time goes.
+
+**The run.** The default graph (``graphs/multitask.py``, what ``python -m rollart train``
+runs), async mode, on ``resources/laptop.py`` with one inference pool (as
+``benchmarks/pipeline.py`` runs it: one worker process for rollout, envs and rewards, one
+for the trainer and the buffer; the Dask scheduler in this process), from the built-in
+model after its format warm-up (``pipeline.cached_warm_model``, shared with the pipeline
+benchmark). Settings are fixed below (``QUICK``, ``FULL``, ``TINY``): ``steps`` trainer
+steps of ``groups`` groups of 8. Everything is measured over a *window*: from the
+metrics row of step 1 to the row of the last step (start-up, the first generation and
+the first trainer step are outside it). At both ends the probe keeps the actors' stats
+the row was made from and a CPU snapshot of every process (``/proc``: per thread, by
+thread name, and the process total).
+
+**Rollout.** ``run_tok_s`` = tokens the engine generated in the window ÷ the window's
+wall seconds (the headline: the rollout worker's throughput as the run saw it);
+``run_tok_s_busy`` = the same tokens ÷ the engine's busy seconds (inside its serve
+loop). The bare loop (``_bare_loops.bare_generate``) runs afterwards, alone, on as many
+torch threads as the run gave the inference worker, with the same model, the engine's
+forward kind (lean or ``DynamicCache``) and the run's own shape: batch = the run's mean
+live batch (tokens ÷ decode steps), new tokens per row = tokens ÷ requests, context =
+prompt tokens ÷ requests, of which the part the engine forwarded (prefill tokens ÷
+requests) is prefilled on the clock and the rest sits in the KV cache beforehand (the
+engine's prefix cache). ``rollout_vs_bare`` = ``run_tok_s`` ÷ ``bare_tok_s``;
+``rollout_vs_bare_busy`` = ``run_tok_s_busy`` ÷ ``bare_tok_s``.
+
+**Trainer.** ``run_train_tok_s`` = trained tokens (``trainer/tokens``) of the window's
+steps ÷ their ``trainer/step_s`` less ``trainer/wait_s`` (the step as the trainer
+computes and publishes it, without waiting for its batch); ``run_train_tok_s_wait`` counts
+the wait too. The bare loop (``_bare_loops.bare_train``) trains the very batches those
+steps trained (read back from the run's samples by ``trained_step``), from the same
+model, on as many threads as the run's trainer: forward, backward, clip, AdamW (and the
+KL reference's forward: the default graph has ``kl_coef > 0``). It lacks the trainer's
+prompt sharing and ``logits_to_keep``, so the run may beat it. ``trainer_vs_bare`` =
+``run_train_tok_s`` ÷ ``bare_train_tok_s``.
+
+**Where the rest goes.** Capacity = the window's wall seconds × ``cores``. Each
+``share_*`` is CPU seconds ÷ capacity: ``inference`` (the engine thread),
+``trainer`` (the trainer's compute thread), ``env`` (env step threads), ``reward``
+(reward threads), ``render`` (rendering and tokenising turns on the rollout worker's
+event loop: ``EnvManager.stats()["render_cpu_s"]``), ``loop`` (the rest of the workers'
+event loops: actor calls, the proxy, the buffer, Dask comm), ``other`` (weight
+prefetch and bucket threads, buffer I/O, Dask's own threads, native threads and threads
+that ended in the window) and ``control_share``: the CPU seconds of this driver process
+(the control loop, the Dask scheduler, which runs in it, and the run's monitor) and of
+the workers' nanny processes, ÷ capacity. ``share_idle`` = 1 − the sum (capacity the
+run left unused; another load on the machine shows here). Waiting, as fractions of the
+window's wall time: ``inference_idle`` (the engine outside its serve loop),
+``trainer_idle`` (not computing or publishing a step), ``trainer_wait`` (inside a step,
+waiting for its batch).
+
+Other RESULT keys: ``bare_tok_s``, ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
+``context``, ``prefill`` (the bare loop's shape), ``window_s``, ``steps``, ``groups``,
+``threads_infer``, ``threads_train``, ``cores``. The record also keeps every snapshot
+delta. Run it alone on an idle machine::
+
+    flock /tmp/rollart-bench.lock python benchmarks/limits.py
+    python benchmarks/limits.py --quick     # a smoke run (~2 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py, pipeline.py
+
+from _results import Run, add_arguments  # noqa: E402
+from pipeline import WARM_CACHE  # noqa: E402
+
+# sized before any measurement (a step of the default graph takes about a second on 2
+# cores): --quick ~2 minutes (its warm model cached), the full run ~5; --tiny is the smoke
+# test's (the untrained model). groups None: the graph's (12)
+QUICK = {"steps": 12, "groups": None, "warmup_steps": 60, "bare_tokens": 10000}
+FULL = {"steps": 60, "groups": None, "warmup_steps": None, "bare_tokens": 50000}
+TINY = {"steps": 3, "groups": 2, "warmup_steps": 0, "bare_tokens": 500}
+#: thread name prefix -> share (``cpu_delta``); every other Python thread is "other"
+THREADS = (("rollart-engine", "inference"), ("rollart-trainer", "trainer"),
+           ("rollart-env", "env"), ("rollart-sandbox", "env"), ("rollart-reward", "reward"),
+           ("MainThread", "loop"))
+SHARES = ("inference", "trainer", "env", "reward", "render", "loop", "other")
+
+
+def cpu_snapshot() -> dict:
+    """This process's CPU seconds: in all, and per live thread ``{tid: (name, s)}``
+    (a thread Python did not start is ``native``). Linux ``/proc``; runs in every
+    process of the cluster (``Client.run``)."""
+    import os
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(path: str) -> float:
+        fields = open(path).read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            threads[int(tid)] = (names.get(int(tid), "native"),
+                                 cpu(f"/proc/self/task/{tid}/stat"))
+    return {"process": cpu("/proc/self/stat"), "threads": threads}
+
+
+def thread_group(name: str) -> str:
+    return next((g for prefix, g in THREADS if name.startswith(prefix)), "other")
+
+
+def cpu_delta(a: dict, b: dict, group=thread_group) -> dict[str, float]:
+    """CPU seconds between two ``cpu_snapshot``s of one process, by ``group(thread
+    name)``; ``exited``: the process's rest (threads that ended in between)."""
+    out: dict[str, float] = defaultdict(float)
+    for tid, (name, s) in b["threads"].items():
+        before = a["threads"].get(tid)
+        s0 = before[1] if before is not None and before[0] == name else 0.0
+        out[group(name)] += s - s0
+    out["exited"] = b["process"] - a["process"] - sum(out.values())
+    return dict(out)
+
+
+class Probe:
+    """Wraps ``rollart.control.loop.step_row`` for one run: at steps ``1`` and ``last``
+    keeps the row, the actors' stats it was made from and a CPU snapshot of this
+    process, every worker and every nanny (two ``Client.run`` broadcasts each)."""
+
+    def __init__(self, client, last: int):
+        self.client, self.last, self.marks = client, last, {}
+
+    @contextlib.contextmanager
+    def installed(self):
+        from rollart.control import loop
+
+        real = loop.step_row
+
+        def step_row(trainer, sample, **kwargs):
+            row = real(trainer, sample, **kwargs)
+            if row["step"] in (1, self.last):
+                self.marks[row["step"]] = {
+                    "row": row, "workers": [s for _, _, s in sample.workers],
+                    "managers": list(sample.managers), "at": time.perf_counter(),
+                    "driver": cpu_snapshot(), "cluster": self.client.run(cpu_snapshot),
+                    "nannies": self.client.run(cpu_snapshot, nanny=True)}
+            return row
+
+        loop.step_row = step_row
+        try:
+            yield self
+        finally:
+            loop.step_row = real
+
+
+def run_graph(client, a, model: str, run_dir: Path) -> tuple:
+    """Train the default graph (module doc) with the probe in; (graph, rows, marks)."""
+    import rollart
+
+    base, _ = rollart.load_graph(None)
+    graph = replace(base, steps=a.steps, seed=a.seed,
+                    policy=replace(base.policy, model=model),
+                    algo=replace(base.algo, groups_per_step=a.groups or base.algo.groups_per_step,
+                                 alpha=None),
+                    rollout=replace(base.rollout, inference_pools=("H800",)))
+    probe = Probe(client, graph.steps)
+    with probe.installed():
+        result = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
+                               eval_seeds=0)
+    if set(probe.marks) != {1, graph.steps}:
+        raise RuntimeError(f"the probe saw steps {sorted(probe.marks)}, not 1 and "
+                           f"{graph.steps}")
+    return graph, result.metrics, probe.marks
+
+
+def window(graph, rows: list[dict], marks: dict) -> dict:
+    """The run's figures over the window (module doc)."""
+    first, last = marks[1], marks[graph.steps]
+    wall = last["row"]["time"] - first["row"]["time"]
+
+    def d(key: str, side: str = "workers") -> float:
+        return sum(s.get(key, 0) for s in last[side]) - sum(s.get(key, 0) for s in first[side])
+
+    tokens, requests = d("tokens_generated"), max(d("requests"), 1)
+    steps = [r for r in rows if 1 < r["step"] <= graph.steps]
+    step_s = sum(r["trainer/step_s"] for r in steps)
+    wait_s = sum(r["trainer/wait_s"] for r in steps)
+    trained = sum(r["trainer/tokens"] for r in steps)
+    out = {"window_s": wall, "tokens": tokens, "busy_s": d("busy_seconds"),
+           "run_tok_s": tokens / wall, "run_tok_s_busy": tokens / max(d("busy_seconds"), 1e-9),
+           "live_batch": tokens / max(d("decode_steps"), 1), "gen_len": tokens / requests,
+           "context": d("prefix_prompt_tokens") / requests,
+           # forwarded by prefills, less re-prefills after weight swaps (not the bare
+           # loop's work)
+           "prefill": (d("prefill_tokens") - d("recompute_tokens")) / requests,
+           "train_tokens": trained, "train_steps": [r["step"] for r in steps],
+           "run_train_tok_s": trained / max(step_s - wait_s, 1e-9),
+           "run_train_tok_s_wait": trained / max(step_s, 1e-9),
+           "inference_idle": 1 - d("busy_seconds") / wall,
+           "trainer_idle": 1 - (step_s - wait_s) / wall, "trainer_wait": wait_s / wall,
+           "render_cpu_s": d("render_cpu_s", "managers"), "env_s": d("env_s", "managers")}
+    return out
+
+
+def breakdown(marks: dict, first: int, last: int, render_s: float, cores: int) -> dict:
+    """``share_*`` and ``control_share`` (module doc) from the two ends' snapshots."""
+    a, b = marks[first], marks[last]
+    capacity = (b["at"] - a["at"]) * cores
+    cpu: dict[str, float] = defaultdict(float)
+    for addr, snap in b["cluster"].items():
+        if addr in a["cluster"]:
+            for k, v in cpu_delta(a["cluster"][addr], snap).items():
+                cpu[k] += v
+    driver = b["driver"]["process"] - a["driver"]["process"]
+    nannies = sum(snap["process"] - a["nannies"][addr]["process"]
+                  for addr, snap in b["nannies"].items() if addr in a["nannies"])
+    control = driver + nannies
+    cpu["render"] = render_s
+    cpu["loop"] -= render_s
+    cpu["other"] += cpu.pop("exited", 0.0) + cpu.pop("native", 0.0)
+    out = {f"share_{k}": cpu.get(k, 0.0) / capacity for k in SHARES}
+    out["control_share"] = control / capacity
+    out["share_idle"] = 1 - sum(out.values())
+    out["cpu_s"] = {**cpu, "control": control, "control_driver": driver,
+                    "control_nannies": nannies, "capacity": capacity}
+    # the driver's own threads by name (digits dropped): where the control plane's goes
+    out["driver_cpu_s"] = cpu_delta(a["driver"], b["driver"],
+                                    lambda name: name.rstrip("0123456789-_"))
+    return out
+
+
+def trained_batches(run_dir: Path, steps: list[int]) -> list[list]:
+    """The trajectories each of ``steps`` trained, from the run's samples."""
+    import pyarrow.compute as pc
+
+    from rollart.buffer import read_samples
+    from rollart.buffer.schema import from_table
+
+    table = read_samples(str(run_dir))
+    return [from_table(table.filter(pc.equal(table["trained_step"], s))) for s in steps]
+
+
+def role_threads(graph, model: str, run_dir: Path) -> tuple[int, int]:
+    """Torch threads the run gave its inference worker and its trainer."""
+    from rollart.control.stages import role_specs
+
+    specs = {s.role: s for s in role_specs(graph, model, run_dir)}
+    return specs["inference"].kwargs["threads"], specs["trainer"].kwargs["threads"]
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smoke run (~2 minutes)")
+    p.add_argument("--tiny", action="store_true",
+                   help="the smoke test's size: the untrained model, 3 short steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-cache", default=None,
+                   help="a folder to keep the warmed-up model in (default: the pipeline "
+                        "benchmark's; '' = a temporary folder)")
+    add_arguments(p)
+    a = p.parse_args(argv)
+    for k, v in (TINY if a.tiny else QUICK if a.quick else FULL).items():
+        setattr(a, k, v)
+    if a.warm_cache is None:
+        a.warm_cache = "" if a.tiny else WARM_CACHE
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    run = Run("limits", a, argv)
+    from rollart.app.cli import quiet
+
+    quiet()
+    from distributed import Client
+
+    import rollart
+    from _bare_loops import bare_generate, bare_train
+    from pipeline import cached_warm_model
+    from rollart.runtime.resources import usable_cores
+
+    base, _ = rollart.load_graph(None)
+    warm_steps = base.policy.warmup_steps if a.warmup_steps is None else a.warmup_steps
+    t_all = time.time()
+    with tempfile.TemporaryDirectory(prefix="rollart-limits-") as tmp:
+        model, reused = cached_warm_model(a.warm_cache or tmp, base.tasks, warm_steps)
+        print(f"model {model} ({warm_steps} warm-up steps, "
+              f"{'reused' if reused else 'built'})", flush=True)
+        run_dir = Path(tmp) / "run"
+        with rollart.load_resources("laptop").make_cluster() as cluster, \
+                Client(cluster) as client:
+            graph, rows, marks = run_graph(client, a, model, run_dir)
+        cores = usable_cores()
+        fig = window(graph, rows, marks)
+        shares = breakdown(marks, 1, graph.steps, fig["render_cpu_s"], cores)
+        t_infer, t_train = role_threads(graph, model, run_dir)
+        batches = trained_batches(run_dir, fig["train_steps"])
+        bare = bare_generate(
+            model, batch=max(1, round(fig["live_batch"])), new=max(1, round(fig["gen_len"])),
+            context=max(1, round(fig["context"])),
+            prefill=max(1, min(round(fig["prefill"]), round(fig["context"]))),
+            threads=t_infer, tokens=a.bare_tokens, temperature=graph.policy.temperature)
+        bare_train_s = bare_train(model, batches, graph.algo, threads=t_train,
+                                  temperature=graph.policy.temperature)["seconds"]
+    bare_tokens = sum(sum(t.loss_mask) for batch in batches for t in batch)
+    if bare_tokens != fig["train_tokens"]:
+        raise RuntimeError(f"the samples' trained tokens ({bare_tokens}) are not the "
+                           f"metrics' ({fig['train_tokens']})")
+    bare_train_tok_s = bare_tokens / sum(bare_train_s)
+    out = {"rollout_vs_bare": fig["run_tok_s"] / bare["tok_s"],
+           "trainer_vs_bare": fig["run_train_tok_s"] / bare_train_tok_s,
+           "control_share": shares["control_share"],
+           "rollout_vs_bare_busy": fig["run_tok_s_busy"] / bare["tok_s"],
+           "run_tok_s": fig["run_tok_s"], "run_tok_s_busy": fig["run_tok_s_busy"],
+           "bare_tok_s": bare["tok_s"], "run_train_tok_s": fig["run_train_tok_s"],
+           "run_train_tok_s_wait": fig["run_train_tok_s_wait"],
+           "bare_train_tok_s": bare_train_tok_s,
+           **{k: v for k, v in shares.items() if k.startswith("share_")},
+           "inference_idle": fig["inference_idle"], "trainer_idle": fig["trainer_idle"],
+           "trainer_wait": fig["trainer_wait"], "live_batch": fig["live_batch"],
+           "gen_len": fig["gen_len"], "context": fig["context"], "prefill": fig["prefill"],
+           "window_s": fig["window_s"], "steps": graph.steps,
+           "groups": graph.algo.groups_per_step, "threads_infer": t_infer,
+           "threads_train": t_train, "cores": cores}
+    details = {"forward": bare["kind"], "bare_batches": bare["batches"],
+               "bare_train_s": bare_train_s, "cpu_s": shares["cpu_s"],
+               "driver_cpu_s": shares["driver_cpu_s"],
+               "warmup_steps": warm_steps, "seed": a.seed, "run_tokens": fig["tokens"],
+               "engine_busy_s": fig["busy_s"], "env_s": fig["env_s"],
+               "total_s": round(time.time() - t_all)}
+    for what, cpu in (("run", shares["cpu_s"]), ("driver", shares["driver_cpu_s"])):
+        print(f"cpu seconds in the window, {what}: " + " ".join(
+            f"{k}={v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])),
+            flush=True)
+    run.result(out, details)
+    return out
+
+
+if __name__ == "__main__":
+    main()

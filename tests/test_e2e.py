@@ -1,10 +1,11 @@
 """End to end: the default multi-task graph trains on a local tagged cluster and the
 policy really learns — held-out success rises above the warm-up policy's on every task;
-the chat graph (``graphs/chat.py:quick``) learns too, and its Parquet rows decode to
-well-formed ChatML conversations with the loss mask exactly on the assistant's tokens.
+the chat graph (``graphs/chat.py``, the tool-calling calc included) learns on every task
+too, and its games' Parquet rows decode to well-formed ChatML conversations with the loss
+mask exactly on the assistant's tokens.
 
 Marked ``learning`` (the default graph's 80-step run is ~6 min on 2 cores, the chat
-graph's ~5): deselected from ``python -m pytest``, whose suite stays within its 15-minute
+graph's ~15-20): deselected from ``python -m pytest``, whose suite stays within its 15-minute
 budget; ``.ci/run`` runs both as a step of its own
 (``python -m pytest -m learning tests/test_e2e.py``).
 """
@@ -106,32 +107,24 @@ def test_every_actor_ran_on_its_tag(run):
 
 
 # -- the chat graph ----------------------------------------------------------------------
-# graphs/chat.py:quick (the three games in chat format on the chat toy, 60 steps after
-# its 150-step warm-up) on the laptop layout (the CLI's worker processes): 6.0 min under
-# the lock on the shared 2-core machine (load ~3), held-out gains (128 seeds): gridnav
-# 0.23 -> 0.30, guess 0.38 -> 0.48, boxpush 0.31 -> 0.45 (an earlier run, before the
-# template cache and the async slots fix, 13 min: 0.05, 0.16, 0.11). After the chat toy's
-# tokenizer change (rollart.model.CHAT_SPLIT; 6.9 min under the lock, load 2.5-3.7):
-# gridnav 0.20 -> 0.20, guess 0.34 -> 0.38, boxpush 0.36 -> 0.50 (the bounds hold). The
-# full graph (100 steps with calc, 22.8 min at load 5-8): gridnav +0.17, guess +0.06,
-# boxpush +0.19, calc -0.02. The bounds sit about two standard errors (one is ~0.057 for
-# a gain, ~0.033 for the mean of three) below the quick runs, so a run that learns
-# passes and one that does not fails.
-# With the warm-up at lr 1e-3 (graphs/chat.py WARMUP_LR; the figures above were at 3e-3):
-# gridnav 0.16 -> 0.46 (+0.30), guess 0.38 -> 0.53 (+0.15), boxpush 0.27 -> 0.47 (+0.20),
-# 4.7 min in all for this test on the 2-core machine, 2026-12-02 22:24 UTC (one run; the
-# full graph's three seeds at 1e-3: docs/benchmarks/). The bounds sit two or more standard
-# errors below that: gridnav and boxpush must gain, guess must not fall, and the mean of
-# the three must gain 0.08 (a run that does not learn has a mean near 0, sd ~0.035).
-# The test stays under the `learning` marker (deselected by default, ~5 min); .ci/run
-# runs it as its own step. The graph's GRPO scales advantages by the batch's reward std
-# since 2026-12-03 (scale_rewards="batch", for calc; these bounds were measured with the
-# per-group std, and the full graph's games gained as much or more with "batch" on three
-# seeds: docs/benchmarks/). The full chat graph's calc learns on two seeds of three (ibid.).
-CHAT_GAMES = ("gridnav", "guess", "boxpush")
-# the least gain per task the quick run must show
-CHAT_MIN_GAIN = {"gridnav": 0.05, "guess": -0.05, "boxpush": 0.05}
-CHAT_MIN_MEAN_GAIN = 0.08  # over the three games (measured 0.22)
+# graphs/chat.py whole: the three games and the tool-calling calc in chat format on the
+# chat toy (its two-stage warm-up, 450 steps, then 100 RL steps), on the laptop layout in
+# process. Every task must gain, calc included (issue 42 item 7: no negative floor).
+# Measured: this test, 2026-12-05 (19.8 min with other work on the 2 cores, load 5-6),
+# 256 held-out seeds paired per seed: gridnav 0.23 -> 0.61, guess 0.38 -> 0.97, boxpush
+# 0.35 -> 0.48, calc 0.22 -> 0.88; the graph's three seeds on an idle machine
+# (docs/benchmarks/history.md, 128-256 seeds): gains gridnav +0.24..+0.50, guess
+# +0.06..+0.64, boxpush +0.38..+0.60, calc +0.34..+0.69. A gain's standard error is
+# ~0.04 at 256 paired seeds: each task must gain more than 0.02 (a task that does not
+# learn passes that about a third of the time) and the four on average 0.15 (the lowest
+# seed's mean was 0.28; a run that does not learn has a mean near 0, sd ~0.02).
+# The earlier form of this test ran graphs/chat.py:quick (the three games, 60 steps,
+# guess allowed to fall 0.05).
+CHAT_GRAPH = "graphs/chat.py"
+CHAT_EVAL_SEEDS = 256
+CHAT_TASKS = ("gridnav", "guess", "boxpush", "calc")
+CHAT_MIN_GAIN = 0.02  # every task
+CHAT_MIN_MEAN_GAIN = 0.15  # over the four
 TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n")
 
 
@@ -139,22 +132,23 @@ TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n")
 def chat_run(tmp_path_factory):
     from distributed import Client
 
-    graph, _ = load_graph("graphs/chat.py:quick")
+    graph, _ = load_graph(CHAT_GRAPH)
     res = replace(load_resources("laptop"), processes=False, dashboard_address=":0")
     run_dir = tmp_path_factory.mktemp("e2e-chat") / "run"
     with res.make_cluster() as cluster, Client(cluster) as client:
-        result = train(graph, client=client, run_dir=run_dir, progress=False, eval_seeds=128)
+        result = train(graph, client=client, run_dir=run_dir, progress=False,
+                       eval_seeds=CHAT_EVAL_SEEDS)
     return result
 
 
-@pytest.mark.learning  # ~6 min on 2 shared cores: deselected by default (python -m pytest -m learning)
-@pytest.mark.timeout(1800)  # the fixture's run: ~6 min on 2 shared cores, 13 when busier
+@pytest.mark.learning  # ~15 min on 2 cores: deselected by default (python -m pytest -m learning)
+@pytest.mark.timeout(2700)  # the fixture's run: 19.8 min on 2 cores shared with other work
 def test_chat_graph_learns_above_the_warmup_policy(chat_run):
     ev = chat_run.evaluation
     print("chat held-out success, warm-up -> trained:", ev)
-    assert set(ev["trained"]) == set(CHAT_GAMES)
-    gains = {t: ev["trained"][t] - ev["warmup"][t] for t in CHAT_GAMES}
-    assert all(gains[t] >= g for t, g in CHAT_MIN_GAIN.items()), (gains, ev)
+    assert set(ev["trained"]) == set(CHAT_TASKS)
+    gains = {t: ev["trained"][t] - ev["warmup"][t] for t in CHAT_TASKS}
+    assert all(g > CHAT_MIN_GAIN for g in gains.values()), (gains, ev)
     assert sum(gains.values()) / len(gains) >= CHAT_MIN_MEAN_GAIN, (gains, ev)
     saved = json.load(open(f"{chat_run.run_dir}/eval.json"))
     assert saved["warmup"] == ev["warmup"] and saved["trained"] == ev["trained"]
@@ -217,10 +211,13 @@ def test_chat_parquet_rows_decode_to_chatml_conversations(chat_run):
     from rollart.model import encode, load_tokenizer
 
     tok = load_tokenizer(chat_run.model_dir)
-    graph, _ = load_graph("graphs/chat.py:quick")
+    graph, _ = load_graph(CHAT_GRAPH)
     max_new = {t.name: t.max_new_tokens for t in graph.tasks}
     rows = [r for r in read_samples(chat_run.run_dir).to_pylist() if r["state"] == "trained"]
-    assert len(rows) >= 60 * 96
+    assert len(rows) >= graph.steps * graph.algo.group_size * graph.algo.groups_per_step
+    # the games' rows (calc's carry a system turn with its tools and tool turns: their
+    # rendering is checked by tests/env/test_tool_formats.py and the tool-task tests)
+    rows = [r for r in rows if r["task"] != "calc"]
     end, special = tok.convert_tokens_to_ids("<|im_end|>"), set(tok.all_special_ids)
     clean = 0
     for row in rows:

@@ -129,7 +129,8 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
 
     mode, redundancy = label.split("@")[0], a.redundancy if "@" in label else 1.0
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
-                    checkpoint_every=a.every, policy=replace(base.policy, model=model),
+                    checkpoint_every=a.every,
+                    policy=replace(base.policy, model=model, weight_update=a.weight_update),
                     algo=replace(base.algo, groups_per_step=a.groups, alpha=None),
                     rollout=replace(base.rollout, redundancy=redundancy,
                                     max_in_flight=a.max_in_flight,
@@ -151,6 +152,9 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
             "wall_s": t[last["step"]], "ckpt_s": sum(ckpt_s.values()),
             "fail_per_step": env.get("reset_failures", 0) / max(env.get("steps", 0), 1),
             "reuse": env.get("reused", 0) / max(env.get("resets", 0), 1),
+            # weight swaps that met rows generating, and the tokens re-prefilled after them
+            "suspends": last.get("rollout/suspends", 0),
+            "recompute_tokens": last.get("rollout/recompute_tokens", 0),
             "run_dir": str(run_dir)}
 
 
@@ -261,6 +265,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--take-window", type=float, default=None,
                    help="Rollout.take_window for async and areal: take groups in start "
                         "order within this many steps' worth (default: completion order)")
+    p.add_argument("--weight-update", choices=("recompute", "keep"), default="recompute",
+                   help="Policy.weight_update: a weight swap re-prefills the rows being "
+                        "generated, or they keep their KV")
     p.add_argument("--redundancy", type=float, default=1.5,
                    help="members launched per group member in the redundant runs")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -331,6 +338,7 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
               f"traj_per_s={fmt(run['traj_per_s'])} heldout={fmt(run['heldout'])} "
               f"wall_s={fmt(run['wall_s'])} ckpt_s={fmt(run['ckpt_s'])} "
               f"env_fail_per_step={fmt(run['fail_per_step'])} reuse={fmt(run['reuse'])} "
+              f"suspends={run['suspends']} recompute_tokens={run['recompute_tokens']} "
               "curve=" + ",".join(f"{s}:{v:.2f}" for s, v in run["curve"].items())
               + f" ({time.time() - t0:.0f}s)", flush=True)
 
@@ -367,11 +375,14 @@ def main(argv=None) -> dict:
     out = summarise(runs, seeds)
     out.update(inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
                order="completion" if a.take_window is None else f"start{a.take_window:g}",
+               weight_update=a.weight_update,
                target=target, failed_runs=len(failed),
                heldout_warm=warm, margin=a.margin,
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,
                total_s=round(time.time() - t_all))
-    run.result(out, fmt=fmt)
+    keys = ("label", "seed", "time_to_target_s", "heldout", "traj_per_s", "wall_s",
+            "suspends", "recompute_tokens")
+    run.result(out, {"runs": [{k: r.get(k) for k in keys} for r in runs]}, fmt=fmt)
     return out
 
 

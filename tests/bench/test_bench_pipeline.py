@@ -136,13 +136,14 @@ def test_pipeline_benchmark_tiny():
         [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--steps", "1",
          "--every", "1", "--groups", "2", "--eval-seeds", "4", "--seeds", "1",
          "--modes", "sync,async", "--redundant", "", "--warmup-steps", "5",
-         "--margin", "-1", "--warm-cache", ""],
+         "--margin", "-1", "--warm-cache", "", "--weight-update", "keep"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     r = dict(kv.split("=") for kv in line.split()[1:])
     assert r.pop("inflight") == "alpha" and r.pop("order") == "completion", line
+    assert r.pop("weight_update") == "keep", line
     r = {k: float(v) for k, v in r.items()}
     assert list(r)[:len(REQUIRED)] == list(REQUIRED), line
     for k in ("speedup_vs_sync", "throughput_vs_sync", "ttt_async", "ttt_sync",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def record(script: str, started: str, load, fields: dict, argv=None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     args = sys.argv[1:] if argv is None else list(argv)
     line = {"date": started, "commit": commit(), "load_before": load,
-            "command": " ".join([f"{script}.py", *args]), **_json_safe(fields)}
+            "command": shlex.join([f"{script}.py", *args]), **_json_safe(fields)}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
     return path

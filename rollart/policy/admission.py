@@ -183,14 +183,20 @@ class Slots:
 
     def take_limit(self) -> int | None:
         """The trainer takes complete groups in the order they started, and only those
-        numbered below this: the oldest group holding a slot (running, or complete and
-        not taken) plus ``take_window``. So a long group is overtaken by at most
-        ``take_window - 1`` groups started after it: the trainer waits for it rather than
-        train on the short ones that finish first. None: no window (completion order)."""
+        numbered below this: past the ``take_window`` oldest groups holding a slot
+        (running, or complete and not taken), or past every group started when fewer
+        hold one. So a long group is overtaken by at most ``take_window - 1`` groups
+        started after it: the trainer waits for it rather than train on the short ones
+        that finish first. Groups that ended with nothing or were dropped hold no slot
+        and take no room in the window (counted from the oldest number instead, a group
+        that failed inside it left the trainer one group short of a batch for good).
+        None: no window (completion order)."""
         if self.take_window is None:
             return None
-        oldest = min((group_number(g) for g in self.held), default=self.sequence.n_groups)
-        return oldest + self.take_window
+        held = sorted(group_number(g) for g in self.held)
+        if len(held) < self.take_window:
+            return self.sequence.n_groups
+        return held[self.take_window - 1] + 1
 
     def published(self, n_groups: int) -> None:
         """An update trained on ``n_groups`` groups was published."""

@@ -186,6 +186,10 @@ def test_start_order_takes_the_first_started_and_waits_within_the_window(tmp_pat
     assert slots.take_limit() == 2  # g0 is the oldest held
     slots.release("g000000")
     assert slots.take_limit() == 3
+    slots.release("g000002")  # ended with nothing: no room in the window
+    assert slots.take_limit() == 4  # g1 and g3 are the two oldest held
+    slots.release("g000001")
+    assert slots.take_limit() == 4  # only g3 holds one: every group started so far
     assert Slots(6, _seq()).take_limit() is None
 
     async def scenario(window):
@@ -212,6 +216,28 @@ def test_start_order_takes_the_first_started_and_waits_within_the_window(tmp_pat
 
     assert asyncio.run(scenario(None))[0] == ["g000002", "g000003"]  # completion order
     assert asyncio.run(scenario(2)) == (["g000000", "g000001"], ["g000002", "g000003"])
+
+
+def test_a_group_that_ends_with_nothing_inside_the_window_leaves_room_for_the_next(tmp_path):
+    """A group inside the window (not the oldest) failing whole: the window spans the
+    oldest groups still holding a slot, so the next started group fills the batch. With
+    the window counted from the oldest number the trainer waited for a batch it could
+    never fill while the complete groups held every slot (benchmarks/pipeline.py
+    --max-in-flight 2 --take-window 1 hung so after two steps)."""
+    async def scenario():
+        buf = SampleBuffer(str(tmp_path / "run"))
+        await buf.open_slots(Slots(4, _seq(), take_window=2))
+        w = [await buf.acquire("m") for _ in range(3)]
+        for i in range(w[1].size):  # g1 fails whole
+            t = _traj(w[1].group_id, i)
+            t.outcome, t.error = "failed", "env crashed"
+            await buf.put(t, w[1].size)
+        await _run_group(buf, w[2])
+        await _run_group(buf, w[0])
+        got = await asyncio.wait_for(buf.get_table(2, min_version=0, trained_step=1), 5)
+        return sorted(set(got.column("group_id").to_pylist()))
+
+    assert asyncio.run(scenario()) == ["g000000", "g000002"]
 
 
 def test_a_group_that_ends_with_nothing_moves_the_window(tmp_path):

@@ -38,14 +38,16 @@ def commit() -> str:
     return (head + ("+dirty" if dirty else "")) if head else "unknown"
 
 
-def record(script: str, started: str, load, fields: dict, argv=None) -> Path:
+def record(script: str, started: str, load, fields: dict, argv=None,
+           at: str | None = None) -> Path:
     """Append one run of ``benchmarks/<script>.py`` (``started``: its ISO date;
     ``load``: ``os.getloadavg()`` before it; ``argv``: its arguments, default
-    ``sys.argv[1:]``) with ``fields`` to its log; returns the log's path."""
+    ``sys.argv[1:]``; ``at``: the commit it ran, default ``commit()`` now) with
+    ``fields`` to its log; returns the log's path."""
     path = RESULTS / f"{script}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     args = sys.argv[1:] if argv is None else list(argv)
-    line = {"date": started, "commit": commit(), "load_before": load,
+    line = {"date": started, "commit": at or commit(), "load_before": load,
             "command": shlex.join([f"{script}.py", *args]), **_json_safe(fields)}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
@@ -87,6 +89,7 @@ class Run:
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds")
         self.load = [round(x, 2) for x in os.getloadavg()]
+        self.commit = commit()  # the tree it starts on (a commit made meanwhile is not it)
         self.argv = sys.argv[1:] if argv is None else list(argv)
         self.recording = not (getattr(args, "quick", False) or getattr(args, "tiny", False)
                               or getattr(args, "no_record", False)
@@ -104,4 +107,4 @@ class Run:
         if not self.recording:
             return None
         return record(self.script, self.started, self.load, {**(details or {}), **figures},
-                      self.argv)
+                      self.argv, self.commit)

@@ -1,9 +1,9 @@
 """When a run has stopped progressing: the rule, as a plain object (no I/O).
 
 The pipeline (``rollart.control.modes.Pipeline.check_failures``) feeds a ``Watchdog`` the
-buffer's counts, each inference worker's version and last load error, and every
+buffer's counts (its ``stats()``), each inference worker's version and last load error, and every
 completed trainer step; the watchdog answers with the reason the run cannot go on, or
-None. Four reasons, each within a bounded time:
+None. Five reasons, each within a bounded time:
 
 ==================  ===================================================================
 reason              when
@@ -13,6 +13,10 @@ stuck trajectories  trajectories are in flight but none settled for ``stall`` s
 all dropped         no trainer step completed for ``stall`` s while groups kept being
                     dropped as too stale (dropped counts as settled, so the check above
                     never fires: e.g. workers stuck on an old version)
+starved trainer     the trainer waited for a batch for ``stall`` s while no trajectory
+                    was in flight and none started (neither check above fires: nothing
+                    is in flight, nothing is dropped; e.g. every slot held by complete
+                    groups the trainer may not take)
 worker behind       an inference worker stayed below the trainer's version - ``alpha``
                     for ``stall`` s (it cannot load the new weights)
 ==================  ===================================================================
@@ -34,6 +38,7 @@ class Watchdog:
         self._settled = (-1, now)  # (settled trajectories, since when)
         self._stepped: tuple[float, int | None] = (now, None)  # (last step, dropped then)
         self._behind: dict[str, float] = {}  # worker address -> below the bound since
+        self._starved = (-1, now)  # (launched, since when the trainer waits on nothing)
 
     @classmethod
     def for_graph(cls, graph, now: float) -> Watchdog:
@@ -65,7 +70,8 @@ class Watchdog:
             return None
         return (self._all_dropped(counts, workers, now)
                 or self._worker_behind(workers or [], now)
-                or self._stuck(counts, now))
+                or self._stuck(counts, now)
+                or self._starved_trainer(counts, now))
 
     def _all_dropped(self, counts: dict, workers, now: float) -> str | None:
         since, dropped = self._stepped
@@ -114,6 +120,22 @@ class Watchdog:
                 "Rollout.env_step_timeout set?); the dashboard's trajectory states show "
                 "where they are. Resume from the last checkpoint (rollart train --resume "
                 "RUN) once it is fixed.")
+
+    def _starved_trainer(self, counts: dict, now: float) -> str | None:
+        waiting = counts.get("waiters", 0) > 0 and not counts["in_flight"]
+        if not waiting or counts["launched"] != self._starved[0]:
+            self._starved = (counts["launched"], now)  # started something, or not waiting
+            return None
+        if now - self._starved[1] < self.stall:
+            return None
+        return (f"the trainer has waited {now - self._starved[1]:.0f} s for a batch while no "
+                f"trajectory was in flight or started (Rollout.stall_timeout={self.stall:g}):"
+                f" the buffer holds {counts.get('groups_complete', '?')} complete groups, "
+                f"{counts.get('slots_held', '?')} of {counts.get('slots_capacity', '?')} "
+                f"slots held, take window {counts.get('slots_take_window')} groups. Nothing "
+                "will start until the trainer takes a batch, and the trainer cannot take one "
+                "from what is held: report it with these counts (a rollart bug), and resume "
+                "from the last checkpoint (rollart train --resume RUN).")
 
     def report(self, workers: list[dict] | None) -> str:
         """The trainer's version, each worker's and its last load error, in one line."""

@@ -133,6 +133,23 @@ def test_the_watchdog_names_each_way_a_run_stops_progressing():
         [False, False, True]
     assert Watchdog(stall=0, streak_limit=0, alpha=0, now=0).stalled(_counts(), None, 1e9) \
         is None
+    # the trainer waits for a batch, nothing in flight, nothing starts (the take window's
+    # hang of bbaee73: complete groups held every slot): no other reason applies
+    dog = Watchdog(stall=5.0, streak_limit=0, alpha=1, now=0.0)
+    held = dict(_counts(launched=96, in_flight=0), waiters=1, groups_complete=23,
+                slots_held=24, slots_capacity=24, slots_take_window=12)
+    assert [bool(dog.stalled(held, None, float(t))) for t in (0, 4, 5)] == \
+        [False, False, True]
+    assert dog.stalled(held, None, 6.0).startswith(
+        "the trainer has waited 6 s for a batch while no trajectory was in flight")
+    assert "23 complete groups, 24 of 24 slots held, take window 12" in \
+        dog.stalled(held, None, 6.0)
+    # a trainer computing a long step (no waiter: sync+ stops rollout meanwhile), or one
+    # whose batch is being started, is not starved
+    dog = Watchdog(stall=5.0, streak_limit=0, alpha=1, now=0.0)
+    assert all(dog.stalled(dict(held, waiters=0), None, float(t)) is None for t in range(20))
+    assert all(dog.stalled(dict(held, launched=96 + t), None, float(t)) is None
+               for t in range(20))
 
 
 # -- the SampleBuffer's slots, in-process (no cluster) -----------------------------------
@@ -182,7 +199,8 @@ def test_start_order_takes_the_first_started_and_waits_within_the_window(tmp_pat
     for it; without a window the first to complete go first (what biased the batch
     toward short episodes)."""
     slots = Slots(6, _seq(), take_window=2)
-    works = [slots.take("m") for _ in range(4)]
+    for _ in range(4):
+        slots.take("m")
     assert slots.take_limit() == 2  # g0 is the oldest held
     slots.release("g000000")
     assert slots.take_limit() == 3

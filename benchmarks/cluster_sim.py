@@ -26,6 +26,12 @@ runs, deterministic: the simulator and its seed); a run other than ``--tiny`` ap
 its RESULT figures to ``benchmarks/results/cluster_sim.jsonl`` (``--no-record``: not);
 ``--save-measured PATH`` keeps its measurements and the real runs' metrics
 (cloudpickle) to look at the prediction again;
+``--heldout`` runs, alone, the held-out calibration (``rollart.sim.heldout``): the
+simulator fitted on probes of one configuration of the pipeline benchmark's workload
+(async, alpha 1) predicts configurations it never probed (another alpha, envs twice as
+slow, an env pool of half a step, another task mix, the other modes), each run for real
+over 3 seeds (``--quick``: smaller steps); ``calibration_error_heldout`` is the median
+of their relative errors, ``err_<setting>`` each one's;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
 ``--diagnostics`` adds, after the paper's table, the headline affinity and PD configs
@@ -290,6 +296,9 @@ def main(argv=None) -> dict:
                          "groups; default: the graph's)")
     ap.add_argument("--scale-steps", type=int, default=None, metavar="N",
                     help="trainer steps of the 3,000-GPU runs (default 2)")
+    ap.add_argument("--heldout", action="store_true",
+                    help="the held-out calibration alone (rollart.sim.heldout): fit on one "
+                         "configuration's probes, predict others never probed")
     ap.add_argument("--save-measured", default=None, metavar="PATH",
                     help="write the calibration's measurements and real runs' metrics "
                          "(cloudpickle) to PATH, to look at the prediction again")
@@ -300,6 +309,10 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     figures: dict = {}
+    if args.heldout:
+        figures, details = run_heldout(args.quick, args.tiny)
+        run.result(figures, details, fmt=_fmt)
+        return figures
     if args.scale_only:
         figures = _scale(args.tiny, out, t0, steps=args.scale_steps,
                          max_in_flight=args.scale_max_in_flight)
@@ -347,6 +360,41 @@ def main(argv=None) -> dict:
                           args.scale_max_in_flight))
     run.result(figures, fmt=_fmt)
     return figures
+
+
+HELDOUT_SIZES = {"full": {"steps": 10, "groups": 12, "seeds": (1, 2, 3)},
+                 "quick": {"steps": 6, "groups": 6, "seeds": (1, 2, 3)},
+                 "tiny": {"steps": 2, "groups": 2, "seeds": (1,)}}
+
+
+def run_heldout(quick: bool, tiny: bool, log=print) -> tuple[dict, dict]:
+    """``rollart.sim.heldout.heldout_calibration`` from the pipeline benchmark's warmed-up
+    model (its cache; ``tiny``: a short warm-up in a temporary folder, two settings): the
+    RESULT line's figures, and each setting's real and simulated trajectories/s per seed."""
+    import tempfile
+
+    from pipeline import WARM_CACHE, cached_warm_model
+
+    from rollart.app.cli import quiet
+    from rollart.sim.heldout import HELDOUT, base_graph, heldout_calibration
+
+    quiet()
+    size = HELDOUT_SIZES["tiny" if tiny else "quick" if quick else "full"]
+    base = base_graph()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, reused = cached_warm_model(tmp if tiny else WARM_CACHE, base.tasks,
+                                          20 if tiny else base.policy.warmup_steps)
+        log(f"warm-up model {model} ({'reused' if reused else 'built'})")
+        settings = tuple(s for s in HELDOUT if s.name in ("env_x2", "sync")) if tiny \
+            else HELDOUT
+        cal = heldout_calibration(model, settings=settings, log=log, **size)
+    out = {k: cal[k] for k in ("calibration_error_heldout", "calibration_error_heldout_max",
+                               "calibration_error_fit")}
+    for name, err in cal["errors"].items():
+        out[f"err_{name.replace('+', 'plus').replace('-', '')}"] = err
+    out.update(steps=size["steps"], groups=size["groups"], seeds=len(size["seeds"]),
+               heldout_wall_s=round(cal["wall_s"]))
+    return out, {"real": cal["real"], "sim": cal["sim"]}
 
 
 def _scale(tiny: bool, out: Path, t0: float, t_sim: float | None = None,

@@ -54,7 +54,8 @@ OVERLAPPING_MODES = ("async", "one-off", "areal")  # trainer steps while rollout
 
 
 def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
-                      steps: int, mode: str, seed: int = 0, turn_s: float = 0.0):
+                      steps: int, mode: str, seed: int = 0, turn_s: float = 0.0,
+                      env=None):
     """``resources/laptop.py`` as a ``SimConfig``: one inference worker (the graph's
     inference tags on the CPU engine, batching ``Policy.max_batch``), one env manager
     with ``Rollout.env_concurrency`` slots, one reward slot on the rollout worker, the
@@ -64,7 +65,9 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
     out, from the async probe) and ``measure_control_plane``
     (generation calls ``near``: the env manager and the inference worker share one
     process, ``rollart.runtime.near``; buffer, trainer and driver calls are actor round trips);
-    ``turn_s``: each turn's hold on the env manager's loop (``measure_turn_overhead``)."""
+    ``turn_s``: each turn's hold on the env manager's loop (``measure_turn_overhead``);
+    ``env``: the envs' cost (default: the straggler profile, ``laptop_env``; the
+    pipeline benchmark's sandboxes: a fresh ``rollart.sim.sandbox.SandboxPoolCost``)."""
     fit = fits[_fit_key(mode)]
     from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
     from rollart.types import CPU_ENV
@@ -75,6 +78,8 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
                           RewardPool("dedicated", workers=1), trainer_gpus=1,
                           trainer_gpu="cpu")
     costs = replace(fit.costs(replace(control, near=True)), manager_turn_s=turn_s)
+    if env is not None:
+        costs = replace(costs, env={"*": env})
     return SimConfig(cluster, graph, costs=costs, shapes=shapes, seed=seed, steps=steps,
                      mode=mode)
 
@@ -123,7 +128,7 @@ def _lone_turn_s(base, tasks, model: str, client, tmp: Path, seed: int) -> float
 
 
 def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: float,
-                   probe, rows: list[dict]) -> dict:
+                   probe, rows: list[dict], env=None) -> dict:
     """``fits`` with the engine's per-request cost beside rollout, from a probe run of
     ``probe.mode`` (its own seeds, just before the run it stands for): its engine's busy
     seconds per request it admitted (the last row's ``rollout/engine_busy_s /
@@ -133,7 +138,8 @@ def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: floa
     modes that stop rollout while training, ``overlapping`` for those that train while
     rolling out). One unit on
     both sides, the one the simulator charges it in: a request admitted (a cancelled
-    redundant member's request costs the engine as a completed turn's does)."""
+    redundant member's request costs the engine as a completed turn's does). ``env``:
+    the probe's env cost as ``laptop_sim_config`` takes it."""
     from rollart.sim import simulate
 
     last = rows[-1]
@@ -142,7 +148,7 @@ def in_situ_engine(fits: dict, control: ControlPlane, shapes: dict, turn_s: floa
                        "admitted requests): run it with this rollart's pipeline stats")
     real = last["rollout/engine_busy_s"] / max(last["rollout/requests"], 1)
     r = simulate(laptop_sim_config(probe, fits, control, shapes, len(rows), probe.mode,
-                                   probe.seed, turn_s))
+                                   probe.seed, turn_s, env))
     sim = (r.extra["engine_busy_s"] + r.extra["engine_stalled_s"]) / \
         max(r.extra["requests"], 1)
     key = _fit_key(probe.mode)

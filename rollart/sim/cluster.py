@@ -233,7 +233,7 @@ class Cluster:
         ec = self.costs.env_for(shape.env)
         mgr, turn_s = grp.manager, self.costs.manager_turn_s
         slot = None
-        t0 = None
+        t0, reset = None, False
         try:
             if delay > 0:
                 yield env.timeout(delay)
@@ -241,6 +241,7 @@ class Cluster:
             yield slot
             t0 = env.now
             yield env.timeout(ec.sample_reset(self.rng_env))
+            reset = True  # the env is up: a pooled one goes back at the end
             context = shape.prompt_tokens
             turns, mean_out = shape.draw(self.rng_gen)
             for turn in range(turns):
@@ -281,6 +282,8 @@ class Cluster:
                 slot.cancel()
             if t0 is not None:
                 mgr.meter.add(t0, env.now)
+            if reset and hasattr(ec, "release"):  # rollart.sim.sandbox's pool
+                ec.release()
             mgr.router.release(m.id)
         self.settle(m, state)
 

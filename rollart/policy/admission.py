@@ -42,6 +42,7 @@ AReaL's rule counts a batch the trainer took until its update is published:
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections import deque
@@ -193,10 +194,10 @@ class Slots:
         None: no window (completion order)."""
         if self.take_window is None:
             return None
-        held = sorted(group_number(g) for g in self.held)
-        if len(held) < self.take_window:
+        if len(self.held) < self.take_window:
             return self.sequence.n_groups
-        return held[self.take_window - 1] + 1
+        # the take_window-th oldest: no sort of every held group (thousands at scale)
+        return heapq.nsmallest(self.take_window, map(group_number, self.held))[-1] + 1
 
     def published(self, n_groups: int) -> None:
         """An update trained on ``n_groups`` groups was published."""

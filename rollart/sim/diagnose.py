@@ -23,7 +23,7 @@ from rollart.env.faults import Latency
 from rollart.sim.config import TaskShape
 from rollart.sim.costs import EnvCost
 from rollart.sim.paper import (DECODE_HEAVY, MODEL_TP, PREFILL_HEAVY, SHAPES, Experiment,
-                               _costs, affinity, pd, run)
+                               _costs, affinity, pd)
 
 __all__ = ["INSTANT_ENV", "PAPER_LOW", "SWEEP_FACTORS", "crossover", "diagnostics",
            "gpu_bound", "over_seeds", "prefill_share", "prefill_share_sweep",

@@ -28,7 +28,7 @@ from rollart.sim.paper import (DECODE_HEAVY, MODEL_TP, PREFILL_HEAVY, SHAPES, Ex
 __all__ = ["INSTANT_ENV", "PAPER_LOW", "SWEEP_FACTORS", "crossover", "diagnostics",
            "gpu_bound", "over_seeds", "prefill_share", "prefill_share_sweep",
            "roofline_table", "saturated", "saturated_gains", "scale_prefill",
-           "sweep_table", "trajectory_gpu_s", "with_shapes"]
+           "sweep_table", "trained_tasks", "trajectory_gpu_s", "with_shapes"]
 
 INSTANT_ENV = EnvCost("instant", reset=Latency("fixed", seconds=0.01),
                       step=Latency("fixed", seconds=0.01), fail_prob=0.0, cpu_share=0.0)
@@ -283,14 +283,15 @@ def prefill_share_sweep(factors=SWEEP_FACTORS, models=("Qwen3-8B", "Qwen3-32B"),
     for model in models:  # the sim curves' shares, at factors the rows may not have
         for f in sim_factors:
             share.setdefault((model, f), prefill_share(scale_prefill(SHAPES, f), model))
-    sim, scaled, made = {}, {}, {}
+    sim, scaled, made, results = {}, {}, {}, {}
     for f in sim_factors:
         for slots in slot_steps:
             got = {}
             for exp in affinity(True) + pd(True):
                 exp = gpu_bound(with_shapes(exp, f, scaled), slots, made)
                 key = exp.key.split("_prefill")[0]
-                got[key], got[f"{key}_tokens"] = _ratios(exp)
+                got[key], got[f"{key}_tokens"], mix = _ratios(exp, results)
+                got.setdefault("trained", {}).update(mix)
             sim[(f, slots)] = got
             if log:
                 log(f"prefill ×{f:g}, envs instant{f', slots {slots}' if slots else ''} "
@@ -298,6 +299,8 @@ def prefill_share_sweep(factors=SWEEP_FACTORS, models=("Qwen3-8B", "Qwen3-32B"),
                         f"{k} " + ", ".join(f"{p} {v:.3g}; {got[k + '_tokens'][p]:.3g}"
                                             for p, v in got[k].items())
                         for k in ("affinity_vs_h20", "affinity_vs_h800", "pd_gain")))
+                log(f"prefill ×{f:g}, trained groups by task: " + "; ".join(
+                    f"{label} {dict(sorted(m.items()))}" for label, m in got["trained"].items()))
     for slots in slot_steps:
         tag = f"sim_slots{slots}" if slots else "sim"
         for key in ("affinity_vs_h20", "affinity_vs_h800", "pd_gain"):
@@ -310,17 +313,36 @@ def prefill_share_sweep(factors=SWEEP_FACTORS, models=("Qwen3-8B", "Qwen3-32B"),
     return {"rows": rows, "sim": sim, "crossover": cross, "share": share}
 
 
-def _ratios(exp: Experiment) -> tuple[dict, dict]:
-    """``exp`` simulated: per point its figure (trajectories/s of ``num`` over ``den``)
-    and the same ratio of generated tokens/s (a trajectories/s ratio also moves with
-    which tasks' trajectories make up the trained batches; tokens/s does not count
-    prefill, so neither alone is the GPUs' work)."""
+def _ratios(exp: Experiment, cache: dict) -> tuple[dict, dict, dict]:
+    """``exp`` simulated: per point its figure (trajectories/s of ``num`` over ``den``),
+    the same ratio of generated tokens/s (a trajectories/s ratio also moves with which
+    tasks' trajectories make up the trained batches; tokens/s does not count prefill,
+    so neither alone is the GPUs' work) and per config the trained groups by task;
+    ``cache``: ``id(config)`` → result, for experiments sharing configs."""
     from rollart.sim import simulate
 
-    res = {label: simulate(cfg) for label, cfg in exp.configs.items()}
+    for cfg in exp.configs.values():
+        if id(cfg) not in cache:
+            cache[id(cfg)] = (cfg, simulate(cfg))  # the config kept: its id stays its own
+    res = {label: cache[id(cfg)][1] for label, cfg in exp.configs.items()}
     tokens = {label: replace(r, throughput={"trajectories_s": r.throughput["tokens_s"]})
               for label, r in res.items()}
-    return exp.figure(res), exp.figure(tokens)
+    mix = {label: trained_tasks(exp.configs[label], r) for label, r in res.items()}
+    return exp.figure(res), exp.figure(tokens), mix
+
+
+def trained_tasks(cfg, result) -> dict:
+    """``{task: groups}`` of the groups ``result``'s trainer took (``trained_groups``,
+    by start number), the tasks replayed from the run's ``GroupSequence``."""
+    from collections import Counter
+
+    from rollart.policy.admission import GroupSequence
+
+    g = cfg.graph
+    taken = [i for step in result.extra["trained_groups"] for i in step]
+    seq = GroupSequence(g.tasks, g.task_weights, g.seed + cfg.seed, g.algo.group_size)
+    names = [getattr(seq.next()[0], "name", None) for _ in range(max(taken, default=-1) + 1)]
+    return dict(Counter(names[i] for i in taken))
 
 
 def sweep_table(sweep: dict) -> str:

@@ -637,3 +637,19 @@ def test_prefill_share_sweep_affinity_rises_with_the_share_and_its_crossover():
     parts = [diagnose.trajectory_gpu_s(paper.SHAPES[t], gen, 16) for t in ("swe", "web")]
     pre = sum(p for p, _ in parts)
     assert rows[1]["share"] == pytest.approx(pre / sum(p + d for p, d in parts))
+
+
+def test_trained_tasks_counts_the_trained_groups_by_their_task():
+    from rollart.policy.admission import GroupSequence
+    from rollart.sim import diagnose, simulate
+
+    _, configs = _tiny_experiment()
+    cfg = configs["x/async"]
+    r = simulate(cfg)
+    got = diagnose.trained_tasks(cfg, r)
+    taken = [i for step in r.extra["trained_groups"] for i in step]
+    assert sum(got.values()) == len(taken) > 0
+    g = cfg.graph
+    seq = GroupSequence(g.tasks, g.task_weights, g.seed + cfg.seed, g.algo.group_size)
+    names = [seq.next()[0].name for _ in range(max(taken) + 1)]
+    assert got == {t: sum(names[i] == t for i in taken) for t in set(names[i] for i in taken)}

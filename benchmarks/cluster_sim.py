@@ -37,8 +37,12 @@ line's ratios are the mean over the experiment's points (models or splits).
 ``--diagnostics`` adds, after the paper's table, the headline affinity and PD configs
 over 5 seeds, the affinity and PD experiments with the GPUs on the critical path
 (``rollart.sim.diagnose``: envs instant, then also 2 steps of slots; diagnostic
-variants, not the paper's workload) and their roofline figures, and ends them with a
-``DIAGNOSTIC key=value ...`` line before the RESULT line.
+variants, not the paper's workload), their roofline figures and the prefill-share
+sweep (``diagnose.prefill_share_sweep``: the prefill-heavy tasks' prompts and
+observations ×0.5–32, nothing else changed; the gains against that prefill share at
+saturation and, ×1–8, simulated with envs instant; ``*_crossover_share`` keys: the
+share at which each curve first reaches the paper's lower bound, ``inf`` if never),
+and ends them with a ``DIAGNOSTIC key=value ...`` line before the RESULT line.
 """
 
 from __future__ import annotations
@@ -162,26 +166,20 @@ def run_diagnostics(log=print) -> dict:
     """``rollart.sim.diagnose``: each model's roofline table, the saturated (roofline)
     ratios, the headline affinity and PD configs over ``SEEDS`` (ratio of mean
     throughputs, the baseline's spread), and the affinity and PD experiments with envs
-    instant (and 2 steps of slots) through the simulator; ``{key: mean ratio}``."""
+    instant (and 2 steps of slots) through the simulator, then the prefill-share sweep
+    (``prefill_sweep``); ``{key: mean ratio}`` and the sweep's figures."""
     from rollart.sim import diagnose, paper
 
     for model in ("Qwen3-8B", "Qwen3-32B"):
         log(diagnose.roofline_table(model))
     out = {}
-    routed = {t: "H800" for t in paper.PREFILL_HEAVY} | {t: "H20" for t in paper.DECODE_HEAVY}
     for model in ("Qwen3-8B", "Qwen3-32B"):
-        het = diagnose.saturated({"H800": ("H800", 64), "H20": ("H20", 24)}, routed, model, 512)
-        for gpu, n in (("H20", 208), ("H800", 72)):
-            one = diagnose.saturated({gpu: (gpu, n)}, dict.fromkeys(routed, gpu), model, 512)
-            out[f"roofline_affinity_vs_{gpu.lower()}/{model}"] = het / one
-    tasks = paper.PREFILL_HEAVY + ("game",)
-    shapes = {t: paper.SHAPES[t] for t in tasks}
-    colo = diagnose.saturated({"H800": ("H800", 32)}, dict.fromkeys(tasks, "H800"),
-                              "Qwen3-8B", 512, shapes)
-    for p, d in ((1, 3), (2, 2)):
-        split = diagnose.saturated({"P": ("H800", 8 * p), "D": ("H800", 8 * d)}, {},
-                                   "Qwen3-8B", 512, shapes, dict.fromkeys(tasks, ("P", "D")))
-        out[f"roofline_pd_gain/{p}P{d}D"] = split / colo
+        gains = diagnose.saturated_gains(paper.SHAPES, model, 512)
+        for gpu in ("h20", "h800"):
+            out[f"roofline_affinity_vs_{gpu}/{model}"] = gains[f"affinity_vs_{gpu}"]
+        if model == "Qwen3-8B":  # paper.pd: 8B only
+            for split in ("1P3D", "2P2D"):
+                out[f"roofline_pd_gain/{split}"] = gains[f"pd_{split}"]
     log("roofline (GPUs saturated, 512 trajectories in flight): "
         + " ".join(f"{k}={v:.3g}" for k, v in out.items()))
     figures = {f"roofline_{k}": _mean({m: v for m, v in out.items()
@@ -202,7 +200,36 @@ def run_diagnostics(log=print) -> dict:
             + _utilisation(exp, cache))
         figures[exp.key] = _mean(r["values"])
     log(paper.table(results))
+    figures.update(prefill_sweep(log))
     return figures
+
+
+def prefill_sweep(log=print) -> dict:
+    """``diagnose.prefill_share_sweep``: the prefill-heavy tasks' prompts and
+    observations scaled, nothing else changed; its tables, and per curve the prefill
+    share (the swe + web trajectories' prefill share on H20, 16 rows) at which the gain
+    first reaches the paper's lower bound (``inf``: not in the swept range) as
+    ``{curve}_crossover_share`` (saturated, Qwen3-8B; ``_32b``: Qwen3-32B; ``_sim``:
+    simulated with envs instant, ``_sim_slots2``: and 2 steps of slots; PD per split)
+    and the saturated curves' largest gain in the range (``_sweep_max``)."""
+    from rollart.sim import diagnose
+
+    t0 = time.perf_counter()
+    sweep = diagnose.prefill_share_sweep(log=log)
+    log(diagnose.sweep_table(sweep))
+    out = {}
+    for name, share in sweep["crossover"].items():
+        tag, key, point = name.split("/")
+        sfx = {"Qwen3-8B": "", "Qwen3-32B": "_32b"}.get(point, f"_{point.lower()}")
+        tag = "" if tag == "saturated" else f"_{tag}"
+        out[f"{key.lower()}{tag}_crossover_share{sfx}"] = share
+    rows8 = [r for r in sweep["rows"] if r["model"] == "Qwen3-8B"]
+    for key in ("affinity_vs_h20", "affinity_vs_h800", "pd_1P3D", "pd_best",
+                "pd_best_same_rows"):
+        out[f"{key.lower()}_sweep_max"] = max(r[key] for r in rows8)
+    log(f"prefill-share sweep ({time.perf_counter() - t0:.0f}s): "
+        + " ".join(f"{k}={v:.3g}" for k, v in out.items()))
+    return out
 
 
 def _utilisation(exp, cache: dict) -> str:

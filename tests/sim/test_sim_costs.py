@@ -557,3 +557,99 @@ def test_over_seeds_is_the_ratio_of_mean_throughputs_and_the_spread_of_the_basel
     assert set(got) == {"x"} and len(set(t["sync"])) == 2  # the seeds draw differently
     assert got["x"] == pytest.approx((fmean(t["async"]) / fmean(t["sync"]),
                                       pstdev(t["sync"]) / fmean(t["sync"])))
+
+
+def test_scale_prefill_changes_only_the_prefill_heavy_prompts_and_observations():
+    """``scale_prefill`` / ``with_shapes``: the prefill-heavy tasks' prompt and
+    observation tokens ×factor, every other field of every shape and every other field
+    of every config (cluster, costs, graph and routing, seed, steps, slots) unchanged."""
+    from dataclasses import fields, replace
+
+    from rollart.sim import diagnose, paper
+
+    for factor in (0.5, 4):
+        got = diagnose.scale_prefill(paper.SHAPES, factor)
+        assert set(got) == set(paper.SHAPES)
+        for task, shape in paper.SHAPES.items():
+            if task not in paper.PREFILL_HEAVY:
+                assert got[task] is shape
+                continue
+            assert got[task].prompt_tokens == round(shape.prompt_tokens * factor)
+            assert got[task].obs_tokens == round(shape.obs_tokens * factor)
+            assert replace(got[task], prompt_tokens=shape.prompt_tokens,
+                           obs_tokens=shape.obs_tokens) == shape
+        for exp in paper.affinity(True)[:1] + paper.pd(True):
+            scaled = diagnose.with_shapes(exp, factor)
+            assert scaled.configs.keys() == exp.configs.keys()
+            for label, cfg in scaled.configs.items():
+                base = exp.configs[label]
+                assert cfg.shapes == diagnose.scale_prefill(base.shapes, factor)
+                for f in fields(base):
+                    if f.name != "shapes":
+                        assert getattr(cfg, f.name) is getattr(base, f.name), f.name
+    assert diagnose.scale_prefill(paper.SHAPES, 1) == paper.SHAPES
+
+
+def test_crossover_is_the_first_crossing_linearly_interpolated():
+    from rollart.sim.diagnose import crossover
+
+    xs = [0.1, 0.2, 0.4, 0.5, 0.6]
+    ys = [0.5, 1.0, 2.0, 0.5, 3.0]
+    assert crossover(xs, ys, 1.5) == pytest.approx(0.3)  # between 0.2 and 0.4, not 0.6
+    assert crossover(xs, ys, 1.0) == pytest.approx(0.2)  # reached exactly at a point
+    assert crossover(xs, ys, 0.75) == pytest.approx(0.15)
+    assert crossover(xs, ys, 0.4) == 0.1  # there at the first point already
+    assert crossover(xs, ys, 3.5) == math.inf  # never in the range
+    assert crossover(xs, ys, 2.5) == pytest.approx(0.5 + 0.1 * 2 / 2.5)  # after the dip
+
+
+def test_prefill_share_sweep_affinity_rises_with_the_share_and_its_crossover():
+    """The sweep at saturation (no simulation): the swe + web prefill share on H20 and
+    hetero's gain over 208 H20 both rise with the factor; each crossover is the linear
+    interpolation between the two sweep points around the paper's lower bound (the
+    first one above it), and ``prefill_share`` is prefill ÷ (prefill + decode) of
+    ``trajectory_gpu_s``."""
+    from rollart.sim import diagnose, paper
+
+    factors = (0.5, 1, 2, 4, 8, 16)
+    sweep = diagnose.prefill_share_sweep(factors, models=("Qwen3-8B",), sim_factors=())
+    rows = sweep["rows"]
+    assert [r["factor"] for r in rows] == list(factors) and sweep["sim"] == {}
+    shares = [r["share"] for r in rows]
+    gains = [r["affinity_vs_h20"] for r in rows]
+    assert all(a < b for a, b in zip(shares, shares[1:]))
+    assert all(a < b for a, b in zip(gains, gains[1:]))
+    assert gains[0] < diagnose.PAPER_LOW["affinity_vs_h20"] < gains[-1]
+    for key, low in (("affinity_vs_h20", 1.30), ("affinity_vs_h800", 1.12),
+                     ("pd_1P3D", 1.03)):
+        ys = [r[key] for r in rows]
+        i = next(i for i, y in enumerate(ys) if y >= low)
+        assert i > 0 and ys[i - 1] < low
+        want = shares[i - 1] + (shares[i] - shares[i - 1]) * (low - ys[i - 1]) / \
+            (ys[i] - ys[i - 1])
+        got = sweep["crossover"][f"saturated/{key}/Qwen3-8B"]
+        assert got == pytest.approx(want) and shares[i - 1] < got <= shares[i]
+    assert sweep["crossover"]["saturated/pd_2P2D/Qwen3-8B"] == math.inf \
+        or max(r["pd_2P2D"] for r in rows) >= 1.03
+    one = diagnose.saturated_gains(paper.SHAPES, "Qwen3-8B")
+    assert rows[1]["affinity_vs_h20"] == one["affinity_vs_h20"]
+    gen = paper._costs("Qwen3-8B").gen_for("H20", 1)
+    parts = [diagnose.trajectory_gpu_s(paper.SHAPES[t], gen, 16) for t in ("swe", "web")]
+    pre = sum(p for p, _ in parts)
+    assert rows[1]["share"] == pytest.approx(pre / sum(p + d for p, d in parts))
+
+
+def test_trained_tasks_counts_the_trained_groups_by_their_task():
+    from rollart.policy.admission import GroupSequence
+    from rollart.sim import diagnose, simulate
+
+    _, configs = _tiny_experiment()
+    cfg = configs["x/async"]
+    r = simulate(cfg)
+    got = diagnose.trained_tasks(cfg, r)
+    taken = [i for step in r.extra["trained_groups"] for i in step]
+    assert sum(got.values()) == len(taken) > 0
+    g = cfg.graph
+    seq = GroupSequence(g.tasks, g.task_weights, g.seed + cfg.seed, g.algo.group_size)
+    names = [seq.next()[0].name for _ in range(max(taken) + 1)]
+    assert got == {t: sum(names[i] == t for i in taken) for t in set(names[i] for i in taken)}

@@ -113,19 +113,28 @@ class _Batch:
             return []
         prefix = self.engine.prefix_cache
         if prefix is not None:
-            for j in gone:
-                row = self.rows[j]
-                if row.handoff is not None or row.req.cache_key is None:
-                    continue
-                if row.kv_version != self.engine.version:
-                    prefix.drop(row.req.cache_key)
-                    continue
-                kv = pd.row_kv(self.cache, j, self.mask[j].bool())
-                prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
-                             kv, self.engine.version, owned=True)
+            self._keep_prefixes(prefix, gone)
         done = [self.rows[j] for j in gone]
         self.drop(gone)
         return done
+
+    def _keep_prefixes(self, prefix, gone: list[int]) -> None:
+        """Store the KV of the rows ``gone`` that may be reused (gathered together)."""
+        keep = []
+        for j in gone:
+            row = self.rows[j]
+            if row.handoff is not None or row.req.cache_key is None:
+                continue
+            if row.kv_version != self.engine.version:
+                prefix.drop(row.req.cache_key)
+                continue
+            keep.append(j)
+        if not keep:
+            return
+        for j, kv in zip(keep, pd.rows_kv(self.cache, keep, self.mask)):
+            row = self.rows[j]
+            prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
+                         kv, self.engine.version, owned=True)
 
     def drop(self, indices: list[int]) -> None:
         if not indices:

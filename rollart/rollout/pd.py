@@ -84,23 +84,47 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))  # older transformers
 
 
-def row_kv(cache, row: int, columns: torch.Tensor) -> torch.Tensor:
-    """Row ``row``'s KV at the boolean ``columns`` as one new ``[L, 2, H, T, D]`` tensor
-    (gathered straight into it: one copy per layer and side)."""
+def rows_kv(cache, rows: list[int], mask: torch.Tensor) -> list[torch.Tensor]:
+    """The KV of each of ``rows`` at its live columns (``mask``), each a new contiguous
+    ``[L, 2, H, T, D]`` tensor of its own.
+
+    The rows are taken out of every layer together (one ``index_select`` per layer and
+    side), then each row's live columns are cut from that as the runs they form (left
+    padding leaves one run; a prefix-cache hit's padding in the middle, two): one copy
+    per row for most rows, where gathering column by column cost a copy per layer and
+    side and row. Each row owns its memory, so a prefix-cache entry never keeps its
+    batch-mates' KV alive."""
     layers = cache_layers(cache)
-    idx = columns.nonzero().squeeze(1)
+    idx = torch.tensor(rows, dtype=torch.long)
     k0 = layers[0][0]
-    out = k0.new_empty((len(layers), 2, k0.shape[1], idx.numel(), k0.shape[3]))
+    n_layers, (_, heads, width, dim) = len(layers), k0.shape
+    taken = k0.new_empty((n_layers, 2, len(rows), heads, width, dim))
     for i, (k, v) in enumerate(layers):
-        torch.index_select(k[row], 1, idx, out=out[i, 0])
-        torch.index_select(v[row], 1, idx, out=out[i, 1])
+        torch.index_select(k, 0, idx, out=taken[i, 0])
+        torch.index_select(v, 0, idx, out=taken[i, 1])
+    out = []
+    for g, spans in enumerate(live_runs(mask.index_select(0, idx))):
+        parts = [taken[:, :, g, :, a:b] for a, b in spans]
+        out.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3))
     return out
+
+
+def live_runs(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of a 0/1 ``mask``, its runs of ones as ``(start, end)`` column spans."""
+    live = mask.to(torch.int8)
+    edge = torch.zeros((live.shape[0], 1), dtype=torch.int8)
+    step = torch.diff(live, dim=1, prepend=edge, append=edge)
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(live.shape[0])]
+    starts, ends = (step == 1).nonzero().tolist(), (step == -1).nonzero().tolist()
+    for (row, a), (_, b) in zip(starts, ends):
+        spans[row].append((a, b))
+    return spans
 
 
 def split_rows(logits, mask, cache, version: int, source: str = "") -> list[KVHandoff]:
     """One ``KVHandoff`` per row of a left-padded prefill (padding dropped)."""
-    return [pack(row_kv(cache, i, mask[i].bool()), logits[i], version, source)
-            for i in range(mask.shape[0])]
+    kvs = rows_kv(cache, list(range(mask.shape[0])), mask)
+    return [pack(kv, logits[i], version, source) for i, kv in enumerate(kvs)]
 
 
 def build_cache(engine, kvs: list[torch.Tensor | None]):
@@ -188,7 +212,7 @@ class PrefixCache:
     def store(self, key: str | None, tokens, kv: torch.Tensor, version: int,
               owned: bool = False) -> None:
         """Keep ``kv`` for ``tokens`` under ``key``; copied unless ``owned`` (the caller
-        made it for the cache alone, as ``row_kv`` does)."""
+        made it for the cache alone, as ``rows_kv`` does)."""
         if key is None or self.max_entries <= 0 or kv.shape[3] != len(tokens):
             return
         self._entries[key] = _Prefix(tuple(tokens), kv if owned else kv.clone(),

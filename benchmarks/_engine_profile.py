@@ -33,7 +33,6 @@ from collections import deque
 import torch
 
 from rollart.env.trajectory import request_seed
-from rollart.rollout import sampling
 from rollart.rollout.engine import TorchEngine
 from rollart.types import GenRequest
 
@@ -141,6 +140,8 @@ def build_engine(a) -> TorchEngine:
 
 def compare(engine: TorchEngine, a) -> None:
     """Alternate the legacy and the current sampler; print tokens per CPU second."""
+    from rollart.rollout import sampling
+
     current = sampling.pick
     rates: dict[str, list[float]] = {"legacy": [], "current": []}
     for _ in range(a.rounds):

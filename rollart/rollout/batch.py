@@ -152,8 +152,11 @@ class _Batch:
         first = int(live[0]) if len(live) else 0
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys[idx, :, first:]
-            layer.values = layer.values[idx, :, first:]
+            if hasattr(layer, "keep"):  # rollart.rollout.lean: its spare room kept
+                layer.keep(idx, first)
+            else:
+                layer.keys = layer.keys[idx, :, first:]
+                layer.values = layer.values[idx, :, first:]
 
     @torch.inference_mode()
     def step(self) -> None:

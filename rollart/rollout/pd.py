@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from dask.sizeof import sizeof
 
+from rollart.rollout.lean import room
+
 # -- Dask sizeof for torch ---------------------------------------------------------------
 
 
@@ -334,30 +336,46 @@ def _forward_rows(engine, contexts, hits):
     return logits, mask, pos[:, -1:] + 1, cache
 
 
-def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad ``t`` on the left of its sequence axis (-2 for KV, -1 for a mask)."""
-    axis = -2 if t.dim() == 4 else -1
-    short = width - t.shape[axis]
+def left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a ``[B, T]`` mask on the left to ``width`` columns."""
+    short = width - mask.shape[1]
     if short <= 0:
-        return t
-    shape = list(t.shape)
-    shape[axis] = short
-    return torch.cat([t.new_zeros(shape), t], dim=axis)
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], short)), mask], dim=1)
 
 
 def concat_starts(parts: list[tuple]) -> tuple:
     """One ``(logits, mask, next_pos, cache)`` of the rows of ``parts`` in order, each
-    left-padded to the widest (the first part's cache object carries the result)."""
+    left-padded to the widest (the first part's cache object carries the result). Each
+    layer's KV is written once into its new tensor; a lean cache's gets spare room, so
+    the next decode step appends in place."""
     if len(parts) == 1:
         return parts[0]
     width = max(p[1].shape[1] for p in parts)
     cache = parts[0][3]
     for i, layer in enumerate(cache.layers):
-        layer.keys = torch.cat([left_pad(p[3].layers[i].keys, width) for p in parts])
-        layer.values = torch.cat([left_pad(p[3].layers[i].values, width) for p in parts])
+        cols = room(width) if hasattr(layer, "hold") else width
+        keys = _left_stack([p[3].layers[i].keys for p in parts], width, cols)
+        values = _left_stack([p[3].layers[i].values for p in parts], width, cols)
+        if hasattr(layer, "hold"):  # rollart.rollout.lean._Layer
+            layer.hold(keys, values, width)
+        else:
+            layer.keys, layer.values = keys, values
     return (torch.cat([p[0] for p in parts]),
             torch.cat([left_pad(p[1], width) for p in parts]),
             torch.cat([p[2] for p in parts]), cache)
+
+
+def _left_stack(kvs: list[torch.Tensor], width: int, cols: int) -> torch.Tensor:
+    """``[B, H, T, D]`` tensors stacked on the batch axis in one new ``cols``-column
+    tensor, each right-aligned at column ``width`` (zeros to its left)."""
+    ref = kvs[0]
+    out = ref.new_zeros((sum(k.shape[0] for k in kvs), ref.shape[1], cols, ref.shape[3]))
+    row = 0
+    for k in kvs:
+        out[row:row + k.shape[0], :, width - k.shape[2]:width] = k
+        row += k.shape[0]
+    return out
 
 
 def take_rows(start: tuple, rows: list[int]) -> tuple:
@@ -367,6 +385,9 @@ def take_rows(start: tuple, rows: list[int]) -> tuple:
     logits, mask, next_pos, cache = start
     idx = torch.tensor(rows, dtype=torch.long)
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, idx)
-        layer.values = layer.values.index_select(0, idx)
+        if hasattr(layer, "keep"):  # rollart.rollout.lean: its spare room kept
+            layer.keep(idx, 0)
+        else:
+            layer.keys = layer.keys.index_select(0, idx)
+            layer.values = layer.values.index_select(0, idx)
     return logits[idx], mask[idx], next_pos[idx], cache

@@ -16,7 +16,12 @@ the previous per-row sampler (``legacy_pick``, kept here only for this compariso
 the engine's, in one process, and prints the ratio: the machine may be shared, so only
 the ratio means anything.
 
+``--against DIR`` compares the whole engine instead: the stream alternately on the
+``rollart`` package under ``DIR`` (e.g. an older commit's, ``git archive <commit> rollart
+| tar -x -C DIR``) and on this one, each run in a fresh process.
+
     PYTHONPATH=$PWD python benchmarks/_engine_profile.py --compare
+    PYTHONPATH=$PWD python benchmarks/_engine_profile.py --against /tmp/engine-base
     PYTHONPATH=$PWD python benchmarks/_engine_profile.py --profile
 """
 
@@ -157,6 +162,30 @@ def compare(engine: TorchEngine, a) -> None:
           f"  median {sorted(ratios)[len(ratios) // 2]:.2f}")
 
 
+def against(base: str, a) -> None:
+    """Alternate fresh processes on ``base``'s ``rollart`` and this one; print the rates."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [sys.executable, os.path.abspath(__file__), "--requests", str(a.requests),
+            "--new", str(a.new), "--top-p", str(a.top_p), "--lag", str(a.lag),
+            "--trajs", str(a.trajs), "--max-batch", str(a.max_batch)]
+    rates: dict[str, list[float]] = {"base": [], "current": []}
+    for _ in range(a.rounds):
+        for name, path in (("base", base), ("current", here)):
+            env = {**os.environ, "PYTHONPATH": path}
+            out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+            line = next(x for x in out.stdout.splitlines() if "tokens/CPU-s" in x)
+            rates[name].append(float(line.split(" tokens/CPU-s")[0].split()[-1]))
+    for name, r in rates.items():
+        print(f"{name:8s} tokens/CPU-s " + " ".join(f"{x:7.0f}" for x in r))
+    ratios = [c / b for c, b in zip(rates["current"], rates["base"])]
+    print("current/base per round " + " ".join(f"{x:.2f}" for x in ratios) +
+          f"  median {sorted(ratios)[len(ratios) // 2]:.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trajs", type=int, default=48, help="concurrent trajectories")
@@ -175,7 +204,11 @@ def main() -> None:
     p.add_argument("--sort", default="tottime", help="--profile: cProfile's sort key")
     p.add_argument("--lines", type=int, default=30, help="--profile: functions shown")
     p.add_argument("--compare", action="store_true", help="legacy vs current sampler")
+    p.add_argument("--against", metavar="DIR", help="whole engine: DIR's rollart vs this")
     a = p.parse_args()
+    if a.against:
+        against(a.against, a)
+        return
     torch.set_num_threads(1)
     engine = build_engine(a)
     run(engine, a, 300)  # warm-up

@@ -90,24 +90,18 @@ def rows_kv(cache, rows: list[int], mask: torch.Tensor) -> list[torch.Tensor]:
     """The KV of each of ``rows`` at its live columns (``mask``), each a new contiguous
     ``[L, 2, H, T, D]`` tensor of its own.
 
-    The rows are taken out of every layer together (one ``index_select`` per layer and
-    side), then each row's live columns are cut from that as the runs they form (left
-    padding leaves one run; a prefix-cache hit's padding in the middle, two): one copy
-    per row for most rows, where gathering column by column cost a copy per layer and
-    side and row. Each row owns its memory, so a prefix-cache entry never keeps its
-    batch-mates' KV alive."""
-    layers = cache_layers(cache)
-    idx = torch.tensor(rows, dtype=torch.long)
-    k0 = layers[0][0]
-    n_layers, (_, heads, width, dim) = len(layers), k0.shape
-    taken = k0.new_empty((n_layers, 2, len(rows), heads, width, dim))
-    for i, (k, v) in enumerate(layers):
-        torch.index_select(k, 0, idx, out=taken[i, 0])
-        torch.index_select(v, 0, idx, out=taken[i, 1])
+    A row's live columns form runs (left padding leaves one; a prefix-cache hit's
+    padding in the middle, two), found for all the rows at once (``live_runs``); each
+    run of every layer and side is copied in one ``stack``, where gathering column
+    indices cost a copy per layer and side and row. Each row owns its memory, so a
+    prefix-cache entry never keeps its batch-mates' KV alive."""
+    sides = [t for kv in cache_layers(cache) for t in kv]  # k0, v0, k1, v1, ...
+    spans = live_runs(mask.index_select(0, torch.tensor(rows, dtype=torch.long)))
     out = []
-    for g, spans in enumerate(live_runs(mask.index_select(0, idx))):
-        parts = [taken[:, :, g, :, a:b] for a, b in spans]
-        out.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=3))
+    for j, runs in zip(rows, spans):
+        parts = [torch.stack([t[j, :, a:b] for t in sides]) for a, b in runs]
+        kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        out.append(kv.view(len(sides) // 2, 2, *kv.shape[1:]))
     return out
 
 

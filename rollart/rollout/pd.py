@@ -127,23 +127,29 @@ def build_cache(engine, kvs: list[torch.Tensor | None]):
     """A left-padded batched cache from per-row ``[L, 2, H, T, D]`` tensors.
 
     Returns ``(cache, mask)``; a ``None`` row is all padding. Padding slots are zeros and
-    masked out, so attention over them contributes exactly nothing.
+    masked out, so attention over them contributes exactly nothing. A lean cache takes
+    the tensor as it is, with room for the columns forwarded next (no copy to grow).
     """
     ref = next(k for k in kvs if k is not None)
     n_layers, _, heads, _, dim = ref.shape
     width = max(k.shape[3] for k in kvs if k is not None)
     batch = len(kvs)
+    cache = engine._new_cache()
+    lean = hasattr(cache, "layers") and hasattr(cache.layers[0], "hold")
     mask = torch.zeros((batch, width), dtype=torch.long)
-    full = torch.zeros((n_layers, 2, batch, heads, width, dim), dtype=ref.dtype)
+    full = torch.zeros((n_layers, 2, batch, heads, room(width) if lean else width, dim),
+                       dtype=ref.dtype)
     for i, kv in enumerate(kvs):
         if kv is None:
             continue
         n = kv.shape[3]
-        full[:, :, i, :, width - n:] = kv
+        full[:, :, i, :, width - n:width] = kv
         mask[i, width - n:] = 1
-    cache = engine._new_cache()
     for layer in range(n_layers):
-        cache.update(full[layer, 0], full[layer, 1], layer)
+        if lean:  # rollart.rollout.lean
+            cache.layers[layer].hold(full[layer, 0], full[layer, 1], width)
+        else:
+            cache.update(full[layer, 0], full[layer, 1], layer)
     return cache, mask
 
 

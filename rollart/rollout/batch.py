@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from rollart.rollout import pd, sampling
+from rollart.rollout.lean import LeanCache
 from rollart.types import GenRequest, GenResult
 
 
@@ -152,7 +153,7 @@ class _Batch:
         first = int(live[0]) if len(live) else 0
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            if hasattr(layer, "keep"):  # rollart.rollout.lean: its spare room kept
+            if isinstance(self.cache, LeanCache):  # its spare room kept
                 layer.keep(idx, first)
             else:
                 layer.keys = layer.keys[idx, :, first:]

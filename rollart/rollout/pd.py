@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from dask.sizeof import sizeof
 
-from rollart.rollout.lean import room
+from rollart.rollout.lean import LeanCache, room
 
 # -- Dask sizeof for torch ---------------------------------------------------------------
 
@@ -135,7 +135,7 @@ def build_cache(engine, kvs: list[torch.Tensor | None]):
     width = max(k.shape[3] for k in kvs if k is not None)
     batch = len(kvs)
     cache = engine._new_cache()
-    lean = hasattr(cache, "layers") and hasattr(cache.layers[0], "hold")
+    lean = isinstance(cache, LeanCache)
     mask = torch.zeros((batch, width), dtype=torch.long)
     full = torch.zeros((n_layers, 2, batch, heads, room(width) if lean else width, dim),
                        dtype=ref.dtype)
@@ -146,7 +146,7 @@ def build_cache(engine, kvs: list[torch.Tensor | None]):
         full[:, :, i, :, width - n:width] = kv
         mask[i, width - n:] = 1
     for layer in range(n_layers):
-        if lean:  # rollart.rollout.lean
+        if lean:
             cache.layers[layer].hold(full[layer, 0], full[layer, 1], width)
         else:
             cache.update(full[layer, 0], full[layer, 1], layer)
@@ -353,11 +353,12 @@ def concat_starts(parts: list[tuple]) -> tuple:
         return parts[0]
     width = max(p[1].shape[1] for p in parts)
     cache = parts[0][3]
+    lean = isinstance(cache, LeanCache)
     for i, layer in enumerate(cache.layers):
-        cols = room(width) if hasattr(layer, "hold") else width
+        cols = room(width) if lean else width
         keys = _left_stack([p[3].layers[i].keys for p in parts], width, cols)
         values = _left_stack([p[3].layers[i].values for p in parts], width, cols)
-        if hasattr(layer, "hold"):  # rollart.rollout.lean._Layer
+        if lean:
             layer.hold(keys, values, width)
         else:
             layer.keys, layer.values = keys, values
@@ -385,7 +386,7 @@ def take_rows(start: tuple, rows: list[int]) -> tuple:
     logits, mask, next_pos, cache = start
     idx = torch.tensor(rows, dtype=torch.long)
     for layer in cache.layers:
-        if hasattr(layer, "keep"):  # rollart.rollout.lean: its spare room kept
+        if isinstance(cache, LeanCache):  # its spare room kept
             layer.keep(idx, 0)
         else:
             layer.keys = layer.keys.index_select(0, idx)

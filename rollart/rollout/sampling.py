@@ -7,8 +7,9 @@ in the batch); the draws are then turned into tokens together, by inverse CDF ov
 row's ``top_p`` nucleus (sort, cumulative sum, ``searchsorted``). Greedy rows take the
 argmax. Rows that share a generator (requests without a seed share the engine's) draw
 in one call. Per-row work is thus one draw, where a per-row ``multinomial`` (plus a sort
-for top-p) used to cost several tensor calls a row: on the default graph's turns of two
-tokens, sampling was a fifth of the engine's CPU time.
+for top-p) used to cost several tensor calls a row: on turns of two tokens
+(``benchmarks/_engine_profile.py``) that was a tenth of the engine's CPU time at top-p 1
+and a fifth at top-p 0.95.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Continuous batching for ``TorchEngine``: the live rows, their left-padded KV cache,
-and per-row sampling (token choice with its behaviour log-prob).
+and each step's token choice (``rollart.rollout.sampling``: batched, each row with its
+own generator).
 
 ``_Batch`` is driven by ``TorchEngine.serve``: rows join with their own prefill (or a PD
 handoff) and leave the moment they finish (a stop id, a stop string: ``hits_stop_string``,
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rollart.rollout import pd
+from rollart.rollout import pd, sampling
+from rollart.rollout.lean import LeanCache
 from rollart.types import GenRequest, GenResult
 
 
@@ -87,9 +89,10 @@ class _Batch:
     def pick(self) -> None:
         """Choose the next token of every row (and note which rows are now done)."""
         eng = self.engine
-        picks = _pick(self.logits, [r.req for r in self.rows], [r.rng for r in self.rows],
-                      list(range(len(self.rows))))
-        for row, (tok, lp) in zip(self.rows, picks):
+        reqs = [r.req for r in self.rows]
+        tokens, logps = sampling.pick(self.logits, [r.temperature for r in reqs],
+                                      [r.top_p for r in reqs], [r.rng for r in self.rows])
+        for row, tok, lp in zip(self.rows, tokens, logps):
             row.tokens.append(tok)
             row.logps.append(lp)
             row.versions.append(eng.version)
@@ -98,7 +101,7 @@ class _Batch:
                 row.reason = "stop"
             elif len(row.tokens) >= row.req.max_new_tokens:
                 row.reason = "length"
-        eng.tokens_generated += len(picks)
+        eng.tokens_generated += len(tokens)
 
     def retire(self) -> list[_Row]:
         """Remove the rows that are done (their KV kept for the trajectory's next turn in
@@ -111,19 +114,28 @@ class _Batch:
             return []
         prefix = self.engine.prefix_cache
         if prefix is not None:
-            for j in gone:
-                row = self.rows[j]
-                if row.handoff is not None or row.req.cache_key is None:
-                    continue
-                if row.kv_version != self.engine.version:
-                    prefix.drop(row.req.cache_key)
-                    continue
-                kv = pd.row_kv(self.cache, j, self.mask[j].bool())
-                prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
-                             kv, self.engine.version, owned=True)
+            self._keep_prefixes(prefix, gone)
         done = [self.rows[j] for j in gone]
         self.drop(gone)
         return done
+
+    def _keep_prefixes(self, prefix, gone: list[int]) -> None:
+        """Store the KV of the rows ``gone`` that may be reused (gathered together)."""
+        keep = []
+        for j in gone:
+            row = self.rows[j]
+            if row.handoff is not None or row.req.cache_key is None:
+                continue
+            if row.kv_version != self.engine.version:
+                prefix.drop(row.req.cache_key)
+                continue
+            keep.append(j)
+        if not keep:
+            return
+        for j, kv in zip(keep, pd.rows_kv(self.cache, keep, self.mask)):
+            row = self.rows[j]
+            prefix.store(row.req.cache_key, list(row.req.prompt_ids) + row.tokens[:-1],
+                         kv, self.engine.version, owned=True)
 
     def drop(self, indices: list[int]) -> None:
         if not indices:
@@ -141,8 +153,11 @@ class _Batch:
         first = int(live[0]) if len(live) else 0
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys[idx, :, first:]
-            layer.values = layer.values[idx, :, first:]
+            if isinstance(self.cache, LeanCache):  # its spare room kept
+                layer.keep(idx, first)
+            else:
+                layer.keys = layer.keys[idx, :, first:]
+                layer.values = layer.values[idx, :, first:]
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -176,40 +191,6 @@ def hits_stop_string(tokenizer, tokens: list[int], stops) -> bool:
     window = 4 * max(len(s) for s in stops) + 4
     tail = tokenizer.decode(tokens[-window:], skip_special_tokens=False)
     return any(s in tail for s in stops)
-
-
-def _pick(
-    logits: torch.Tensor, reqs: list[GenRequest], rngs: list[torch.Generator], rows: list[int]
-) -> list[tuple[int, float]]:
-    """Choose the next token of each row in ``rows``, with its behaviour log-prob.
-
-    Greedy when ``temperature <= 0`` (log-prob under temperature 1); otherwise sample
-    from the ``top_p`` nucleus of softmax(logits / temperature) with the row's own
-    generator. The log-prob is always taken over the full, untruncated distribution.
-    """
-    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs])
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    picks = []
-    for i in rows:
-        r = reqs[i]
-        tok = greedy[i] if r.temperature <= 0 else _sample(logp[i], r.top_p, rngs[i])
-        picks.append(tok)
-    lps = logp[torch.tensor(rows), torch.tensor(picks)].tolist()
-    return list(zip(picks, lps))
-
-
-def _sample(logp: torch.Tensor, top_p: float, rng: torch.Generator) -> int:
-    """Sample from exp(logp) restricted to its ``top_p`` nucleus (top token always kept)."""
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
-        keep[0] = True
-        trunc = torch.zeros_like(probs)
-        trunc[order[keep]] = sorted_p[keep]
-        probs = trunc
-    return int(torch.multinomial(probs, 1, generator=rng))
 
 
 def _request_rng(req: GenRequest, default: torch.Generator) -> torch.Generator:

@@ -54,25 +54,47 @@ class _Layer:
         self._v, self._nv = value, value.shape[-2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor):
-        if self._k is None:
-            self.keys, self.values = keys, values
-            return keys, values
+        if self._k is None:  # the first columns, in buffers with room for more
+            self._k, self._v = _roomy(keys), _roomy(values)
+            self._nk = self._nv = 0
         used = self._nk
         if used != self._nv:
             raise RuntimeError(f"KV cache layer out of step: {used} key columns, "
                                f"{self._nv} value columns")
         new = used + keys.shape[-2]
         if new > self._k.shape[-2]:
-            room = new + max(16, new // 2)
-            self._k, self._v = _grow(self._k, used, room), _grow(self._v, used, room)
+            self._k, self._v = _grow(self._k, used, room(new)), _grow(self._v, used, room(new))
         self._k[..., used:new, :] = keys
         self._v[..., used:new, :] = values
         self._nk = self._nv = new
         return self.keys, self.values
 
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, used: int) -> None:
+        """Take buffers whose first ``used`` columns are the KV, the rest room to append
+        into (``room``)."""
+        self._k, self._v, self._nk, self._nv = keys, values, used, used
 
-def _grow(t: torch.Tensor, used: int, room: int) -> torch.Tensor:
-    out = t.new_empty((*t.shape[:-2], room, t.shape[-1]))
+    def keep(self, rows: torch.Tensor, first: int) -> None:
+        """Only the batch rows ``rows`` and the columns from ``first`` on, the spare room
+        kept: a row leaving costs one copy, not a second to grow again at the next step."""
+        self._k = self._k[:, :, first:].index_select(0, rows)
+        self._v = self._v[:, :, first:].index_select(0, rows)
+        self._nk -= first
+        self._nv -= first
+
+
+def room(used: int) -> int:
+    """Columns to allocate for ``used`` ones: spare room for decode steps to append into."""
+    return used + max(16, used // 2)
+
+
+def _roomy(t: torch.Tensor) -> torch.Tensor:
+    """An empty buffer for ``t``'s columns and ``room`` to spare."""
+    return t.new_empty((*t.shape[:-2], room(t.shape[-2]), t.shape[-1]))
+
+
+def _grow(t: torch.Tensor, used: int, cols: int) -> torch.Tensor:
+    out = t.new_empty((*t.shape[:-2], cols, t.shape[-1]))
     out[..., :used, :] = t[..., :used, :]
     return out
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from dask.sizeof import sizeof
 
+from rollart.rollout.lean import LeanCache, room
+
 # -- Dask sizeof for torch ---------------------------------------------------------------
 
 
@@ -84,46 +86,70 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))  # older transformers
 
 
-def row_kv(cache, row: int, columns: torch.Tensor) -> torch.Tensor:
-    """Row ``row``'s KV at the boolean ``columns`` as one new ``[L, 2, H, T, D]`` tensor
-    (gathered straight into it: one copy per layer and side)."""
-    layers = cache_layers(cache)
-    idx = columns.nonzero().squeeze(1)
-    k0 = layers[0][0]
-    out = k0.new_empty((len(layers), 2, k0.shape[1], idx.numel(), k0.shape[3]))
-    for i, (k, v) in enumerate(layers):
-        torch.index_select(k[row], 1, idx, out=out[i, 0])
-        torch.index_select(v[row], 1, idx, out=out[i, 1])
+def rows_kv(cache, rows: list[int], mask: torch.Tensor) -> list[torch.Tensor]:
+    """The KV of each of ``rows`` at its live columns (``mask``), each a new contiguous
+    ``[L, 2, H, T, D]`` tensor of its own.
+
+    A row's live columns form runs (left padding leaves one; a prefix-cache hit's
+    padding in the middle, two), found for all the rows at once (``live_runs``); each
+    run of every layer and side is copied in one ``stack``, where gathering column
+    indices cost a copy per layer and side and row. Each row owns its memory, so a
+    prefix-cache entry never keeps its batch-mates' KV alive."""
+    sides = [t for kv in cache_layers(cache) for t in kv]  # k0, v0, k1, v1, ...
+    spans = live_runs(mask.index_select(0, torch.tensor(rows, dtype=torch.long)))
+    out = []
+    for j, runs in zip(rows, spans):
+        parts = [torch.stack([t[j, :, a:b] for t in sides]) for a, b in runs]
+        kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        out.append(kv.view(len(sides) // 2, 2, *kv.shape[1:]))
     return out
+
+
+def live_runs(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of a 0/1 ``mask``, its runs of ones as ``(start, end)`` column spans."""
+    live = mask.to(torch.int8)
+    edge = torch.zeros((live.shape[0], 1), dtype=torch.int8)
+    step = torch.diff(live, dim=1, prepend=edge, append=edge)
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(live.shape[0])]
+    starts, ends = (step == 1).nonzero().tolist(), (step == -1).nonzero().tolist()
+    for (row, a), (_, b) in zip(starts, ends):
+        spans[row].append((a, b))
+    return spans
 
 
 def split_rows(logits, mask, cache, version: int, source: str = "") -> list[KVHandoff]:
     """One ``KVHandoff`` per row of a left-padded prefill (padding dropped)."""
-    return [pack(row_kv(cache, i, mask[i].bool()), logits[i], version, source)
-            for i in range(mask.shape[0])]
+    kvs = rows_kv(cache, list(range(mask.shape[0])), mask)
+    return [pack(kv, logits[i], version, source) for i, kv in enumerate(kvs)]
 
 
 def build_cache(engine, kvs: list[torch.Tensor | None]):
     """A left-padded batched cache from per-row ``[L, 2, H, T, D]`` tensors.
 
     Returns ``(cache, mask)``; a ``None`` row is all padding. Padding slots are zeros and
-    masked out, so attention over them contributes exactly nothing.
+    masked out, so attention over them contributes exactly nothing. A lean cache takes
+    the tensor as it is, with room for the columns forwarded next (no copy to grow).
     """
     ref = next(k for k in kvs if k is not None)
     n_layers, _, heads, _, dim = ref.shape
     width = max(k.shape[3] for k in kvs if k is not None)
     batch = len(kvs)
+    cache = engine._new_cache()
+    lean = isinstance(cache, LeanCache)
     mask = torch.zeros((batch, width), dtype=torch.long)
-    full = torch.zeros((n_layers, 2, batch, heads, width, dim), dtype=ref.dtype)
+    full = torch.zeros((n_layers, 2, batch, heads, room(width) if lean else width, dim),
+                       dtype=ref.dtype)
     for i, kv in enumerate(kvs):
         if kv is None:
             continue
         n = kv.shape[3]
-        full[:, :, i, :, width - n:] = kv
+        full[:, :, i, :, width - n:width] = kv
         mask[i, width - n:] = 1
-    cache = engine._new_cache()
     for layer in range(n_layers):
-        cache.update(full[layer, 0], full[layer, 1], layer)
+        if lean:
+            cache.layers[layer].hold(full[layer, 0], full[layer, 1], width)
+        else:
+            cache.update(full[layer, 0], full[layer, 1], layer)
     return cache, mask
 
 
@@ -188,7 +214,7 @@ class PrefixCache:
     def store(self, key: str | None, tokens, kv: torch.Tensor, version: int,
               owned: bool = False) -> None:
         """Keep ``kv`` for ``tokens`` under ``key``; copied unless ``owned`` (the caller
-        made it for the cache alone, as ``row_kv`` does)."""
+        made it for the cache alone, as ``rows_kv`` does)."""
         if key is None or self.max_entries <= 0 or kv.shape[3] != len(tokens):
             return
         self._entries[key] = _Prefix(tuple(tokens), kv if owned else kv.clone(),
@@ -310,30 +336,47 @@ def _forward_rows(engine, contexts, hits):
     return logits, mask, pos[:, -1:] + 1, cache
 
 
-def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad ``t`` on the left of its sequence axis (-2 for KV, -1 for a mask)."""
-    axis = -2 if t.dim() == 4 else -1
-    short = width - t.shape[axis]
+def left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a ``[B, T]`` mask on the left to ``width`` columns."""
+    short = width - mask.shape[1]
     if short <= 0:
-        return t
-    shape = list(t.shape)
-    shape[axis] = short
-    return torch.cat([t.new_zeros(shape), t], dim=axis)
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], short)), mask], dim=1)
 
 
 def concat_starts(parts: list[tuple]) -> tuple:
     """One ``(logits, mask, next_pos, cache)`` of the rows of ``parts`` in order, each
-    left-padded to the widest (the first part's cache object carries the result)."""
+    left-padded to the widest (the first part's cache object carries the result). Each
+    layer's KV is written once into its new tensor; a lean cache's gets spare room, so
+    the next decode step appends in place."""
     if len(parts) == 1:
         return parts[0]
     width = max(p[1].shape[1] for p in parts)
     cache = parts[0][3]
+    lean = isinstance(cache, LeanCache)
     for i, layer in enumerate(cache.layers):
-        layer.keys = torch.cat([left_pad(p[3].layers[i].keys, width) for p in parts])
-        layer.values = torch.cat([left_pad(p[3].layers[i].values, width) for p in parts])
+        cols = room(width) if lean else width
+        keys = _left_stack([p[3].layers[i].keys for p in parts], width, cols)
+        values = _left_stack([p[3].layers[i].values for p in parts], width, cols)
+        if lean:
+            layer.hold(keys, values, width)
+        else:
+            layer.keys, layer.values = keys, values
     return (torch.cat([p[0] for p in parts]),
             torch.cat([left_pad(p[1], width) for p in parts]),
             torch.cat([p[2] for p in parts]), cache)
+
+
+def _left_stack(kvs: list[torch.Tensor], width: int, cols: int) -> torch.Tensor:
+    """``[B, H, T, D]`` tensors stacked on the batch axis in one new ``cols``-column
+    tensor, each right-aligned at column ``width`` (zeros to its left)."""
+    ref = kvs[0]
+    out = ref.new_zeros((sum(k.shape[0] for k in kvs), ref.shape[1], cols, ref.shape[3]))
+    row = 0
+    for k in kvs:
+        out[row:row + k.shape[0], :, width - k.shape[2]:width] = k
+        row += k.shape[0]
+    return out
 
 
 def take_rows(start: tuple, rows: list[int]) -> tuple:
@@ -343,6 +386,9 @@ def take_rows(start: tuple, rows: list[int]) -> tuple:
     logits, mask, next_pos, cache = start
     idx = torch.tensor(rows, dtype=torch.long)
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, idx)
-        layer.values = layer.values.index_select(0, idx)
+        if isinstance(cache, LeanCache):  # its spare room kept
+            layer.keep(idx, 0)
+        else:
+            layer.keys = layer.keys.index_select(0, idx)
+            layer.values = layer.values.index_select(0, idx)
     return logits[idx], mask[idx], next_pos[idx], cache

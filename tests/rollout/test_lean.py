@@ -118,3 +118,35 @@ def test_engine_outputs_equal_with_and_without_the_lean_forward(model_dir):
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
         prompts = [p + r.token_ids + [3] for p, r in zip(prompts, a)]
     assert fast.prefix_cache.hit_tokens > 0
+
+
+def test_joining_and_leaving_keep_room_to_append_in_place():
+    """Rows joining (``pd.concat_starts``) and leaving (``_Layer.keep``) give the same KV
+    as padding and slicing would, in buffers with spare columns: the next decode step
+    writes its column in place instead of copying the cache to grow it."""
+    from rollart.rollout import pd
+    from rollart.rollout.lean import LeanCache
+
+    g = torch.Generator().manual_seed(0)
+
+    def start(rows, width):
+        cache = LeanCache(1)
+        cache.update(torch.randn(rows, 2, width, 4, generator=g),
+                     torch.randn(rows, 2, width, 4, generator=g), 0)
+        return (torch.zeros(rows, 5), torch.ones(rows, width, dtype=torch.long),
+                torch.zeros(rows, 1, dtype=torch.long), cache)
+
+    a, b = start(2, 3), start(1, 5)
+    assert a[3].layers[0]._k.shape[2] > 3  # a first append leaves room too
+    ka, kb = a[3].layers[0].keys.clone(), b[3].layers[0].keys.clone()
+    _, mask, _, cache = pd.concat_starts([a, b])
+    layer = cache.layers[0]
+    want = torch.cat([torch.cat([torch.zeros(2, 2, 2, 4), ka], dim=2), kb])
+    assert torch.equal(layer.keys, want) and mask[:2, :2].sum() == 0
+    buffer = layer._k
+    assert buffer.shape[2] > 5
+    layer.keep(torch.tensor([0, 2]), 1)
+    assert torch.equal(layer.keys, want[[0, 2], :, 1:]) and layer._k.shape[2] > 4
+    buffer = layer._k
+    cache.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), 0)
+    assert layer._k is buffer and torch.equal(layer.keys[:, :, -1], torch.ones(2, 2, 4))

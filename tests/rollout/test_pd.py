@@ -170,6 +170,27 @@ def test_a_failed_prefill_reaches_the_rows_it_was_for(model_dir):
         eng.generate(greedy((3, 5)))
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_rows_kv_is_each_rows_live_columns_in_its_own_memory(model_dir, lean):
+    """Gathered for several rows at once (a mask with holes mid-row, as prefix reuse
+    leaves), each row's KV equals its masked columns, contiguous and unshared."""
+    eng = TorchEngine(model_dir, lean=lean)
+    cache = eng._new_cache()
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        cache.update(torch.randn(4, 4, 6, 16, generator=g),
+                     torch.randn(4, 4, 6, 16, generator=g), layer)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1], [1] * 6, [0, 1, 0, 1, 0, 1]])
+    rows = [3, 1, 2]
+    kvs = pd.rows_kv(cache, rows, mask)
+    for j, kv in zip(rows, kvs):
+        cols = mask[j].bool()
+        want = torch.stack([torch.stack([k[j][:, cols], v[j][:, cols]])
+                            for k, v in pd.cache_layers(cache)])
+        assert torch.equal(kv, want) and kv.is_contiguous()
+        assert kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()
+
+
 def test_prefix_cache_is_bounded_and_checks_tokens():
     pc = PrefixCache(max_entries=2)
     kv = torch.zeros(1, 2, 1, 3, 4)

@@ -1,6 +1,6 @@
 """benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py,
-trainer_gang.py, limits.py and calc_copy.py run tiny and report figures that make sense (their full runs are scripts,
-not tests: see docs/benchmarks/)."""
+trainer_gang.py, limits.py, calc_copy.py and inflight_learning.py run tiny and report
+figures that make sense (their full runs are scripts, not tests: see docs/benchmarks/)."""
 
 import importlib
 import math
@@ -226,3 +226,15 @@ def test_agent_endpoint_tiny():
     assert math.isclose(r["endpoint_overhead"] + 1,
                         r["call_ms_endpoint"] / r["call_ms_direct"], rel_tol=0.02)
     assert r["traj_s_env"] > 0 and r["traj_s_agent"] > 0
+
+
+@pytest.mark.bench
+def test_inflight_learning_tiny():
+    """benchmarks/inflight_learning.py --quick: a short warm-up, each in-flight setting
+    trained a few steps and evaluated against the warm-up policy on the same seeds."""
+    r = _bench("inflight_learning", "--quick", timeout=900)
+    for s in ("one", "two", "two_start"):
+        for k in (f"gain_{s}", f"gridnav_{s}", f"guess_{s}", f"boxpush_{s}", f"worst_{s}"):
+            assert -1 <= r[k] <= 1, (k, r)
+        assert r[f"worst_{s}"] <= r[f"gain_{s}"] + 1e-9, r  # the smallest task gain
+    assert r["seeds"] == 1 and r["steps"] == 4 and 0 <= r["warm_gridnav"] <= 1

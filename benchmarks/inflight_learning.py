@@ -86,6 +86,23 @@ def run_one(base, model: str, warm: dict, setting: str, seed: int, a, tmp: Path)
     return gains
 
 
+def warm_up(a, base, tmp: str) -> dict:
+    """The warm-up model (``--quick``: a short warm-up of its own in ``tmp``, a smoke
+    run; otherwise the pipeline benchmark's cached one) and its held-out success."""
+    from pipeline import WARM_CACHE, cached_warm_model
+
+    from rollart.observe.evaluate import evaluate
+    from rollart.types import EVAL_SEED_BASE
+
+    model, reused = cached_warm_model(tmp if a.quick else WARM_CACHE, base.tasks,
+                                      20 if a.quick else base.policy.warmup_steps)
+    seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + a.eval_seeds)
+    heldout = evaluate(model, base.tasks, seeds, **base.policy.conversation_options())
+    print(f"warm-up model {model} ({'reused' if reused else 'built'}): held-out {heldout}",
+          flush=True)
+    return {"model": model, "heldout": heldout}
+
+
 def summarise(runs: dict) -> dict:
     """``{setting: [gains per task, one dict per seed]}`` -> the RESULT figures."""
     out = {}
@@ -104,37 +121,26 @@ def summarise(runs: dict) -> dict:
 def main(argv=None) -> dict:
     a = parse(argv)
     run = Run("inflight_learning", a, argv)
-    from pipeline import WARM_CACHE, cached_warm_model
-
     import rollart
     from rollart.app.cli import quiet
 
     quiet()
     base, _ = rollart.load_graph()
     t_all = time.time()
-    tmp_root = tempfile.TemporaryDirectory()
-    # --quick: a short warm-up of its own (a smoke run); otherwise the pipeline's cached one
-    model, reused = cached_warm_model(tmp_root.name if a.quick else WARM_CACHE, base.tasks,
-                                      20 if a.quick else base.policy.warmup_steps)
-    from rollart.observe.evaluate import evaluate
-    from rollart.types import EVAL_SEED_BASE
-
-    seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + a.eval_seeds)
-    warm = evaluate(model, base.tasks, seeds, **base.policy.conversation_options())
-    print(f"warm-up model {model} ({'reused' if reused else 'built'}): held-out {warm}",
-          flush=True)
     runs: dict = {s: [] for s in a.settings}
-    with tmp_root as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        warm = warm_up(a, base, tmp)
         for seed in range(a.seeds):
             order = random.Random(seed).sample(list(a.settings), len(a.settings))
             print(f"seed {seed}: order {' '.join(order)}", flush=True)
             for s in order:
-                runs[s].append(run_one(base, model, warm, s, seed, a, Path(tmp)))
+                runs[s].append(run_one(base, warm["model"], warm["heldout"], s, seed, a,
+                                       Path(tmp)))
             part = summarise(runs)
             print("PARTIAL " + " ".join(f"{k}={v:.3f}" for k, v in part.items()), flush=True)
     out = summarise(runs)
     out.update(seeds=a.seeds, steps=a.steps, eval_seeds=a.eval_seeds,
-               **{f"warm_{t}": warm[t] for t in TASKS},
+               **{f"warm_{t}": warm["heldout"][t] for t in TASKS},
                total_s=round(time.time() - t_all))
     run.result(out, {"runs": runs})
     return out

@@ -282,7 +282,7 @@ class Cluster:
                 slot.cancel()
             if t0 is not None:
                 mgr.meter.add(t0, env.now)
-            if reset and hasattr(ec, "release"):  # rollart.sim.sandbox's pool
+            if reset:  # the env goes back (a pooled one: rollart.sim.sandbox)
                 ec.release()
             mgr.router.release(m.id)
         self.settle(m, state)

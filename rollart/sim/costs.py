@@ -262,6 +262,10 @@ class EnvCost:
         failed = rng.random() < self.fail_prob
         return self.step.sample(rng), failed
 
+    def release(self) -> None:
+        """A trajectory that reset ended (an env pool that keeps state, such as
+        ``rollart.sim.sandbox.SandboxPoolCost``, takes its env back; here nothing)."""
+
 
 # the paper's §3 shapes (medians and tails ours): sandboxed coding/terminal tasks with
 # container start-up and ~1 failure in 10 steps; web/search tasks waiting on remote

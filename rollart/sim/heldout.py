@@ -133,7 +133,6 @@ def fit(client, base, model: str, groups: int, tmp: Path, probe_steps: int = 3,
     client.run(drain_pools, on_error="return")
     turn_s = _lone_turn_s(base, probe.tasks, model, client, tmp, seed + 1)
     fits = {"overlapping": in_situ_trainer(alone, rows, shapes, probe.algo.batch_size)}
-    fits["lockstep"] = fits["overlapping"]
     env = SandboxPoolCost(probe.tasks[0].env_factory.workload)
     fits = in_situ_engine(fits, control, shapes, turn_s, probe, rows, env)
     fits["lockstep"] = replace(alone, gen=fits["overlapping"].gen)

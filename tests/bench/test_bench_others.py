@@ -15,13 +15,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(name: str, *args: str, timeout: int = 300) -> dict:
-    """Run ``benchmarks/<name>.py`` with ``args``; its RESULT line as a dict of floats."""
+    """Run ``benchmarks/<name>.py`` with ``args``; its RESULT line as a dict of floats
+    (a value that is not a number, a word such as ``graph=chat``, as its string)."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
-    return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    return {k: _number(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+
+
+def _number(v: str):
+    try:
+        return float(v)
+    except ValueError:
+        return v
 
 
 def test_raw_copy_delivers_every_byte_into_its_preallocated_buffer(monkeypatch):
@@ -238,3 +246,18 @@ def test_inflight_learning_tiny():
             assert -1 <= r[k] <= 1, (k, r)
         assert r[f"worst_{s}"] <= r[f"gain_{s}"] + 1e-9, r  # the smallest task gain
     assert r["seeds"] == 1 and r["steps"] == 4 and 0 <= r["warm_gridnav"] <= 1
+
+
+@pytest.mark.bench
+def test_inflight_learning_chat_tiny():
+    """benchmarks/inflight_learning.py --graph chat --quick: the chat graph's own warm-up
+    on the seed (a one-step run whose warm-up model is kept), then two settings' RL runs
+    from it, calc included, evaluated against it on the same seeds."""
+    r = _bench("inflight_learning", "--graph", "chat", "--quick", "--settings",
+               "one,three_start", timeout=900)
+    for s in ("one", "three_start"):
+        for t in ("gridnav", "guess", "boxpush", "calc"):
+            assert -1 <= r[f"{t}_{s}"] <= 1, (t, s, r)
+        assert r[f"worst_{s}"] <= r[f"gain_{s}"] + 1e-9, r
+    assert "gain_two" not in r and r["graph"] == "chat" and r["steps"] == 3, r
+    assert 0 <= r["warm_calc"] <= 1

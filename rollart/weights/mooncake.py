@@ -210,6 +210,15 @@ def _client(master: str, metadata: str, kind: str, segment_mb: int, buffer_mb: i
         return store
 
 
+def _pinned_here(store):
+    """A ``ReplicateConfig`` that places an object in ``store``'s own segment."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = store.get_hostname()
+    return config
+
+
 def close_clients(master: str) -> int:
     """Close and forget this process's clients of ``master`` (``HOST:PORT``); returns how
     many. A later store on that address connects afresh."""
@@ -304,7 +313,11 @@ class MooncakeWeightStore(WeightStore):
             raise MooncakeError(f"a {len(data) >> 20} MiB object exceeds the client buffer "
                                 f"of {self.buffer_mb} MiB: add buffer_mb=N to the store URL")
         store = self._store(publisher=True)
-        rc = store.upsert(self._key(name), data)
+        # in the publisher's own segment: unpinned, Mooncake places an object in any
+        # mounted segment, a reader's relay segment included (gone when that reader
+        # exits), or one of a reader killed less than the master's client TTL (~10 s)
+        # ago, still listed: the write to it fails (-800, connection refused)
+        rc = store.upsert(self._key(name), data, _pinned_here(store))
         if rc != 0:
             raise MooncakeError(f"Mooncake upsert of {self._key(name)} ({len(data)} bytes) "
                                 f"failed with status {rc} (segment full? raise segment_mb "

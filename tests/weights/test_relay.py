@@ -175,6 +175,40 @@ def test_a_dead_relay_sends_its_readers_to_the_origin_and_counts_it(master, how)
     assert took < 120
 
 
+def test_versions_are_published_in_the_publishers_segment_even_just_after_a_reader_died(
+        master):
+    """The publisher's writes go to its own segment: not into a live reader's relay
+    segment (gone when that reader exits), nor into the segment of a reader killed moments
+    ago, which the master lists until its client TTL (~10 s) runs out. Unpinned, Mooncake
+    placed a bucket there about as often as not and the upsert failed (-800: connection
+    refused), so a version published in that window failed (the flake of the test above
+    whose publish came < 11 s after the previous case's kill)."""
+    url = master.url("pinned", segment_mb=64, buffer_mb=16, relay_mb=32, relay_wait=1,
+                     relay_timeout=5)
+    trainer = WeightStore(url)
+    publish(trainer, 1, state(3), buckets=4)
+    client = trainer._store(publisher=True)
+
+    def placed(version: int) -> set[str]:
+        keys = [trainer._key(trainer._bucket_name(version, k)) for k in range(4)]
+        return {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for key in keys for r in client.get_replica_desc(key)
+                if r.is_memory_replica()}
+
+    reader = start(url, 1, 0)
+    try:
+        result(reader)  # its relay segment is mounted, with replicas in it
+        publish(trainer, 2, state(4), buckets=4)
+        assert placed(2) == {client.get_hostname()}
+        reader.send_signal(signal.SIGKILL)
+        reader.wait()
+        for v in (3, 4, 5):  # within the dead reader's TTL: each bucket written
+            publish(trainer, v, state(v + 2), buckets=4)
+            assert placed(v) == {client.get_hostname()}, v
+    finally:
+        finish(reader)
+
+
 def test_a_relay_killed_while_a_reader_pulls_through_it(master):
     """The reader's first bucket comes from the relay; then the relay's process is
     killed: the rest comes from the origin, each counted as a fallback, and the reader

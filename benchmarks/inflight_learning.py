@@ -62,14 +62,16 @@ CHAT_QUICK_WARMUP = 5
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="a smoke run (minutes)")
     p.add_argument("--graph", choices=list(GRAPHS), default="default",
                    help="the default graph (graphs/multitask.py) or graphs/chat.py")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0, 1, … (default 3)")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps (default 80)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps (default: default graph 80, "
+                   "chat 100)")
     p.add_argument("--eval-seeds", type=int, default=None,
-                   help="held-out seeds per task (default 128)")
+                   help="held-out seeds per task (default: default graph "
+                   "128, chat 256)")
     p.add_argument("--settings", default=None, help="comma-separated, of "
                    + ", ".join(SETTINGS) + " (default: the graph's, "
                    + "; ".join(f"{g}: {','.join(v['settings'])}" for g, v in GRAPHS.items())

@@ -235,6 +235,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         model_dir = bounded(fleet.actors.trainer.save(str(run_dir / "model")),
                             stages.waits.call, f"the trainer on "
                             f"{fleet.actors.trainer._address} did not save the model")
+        fleet.supervisor.settle()  # a loss late in the run in recovery.json too
     except BaseException:
         trackers.finish(status="failed")
         raise

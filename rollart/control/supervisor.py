@@ -154,6 +154,28 @@ class Supervisor:
         self._last = now
         return self._note(self.stages.reconcile(self.actors, live=self.live()))
 
+    def settle(self, timeout: float = 60.0) -> list[dict]:
+        """At the run's end: notice what was lost since the last check and take up the
+        replacements still starting (``Stages.starting``: an actor is taken up by a
+        later reconcile once built), for at most ``timeout`` s, so that a loss late in a
+        short run is in ``events`` too; a loss still without a replacement then is
+        logged as such. Returns the replacements taken up now."""
+        deadline = time.monotonic() + timeout
+        made: list[dict] = []
+        while True:
+            try:
+                made += self.heal(force=True)
+            except StuckError as e:  # the run's work is done: say so, do not fail it
+                logger.warning("at the run's end: %s", e)
+                break
+            if not self.stages.starting() or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for lost in self.pending:
+            logger.warning("the %s actor on %s was lost and not replaced by the run's end",
+                           lost.role, lost.address)
+        return made
+
     def _note(self, done) -> list[dict]:
         """Book what a reconcile removed (pending) and made (events, matched by role and
         pool to the oldest loss)."""

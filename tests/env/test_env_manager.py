@@ -457,7 +457,10 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
         time.sleep(0.05)
     stats = rollout_stats()
     assert stats["rollout/group_errors"] == 1
-    assert buf.counts().result()["groups_complete"] <= 1  # g000001 never completes
+    # g000001 never completes: the member id the test launched for it never arrives (the
+    # count of complete groups is no check: the errored group's slot goes to a third
+    # group, which may complete before this read on a fast machine)
+    assert buf.counts().result()["in_flight"] >= 1
     buf.close().result()
     loop.result(timeout=30)
     mgr.close().result()

@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlencode, urlparse
 
 from rollart.runtime.waits import stop_process
 from rollart.weights.relay import (DEFAULT_TIMEOUT_S, DEFAULT_WAIT_S, Relay,
-                                  extra_names, striped)
+                                  extra_names, pinned_here, striped)
 from rollart.weights.store import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -210,15 +210,6 @@ def _client(master: str, metadata: str, kind: str, segment_mb: int, buffer_mb: i
         return store
 
 
-def _pinned_here(store):
-    """A ``ReplicateConfig`` that places an object in ``store``'s own segment."""
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    config.preferred_segment = store.get_hostname()
-    return config
-
-
 def close_clients(master: str) -> int:
     """Close and forget this process's clients of ``master`` (``HOST:PORT``); returns how
     many. A later store on that address connects afresh."""
@@ -317,7 +308,7 @@ class MooncakeWeightStore(WeightStore):
         # mounted segment, a reader's relay segment included (gone when that reader
         # exits), or one of a reader killed less than the master's client TTL (~10 s)
         # ago, still listed: the write to it fails (-800, connection refused)
-        rc = store.upsert(self._key(name), data, _pinned_here(store))
+        rc = store.upsert(self._key(name), data, pinned_here(store))
         if rc != 0:
             raise MooncakeError(f"Mooncake upsert of {self._key(name)} ({len(data)} bytes) "
                                 f"failed with status {rc} (segment full? raise segment_mb "

@@ -66,6 +66,17 @@ def extra_names(name: str, max_readers: int) -> list[str]:
     return [f"{name}.r{j}" for j in range(int(max_readers))] + [f"{name}.c"]
 
 
+def pinned_here(client):
+    """A ``ReplicateConfig`` that places an object in ``client``'s own segment (the
+    publisher's buckets, a reader's replicas): unpinned, Mooncake may place it in any
+    mounted segment, another reader's relay segment included."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = client.get_hostname()
+    return config
+
+
 class Relay:
     """The relay half of a ``MooncakeWeightStore`` in one puller process (see the module
     docstring). ``client`` is a Mooncake client with a mounted segment of its own."""
@@ -189,11 +200,7 @@ class Relay:
 
     # -- serving ----------------------------------------------------------------------
     def _here(self):
-        from mooncake.store import ReplicateConfig
-
-        config = ReplicateConfig()
-        config.preferred_segment = self.segment
-        return config
+        return pinned_here(self.client)
 
     def _replica(self, name: str, slot: int) -> str:
         return self.store._key(f"{name}.r{int(slot)}")  # as extra_names

@@ -46,14 +46,13 @@ from _results import Run, add_arguments  # noqa: E402
 
 SETTINGS = {"one": (None, None), "two": (2.0, None), "two_start": (2.0, 1.0),
             "three_start": (3.0, 1.0)}
-#: per graph: the graph, its resources, its tasks, the settings run by default, and the
+#: per graph: the graph, its resources, the settings run by default, and the
 #: full and --quick sizes (seeds, steps, held-out seeds per task)
 GRAPHS = {
-    "default": {"graph": None, "resources": None, "tasks": ("gridnav", "guess", "boxpush"),
+    "default": {"graph": None, "resources": None,
                 "settings": ("one", "two", "two_start"),
                 "full": (3, 80, 128), "quick": (1, 4, 8)},
     "chat": {"graph": "chat", "resources": "laptop",
-             "tasks": ("gridnav", "guess", "boxpush", "calc"),
              "settings": ("one", "two", "two_start", "three_start"),
              "full": (3, 100, 256), "quick": (1, 3, 8)},
 }
@@ -102,7 +101,7 @@ def run_one(base, model: str, warm: dict, setting: str, seed: int, a, tmp: Path)
     t0 = time.time()
     result = _train(graph, a, tmp / f"{setting}-{seed}", a.eval_seeds)
     trained = result.evaluation["trained"]
-    gains = {t: trained[t] - warm[t] for t in GRAPHS[a.graph]["tasks"]}
+    gains = {t.name: trained[t.name] - warm[t.name] for t in base.tasks}
     print(f"  {setting:11s} seed {seed}: gains " + " ".join(f"{t}={g:+.3f}" for t, g in
                                                              gains.items())
           + f" ({time.time() - t0:.0f}s)", flush=True)
@@ -179,8 +178,7 @@ def main(argv=None) -> dict:
     quiet()
     spec = GRAPHS[a.graph]
     base, _ = rollart.load_graph(spec["graph"])
-    tasks = spec["tasks"]
-    assert tuple(t.name for t in base.tasks) == tasks, (base.tasks, tasks)
+    tasks = [t.name for t in base.tasks]
     t_all = time.time()
     runs: dict = {s: [] for s in a.settings}
     warms: list = []

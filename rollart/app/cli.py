@@ -172,11 +172,10 @@ def _report(args) -> int:
 def _status(args) -> int:
     import json
 
-    from distributed import Client
-
+    from rollart.control.prepare import open_client
     from rollart.observe.dashboard.status import fetch_state, format_status
 
-    with Client(args.scheduler, timeout=args.timeout) as client:
+    with open_client(args.scheduler, timeout=args.timeout) as client:
         state = fetch_state(client)
         if args.run:
             state = {k: v for k, v in state.items() if k == args.run}
@@ -296,6 +295,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.config.graph import GraphError
     from rollart.config.preflight import RunDirError
     from rollart.control.checkpoint import CheckpointError
+    from rollart.control.prepare import SchedulerConnectError
     from rollart.env.conversation import ConversationError
     from rollart.env.protocol import EnvOutputError
     from rollart.env.tasks import UnknownTaskError
@@ -313,7 +313,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
             FileNotFoundError, FileExistsError, LoRATargetError, CheckpointError,
             MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
-            WarmupEnvError, RewardError)
+            WarmupEnvError, RewardError, SchedulerConnectError)
 
 
 def main(argv=None) -> int:

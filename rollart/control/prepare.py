@@ -24,7 +24,8 @@ from rollart.env.tasks import task_corpus, warmup_tasks
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.runtime.resources import Resources, load_resources
 
-__all__ = ["Prepared", "connect", "new_run_dir", "override", "prepare", "prepare_model"]
+__all__ = ["Prepared", "SchedulerConnectError", "connect", "new_run_dir", "open_client", "override", "prepare",
+           "prepare_model"]
 
 
 @dataclass
@@ -63,7 +64,7 @@ def connect(resources: Resources | None, client=None, progress: bool = False):
         return
     if resources.address:
         with phase(f"connecting to {resources.address}", progress):
-            c = Client(resources.address, security=resources.security)
+            c = open_client(resources.address, security=resources.security)
         with c:
             yield c
         return
@@ -74,6 +75,34 @@ def connect(resources: Resources | None, client=None, progress: bool = False):
             cluster = resources.make_cluster()
     with cluster, Client(cluster) as c:
         yield c
+
+
+class SchedulerConnectError(ConnectionError):
+    """No client could connect to the scheduler address given (``open_client``)."""
+
+
+def open_client(address: str, **kwargs):
+    """``distributed.Client(address, **kwargs)``; one that fails says which address.
+
+    A ``Client`` whose start fails is left half-built in a reference cycle (the error's
+    traceback holds it). Its ``__del__`` stops its IO loop under ``LoopRunner``'s class
+    lock, so when the cycle collector happens to run in the *next* client's new IO loop
+    thread, that client's start (holding the same lock) waits 10 s and fails with a
+    bare ``AssertionError``. The failed one is therefore collected here, in this thread,
+    before the error is raised.
+    """
+    import gc
+
+    from distributed import Client
+
+    try:
+        return Client(address, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised below, naming the address
+        why = f"{type(e).__name__}: {e}"
+    gc.collect()
+    hint = ("" if kwargs.get("security") is not None or not address.startswith("tls://")
+            else " (a tls:// scheduler needs the resources' security=Security(...))")
+    raise SchedulerConnectError(f"cannot connect to the Dask scheduler at {address}{hint}: {why}")
 
 
 def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, bool]:

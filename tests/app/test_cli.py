@@ -288,3 +288,16 @@ def test_a_template_that_cannot_show_the_tools_ends_the_cli_cleanly(tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("rollart: error: task 'calc' declares")
     assert "tools_in_prompt=True" in err
+
+
+def test_status_of_a_scheduler_that_is_not_there_is_one_line_and_exit_2(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["status", "--scheduler", f"tcp://127.0.0.1:{port}", "--timeout", "1s"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith(f"rollart: error: cannot connect to the Dask scheduler at "
+                          f"tcp://127.0.0.1:{port}")

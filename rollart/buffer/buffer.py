@@ -236,14 +236,31 @@ class SampleBuffer:
     async def put(self, traj: Trajectory, group_size: int) -> None:
         """Add one finished trajectory of a group of ``group_size`` members. When it
         completes its group, the group is durable (journaled) before this returns."""
-        fut = None
+        (err,) = await self.put_many([(traj, group_size)])
+        if err is not None:
+            raise err
+
+    async def put_many(self, items: list[tuple[Trajectory, int]]) -> list:
+        """``put`` for several ``(trajectory, group_size)`` in one call (an env manager
+        sends those that finished while its previous call was out:
+        ``rollart.runtime.coalesce``). Each is booked as ``put`` books it; the groups
+        they completed are durable (one journal entry) before this returns. Returns, per
+        item, ``None`` or the error booking it raised; the others are booked regardless."""
+        errors: list[Exception | None] = []
+        completed = False
         async with self._condition:
-            if self._add(traj, group_size):
-                self._condition.notify_all()
-                fut = self._entry()
-            elif self.admission.take_limit() is not None:
-                self._condition.notify_all()  # a group that ended may have moved the window
+            for traj, group_size in items:
+                try:
+                    completed |= self._add(traj, group_size)
+                except Exception as e:  # noqa: BLE001 - that item's caller gets it
+                    errors.append(e)
+                else:
+                    errors.append(None)
+            fut = self._entry() if completed else None
+            if completed or self.admission.take_limit() is not None:
+                self._condition.notify_all()  # an ended group may have moved the window
         await self._durable(fut)
+        return errors
 
     async def launched(self, traj_ids: list[str]) -> None:
         """Record trajectories an env manager has started (durably, before this returns:

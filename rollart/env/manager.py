@@ -25,6 +25,8 @@ lifecycle around them:
   as ``run_group``, until the manager or the buffer closes.
 
 Every launch, delivery, cancellation and abort is reported to the buffer's ledger.
+Deliveries that finish while the previous one is on its way go to the buffer
+together, in one ``put_many`` call (``rollart.runtime.coalesce``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 
 from rollart.policy.redundancy import Redundancy
 from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
+from rollart.runtime.coalesce import Coalescer
 from rollart.runtime.handles import Handle
 from rollart.model import load_tokenizer
 from rollart.runtime.near import near
@@ -103,6 +106,9 @@ class EnvManager:
             local_reward=local_reward, conversation=conversation,
             system_prompt=system_prompt, model_path=model_path)
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
+        # finished trajectories go to the buffer in one call per batch (the buffer read
+        # at each call: set_buffer may replace it)
+        self._puts = Coalescer(lambda items: self.buffer.put_many(items))
         self._groups: dict[str, _GroupRun] = {}
         self._cleanups: set[asyncio.Task] = set()  # see _unstarted
         self._taking: asyncio.Task | None = None  # the take_work loop
@@ -265,6 +271,8 @@ class EnvManager:
         return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
                 "group_errors": len(self.group_errors), "groups_running": len(self._groups),
                 "rerouted": proxy.get("rerouted", 0),
+                # deliveries to the buffer, and the calls that carried them (put_many)
+                "put_items": self._puts.items, "put_calls": self._puts.calls,
                 "states": states, "turns": r.turns,
                 "env_step_p50": lat[len(lat) // 2] if lat else 0.0,
                 "env_step_p99": lat[int(len(lat) * 0.99)] if lat else 0.0,
@@ -400,7 +408,7 @@ class EnvManager:
             failed = traj.state == TrajState.FAILED.value  # before the buffer owns it
             grp.putting += 1
             try:
-                await self.buffer.put(traj, grp.size)
+                await self._puts((traj, grp.size))
             finally:
                 grp.putting -= 1
             self.counts["delivered"] += 1

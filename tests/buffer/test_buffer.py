@@ -140,6 +140,35 @@ def test_no_launch_after_the_run_ended():
     asyncio.run(scenario())
 
 
+def test_put_many_books_each_item_as_put_does_past_a_bad_one(tmp_path):
+    """One ``put_many`` call (how env managers deliver): every good item is booked, the
+    bad one's error is returned in its place, and the group the call completed is
+    durable when it returns (a buffer recovered from the run directory has it)."""
+    run = str(tmp_path / "run")
+
+    async def first():
+        buf = SampleBuffer(run)
+        await buf.launched(["a-0", "a-1", "b-0", "b-1"])
+        errors = await buf.put_many([(make("a", 0, 0), 2), ("not a trajectory", 2),
+                                     (make("a", 1, 0), 2), (make("b", 0, 0), 2)])
+        assert [e is None for e in errors] == [True, False, True, True]
+        assert isinstance(errors[1], AttributeError)
+        with pytest.raises(AttributeError):  # put raises its one item's error
+            await buf.put("not a trajectory", 2)
+        c = await buf.counts()
+        assert (c["received"], c["buffered"], c["in_flight"]) == (3, 3, 1), c
+        # no store.drain(): put_many returned, so the completed group is durable already
+
+    async def second():
+        buf = SampleBuffer(run, recover=True)
+        table = await buf.get_table(1, min_version=-1, timeout=5)
+        assert sorted(table.column("traj_id").to_pylist()) == ["a-0", "a-1"]
+        await buf.close()
+
+    asyncio.run(first())
+    asyncio.run(second())
+
+
 def test_taken_until_confirmed_release_and_stale_confirmations():
     from rollart.buffer.buffer import TAKE_KEY
 

@@ -467,15 +467,16 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
 
 
 class PutFailsOnce(SampleBuffer):
-    """The real buffer, but the first delivery raises (a disk full, a bug)."""
+    """The real buffer, but booking the first delivery raises (a disk full, a bug).
+    Deliveries come in ``put_many`` calls: only that one trajectory's caller hears it."""
 
-    puts = 0
+    adds = 0
 
-    async def put(self, traj, group_size):
-        self.puts += 1
-        if self.puts == 1:
+    def _add(self, traj, group_size):
+        self.adds += 1
+        if self.adds == 1:
             raise OSError("no space left on device (injected)")
-        return await super().put(traj, group_size)
+        return super()._add(traj, group_size)
 
 
 def test_a_member_that_raises_ends_its_group_with_the_error_instead_of_hanging(

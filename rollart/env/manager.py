@@ -25,8 +25,10 @@ lifecycle around them:
   as ``run_group``, until the manager or the buffer closes.
 
 Every launch, delivery, cancellation and abort is reported to the buffer's ledger.
-Deliveries that finish while the previous one is on its way go to the buffer
-together, in one ``put_many`` call (``rollart.runtime.coalesce``).
+Deliveries go to the buffer in ``put_many`` calls (``rollart.runtime.coalesce``): the
+member that fills its group at once, with whatever else is waiting; the others wait
+up to ``put_linger`` seconds (0.05) for company, so a group's members mostly travel in one
+call instead of one call each.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class EnvManager:
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int | None = None, env_threads: int = 8,
                  local_reward: bool = True, conversation: str = "auto",
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, put_linger: float = 0.05):
         self.buffer = near(buffer)
         self.runner = TrajectoryRunner(
             proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
@@ -108,7 +110,7 @@ class EnvManager:
         self._slots = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use
         # finished trajectories go to the buffer in one call per batch (the buffer read
         # at each call: set_buffer may replace it)
-        self._puts = Coalescer(lambda items: self.buffer.put_many(items))
+        self._puts = Coalescer(lambda items: self.buffer.put_many(items), linger=put_linger)
         self._groups: dict[str, _GroupRun] = {}
         self._cleanups: set[asyncio.Task] = set()  # see _unstarted
         self._taking: asyncio.Task | None = None  # the take_work loop
@@ -408,7 +410,9 @@ class EnvManager:
             failed = traj.state == TrajState.FAILED.value  # before the buffer owns it
             grp.putting += 1
             try:
-                await self._puts((traj, grp.size))
+                # the member that fills its group goes at once (the trainer waits
+                # for complete groups); the others may wait put_linger for company
+                await self._puts((traj, grp.size), urgent=grp.filled)
             finally:
                 grp.putting -= 1
             self.counts["delivered"] += 1

@@ -114,3 +114,44 @@ def test_max_items_splits_a_pile_and_a_wrong_reply_is_an_error():
     asyncio.run(main())
     with pytest.raises(ValueError, match="max_items"):
         Coalescer(Remote().send, max_items=0)
+
+
+def test_an_item_that_may_linger_waits_for_company_or_its_time():
+    async def main():
+        r = Remote()
+        r.release.set()
+        c = Coalescer(r.send, linger=60.0)
+        a = asyncio.ensure_future(c(1, urgent=False))
+        b = asyncio.ensure_future(c(2, urgent=False))
+        await _settle()
+        assert r.calls == [] and len(c) == 2  # waiting for company, not for 60 s
+        assert await c(3) == 30  # an urgent item takes them along
+        assert (await a, await b) == (10, 20) and r.calls == [[1, 2, 3]]
+
+        c = Coalescer(r.send, linger=0.05)
+        assert await asyncio.gather(c(4, urgent=False), c(5, urgent=False)) == [40, 50]
+        assert r.calls[-1] == [4, 5]  # their time was up: sent together, unprompted
+
+        c = Coalescer(r.send, max_items=2, linger=60.0)
+        assert await asyncio.gather(c(6, urgent=False), c(7, urgent=False)) == [60, 70]
+        assert r.calls[-1] == [6, 7]  # a full batch goes at once
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="linger"):
+        Coalescer(Remote().send, linger=-1)
+
+
+def test_an_item_lingering_while_a_call_is_out_goes_when_its_time_is_up():
+    async def main():
+        r = Remote()
+        c = Coalescer(r.send, linger=0.05)
+        first = asyncio.ensure_future(c(1))
+        await _settle()
+        late = asyncio.ensure_future(c(2, urgent=False))
+        await asyncio.sleep(0.2)  # its time is up while the first call is still out
+        assert r.calls == [[1]]
+        r.release.set()
+        assert (await first, await late) == (10, 20)
+        assert r.calls == [[1], [2]]
+
+    asyncio.run(main())

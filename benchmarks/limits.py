@@ -57,6 +57,10 @@ delta. Run it alone on an idle machine::
 
     flock /tmp/rollart-bench.lock python benchmarks/limits.py
     python benchmarks/limits.py --quick     # a smoke run (~2 minutes on 2 cores)
+
+``--max-in-flight 2`` runs the same with two steps' worth of groups in flight (a
+diagnostic: with one, rollout waits for the trainer to free slots; ``inflight`` in the
+RESULT line says which).
 """
 
 from __future__ import annotations
@@ -166,7 +170,8 @@ def run_graph(client, a, model: str, run_dir: Path) -> tuple:
                     policy=replace(base.policy, model=model),
                     algo=replace(base.algo, groups_per_step=a.groups or base.algo.groups_per_step,
                                  alpha=None),
-                    rollout=replace(base.rollout, inference_pools=("H800",)))
+                    rollout=replace(base.rollout, inference_pools=("H800",),
+                                    max_in_flight=a.max_in_flight))
     probe = Probe(client, graph.steps)
     with probe.installed():
         result = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
@@ -261,6 +266,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--warm-cache", default=None,
                    help="a folder to keep the warmed-up model in (default: the pipeline "
                         "benchmark's; '' = a temporary folder)")
+    p.add_argument("--max-in-flight", type=float, default=None,
+                   help="Rollout.max_in_flight for the run, in steps' worth of groups "
+                        "(default: the graph's, one step's worth): a diagnostic of how "
+                        "much the trainer's pace holds rollout back")
     add_arguments(p)
     a = p.parse_args(argv)
     for k, v in (TINY if a.tiny else QUICK if a.quick else FULL).items():
@@ -325,7 +334,8 @@ def main(argv=None) -> dict:
            "gen_len": fig["gen_len"], "context": fig["context"], "prefill": fig["prefill"],
            "window_s": fig["window_s"], "steps": graph.steps,
            "groups": graph.algo.groups_per_step, "threads_infer": t_infer,
-           "threads_train": t_train, "cores": cores}
+           "threads_train": t_train, "cores": cores,
+           "inflight": graph.rollout.max_in_flight or 1}
     details = {"forward": bare["kind"], "bare_batches": bare["batches"],
                "bare_train_s": bare_train_s, "cpu_s": shares["cpu_s"],
                "driver_cpu_s": shares["driver_cpu_s"],

@@ -290,6 +290,7 @@ def main(argv=None) -> dict:
     import rollart
     from _bare_loops import bare_generate, bare_train
     from pipeline import cached_warm_model
+    from rollart.policy.admission import slot_capacity
     from rollart.runtime.resources import usable_cores
 
     base, _ = rollart.load_graph(None)
@@ -335,7 +336,8 @@ def main(argv=None) -> dict:
            "window_s": fig["window_s"], "steps": graph.steps,
            "groups": graph.algo.groups_per_step, "threads_infer": t_infer,
            "threads_train": t_train, "cores": cores,
-           "inflight": graph.rollout.max_in_flight or 1}
+           "inflight": slot_capacity(graph.algo, graph.rollout.max_in_flight)
+                       / graph.algo.groups_per_step}
     details = {"forward": bare["kind"], "bare_batches": bare["batches"],
                "bare_train_s": bare_train_s, "cpu_s": shares["cpu_s"],
                "driver_cpu_s": shares["driver_cpu_s"],

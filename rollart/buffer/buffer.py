@@ -242,7 +242,7 @@ class SampleBuffer:
 
     async def put_many(self, items: list[tuple[Trajectory, int]]) -> list:
         """``put`` for several ``(trajectory, group_size)`` in one call (an env manager
-        sends those that finished while its previous call was out:
+        sends a group's members together: ``EnvManager(put_linger=…)``,
         ``rollart.runtime.coalesce``). Each is booked as ``put`` books it; the groups
         they completed are durable (one journal entry) before this returns. Returns, per
         item, ``None`` or the error booking it raised; the others are booked regardless."""

@@ -24,8 +24,8 @@ from rollart.env.tasks import task_corpus, warmup_tasks
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.runtime.resources import Resources, load_resources
 
-__all__ = ["Prepared", "SchedulerConnectError", "connect", "new_run_dir", "open_client", "override", "prepare",
-           "prepare_model"]
+__all__ = ["Prepared", "SchedulerConnectError", "connect", "new_run_dir", "open_client",
+           "override", "prepare", "prepare_model"]
 
 
 @dataclass

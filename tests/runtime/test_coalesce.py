@@ -30,12 +30,18 @@ async def _settle():
         await asyncio.sleep(0)
 
 
+async def _one_call_out(**options):
+    """A ``Coalescer`` over a held ``Remote`` whose first call (item 1) is out."""
+    r = Remote()
+    c = Coalescer(r.send, **options)
+    first = asyncio.ensure_future(c(1))
+    await _settle()
+    return r, c, first
+
+
 def test_items_handed_in_while_a_call_is_out_go_in_the_next_one():
     async def main():
-        r = Remote()
-        c = Coalescer(r.send)
-        first = asyncio.ensure_future(c(1))
-        await _settle()
+        r, c, first = await _one_call_out()
         assert r.calls == [[1]]  # sent at once, alone
         rest = [asyncio.ensure_future(c(x)) for x in (2, 3, 4)]
         await _settle()
@@ -81,10 +87,7 @@ def test_a_failed_call_fails_its_callers_and_the_next_call_goes_out():
 
 def test_a_cancelled_caller_s_item_is_still_sent():
     async def main():
-        r = Remote()
-        c = Coalescer(r.send)
-        out = asyncio.ensure_future(c(1))
-        await _settle()
+        r, c, out = await _one_call_out()
         gone, kept = asyncio.ensure_future(c(2)), asyncio.ensure_future(c(3))
         await _settle()
         gone.cancel()
@@ -143,10 +146,7 @@ def test_an_item_that_may_linger_waits_for_company_or_its_time():
 
 def test_an_item_lingering_while_a_call_is_out_goes_when_its_time_is_up():
     async def main():
-        r = Remote()
-        c = Coalescer(r.send, linger=0.05)
-        first = asyncio.ensure_future(c(1))
-        await _settle()
+        r, c, first = await _one_call_out(linger=0.05)
         late = asyncio.ensure_future(c(2, urgent=False))
         await asyncio.sleep(0.2)  # its time is up while the first call is still out
         assert r.calls == [[1]]

@@ -13,7 +13,10 @@ engine (``tcp`` on these machines; RDMA where available). Mooncake has no listin
 the publisher keeps the list of versions in an ``INDEX`` object, and readers claim a
 slot ``readers/{i}`` (Mooncake's ``put`` never overwrites, so the first claim wins)
 whose ``holds/{i}`` object names the version they fetch. A version being read is leased
-by Mooncake and cannot be removed until the read ends; ``gc`` retries it later.
+by Mooncake and cannot be removed until the read ends; ``gc`` retries it later. Readers
+write their claims and holds into the publisher's segment, which ``HOME`` names: placed
+anywhere, one could land in another reader's relay segment and vanish when that reader
+exits, taking the lease on a version being read with it.
 
 Relay (``relay_mb=N`` in the URL; off by default): each reading process mounts an N MiB
 segment of its own and serves the buckets it has read to the other readers of that
@@ -40,7 +43,7 @@ from urllib.parse import parse_qs, urlencode, urlparse
 
 from rollart.runtime.waits import stop_process
 from rollart.weights.relay import (DEFAULT_TIMEOUT_S, DEFAULT_WAIT_S, Relay,
-                                  extra_names, pinned_here, striped)
+                                  extra_names, pinned_here, placed_in, striped)
 from rollart.weights.store import WeightStore
 
 logger = logging.getLogger(__name__)
@@ -252,6 +255,7 @@ class MooncakeWeightStore(WeightStore):
                                 "relay_wait >= 0 and relay_timeout > 0 seconds")
         self._slots: dict[str, int] = {}  # reader -> claimed slot (this process)
         self._versions: list[int] | None = None  # the publisher's copy of INDEX
+        self._home: str | None = None  # the publisher's segment, as HOME names it
 
     def __getstate__(self):  # (pickled as the URL by WeightStore.__reduce__)
         return {"url": self.url}
@@ -351,35 +355,65 @@ class MooncakeWeightStore(WeightStore):
     def _remember(self, version: int) -> None:
         self._versions = sorted(set(self._index()) | {version})
         self._write("INDEX", json.dumps(self._versions).encode())
+        home = self._store(publisher=True).get_hostname()
+        if self._home != home:  # once per publisher client (a restarted trainer's anew)
+            self._write("HOME", home.encode())
+            self._home = home
 
     def _forget(self, version: int) -> None:
         self._versions = [v for v in self._index() if v != version]
         self._write("INDEX", json.dumps(self._versions).encode())
 
-    # -- holds: reader slots --------------------------------------------------------------
+    # -- holds: reader slots, in the publisher's segment ----------------------------------
+    def _home_config(self, refresh: bool = False):
+        """Where this process's claims and holds go: the publisher's segment (``HOME``;
+        ``None`` before anything was published: Mooncake places them)."""
+        key = (self.master, self.metadata, "publisher")
+        if key in _clients:  # this process publishes: its own segment
+            return pinned_here(_clients[key])
+        if refresh or self._home is None:
+            data = self._read("HOME")
+            self._home = data.decode() if data else None
+        return None if self._home is None else placed_in(self._home)
+
+    def _book(self, name: str, data: bytes) -> None:
+        """Upsert a reader's bookkeeping object ``name`` in the publisher's segment; an
+        upsert refused (a publisher restarted on another segment) re-reads ``HOME`` once."""
+        store, key = self._store(), self._key(name)
+        for refresh in (False, True):
+            config = self._home_config(refresh)
+            rc = store.upsert(key, data) if config is None else store.upsert(key, data, config)
+            if rc == 0:
+                return
+        raise MooncakeError(f"Mooncake upsert of {key} failed with status {rc}: a reader's "
+                            "hold that is not recorded lets gc remove the version it reads "
+                            f"(is the publisher's segment {self._home!r} full or gone?)")
+
     def _slot(self, reader: str) -> int:
         if reader in self._slots:
             return self._slots[reader]
         store = self._store()
         me = f"{reader}/{uuid.uuid4().hex}".encode()
+        config = self._home_config()
         for i in range(MAX_READERS):
             key = self._key(f"readers/{i}")
             if store.is_exist(key) == 1:
                 continue
-            store.put(key, me)  # never overwrites: the first claim of a slot wins
+            # never overwrites: the first claim of a slot wins
+            store.put(key, me) if config is None else store.put(key, me, config)
             if bytes(store.get(key)) == me:
                 self._slots[reader] = i
                 return i
         raise MooncakeError(f"more than {MAX_READERS} readers of {self.url}")
 
     def hold(self, reader: str, version: int) -> None:
-        self._store().upsert(self._key(f"holds/{self._slot(reader)}"),
-                             json.dumps({"reader": reader, "version": int(version)}).encode())
+        self._book(f"holds/{self._slot(reader)}",
+                   json.dumps({"reader": reader, "version": int(version)}).encode())
 
     def release(self, reader: str) -> None:
         if reader in self._slots:
-            self._store().upsert(self._key(f"holds/{self._slots[reader]}"),
-                                 json.dumps({"reader": reader, "version": None}).encode())
+            self._book(f"holds/{self._slots[reader]}",
+                       json.dumps({"reader": reader, "version": None}).encode())
 
     def holds(self) -> dict[str, int]:
         store = self._store()

@@ -66,15 +66,20 @@ def extra_names(name: str, max_readers: int) -> list[str]:
     return [f"{name}.r{j}" for j in range(int(max_readers))] + [f"{name}.c"]
 
 
+def placed_in(segment: str):
+    """A ``ReplicateConfig`` that places an object in the segment named ``segment``."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = segment
+    return config
+
+
 def pinned_here(client):
     """A ``ReplicateConfig`` that places an object in ``client``'s own segment (the
     publisher's buckets, a reader's replicas): unpinned, Mooncake may place it in any
     mounted segment, another reader's relay segment included."""
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    config.preferred_segment = client.get_hostname()
-    return config
+    return placed_in(client.get_hostname())
 
 
 class Relay:

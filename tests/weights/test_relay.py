@@ -209,6 +209,54 @@ def test_versions_are_published_in_the_publishers_segment_even_just_after_a_read
         finish(reader)
 
 
+# readers without a segment of their own: each claims a slot and holds a version, then
+# waits until told to exit
+HOLDER = """
+import json, sys
+from rollart.weights import WeightStore
+store, version, n = WeightStore(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    store.hold(f"holder-{i}", version)
+print(json.dumps({"slots": store._slots}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_readers_claims_and_holds_live_in_the_publishers_segment(master):
+    """A reader's slot claim and hold go to the publisher's segment (``HOME``), never to
+    a relaying reader's segment: there they vanished with that reader, and with a hold
+    gone, gc could remove the version being read. Unpinned, Mooncake spread the eight
+    readers' sixteen objects over both mounted segments."""
+    url = master.url("home", segment_mb=64, buffer_mb=16, relay_mb=32, relay_wait=1,
+                     relay_timeout=5)
+    trainer = WeightStore(url)
+    publish(trainer, 1, state(6), buckets=2)
+    client = trainer._store(publisher=True)
+    relay = start(url, 1, 0)
+    try:
+        result(relay)  # its relay segment is mounted (and it holds slot 0: it read)
+        plain = master.url("home", segment_mb=64, buffer_mb=16)  # the prefix, no relay
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, plain, "1", "8"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            slots = result(holder)["slots"]
+            keys = [trainer._key(f"{kind}/{i}") for i in slots.values()
+                    for kind in ("readers", "holds")]
+            placed = {key: {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                            for r in client.get_replica_desc(key) if r.is_memory_replica()}
+                      for key in keys}
+            assert all(p == {client.get_hostname()} for p in placed.values()), placed
+            relay.send_signal(signal.SIGKILL)  # its segment goes, the holds stay
+            relay.wait()
+            assert {r: v for r, v in trainer.holds().items() if r.startswith("holder-")} \
+                == {f"holder-{i}": 1 for i in range(8)}
+        finally:
+            finish(holder)
+    finally:
+        finish(relay)
+
+
 def test_a_relay_killed_while_a_reader_pulls_through_it(master):
     """The reader's first bucket comes from the relay; then the relay's process is
     killed: the rest comes from the origin, each counted as a fallback, and the reader

@@ -41,10 +41,10 @@ CLASSES = [
      "`Graph.algo`: the optimisation settings (`--set algo.FIELD=...`)."),
     ("Rollout", "rollart/config/graph.py", "Rollout",
      "`Graph.rollout`: where and how trajectories run (`--set rollout.FIELD=...`)."),
-    ("LoRA", "rollart/config/graph.py", "LoRA",
+    ("LoRA", "rollart/config/training.py", "LoRA",
      "`Policy.lora`: low-rank adapters instead of full fine-tuning "
      "(`--set policy.lora.rank=16`)."),
-    ("TrainerParallel", "rollart/config/graph.py", "TrainerParallel",
+    ("TrainerParallel", "rollart/config/training.py", "TrainerParallel",
      "`Policy.trainer_parallel`: how a trainer gang of N TRAIN workers is laid out, "
      "tensor x data parallel (`--set policy.trainer_parallel.tp=2`)."),
     ("Resources", "rollart/runtime/resources.py", "Resources",

@@ -88,7 +88,7 @@ class _Lost:
 
 
 class Supervisor:
-    """Replaces lost actors of ``actors`` (a ``rollart.control.stages.Actors``) in place, each
+    """Replaces lost actors of ``actors`` (a ``rollart.control.actors.Actors``) in place, each
     from its role's spec (``stages``, a ``rollart.control.stages.Stages``)."""
 
     def __init__(self, stages, actors, *, checkpoint_url: str | None = None,

@@ -461,6 +461,9 @@ def test_a_group_that_ends_in_error_in_take_work_is_counted_in_the_run_metrics(
     # count of complete groups is no check: the errored group's slot goes to a third
     # group, which may complete before this read on a fast machine)
     assert buf.counts().result()["in_flight"] >= 1
+    # and the group that ended is that one, with the error that ended it
+    assert any(e.startswith("group g000001:") and "AccountingError" in e
+               for e in buf.recent_errors().result()), buf.recent_errors().result()
     buf.close().result()
     loop.result(timeout=30)
     mgr.close().result()

@@ -24,11 +24,18 @@ over their KV after a swap, nothing is re-prefilled.
 The same run is made without publishing (the trainer computes identically, the worker
 never updates): the baseline. All runs are measured side by side in one invocation over
 the same window (from the trainer's first step to the end of its last), in the order
-baseline, fsspec, fsspec keep, Mooncake, LoRA per ``--lora`` rank (fsspec, target
-"auto": every linear layer but the head), baseline; the baseline is the mean of its two
-runs. Per store, mode or rank:
+baseline, fsspec, fsspec keep, Mooncake idle, Mooncake, LoRA per ``--lora`` rank
+(fsspec, target "auto": every linear layer but the head), baseline; the baseline is the
+mean of its two runs. Per store, mode or rank:
 
     stall_<run> = 1 − decode tokens/s with updates ÷ decode tokens/s without
+
+The baselines' worker watches a folder (fsspec). "Mooncake idle" is a baseline on
+Mooncake: the same run, publishing nothing, its worker watching a Mooncake store (that
+store holds version 0, as every run's does). It splits Mooncake's stall in two: what
+watching Mooncake costs (``stall_mooncake_idle``, against the baseline) and what its
+updates cost (``stall_mooncake_updates``, against the idle run), the second comparable
+with ``stall_fsspec``.
 
 Mooncake is a local ``mooncake_master`` with trainer and reader in different processes
 over its TCP transfer engine; fsspec a local folder.
@@ -60,7 +67,11 @@ run's, the default mode) and ``stall_keep`` (the keep run's), side by side;
 ``tok_s_keep``, ``tok_s_mooncake``, ``tok_s_lora<r>``; ``engine_stall_ms_<run>`` (per
 update, swap + KV recompute as the engine counts it), ``recompute_tokens_<run>`` (per
 update, context tokens re-prefilled: 0 for keep), ``fetch_s_<run>`` (per update, the
-prefetch the worker hid), ``put_s_<run>``, ``swaps_<run>``; ``bytes_full``, ``bytes_lora<r>`` (bytes published
+prefetch the worker hid), ``put_s_<run>``, ``swaps_<run>``; ``stall_mooncake_idle``,
+``tok_s_mooncake_idle``, ``stall_mooncake_updates`` (above); ``watch_ms_<run>`` and
+``watch_cpu_ms_<run>`` (per look at the store's newest version: wall time, and the
+prefetch thread's CPU in it) and ``watches_s_<run>`` (looks per second) for ``base_a``,
+``fsspec``, ``mooncake_idle`` and ``mooncake``; ``bytes_full``, ``bytes_lora<r>`` (bytes published
 per version), ``bytes_ratio_lora<r>`` (adapter ÷ full; the goal is ≤ 0.05);
 ``trainer_step_s`` (full, median), ``trainer_step_s_lora<r>``;
 ``rss_peak_mib_<full|lora<r>>``, ``rss_train_mib_<full|lora<r>>``; ``model_mib``,
@@ -353,6 +364,11 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
             "put_s": sum(r["put_s"] for r in rows) / n,
             "step_s": sorted(r["step_s"] for r in rows)[len(rows) // 2],
             "swaps_in_window": after["version"] - before["version"], "wall_s": wall,
+            "watches_s": (after["watches"] - before["watches"]) / wall,
+            "watch_ms": 1000 * (after["watch_seconds"] - before["watch_seconds"])
+            / max(after["watches"] - before["watches"], 1),
+            "watch_cpu_ms": 1000 * (after["watch_cpu_seconds"] - before["watch_cpu_seconds"])
+            / max(after["watches"] - before["watches"], 1),
             "bytes": sum(r["bytes"] for r in rows) / n,
             "rss_peak_mib": memory["rss_peak_kib"] / 1024,
             "rss_train_mib": (memory["rss_peak_kib"] - memory["rss_loaded_kib"]) / 1024}
@@ -385,6 +401,11 @@ async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: in
         await run("keep", "keep", full, str(tmp / "w-keep"), True, weight_update="keep")
         with MooncakeMaster() as master:
             buf = max(64, int(mb * 2) + 16)
+            # watching a Mooncake store, publishing nothing: the baseline's run on
+            # Mooncake (the baselines watch a folder), so that what updates cost on
+            # Mooncake is told apart from what watching it costs
+            await run("mc idle", "mooncake_idle", full, master.url(
+                "bench-idle", segment_mb=buf * 5, buffer_mb=buf), False)
             await run("mooncake", "mooncake", full, master.url(
                 "bench", segment_mb=buf * 5, buffer_mb=buf), True)
         for rank in ranks:
@@ -425,6 +446,13 @@ def results(out: dict, ranks: list[int]) -> dict:
               "stall_keep": 1 - out["keep"]["tok_s"] / base,
               "tok_s_base": base, "tok_s_base_a": out["base_a"]["tok_s"],
               "tok_s_base_b": out["base_b"]["tok_s"]}
+    idle = out["mooncake_idle"]["tok_s"]
+    fields.update({"stall_mooncake_idle": 1 - idle / base, "tok_s_mooncake_idle": idle,
+                   "stall_mooncake_updates": 1 - out["mooncake"]["tok_s"] / idle})
+    for s in ("base_a", "fsspec", "mooncake_idle", "mooncake"):
+        fields.update({f"watch_ms_{s}": out[s]["watch_ms"],
+                       f"watch_cpu_ms_{s}": out[s]["watch_cpu_ms"],
+                       f"watches_s_{s}": out[s]["watches_s"]})
     for s in ("fsspec", "keep", "mooncake"):
         fields.update({f"tok_s_{s}": out[s]["tok_s"],
                        f"engine_stall_ms_{s}": out[s]["engine_stall_ms"],

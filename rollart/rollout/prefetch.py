@@ -56,12 +56,17 @@ class WeightPrefetch:
     def _look(self) -> None:
         """Watch the store (prefetch thread): a version newer than held or asked for is
         wanted now; one that failed to load is tried again after ``retry_after`` s."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             latest = self._open_store().latest()
             self._watch_error = None
         except Exception as exc:  # noqa: BLE001 - reported in stats(), tried again
             self._watch_error = f"reading the store's latest version: {exc!r}"
             return
+        finally:  # what watching costs (the weight-sync benchmark compares the stores)
+            self.watches += 1
+            self.watch_seconds += time.perf_counter() - t0
+            self.watch_cpu_seconds += time.thread_time() - c0
         self._latest_seen = latest
         with self._cond:
             err = self._load_error

@@ -125,6 +125,8 @@ class InferenceWorker(WeightPrefetch):
         self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
         self.prefetch_seconds = 0.0
+        # the watch: latest() calls, their wall time and the prefetch thread's CPU in them
+        self.watches, self.watch_seconds, self.watch_cpu_seconds = 0, 0.0, 0.0
         self.abandoned = 0  # requests aborted (queued or mid-generation) by their caller
         self._live: dict[str, _Pending] = {}  # request_id -> queued or generating request
         self._kv_held: dict = {}  # key -> Dask Future of a KVHandoff made here
@@ -277,6 +279,9 @@ class InferenceWorker(WeightPrefetch):
             "stall_seconds": eng.stall_seconds,
             "prefetch_seconds": self.prefetch_seconds,
             "prefetches": self.prefetches,
+            "watches": self.watches,
+            "watch_seconds": self.watch_seconds,
+            "watch_cpu_seconds": self.watch_cpu_seconds,
             "streamed": self.streamed,
             "weights_mixed": getattr(eng, "mixed", None) is not None,
             **self._transfer_stats(),

@@ -156,6 +156,16 @@ def test_weight_sync_tiny():
                             rel_tol=0.01, abs_tol=1e-3)
         assert r[f"put_s_{s}"] > 0  # the trainer did publish to this store
     assert r["engine_stall_ms_lora8"] >= 0 and r["swaps_lora8"] >= 0
+    # Mooncake's stall split: watching it (idle run against the baseline), its updates
+    # (against the idle run); every run watched its store
+    assert math.isclose(r["stall_mooncake_idle"], 1 - r["tok_s_mooncake_idle"] / r["tok_s_base"],
+                        rel_tol=0.01, abs_tol=1e-3)
+    assert math.isclose(r["stall_mooncake_updates"],
+                        1 - r["tok_s_mooncake"] / r["tok_s_mooncake_idle"],
+                        rel_tol=0.01, abs_tol=1e-3)
+    for s in ("base_a", "fsspec", "mooncake_idle", "mooncake"):
+        assert r[f"watches_s_{s}"] > 0 and r[f"watch_ms_{s}"] > 0, (s, r)
+        assert r[f"watch_cpu_ms_{s}"] >= 0, (s, r)
     # the adapter alone is published: fewer bytes than every weight
     assert 0 < r["bytes_lora8"] < r["bytes_full"]
     assert math.isclose(r["bytes_ratio_lora8"], r["bytes_lora8"] / r["bytes_full"],

@@ -68,7 +68,7 @@ class TestInferenceWorker:
         for key in ("address", "pool", "version", "tokens_generated", "batches", "busy_seconds",
                     "queued", "in_flight", "mean_batch_size", "decode_steps", "pending_version",
                     "suspends", "recompute_tokens", "stall_seconds", "prefetch_seconds",
-                    "weight_update"):
+                    "weight_update", "watches", "watch_seconds", "watch_cpu_seconds"):
             assert key in stats
         assert stats["pool"] == "H800" and stats["queued"] == 0 and stats["in_flight"] == 0
 
@@ -275,10 +275,14 @@ def test_worker_finds_new_versions_in_the_store_and_reports_one_it_cannot_load(m
         assert len((await w.generate(requests(1)[0])).token_ids) == 6  # still serving
         store.put(3, perturbed(engine, seed=3))
         st = await until(w, lambda s: s["version"] == 3)
+        # each of the three versions was found by a look, each look timed
+        assert st["watches"] >= 3 and st["watch_seconds"] > 0, st
         await w.close()
         # without a watch, one who waits for a version makes the worker look for it
         lazy = InferenceWorker(model_dir, store.url, pool="H20", watch=None)
+        assert (await lazy.stats())["watches"] == 0
         assert await lazy.wait_version(3, timeout=30) == 3
+        assert (await lazy.stats())["watches"] >= 1
         await lazy.close()
         return st
 

@@ -289,6 +289,30 @@ def test_worker_finds_new_versions_in_the_store_and_reports_one_it_cannot_load(m
     assert asyncio.run(scenario())["prefetches"] == 2
 
 
+def test_the_watch_looks_at_its_interval_however_many_requests_come(model_dir, tmp_path):
+    """Every request submitted wakes the prefetch thread; the watch still reads the store
+    once per ``watch`` seconds (it read it at each wake-up: as many store reads as
+    requests, on Mooncake each a master round trip and a read from the trainer's
+    segment)."""
+    store = WeightStore(str(tmp_path / "w"))
+
+    async def scenario():
+        w = InferenceWorker(model_dir, store.url, pool="H20", watch=0.2)
+        t0, sent = time.monotonic(), 0
+        while time.monotonic() - t0 < 1.5 or (await w.stats())["watches"] < 2:
+            assert time.monotonic() - t0 < 60, "the watch did not look twice in 60 s"
+            await asyncio.gather(*(w.generate(r) for r in requests(4, tokens=2)))
+            sent += 4
+        st = await w.stats()
+        elapsed = time.monotonic() - t0
+        await w.close()
+        return st, sent, elapsed
+
+    st, sent, elapsed = asyncio.run(scenario())
+    # at most one look per 0.2 s (and the first at once), far fewer than the requests
+    assert 2 <= st["watches"] <= elapsed / 0.2 + 2 < sent, (st["watches"], sent, elapsed)
+
+
 def test_abort_frees_the_row_and_short_requests_do_not_wait_for_long_ones(model_dir, tmp_path):
     """Continuous batching on the actor: a short request joining a long batch returns
     while the long ones still decode; an aborted request (queued or generating) returns

@@ -163,9 +163,11 @@ def test_weight_sync_tiny():
     assert math.isclose(r["stall_mooncake_updates"],
                         1 - r["tok_s_mooncake"] / r["tok_s_mooncake_idle"],
                         rel_tol=0.01, abs_tol=1e-3)
+    # looks at the store are timed (a window this short may hold none: the watch looks
+    # once per 0.25 s; its rate is tested in tests/rollout/test_inference_worker.py)
     for s in ("base_a", "fsspec", "mooncake_idle", "mooncake"):
-        assert r[f"watches_s_{s}"] > 0 and r[f"watch_ms_{s}"] > 0, (s, r)
-        assert r[f"watch_cpu_ms_{s}"] >= 0, (s, r)
+        assert r[f"watches_s_{s}"] >= 0 and r[f"watch_cpu_ms_{s}"] >= 0, (s, r)
+        assert (r[f"watch_ms_{s}"] > 0) == (r[f"watches_s_{s}"] > 0), (s, r)
     # the adapter alone is published: fewer bytes than every weight
     assert 0 < r["bytes_lora8"] < r["bytes_full"]
     assert math.isclose(r["bytes_ratio_lora8"], r["bytes_lora8"] / r["bytes_full"],

@@ -260,10 +260,14 @@ class MooncakeWeightStore(WeightStore):
     def __getstate__(self):  # (pickled as the URL by WeightStore.__reduce__)
         return {"url": self.url}
 
+    def _publisher(self):
+        """This process's publisher client of the store, if it publishes here."""
+        return _clients.get((self.master, self.metadata, "publisher"))
+
     def _store(self, publisher: bool = False):
-        key = (self.master, self.metadata, "publisher")
-        if not publisher and key in _clients:  # a publisher process reads through it too
-            return _clients[key]
+        here = self._publisher()
+        if not publisher and here is not None:  # a publisher process reads through it too
+            return here
         if publisher:
             return _client(self.master, self.metadata, "publisher", self.segment_mb,
                            self.buffer_mb)
@@ -276,7 +280,7 @@ class MooncakeWeightStore(WeightStore):
     def relay(self) -> Relay | None:
         """This process's relay (``relay_mb`` in the URL), or ``None``: off, or this
         process publishes (its reads are the origin's own)."""
-        if not self.relay_mb or (self.master, self.metadata, "publisher") in _clients:
+        if not self.relay_mb or self._publisher() is not None:
             return None
         if self.__dict__.get("_relay") is None:
             self._relay = Relay(self, self._store(), max_readers=MAX_READERS,
@@ -367,22 +371,21 @@ class MooncakeWeightStore(WeightStore):
     # -- holds: reader slots, in the publisher's segment ----------------------------------
     def _home_config(self, refresh: bool = False):
         """Where this process's claims and holds go: the publisher's segment (``HOME``;
-        ``None`` before anything was published: Mooncake places them)."""
-        key = (self.master, self.metadata, "publisher")
-        if key in _clients:  # this process publishes: its own segment
-            return pinned_here(_clients[key])
+        before anything was published, where Mooncake places them)."""
+        here = self._publisher()
+        if here is not None:  # this process publishes: its own segment
+            return pinned_here(here)
         if refresh or self._home is None:
             data = self._read("HOME")
             self._home = data.decode() if data else None
-        return None if self._home is None else placed_in(self._home)
+        return placed_in(self._home)
 
     def _book(self, name: str, data: bytes) -> None:
         """Upsert a reader's bookkeeping object ``name`` in the publisher's segment; an
         upsert refused (a publisher restarted on another segment) re-reads ``HOME`` once."""
         store, key = self._store(), self._key(name)
         for refresh in (False, True):
-            config = self._home_config(refresh)
-            rc = store.upsert(key, data) if config is None else store.upsert(key, data, config)
+            rc = store.upsert(key, data, self._home_config(refresh))
             if rc == 0:
                 return
         raise MooncakeError(f"Mooncake upsert of {key} failed with status {rc}: a reader's "
@@ -399,8 +402,7 @@ class MooncakeWeightStore(WeightStore):
             key = self._key(f"readers/{i}")
             if store.is_exist(key) == 1:
                 continue
-            # never overwrites: the first claim of a slot wins
-            store.put(key, me) if config is None else store.put(key, me, config)
+            store.put(key, me, config)  # never overwrites: the first claim of a slot wins
             if bytes(store.get(key)) == me:
                 self._slots[reader] = i
                 return i

@@ -66,12 +66,14 @@ def extra_names(name: str, max_readers: int) -> list[str]:
     return [f"{name}.r{j}" for j in range(int(max_readers))] + [f"{name}.c"]
 
 
-def placed_in(segment: str):
-    """A ``ReplicateConfig`` that places an object in the segment named ``segment``."""
+def placed_in(segment: str | None):
+    """A ``ReplicateConfig`` that places an object in the segment named ``segment``
+    (``None``: Mooncake's default, any mounted segment)."""
     from mooncake.store import ReplicateConfig
 
     config = ReplicateConfig()
-    config.preferred_segment = segment
+    if segment is not None:
+        config.preferred_segment = segment
     return config
 
 

@@ -357,6 +357,7 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
     await trainer.send("done")
     memory = json.loads(await trainer.line())  # the trainer process's, so far
     n = max(updates, 1)
+    looks = after["watches"] - before["watches"]  # at the store, in the window
     return {"tok_s": (after["tokens_generated"] - before["tokens_generated"]) / wall,
             "engine_stall_ms": 1000 * (after["stall_seconds"] - before["stall_seconds"]) / n,
             "recompute_tokens": (after["recompute_tokens"] - before["recompute_tokens"]) / n,
@@ -364,11 +365,11 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
             "put_s": sum(r["put_s"] for r in rows) / n,
             "step_s": sorted(r["step_s"] for r in rows)[len(rows) // 2],
             "swaps_in_window": after["version"] - before["version"], "wall_s": wall,
-            "watches_s": (after["watches"] - before["watches"]) / wall,
+            "watches_s": looks / wall,
             "watch_ms": 1000 * (after["watch_seconds"] - before["watch_seconds"])
-            / max(after["watches"] - before["watches"], 1),
+            / max(looks, 1),
             "watch_cpu_ms": 1000 * (after["watch_cpu_seconds"] - before["watch_cpu_seconds"])
-            / max(after["watches"] - before["watches"], 1),
+            / max(looks, 1),
             "bytes": sum(r["bytes"] for r in rows) / n,
             "rss_peak_mib": memory["rss_peak_kib"] / 1024,
             "rss_train_mib": (memory["rss_peak_kib"] - memory["rss_loaded_kib"]) / 1024}

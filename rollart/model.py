@@ -333,6 +333,15 @@ def _check_config(path: str) -> None:
         raise ModelFolderError(f"model folder {path!r}: config.json has no model_type; it is "
                                "not a transformers model config (save it with "
                                "save_pretrained)")
+    quant = config.get("quantization_config")
+    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
+    if method == "gguf":  # transformers refuses to save such a model: the first checkpoint would fail
+        raise ModelFolderError(
+            f"model folder {path!r}: config.json says quantization_config.quant_method = "
+            "'gguf', and transformers refuses to save a model loaded from it, so the run's "
+            "first checkpoint would fail: convert the .gguf file with `rollart model convert "
+            "FILE.gguf DIR` (rollart.pretrained.convert_gguf), or delete quantization_config "
+            "from config.json if the weights in the folder are plain")
 
 
 def _check_safetensors(path: str, names: set) -> None:

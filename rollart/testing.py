@@ -255,3 +255,111 @@ def check_run_record(result) -> None:
         {s: final[s] for s in ("dropped", "lost_in_step")}, (rows, final)
     assert rows["failed"] == final["failed"] - final["orphaned"], (rows, final)
     assert final["trained"] == len(ids) == sum(r["trainer/batch_size"] for r in result.metrics)
+
+
+# -- a GGUF chat model ---------------------------------------------------------------------
+#: SmolLM2-Instruct's chat template as its GGUF file carries it (ChatML; a default system
+#: line; no tools): the family ``rollart.pretrained``'s known model belongs to
+SMOLLM_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def tiny_llama(vocab: int, hidden_size: int = 32, eos_token_id: int = 2, seed: int = 0):
+    """A tiny Llama causal LM (2 layers, 4 query heads over 2 key/value heads, tied
+    embeddings), initialised from ``seed``: SmolLM2's architecture at toy size."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True,
+                         rope_theta=10000.0, bos_token_id=1, eos_token_id=eos_token_id,
+                         pad_token_id=eos_token_id)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def write_tiny_gguf(path, template: str | None = SMOLLM_TEMPLATE, seed: int = 0):
+    """Write a tiny Llama chat model as a GGUF file the way llama.cpp's converter lays one
+    out (a byte-level BPE vocabulary with ChatML specials, f32 tensors under GGUF names,
+    the query and key rows permuted for its rope); returns ``(path, model, tokenizer)``,
+    the model and tokenizer it was written from, to check a conversion against."""
+    import gguf
+    import numpy as np
+
+    tok = bpe_tokenizer(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                        template=template, eos="<|im_end|>", pad="<|im_end|>")
+    vocab = len(tok)
+    model = tiny_llama(vocab, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), seed=seed)
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("rollart tiny llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(vocab)
+    backend = json_model(tok)
+    ids = sorted(backend["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in ids]
+    for added in tok.backend_tokenizer.get_added_tokens_decoder().values():
+        if added.content not in backend["vocab"]:
+            tokens.append(added.content)
+    specials = {t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values()}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in backend["merges"]])
+    w.add_bos_token_id(tok.convert_tokens_to_ids("<|im_start|>"))
+    w.add_eos_token_id(tok.convert_tokens_to_ids("<|im_end|>"))
+    w.add_pad_token_id(tok.convert_tokens_to_ids("<|im_end|>"))
+    w.add_add_bos_token(False)
+    if template:
+        w.add_chat_template(template)
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+
+    def permute(x, n):  # llama.cpp's layout of q/k rows (transformers undoes it on load)
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    for name, tensor in model.state_dict().items():
+        if name not in names:
+            continue  # lm_head: tied to the embeddings
+        x = tensor.detach().float().numpy().astype(np.float32)
+        if ".attn_q." in names[name]:
+            x = permute(x, heads)
+        elif ".attn_k." in names[name]:
+            x = permute(x, kv_heads)
+        w.add_tensor(names[name], np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path), model, tok
+
+
+def json_model(tokenizer) -> dict:
+    """The ``model`` section of a fast tokenizer's JSON (its vocabulary and merges)."""
+    import json
+
+    return json.loads(tokenizer.backend_tokenizer.to_str())["model"]

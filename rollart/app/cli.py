@@ -120,6 +120,26 @@ def _eval(args) -> int:
     return 0
 
 
+def _model(args) -> int:
+    """``rollart model fetch NAME`` / ``rollart model convert FILE.gguf [DIR]``: the folder."""
+    quiet(False)
+    from rollart import pretrained
+
+    if args.action == "fetch":
+        name = args.source
+        if name not in pretrained.KNOWN:
+            raise pretrained.PretrainedError(f"unknown model {name!r}: the known ones are "
+                                             f"{', '.join(pretrained.KNOWN)}")
+        print(f"{name}: {pretrained.KNOWN[name].about}", file=sys.stderr)
+        out = pretrained.fetch(name, args.cache)
+    else:
+        out = (pretrained.convert_gguf(args.source, args.out) if args.out
+               else pretrained.resolve_model(args.source if args.source.lower().endswith(
+                   ".gguf") else args.source + ".gguf"))
+    print(out)
+    return 0
+
+
 def _export(args) -> int:
     from pathlib import Path
 
@@ -210,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resources", default=None,
                    help="resources file, name in resources/, or a scheduler address")
     t.add_argument("--steps", type=int, default=None, help="trainer steps")
-    t.add_argument("--model", default=None, help="a Hugging Face model folder on disk")
+    t.add_argument("--model", default=None, help="a Hugging Face model folder on disk, a "
+                   ".gguf chat model, or a known name (smollm2-135m-instruct: fetched and "
+                   "converted on first use)")
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--mode", choices=MODES, default=None,
                    help="async (default: trajectory-level, bounded staleness), areal "
@@ -264,6 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run directory (its model/) or a model or adapter folder")
     x.add_argument("--merged", required=True, metavar="DIR", help="the folder to write")
     x.set_defaults(func=_export)
+    mo = sub.add_parser("model", help="get a real pretrained model as a folder rollart "
+                        "trains: fetch a known one, or convert a GGUF chat model")
+    mo.add_argument("action", choices=("fetch", "convert"))
+    mo.add_argument("source", metavar="NAME_OR_GGUF",
+                    help="fetch: a known name (smollm2-135m-instruct); convert: a .gguf file")
+    mo.add_argument("out", nargs="?", default=None, metavar="DIR",
+                    help="convert: the folder to write (default: the model cache)")
+    mo.add_argument("--cache", default=None, help="fetch: the cache folder (default "
+                    "$ROLLART_MODEL_CACHE or ~/.cache/rollart/models)")
+    mo.set_defaults(func=_model)
     sm = sub.add_parser("samples", help="print a run's latest trajectories, decoded turn "
                         "by turn")
     sm.add_argument("run", help="run directory")

@@ -45,7 +45,9 @@ def evaluate_target(target, graph=None, seeds: int = 64) -> dict:
     from rollart.config.graph import load_graph
     from rollart.model import check_model_folder
 
-    target = Path(target)
+    from rollart.pretrained import resolve_model
+
+    target = Path(target) if is_run_dir(Path(target)) else Path(resolve_model(str(target)))
     model = target / "model" if is_run_dir(target) else target
     check_model_folder(str(model))  # before the graph: "not a model" is the error to see
     if is_run_dir(target):

@@ -124,7 +124,12 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
 
         model_path, warm = adapter_base(prep.ckpt.model_dir) or prep.ckpt.model_dir, False
     else:
-        with phase("preparing the model", progress and not (model or graph.policy.model)):
+        from rollart.pretrained import needs_conversion
+
+        given = model or graph.policy.model
+        what = (f"preparing {given} (fetched and converted once, then cached)" if given
+                else "preparing the model")
+        with phase(what, progress and (not given or needs_conversion(given))):
             model_path, warm = prepare_model(graph, run_dir, model)
     check_templates(graph, model_path)  # what its chat template cannot do: fail or fold now
     if graph.policy.lora is not None:  # its targets against the model's layers, now

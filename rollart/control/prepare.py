@@ -106,8 +106,12 @@ def open_client(address: str, **kwargs):
 
 
 def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, bool]:
-    """The model folder to train and whether it needs the format warm-up."""
-    path = model or graph.policy.model
+    """The model folder to train and whether it needs the format warm-up. ``model`` (or
+    ``Policy.model``) is a folder, a ``.gguf`` file or a known name such as
+    ``smollm2-135m-instruct`` (``rollart.pretrained.resolve_model``)."""
+    from rollart.pretrained import resolve_model
+
+    path = resolve_model(model or graph.policy.model)  # a known name or a .gguf: converted once
     if path:
         check_model_folder(path)
         return str(path), False

@@ -277,7 +277,7 @@ def tiny_llama(vocab: int, hidden_size: int = 32, eos_token_id: int = 2, seed: i
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
                          rope_theta=10000.0, bos_token_id=1, eos_token_id=eos_token_id,
                          pad_token_id=eos_token_id)
     torch.manual_seed(seed)

@@ -49,6 +49,7 @@ class Arrivals:
         self._orphans: set[str] = set()
         self.streak = 0  # failed arrivals since the last good one
         self._errors: deque[str] = deque(maxlen=5)
+        self._first: dict[str, str] = {}  # per task, what its first failed trajectory said
         self._tasks: dict[str, Counter] = {}
 
     def ignore(self, traj_id: str) -> bool:
@@ -82,12 +83,19 @@ class Arrivals:
         if failed:
             self.streak += 1
             self._errors.append(f"{traj.task} {traj.traj_id}: {traj.error or 'failed'}")
+            if traj.error:
+                self._first.setdefault(traj.task, traj.error)
         else:
             self.streak = 0
 
     def error(self, why: str) -> None:
         """A failure that is no arrival (a group's run raised)."""
         self._errors.append(why)
+
+    def first_errors(self) -> dict[str, str]:
+        """Per task whose trajectories failed with an error, the first error's text (the
+        driver names it in one console line as soon as it sees it)."""
+        return dict(self._first)
 
     def errors(self) -> list[str]:
         """What the latest failures said, newest last (at most 5)."""

@@ -496,6 +496,7 @@ class SampleBuffer:
             **self._counts_now(),
             **self.groups.figures(),
             "tasks": self.arrivals.tasks(),  # per task: rollart.buffer.arrivals.TASK_COUNTS
+            "first_errors": self.arrivals.first_errors(),  # per task: its first failure's text
             "taken_steps": self.taken.steps(),
             "waiters": self._waiters,
             "pending_rows": self.store.pending_rows,

@@ -140,6 +140,24 @@ def test_a_run_that_cannot_progress_stops_with_the_reason(local_cluster, tmp_pat
         Rollout(**{knob: -1})
 
 
+def test_a_failing_task_is_named_at_its_first_failure(local_cluster, tmp_path, caplog):
+    """A task whose every trajectory raises, beside one that works: one console line
+    names it with the error's text during the first step (not steps later, under
+    another reason), and the run goes on with the other task."""
+    broken = with_faults("boxpush", Faults(fail_prob=1.0, seed=0))
+    graph = replace(_graph("async", failure_streak_limit=0), steps=1,
+                    tasks=("gridnav", broken), policy=Policy(warmup_steps=0))
+    with caplog.at_level("WARNING", logger="rollart.control.modes.base"):
+        result = train(graph, client=local_cluster, run_dir=tmp_path / "named",
+                       progress=False, eval_seeds=0)
+    named = [r.getMessage() for r in caplog.records
+             if "a trajectory failed" in r.getMessage()]
+    assert len(named) == 1, named  # once per task, however often it fails
+    assert named[0].startswith("task 'boxpush': a trajectory failed: ")
+    assert "injected failure" in named[0]
+    assert [r["step"] for r in result.metrics] == [1]
+
+
 class FailsOnEvenSeeds(GridNavEnv):
     """Every member of a group shares its seed: even-seeded groups fail whole."""
 

@@ -60,6 +60,7 @@ class Pipeline(abc.ABC):
         self.errors: list[str] = []
         self.watchdog = Watchdog.for_graph(graph, time.monotonic())
         self._checked = 0.0  # last watchdog look (check_failures)
+        self._named: set[str] = set()  # tasks whose first failure was named in the console
         self.refilled_groups = 0  # lockstep modes: groups re-run after all members failed
         self.restarted_groups = 0  # lockstep modes: groups restarted after a lost manager
         self.trainer_recoveries = 0
@@ -118,10 +119,13 @@ class Pipeline(abc.ABC):
         """Stop a run that cannot progress (the rules: ``rollart.policy.watchdog``):
         ``FailureStormError`` or ``StallError``, checked at most every ``every`` s."""
         dog, now = self.watchdog, time.monotonic()
-        if not (dog.stall or dog.streak_limit) or now - self._checked < every:
+        if now - self._checked < every:
             return
         self._checked = now
         snap = self.fleet.sample(managers=False, workers=bool(dog.stall))
+        self.name_failures(snap.buffer)
+        if not (dog.stall or dog.streak_limit):
+            return
         why = dog.stalled(snap.buffer, snap.worker_versions() if dog.stall else None, now)
         if why:
             from rollart.control.supervisor import StallError
@@ -138,6 +142,18 @@ class Pipeline(abc.ABC):
             f"{dog.streak_limit}). Latest errors:\n  " + "\n  ".join(errors) + "\nFix the "
             "env, reward or inference pool they point at, then resume from the last "
             "checkpoint (rollart train --resume RUN).")
+
+    def name_failures(self, buffer: dict) -> None:
+        """One console line per task at its first trajectory that failed with an error,
+        with what the error said (``SampleBuffer.stats``' ``first_errors``): a task that
+        fails is named when it first does, not steps later under another reason."""
+        for task, error in sorted((buffer.get("first_errors") or {}).items()):
+            if task not in self._named:
+                self._named.add(task)
+                first = str(error).strip().splitlines()[0] if str(error).strip() else "?"
+                logger.warning("task %r: a trajectory failed: %s (its first failure; "
+                               "failed ones are counted as traj/failed/%s)", task,
+                               first[:400], task)
 
     # -- the trainer step -------------------------------------------------------------
     def train(self, step: int, while_waiting=None) -> dict:

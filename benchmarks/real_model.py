@@ -1,0 +1,128 @@
+"""A real pretrained model learns: SmolLM2-135M-Instruct on graphs/real.py, held-out
+success before and after async GRPO, per task and per seed, full fine-tuning or LoRA.
+
+One invocation, one method (``--method full``: ``graphs/real.py``; ``--method lora``:
+``graphs/real.py:lora``; their learning rates were fixed in that file before any run):
+
+1. ``rollart eval smollm2-135m-instruct graphs/real.py --seeds N``: the untrained model's
+   held-out success per task (the same held-out seeds every run is evaluated on: the
+   pairs are per seed of the held-out set);
+2. for each run seed S: ``rollart train GRAPH --seed S --steps K --eval-seeds N``, each
+   run's own held-out evaluation of its final model;
+3. per task and seed, gain = after − before; the headline is the median over run seeds,
+   ``gain_min`` the smallest of those medians over the tasks (the goal: ≥ +0.15 on every
+   task within 60 minutes on two cores), with each gain's standard error
+   ``sqrt(a(1-a)/N + b(1-b)/N)`` in the record.
+
+Run it alone on an idle machine; each run takes about ``K`` minutes on two cores::
+
+    flock /tmp/rollart-bench.lock python benchmarks/real_model.py --method lora
+    python benchmarks/real_model.py --quick      # one seed, two tiny LoRA steps: a smoke run
+
+Appends one record per invocation to ``benchmarks/results/real_model.jsonl`` (date,
+commit, load average before, command, every run's figures and per-step rewards).
+
+RESULT keys: ``gain_min``, ``gain_<task>`` (median over seeds), ``heldout_before_<task>``,
+``heldout_after_<task>`` (median over seeds), ``seeds``, ``wall_s`` (median wall time of
+a run: start-up, RL steps, evaluation), ``rl_step_s`` (median), ``method``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
+
+from _results import Run, add_arguments  # noqa: E402
+
+GRAPHS = {"full": "graphs/real.py", "lora": "graphs/real.py:lora"}
+MODEL = "smollm2-135m-instruct"
+
+
+def _rollart(args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rollart", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc
+
+
+def before(graph: str, eval_seeds: int) -> dict:
+    """The untrained model's held-out success per task."""
+    proc = _rollart(["eval", MODEL, graph, "--seeds", str(eval_seeds), "--json"])
+    return json.loads(proc.stdout)["trained"]
+
+
+def train_one(graph: str, seed: int, steps: int, eval_seeds: int, run_dir: Path,
+              extra: list[str]) -> dict:
+    t0 = time.time()
+    _rollart(["train", graph, "--model", MODEL, "--seed", str(seed), "--steps", str(steps),
+              "--eval-seeds", str(eval_seeds), "--run-dir", str(run_dir), "--no-progress",
+              *extra])
+    ev = json.loads((run_dir / "eval.json").read_text())
+    timings = json.loads((run_dir / "timings.json").read_text())
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return {"seed": seed, "after": ev["trained"], "wall_s": time.time() - t0,
+            "rl_step_s": timings["rl_s"] / max(timings["rl_steps"], 1),
+            "timings": timings,
+            "reward": {k: [r.get(k) for r in rows] for k in rows[0] if k.startswith(
+                ("reward/", "success/"))} if rows else {}}
+
+
+def stderr(a: float, b: float, n: int) -> float:
+    return math.sqrt(a * (1 - a) / n + b * (1 - b) / n)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--method", choices=sorted(GRAPHS), default="lora")
+    p.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1")
+    p.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    p.add_argument("--eval-seeds", type=int, default=128, help="held-out seeds per task")
+    p.add_argument("--quick", action="store_true",
+                   help="one seed, graphs/real.py:smoke's two tiny LoRA steps, 4 held-out "
+                        "seeds (a smoke run: records nothing)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    run = Run("real_model", args, argv)
+    graph, extra = GRAPHS[args.method], []
+    if args.quick:
+        graph, args.seeds, args.steps, args.eval_seeds = "graphs/real.py:smoke", 1, 2, 4
+        args.method = "lora"
+    base = before(graph, args.eval_seeds)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            one = train_one(graph, seed, args.steps, args.eval_seeds,
+                            Path(tmp) / f"s{seed}", extra)
+            one["gain"] = {t: one["after"][t] - base[t] for t in base}
+            one["stderr"] = {t: stderr(base[t], one["after"][t], args.eval_seeds)
+                             for t in base}
+            print(f"seed {seed}: " + " ".join(
+                f"{t} {base[t]:.2f}->{one['after'][t]:.2f}" for t in base), flush=True)
+            runs.append(one)
+    gains = {t: statistics.median(r["gain"][t] for r in runs) for t in base}
+    figures = {"gain_min": min(gains.values()),
+               **{f"gain_{t}": g for t, g in gains.items()},
+               **{f"heldout_before_{t}": base[t] for t in base},
+               **{f"heldout_after_{t}": statistics.median(r["after"][t] for r in runs)
+                  for t in base},
+               "seeds": args.seeds, "steps": args.steps, "eval_seeds": args.eval_seeds,
+               "wall_s": statistics.median(r["wall_s"] for r in runs),
+               "rl_step_s": statistics.median(r["rl_step_s"] for r in runs),
+               "method": args.method}
+    run.result(figures, {"before": base, "runs": runs, "graph": graph})
+
+
+if __name__ == "__main__":
+    main()

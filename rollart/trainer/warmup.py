@@ -22,11 +22,11 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
-from rollart.env.conversation import ConversationFormat, TokenLog
-from rollart.env.faults import without_faults
+from rollart.chat.conversation import ConversationFormat, TokenLog
+from rollart.chaos.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
-from rollart.env.tool_formats import tool_format_of
+from rollart.chat.tool_formats import tool_format_of
 from rollart.env.trajectory import check_calls, tool_calls
 from rollart.trainer.losses import target_logprobs
 

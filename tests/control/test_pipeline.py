@@ -15,7 +15,7 @@ from rollart.buffer import read_samples
 from rollart.buffer.journal import entries
 from rollart.policy.admission import GroupSequence
 from rollart.env.builtin.gridnav import GridNavEnv
-from rollart.env.faults import Faults, Latency, with_faults
+from rollart.chaos.faults import Faults, Latency, with_faults
 from rollart.env.tasks import get_task
 from rollart.config.graph import GraphError
 from rollart.testing import check_run_record

@@ -14,7 +14,7 @@ import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout
 from rollart.policy.affinity import Affinity
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.env.tasks import get_task
 from rollart.policy.routing import Router
 from rollart.sim import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape, simulate

@@ -214,7 +214,7 @@ class FaultyEnv:
     def __init__(self, env: Any, faults: Faults, instance: int = 0) -> None:
         if not isinstance(faults, Faults):
             raise TypeError(
-                f"FaultyEnv needs a rollart.env.faults.Faults, got {type(faults).__name__}"
+                f"FaultyEnv needs a rollart.chaos.faults.Faults, got {type(faults).__name__}"
             )
         self.inner, self.faults, self.instance = env, faults, instance
         self.injected_failures = 0
@@ -370,7 +370,7 @@ def with_faults(task: Task | str, faults: Faults) -> Task:
     base = get_task(task)
     if not isinstance(faults, Faults):
         raise TypeError(
-            f"with_faults needs a rollart.env.faults.Faults, got {type(faults).__name__}; "
+            f"with_faults needs a rollart.chaos.faults.Faults, got {type(faults).__name__}; "
             "e.g. Faults(step=0.01) or straggler_profile()"
         )
     return replace(base, env_factory=FaultyEnvFactory(base.env_factory, faults))

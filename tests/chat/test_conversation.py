@@ -1,4 +1,4 @@
-"""Conversations as token ids (rollart.env.conversation) with real tokenizers built here:
+"""Conversations as token ids (rollart.chat.conversation) with real tokenizers built here:
 three chat-template styles, token in / token out, masks, tool messages, cut generations,
 parse_action helpers, bad input, the raw toy format byte for byte, and the warm-up."""
 
@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 
-from rollart.env import conversation as conv_mod
-from rollart.env.conversation import (ConversationError, ConversationFormat, ParseChain,
+from rollart.chat import conversation as conv_mod
+from rollart.chat.conversation import (ConversationError, ConversationFormat, ParseChain,
                                       TokenLog, answer_tag, cap_text, last_line,
                                       strip_think, whole_text)
 from rollart.env.tasks import BUILTIN_TASKS, Task

@@ -6,7 +6,7 @@ already), on the event loop of the env manager (or of the evaluation) that start
 bound to a port the OS picks. Each trajectory ``open``\\ s a route under a random token,
 which is also its API key (``Authorization: Bearer <token>``); the route goes when the
 trajectory ``close``\\ s it, and later calls are answered 410. The chat logic is
-``rollart.env.agent.AgentSession``; errors come back in OpenAI's error shape, so the
+``rollart.agents.agent.AgentSession``; errors come back in OpenAI's error shape, so the
 ``openai`` client raises its usual exceptions.
 """
 
@@ -16,7 +16,7 @@ import json
 import logging
 import secrets
 
-from rollart.env.agent import AgentEndpoint, AgentError, AgentSession
+from rollart.agents.agent import AgentEndpoint, AgentError, AgentSession
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Cached chat-template renders: a new message costs one small encode, not a re-render.
 
-Consumes a ``rollart.env.conversation.ConversationFormat`` (its tokenizer and
+Consumes a ``rollart.chat.conversation.ConversationFormat`` (its tokenizer and
 ``render``); produces the ids a conversation's opening prompt and each new message add,
-the same ids the full render gives. Used by ``rollart.env.conversation.Conversation``
+the same ids the full render gives. Used by ``rollart.chat.conversation.Conversation``
 (rollout, warm-up and evaluation), which falls back to the full render where this cache
 answers ``None``.
 

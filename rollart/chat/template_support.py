@@ -1,11 +1,11 @@
 """What a chat template can do, found before any rollout: a system role, a tool list.
 
 Consumes a tokenizer's chat template (through a ``ConversationFormat``'s renders) and a
-graph's tasks; produces the format's ``system_role`` / ``tools_rendered`` answers (probed
-once when ``rollart.env.conversation.ConversationFormat`` is built), the text a
-conversation uses instead where the template falls short, and the start check
-``check_templates`` that ``rollart.control.loop.execute`` (and ``rollart eval``) run on
-the driver once the model folder is known, before a cluster starts.
+task; produces the format's ``system_role`` / ``tools_rendered`` answers (probed once
+when ``rollart.chat.conversation.ConversationFormat`` is built), the text a conversation
+uses instead where the template falls short, and ``check_task``, one task against the
+template. The start check over a graph's tasks, ``check_templates``, is
+``rollart.config.templates`` (it makes the tasks' envs, which live above chat).
 
 * **No system role** (Gemma's templates raise "System role not supported"): the system
   prompt is folded into the first user turn, ``fold_system``: the system text, a blank
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 
-from rollart.env.tool_formats import get_tool_format, tool_format_of
+from rollart.chat.tool_formats import get_tool_format, tool_format_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _NOTED: set[str] = set()  # templates whose fold was logged (once per process)
 
 def tools_header(tool_format: str = "hermes") -> str:
     """The line before the tool schemas of ``Task.tools_in_prompt``: it names the call
-    syntax of ``tool_format`` (``rollart.env.tool_formats``).
+    syntax of ``tool_format`` (``rollart.chat.tool_formats``).
 
     >>> tools_header("llama3").split("; ")[1]
     'call one with {"name": ..., "parameters": {...}}:'
@@ -159,53 +159,3 @@ def check_task(fmt, task, tools: list[dict]) -> bool:
     if folded and fmt.strict:
         raise no_system_role(fmt.name, f"task {task.name!r}'s system prompt")
     return folded
-
-
-def check_templates(graph, model_path: str) -> None:
-    """The start check (driver, before a cluster): every task of ``graph`` against the
-    chat template of ``model_path`` as ``Policy`` asks (``check_task``; each task's env
-    is made once to read its tools). One warning where system prompts are folded."""
-    from rollart.env.conversation import ConversationFormat
-    from rollart.env.faults import without_faults
-    from rollart.env.protocol import env_tools
-    from rollart.env.tasks import is_agent_task
-    from rollart.model import load_tokenizer
-
-    policy = graph.policy
-    agents = [t.name for t in graph.tasks if is_agent_task(t)]
-    if policy.conversation == "raw":
-        if agents:
-            raise _agents_need_chat(agents, "Policy.conversation='raw'")
-        return
-    tokenizer = load_tokenizer(model_path)
-    if not getattr(tokenizer, "chat_template", None):
-        if agents:
-            raise _agents_need_chat(agents, f"the tokenizer of {model_path} has no chat "
-                                    "template")
-        return  # "auto" without a template is raw; "chat" fails in the format below
-    opts = policy.conversation_options()
-    fmt = ConversationFormat(tokenizer, opts["conversation"], system_prompt=opts[
-        "system_prompt"], max_context=opts["max_context"] or 2048, model_path=model_path,
-        strict=policy.strict_template, cache=False)
-    folded = [t.name for t in graph.tasks if not is_agent_task(t) and check_task(
-        fmt, t, _tools(t, without_faults, env_tools))]  # an agent's tools come per call
-    if folded:
-        note_fold(f"{fmt.name} (tasks {', '.join(folded)})", logging.WARNING)
-
-
-def _agents_need_chat(names: list[str], why: str) -> ChatTemplateError:
-    return ChatTemplateError(
-        f"agent tasks ({', '.join(names)}) send chat messages, but {why}: use a model "
-        "folder with a chat template and Policy.conversation='chat' or 'auto' (the "
-        "built-in chat toy: Policy(model=None, conversation='chat'))")
-
-
-def _tools(task, without_faults, env_tools) -> list[dict]:
-    env = without_faults(task).env_factory()
-    try:
-        return env_tools(env)
-    finally:
-        try:
-            env.close()
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass

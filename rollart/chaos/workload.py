@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.env.tasks import Task, get_task
 
 BLOCK = bytes(64 * 1024)  # one unit of CPU work: SHA-256 of 64 KiB
@@ -109,7 +109,7 @@ class Workload:
                                  f"got {v!r}")
         for name in ("step_wait", "reuse_reset", "create", "fail_wait"):
             if not isinstance(getattr(self, name), Latency):
-                raise ValueError(f"Workload.{name} must be a rollart.env.faults.Latency")
+                raise ValueError(f"Workload.{name} must be a rollart.chaos.faults.Latency")
 
     def blocks(self, cpu_seconds: float) -> int:
         """Hash blocks for ``cpu_seconds`` of paper-scale CPU work."""
@@ -290,7 +290,7 @@ def _close(env: Any) -> None:
 def with_workload(task: Task | str, workload: Workload) -> Task:
     """A copy of ``task`` (a ``Task`` or a built-in name) whose envs cost ``workload``."""
     if not isinstance(workload, Workload):
-        raise TypeError(f"with_workload needs a rollart.env.workload.Workload, got "
+        raise TypeError(f"with_workload needs a rollart.chaos.workload.Workload, got "
                         f"{type(workload).__name__}; e.g. Workload(scale=0.01)")
     base = get_task(task)
     return replace(base, env_factory=SandboxPoolFactory(base.env_factory, workload))

@@ -8,7 +8,7 @@ assistant turn; Qwen2.5's and Hermes' templates (the default, ``"hermes"``) writ
     </tool_call>
 
 (several calls may follow each other; the other families, ``llama3``, ``mistral`` and
-``qwen3_coder``, are in ``rollart.env.tool_formats``). ``parse_tool_calls(text, fmt)``
+``qwen3_coder``, are in ``rollart.chat.tool_formats``). ``parse_tool_calls(text, fmt)``
 returns one ``ToolCall`` or ``ToolError`` per call, never raising: malformed JSON, a
 missing name, arguments that are not an object (a JSON *string* holding an object is
 accepted, as OpenAI-style APIs send it) and an unclosed tag each become a ``ToolError``
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import jsonschema
 
-from rollart.env.tool_formats import ToolCall, ToolError, ToolFormat, get_tool_format
+from rollart.chat.tool_formats import ToolCall, ToolError, ToolFormat, get_tool_format
 
 __all__ = ["ToolCall", "ToolError", "check_call", "format_tool_call", "function_tool",
            "has_tool_call", "parse_tool_calls", "python_tool"]

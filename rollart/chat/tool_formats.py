@@ -27,7 +27,7 @@ model should write it: warm-up actions) and ``syntax`` (one line naming the synt
 resolves a name; ``detect_tool_format(chat_template)`` tells the family from the template's
 text (hermes when nothing matches); ``tool_format_of(fmt, task)`` is the one rule for
 which format a conversation uses (``Task.tool_format``, else the one detected from the
-tokenizer). Used by ``rollart.env.tools`` (checking, the hermes-default helpers), the
+tokenizer). Used by ``rollart.chat.tools`` (checking, the hermes-default helpers), the
 conversation format, the trajectory runner, the warm-up and evaluation.
 """
 

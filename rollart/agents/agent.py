@@ -26,7 +26,7 @@ Underneath, each chat completion is token in, token out (``AgentSession``):
   silently glued on to a context the policy did not see.
 * the assistant text is parsed for tool calls in the task's format
   (``Task.tool_format``, else the one the chat template writes:
-  ``rollart.env.tool_formats``), when the request has ``tools``:
+  ``rollart.chat.tool_formats``), when the request has ``tools``:
   well-formed calls come back as OpenAI ``tool_calls`` (arguments a JSON string,
   ``finish_reason`` ``"tool_calls"``); a malformed one is counted as an invalid tool
   call and its raw text comes back as ``content``.
@@ -39,7 +39,7 @@ Underneath, each chat completion is token in, token out (``AgentSession``):
   truncated; a conversation out of context room is answered with empty content and
   ``finish_reason`` ``"length"`` (truncated too).
 
-The HTTP side is ``rollart.env.endpoint`` (one server per env manager, a route per
+The HTTP side is ``rollart.agents.endpoint`` (one server per env manager, a route per
 trajectory). Consumed by ``rollart.env.trajectory`` (rollout) and
 ``rollart.observe.evaluate`` (held-out evaluation, against a local engine).
 """
@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rollart.env.conversation import Conversation, TokenLog, cap_text
+from rollart.chat.conversation import Conversation, TokenLog, cap_text
 from rollart.env.protocol import EnvOutputError
 from rollart.env.tasks import Task, is_agent_task  # noqa: F401 (re-exported)
 from rollart.types import Episode, GenRequest
@@ -146,7 +146,7 @@ class AgentSession:
     (the runner's ``LLMProxy`` call, or a local engine's in evaluation); ``fmt`` the
     policy's ``ConversationFormat``; ``log`` the trajectory's ``TokenLog`` (refilled in
     place when a rewritten history restarts it); ``parse_calls(text, tools)`` and
-    ``strip_calls(text)`` the task's tool-call format's (``rollart.env.tool_formats``).
+    ``strip_calls(text)`` the task's tool-call format's (``rollart.chat.tool_formats``).
     """
 
     task: Task
@@ -310,7 +310,7 @@ class AgentSession:
 
 def agent_session(task, fmt, log: TokenLog, generate: Callable) -> AgentSession:
     """The session of one trajectory of ``task`` in the format ``fmt``."""
-    from rollart.env.tool_formats import get_tool_format, tool_format_of
+    from rollart.chat.tool_formats import get_tool_format, tool_format_of
 
     calls = get_tool_format(tool_format_of(fmt, task))
     return AgentSession(task, fmt, log, generate, calls.parse, calls.content,
@@ -320,7 +320,7 @@ def agent_session(task, fmt, log: TokenLog, generate: Callable) -> AgentSession:
 async def play(server, session: AgentSession, seed: int, idle_timeout: float | None,
                executor) -> Episode:
     """One episode of ``session``'s task: its agent against a route of ``server``
-    (``rollart.env.endpoint.AgentServer``), closed when the agent returns or fails
+    (``rollart.agents.endpoint.AgentServer``), closed when the agent returns or fails
     (``run_agent``); the ``Episode`` of what it returned."""
     endpoint = server.open(session, seed)
     try:

@@ -6,8 +6,10 @@ the tools' JSON declarations, observations, actions, tool calls and tool results
 tool call is run with ``call_tool`` and does not step the env, as in the runner's tool
 turn). ``rollart.model.build_tiny_model(path, chat_corpus(tasks), chat=True)`` trains the
 byte-level BPE on it (the template's own text is added there), so no task needs a
-vocabulary list for chat. Called by ``rollart.control.loop`` (the built-in model of a chat
-graph) and by tests.
+vocabulary list for chat. Called by ``rollart.control.prepare`` (the built-in model of a
+chat graph), by tests and benchmarks. It sits at the top of the package beside
+``rollart.model``, whose chat toy it feeds: it plays tasks (env, chat, chaos), so it
+cannot live in ``model`` (the bottom layer) nor in any one of those packages.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import json
 import random
 from typing import Iterable
 
-from rollart.env.faults import without_faults
+from rollart.chaos.faults import without_faults
 from rollart.env.protocol import env_tools
 from rollart.env.tasks import Task, get_task
-from rollart.env.tool_formats import tool_format_of
-from rollart.env.tools import ToolError, check_call, parse_tool_calls
+from rollart.chat.tool_formats import tool_format_of
+from rollart.chat.tools import ToolError, check_call, parse_tool_calls
 
 
 def chat_corpus(tasks: Iterable[str | Task], seeds: Iterable[int] = range(24)) -> list[str]:

@@ -18,9 +18,9 @@ a chat template, else ``raw``):
   ``assistant`` message; an env with ``tools`` has them rendered through ``tools=``.
   A template without a system role gets the system prompt folded into the first user
   turn; ``Task.tools_in_prompt`` writes the tools into the system prompt instead of
-  ``tools=`` (``rollart.env.template_support``, which also checks at start that the
+  ``tools=`` (``rollart.chat.template_support``, which also checks at start that the
   template shows a task's tools). The template also tells how the model writes tool
-  calls: ``ConversationFormat.tool_format`` (``rollart.env.tool_formats``; hermes in raw
+  calls: ``ConversationFormat.tool_format`` (``rollart.chat.tool_formats``; hermes in raw
   mode), unless ``Task.tool_format`` says otherwise.
 
 Token in, token out: the ids the policy generated are kept verbatim (never decoded and
@@ -54,9 +54,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from rollart.env import template_support as support
-from rollart.env.template_cache import TemplateCache
-from rollart.env.tool_formats import detect_tool_format
+from rollart.chat import template_support as support
+from rollart.chat.template_cache import TemplateCache
+from rollart.chat.tool_formats import detect_tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class Conversation:
     def of_messages(cls, fmt: ConversationFormat, log: TokenLog, messages: list[dict],
                     tools=None) -> "Conversation":
         """A chat conversation whose prompt is ``messages`` as the template renders them
-        (an agent's request: ``rollart.env.agent``). A system message under a template
+        (an agent's request: ``rollart.agents.agent``). A system message under a template
         without a system role is folded into the first user message, as ``start``
         does (``Policy.strict_template``: ``ChatTemplateError``)."""
         if fmt.mode != "chat":

@@ -41,9 +41,8 @@ included; 0 on everything rollart adds. Stops: the template's end-of-turn token,
 strings (the engines stop on them). Memory is bounded: text is capped before it is
 encoded (``cap_text``), and ids never grow past ``max_context``.
 
-``parse_action`` helpers turn the assistant's text into the env's action:
-``whole_text`` (the default), ``last_line``, ``answer_tag``, ``strip_think`` and
-``ParseChain`` to combine them (all pickle: they travel with a ``Task``).
+How a task reads its action out of the assistant's text (``Task.parse_action``) is
+``rollart.chat.actions``.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 
 from rollart.chat import template_support as support
@@ -464,76 +462,3 @@ class Conversation:
             ids = ids[:max(room, 0)]
             self.truncated = True
         self.log.add_observation(ids)
-
-
-# -- parse_action helpers ----------------------------------------------------------------
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-def whole_text(text: str) -> str:
-    """The whole assistant text, stripped (the default ``Task.parse_action``).
-
-    >>> whole_text("  up \\n")
-    'up'
-    """
-    return text.strip()
-
-
-def last_line(text: str) -> str:
-    """The last non-empty line, stripped.
-
-    >>> last_line("I think so.\\nleft\\n")
-    'left'
-    """
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
-
-
-def answer_tag(text: str) -> str:
-    """The content of the last ``<answer>…</answer>``, stripped; ``""`` when there is
-    none (so an answer without the tags is an invalid action, not a lucky one).
-
-    >>> answer_tag("so <answer> 7 </answer>")
-    '7'
-    >>> answer_tag("7")
-    ''
-    """
-    found = _ANSWER.findall(text)
-    return found[-1].strip() if found else ""
-
-
-def strip_think(text: str) -> str:
-    """The text without its ``<think>…</think>`` blocks (an unclosed ``<think>`` hides
-    everything after it), stripped.
-
-    >>> strip_think("<think>left is a wall</think> up")
-    'up'
-    """
-    text = _THINK.sub("", text)
-    if "<think>" in text:
-        text = text[:text.index("<think>")]
-    return text.strip()
-
-
-class ParseChain:
-    """Apply parsers in order, e.g. ``ParseChain(strip_think, answer_tag)`` (a class,
-    not a lambda, so a ``Task`` using it pickles).
-
-    >>> ParseChain(strip_think, answer_tag)("<think>x</think><answer>up</answer>")
-    'up'
-    """
-
-    def __init__(self, *parsers):
-        if not parsers or not all(callable(p) for p in parsers):
-            raise TypeError("ParseChain takes one or more callables text -> text")
-        self.parsers = parsers
-
-    def __call__(self, text: str) -> str:
-        for parse in self.parsers:
-            text = parse(text)
-        return text
-
-    def __repr__(self) -> str:
-        return "ParseChain(" + ", ".join(getattr(p, "__name__", repr(p))
-                                         for p in self.parsers) + ")"

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterable
 
 from rollart.env.builtin import boxpush, gridnav, guess
-from rollart.chat.conversation import whole_text
+from rollart.chat.actions import whole_text
 from rollart.env.protocol import Env
 from rollart.chat.tool_formats import TOOL_FORMATS
 from rollart.types import Episode
@@ -109,7 +109,7 @@ class Task:
 def _not_callable(task: str, field_name: str, value: Any) -> str:
     hint = {
         "parse_action": "pass a module-level function text -> action (see "
-                        "rollart.chat.conversation: whole_text, last_line, answer_tag)",
+                        "rollart.chat.actions: whole_text, last_line, answer_tag)",
         "env_factory": "pass the env class (e.g. GridNavEnv), not an instance",
         "reward_fn": "pass a module-level function Episode -> float",
         "warmup_action": "pass a function (rng, observation) -> action",

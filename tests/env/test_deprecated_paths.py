@@ -38,7 +38,8 @@ def test_an_old_path_warns_and_re_exports_the_new_one(old, new):
 def test_names_old_imports_used_are_still_there():
     for old, names in {"rollart.env.template_support": ("check_templates", "ChatTemplateError",
                                                         "_NOTED"),
-                       "rollart.env.conversation": ("ConversationFormat", "TokenLog", "_WARNED"),
+                       "rollart.env.conversation": ("ConversationFormat", "TokenLog", "_WARNED",
+                                                    "whole_text", "ParseChain"),
                        "rollart.env.agent": ("AgentTask", "Task", "agent_session"),
                        "rollart.env.sandbox": ("run_code", "_ZYGOTE_PROCESS")}.items():
         with pytest.warns(DeprecationWarning):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerFast
 
-from rollart.env.faults import Faults, with_faults
+from rollart.chaos.faults import Faults, with_faults
 from rollart.env.tasks import Task, get_task
 from rollart.model import load_tokenizer
 from rollart.reward.functions import check_reward

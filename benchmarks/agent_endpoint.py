@@ -66,7 +66,7 @@ class CallBench:
     """An actor on the env pool: both sides' conversations on its event loop."""
 
     def __init__(self, proxy, model_path: str):
-        from rollart.env.conversation import ConversationFormat
+        from rollart.chat.conversation import ConversationFormat
         from rollart.model import load_tokenizer
 
         self.proxy = proxy
@@ -81,7 +81,7 @@ class CallBench:
                           request_seed(0, key, call), request_id=f"{key}/{call}")
 
     async def direct(self, agents: int, calls: int, max_new: int, tag: str) -> dict:
-        from rollart.env.conversation import Conversation, TokenLog
+        from rollart.chat.conversation import Conversation, TokenLog
 
         async def one(i: int):
             conv = Conversation.of_messages(self.fmt, TokenLog(), [
@@ -104,9 +104,9 @@ class CallBench:
     async def endpoint(self, agents: int, calls: int, max_new: int, tag: str) -> dict:
         import openai
 
-        from rollart.env.agent import AgentTask, agent_session
-        from rollart.env.conversation import TokenLog
-        from rollart.env.endpoint import AgentServer
+        from rollart.agents.agent import AgentTask, agent_session
+        from rollart.chat.conversation import TokenLog
+        from rollart.agents.endpoint import AgentServer
 
         if self.server is None:
             self.server = AgentServer()

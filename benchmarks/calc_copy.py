@@ -114,7 +114,7 @@ def score(text: str, question: str) -> dict:
     """What one generated turn ``text`` got of ``question`` (``"4 - 6"``): a tool call, the
     whole question as its ``code``, and each of the question's three words in place
     (``code`` is read as written, also from a call the env would reject as malformed)."""
-    from rollart.env.tools import has_tool_call
+    from rollart.chat.tools import has_tool_call
 
     code = re.search(r'"code": "([^"]*)"', text)
     words = (code.group(1).split() if code else []) + ["", "", ""]
@@ -133,9 +133,9 @@ def probe(model, tok, fmt, task, seeds) -> dict:
     import torch
 
     from rollart.env.adapters.tool import _question
-    from rollart.env.conversation import TokenLog
+    from rollart.chat.conversation import TokenLog
     from rollart.env.protocol import env_tools
-    from rollart.env.tools import format_tool_call
+    from rollart.chat.tools import format_tool_call
 
     def sample(ids):
         ids = torch.tensor([ids])
@@ -206,8 +206,8 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from graphs.chat import tasks as chat_tasks
-    from rollart.env.conversation import ConversationFormat
-    from rollart.env.corpus import chat_corpus
+    from rollart.chat.conversation import ConversationFormat
+    from rollart.corpus import chat_corpus
     from rollart.model import build_tiny_model
     from rollart.trainer.warmup import run_warmup
 

@@ -165,7 +165,7 @@ def chaos_graph(steps: int, seed: int, env_fail: float, turns: float = 3.0,
     from dataclasses import replace
 
     from rollart import GRPO, Graph, Policy, Rollout
-    from rollart.env.faults import Faults, Latency, with_faults
+    from rollart.chaos.faults import Faults, Latency, with_faults
 
     per_step = 1 - (1 - env_fail) ** (1 / turns)
     faults = Faults(step=Latency("pareto", seconds=0.003, shape=1.2, cap=0.03),

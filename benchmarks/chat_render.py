@@ -1,5 +1,5 @@
 """Chat rendering benchmark: warm-up batches/s of the chat graph's tasks, with the
-template cache (``rollart.env.template_cache``) and with full renders.
+template cache (``rollart.chat.template_cache``) and with full renders.
 
 Builds the chat toy's tokenizer from ``graphs/chat.py``'s tasks (``chat_corpus``), then
 times ``rollart.trainer.warmup.warmup_batch`` (batch 32: random episodes rendered in chat
@@ -31,7 +31,7 @@ from _results import Run, add_arguments  # noqa: E402
 
 def batches_per_s(tasks, tok, cache: bool, batches: int):
     """Batches/s of ``warmup_batch`` on ``tasks`` and the ids it built."""
-    from rollart.env.conversation import ConversationFormat
+    from rollart.chat.conversation import ConversationFormat
     from rollart.trainer.warmup import warmup_batch
 
     fmt = ConversationFormat(tok, "chat", max_context=2048, cache=cache)
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     import torch
 
     from graphs.chat import tasks as chat_tasks
-    from rollart.env.corpus import chat_corpus
+    from rollart.corpus import chat_corpus
     from rollart.model import build_tiny_model, load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -5,7 +5,7 @@ paper's main baseline: trajectory-level env interaction, rollout stopped while t
 trainer steps), ``one-off``, ``areal`` (staleness checked when a group starts) and
 ``async`` (rollart) — on one cluster (``resources/laptop.py``), from one warmed-up tiny
 model, on the default task mix whose envs cost what sandboxes cost
-(``rollart.env.workload``: CPU-burning steps, heavy-tailed waits, slow resets that fail
+(``rollart.chaos.workload``: CPU-burning steps, heavy-tailed waits, slow resets that fail
 about once per 10 steps and are retried, pooled warm sandboxes; one scale factor).
 
 Per seed (``--seeds``; the order of the runs shuffled by a seeded RNG and printed) each
@@ -125,7 +125,7 @@ def clock(rows: list[dict], ckpt_s: dict) -> dict[int, float]:
 def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path) -> dict:
     """Train one (mode, redundancy) from ``model``; returns its clock and checkpoints."""
     import rollart
-    from rollart.env.workload import drain_pools, pool_stats
+    from rollart.chaos.workload import drain_pools, pool_stats
 
     mode, redundancy = label.split("@")[0], a.redundancy if "@" in label else 1.0
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
@@ -311,7 +311,7 @@ def warm_up(a, tasks, seeds, tmp: str) -> tuple[str, float, float]:
 def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
              runs: list, failed: list) -> None:
     """Every run of one seed, in an order shuffled by ``random.Random(seed)``."""
-    from rollart.env.workload import Workload, with_workload
+    from rollart.chaos.workload import Workload, with_workload
 
     order = random.Random(seed).sample(labels, len(labels))
     print(f"seed {seed}: order {' '.join(order)}", flush=True)

@@ -1,5 +1,5 @@
 """Tool sandbox benchmark: a process forked from the zygote per call against an
-interpreter started per call (``rollart.env.sandbox``), side by side.
+interpreter started per call (``rollart.env.adapters.sandbox``), side by side.
 
 Three measures, each both ways, in alternating blocks (fresh, zygote, fresh, zygote …;
 the figure of a side is its median block):
@@ -74,8 +74,8 @@ def par(fresh: bool, calls: int, threads: int = 4) -> float:
 def calc_batches(fresh: bool, tasks, tok, batches: int):
     """Warm-up batches/s of calc alone, tools undeclared, and the ids built."""
     import rollart.env.adapters.tool as tool
-    from rollart.env.conversation import ConversationFormat
-    from rollart.env.sandbox import run_code
+    from rollart.chat.conversation import ConversationFormat
+    from rollart.env.adapters.sandbox import run_code
     from rollart.trainer.warmup import warmup_batch
 
     fmt = ConversationFormat(tok, "chat", max_context=2048)
@@ -98,8 +98,8 @@ def main(argv=None) -> dict:
     import torch
 
     from graphs.chat import tasks as chat_tasks
-    from rollart.env.corpus import chat_corpus
-    from rollart.env.sandbox import can_fork
+    from rollart.corpus import chat_corpus
+    from rollart.env.adapters.sandbox import can_fork
     from rollart.model import build_tiny_model, load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

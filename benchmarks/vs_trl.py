@@ -108,7 +108,7 @@ class Settings:
 
 def latency_faults(seed: int = 0):
     """The ``latency`` workload's env: a lognormal step delay (median 20 ms, σ 1.2)."""
-    from rollart.env.faults import Faults, Latency
+    from rollart.chaos.faults import Faults, Latency
 
     return Faults(step=Latency("lognormal", seconds=0.02, sigma=1.2), seed=seed)
 
@@ -153,7 +153,7 @@ def warm_model(path: Path, task, steps: int, seed: int = 0,
     torch thread count this process uses from then on (``fastest_threads``).
     ``conversation="chat"``: the chat toy (byte-level BPE, ChatML template:
     ``build_tiny_model(chat=True)``) warmed up in chat form."""
-    from rollart.env.corpus import chat_corpus
+    from rollart.corpus import chat_corpus
     from rollart.env.tasks import task_corpus
     from rollart.model import build_tiny_model, load_model, load_tokenizer
     from rollart.trainer.warmup import run_warmup
@@ -226,7 +226,7 @@ def run_rollart(client, model_dir: str, s: Settings, task, mode: str, redundancy
 def heldout_curve(start: float, snaps, task, s: Settings) -> list[tuple[int, float, float]]:
     """``[(step, time, held-out success)]`` from step 0 (the warmed-up model, ``start``)
     through every snapshot, on the first ``eval_seeds`` held-out seeds."""
-    from rollart.env.faults import without_faults
+    from rollart.chaos.faults import without_faults
     from rollart.env.scripted import heldout_seeds
     from rollart.observe.evaluate import evaluate
 
@@ -355,7 +355,7 @@ def run_seed(s: Settings, base, workloads: list[str], modes: list[str], a):
     from distributed import Client
 
     import rollart
-    from rollart.env.faults import with_faults
+    from rollart.chaos.faults import with_faults
 
     out: dict = {w: {} for w in workloads}
     raw: dict = {w: {} for w in workloads}

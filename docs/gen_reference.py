@@ -59,7 +59,7 @@ CLASSES = [
      "driver's environment, `DASK_ROLLART__WAITS__START=1800` (a field's underscore is a "
      "dash there: `warmup-step`). Past a bound, `StuckError` names what is stuck. These "
      "are the only Dask config keys rollart reads."),
-    ("AgentTask", "rollart/env/agent.py", "AgentTask",
+    ("AgentTask", "rollart/agents/agent.py", "AgentTask",
      "A `Task` played by an agent function against rollart's OpenAI-compatible "
      "endpoint. The fields below are the ones it declares or overrides; every other "
      "field is `Task`'s."),

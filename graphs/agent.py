@@ -4,7 +4,7 @@
 whose env the runner steps. ``guess_agent`` is the same game played by ``play_guess``,
 an agent written as anyone writes one against an OpenAI-compatible API: it owns the env,
 sends the conversation with ``openai.OpenAI(...).chat.completions.create`` to the
-endpoint rollart gives it (``rollart.AgentTask``; ``rollart.env.agent``), steps the env
+endpoint rollart gives it (``rollart.AgentTask``; ``rollart.agents.agent``), steps the env
 with each reply, and returns the episode, which the game's own reward scores. Both tasks
 put the same turns in front of the model (each observation a ``user`` message, each reply
 the ``assistant`` message), so their trajectories are alike token for token and their

@@ -1,7 +1,7 @@
 """The chat graph: the three built-in games and a tool-calling task, in chat format.
 
 Like the default graph, but every trajectory is a chat conversation rendered by the
-tokenizer's template (``Policy(conversation="chat")``, ``rollart.env.conversation``):
+tokenizer's template (``Policy(conversation="chat")``, ``rollart.chat.conversation``):
 each observation a ``user`` message, each generation the ``assistant`` message ending
 with its end-of-turn token. The fourth task, ``calc``, declares a sandboxed ``python``
 tool: the model writes ``<tool_call>{"name": "python", "arguments": {"code": ...}}
@@ -10,7 +10,7 @@ tool: the model writes ``<tool_call>{"name": "python", "arguments": {"code": ...
 
 With ``Policy(model=None)`` the built-in model is the chat toy
 (``build_tiny_model(..., chat=True)``: a byte-level BPE trained on these tasks' text by
-``rollart.env.corpus.chat_corpus``, ChatML template with tools), after a format warm-up
+``rollart.corpus.chat_corpus``, ChatML template with tools), after a format warm-up
 in chat form. Its BPE keeps a word apart from the space before it
 (``rollart.model.CHAT_SPLIT``), so an observation's ``right`` is the same token as the
 assistant's action ``right``, as in the raw graph's word-level toy (with Qwen2's split

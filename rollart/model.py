@@ -4,7 +4,7 @@ Consumes a text corpus and produces a model folder written with ``save_pretraine
 ``build_tiny_model(path, corpus)`` — a word-level tokenizer + tiny Qwen2 (raw
 conversations; every word of the corpus is a token) — or ``build_tiny_model(path,
 corpus, chat=True)`` — the chat toy: a byte-level BPE tokenizer trained on the corpus
-(``rollart.env.corpus.chat_corpus``), ChatML special tokens, a Qwen2.5-style chat
+(``rollart.corpus.chat_corpus``), ChatML special tokens, a Qwen2.5-style chat
 template with tools, ``generation_config.json`` stopping on the end-of-turn token. Loads
 ``(tokenizer, model)`` from any folder (``load_tokenizer``: the folder's own tokenizer,
 BPE or SentencePiece; ``load_model`` in ``default_dtype`` of the device: bf16 where

@@ -13,11 +13,18 @@ again and again, each built for real (no mocks):
   rollart (a byte-level BPE tokenizer with a real ChatML template, ``CHATML``, and a tiny
   Qwen2), for the conversation and engine tests;
 * ``check_run_record``: a finished run's ledger checked against records it does not
-  keep (the trainer's own report of each batch, the Parquet rows on disk).
+  keep (the trainer's own report of each batch, the Parquet rows on disk);
+* ``cluster_fixture``, ``trajectory``, ``tiny_graph`` and ``BigGridEnv``: the pytest
+  client fixture, the record, the graph and the tagged env that test modules used to
+  write out each for themselves;
+* ``write_tiny_gguf`` (with ``tiny_llama`` and ``SMOLLM_TEMPLATE``): a tiny Llama chat
+  model written as a GGUF file the way llama.cpp lays one out, with SmolLM2's template,
+  for ``rollart.pretrained``'s conversion and the real-model graph's tests.
 
-Called by the files under ``tests/``. In the import layers (``setup.cfg``) it sits with
-the stages: it may import ``rollart.types``, ``model``, ``runtime`` and the stages
-(``rollout``, ``env``, ``buffer``, ...); ``tokenizers``, ``transformers`` and ``torch`` load when a chat builder runs.
+Called by the files under ``tests/`` (and a few benchmarks). In the import layers
+(``setup.cfg``) it sits at the top: nothing in rollart imports it, and it may import
+any package; ``tokenizers``, ``transformers`` and ``torch`` load when a chat builder
+runs, ``pytest`` when a fixture is made.
 """
 
 from __future__ import annotations
@@ -30,9 +37,13 @@ from pathlib import Path
 
 from distributed import Client, Scheduler, SpecCluster, Worker
 
-__all__ = ["ADD_TOOL", "CHATML", "CHATML_SPECIALS", "CHAT_CORPUS", "ProxyHost",
-           "bpe_tokenizer", "check_run_record", "save_folder", "tagged_cluster", "tiny_qwen2",
-           "unique_key"]
+from rollart.env.builtin.gridnav import GridNavEnv
+from rollart.policy.affinity import env_affinity
+
+__all__ = ["ADD_TOOL", "BIG", "BigGridEnv", "CHATML", "CHATML_SPECIALS", "CHAT_CORPUS",
+           "ProxyHost", "SMOLLM_TEMPLATE", "bpe_tokenizer", "check_run_record",
+           "cluster_fixture", "json_model", "save_folder", "tagged_cluster", "tiny_graph",
+           "tiny_llama", "tiny_qwen2", "trajectory", "unique_key", "write_tiny_gguf"]
 
 
 # -- Dask --------------------------------------------------------------------------------
@@ -69,6 +80,19 @@ def tagged_cluster(*tags: str, threads: int = 1, protocol: str = "inproc://"
                  "options": {"protocol": protocol, "dashboard": False, **where}}
     with SpecCluster(workers=spec, scheduler=scheduler) as cluster, Client(cluster) as c:
         yield c
+
+
+def cluster_fixture(*tags: str, scope: str = "module", threads: int = 1):
+    """A pytest fixture ``client``: a client of ``tagged_cluster(*tags, threads=threads)``
+    kept for ``scope``. In a test module: ``client = cluster_fixture(H800)``."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def client():
+        with tagged_cluster(*tags, threads=threads) as c:
+            yield c
+
+    return client
 
 
 class ProxyHost:
@@ -255,6 +279,57 @@ def check_run_record(result) -> None:
         {s: final[s] for s in ("dropped", "lost_in_step")}, (rows, final)
     assert rows["failed"] == final["failed"] - final["orphaned"], (rows, final)
     assert final["trained"] == len(ids) == sum(r["trainer/batch_size"] for r in result.metrics)
+
+
+# -- small records, graphs and envs ------------------------------------------------------
+def trajectory(traj_id: str = "t", group_id: str = "g", prompt: Sequence[int] = (1, 2),
+               response: Sequence[int] = (3, 4), *, mask: Sequence[int] | None = None,
+               logprobs: Sequence[float] | None = None, versions: Sequence[int] | None = None,
+               version: int = 0, seed: int = 0, task: str = "gridnav", **fields):
+    """A ``rollart.types.Trajectory`` of ``task``: the loss mask is all 1, the behaviour
+    log-probs -0.5 and the versions ``version`` on every response token unless given;
+    ``fields`` (``reward``, ``state``, ``outcome``, ...) as the record takes them.
+
+    >>> t = trajectory("a", "g1", [5], [6, 7], version=2, reward=1.0)
+    >>> t.loss_mask, t.versions, t.reward
+    ([1, 1], [2, 2], 1.0)
+    """
+    from rollart.types import Trajectory
+
+    n = len(response)
+    return Trajectory(traj_id, task, group_id, seed, list(prompt), list(response),
+                      list(mask) if mask is not None else [1] * n,
+                      list(logprobs) if logprobs is not None else [-0.5] * n,
+                      list(versions) if versions is not None else [version] * n, **fields)
+
+
+def tiny_graph(name: str = "t", tasks: Sequence | None = None, *, mode: str = "async",
+               steps: int = 3, groups: int = 2, size: int = 2, alpha: int | None = None,
+               warmup_steps: int = 0, **rollout):
+    """A ``Graph`` a test runs on 2 cores: ``tasks`` (default gridnav), ``groups`` GRPO
+    groups of ``size`` a step, no format warm-up unless asked, ``alpha`` (else GRPO's
+    default) and ``rollout`` as ``Rollout`` takes them.
+
+    >>> g = tiny_graph("t", steps=4, env_step_timeout=5.0)
+    >>> g.steps, g.algo.group_size, g.policy.warmup_steps, g.rollout.env_step_timeout
+    (4, 2, 0, 5.0)
+    """
+    from rollart.config.graph import GRPO, Graph, Policy, Rollout
+
+    bound = {} if alpha is None else {"alpha": alpha}
+    return Graph(name=name, tasks=tuple(tasks or ("gridnav",)), mode=mode, steps=steps,
+                 policy=Policy(warmup_steps=warmup_steps),
+                 algo=GRPO(group_size=size, groups_per_step=groups, **bound),
+                 rollout=Rollout(**rollout))
+
+
+#: the tag of a pool of big CPU hosts (affinity tests)
+BIG = "CPU_BIG"
+
+
+@env_affinity(BIG)
+class BigGridEnv(GridNavEnv):
+    """Grid navigation whose envs need the big CPU hosts (the ``CPU_BIG`` pool)."""
 
 
 # -- a GGUF chat model ---------------------------------------------------------------------

@@ -328,10 +328,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.config.preflight import RunDirError
     from rollart.control.checkpoint import CheckpointError
     from rollart.control.prepare import SchedulerConnectError
-    from rollart.env.conversation import ConversationError
+    from rollart.chat.conversation import ConversationError
     from rollart.env.protocol import EnvOutputError
     from rollart.env.tasks import UnknownTaskError
-    from rollart.env.template_support import ChatTemplateError
+    from rollart.chat.template_support import ChatTemplateError
     from rollart.model import ModelFolderError
     from rollart.observe.samples import SampleQueryError
     from rollart.observe.trackers import TrackerError

@@ -56,7 +56,7 @@ def evaluate_target(target, graph=None, seeds: int = 64) -> dict:
         warm = str(warm) if (warm / "config.json").is_file() else None
     else:
         g, warm = load_graph(graph)[0], None
-    from rollart.env.template_support import check_templates
+    from rollart.config.templates import check_templates
 
     check_templates(g, str(model))
     result = RunResult(str(target), [], str(model), warm)

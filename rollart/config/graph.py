@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rollart.policy.affinity import inference_tags
 from rollart.policy.affinity import needs as affinity_needs
-from rollart.env.conversation import CONVERSATIONS
+from rollart.chat.conversation import CONVERSATIONS
 from rollart.env.tasks import get_task
 from rollart.runtime.resources import find_file, load_module
 from rollart.rollout.base import ENGINES, weight_update_problem
@@ -75,7 +75,7 @@ class Policy:
     # lora is refused (vLLM fixes a request's adapter when the request is added)
     weight_update: str = "recompute"
     trainer_backend: str = "torch"  # "torch" (HF model) | "megatron" (megatron-core GPTModel)
-    # how a trajectory becomes ids (rollart.env.conversation): "chat" renders messages
+    # how a trajectory becomes ids (rollart.chat.conversation): "chat" renders messages
     # with the tokenizer's chat template, "raw" concatenates text, "auto" = chat when the
     # tokenizer has a template
     conversation: str = "auto"
@@ -83,7 +83,7 @@ class Policy:
     max_context: int | None = None  # context budget in tokens (None: the model config's)
     # a chat template without a system role (Gemma's): False folds the system prompt into
     # the first user turn (one warning at start), True makes it an error at start
-    # (rollart.env.template_support)
+    # (rollart.chat.template_support)
     strict_template: bool = False
     # LoRA adapters instead of full fine-tuning (None: every weight trains), e.g.
     # LoRA(rank=16), or from the command line --set policy.lora.rank=16
@@ -163,7 +163,7 @@ class Policy:
         return self.warmup_steps + self.warmup_bare_tool_steps
 
     def conversation_options(self) -> dict:
-        """How trajectories become token ids (``rollart.env.conversation``): the same
+        """How trajectories become token ids (``rollart.chat.conversation``): the same
         keyword arguments for rollout (``EnvManager``), warm-up and evaluation."""
         return {"conversation": self.conversation, "system_prompt": self.system_prompt,
                 "max_context": self.max_context}

@@ -114,7 +114,7 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
             eval_seeds: int = 64) -> RunResult:
     """Run what ``prepare`` checked: the model folder, the cluster, ``run_loop``."""
     from rollart.config.preflight import check_cluster_tags
-    from rollart.env.template_support import check_templates
+    from rollart.config.templates import check_templates
     from rollart.observe.progress import phase
     from rollart.weights import store_url
 

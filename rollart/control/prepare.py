@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rollart.config.graph import Graph, load_graph
 from rollart.config.preflight import preflight
-from rollart.env.corpus import chat_corpus
+from rollart.corpus import chat_corpus
 from rollart.env.tasks import task_corpus, warmup_tasks
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.runtime.resources import Resources, load_resources

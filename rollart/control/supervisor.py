@@ -236,7 +236,7 @@ class Supervisor:
         checkpoint it keeps the KL reference (frozen at the run's first publish, the
         same for every version), the optimizer moments (running averages over ~100
         steps: a few steps behind the weights, still their scale) and the RNG state."""
-        from rollart.control import checkpoint
+        from rollart.control import checkpoint  # import cycle: checkpoint -> fleet -> here
         from rollart.weights import WeightStore
 
         how, version = [], -1

@@ -1,6 +1,20 @@
-"""Environments and tasks: the env contract, the built-in tasks, and task lookup.
+"""Environments and tasks: the env contract, the tasks, and the actor that runs them.
 
-Consumed by the rollout stage (env manager), the warm-up and the tokenizer builder.
+Consumes task declarations (``Task``: an env factory, a reward function, turn limits;
+the built-in games in ``builtin/``, outside libraries' envs through ``adapters/``, a
+user's own) and the ``LLMProxy`` handles of the inference pools; produces scored
+trajectories, delivered to the ``SampleBuffer``. ``protocol`` is the env contract and
+its checks, ``tasks`` the ``Task`` record and the registry of names (``get_task``),
+``manager`` the ``EnvManager`` actor on the ``CPU_ENV`` pool, ``trajectory`` one
+trajectory turn by turn (env, generation, tool turns, reward), ``scripted`` the scripted
+players every success figure is read against. Called by the control plane (which starts
+the env managers), the config (which resolves task names), the warm-up and evaluation.
+
+Chat rendering and tool-call parsing are ``rollart.chat``; agents played through the
+OpenAI-compatible endpoint are ``rollart.agents``; fault and cost injection around a
+task is ``rollart.chaos``; the chat toy's tokenizer corpus is ``rollart.corpus``. The
+modules of those names still here (``conversation``, ``agent``, ``faults``, …) are
+deprecated re-exports of their new homes, kept for one release.
 """
 
 from rollart.env.protocol import Env, EnvOutputError, check_observation, check_step_result

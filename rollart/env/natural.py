@@ -30,7 +30,7 @@ from functools import partial
 
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
 from rollart.env.adapters.tool import OPS, CalcToolEnv, ToolLimits
-from rollart.env.tools import format_tool_call
+from rollart.chat.tools import format_tool_call
 
 _INT = re.compile(r"-?\d+")
 

@@ -116,7 +116,7 @@ def check_step_result(obj: object, env: object | str | None = None) -> StepResul
 # dicts: ``{"type": "function", "function": {"name", "description", "parameters"}}``,
 # ``parameters`` a JSON schema; they reach the chat template as ``tools=``) and runs one
 # in ``call_tool(name, arguments) -> str``. The trajectory runner parses the model's tool
-# calls (``rollart.env.tools``), checks them against ``tools``, calls ``call_tool`` and
+# calls (``rollart.chat.tools``), checks them against ``tools``, calls ``call_tool`` and
 # returns its text (or the error of a malformed call, unknown tool or bad arguments) as a
 # ``tool`` message; ``step(action)`` then only receives the final, non-tool answer.
 

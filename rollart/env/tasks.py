@@ -4,8 +4,8 @@ A ``Task`` bundles an env factory, a reward function, turn/token limits, the ran
 valid-action policy used for the supervised warm-up, how the assistant's text becomes the
 env's action (``parse_action``, ``stop`` strings, the ``system_prompt`` of a chat model,
 the ``invalid_penalty`` of a bad tool call, ``tools_in_prompt`` for a template that does
-not render tools: ``rollart.env.conversation``; ``tool_format``, the syntax of its tool
-calls when not the template's own: ``rollart.env.tool_formats``), and — only for
+not render tools: ``rollart.chat.conversation``; ``tool_format``, the syntax of its tool
+calls when not the template's own: ``rollart.chat.tool_formats``), and — only for
 building the built-in word-level toy tokenizer — a vocabulary. ``BUILTIN_TASKS`` lists the built-in ones explicitly; ``get_task``
 resolves a name; ``task_corpus`` gives the tokenizer its words. Consumed by the env
 manager, the warm-up, and the CLI/config layer.
@@ -18,9 +18,9 @@ from types import ModuleType
 from typing import Any, Callable, Iterable
 
 from rollart.env.builtin import boxpush, gridnav, guess
-from rollart.env.conversation import whole_text
+from rollart.chat.actions import whole_text
 from rollart.env.protocol import Env
-from rollart.env.tool_formats import TOOL_FORMATS
+from rollart.chat.tool_formats import TOOL_FORMATS
 from rollart.types import Episode
 
 
@@ -51,10 +51,10 @@ class Task:
     parse_action: Callable[[str], Any] = whole_text  # assistant text -> env action
     invalid_penalty: float = 0.1  # subtracted (as an env reward) per invalid tool call
     # chat: the env's tool schemas written into the system prompt (one JSON schema per
-    # line, rollart.env.template_support.tools_prompt) instead of the template's tools=,
+    # line, rollart.chat.template_support.tools_prompt) instead of the template's tools=,
     # for a chat template that does not render tools
     tools_in_prompt: bool = False
-    # chat: how the model writes tool calls (rollart.env.tool_formats: "hermes", "llama3",
+    # chat: how the model writes tool calls (rollart.chat.tool_formats: "hermes", "llama3",
     # "mistral", "qwen3_coder"); None = the format detected from the chat template
     tool_format: str | None = None
 
@@ -109,7 +109,7 @@ class Task:
 def _not_callable(task: str, field_name: str, value: Any) -> str:
     hint = {
         "parse_action": "pass a module-level function text -> action (see "
-                        "rollart.env.conversation: whole_text, last_line, answer_tag)",
+                        "rollart.chat.actions: whole_text, last_line, answer_tag)",
         "env_factory": "pass the env class (e.g. GridNavEnv), not an instance",
         "reward_fn": "pass a module-level function Episode -> float",
         "warmup_action": "pass a function (rng, observation) -> action",
@@ -148,7 +148,8 @@ def get_task(name_or_task: str | Task) -> Task:
         )
     if name_or_task in BUILTIN_TASKS:
         return BUILTIN_TASKS[name_or_task]
-    from rollart.env.adapters import ADAPTER_TASKS  # library adapters (rollart[envs])
+    # import cycle, kept in here: the adapters build Tasks; and rollart[envs] loads on use
+    from rollart.env.adapters import ADAPTER_TASKS
 
     factory = ADAPTER_TASKS.get(name_or_task)
     if factory is None:
@@ -162,13 +163,13 @@ def get_task(name_or_task: str | Task) -> Task:
 
 def is_agent_task(task) -> bool:
     """Whether ``task`` is played by an agent through rollart's chat endpoint
-    (``rollart.env.agent.AgentTask``) rather than by an env."""
+    (``rollart.agents.agent.AgentTask``) rather than by an env."""
     return getattr(task, "agent", None) is not None
 
 
 def warmup_tasks(tasks: Iterable[Task]) -> tuple[Task, ...]:
     """The tasks an env plays, which the built-in model's corpus and format warm-up are
-    made from (an ``AgentTask``'s text is its agent's; ``rollart.env.agent``). None left
+    made from (an ``AgentTask``'s text is its agent's; ``rollart.agents.agent``). None left
     is a ``ValueError`` naming the fix."""
     tasks = tuple(tasks)
     out = tuple(t for t in tasks if not is_agent_task(t))

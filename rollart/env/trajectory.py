@@ -11,11 +11,11 @@ is closed at once from a thread of its own (closing releases a hung call, so its
 thread comes back); ``stuck_calls`` counts env calls and rewards that were given up on
 (timed out) and still hold a thread. Used by ``EnvManager``.
 
-How the turns become token ids is ``rollart.env.conversation`` (the one definition,
+How the turns become token ids is ``rollart.chat.conversation`` (the one definition,
 shared with the warm-up and evaluation): raw concatenation or the tokenizer's chat
 template, generated ids kept verbatim. A generation that calls tools (an env with
 ``tools``, chat format) is a tool turn: each call is parsed in the task's tool format
-(``rollart.env.tool_formats``) and checked (``rollart.env.tools``), run by
+(``rollart.chat.tool_formats``) and checked (``rollart.chat.tools``), run by
 ``env.call_tool`` on the env thread pool with the step time-out, and its result (or
 the error of an invalid call, which costs ``Task.invalid_penalty``) returns as ``tool``
 messages. A conversation that outgrows the
@@ -36,11 +36,11 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from rollart.env.agent import agent_session, is_agent_task, play
-from rollart.env.conversation import ConversationFormat, TokenLog, cap_text
+from rollart.agents.agent import agent_session, is_agent_task, play
+from rollart.chat.conversation import ConversationFormat, TokenLog, cap_text
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
-from rollart.env.tool_formats import tool_format_of
+from rollart.chat.tool_formats import tool_format_of
 from rollart.reward import check_reward
 from rollart.policy.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
@@ -139,7 +139,7 @@ class TrajectoryRunner:
         self._reward_slots: dict[str, asyncio.Semaphore | None] = {}  # tag -> slots here
         self._reward_executor: ThreadPoolExecutor | None = None
         self.rewards = {"here": 0, "tasks": 0}  # how rewards ran: on this worker / as tasks
-        self._server = None  # the agent endpoint (rollart.env.endpoint), made on first use
+        self._server = None  # the agent endpoint (rollart.agents.endpoint), made on first use
         self._agent_executor: ThreadPoolExecutor | None = None  # plain agent functions
 
     def stats(self) -> dict:
@@ -212,9 +212,9 @@ class TrajectoryRunner:
 
     async def _agent_episode(self, task, seed, log, ep, traj) -> None:
         """An ``AgentTask``'s episode: its agent's calls to a route of this runner's
-        endpoint (``rollart.env.agent``), each a generation through the proxy."""
+        endpoint (``rollart.agents.agent``), each a generation through the proxy."""
         if self._server is None:
-            from rollart.env.endpoint import AgentServer
+            from rollart.agents.endpoint import AgentServer
 
             self._server = AgentServer()
             self._agent_executor = ThreadPoolExecutor(
@@ -485,9 +485,9 @@ class TrajectoryRunner:
 
 def tool_calls(text: str, fmt: str = "hermes", tools=None) -> list:
     """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text written in
-    tool format ``fmt`` (``rollart.env.tool_formats``; ``tools`` types qwen3_coder's
+    tool format ``fmt`` (``rollart.chat.tool_formats``; ``tools`` types qwen3_coder's
     text values)."""
-    from rollart.env.tools import parse_tool_calls
+    from rollart.chat.tools import parse_tool_calls
 
     return list(parse_tool_calls(text, fmt, tools))
 
@@ -496,7 +496,7 @@ def check_calls(calls, tools) -> list:
     """Each call checked against ``tools``: the ``ToolCall`` to run, or for an invalid
     one (malformed, unknown tool, bad arguments) the error text the model reads. Shared
     by rollout, the warm-up and evaluation."""
-    from rollart.env.tools import ToolError, check_call
+    from rollart.chat.tools import ToolError, check_call
 
     out = []
     for call in calls:

@@ -2,7 +2,7 @@
 
 All episodes advance in lock step: each round batches every live episode's next turn
 into one ``TorchEngine.generate`` call. Conversations are built exactly as rollout
-builds them (``rollart.env.conversation``: raw text or the chat template, the task's
+builds them (``rollart.chat.conversation``: raw text or the chat template, the task's
 stop strings and ``parse_action``, tool turns for an env with tools), so held-out success measures the policy that
 rollout trains. Used at the end of ``rollart train`` (warm-up policy vs trained policy
 on seeds training never saw) and by the learning test.
@@ -15,11 +15,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from rollart.env.conversation import ConversationFormat, TokenLog, context_budget
-from rollart.env.faults import without_faults
+from rollart.chat.conversation import ConversationFormat, TokenLog, context_budget
+from rollart.chaos.faults import without_faults
 from rollart.env.protocol import env_tools
 from rollart.env.tasks import is_agent_task
-from rollart.env.tool_formats import tool_format_of
+from rollart.chat.tool_formats import tool_format_of
 from rollart.env.trajectory import check_calls, request_seed, tool_calls
 from rollart.types import GenRequest
 
@@ -104,8 +104,8 @@ async def _agent_success(engine, fmt, task, seeds, temperature, sample_seed) -> 
     """Success rate of an ``AgentTask``: every seed's agent at once against a local
     endpoint, their calls batched into the engine. A failed episode counts as a failure
     (a warning says how many failed, and the first error)."""
-    from rollart.env.agent import agent_session, play
-    from rollart.env.endpoint import AgentServer
+    from rollart.agents.agent import agent_session, play
+    from rollart.agents.endpoint import AgentServer
 
     server, batcher = AgentServer(), _Batcher(engine)
     pool = ThreadPoolExecutor(max_workers=max(min(len(seeds), 64), 1),

@@ -4,6 +4,12 @@
 actor per inference worker; env managers reach the workers through an ``LLMProxy``.
 ``pd`` (portable KV handoffs, prefix cache) and ``kv`` (moving a handoff from the
 prefill worker to the decode worker over Dask's comms) implement PD disaggregation.
+
+Consumes generation requests (token ids, sampling limits, a trajectory id) from the env
+managers' trajectory runners and the weight versions the trainer publishes (through
+``rollart.weights``); produces generated ids with their behaviour log-probs and policy
+versions. Started by the control plane (``rollart.control.stages``); ``base`` (engine
+names and the weight-update rule) is read by ``rollart.config.graph``.
 """
 
 from rollart._lazy import lazy_exports

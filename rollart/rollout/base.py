@@ -93,12 +93,14 @@ def make_engine(kind: str, model_path: str, *, version: int = 0, max_batch: int 
                 on_update: Callable | None = None, **options) -> GenerationEngine:
     """Build the engine named ``kind`` (one of ``ENGINES``) on ``model_path``."""
     if kind == "torch":
+        # import cycle, kept in here: the engines import this module's rules (and torch)
         from rollart.rollout.engine import TorchEngine
 
         return TorchEngine(model_path, version=version, max_batch=max_batch,
                            on_update=on_update, **options)
     if kind == "vllm":
         try:
+            # import cycle, kept in here, as for TorchEngine (and vLLM may be missing)
             from rollart.rollout.vllm_engine import VLLMEngine
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(

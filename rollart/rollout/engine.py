@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from rollart.model import load_model, load_tokenizer
 from rollart.rollout import pd
-from rollart.rollout.base import weight_update_problem
+from rollart.rollout.base import serve_all, weight_update_problem
 from rollart.rollout.batch import _Batch
 from rollart.rollout.lean import LeanForward, unsupported
 from rollart.weights import lora
@@ -143,8 +143,6 @@ class TorchEngine(StagedUpdates):
         that fails to copy in is skipped (generation goes on under the old weights); it
         is recorded in ``update_error`` and reported to ``on_update``.
         """
-        from rollart.rollout.base import serve_all
-
         return serve_all(self, requests)
 
     def serve(
@@ -265,8 +263,6 @@ class TorchEngine(StagedUpdates):
         weights than this engine's is recomputed here, whatever ``weight_update`` says
         (that setting concerns only rows already generating when the weights change).
         """
-        from rollart.rollout.base import serve_all
-
         return serve_all(self, requests, handoffs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -59,7 +59,7 @@ from typing import Callable
 import torch
 
 from rollart.model import check_model_folder, load_tokenizer
-from rollart.rollout.base import weight_update_problem
+from rollart.rollout.base import serve_all, weight_update_problem
 from rollart.rollout.batch import hits_stop_string
 from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
 from rollart.rollout.vllm_setup import (VLLM_RANKS, check_lora, folder_shapes,
@@ -160,8 +160,6 @@ class VLLMEngine(StagedUpdates):
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Generate for every request (order preserved), ``max_batch`` live at a time."""
-        from rollart.rollout.base import serve_all
-
         return serve_all(self, requests)
 
     def serve(self, admit, deliver, *, abandoned=None) -> None:

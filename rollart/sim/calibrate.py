@@ -227,7 +227,7 @@ def measure_real(quick: bool = True, steps: int | None = None,
 
     import rollart
     from rollart.app.cli import quiet
-    from rollart.env.faults import straggler_profile, with_faults
+    from rollart.chaos.faults import straggler_profile, with_faults
 
     quiet()
     steps = steps or (8 if quick else 20)

@@ -500,7 +500,7 @@ def simulate(config: SimConfig) -> SimResult:
     """Run ``config``: ``config.steps`` trainer steps in ``config.run_mode``; returns the
     figures (``SimResult``). Deterministic for a seed. Raises ``SimConfigError`` when
     the run stalls (no event left before the last step) or passes ``max_sim_s``."""
-    from rollart.sim.modes import DRIVERS
+    from rollart.sim.modes import DRIVERS  # import cycle: the mode drivers drive a Cluster
     from rollart.sim.report import result
 
     mode = config.run_mode

@@ -48,7 +48,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from rollart.env.faults import Latency, straggler_profile
+from rollart.chaos.faults import Latency, straggler_profile
 
 __all__ = [
     "Costs", "ControlPlane", "EnvCost", "GPUS", "GPUSpec", "GenCost", "MODELS",
@@ -287,7 +287,7 @@ ENV_PROFILES: dict[str, EnvCost] = {
 
 
 def laptop_env(seed: int = 0) -> EnvCost:
-    """The pipeline benchmark's env profile (``rollart.env.faults.straggler_profile``):
+    """The pipeline benchmark's env profile (``rollart.chaos.faults.straggler_profile``):
     Pareto start-up at an env instance's first reset (every trajectory makes its own
     instance, ``rollart.env.trajectory``, so every trajectory pays it), lognormal step
     latency, no failures; the latency is ``asyncio.sleep`` (no CPU held)."""

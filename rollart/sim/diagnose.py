@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.sim.config import TaskShape
 from rollart.sim.costs import EnvCost
 from rollart.sim.paper import (DECODE_HEAVY, MODEL_TP, PREFILL_HEAVY, SHAPES, Experiment,

@@ -4,7 +4,7 @@
 run it predicts, so its error says how well a re-measurement is reproduced. Here the
 simulator is fitted once, on probes of one configuration of the pipeline benchmark's own
 workload (``benchmarks/pipeline.py``: the default multitask graph on
-``resources/laptop.py``, envs that cost what sandboxes cost, ``rollart.env.workload``,
+``resources/laptop.py``, envs that cost what sandboxes cost, ``rollart.chaos.workload``,
 no redundant members), and then predicts, without refitting, configurations it never
 probed: another alpha, envs twice as slow, an env pool of half a step's trajectories,
 another task mix, and the other modes (``HELDOUT``). Each is run for real on the same
@@ -79,8 +79,8 @@ def base_graph():
 
 def setting_graph(base, s: Setting, model: str, steps: int, groups: int, seed: int):
     """``base`` as ``benchmarks/pipeline.py`` runs it (``groups`` groups a step, no
-    redundant members, envs of ``rollart.env.workload`` seeded ``seed``), with ``s``."""
-    from rollart.env.workload import Workload, with_workload
+    redundant members, envs of ``rollart.chaos.workload`` seeded ``seed``), with ``s``."""
+    from rollart.chaos.workload import Workload, with_workload
 
     names = {t.name for t in base.tasks}
     if s.tasks is not None and not set(s.tasks) <= names:
@@ -117,7 +117,7 @@ def fit(client, base, model: str, groups: int, tmp: Path, probe_steps: int = 3,
     from the probe, ``lockstep`` the trainer alone with the probe's engine),
     ``control``, ``shapes``, ``turn_s``."""
     import rollart
-    from rollart.env.workload import drain_pools
+    from rollart.chaos.workload import drain_pools
     from rollart.sim.calibrate import _lone_turn_s, in_situ_engine
     from rollart.sim.measure import (in_situ_trainer, measure_control_plane, measure_engine,
                                      measure_shapes)
@@ -149,7 +149,7 @@ def real_runs(client, base, model: str, settings, steps: int, groups: int,
     """Every setting on every seed, each seed's order shuffled by ``random.Random(seed)``,
     each run from an empty sandbox pool: ``{name: {seed: trajectories/s}}``."""
     import rollart
-    from rollart.env.workload import drain_pools
+    from rollart.chaos.workload import drain_pools
 
     out: dict = {s.name: {} for s in settings}
     for seed in seeds:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.sim.costs import (GPUS, ControlPlane, Costs, GenCost, GPUSpec, ModelSpec,
                                RewardCost, TrainCost, WeightSync, laptop_env)
 

@@ -88,7 +88,7 @@ def areal(cl):
 
 def _batch(cl, seq, lockstep: bool, redundancy: Redundancy | None):
     """Launch one step's groups (``Pipeline.run_batch``); returns their done events."""
-    from rollart.sim.cluster import Barrier
+    from rollart.sim.cluster import Barrier  # import cycle: cluster.simulate runs the drivers
 
     algo = cl.graph.algo
     works = [Work(*seq.next(), algo.group_size) for _ in range(algo.groups_per_step)]

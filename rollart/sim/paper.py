@@ -43,7 +43,7 @@ from rollart.policy.affinity import Affinity
 from rollart.env.tasks import get_task
 from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape
 from rollart.sim.costs import GPUS, MODELS, Costs, RewardCost, WeightSync
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 
 __all__ = ["Experiment", "MOONCAKE_PAPER", "TASKS", "experiments", "mooncake_pull",
            "run", "run_all", "scale_config", "table"]

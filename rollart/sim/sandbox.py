@@ -1,6 +1,6 @@
-"""``rollart.env.workload``'s pooled sandboxes as the simulator's env cost.
+"""``rollart.chaos.workload``'s pooled sandboxes as the simulator's env cost.
 
-Consumes a ``rollart.env.workload.Workload``; produces ``SandboxPoolCost``, an env cost
+Consumes a ``rollart.chaos.workload.Workload``; produces ``SandboxPoolCost``, an env cost
 the simulator (``rollart.sim.cluster``) samples as it samples an ``EnvCost``: a reset per
 trajectory, a step per turn. It follows the workload's own rules, so the simulator can
 be calibrated on the pipeline benchmark's envs (``rollart.sim.heldout``):
@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from rollart.env.workload import Workload
+from rollart.chaos.workload import Workload
 
 __all__ = ["SandboxPoolCost"]
 

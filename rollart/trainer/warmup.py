@@ -5,7 +5,7 @@ The warm-up plays each task with its ``warmup_action`` — a *uniformly random v
 action — and trains the model to imitate those actions. It learns the format (which words
 are actions), not good play: its success rate is the random policy's, the baseline that
 RL must beat. Consumes ``Task`` s and a tokenizer; produces padded token batches in
-the rollout's own conversation format (``rollart.env.conversation``: raw text or the
+the rollout's own conversation format (``rollart.chat.conversation``: raw text or the
 chat template, so a chat model learns the chat format). Episodes are bounded by the
 context budget (a huge observation is cut before it is encoded); an env that raises or
 returns the wrong types stops the warm-up with a ``WarmupEnvError`` naming the task and
@@ -22,11 +22,11 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
-from rollart.env.conversation import ConversationFormat, TokenLog
-from rollart.env.faults import without_faults
+from rollart.chat.conversation import ConversationFormat, TokenLog
+from rollart.chaos.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
-from rollart.env.tool_formats import tool_format_of
+from rollart.chat.tool_formats import tool_format_of
 from rollart.env.trajectory import check_calls, tool_calls
 from rollart.trainer.losses import target_logprobs
 
@@ -185,7 +185,7 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
     after each step: the trainer's progress counter).
 
     Episodes are rendered in the rollout's conversation format (``conversation``,
-    ``system_prompt``: ``rollart.env.conversation``), within ``max_context`` tokens (the
+    ``system_prompt``: ``rollart.chat.conversation``), within ``max_context`` tokens (the
     model config's ``max_position_embeddings`` by default).
 
     ``bare_tool_steps`` (``Policy.warmup_bare_tool_steps``; chat format only) come first:

@@ -64,6 +64,7 @@ class WeightStore(abc.ABC):
     def __new__(cls, url: str | None = None, *args, **kwargs):
         if cls is WeightStore:
             if str(url).startswith("mooncake://"):
+                # import cycle, kept in here: MooncakeWeightStore subclasses WeightStore
                 from rollart.weights.mooncake import MooncakeWeightStore
 
                 cls = MooncakeWeightStore

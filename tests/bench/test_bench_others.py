@@ -190,7 +190,7 @@ def test_calc_copy_scores_a_turn_by_what_it_holds_of_the_question(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from calc_copy import score
 
-    from rollart.env.tools import format_tool_call
+    from rollart.chat.tools import format_tool_call
 
     right = score(format_tool_call("python", {"code": "4 - 6"}), "4 - 6")
     assert right == {"calls": True, "copies": True, "digit1": True, "op": True,
@@ -224,8 +224,8 @@ def test_calc_copy_bare_calc_puts_the_question_near_the_call(monkeypatch, tmp_pa
     from calc_copy import bare_calc_task
 
     from graphs.chat import tasks as chat_tasks
-    from rollart.env.conversation import ConversationFormat
-    from rollart.env.corpus import chat_corpus
+    from rollart.chat.conversation import ConversationFormat
+    from rollart.corpus import chat_corpus
     from rollart.model import build_tiny_model, load_tokenizer
     from rollart.trainer.warmup import play_random
 

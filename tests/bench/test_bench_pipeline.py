@@ -1,5 +1,5 @@
 """benchmarks/pipeline.py runs tiny and prints its RESULT keys; the sandbox-like workload
-(rollart.env.workload) burns CPU, fails resets at its rate and reuses pooled envs."""
+(rollart.chaos.workload) burns CPU, fails resets at its rate and reuses pooled envs."""
 
 import asyncio
 import importlib
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rollart.env.faults import Latency
-from rollart.env.workload import (SandboxError, Workload, drain_pools, pool_stats,
+from rollart.chaos.faults import Latency
+from rollart.chaos.workload import (SandboxError, Workload, drain_pools, pool_stats,
                                   with_workload)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -65,7 +65,7 @@ def test_trl_chat_format_is_rollart_token_layout(tiny_model, trl_env):
 
 @pytest.fixture(scope="module")
 def chat_toy(tmp_path_factory):
-    from rollart.env.corpus import chat_corpus
+    from rollart.corpus import chat_corpus
     from rollart.model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("chat-toy")),
@@ -76,7 +76,7 @@ def test_trl_chat_format_is_rollart_chat_conversation(chat_toy, trl_env):
     """--conversation chat: TRL's tool loop rendered by the adapter's template gives the
     ids of rollart's chat conversation (ChatML: observations as user turns, actions as
     assistant turns ending with <|im_end|>) for the same episode."""
-    from rollart.env.conversation import ConversationFormat, TokenLog
+    from rollart.chat.conversation import ConversationFormat, TokenLog
     from rollart.env.tasks import get_task
 
     tok = trl_env.ChatGameTokenizer.from_model_folder(chat_toy)
@@ -124,7 +124,7 @@ def test_parse_response_calls_act_until_the_episode_ends(tiny_model, trl_env):
 
 
 def test_env_reward_and_latency_match_rollart(trl_env):
-    from rollart.env.faults import Faults, Latency
+    from rollart.chaos.faults import Faults, Latency
     from rollart.env.tasks import get_task
     from rollart.types import Episode
 

@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 
-from rollart import GRPO, Graph, Policy, Rollout
+from rollart import GRPO, Rollout
 from rollart.buffer import SampleBuffer
 from rollart.policy.admission import Capacity, GroupSequence, Slots, StartBound
 from rollart.env.tasks import get_task
+from rollart.testing import tiny_graph, trajectory
 from rollart.types import Trajectory
 
 GRIDNAV, BOXPUSH = get_task("gridnav"), get_task("boxpush")
@@ -154,9 +155,7 @@ def test_the_watchdog_names_each_way_a_run_stops_progressing():
 
 # -- the SampleBuffer's slots, in-process (no cluster) -----------------------------------
 def _traj(gid: str, i: int, version: int = 0) -> Trajectory:
-    return Trajectory(traj_id=f"{gid}-{i}", task="gridnav", group_id=gid, seed=1,
-                      prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1],
-                      logprobs=[-0.5, -0.5], versions=[version, version], reward=1.0,
+    return trajectory(f"{gid}-{i}", gid, seed=1, version=version, reward=1.0,
                       outcome="success", state="scoring")
 
 
@@ -412,12 +411,6 @@ def test_a_lost_manager_frees_nothing_and_its_group_is_handed_out_again(tmp_path
 
 
 # -- on a real in-process cluster --------------------------------------------------------
-def _graph(name: str, **rollout) -> Graph:
-    return Graph(name=name, tasks=("gridnav",), mode="async", steps=4,
-                 policy=Policy(warmup_steps=0),
-                 algo=GRPO(group_size=2, groups_per_step=2), rollout=Rollout(**rollout))
-
-
 def _start(client, graph, model, run_dir):
     from rollart.control.fleet import Fleet
     from rollart.control.modes import make_pipeline
@@ -444,7 +437,7 @@ def _versions(actors) -> list[int]:
 
 def test_an_async_run_stays_within_its_slots_and_workers_follow_the_trainer(
         local_cluster, tiny_model, tmp_path):
-    graph = _graph("bp-bound")
+    graph = tiny_graph("bp-bound", steps=4)
     bound = 1 * 2  # async: alpha 1; one step's worth of groups of 2 (slot_capacity)
     actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
     live, stop = [], threading.Event()
@@ -482,7 +475,7 @@ def test_an_async_run_with_a_take_window_trains_groups_in_start_order(
     from rollart.buffer import read_samples
     from rollart.policy.admission import group_number
 
-    graph = _graph("bp-window", take_window=1, max_in_flight=3)
+    graph = tiny_graph("bp-window", steps=4, take_window=1, max_in_flight=3)
     actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
     try:
         steps = [pipe.step(s) for s in range(1, 5)]
@@ -507,7 +500,7 @@ def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_
     from rollart.control.supervisor import StallError
     from rollart.rollout import InferenceWorker
 
-    graph = _graph("bp-drop", stall_timeout=6.0)
+    graph = tiny_graph("bp-drop", steps=4, stall_timeout=6.0)
     actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
     elsewhere = str(tmp_path / "another-store")
     own = list(actors.workers)
@@ -545,7 +538,7 @@ def test_a_worker_that_cannot_load_new_versions_is_a_stall(local_cluster, tiny_m
 
     other = build_tiny_model(str(tmp_path / "other"), task_corpus(list(BUILTIN_TASKS)),
                              hidden_size=32)
-    graph = _graph("bp-load", stall_timeout=3.0)
+    graph = tiny_graph("bp-load", steps=4, stall_timeout=3.0)
     actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
     _, tag, addr = actors.workers[0]
     bad = local_cluster.submit(InferenceWorker, other, pipe.supervisor.store_url, pool=tag,

@@ -14,6 +14,7 @@ from rollart.buffer import SCHEMA, SampleBuffer, from_table, read_samples, to_re
 from rollart.buffer import schema as schema_mod
 from rollart.buffer import write_parquet
 from rollart.buffer.schema import batch_digest
+from rollart.testing import cluster_fixture
 from rollart.types import CPU_ENV, Trajectory
 
 distributed = pytest.importorskip("distributed")
@@ -232,12 +233,7 @@ def test_next_get_table_settles_a_batch_left_taken():
 
 
 # -- the actor on a real in-process Dask cluster -----------------------------------------
-@pytest.fixture(scope="module")
-def client():
-    from rollart.testing import tagged_cluster
-
-    with tagged_cluster(CPU_ENV) as c:
-        yield c
+client = cluster_fixture(CPU_ENV)
 
 
 def actor(client, run_dir, **kw):

@@ -8,7 +8,7 @@ import pytest
 
 from rollart.buffer import SampleBuffer
 from rollart.buffer.ledger import AccountingError, Ledger
-from rollart.types import Trajectory
+from rollart.testing import trajectory
 
 
 def test_every_trajectory_ends_once():
@@ -94,8 +94,8 @@ def test_double_launch_fails():
 
 
 def _traj(tid, gid, version):
-    return Trajectory(tid, "gridnav", gid, 0, [1], [2, 3], [1, 1], [-0.1, -0.2],
-                      [version, version + 1], reward=random.random())
+    return trajectory(tid, gid, [1], [2, 3], logprobs=[-0.1, -0.2],
+                      versions=[version, version + 1], reward=random.random())
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -365,7 +365,7 @@ def test_a_checkpoint_url_of_another_run_is_refused(tmp_path):
 
 
 def test_an_agent_that_does_not_pickle_is_named(tmp_path):
-    from rollart.env.agent import AgentTask
+    from rollart.agents.agent import AgentTask
 
     task = AgentTask(name="mine", agent=Sandbox(tmp_path / "f").make_env, max_turns=2)
     with pytest.raises(GraphError, match="task 'mine': agent .* cannot be pickled"):

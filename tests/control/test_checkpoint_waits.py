@@ -10,7 +10,7 @@ import pytest
 
 from rollart.control import checkpoint as ck
 from rollart.runtime.waits import StuckError
-from rollart.testing import tagged_cluster
+from rollart.testing import cluster_fixture
 
 
 class Blocking:
@@ -39,10 +39,7 @@ class Blocking:
         self.gate.set()
 
 
-@pytest.fixture(scope="module")
-def client():
-    with tagged_cluster(threads=4) as c:
-        yield c
+client = cluster_fixture(threads=4)
 
 
 def test_a_stuck_save_and_restore_say_which_actor_and_checkpoint(client, tmp_path):

@@ -10,15 +10,15 @@ from dataclasses import replace
 import pyarrow.compute as pc
 import pytest
 
-from rollart import GRPO, Graph, Policy, Rollout, train
+from rollart import GRPO, Policy, Rollout, train
 from rollart.buffer import read_samples
 from rollart.buffer.journal import entries
 from rollart.policy.admission import GroupSequence
 from rollart.env.builtin.gridnav import GridNavEnv
-from rollart.env.faults import Faults, Latency, with_faults
+from rollart.chaos.faults import Faults, Latency, with_faults
 from rollart.env.tasks import get_task
 from rollart.config.graph import GraphError
-from rollart.testing import check_run_record
+from rollart.testing import check_run_record, tiny_graph
 
 slow = pytest.mark.slow  # the first tests here take minutes; the new modes' do not
 
@@ -26,10 +26,8 @@ slow = pytest.mark.slow  # the first tests here take minutes; the new modes' do 
 def _graph(mode, **rollout):
     tasks = tuple(with_faults(t, Faults(step=Latency("lognormal", 0.005, sigma=1.0)))
                   for t in ("gridnav", "boxpush"))
-    return Graph(name=f"t-{mode}", tasks=tasks, mode=mode, steps=4,
-                 policy=Policy(warmup_steps=10),
-                 algo=GRPO(group_size=2, groups_per_step=3),
-                 rollout=Rollout(**rollout))
+    return tiny_graph(f"t-{mode}", tasks, mode=mode, steps=4, groups=3, warmup_steps=10,
+                      **rollout)
 
 
 def _check_run(result, alpha):
@@ -213,9 +211,7 @@ def test_a_comm_error_while_the_trainer_is_alive_reruns_the_step(local_cluster, 
 def _quick(mode, env=None, **rollout):
     task = get_task("gridnav") if env is None else \
         replace(get_task("gridnav"), name="nav", env_factory=env)
-    return Graph(name=f"q-{mode}", tasks=(task,), mode=mode, steps=3,
-                 policy=Policy(warmup_steps=0), algo=GRPO(group_size=2, groups_per_step=3),
-                 rollout=Rollout(**rollout))
+    return tiny_graph(f"q-{mode}", (task,), mode=mode, steps=3, groups=3, **rollout)
 
 
 def _adds_up(result) -> None:

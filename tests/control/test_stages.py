@@ -17,10 +17,9 @@ import pytest
 from distributed import Client
 
 from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
-from rollart.policy.affinity import check_declared, env_affinity, env_tag, task_affinity, task_routes
+from rollart.policy.affinity import check_declared, env_tag, task_affinity, task_routes
 from rollart.buffer import read_samples
 from rollart.control.loop import _shutdown
-from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import get_task
 from rollart.control.supervisor import Supervisor, lose_worker
 from rollart.config.preflight import check_cluster_tags, preflight
@@ -28,15 +27,7 @@ from rollart.runtime.resources import Pool, Resources, cluster_tags, workers_wit
 from rollart.control.stages import RoleSpec, Stages, buffer_worker
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 from rollart.weights import WeightStore
-from rollart.testing import check_run_record
-
-BIG = "CPU_BIG"
-
-
-@env_affinity(BIG)
-class BigGridEnv(GridNavEnv):
-    """Grid navigation whose envs run on the CPU_BIG pool."""
-
+from rollart.testing import BIG, BigGridEnv, check_run_record
 
 @task_affinity(prefill=H800, decode=H20)
 def pd_guess():

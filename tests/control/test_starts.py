@@ -15,7 +15,7 @@ from rollart import GRPO, Graph, Policy
 from rollart.control.stages import Actors, Stages
 from rollart.runtime.resources import cluster_tags, workers_with
 from rollart.runtime.waits import StuckError, Waits
-from rollart.testing import tagged_cluster
+from rollart.testing import cluster_fixture
 from rollart.types import H20, H800
 
 GATES: dict[str, threading.Event] = {}  # in-process workers: the test's own objects
@@ -57,10 +57,7 @@ def _until(check, timeout: float = 30.0):
     return out
 
 
-@pytest.fixture(scope="module")
-def client():
-    with tagged_cluster(H800, H20) as c:
-        yield c
+client = cluster_fixture(H800, H20)
 
 
 def test_a_slow_start_does_not_block_reconcile(client, tmp_path):

@@ -220,7 +220,7 @@ def test_token_log_layout():
 
 
 def test_redundant_members_are_cancelled_and_never_trained(rollout):
-    from rollart.env.faults import Faults, Latency, with_faults
+    from rollart.chaos.faults import Faults, Latency, with_faults
 
     c, mgr, buf, _ = rollout
     slow = with_faults(_task("straggly"), Faults(step=Latency("lognormal", 0.02, sigma=1.5),
@@ -334,7 +334,7 @@ def test_lockstep_batch_moves_turn_by_turn(rollout):
 
 def test_stale_in_flight_members_are_aborted_and_replaced(rollout):
 
-    from rollart.env.faults import Faults, with_faults
+    from rollart.chaos.faults import Faults, with_faults
 
     c, mgr, buf, _ = rollout
     slow = with_faults(_task("slowish"), Faults(step=0.3))

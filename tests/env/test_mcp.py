@@ -100,7 +100,7 @@ def test_the_task_pickles_and_answers_are_scored():
 def test_warmup_episode_calls_the_tool_through_the_chat_format():
     """The format warm-up's episode (rollart.trainer.warmup.play_random) as the chat
     toy's template renders it: the call reached the server, its result came back."""
-    from rollart.env.conversation import ConversationFormat
+    from rollart.chat.conversation import ConversationFormat
     from rollart.testing import CHATML, CHATML_SPECIALS, bpe_tokenizer
     from rollart.trainer.warmup import play_random
 
@@ -116,7 +116,7 @@ def test_warmup_episode_calls_the_tool_through_the_chat_format():
 
 @pytest.mark.slow
 def test_mcp_graph_trains_two_steps(tmp_path, monkeypatch):
-    from graph_runs import train_briefly  # tests/env/
+    from graph_runs import train_briefly  # tests/
 
     calls = []
     real = MCPClient.call

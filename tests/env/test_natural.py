@@ -96,9 +96,10 @@ def smol_family(tmp_path_factory):
 
 def test_real_graph_tasks_render_with_the_model_family_template(smol_family):
     from rollart import load_graph
-    from rollart.env.conversation import ConversationFormat
-    from rollart.env.template_support import check_templates, opening
-    from rollart.env.tools import python_tool
+    from rollart.chat.conversation import ConversationFormat
+    from rollart.chat.template_support import opening
+    from rollart.chat.tools import python_tool
+    from rollart.config.templates import check_templates
     from rollart.model import load_tokenizer
 
     graph, _ = load_graph("graphs/real.py")
@@ -112,7 +113,7 @@ def test_real_graph_tasks_render_with_the_model_family_template(smol_family):
 
 @pytest.mark.slow
 def test_real_graph_trains_two_steps_on_a_tiny_model_of_its_family(smol_family, tmp_path):
-    from tests.env.graph_runs import train_briefly
+    from tests.graph_runs import train_briefly
 
     graph, result, rows = train_briefly("graphs/real.py:smoke", tmp_path / "run",
                                         model=smol_family)

@@ -96,7 +96,7 @@ def test_observation_and_tool_texts():
 
 
 def test_warmup_episode_calls_the_tool_through_the_chat_format():
-    from rollart.env.conversation import ConversationFormat
+    from rollart.chat.conversation import ConversationFormat
     from rollart.testing import CHATML, CHATML_SPECIALS, bpe_tokenizer
     from rollart.trainer.warmup import play_random
 
@@ -112,7 +112,7 @@ def test_warmup_episode_calls_the_tool_through_the_chat_format():
 
 @pytest.mark.slow
 def test_openenv_graph_trains_two_steps(tmp_path, monkeypatch):
-    from graph_runs import train_briefly  # tests/env/
+    from graph_runs import train_briefly  # tests/
 
     calls = []
     real = OpenEnvEnv.call_tool

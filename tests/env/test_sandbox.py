@@ -1,4 +1,4 @@
-"""The tool sandbox (``rollart.env.sandbox``): a process forked from the zygote per call
+"""The tool sandbox (``rollart.env.adapters.sandbox``): a process forked from the zygote per call
 behaves as an interpreter started per call, keeps calls apart, and survives its zygote."""
 
 import os
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rollart.env.adapters.tool import ToolLimits, run_python
-from rollart.env.sandbox import _ZYGOTE_PROCESS, can_fork, run_code
+from rollart.env.adapters.sandbox import _ZYGOTE_PROCESS, can_fork, run_code
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="no os.fork / socket.send_fds here")
 

@@ -28,11 +28,12 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
-from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
-from rollart.testing import check_run_record
+from rollart import load_resources, train
+from rollart.testing import check_run_record, tiny_graph
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
 distributed = pytest.importorskip("distributed")
@@ -189,11 +190,8 @@ def _kill_after_step(layouts: Layouts, run_dir, step: int, tag: str, log: list) 
     log.append(addr)
 
 
-def _graph(name: str) -> Graph:
-    return Graph(name=name, tasks=("gridnav",), steps=3, mode="async",
-                 policy=Policy(warmup_steps=0),
-                 algo=GRPO(group_size=2, groups_per_step=2, alpha=1),
-                 rollout=Rollout(env_step_timeout=5.0))
+#: three steps of two groups of two on gridnav, alpha 1, a 5 s env step time-out
+_graph = partial(tiny_graph, alpha=1, env_step_timeout=5.0)
 
 
 @pytest.mark.parametrize("layout,tag,roles", CELLS, ids=[f"{a}-{b}" for a, b, _ in CELLS])

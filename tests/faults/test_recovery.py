@@ -12,7 +12,7 @@ import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout, train
 from rollart.buffer import read_samples
-from rollart.env.faults import Faults, with_faults
+from rollart.chaos.faults import Faults, with_faults
 from rollart.control.supervisor import lose_worker
 from rollart.runtime.resources import Pool, Resources, workers_with
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN

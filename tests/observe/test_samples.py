@@ -4,7 +4,7 @@ conversation code built them."""
 
 import pytest
 
-from rollart.env.conversation import ConversationFormat, TokenLog
+from rollart.chat.conversation import ConversationFormat, TokenLog
 from rollart.env.tasks import get_task
 from rollart.observe.samples import decode, format_trajectory, select
 
@@ -41,7 +41,7 @@ def test_raw_rows_decode_to_their_turns(tiny_model):
 
 
 def test_chat_rows_decode_without_the_templates_role_turns(tmp_path):
-    from rollart.env.corpus import chat_corpus
+    from rollart.corpus import chat_corpus
     from rollart.model import build_tiny_model, load_tokenizer
 
     task = get_task("gridnav")

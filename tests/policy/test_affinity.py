@@ -17,15 +17,10 @@ from rollart.env.tasks import get_task
 from rollart.config.graph import GRPO, Graph, Policy
 from rollart.runtime.resources import Pool, Resources, load_resources
 from rollart.reward import success_reward
-from rollart.testing import tagged_cluster
+from rollart.testing import BIG, BigGridEnv, tagged_cluster
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
-BIG, JUDGE = "CPU_BIG", "GPU_RM"
-
-
-@env_affinity(BIG)
-class BigGridEnv(GridNavEnv):
-    """Grid navigation whose envs need the big CPU hosts."""
+JUDGE = "GPU_RM"
 
 
 @reward_affinity(JUDGE)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollart.rollout import InferenceWorker, LLMProxy, TorchEngine
-from rollart.testing import ProxyHost, tagged_cluster
+from rollart.testing import ProxyHost, cluster_fixture, tagged_cluster
 from rollart.types import GenRequest, GenResult
 from rollart.weights.store import WeightStore
 
@@ -18,10 +18,7 @@ def store_url(tmp_path_factory):
     return str(tmp_path_factory.mktemp("store") / "weights")
 
 
-@pytest.fixture(scope="class")
-def client():
-    with tagged_cluster("H800") as c:
-        yield c
+client = cluster_fixture("H800", scope="class")
 
 
 @pytest.fixture(scope="class")

@@ -336,7 +336,7 @@ def chat_dir(tmp_path_factory):
 def test_chat_conversation_with_a_tool_call_matches_the_torch_engine(chat_dir):
     """Prompt ids from the chat template (tools, a tool call, its tool result), the same
     stop rules (end-of-turn ids + a stop string): same ids, log-probs and stop reasons."""
-    from rollart.env.conversation import ConversationFormat, TokenLog
+    from rollart.chat.conversation import ConversationFormat, TokenLog
     from rollart.env.tasks import Task
     from rollart.env.builtin.guess import GuessEnv
     from rollart.reward import success_reward

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from rollart import GRPO, Graph, Policy
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.sim import ClusterSpec, EnvPool, GPUPool, SimConfig, TaskShape, simulate
 from rollart.sim.costs import MODELS, Costs, EnvCost, WeightSync
 from rollart.sim.fanout import bucket_count, fan_out

@@ -1,5 +1,5 @@
 """The held-out calibration's parts (rollart.sim.heldout, rollart.sim.sandbox): the
-simulator's sandbox pool follows rollart.env.workload's own pool, the simulator gives a
+simulator's sandbox pool follows rollart.chaos.workload's own pool, the simulator gives a
 trajectory's sandbox back, and each held-out setting changes one thing of the fit's."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from rollart import GRPO, Graph, Policy, Rollout
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.env.tasks import get_task
-from rollart.env.workload import (SandboxError, Workload, drain_pools, pool_stats,
+from rollart.chaos.workload import (SandboxError, Workload, drain_pools, pool_stats,
                                   with_workload)
 from rollart.sim import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape, simulate
 from rollart.sim.costs import MODELS, Costs
@@ -30,7 +30,7 @@ TINY = 1e-6  # a workload scale at which the real pool's waits take no time
 
 
 def _real_pool_counts(work: Workload, live: int, episodes: int) -> dict:
-    """The real pool (rollart.env.workload) with ``live`` envs open at once: open
+    """The real pool (rollart.chaos.workload) with ``live`` envs open at once: open
     ``live``, then close the oldest and open another until ``episodes`` have reset."""
     drain_pools()
     before = pool_stats()

@@ -9,12 +9,13 @@ each task's requests went and that no trained trajectory exceeded alpha in eithe
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
-from rollart import GRPO, Graph, Policy, Rollout
+from rollart import GRPO, Policy
 from rollart.policy.affinity import Affinity
-from rollart.env.faults import Latency
+from rollart.chaos.faults import Latency
 from rollart.env.tasks import get_task
 from rollart.policy.routing import Router
 from rollart.sim import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig, TaskShape, simulate
@@ -22,6 +23,7 @@ from rollart.sim.cluster import Cluster
 from rollart.sim.costs import (GPUS, MODELS, ControlPlane, Costs, EnvCost, GenCost, GPUSpec,
                                RewardCost, TrainCost, WeightSync)
 from rollart.policy.staleness import StalenessBound
+from rollart.testing import tiny_graph
 from rollart.types import H20, H800
 
 FIXED = EnvCost("fixed", reset=Latency("fixed", 1.0), step=Latency("fixed", 0.5))
@@ -34,11 +36,8 @@ def _tasks():
             replace(get_task("gridnav"), name="sim_grid", affinity=Affinity(pools=(H20,))))
 
 
-def _graph(tasks=None, mode="async", groups=2, size=2, steps=3, **rollout):
-    return Graph(name="sim", tasks=tasks or ("gridnav",), mode=mode, steps=steps,
-                 policy=Policy(warmup_steps=0),
-                 algo=GRPO(group_size=size, groups_per_step=groups),
-                 rollout=Rollout(**rollout))
+#: a graph named "sim": tasks (default gridnav), mode, groups, size, steps, rollout fields
+_graph = partial(tiny_graph, "sim")
 
 
 def _cluster(h800=1, h20=1, slots=64, reward=None, trainer=8):

@@ -14,7 +14,7 @@ from rollart.config.graph import GRPO
 from rollart.model import load_tokenizer
 from rollart.trainer import collate, compute_advantages, grpo_loss
 from rollart.trainer.warmup import play_random, warmup_batch
-from rollart.types import Trajectory
+from rollart.testing import trajectory
 
 
 def test_advantages_doctest():
@@ -123,8 +123,8 @@ def test_kl_penalty_is_zero_at_reference_and_positive_elsewhere():
 
 
 def _traj(prompt, response, mask, lp, group="g", reward=1.0):
-    return Trajectory("t", "gridnav", group, 0, prompt, response, mask, lp,
-                      [0 if m else -1 for m in mask], reward=reward)
+    return trajectory("t", group, prompt, response, mask=mask, logprobs=lp,
+                      versions=[0 if m else -1 for m in mask], reward=reward)
 
 
 def test_collate_aligns_tokens_masks_and_logprobs():

@@ -3,15 +3,16 @@
 One module per source, each importing its library only when an env is made (so this
 package imports without them): ``gym`` (gymnasium FrozenLake, ansi render), ``textarena``
 (single-player games), ``gem`` (``gem-llm`` games), ``reasoning_gym`` (procedural tasks
-scored by the library), ``skyrl`` (skyrl-gym gsm8k multi-turn and text2sql on local
-data), ``tool`` (a sandboxed Python tool), and two shared formats: ``mcp`` (an MCP stdio
-server's tools added to any env) and ``openenv`` (Meta's OpenEnv environments, in
-process or over their server); ``servers/`` holds the small servers their tasks run. Each offers ``*_task(...)`` functions that
-return a ``rollart.env.Task``; ``ADAPTER_TASKS`` lists the ones that need no data files
-by name, so ``Graph(tasks=("frozenlake", "calc", ...))`` works like the built-in names.
-Install the libraries with ``pip install 'rollart[envs]'``. ``verifiers`` (a verifiers
-v1 taskset as an ``AgentTask``; its example taskset in ``verifiers_example``) imports its
-library at import, so it is imported from its module, not here (``rollart[agents]``).
+scored by the library), ``skyrl`` (skyrl-gym gsm8k multi-turn and text2sql on local data),
+``tool`` (a Python tool run by ``sandbox``: a process forked per call from a zygote), and
+two shared formats: ``mcp`` (an MCP stdio server's tools added to any env) and ``openenv``
+(Meta's OpenEnv environments, in process or over their server); ``servers/`` holds the
+small servers their tasks run. Each offers ``*_task(...)`` functions that return a
+``rollart.env.Task``; ``ADAPTER_TASKS`` lists the ones that need no data files by name, so
+``Graph(tasks=("frozenlake", "calc", ...))`` works like the built-in names. Install the
+libraries with ``pip install 'rollart[envs]'``. ``verifiers`` (a verifiers v1 taskset as
+an ``AgentTask``; its example taskset in ``verifiers_example``) imports its library at
+import, so it is imported from its module, not here (``rollart[agents]``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
-from rollart.env.tools import format_tool_call
+from rollart.chat.tools import format_tool_call
 
 #: the calculator MCP server, run as a script (its start does not import rollart) from
 #: ``servers/``, where no module shadows the ``mcp`` package as this ``mcp.py`` would

@@ -1,7 +1,7 @@
 """A tool-use environment: the model calls a Python tool that runs in a sandboxed
 subprocess; results come back as tool messages.
 
-``run_python(code, limits)`` runs code in a fresh process (``rollart.env.sandbox``:
+``run_python(code, limits)`` runs code in a fresh process (``rollart.env.adapters.sandbox``:
 forked from a clean ``python -I`` zygote; empty environment, a temporary working
 directory, no stdin) that first caps itself with ``setrlimit`` (CPU seconds, address
 space, file size, open files) and is killed at a wall-clock time-out; it returns
@@ -21,7 +21,7 @@ model only as an observation or ``tool`` message, both masked out of the loss.
 
 ``calc_tool_task(tool_format=...)`` picks what the format warm-up teaches:
 ``"hermes"`` (tool calls as ``<tool_call>{"name": "python", ...}</tool_call>``, for chat
-models and the chat toy), another family of ``rollart.env.tool_formats`` (``"llama3"``,
+models and the chat toy), another family of ``rollart.chat.tool_formats`` (``"llama3"``,
 ``"mistral"``, ``"qwen3_coder"``: the task's ``Task.tool_format`` is then that family, so
 rollout parses what the warm-up taught, and so does ``step`` in raw mode) or ``"text"``
 (``python <code>``, a few words: the word-level toy in raw mode; the default, as the
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from rollart.env.adapters.base import INVALID_PENALTY, AdapterEnv, make_task
-from rollart.env.sandbox import run_code
-from rollart.env.tool_formats import TOOL_FORMATS
-from rollart.env.tools import (
+from rollart.env.adapters.sandbox import run_code
+from rollart.chat.tool_formats import TOOL_FORMATS
+from rollart.chat.tools import (
     ToolCall,
     ToolError,
     check_call,
@@ -67,7 +67,7 @@ class ToolResult:
 
 
 def run_python(code: str, limits: ToolLimits = ToolLimits(), fresh: bool = False) -> ToolResult:
-    """Run ``code`` sandboxed under ``limits`` (``rollart.env.sandbox``: a process forked
+    """Run ``code`` sandboxed under ``limits`` (``rollart.env.adapters.sandbox``: a process forked
     for the call from a clean zygote; ``fresh=True``: an interpreter started for it).
 
     >>> run_python("6 * 7")

@@ -44,7 +44,7 @@ from typing import Callable
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
-from rollart.env.agent import AgentEndpoint, AgentTask
+from rollart.agents.agent import AgentEndpoint, AgentTask
 from rollart.types import Episode
 
 __all__ = ["ChatHarness", "VerifiersRolloutError", "load_tasks", "play_verifiers",

@@ -148,7 +148,7 @@ def rollart_doc(scheduler, extra, doc) -> None:
     """Bokeh document factory, as ``distributed.dashboard`` calls it."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    from rollart.observe.dashboard.plugin import get_plugin
+    from rollart.observe.dashboard.plugin import get_plugin  # import cycle: plugin serves us
 
     args = doc.session_context.request.arguments if doc.session_context else {}
     run = args.get("run", [b""])[0].decode() or None

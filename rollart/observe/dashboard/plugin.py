@@ -99,7 +99,7 @@ def _add_page(scheduler) -> None:
     from distributed.dashboard.scheduler import template_variables
     from tornado.ioloop import IOLoop
 
-    from rollart.observe.dashboard.page import rollart_doc
+    from rollart.observe.dashboard.page import rollart_doc  # import cycle: page reads us
 
     if any(getattr(a, "_rollart", False) for a in scheduler.http_application.applications):
         return

@@ -1,4 +1,4 @@
-"""Fault injection (rollart.env.faults): latency distributions, validation, reproducible
+"""Fault injection (rollart.chaos.faults): latency distributions, validation, reproducible
 decisions, failures, hangs (async and sync), start-up delay, and the task wrapper."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from rollart.env.builtin.gridnav import GridNavEnv
-from rollart.env.faults import (
+from rollart.chaos.faults import (
     Faults,
     FaultyEnv,
     FaultyEnvFactory,
@@ -306,7 +306,7 @@ def test_with_faults_keeps_name_pickles_and_plays_identically():
 def test_with_faults_accepts_a_task_and_checks_its_arguments():
     task = with_faults(get_task("gridnav"), none())
     assert isinstance(task.env_factory(), FaultyEnv)
-    with pytest.raises(TypeError, match="needs a rollart.env.faults.Faults"):
+    with pytest.raises(TypeError, match="needs a rollart.chaos.faults.Faults"):
         with_faults("gridnav", 0.1)
     with pytest.raises(KeyError, match="unknown task"):
         with_faults("nope", none())
@@ -333,7 +333,7 @@ def test_inner_async_methods_are_preferred():
 
 
 def test_without_faults_undoes_with_faults():
-    from rollart.env.faults import without_faults
+    from rollart.chaos.faults import without_faults
     from rollart.env.tasks import BUILTIN_TASKS
 
     plain = BUILTIN_TASKS["gridnav"]

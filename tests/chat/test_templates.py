@@ -1,4 +1,4 @@
-"""Chat templates that cannot do what a run asks (``rollart.env.template_support``): a
+"""Chat templates that cannot do what a run asks (``rollart.chat.template_support``): a
 template without a system role gets the system prompt folded into the first user turn,
 token in / token out and loss mask exact (or a clear error when strict); a template that
 ignores ``tools=`` is an error at start unless ``Task.tools_in_prompt`` writes the tools
@@ -11,13 +11,14 @@ import random
 
 import pytest
 
-from rollart.env import template_support as support
-from rollart.env.conversation import ConversationFormat, TokenLog
+from rollart.chat import template_support as support
+from rollart.chat.conversation import ConversationFormat, TokenLog
 from rollart.env.tasks import Task
-from rollart.env.template_support import TOOLS_HEADER, ChatTemplateError, check_templates
+from rollart.chat.template_support import TOOLS_HEADER, ChatTemplateError
+from rollart.config.templates import check_templates
 from rollart.testing import (ADD_TOOL, CHATML, CHATML_SPECIALS, bpe_tokenizer, save_folder,
                              tiny_qwen2)
-from test_conversation import AddEnv, assert_generated_masked  # tests/env/
+from test_conversation import AddEnv, assert_generated_masked  # tests/chat/
 
 GEMMA_SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
 

@@ -1,6 +1,7 @@
 """``train_briefly``: a graph file trained for two steps on an in-process cluster of the
 default pools, checked to have run clean; shared by the graph-file tests of tests/env/
-(agent, verifiers, MCP, OpenEnv)."""
+and tests/agents/ (agent, verifiers, MCP, OpenEnv). It sits at tests/, beside
+conftest.py, whose folder pytest puts on ``sys.path``."""
 
 import json
 from dataclasses import replace

@@ -1,4 +1,4 @@
-"""The agent endpoint (rollart.env.agent, rollart.env.endpoint) driven by the real
+"""The agent endpoint (rollart.agents.agent, rollart.agents.endpoint) driven by the real
 ``openai`` client over HTTP on 127.0.0.1: a multi-call tool-using agent's trajectory is
 the chat template's render of its turns with the loss on generated ids only; a history
 the agent rewrote restarts the trajectory (counted); max_turns, bad requests, a wrong
@@ -18,9 +18,9 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the agent tests use the openai client")
 
-from rollart.env.agent import AgentTask, agent_session, run_agent  # noqa: E402
-from rollart.env.conversation import ConversationFormat, TokenLog  # noqa: E402
-from rollart.env.endpoint import AgentServer  # noqa: E402
+from rollart.agents.agent import AgentTask, agent_session, run_agent  # noqa: E402
+from rollart.chat.conversation import ConversationFormat, TokenLog  # noqa: E402
+from rollart.agents.endpoint import AgentServer  # noqa: E402
 from rollart.env.protocol import EnvOutputError  # noqa: E402
 from rollart.testing import ADD_TOOL, CHATML, CHATML_SPECIALS, bpe_tokenizer  # noqa: E402
 from rollart.types import Episode, GenResult  # noqa: E402
@@ -290,9 +290,9 @@ def test_agent_task_checks_its_agent_and_pickles():
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3_coder"])
 def test_tool_calls_come_back_in_openai_form_from_each_familys_syntax(server, family):
-    from test_tool_formats import FAMILIES  # tests/env/
+    from tool_families import FAMILIES  # tests/
 
-    from rollart.env.tool_formats import get_tool_format
+    from rollart.chat.tool_formats import get_tool_format
 
     template, specials, eos = FAMILIES[family]
     tok = bpe_tokenizer(specials, template, eos=eos)
@@ -314,7 +314,8 @@ def test_tool_calls_come_back_in_openai_form_from_each_familys_syntax(server, fa
 
 def test_agent_tasks_without_a_chat_template_are_refused_at_start(tmp_path):
     from rollart import Graph, Policy
-    from rollart.env.template_support import ChatTemplateError, check_templates
+    from rollart.chat.template_support import ChatTemplateError
+    from rollart.config.templates import check_templates
     from rollart.testing import save_folder, tiny_qwen2
 
     tok = bpe_tokenizer(CHATML_SPECIALS, None, eos="<|im_end|>", pad="<|endoftext|>")

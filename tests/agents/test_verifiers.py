@@ -15,14 +15,14 @@ vf = pytest.importorskip("verifiers.v1", reason="the verifiers adapter needs ver
 pytest.importorskip("openai", reason="the verifiers adapter's harness uses openai")
 
 # the fixtures of test_agent.py: a ChatML format, a loop thread, the endpoint on it
-from test_agent import Script, fmt, loop, on, server  # noqa: E402,F401 (tests/env/)
+from test_agent import Script, fmt, loop, on, server  # noqa: E402,F401 (tests/agents/)
 
 from rollart.env.adapters.verifiers import (  # noqa: E402
     VerifiersRolloutError, load_tasks, verifiers_task)
 from rollart.env.adapters.verifiers_example import (  # noqa: E402
     SIZE, SumsEnv, SumsTask, SumsTaskset, make_sums)
-from rollart.env.agent import agent_session, run_agent  # noqa: E402
-from rollart.env.conversation import TokenLog  # noqa: E402
+from rollart.agents.agent import agent_session, run_agent  # noqa: E402
+from rollart.chat.conversation import TokenLog  # noqa: E402
 
 
 class BrokenSumsTask(SumsTask):

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("verifiers.v1", reason="the verifiers graph needs verifiers")
 pytest.importorskip("openai", reason="the verifiers adapter's harness uses openai")
 
-from test_agent_graph import train_briefly  # noqa: E402 (tests/env/)
+from test_agent_graph import train_briefly  # noqa: E402 (tests/agents/)
 
 pytestmark = pytest.mark.slow
 

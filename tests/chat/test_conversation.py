@@ -1,20 +1,17 @@
-"""Conversations as token ids (rollart.env.conversation) with real tokenizers built here:
+"""Conversations as token ids (rollart.chat.conversation) with real tokenizers built here:
 three chat-template styles, token in / token out, masks, tool messages, cut generations,
 parse_action helpers, bad input, the raw toy format byte for byte, and the warm-up."""
 
 import json
 import logging
-import pickle
 import random
 import threading
 import warnings
 
 import pytest
 
-from rollart.env import conversation as conv_mod
-from rollart.env.conversation import (ConversationError, ConversationFormat, ParseChain,
-                                      TokenLog, answer_tag, cap_text, last_line,
-                                      strip_think, whole_text)
+from rollart.chat import conversation as conv_mod
+from rollart.chat.conversation import ConversationError, ConversationFormat, TokenLog, cap_text
 from rollart.env.tasks import BUILTIN_TASKS, Task
 from rollart.testing import (ADD_TOOL, CHATML, CHATML_SPECIALS, bpe_tokenizer, save_folder,
                              tiny_qwen2)
@@ -306,25 +303,6 @@ def test_a_huge_observation_is_capped_before_encoding_and_truncated(chatml):
     conv.add_generation(enc(chatml, "left") + [raw.stop_ids[0]])
     conv.add_user(huge)
     assert conv.truncated and len(conv.log) == 100
-
-
-# -- parse_action helpers -------------------------------------------------------------------
-def test_parse_action_helpers():
-    text = "<think>the wall is left\nso up</think>\nI go\n<answer> up </answer>\n"
-    assert whole_text("  up \n") == "up"
-    assert last_line(text) == "<answer> up </answer>"
-    assert answer_tag(text) == "up"
-    assert answer_tag("<answer>1</answer> then <answer>2</answer>") == "2"
-    assert answer_tag("up") == ""
-    assert strip_think(text) == "I go\n<answer> up </answer>"
-    assert strip_think("<think>unfinished thought up") == ""
-    chain = ParseChain(strip_think, answer_tag)
-    assert chain("<think><answer>no</answer></think><answer>yes</answer>") == "yes"
-    assert pickle.loads(pickle.dumps(chain))("<answer>x</answer>") == "x"
-    with pytest.raises(TypeError):
-        ParseChain("not callable")
-    t = task(parse_action=chain, stop=("</answer>",))
-    assert pickle.loads(pickle.dumps(t)).parse_action("<answer>up</answer>") == "up"
 
 
 def test_task_text_fields_are_checked():

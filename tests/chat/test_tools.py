@@ -1,4 +1,4 @@
-"""rollart.env.tools (tool-call parsing and checking) and the calc task's python tool."""
+"""rollart.chat.tools (tool-call parsing and checking) and the calc task's python tool."""
 
 import json
 import pickle
@@ -12,7 +12,7 @@ from rollart.env.adapters.tool import (
     calc_tool_task,
 )
 from rollart.env.protocol import EnvOutputError, ToolEnv, check_tool_result, env_tools
-from rollart.env.tools import (
+from rollart.chat.tools import (
     ToolCall,
     ToolError,
     check_call,
@@ -195,7 +195,7 @@ def test_calc_env_pickles_with_its_tools():
 def test_doctests():
     import doctest
 
-    from rollart.env import tools
+    from rollart.chat import tools
     from rollart.env.adapters import tool
 
     for mod in (tools, tool):

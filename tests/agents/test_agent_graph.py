@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("openai", reason="the agent graph's agent uses the openai client")
 
-import graph_runs  # noqa: E402 (tests/env/)
+import graph_runs  # noqa: E402 (tests/)
 from rollart.model import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # ~30 s on 2 cores

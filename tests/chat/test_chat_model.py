@@ -9,9 +9,9 @@ import torch
 from transformers import AutoTokenizer
 
 from rollart.env.adapters.tool import calc_tool_task
-from rollart.env.corpus import chat_corpus, task_texts
+from rollart.corpus import chat_corpus, task_texts
 from rollart.env.tasks import Task
-from rollart.env.tools import ToolCall, parse_tool_calls, python_tool
+from rollart.chat.tools import ToolCall, parse_tool_calls, python_tool
 from rollart.model import (
     CHAT_SPECIALS,
     CHAT_TAGS,
@@ -251,7 +251,7 @@ def test_chat_graph_actions_fit_their_token_budget(tmp_path):
     whole warm-up episode fits the toy's context."""
     import random
 
-    from rollart.env.tools import python_tool
+    from rollart.chat.tools import python_tool
     from rollart.config.graph import load_graph
 
     graph, src = load_graph("chat")
@@ -287,9 +287,9 @@ def test_a_tool_calling_conversation_on_the_chat_toy(chat_dir):
     tool's result (run by the env) is masked out."""
     import random
 
-    from rollart.env.conversation import ConversationFormat, TokenLog
+    from rollart.chat.conversation import ConversationFormat, TokenLog
     from rollart.env.protocol import env_tools
-    from rollart.env.tools import check_call
+    from rollart.chat.tools import check_call
 
     tok = load_tokenizer(chat_dir)
     fmt = ConversationFormat(tok, "chat", max_context=2048, model_path=chat_dir)

@@ -4,7 +4,8 @@ own policy objects.
 Consumes a ``SimConfig`` (``rollart.sim.config``); produces a ``SimResult``. Called by
 ``rollart.sim.simulate``, ``rollart.sim.paper``, ``rollart.sim.calibrate`` and
 ``benchmarks/cluster_sim.py``. The modes' drivers are in ``rollart.sim.modes``, the
-pools in ``rollart.sim.pools``.
+pools in ``rollart.sim.pools``, the records of members, groups and env managers in
+``rollart.sim.members``.
 
 What is simulated (and what is aggregated to stay fast at thousands of GPUs):
 
@@ -56,86 +57,12 @@ from rollart.policy.redundancy import Redundancy
 from rollart.policy.routing import Router
 from rollart.sim.config import SimConfig, SimConfigError, SimResult
 from rollart.sim.fanout import fan_out
+from rollart.sim.members import Group, Manager, Member
+from rollart.sim.modes import DRIVERS
 from rollart.sim.pools import Meter, Req, RewardSim, SimWorker
 from rollart.policy.staleness import StalenessBound, WeightRule, within
 
 ABORTED, CANCELLED, FAILED, DELIVERED = "aborted", "cancelled", "failed", "delivered"
-
-
-class Barrier:
-    """``TurnBarrier``'s rule: every live member waits at each turn for all of them."""
-
-    def __init__(self, env, parties: int):
-        self.env, self.parties, self.arrived = env, parties, 0
-        self.event = env.event()
-
-    def wait(self):
-        self.arrived += 1
-        ev = self.event
-        self._maybe_open()
-        return ev
-
-    def leave(self) -> None:
-        self.parties -= 1
-        self._maybe_open()
-
-    def _maybe_open(self) -> None:
-        if self.parties > 0 and self.arrived >= self.parties:
-            ev, self.event, self.arrived = self.event, self.env.event(), 0
-            ev.succeed()
-
-
-class Member:
-    __slots__ = ("id", "group", "proc", "req", "worker", "oldest", "tokens", "state",
-                 "failed")
-
-    def __init__(self, traj_id: str, group):
-        self.id, self.group = traj_id, group
-        self.proc = self.req = self.worker = self.oldest = None
-        self.tokens, self.state, self.failed = 0, None, False
-
-
-class Group:
-    def __init__(self, env, work, manager, barrier=None):
-        self.task, self.seed, self.gid = work.task, work.seed, work.group_id
-        self.size, self.need = work.size, work.need
-        self.manager, self.barrier = manager, barrier
-        self.members: dict[str, Member] = {}
-        self.delivered: list[Member] = []
-        self.replaced = self.backups = self.backup_at = self.next_index = 0
-        self.done = env.event()
-
-    @property
-    def filled(self) -> bool:
-        return len(self.delivered) >= self.need
-
-    @property
-    def version(self) -> int | None:
-        versions = [m.oldest for m in self.delivered if not m.failed and m.oldest is not None]
-        return min(versions) if versions else None
-
-
-class Manager:
-    """A simulated ``EnvManager``: its env pool's slots, its own ``Router`` copy, and its
-    event loop (one asyncio loop shared by all its trajectories: a capacity-1 resource
-    each turn holds for ``Costs.manager_turn_s``)."""
-
-    def __init__(self, env, name: str, slots: simpy.Resource, meter: Meter, router: Router,
-                 near: tuple = ()):
-        self.name, self.slots, self.meter, self.router = name, slots, meter, router
-        self.loop = simpy.Resource(env, capacity=1)
-        self.loop_busy = 0.0
-        self.near = near  # inference workers in this manager's process (one GIL)
-
-    def turn(self, env, seconds: float):
-        """One turn's Python on the loop: wait for it, hold it ``seconds`` (the workers
-        of its process wait for the GIL as long)."""
-        with self.loop.request() as req:
-            yield req
-            for w in self.near:
-                w.stall(seconds)
-            yield env.timeout(seconds)
-        self.loop_busy += seconds
 
 
 class Cluster:
@@ -500,7 +427,6 @@ def simulate(config: SimConfig) -> SimResult:
     """Run ``config``: ``config.steps`` trainer steps in ``config.run_mode``; returns the
     figures (``SimResult``). Deterministic for a seed. Raises ``SimConfigError`` when
     the run stalls (no event left before the last step) or passes ``max_sim_s``."""
-    from rollart.sim.modes import DRIVERS  # import cycle: the mode drivers drive a Cluster
     from rollart.sim.report import result
 
     mode = config.run_mode

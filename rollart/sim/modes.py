@@ -30,6 +30,7 @@ from __future__ import annotations
 from rollart.policy.admission import (GroupSequence, Slots, StartBound, Work,
                                       take_window_groups)
 from rollart.policy.redundancy import Redundancy
+from rollart.sim.members import Barrier
 
 
 def _sequence(cl) -> GroupSequence:
@@ -88,8 +89,6 @@ def areal(cl):
 
 def _batch(cl, seq, lockstep: bool, redundancy: Redundancy | None):
     """Launch one step's groups (``Pipeline.run_batch``); returns their done events."""
-    from rollart.sim.cluster import Barrier  # import cycle: cluster.simulate runs the drivers
-
     algo = cl.graph.algo
     works = [Work(*seq.next(), algo.group_size) for _ in range(algo.groups_per_step)]
     barrier = Barrier(cl.env, sum(w.size for w in works)) if lockstep else None

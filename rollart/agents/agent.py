@@ -11,19 +11,28 @@ the trajectory time-out, failures contained and counted, redundant members cance
 Underneath, each chat completion is token in, token out (``AgentSession``):
 
 * the request's messages (and ``tools``) are rendered by the policy's chat template
-  once, at the first call (``Conversation.of_messages``); every later call must repeat
-  the conversation so far — the earlier request's messages, then the assistant message
+  once, at the first call (``Conversation.of_messages``; with ``Task.tools_in_prompt``
+  the tool schemas join the system message instead of ``tools=``, as on the env path:
+  ``rollart.chat.template_support.agent_opening``); every later call must repeat the
+  conversation so far — the earlier request's messages, then the assistant message
   this endpoint returned — and only the new messages after it (``user``/``tool``) are
   added, as the template's delta (``Conversation.add_messages``). The ids the policy
   generated are kept verbatim, with their behaviour log-probs and policy versions; the
   loss mask is 1 on them only; requests go through the ``LLMProxy`` like any rollout
   turn, so the staleness protocol (versions, aborts) applies unchanged.
 * a request whose history differs from what was returned (an agent that edited or
-  summarised its history, dropped a tool call, changed ``tools``) is a **new prompt**:
-  the trajectory's ids restart from its render. The trajectory keeps the ids of its last
-  prompt and what followed it (what the final answer was generated from); the dropped
-  part is counted (``rollout/agent_rewrites``, ``rollout/agent_dropped_tokens``), never
-  silently glued on to a context the policy did not see.
+  summarised its history, dropped a tool call, changed ``tools``) is a
+  **new prompt**: the trajectory's ids restart from its render. The trajectory keeps the
+  ids of its last prompt and what followed it (what the final answer was generated
+  from); the dropped part is counted (``rollout/agent_rewrites``,
+  ``rollout/agent_dropped_tokens``), never silently glued on to a context the policy
+  did not see.
+* a request the chat template can never serve (``tools`` it ignores without
+  ``Task.tools_in_prompt``, a role it refuses) is refused (HTTP 400, the message naming
+  the fix) and kept as the session's ``fatal``: the trajectory fails with that
+  ``ChatTemplateError`` and the run stops with it (``rollart.env.trajectory``,
+  ``rollart.control.modes``). ``AgentTask.tools`` declares the tools up front, so the
+  start check (``rollart.config.templates``) refuses such a template before a run.
 * the assistant text is parsed for tool calls in the task's format
   (``Task.tool_format``, else the one the chat template writes:
   ``rollart.chat.tool_formats``), when the request has ``tools``:
@@ -55,7 +64,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jinja2 import TemplateError
+
 from rollart.chat.conversation import Conversation, TokenLog, cap_text
+from rollart.chat.template_support import ChatTemplateError, agent_opening
 from rollart.env.protocol import EnvOutputError
 from rollart.env.tasks import Task, is_agent_task  # noqa: F401 (re-exported)
 from rollart.types import Episode, GenRequest
@@ -106,7 +118,8 @@ class AgentTask(Task):
     ``agent(endpoint, seed)`` (plain or ``async``) returns a float reward or a
     ``rollart.Episode``; ``reward_fn`` (default ``agent_reward``: what it returned)
     scores the episode. ``max_turns`` bounds the agent's chat completion calls.
-    ``env_factory`` is not used.
+    ``env_factory`` is not used. ``tools`` (optional) declares the tool schemas the
+    agent sends, so the start check sees them (``rollart.config.templates``).
 
     >>> def fn(endpoint, seed): return 1.0
     >>> AgentTask(name="qa", agent=fn, max_turns=4).max_new_tokens
@@ -118,6 +131,10 @@ class AgentTask(Task):
     max_turns: int = 8  # the agent's chat completion calls at most
     max_new_tokens: int = 256  # tokens per completion at most
     agent: Callable | None = None  # agent(endpoint, seed) -> float | Episode (plain or async)
+    # the OpenAI tool schemas the agent sends, if declared: the start check
+    # (rollart.config.templates) then refuses a chat template that ignores them unless
+    # tools_in_prompt; undeclared, the first request with tools is checked
+    tools: tuple = field(default=(), hash=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,6 +142,13 @@ class AgentTask(Task):
             raise TypeError(f"AgentTask {self.name!r}: agent must be a function "
                             "(endpoint, seed) -> float | rollart.Episode (plain or async, "
                             f"module-level so it pickles), got {type(self.agent).__name__}")
+        try:
+            tools = _tools(list(self.tools)) or ()
+        except (AgentError, TypeError):
+            raise TypeError(f"AgentTask {self.name!r}: tools must be a list of OpenAI tool "
+                            "schemas {'type': 'function', 'function': {'name', "
+                            f"'description', 'parameters'}}, got {self.tools!r:.80}") from None
+        object.__setattr__(self, "tools", tuple(tools))
 
 
 # -- one trajectory's endpoint state -----------------------------------------------------
@@ -165,6 +189,9 @@ class AgentSession:
     last_active: float = field(default_factory=time.monotonic)
     busy: int = 0  # calls being served
     closed: bool = False
+    # a request the chat template can never serve (ChatTemplateError): refused, and the
+    # trajectory fails with it, which stops the run (rollart.env.trajectory)
+    fatal: Exception | None = None
     _serving: set = field(default_factory=set)  # the tasks serving calls now
 
     async def complete(self, body: dict) -> dict:
@@ -236,30 +263,62 @@ class AgentSession:
         new = messages[n:] if same else messages
         if same and all(m["role"] in ("user", "tool") for m in new):
             self.observations += [cap_text(m["content"], self.fmt.max_context) for m in new]
-            self.conv.add_messages([_internal(m) for m in new])
+            conv = self.conv
+            self._template(lambda: conv.add_messages([_internal(m) for m in new]), messages)
             return
         if self.conv is not None:  # a history the agent rewrote: a new prompt
             self.counts.rewrites += 1
             self.counts.dropped_tokens += sum(self.log.loss_mask)
+        self._check_tools(tools)
         self.tools = tools
         self.log.prompt_ids, self.log.response_ids = [], []
         self.log.loss_mask, self.log.logprobs, self.log.versions = [], [], []
         self.observations += [cap_text(m["content"], self.fmt.max_context)
                               for m in messages if m["role"] != "assistant"]  # bounded
-        self.conv = Conversation.of_messages(self.fmt, self.log,
-                                             [_internal(m) for m in messages],
-                                             self._render_tools(tools))
+        # Task.tools_in_prompt: the tools join the system message, as on the env path
+        msgs, shown = agent_opening(self.fmt, self.task, [_internal(m) for m in messages],
+                                    tools)
+        self.conv = self._template(lambda: Conversation.of_messages(
+            self.fmt, self.log, msgs, shown), messages)
 
-    def _render_tools(self, tools):
-        if not tools or self.fmt.mode != "chat":
-            return tools
-        if getattr(self.task, "tools_in_prompt", False) or self.fmt.tools_rendered:
-            return tools
-        raise AgentError(
-            f"the request declares tools, but the chat template of {self.fmt.name} ignores "
-            f"tools=, so the model would never be shown them; set "
-            f"AgentTask(tools_in_prompt=True) on {self.task.name!r} or use a model folder "
-            "whose chat template renders tools")
+    def _check_tools(self, tools) -> None:
+        """A request with ``tools`` that the template ignores, without
+        ``Task.tools_in_prompt``, can never be served: refused, and the run stops."""
+        if not tools or self.fmt.mode != "chat" or self.fmt.tools_rendered or getattr(
+                self.task, "tools_in_prompt", False):
+            return
+        names = ", ".join(t["function"]["name"] for t in tools)
+        self._stop(ChatTemplateError(
+            f"agent task {self.task.name!r} sent tools ({names}), but the chat template of "
+            f"{self.fmt.name} ignores tools= (it renders the same ids with and without "
+            f"them), so the model would never be shown them: set AgentTask("
+            f"tools_in_prompt=True) on {self.task.name!r} (its tool schemas are then "
+            "written into the system prompt) or use a model folder whose chat template "
+            "renders tools"))
+
+    def _template(self, render, sent: list[dict]):
+        """``render()``, the template's render of the agent's messages ``sent``: a
+        template that refuses them (it raises on a role, or on a system message under
+        ``Policy.strict_template``) can never serve this agent, so the request is
+        refused and the run stops."""
+        try:
+            return render()
+        except ChatTemplateError as e:
+            self._stop(e)
+        except TemplateError as e:
+            roles = " ".join(m["role"] for m in sent)
+            self._stop(ChatTemplateError(
+                f"the chat template of {self.fmt.name} refuses the messages of agent task "
+                f"{self.task.name!r} (roles: {roles}): {e}. Send messages the template "
+                "accepts (no 'tool' or 'system' role where it has none; user and "
+                "assistant alternating where it requires that) or use a model folder "
+                "whose chat template renders them"))
+
+    def _stop(self, error: ChatTemplateError):
+        """Refuse the request with ``error`` (HTTP 400) and keep it as ``fatal``: the
+        trajectory fails with it and the run stops (``rollart.env.trajectory``)."""
+        self.fatal = self.fatal or error
+        raise AgentError(str(error)) from None
 
     def _calls(self, text: str) -> tuple[list[dict], str | None]:
         calls, out = self.parse_calls(text, self.tools), []

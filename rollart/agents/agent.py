@@ -14,14 +14,17 @@ Underneath, each chat completion is token in, token out (``AgentSession``):
   once, at the first call (``Conversation.of_messages``; with ``Task.tools_in_prompt``
   the tool schemas join the system message instead of ``tools=``, as on the env path:
   ``rollart.chat.template_support.agent_opening``); every later call must repeat the
-  conversation so far — the earlier request's messages, then the assistant message
-  this endpoint returned — and only the new messages after it (``user``/``tool``) are
-  added, as the template's delta (``Conversation.add_messages``). The ids the policy
-  generated are kept verbatim, with their behaviour log-probs and policy versions; the
-  loss mask is 1 on them only; requests go through the ``LLMProxy`` like any rollout
-  turn, so the staleness protocol (versions, aborts) applies unchanged.
+  conversation so far — the earlier request's messages, then the assistant message this
+  endpoint returned (as it came back, or replayed with its raw text, or with its tool
+  calls alone; arguments compared as JSON values: ``same_turn``) — and only the new
+  messages after it are added, as the template's delta (``Conversation.add_messages``):
+  ``user``/``tool`` messages, and ``assistant`` messages the agent wrote itself (a
+  replayed tool-call exchange), which the policy reads but is not trained on. The ids
+  the policy generated are kept verbatim, with their behaviour log-probs and policy
+  versions; the loss mask is 1 on them only; requests go through the ``LLMProxy`` like
+  any rollout turn, so the staleness protocol (versions, aborts) applies unchanged.
 * a request whose history differs from what was returned (an agent that edited or
-  summarised its history, dropped a tool call, changed ``tools``) is a
+  summarised its history, dropped a tool call, changed ``tools``: ``continues``) is a
   **new prompt**: the trajectory's ids restart from its render. The trajectory keeps the
   ids of its last prompt and what followed it (what the final answer was generated
   from); the dropped part is counted (``rollout/agent_rewrites``,
@@ -73,7 +76,7 @@ from rollart.env.tasks import Task, is_agent_task  # noqa: F401 (re-exported)
 from rollart.types import Episode, GenRequest
 
 __all__ = ["AgentEndpoint", "AgentError", "AgentSession", "AgentTask", "agent_reward",
-           "agent_session", "is_agent_task", "play", "run_agent"]
+           "agent_session", "continues", "is_agent_task", "play", "run_agent", "same_turn"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -247,7 +250,7 @@ class AgentSession:
                                    res.finish_reason)
         self.actions.append(text)
         calls, content = self._calls(text) if self.tools else ([], text)
-        reply = {"role": "assistant", "content": content}
+        reply = {"role": "assistant", "content": content, "generated": text}
         if calls:
             reply["tool_calls"] = calls
         self.wire = messages + [reply]
@@ -256,13 +259,13 @@ class AgentSession:
         return self._response(content, calls, reason, len(res.token_ids))
 
     def _extend(self, messages: list[dict], tools) -> None:
-        """Add the request's new messages to the conversation, or start a new prompt."""
+        """Add the request's new messages to the conversation, or start a new prompt
+        (the rule: ``continues``)."""
         n = len(self.wire)
-        same = (self.conv is not None and tools == self.tools and len(messages) > n
-                and all(_key(a) == _key(b) for a, b in zip(messages[:n], self.wire)))
-        new = messages[n:] if same else messages
-        if same and all(m["role"] in ("user", "tool") for m in new):
-            self.observations += [cap_text(m["content"], self.fmt.max_context) for m in new]
+        if self.conv is not None and continues(messages, tools, self.wire, self.tools):
+            new = messages[n:]
+            self.observations += [cap_text(m["content"], self.fmt.max_context)
+                                  for m in new if m["role"] != "assistant"]
             conv = self.conv
             self._template(lambda: conv.add_messages([_internal(m) for m in new]), messages)
             return
@@ -472,11 +475,56 @@ def _call(c, where: str) -> dict:
             "function": {"name": fn["name"], "arguments": json.dumps(args)}}
 
 
-def _key(m: dict) -> tuple:
-    """What must match for a message to be the same turn (tool call ids aside)."""
-    calls = tuple((c["function"]["name"], c["function"]["arguments"])
-                  for c in m.get("tool_calls") or ())
-    return m["role"], m.get("content") or "", calls
+def continues(messages: list[dict], tools, wire: list[dict], wire_tools) -> bool:
+    """Whether a request (``messages``, ``tools``) continues the conversation the
+    endpoint last answered (``wire``: that request's messages, then the reply, sent
+    with ``wire_tools``), so its new messages are only added: the same tools, every
+    message of ``wire`` resent as the same turn (``same_turn``), and after them only
+    ``user`` / ``tool`` messages or ``assistant`` messages the agent wrote itself (a
+    replayed or scripted tool-call exchange: context the policy reads, not trained).
+    Anything else (an edited, dropped or inserted message, other tools) is a new prompt.
+
+    >>> wire = [{"role": "user", "content": "go"},
+    ...         {"role": "assistant", "content": "up", "generated": "up"}]
+    >>> more = [{"role": "assistant", "content": "left"}, {"role": "user", "content": "?"}]
+    >>> continues(wire + more, None, wire, None), continues(more, None, wire, None)
+    (True, False)
+    """
+    n = len(wire)
+    if tools != wire_tools or len(messages) <= n:
+        return False
+    if not all(same_turn(sent, kept) for sent, kept in zip(messages, wire)):
+        return False
+    return all(m["role"] in ("user", "tool", "assistant") for m in messages[n:])
+
+
+def same_turn(sent: dict, kept: dict) -> bool:
+    """Whether ``sent`` (a resent message) is the turn ``kept``: the same role and tool
+    calls (names and arguments as JSON values: key order and spacing aside; call ids
+    aside) and the same content. A reply the endpoint generated (``kept["generated"]``:
+    its raw text) is also the same turn replayed with that raw text as content, or,
+    when it made tool calls, with its calls and no content.
+
+    >>> kept = {"role": "assistant", "content": None, "generated": "<call>", "tool_calls": [
+    ...     {"function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+    >>> replay = {"role": "assistant", "content": "", "tool_calls": [
+    ...     {"id": "x", "function": {"name": "add", "arguments": '{"b":3,"a":2}'}}]}
+    >>> same_turn(replay, kept), same_turn({**replay, "content": "I add"}, kept)
+    (True, False)
+    """
+    if sent["role"] != kept["role"] or _call_values(sent) != _call_values(kept):
+        return False
+    content = sent.get("content") or ""
+    if content == (kept.get("content") or ""):
+        return True
+    if "generated" not in kept:
+        return False
+    return content == kept["generated"] or (not content and bool(kept.get("tool_calls")))
+
+
+def _call_values(m: dict) -> list[tuple]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in m.get("tool_calls") or ()]
 
 
 def _internal(m: dict) -> dict:

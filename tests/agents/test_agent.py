@@ -415,3 +415,64 @@ def test_agent_task_tools_are_checked_at_start(tmp_path):
         check_templates(Graph(name="g", tasks=(ok,), policy=policy), folder)
     with pytest.raises(TypeError, match="tools must be a list of OpenAI tool schemas"):
         task(tools=["add"])
+
+
+# -- replayed assistant messages -----------------------------------------------------------
+def _first_turn_trained(fmt, s, text=CALL):
+    """The loss mask still covers the ids generated at the first call."""
+    gen = list(fmt.tokenizer.encode(text, add_special_tokens=False)) + [fmt.end_id]
+    picked = [i for i, m in zip(s.log.response_ids, s.log.loss_mask) if m]
+    return picked[:len(gen)] == gen
+
+
+@pytest.mark.parametrize("replay", ["raw_text", "calls_alone", "reordered_arguments"])
+def test_a_generated_tool_call_replayed_by_the_agent_keeps_its_tokens_trained(
+        fmt, server, replay):
+    """Agents rebuild the assistant turn of a tool-call exchange from their own record:
+    the model's raw text, the calls alone, arguments re-serialised. It is still the turn
+    the policy generated: no new prompt, the first generation stays trained."""
+    s = session(fmt, [CALL, "the number is 5"])
+    ep = server.open(s, seed=0)
+    c = client(ep)
+    msgs = [{"role": "user", "content": QUESTION}]
+    out = c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    (call,) = out.choices[0].message.tool_calls
+    args = {"b": 3, "a": 2} if replay == "reordered_arguments" else {"a": 2, "b": 3}
+    turn = {"role": "assistant", "content": CALL if replay == "raw_text" else None,
+            "tool_calls": [{"id": call.id, "type": "function", "function": {
+                "name": "add", "arguments": json.dumps(args, separators=(",", ":"))}}]}
+    msgs += [turn, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    server.close(ep)
+    assert s.counts.rewrites == 0 and s.counts.dropped_tokens == 0
+    assert _first_turn_trained(fmt, s)
+    gen = sum(len(fmt.tokenizer.encode(t, add_special_tokens=False)) + 1
+              for t in (CALL, "the number is 5"))
+    assert sum(s.log.loss_mask) == gen
+
+
+def test_an_assistant_exchange_the_agent_adds_is_context_and_keeps_earlier_tokens(
+        fmt, server):
+    """An agent that replays a tool-call exchange after the reply (the same call again,
+    and its result) adds context the policy reads, not a new prompt: what the policy
+    generated stays trained, the added assistant turn is not (loss mask 0)."""
+    s = session(fmt, [CALL, "the number is 5"], max_new_tokens=32)
+    ep = server.open(s, seed=0)
+    c = client(ep)
+    msgs = [{"role": "user", "content": QUESTION}]
+    out = c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    msg = out.choices[0].message.model_dump(exclude_none=True)
+    replayed = {**msg, "content": CALL,  # this template shows content, not tool_calls
+                "tool_calls": [{**msg["tool_calls"][0], "id": "call_replay"}]}
+    msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
+                   "content": "5"},
+             replayed, {"role": "tool", "tool_call_id": "call_replay", "content": "5"}]
+    c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    server.close(ep)
+    assert s.counts.rewrites == 0 and _first_turn_trained(fmt, s)
+    gen = sum(len(fmt.tokenizer.encode(t, add_special_tokens=False)) + 1
+              for t in (CALL, "the number is 5"))
+    assert sum(s.log.loss_mask) == gen  # the replayed turn is read, not trained
+    text = fmt.tokenizer.decode(s.log.ids)
+    assert text.count("<tool_response>\n5\n</tool_response>") == 2
+    assert text.count(CALL) == 2 and not s.counts.truncated

@@ -11,19 +11,31 @@ the trajectory time-out, failures contained and counted, redundant members cance
 Underneath, each chat completion is token in, token out (``AgentSession``):
 
 * the request's messages (and ``tools``) are rendered by the policy's chat template
-  once, at the first call (``Conversation.of_messages``); every later call must repeat
-  the conversation so far — the earlier request's messages, then the assistant message
-  this endpoint returned — and only the new messages after it (``user``/``tool``) are
-  added, as the template's delta (``Conversation.add_messages``). The ids the policy
-  generated are kept verbatim, with their behaviour log-probs and policy versions; the
-  loss mask is 1 on them only; requests go through the ``LLMProxy`` like any rollout
-  turn, so the staleness protocol (versions, aborts) applies unchanged.
+  once, at the first call (``Conversation.of_messages``; with ``Task.tools_in_prompt``
+  the tool schemas join the system message instead of ``tools=``, as on the env path:
+  ``rollart.chat.template_support.agent_opening``); every later call must repeat the
+  conversation so far — the earlier request's messages, then the assistant message this
+  endpoint returned (as it came back, or replayed with its raw text, or with its tool
+  calls alone; arguments compared as JSON values: ``same_turn``) — and only the new
+  messages after it are added, as the template's delta (``Conversation.add_messages``):
+  ``user``/``tool`` messages, and ``assistant`` messages the agent wrote itself (a
+  replayed tool-call exchange), which the policy reads but is not trained on. The ids
+  the policy generated are kept verbatim, with their behaviour log-probs and policy
+  versions; the loss mask is 1 on them only; requests go through the ``LLMProxy`` like
+  any rollout turn, so the staleness protocol (versions, aborts) applies unchanged.
 * a request whose history differs from what was returned (an agent that edited or
-  summarised its history, dropped a tool call, changed ``tools``) is a **new prompt**:
-  the trajectory's ids restart from its render. The trajectory keeps the ids of its last
-  prompt and what followed it (what the final answer was generated from); the dropped
-  part is counted (``rollout/agent_rewrites``, ``rollout/agent_dropped_tokens``), never
-  silently glued on to a context the policy did not see.
+  summarised its history, dropped a tool call, changed ``tools``: ``continues``) is a
+  **new prompt**: the trajectory's ids restart from its render. The trajectory keeps the
+  ids of its last prompt and what followed it (what the final answer was generated
+  from); the dropped part is counted (``rollout/agent_rewrites``,
+  ``rollout/agent_dropped_tokens``), never silently glued on to a context the policy
+  did not see.
+* a request the chat template can never serve (``tools`` it ignores without
+  ``Task.tools_in_prompt``, a role it refuses) is refused (HTTP 400, the message naming
+  the fix) and kept as the session's ``fatal``: the trajectory fails with that
+  ``ChatTemplateError`` and the run stops with it (``rollart.env.trajectory``,
+  ``rollart.control.modes``). ``AgentTask.tools`` declares the tools up front, so the
+  start check (``rollart.config.templates``) refuses such a template before a run.
 * the assistant text is parsed for tool calls in the task's format
   (``Task.tool_format``, else the one the chat template writes:
   ``rollart.chat.tool_formats``), when the request has ``tools``:
@@ -55,13 +67,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jinja2 import TemplateError
+
 from rollart.chat.conversation import Conversation, TokenLog, cap_text
+from rollart.chat.template_support import ChatTemplateError, agent_opening
 from rollart.env.protocol import EnvOutputError
 from rollart.env.tasks import Task, is_agent_task  # noqa: F401 (re-exported)
 from rollart.types import Episode, GenRequest
 
 __all__ = ["AgentEndpoint", "AgentError", "AgentSession", "AgentTask", "agent_reward",
-           "agent_session", "is_agent_task", "play", "run_agent"]
+           "agent_session", "continues", "is_agent_task", "play", "run_agent", "same_turn"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -106,7 +121,8 @@ class AgentTask(Task):
     ``agent(endpoint, seed)`` (plain or ``async``) returns a float reward or a
     ``rollart.Episode``; ``reward_fn`` (default ``agent_reward``: what it returned)
     scores the episode. ``max_turns`` bounds the agent's chat completion calls.
-    ``env_factory`` is not used.
+    ``env_factory`` is not used. ``tools`` (optional) declares the tool schemas the
+    agent sends, so the start check sees them (``rollart.config.templates``).
 
     >>> def fn(endpoint, seed): return 1.0
     >>> AgentTask(name="qa", agent=fn, max_turns=4).max_new_tokens
@@ -118,6 +134,10 @@ class AgentTask(Task):
     max_turns: int = 8  # the agent's chat completion calls at most
     max_new_tokens: int = 256  # tokens per completion at most
     agent: Callable | None = None  # agent(endpoint, seed) -> float | Episode (plain or async)
+    # the OpenAI tool schemas the agent sends, if declared: the start check
+    # (rollart.config.templates) then refuses a chat template that ignores them unless
+    # tools_in_prompt; undeclared, the first request with tools is checked
+    tools: tuple = field(default=(), hash=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,6 +145,13 @@ class AgentTask(Task):
             raise TypeError(f"AgentTask {self.name!r}: agent must be a function "
                             "(endpoint, seed) -> float | rollart.Episode (plain or async, "
                             f"module-level so it pickles), got {type(self.agent).__name__}")
+        try:
+            tools = _tools(list(self.tools)) or ()
+        except (AgentError, TypeError):
+            raise TypeError(f"AgentTask {self.name!r}: tools must be a list of OpenAI tool "
+                            "schemas {'type': 'function', 'function': {'name', "
+                            f"'description', 'parameters'}}, got {self.tools!r:.80}") from None
+        object.__setattr__(self, "tools", tuple(tools))
 
 
 # -- one trajectory's endpoint state -----------------------------------------------------
@@ -165,6 +192,9 @@ class AgentSession:
     last_active: float = field(default_factory=time.monotonic)
     busy: int = 0  # calls being served
     closed: bool = False
+    # a request the chat template can never serve (ChatTemplateError): refused, and the
+    # trajectory fails with it, which stops the run (rollart.env.trajectory)
+    fatal: Exception | None = None
     _serving: set = field(default_factory=set)  # the tasks serving calls now
 
     async def complete(self, body: dict) -> dict:
@@ -220,7 +250,7 @@ class AgentSession:
                                    res.finish_reason)
         self.actions.append(text)
         calls, content = self._calls(text) if self.tools else ([], text)
-        reply = {"role": "assistant", "content": content}
+        reply = {"role": "assistant", "content": content, "generated": text}
         if calls:
             reply["tool_calls"] = calls
         self.wire = messages + [reply]
@@ -229,37 +259,69 @@ class AgentSession:
         return self._response(content, calls, reason, len(res.token_ids))
 
     def _extend(self, messages: list[dict], tools) -> None:
-        """Add the request's new messages to the conversation, or start a new prompt."""
+        """Add the request's new messages to the conversation, or start a new prompt
+        (the rule: ``continues``)."""
         n = len(self.wire)
-        same = (self.conv is not None and tools == self.tools and len(messages) > n
-                and all(_key(a) == _key(b) for a, b in zip(messages[:n], self.wire)))
-        new = messages[n:] if same else messages
-        if same and all(m["role"] in ("user", "tool") for m in new):
-            self.observations += [cap_text(m["content"], self.fmt.max_context) for m in new]
-            self.conv.add_messages([_internal(m) for m in new])
+        if self.conv is not None and continues(messages, tools, self.wire, self.tools):
+            new = messages[n:]
+            self.observations += [cap_text(m["content"], self.fmt.max_context)
+                                  for m in new if m["role"] != "assistant"]
+            conv = self.conv
+            self._template(lambda: conv.add_messages([_internal(m) for m in new]), messages)
             return
         if self.conv is not None:  # a history the agent rewrote: a new prompt
             self.counts.rewrites += 1
             self.counts.dropped_tokens += sum(self.log.loss_mask)
+        self._check_tools(tools)
         self.tools = tools
         self.log.prompt_ids, self.log.response_ids = [], []
         self.log.loss_mask, self.log.logprobs, self.log.versions = [], [], []
         self.observations += [cap_text(m["content"], self.fmt.max_context)
                               for m in messages if m["role"] != "assistant"]  # bounded
-        self.conv = Conversation.of_messages(self.fmt, self.log,
-                                             [_internal(m) for m in messages],
-                                             self._render_tools(tools))
+        # Task.tools_in_prompt: the tools join the system message, as on the env path
+        msgs, shown = agent_opening(self.fmt, self.task, [_internal(m) for m in messages],
+                                    tools)
+        self.conv = self._template(lambda: Conversation.of_messages(
+            self.fmt, self.log, msgs, shown), messages)
 
-    def _render_tools(self, tools):
-        if not tools or self.fmt.mode != "chat":
-            return tools
-        if getattr(self.task, "tools_in_prompt", False) or self.fmt.tools_rendered:
-            return tools
-        raise AgentError(
-            f"the request declares tools, but the chat template of {self.fmt.name} ignores "
-            f"tools=, so the model would never be shown them; set "
-            f"AgentTask(tools_in_prompt=True) on {self.task.name!r} or use a model folder "
-            "whose chat template renders tools")
+    def _check_tools(self, tools) -> None:
+        """A request with ``tools`` that the template ignores, without
+        ``Task.tools_in_prompt``, can never be served: refused, and the run stops."""
+        if not tools or self.fmt.mode != "chat" or self.fmt.tools_rendered or getattr(
+                self.task, "tools_in_prompt", False):
+            return
+        names = ", ".join(t["function"]["name"] for t in tools)
+        self._stop(ChatTemplateError(
+            f"agent task {self.task.name!r} sent tools ({names}), but the chat template of "
+            f"{self.fmt.name} ignores tools= (it renders the same ids with and without "
+            f"them), so the model would never be shown them: set AgentTask("
+            f"tools_in_prompt=True) on {self.task.name!r} (its tool schemas are then "
+            "written into the system prompt) or use a model folder whose chat template "
+            "renders tools"))
+
+    def _template(self, render, sent: list[dict]):
+        """``render()``, the template's render of the agent's messages ``sent``: a
+        template that refuses them (it raises on a role, or on a system message under
+        ``Policy.strict_template``) can never serve this agent, so the request is
+        refused and the run stops."""
+        try:
+            return render()
+        except ChatTemplateError as e:
+            self._stop(e)
+        except TemplateError as e:
+            roles = " ".join(m["role"] for m in sent)
+            self._stop(ChatTemplateError(
+                f"the chat template of {self.fmt.name} refuses the messages of agent task "
+                f"{self.task.name!r} (roles: {roles}): {e}. Send messages the template "
+                "accepts (no 'tool' or 'system' role where it has none; user and "
+                "assistant alternating where it requires that) or use a model folder "
+                "whose chat template renders them"))
+
+    def _stop(self, error: ChatTemplateError):
+        """Refuse the request with ``error`` (HTTP 400) and keep it as ``fatal``: the
+        trajectory fails with it and the run stops (``rollart.env.trajectory``)."""
+        self.fatal = self.fatal or error
+        raise AgentError(str(error)) from None
 
     def _calls(self, text: str) -> tuple[list[dict], str | None]:
         calls, out = self.parse_calls(text, self.tools), []
@@ -413,11 +475,56 @@ def _call(c, where: str) -> dict:
             "function": {"name": fn["name"], "arguments": json.dumps(args)}}
 
 
-def _key(m: dict) -> tuple:
-    """What must match for a message to be the same turn (tool call ids aside)."""
-    calls = tuple((c["function"]["name"], c["function"]["arguments"])
-                  for c in m.get("tool_calls") or ())
-    return m["role"], m.get("content") or "", calls
+def continues(messages: list[dict], tools, wire: list[dict], wire_tools) -> bool:
+    """Whether a request (``messages``, ``tools``) continues the conversation the
+    endpoint last answered (``wire``: that request's messages, then the reply, sent
+    with ``wire_tools``), so its new messages are only added: the same tools, every
+    message of ``wire`` resent as the same turn (``same_turn``), and after them only
+    ``user`` / ``tool`` messages or ``assistant`` messages the agent wrote itself (a
+    replayed or scripted tool-call exchange: context the policy reads, not trained).
+    Anything else (an edited, dropped or inserted message, other tools) is a new prompt.
+
+    >>> wire = [{"role": "user", "content": "go"},
+    ...         {"role": "assistant", "content": "up", "generated": "up"}]
+    >>> more = [{"role": "assistant", "content": "left"}, {"role": "user", "content": "?"}]
+    >>> continues(wire + more, None, wire, None), continues(more, None, wire, None)
+    (True, False)
+    """
+    n = len(wire)
+    if tools != wire_tools or len(messages) <= n:
+        return False
+    if not all(same_turn(sent, kept) for sent, kept in zip(messages, wire)):
+        return False
+    return all(m["role"] in ("user", "tool", "assistant") for m in messages[n:])
+
+
+def same_turn(sent: dict, kept: dict) -> bool:
+    """Whether ``sent`` (a resent message) is the turn ``kept``: the same role and tool
+    calls (names and arguments as JSON values: key order and spacing aside; call ids
+    aside) and the same content. A reply the endpoint generated (``kept["generated"]``:
+    its raw text) is also the same turn replayed with that raw text as content, or,
+    when it made tool calls, with its calls and no content.
+
+    >>> kept = {"role": "assistant", "content": None, "generated": "<call>", "tool_calls": [
+    ...     {"function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+    >>> replay = {"role": "assistant", "content": "", "tool_calls": [
+    ...     {"id": "x", "function": {"name": "add", "arguments": '{"b":3,"a":2}'}}]}
+    >>> same_turn(replay, kept), same_turn({**replay, "content": "I add"}, kept)
+    (True, False)
+    """
+    if sent["role"] != kept["role"] or _call_values(sent) != _call_values(kept):
+        return False
+    content = sent.get("content") or ""
+    if content == (kept.get("content") or ""):
+        return True
+    if "generated" not in kept:
+        return False
+    return content == kept["generated"] or (not content and bool(kept.get("tool_calls")))
+
+
+def _call_values(m: dict) -> list[tuple]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in m.get("tool_calls") or ()]
 
 
 def _internal(m: dict) -> dict:

@@ -5,7 +5,8 @@ arrivals; ``orphaned``: ids failed because their worker was lost; ``ignored``: a
 of orphaned ids, a recovered buffer's late members), the ids given up as lost (a late
 arrival of one is ignored), the failed arrivals since the last good one and what the
 latest failures said (a run whose every trajectory fails is stopped by the pipeline:
-``rollart.control.modes``), and per task what arrived (``tasks``: the step rows'
+``rollart.control.modes``; so is one whose trajectory met a configuration error,
+``STOPS_RUN``), and per task what arrived (``tasks``: the step rows'
 ``traj/<kind>/<task>``, ``rollart.observe.figures``). Used by ``rollart.buffer.buffer``
 (each arrival, each orphan) and ``rollart.buffer.restore`` (counters, per-task counts and
 orphans continued from durable state).
@@ -25,6 +26,12 @@ FAILED = TrajState.FAILED.value
 #: were offered tools (``Trajectory.tool_calls`` not None)
 TASK_COUNTS = ("received", "failed", "truncated", "invalid_tool_calls", "tool_calls",
                "tools_offered")
+#: a failed trajectory whose error starts so stops the run (``Arrivals.stop``, read by
+#: the driver: ``rollart.control.modes.base``): a configuration error that every
+#: trajectory of its task meets and no retry fixes, e.g. an agent's request the chat
+#: template can never serve (``rollart.chat.template_support.ChatTemplateError``, as the
+#: trajectory runner writes errors: ``"<class>: <message>"``)
+STOPS_RUN = ("ChatTemplateError: ",)
 
 
 def is_failed(traj: Trajectory) -> bool:
@@ -50,6 +57,7 @@ class Arrivals:
         self.streak = 0  # failed arrivals since the last good one
         self._errors: deque[str] = deque(maxlen=5)
         self._first: dict[str, str] = {}  # per task, what its first failed trajectory said
+        self._stop: str | None = None  # the first failure that stops the run (STOPS_RUN)
         self._tasks: dict[str, Counter] = {}
 
     def ignore(self, traj_id: str) -> bool:
@@ -85,6 +93,8 @@ class Arrivals:
             self._errors.append(f"{traj.task} {traj.traj_id}: {traj.error or 'failed'}")
             if traj.error:
                 self._first.setdefault(traj.task, traj.error)
+            if self._stop is None and traj.error.startswith(STOPS_RUN):
+                self._stop = f"{traj.task}: {traj.error}"
         else:
             self.streak = 0
 
@@ -96,6 +106,18 @@ class Arrivals:
         """Per task whose trajectories failed with an error, the first error's text (the
         driver names it in one console line as soon as it sees it)."""
         return dict(self._first)
+
+    def stop(self) -> str | None:
+        """``"<task>: <error>"`` of the first failure that stops the run (``STOPS_RUN``),
+        or None.
+
+        >>> a = Arrivals()
+        >>> t = Trajectory("t-0", "qa", "g", 0, [], [], [], [], [], outcome="failed",
+        ...                error="ChatTemplateError: set tools_in_prompt")
+        >>> a.noted(t, True); a.stop()
+        'qa: ChatTemplateError: set tools_in_prompt'
+        """
+        return self._stop
 
     def errors(self) -> list[str]:
         """What the latest failures said, newest last (at most 5)."""

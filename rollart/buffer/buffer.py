@@ -497,6 +497,7 @@ class SampleBuffer:
             **self.groups.figures(),
             "tasks": self.arrivals.tasks(),  # per task: rollart.buffer.arrivals.TASK_COUNTS
             "first_errors": self.arrivals.first_errors(),  # per task: its first failure's text
+            "stop": self.arrivals.stop(),  # a failure that stops the run (arrivals.STOPS_RUN)
             "taken_steps": self.taken.steps(),
             "waiters": self._waiters,
             "pending_rows": self.store.pending_rows,

@@ -118,6 +118,30 @@ def opening(fmt, task, tools) -> tuple[str | None, list | None]:
     return system, tools
 
 
+def agent_opening(fmt, task, messages: list[dict], tools) -> tuple[list[dict], list | None]:
+    """An agent's request as ``opening`` places its tools (``rollart.agents.agent``):
+    with ``Task.tools_in_prompt`` (chat) the tool schemas join the request's system
+    message, or open one, as ``tools_prompt`` writes them, and ``tools=`` is None; the
+    system text's fold, where the template has no system role, is ``Conversation``'s.
+
+    >>> class Fmt: mode, tool_format = "chat", "hermes"
+    >>> class Task: tools_in_prompt, tool_format = True, None
+    >>> tool = {"type": "function", "function": {"name": "f"}}
+    >>> msgs, tools = agent_opening(Fmt, Task, [{"role": "user", "content": "hi"}], [tool])
+    >>> [m["role"] for m in msgs], tools, msgs[0]["content"] == tools_prompt([tool])
+    (['system', 'user'], None, True)
+    """
+    if fmt.mode != "chat" or not tools or not getattr(task, "tools_in_prompt", False):
+        return messages, tools
+    fmt_name = tool_format_of(fmt, task)
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": tools_prompt(
+            tools, messages[0].get("content") or None, fmt_name)}
+        return [first] + list(messages[1:]), None
+    return [{"role": "system", "content": tools_prompt(tools, None, fmt_name)}] + list(
+        messages), None
+
+
 def note_fold(name: str, level: int = logging.INFO) -> None:
     """Log once per process and template that system prompts are folded."""
     if name in _NOTED:
@@ -138,9 +162,11 @@ def no_system_role(name: str, who: str = "the system prompt") -> ChatTemplateErr
 
 
 # -- the start check ------------------------------------------------------------------------
-def check_task(fmt, task, tools: list[dict]) -> bool:
+def check_task(fmt, task, tools: list[dict], own_system: bool = True) -> bool:
     """Raise ``ChatTemplateError`` if ``fmt`` cannot render ``task`` (with its env's
-    ``tools``) as the run asks; return whether its system prompt is folded."""
+    ``tools``, or the ones an agent task declares) as the run asks; return whether its
+    system prompt is folded. ``own_system=False``: the task's system prompt is not
+    rollart's to write (an agent sends its own messages), only its tools are checked."""
     if fmt.mode != "chat":
         return False
     tools_in_prompt = getattr(task, "tools_in_prompt", False)
@@ -151,10 +177,12 @@ def check_task(fmt, task, tools: list[dict]) -> bool:
             f"{fmt.name} ignores tools= (it renders the same ids with and without them), "
             "so the model would never be shown its tools. Use a model folder whose chat "
             "template renders tools (e.g. Qwen2.5's, Llama-3.1's), or set "
-            f"Task(tools_in_prompt=True) on {task.name!r} (dataclasses.replace(task, "
+            f"{type(task).__name__}(tools_in_prompt=True) on {task.name!r} "
+            "(dataclasses.replace(task, "
             "tools_in_prompt=True)): its tool schemas are then written into the system "
             "prompt, one JSON schema per line")
-    system = getattr(task, "system_prompt", None) or fmt.system_prompt
+    system = (getattr(task, "system_prompt", None) or fmt.system_prompt) if own_system \
+        else None
     folded = bool((system or (tools and tools_in_prompt)) and not fmt.system_role)
     if folded and fmt.strict:
         raise no_system_role(fmt.name, f"task {task.name!r}'s system prompt")

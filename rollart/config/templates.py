@@ -5,7 +5,8 @@ naming the fix) and one warning where system prompts are folded into the first u
 turn. ``rollart.control.loop.execute`` (and ``rollart eval``) run it on the driver once
 the model folder is known, before a cluster starts. What a template can do and how a
 task falls back is ``rollart.chat.template_support`` (``check_task``); this module only
-walks the graph's tasks, each env made once to read its tools.
+walks the graph's tasks, each env made once to read its tools (an agent task's are
+those it declares, ``AgentTask.tools``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def check_templates(graph, model_path: str) -> None:
     fmt = ConversationFormat(tokenizer, opts["conversation"], system_prompt=opts[
         "system_prompt"], max_context=opts["max_context"] or 2048, model_path=model_path,
         strict=policy.strict_template, cache=False)
-    folded = [t.name for t in graph.tasks if not is_agent_task(t) and check_task(
-        fmt, t, _tools(t))]  # an agent's tools come per call
+    # an agent's tools come per call: those it declares (AgentTask.tools) are checked
+    # here, the others at its first request (rollart.agents.agent)
+    folded = [t.name for t in graph.tasks if (
+        check_task(fmt, t, list(t.tools), own_system=False) if is_agent_task(t)
+        else check_task(fmt, t, _tools(t)))]
     if folded:
         note_fold(f"{fmt.name} (tasks {', '.join(folded)})", logging.WARNING)
 

@@ -6,7 +6,10 @@ thread of this worker when it carries the pool's tag, else as a Dask task there)
 calls run in a thread pool it owns with a per-step time-out (or are awaited directly
 when the env has ``areset``/``astep``), and the whole episode may have a per-trajectory
 time-out; an env or reward that raises, hangs or returns the wrong types
-makes that trajectory ``failed`` with the error kept, and nothing else. A timed-out env
+makes that trajectory ``failed`` with the error kept, and nothing else (a
+``ChatTemplateError``, e.g. an agent's request the template can never serve, fails it
+too; the buffer then tells the driver, which stops the run with it:
+``rollart.buffer.arrivals.STOPS_RUN``). A timed-out env
 is closed at once from a thread of its own (closing releases a hung call, so its pool
 thread comes back); ``stuck_calls`` counts env calls and rewards that were given up on
 (timed out) and still hold a thread. Used by ``EnvManager``.
@@ -242,6 +245,10 @@ class TrajectoryRunner:
         try:
             done = await play(self._server, session, seed, self.env_step_timeout,
                               self._agent_executor)
+        except Exception:
+            if session.fatal is not None:  # the agent failed on a request refused as such
+                raise session.fatal from None
+            raise
         finally:
             c = session.counts
             for key, n in (("agent_calls", c.calls), ("agent_rewrites", c.rewrites),
@@ -250,6 +257,8 @@ class TrajectoryRunner:
                 self.counts[key] += n
             self.counts["cut_generations"] += session.conv.cut if session.conv else 0
             traj.tool_calls, traj.invalid_tool_calls = c.tool_calls, c.invalid_tool_calls
+        if session.fatal is not None:  # refused as never servable: the run stops with it
+            raise session.fatal
         ep.observations, ep.actions = done.observations, done.actions
         ep.env_rewards, ep.info, ep.truncated = done.env_rewards, done.info, done.truncated
         if ep.truncated:

@@ -34,6 +34,9 @@ from __future__ import annotations
 
 from rollart.buffer.ledger import STATES
 
+#: the agent endpoint's counters, summed over the env managers into every row
+AGENT_KEYS = ("rollout/agent_calls", "rollout/agent_rewrites", "rollout/agent_dropped_tokens")
+
 
 def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
              extra: dict | None = None, tasks=()) -> dict:
@@ -125,6 +128,10 @@ def rollout_figures(workers: list[dict], managers: list[dict], driver_errors: in
         "rollout/prefill_padding": padding(total(workers, "prefill_padded"),
                                            total(workers, "prefill_tokens")),
         "rollout/prefill_shared": total(workers, "prefill_shared"),
+        # agent tasks (rollart.agents.agent): chat completion calls; requests whose
+        # history differed from what the endpoint returned (a new prompt each), and the
+        # generated tokens those dropped from training
+        **{key: total(managers, key) for key in AGENT_KEYS},
     }
 
 

@@ -28,6 +28,7 @@ import time
 from collections import deque
 
 from rollart.buffer.ledger import BUFFERED, FINAL, TAKEN
+from rollart.observe.figures import AGENT_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class RunState:
             "workers": snap.get("workers", {}),
             "buffer": snap.get("buffer", 0),
             "warnings": list(self.warnings.values()),  # silent tasks, now
+            # agent tasks' endpoint counters (rollart.observe.figures.AGENT_KEYS) at the
+            # last step: calls, history rewrites, generated tokens they dropped
+            "agents": {key.rsplit("agent_", 1)[1]: last[key] for key in AGENT_KEYS
+                       if last.get(key)},
         }
 
     def prometheus(self) -> list[tuple[str, str, dict, float]]:

@@ -324,3 +324,155 @@ def test_agent_tasks_without_a_chat_template_are_refused_at_start(tmp_path):
                    Policy(model=folder, warmup_steps=0)):
         with pytest.raises(ChatTemplateError, match=r"agent tasks \(qa\) send chat"):
             check_templates(Graph(name="g", tasks=(task(),), policy=policy), folder)
+
+
+# -- templates that ignore tools or refuse a role (issue 54) ------------------------------
+#: ChatML that never shows ``tools=`` (as many small models' templates)
+NO_TOOLS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: the same, refusing a ``tool`` message (a template without a tool role)
+NO_TOOL_ROLE = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception("
+                "'tool messages are not supported') }}{% endif %}<|im_start|>{{ m.role }}\n"
+                "{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_format(template):
+    tok = bpe_tokenizer(CHATML_SPECIALS, template, eos="<|im_end|>", pad="<|endoftext|>")
+    return ConversationFormat(tok, "chat", max_context=512)
+
+
+@pytest.fixture(scope="module")
+def no_tools():
+    f = chatml_format(NO_TOOLS)
+    assert not f.tools_rendered
+    return f
+
+
+def test_tools_in_prompt_writes_the_schemas_into_the_agents_system_prompt(no_tools,
+                                                                          server):
+    from rollart.chat.template_support import tools_prompt
+
+    s = session(no_tools, [CALL], tools_in_prompt=True)
+    ep = server.open(s, seed=0)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    out = client(ep).chat.completions.create(model=ep.model, messages=messages,
+                                             tools=[ADD_TOOL])
+    server.close(ep)
+    assert out.choices[0].finish_reason == "tool_calls"
+    # the prompt is the env path's: the tool schemas after the system text, then the user
+    shown = [{"role": "system", "content": tools_prompt([ADD_TOOL], SYSTEM)},
+             {"role": "user", "content": QUESTION}]
+    assert s.log.prompt_ids == no_tools.render(shown, True)
+    assert json.dumps(ADD_TOOL) in no_tools.tokenizer.decode(s.log.prompt_ids)
+    assert s.fatal is None
+
+
+def test_tools_the_template_ignores_are_refused_and_stop_the_run(no_tools, server):
+    from rollart.chat.template_support import ChatTemplateError
+
+    s = session(no_tools, [CALL])
+    ep = server.open(s, seed=0)
+    with pytest.raises(openai.BadRequestError, match=r"AgentTask\(tools_in_prompt=True\)"):
+        client(ep).chat.completions.create(
+            model=ep.model, messages=[{"role": "user", "content": QUESTION}],
+            tools=[ADD_TOOL])
+    server.close(ep)
+    assert isinstance(s.fatal, ChatTemplateError) and "ignores tools=" in str(s.fatal)
+    assert not s.generate.requests  # nothing was generated for it
+
+
+def test_a_role_the_template_refuses_stops_the_run(server):
+    from rollart.chat.template_support import ChatTemplateError
+
+    s = session(chatml_format(NO_TOOL_ROLE), ["up", "left"])
+    ep = server.open(s, seed=0)
+    c = client(ep)
+    msgs = [{"role": "user", "content": "go"}]
+    out = c.chat.completions.create(model=ep.model, messages=msgs)
+    msgs += [out.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": "x", "content": "5"}]
+    with pytest.raises(openai.BadRequestError, match="roles: user assistant tool"):
+        c.chat.completions.create(model=ep.model, messages=msgs)
+    server.close(ep)
+    assert isinstance(s.fatal, ChatTemplateError)
+    assert "tool messages are not supported" in str(s.fatal)
+
+
+def test_agent_task_tools_are_checked_at_start(tmp_path):
+    from rollart import Graph, Policy
+    from rollart.chat.template_support import ChatTemplateError
+    from rollart.config.templates import check_templates
+    from rollart.testing import save_folder, tiny_qwen2
+
+    tok = bpe_tokenizer(CHATML_SPECIALS, NO_TOOLS, eos="<|im_end|>", pad="<|endoftext|>")
+    folder = save_folder(tmp_path / "m", tiny_qwen2(tok), tok)
+    policy = Policy(model=folder, warmup_steps=0)
+    with pytest.raises(ChatTemplateError, match=r"AgentTask\(tools_in_prompt=True\)"):
+        check_templates(Graph(name="g", tasks=(task(tools=[ADD_TOOL]),), policy=policy),
+                        folder)
+    for ok in (task(tools=[ADD_TOOL], tools_in_prompt=True), task()):
+        check_templates(Graph(name="g", tasks=(ok,), policy=policy), folder)
+    with pytest.raises(TypeError, match="tools must be a list of OpenAI tool schemas"):
+        task(tools=["add"])
+
+
+# -- replayed assistant messages -----------------------------------------------------------
+def _first_turn_trained(fmt, s, text=CALL):
+    """The loss mask still covers the ids generated at the first call."""
+    gen = list(fmt.tokenizer.encode(text, add_special_tokens=False)) + [fmt.end_id]
+    picked = [i for i, m in zip(s.log.response_ids, s.log.loss_mask) if m]
+    return picked[:len(gen)] == gen
+
+
+@pytest.mark.parametrize("replay", ["raw_text", "calls_alone", "reordered_arguments"])
+def test_a_generated_tool_call_replayed_by_the_agent_keeps_its_tokens_trained(
+        fmt, server, replay):
+    """Agents rebuild the assistant turn of a tool-call exchange from their own record:
+    the model's raw text, the calls alone, arguments re-serialised. It is still the turn
+    the policy generated: no new prompt, the first generation stays trained."""
+    s = session(fmt, [CALL, "the number is 5"])
+    ep = server.open(s, seed=0)
+    c = client(ep)
+    msgs = [{"role": "user", "content": QUESTION}]
+    out = c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    (call,) = out.choices[0].message.tool_calls
+    args = {"b": 3, "a": 2} if replay == "reordered_arguments" else {"a": 2, "b": 3}
+    turn = {"role": "assistant", "content": CALL if replay == "raw_text" else None,
+            "tool_calls": [{"id": call.id, "type": "function", "function": {
+                "name": "add", "arguments": json.dumps(args, separators=(",", ":"))}}]}
+    msgs += [turn, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    server.close(ep)
+    assert s.counts.rewrites == 0 and s.counts.dropped_tokens == 0
+    assert _first_turn_trained(fmt, s)
+    gen = sum(len(fmt.tokenizer.encode(t, add_special_tokens=False)) + 1
+              for t in (CALL, "the number is 5"))
+    assert sum(s.log.loss_mask) == gen
+
+
+def test_an_assistant_exchange_the_agent_adds_is_context_and_keeps_earlier_tokens(
+        fmt, server):
+    """An agent that replays a tool-call exchange after the reply (the same call again,
+    and its result) adds context the policy reads, not a new prompt: what the policy
+    generated stays trained, the added assistant turn is not (loss mask 0)."""
+    s = session(fmt, [CALL, "the number is 5"], max_new_tokens=32)
+    ep = server.open(s, seed=0)
+    c = client(ep)
+    msgs = [{"role": "user", "content": QUESTION}]
+    out = c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    msg = out.choices[0].message.model_dump(exclude_none=True)
+    replayed = {**msg, "content": CALL,  # this template shows content, not tool_calls
+                "tool_calls": [{**msg["tool_calls"][0], "id": "call_replay"}]}
+    msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
+                   "content": "5"},
+             replayed, {"role": "tool", "tool_call_id": "call_replay", "content": "5"}]
+    c.chat.completions.create(model=ep.model, messages=msgs, tools=[ADD_TOOL])
+    server.close(ep)
+    assert s.counts.rewrites == 0 and _first_turn_trained(fmt, s)
+    gen = sum(len(fmt.tokenizer.encode(t, add_special_tokens=False)) + 1
+              for t in (CALL, "the number is 5"))
+    assert sum(s.log.loss_mask) == gen  # the replayed turn is read, not trained
+    text = fmt.tokenizer.decode(s.log.ids)
+    assert text.count("<tool_response>\n5\n</tool_response>") == 2
+    assert text.count(CALL) == 2 and not s.counts.truncated

@@ -68,6 +68,20 @@ def test_run_state_folds_messages():
     json.dumps(s)  # what `rollart status --json` prints
 
 
+def test_status_shows_the_agent_counters_of_the_last_row():
+    from rollart.observe.dashboard.status import format_status
+
+    msgs = _messages()
+    msgs[-2]["row"].update({"rollout/agent_calls": 12, "rollout/agent_rewrites": 3,
+                            "rollout/agent_dropped_tokens": 40})
+    s = fold(msgs)["r1"].summary()
+    assert s["agents"] == {"calls": 12, "rewrites": 3, "dropped_tokens": 40}
+    assert "  agents:       calls=12  rewrites=3  dropped_tokens=40" in format_status(
+        {"r1": s})
+    assert "agents:" not in format_status({"r1": fold(_messages())["r1"].summary()})
+    json.dumps(s)  # `rollart status --json`
+
+
 def test_page_fills_every_plot_from_a_run_state():
     pytest.importorskip("bokeh")
     from rollart.observe.dashboard.page import PLOTS, RollartPage

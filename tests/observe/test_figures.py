@@ -34,3 +34,15 @@ def test_nothing_reported_yet_gives_zeros_not_a_division_error():
     assert f["rollout/prefix_reuse"] == 0.0 and f["rollout/prefill_padding"] == 0.0
     assert f["rollout/turn_overhead_s"] == 0.0 and f["env/step_p99_s"] == 0.0
     assert padding(0, 0) == 0.0 and padding(15, 10) == pytest.approx(0.5)
+
+
+def test_the_agent_endpoints_counters_are_summed_into_the_row():
+    """``rollout/agent_*`` (``EnvManager.stats``, from each trajectory runner) reach the
+    step row, summed over the env managers."""
+    managers = [_manager(4, 0.0, 0.1, **{"rollout/agent_calls": 6,
+                                         "rollout/agent_rewrites": 2,
+                                         "rollout/agent_dropped_tokens": 30}),
+                _manager(2, 0.0, 0.1, **{"rollout/agent_calls": 1})]
+    f = rollout_figures([{}], managers)
+    assert (f["rollout/agent_calls"], f["rollout/agent_rewrites"],
+            f["rollout/agent_dropped_tokens"]) == (7, 2, 30)

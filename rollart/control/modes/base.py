@@ -29,7 +29,10 @@ A run that stops progressing says so (the rules: ``rollart.policy.watchdog``): t
 ``Rollout.stall_timeout`` seconds in-flight trajectories stopped settling, or no trainer
 step completed while groups kept being dropped as too stale, or an inference worker
 stayed below the trainer's version − alpha → ``StallError``, naming the trainer's
-version, each worker's and its last load error.
+version, each worker's and its last load error. A trajectory that failed with a
+configuration error (``rollart.buffer.arrivals.STOPS_RUN``: an agent's request the chat
+template can never serve) stops the run at the next look with that error
+(``stop_on_config_error``: a ``ChatTemplateError``, one line and rc 2 from the CLI).
 
 After every step the loop reads the ledger's counts (``traj/<state>``) with the rest of
 the fleet's sample; the buffer checks that they add up to the launches (a mismatch
@@ -123,6 +126,7 @@ class Pipeline(abc.ABC):
             return
         self._checked = now
         snap = self.fleet.sample(managers=False, workers=bool(dog.stall))
+        stop_on_config_error(snap.buffer)
         self.name_failures(snap.buffer)
         if not (dog.stall or dog.streak_limit):
             return
@@ -237,3 +241,25 @@ class Pipeline(abc.ABC):
             except ActorLost:
                 continue
         return out
+
+
+def stop_on_config_error(buffer: dict) -> None:
+    """Raise the configuration error a trajectory met (the buffer's ``stop``:
+    ``rollart.buffer.arrivals.STOPS_RUN``), so the run ends at once with its message
+    (the CLI prints it as one line, rc 2) instead of failing every trajectory until a
+    failure storm.
+
+    >>> stop_on_config_error({"stop": None})
+    >>> stop_on_config_error({"stop": "qa: ChatTemplateError: set tools_in_prompt"})
+    Traceback (most recent call last):
+    ...
+    rollart.chat.template_support.ChatTemplateError: task 'qa': set tools_in_prompt
+    """
+    stop = buffer.get("stop")
+    if not stop:
+        return
+    from rollart.chat.template_support import ChatTemplateError
+
+    task, _, error = stop.partition(": ")
+    message = error.partition(": ")[2] or error
+    raise ChatTemplateError(message if repr(task) in message else f"task {task!r}: {message}")

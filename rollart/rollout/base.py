@@ -1,7 +1,8 @@
 """The generation-engine interface an ``InferenceWorker`` drives, and engine selection.
 
 ``TorchEngine`` (``rollart.rollout.engine``, plain PyTorch) and ``VLLMEngine``
-(``rollart.rollout.vllm_engine``, vLLM's Python API) implement ``GenerationEngine``;
+(``rollart.rollout.vllm_engine``, vLLM's Python API) implement ``GenerationEngine``, both
+on the skeleton ``rollart.rollout.serving.BatchingEngine``;
 ``make_engine(kind, ...)`` builds one by its ``Policy.engine`` name. Nothing here
 imports torch or vLLM, so a graph naming ``"vllm"`` fails with a clear message where
 vLLM is not installed instead of at import time.
@@ -87,6 +88,8 @@ class GenerationEngine(Protocol):
     def apply_pending_update(self) -> int | None: ...
 
     def state_dict(self) -> dict: ...
+
+    def stats(self) -> dict: ...
 
 
 def make_engine(kind: str, model_path: str, *, version: int = 0, max_batch: int = 64,

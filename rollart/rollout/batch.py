@@ -2,9 +2,11 @@
 and each step's token choice (``rollart.rollout.sampling``: batched, each row with its
 own generator).
 
-``_Batch`` is driven by ``TorchEngine.serve``: rows join with their own prefill (or a PD
-handoff) and leave the moment they finish (a stop id, a stop string: ``hits_stop_string``,
-or ``max_new_tokens``); their KV goes to the prefix cache.
+``_Batch`` is ``TorchEngine``'s batch, driven by the shared serve loop
+(``rollart.rollout.serving.BatchingEngine.serve``, whose ``Batch`` protocol it follows):
+rows join with their own prefill (or a PD handoff) and leave the moment they finish (a
+stop id, a stop string: ``hits_stop_string``, or ``max_new_tokens``); their KV goes to
+the prefix cache.
 """
 
 from __future__ import annotations
@@ -53,13 +55,22 @@ class _Batch:
         self.empty: list[_Row] = []  # max_new_tokens == 0: done before any compute
         self.logits = self.mask = self.next_pos = self.cache = None
 
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def tags(self) -> list:
+        return [row.tag for row in self.rows]
+
+    def abandon(self, abandoned) -> None:
+        """Drop the rows whose caller went away (``abandoned(tag)``), without a result."""
+        self.drop([j for j, row in enumerate(self.rows) if abandoned(row.tag)])
+
     @torch.inference_mode()
-    def admit(self, items: list[tuple]) -> None:
+    def join(self, items: list[tuple]) -> None:
         """New rows join: their own prefill (or a PD handoff), then one merged cache."""
         eng = self.engine
         new = [_Row(it[0], it[1], _request_rng(it[0], eng._rng),
                     it[2] if len(it) > 2 else None, eng.version) for it in items]
-        eng.requests += len(new)
         self.empty.extend(r for r in new if r.reason is not None)
         new = [r for r in new if r.reason is None]
         local = [r for r in new if r.handoff is None]
@@ -82,9 +93,26 @@ class _Batch:
         self.logits, self.mask, self.next_pos, self.cache = pd.concat_starts(parts + [start])
         self.rows = self.rows + new
 
-    def finish_empty(self) -> list[_Row]:
+    def finished_empty(self) -> list[tuple]:
+        """``(tag, result)`` of the rows that joined with nothing to generate."""
         done, self.empty = self.empty, []
-        return done
+        return [(row.tag, row.result()) for row in done]
+
+    def sample(self) -> list[tuple]:
+        """One decode step's token choice; ``(tag, result)`` of the rows it finished."""
+        self.pick()
+        return [(row.tag, row.result()) for row in self.retire()]
+
+    def boundary(self) -> list[tuple]:
+        """Nothing stops here at a step boundary (callers abort through ``abandon``)."""
+        return []
+
+    def suspend(self, recompute: bool) -> bool:
+        """A weight swap keeps the rows and their KV (recomputed after, if at all)."""
+        return False
+
+    def abort_all(self) -> None:
+        """An error: the rows are let go with the batch (nothing is held elsewhere)."""
 
     def pick(self) -> None:
         """Choose the next token of every row (and note which rows are now done)."""
@@ -160,7 +188,7 @@ class _Batch:
                 layer.values = layer.values[idx, :, first:]
 
     @torch.inference_mode()
-    def step(self) -> None:
+    def forward(self) -> None:
         """One decode forward pass: each row's last token in, next-token logits out."""
         last = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long)[:, None]
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)],

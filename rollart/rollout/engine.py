@@ -20,7 +20,9 @@ recomputed here. Two hooks serve PD disaggregation (``rollart.rollout.pd``):
 ``prefill`` returns a portable KV cache per request and ``decode`` continues from such
 caches; a per-trajectory prefix cache lets a later turn prefill only its new tokens. No
 Dask here: the ``InferenceWorker`` actor owns one engine and calls it from its engine
-thread.
+thread. The serve loop, ``validate``, the version swap and the counters are the shared
+skeleton's (``rollart.rollout.serving.BatchingEngine``); this module supplies the batch
+(``rollart.rollout.batch._Batch``), the forward pass and the weight copies.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from rollart.rollout import pd
 from rollart.rollout.base import serve_all, weight_update_problem
 from rollart.rollout.batch import _Batch
 from rollart.rollout.lean import LeanForward, unsupported
+from rollart.rollout.serving import BatchingEngine
+from rollart.rollout.staging import (UpdateHook, check_bucket, check_complete,
+                                     check_state_dict)
+from rollart.types import GenRequest, GenResult
 from rollart.weights import lora
 from rollart.weights.lora import MergedAdapter
-from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
-from rollart.types import GenRequest, GenResult
 
 
-
-class TorchEngine(StagedUpdates):
+class TorchEngine(BatchingEngine):
     """One model + tokenizer that turns ``GenRequest``s into ``GenResult``s.
 
     Batching is continuous (``serve``): rows join at decode-step boundaries and leave the
@@ -75,39 +78,29 @@ class TorchEngine(StagedUpdates):
         problem = weight_update_problem(weight_update, "torch", bool(lora))
         if problem:
             raise ValueError(problem)
-        self.weight_update = weight_update
         self.model_path = str(model_path)
-        self.version = int(version)
-        self.max_batch = max(1, int(max_batch))
-        self.step_callback = step_callback
-        self._init_updates(on_update)
-        # decode steps between two admissions into a running batch: arrivals meanwhile
-        # are prefilled together (one forward) instead of one prefill each
-        self.admit_every = max(1, int(admit_every))
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype)
         config = self.model.config
-        self.vocab_size = int(config.vocab_size)
-        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self._cache_kwarg = _cache_kwarg(self.model)
         # LoRA (Policy.lora): published adapters are merged into the adapted layers'
         # weights from a kept copy of their base (rollart.weights.lora.MergedAdapter)
         self.adapter = MergedAdapter(self.model, lora) if lora else None
+        # admit_every: decode steps between two admissions into a running batch; arrivals
+        # meanwhile are prefilled together (one forward) instead of one prefill each
+        super().__init__(
+            vocab_size=config.vocab_size,
+            max_positions=getattr(config, "max_position_embeddings", 1 << 30),
+            version=version, max_batch=max_batch, weight_update=weight_update,
+            step_callback=step_callback, on_update=on_update, admit_every=admit_every)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self._cache_kwarg = _cache_kwarg(self.model)
         # the lean forward (rollart.rollout.lean) where the architecture allows it: same
         # logits, a fraction of the per-step overhead, a KV cache grown in place
         self.lean = LeanForward(self.model) if lean and unsupported(self.model) is None \
             else None
         self._rng = torch.Generator()
         self._rng.seed()  # unseeded requests differ between engines
-        self.tokens_generated = 0
-        self.requests = 0
-        self.batches = 0
-        self.decode_steps = 0  # sampling rounds, counted live (not only per chunk)
-        self.busy_seconds = 0.0
-        self.suspends = 0  # weight swaps applied in the middle of a chunk
-        self.recompute_tokens = 0  # context tokens re-prefilled after those swaps (keep: 0)
         # prefill (rollart.rollout.pd.prefill): tokens forwarded, the same with the padding
         # their chunks carried, rows that shared another row's forward (equal prompts)
         self.prefill_tokens = self.prefill_padded = self.prefill_shared = 0
@@ -115,122 +108,12 @@ class TorchEngine(StagedUpdates):
         # per-trajectory KV kept for the next turn (rollart.rollout.pd); 0 = off
         self.prefix_cache = pd.PrefixCache(prefix_cache) if prefix_cache else None
 
-    # -- public API --------------------------------------------------------------------
-    def validate(self, req: GenRequest) -> None:
-        """Raise ``ValueError`` if ``req`` cannot be served by this model."""
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise ValueError("GenRequest.prompt_ids is empty: a prompt needs at least one token")
-        if req.max_new_tokens < 0:
-            raise ValueError(f"GenRequest.max_new_tokens must be >= 0, got {req.max_new_tokens}")
-        if n + req.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the "
-                f"model's {self.max_positions} positions: shorten the prompt or the budget"
-            )
-        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"(size {self.vocab_size})")
-
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Generate for every request (order preserved), ``max_batch`` rows at a time.
-
-        Continuous batching: a row that finishes leaves the batch at once and the next
-        request takes its place at the following decode-step boundary. A pending
-        ``request_update`` is applied before the first row starts, and at the next
-        decode-step boundary when it arrives while rows are generating. A staged update
-        that fails to copy in is skipped (generation goes on under the old weights); it
-        is recorded in ``update_error`` and reported to ``on_update``.
-        """
-        return serve_all(self, requests)
-
-    def serve(
-        self,
-        admit: Callable[[int], list[tuple]],
-        deliver: Callable[[object, "GenResult | BaseException"], None],
-        *,
-        abandoned: Callable[[object], bool] | None = None,
-    ) -> None:
-        """Continuous batching: run until no row is live and ``admit`` offers nothing.
-
-        ``admit(free)`` is polled at decode-step boundaries (before the first, then every
-        boundary until rows join, then again ``admit_every`` steps later) for at most
-        ``free`` new ``(request, tag)`` pairs — or ``(request, tag, handoff)`` to start
-        from a ``KVHandoff`` another engine prefilled (PD disaggregation); they are
-        prefilled together (reusing a cached prefix of their trajectory where there is
-        one) and join the running batch. Collecting arrivals for a few steps keeps one
-        prefill forward per group of arrivals rather than one per request. A finished
-        row's KV goes to the prefix cache. ``deliver(tag, result)`` is called the moment
-        a row finishes,
-        with its ``GenResult`` — or with the exception when its request is invalid or the
-        model fails (every live row gets it then; the engine stays usable).
-        ``abandoned(tag)``, when given, is checked at each boundary: such rows (their
-        caller went away) are dropped without a result.
-        """
-        b = _Batch(self)
-        n = 0
-        since = self.admit_every  # decode steps since rows last joined
-        while True:
-            if not b.rows:
-                self._apply_pending(raise_errors=False)
-            t0 = time.perf_counter()
-            joining: list = []  # admitted, not yet live rows: told of a failure too
-            try:
-                if abandoned is not None:
-                    b.drop([j for j, row in enumerate(b.rows) if abandoned(row.tag)])
-                free = self.max_batch - len(b.rows)
-                due = not b.rows or since >= self.admit_every
-                new = admit(free) if free > 0 and due else []
-                if new:
-                    since = 0
-                good = []
-                for item in new:
-                    try:
-                        self.validate(item[0])
-                        good.append(item)
-                    except Exception as exc:  # noqa: BLE001 - goes back to that caller
-                        deliver(item[1], exc)
-                if good:
-                    joining = good
-                    b.admit(good)
-                    joining = []
-                for row in b.finish_empty():
-                    deliver(row.tag, row.result())
-                if not b.rows:
-                    if new:
-                        continue
-                    return
-                if b.rows:
-                    b.pick()
-                    self.decode_steps += 1
-                    n += 1
-                    since += 1
-                    for row in b.retire():
-                        deliver(row.tag, row.result())
-                if b.rows:
-                    # -- decode-step boundary: suspend -> update -> resume (-> recompute KV)
-                    if self.step_callback is not None:
-                        self.step_callback(n)
-                    swapped = self._pending_update is not None and \
-                        self._apply_pending(raise_errors=False) is not None
-                    self.suspends += swapped
-                    if swapped and self.weight_update == "recompute":
-                        t1 = time.perf_counter()
-                        self.recompute_tokens += b.recompute()
-                        self.stall_seconds += time.perf_counter() - t1
-                    else:  # no swap, or "keep": the rows go on over the KV they have
-                        b.step()
-            except Exception as exc:  # noqa: BLE001 - every live row learns of it
-                live = [row.tag for row in b.rows]
-                for tag in live:
-                    deliver(tag, exc)
-                for item in joining:  # the prefill that failed was theirs
-                    if not any(item[1] is tag for tag in live):
-                        deliver(item[1], exc)
-                b = _Batch(self)
-            finally:
-                self.busy_seconds += time.perf_counter() - t0
+    def _new_batch(self) -> _Batch:
+        """An empty continuous batch (``serve``): rows join with their own prefill (reusing
+        a cached prefix of their trajectory where there is one) or start from a
+        ``KVHandoff`` another engine prefilled (PD: ``(request, tag, handoff)``); a
+        finished row's KV goes to the prefix cache."""
+        return _Batch(self)
 
     # -- PD disaggregation hooks (the logic lives in rollart.rollout.pd) -----------------
     @torch.inference_mode()
@@ -242,7 +125,7 @@ class TorchEngine(StagedUpdates):
         """
         for req in requests:
             self.validate(req)
-        self._apply_pending(raise_errors=False)
+        self.updates.apply(raise_errors=False)
         out: list[pd.KVHandoff] = []
         for i in range(0, len(requests), self.max_batch):
             t0 = time.perf_counter()
@@ -306,26 +189,16 @@ class TorchEngine(StagedUpdates):
         own = self.model.state_dict()  # views of the parameters: copy_ writes them
         shapes = {k: tuple(v.shape) for k, v in own.items()}
         tied = _tied(self.model)
-        head = "lm_head.weight"
         seen: set[str] = set()
         with torch.inference_mode(False), torch.no_grad():
             for name, part in stream:
-                part = {k: v for k, v in part.items() if not (tied and k == head)}
-                unexpected = sorted(set(part) - shapes.keys())
-                wrong = [k for k, v in part.items()
-                         if k in shapes and tuple(v.shape) != shapes[k]]
-                if unexpected or wrong:
-                    raise KeyError(f"bucket {name} does not match the model: unexpected "
-                                   f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+                part = check_bucket(name, part, shapes, tied=tied)
                 stream.copied += 1
                 for k, v in part.items():
                     own[k].copy_(v)
                 seen.update(part)
                 del part
-        missing = sorted(k for k in shapes if k not in seen and not (tied and k == head))
-        if missing:
-            raise KeyError(f"version {version} lacks weights the model has: {missing[:5]} "
-                           f"({len(missing)} in all)")
+        check_complete(version, seen, shapes, tied=tied)
         self.version = int(version)
 
     def _copy_in(self, sd, version: int) -> None:

@@ -1,28 +1,33 @@
-"""Staged weight updates, shared by the generation engines (``TorchEngine``, ``VLLMEngine``).
+"""``StagedUpdates``: an engine's pending weight version, applied at a step boundary.
 
-An engine mixes in ``StagedUpdates`` and provides two methods of its own:
+Held by each generation engine (``rollart.rollout.serving.BatchingEngine``, the base of
+``TorchEngine`` and ``VLLMEngine``) as ``engine.updates``. It consumes weights from any
+thread (a whole state dict: ``request``; a version still arriving bucket by bucket:
+``request_stream``) and produces, when the engine's decode loop calls ``apply`` at a
+step boundary (or an idle engine, ``apply_pending_update``), one call of the engine's
+copy function and one ``on_update(version, error)`` report. It owns the pending
+version, the lock that guards it, the failure counters (``error``, ``mixed``) and the
+time spent copying (``seconds``). What it does to the weights is given to its
+constructor as plain callables (the engine's methods):
 
-* ``_stage(state_dict)``: check the names and shapes (``check_state_dict``) and return
+* ``stage(state_dict)``: check the names and shapes (``check_state_dict``) and return
   the tensors in the form the engine copies in (its device and dtype, or CPU fp32);
-* ``_copy_in(staged, version)``: replace the weights in place and set ``version``.
+  called on the requesting thread, so the swap itself is a plain copy;
+* ``copy_in(staged, version)``: replace the weights in place and set the version;
+* ``copy_stream(stream, version)``: the same for a ``_Stream`` of buckets;
+* ``supersede(older, newer)``: what to stage when ``newer`` replaces ``older`` before it
+  was applied (an engine with LoRA keeps a new base that only ``older`` carried).
 
-The mixin gives the engine protocol's weight half (``rollart.rollout.base``):
-``load_state_dict`` (now), ``request_update`` (any thread: staged and applied at the
-engine's next decode-step boundary by ``_apply_pending``), ``pending_version`` and
-``apply_pending_update``, with the counters ``stall_seconds`` and ``update_error`` and
-the ``on_update(version, error)`` hook. The decode loops call ``_apply_pending``.
+Rules: a newer request replaces one not applied yet; an older one is ignored; a
+version loaded now (``load_now``) drops a pending one not newer.
 
-Bucket by bucket: ``request_stream(buckets, version)`` stages a version that is still
-arriving (an iterable of ``(bucket name, tensors)``, e.g. a ``WeightStore.iter_buckets``
-stream reading ahead). At the boundary the engine suspends, and ``_copy_stream`` copies
-each bucket into the weights as it arrives (an engine defines ``_copy_stream(buckets,
-version)``), so the worker holds about two buckets, not a second copy of the model.
-The invariant is the same as for a whole state dict: requests see the old weights or
-the new version fully loaded, never a mix, because nothing generates while the stream
-is copied in. If the stream fails after a bucket was copied, the weights are a mix of
-two versions (``mixed``): the engine does not generate again until a later update was
-applied whole; ``_apply_pending`` waits for it (the worker stages one at once) and
-``cancel_updates`` ends that wait (closing).
+Bucket by bucket: a stream is applied while the engine is suspended, each bucket copied
+into the weights as it arrives, so the worker holds about two buckets, not a second copy
+of the model. Requests see the old weights or the new version fully loaded, never a
+mix, because nothing generates while the stream is copied in. If the stream fails
+after a bucket was copied, the weights are a mix of two versions (``mixed``): ``apply``
+waits for a later update and applies it, until the weights are one version again (the
+worker stages one at once); ``cancel`` ends that wait (closing).
 """
 
 from __future__ import annotations
@@ -52,115 +57,128 @@ def check_state_dict(state_dict: dict, shapes: dict[str, tuple], *, tied: bool) 
     return sd
 
 
-class StagedUpdates:
-    """The weight-update half of an engine: call ``_init_updates`` in ``__init__`` and
-    define ``_stage`` and ``_copy_in`` (see the module docstring)."""
+def check_bucket(name: str, part: dict, shapes: dict[str, tuple], *, tied: bool) -> dict:
+    """One bucket of a streamed version (``copy_stream``): drop a tied head; raise
+    ``KeyError`` naming unexpected keys or wrong shapes; return the tensors to copy."""
+    head = "lm_head.weight"
+    part = {k: v for k, v in part.items() if not (tied and k == head)}
+    unexpected = sorted(set(part) - shapes.keys())
+    wrong = [k for k, v in part.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])]
+    if unexpected or wrong:
+        raise KeyError(f"bucket {name} does not match the model: unexpected "
+                       f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+    return part
 
-    def _init_updates(self, on_update: UpdateHook | None) -> None:
+
+def check_complete(version: int, seen, shapes: dict[str, tuple], *, tied: bool) -> None:
+    """A streamed version's end: ``KeyError`` if a weight of the model never came."""
+    head = "lm_head.weight"
+    missing = sorted(k for k in shapes if k not in seen and not (tied and k == head))
+    if missing:
+        raise KeyError(f"version {version} lacks weights the model has: {missing[:5]} "
+                       f"({len(missing)} in all)")
+
+
+class StagedUpdates:
+    """The pending weight version of one engine (module docstring): requested from any
+    thread, applied on the engine's thread by ``apply``.
+
+    >>> weights = {}
+    >>> updates = StagedUpdates(stage=dict, copy_in=lambda sd, v: weights.update(sd, v=v))
+    >>> updates.request({"w": 1}, 3); updates.request({"w": 0}, 2)  # older: ignored
+    >>> updates.pending_version
+    3
+    >>> updates.apply(raise_errors=True), weights
+    (3, {'w': 1, 'v': 3})
+    """
+
+    def __init__(self, *, stage: Callable[[dict], object],
+                 copy_in: Callable[[object, int], None],
+                 copy_stream: Callable[["_Stream", int], None] | None = None,
+                 supersede: Callable[[object, object], object] | None = None,
+                 on_update: UpdateHook | None = None):
+        self.stage, self.copy_in, self.copy_stream = stage, copy_in, copy_stream
+        self.supersede = supersede or _newer
         self.on_update = on_update
-        self._update_lock = threading.Lock()
-        self._pending_update: tuple[dict, int] | None = None
-        self.update_error: tuple[int, BaseException] | None = None  # last failed apply
-        self.stall_seconds = 0.0  # time spent applying updates (+ re-prefilling)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pending: tuple[object, int] | None = None  # (staged or _Stream, version)
+        self._cancelled = False
+        self.error: tuple[int, BaseException] | None = None  # the last failed apply
+        self.seconds = 0.0  # time spent copying updates in
         # a stream that failed after copying part of a version: (version, error) until a
         # later update is applied; nothing generates meanwhile
         self.mixed: tuple[int, BaseException] | None = None
-        self._update_cond = threading.Condition(self._update_lock)
-        self._updates_cancelled = False
 
-    def load_state_dict(self, state_dict: dict, version: int) -> None:
-        """Replace the weights in place now (all keys must match) and set ``version``.
+    @property
+    def pending_version(self) -> int | None:
+        """The version requested and not applied yet, if any."""
+        pending = self._pending
+        return None if pending is None else pending[1]
 
-        A pending ``request_update`` for ``version`` or older is dropped.
-        """
-        self._copy_in(self._stage(state_dict), version)
+    def load_now(self, state_dict: dict, version: int) -> None:
+        """Stage and copy in ``state_dict`` on the calling thread; a pending request for
+        ``version`` or older is dropped."""
+        self.copy_in(self.stage(state_dict), version)
         dropped = None
-        with self._update_lock:
+        with self._lock:
             self.mixed = None
-            if self._pending_update is not None and self._pending_update[1] <= int(version):
-                dropped, self._pending_update = self._pending_update[0], None
+            if self._pending is not None and self._pending[1] <= int(version):
+                dropped, self._pending = self._pending[0], None
         if isinstance(dropped, _Stream):
             dropped.close()
 
-    def request_update(self, state_dict: dict, version: int) -> None:
-        """Stage new weights; thread-safe, returns at once.
-
-        Keys and shapes are checked here (``KeyError`` / ``ValueError`` to the caller)
-        and the tensors converted on the calling thread, so the swap itself is a plain
-        copy. The update is applied at the next decode-step boundary of a running batch,
-        or before the next one (or by ``apply_pending_update``) when idle. A newer request
-        replaces one not applied yet; a request older than the pending one is ignored.
-        """
-        self._put_pending(self._stage(state_dict), int(version))
+    def request(self, state_dict: dict, version: int) -> None:
+        """Stage ``state_dict`` (checked and converted here: errors go to the caller)."""
+        self._put(self.stage(state_dict), int(version))
 
     def request_stream(self, buckets, version: int) -> None:
         """Stage ``version`` arriving bucket by bucket (an iterable of ``(name, tensors)``
-        with an optional ``close()``, e.g. ``WeightStore.iter_buckets``); thread-safe,
-        returns at once. Applied like ``request_update``: at the next decode-step
-        boundary each bucket is checked and copied in as it arrives; the version counts
-        once every weight came. A newer request replaces it (and closes it)."""
-        if not getattr(self, "streams_weights", False):
-            raise TypeError(f"{type(self).__name__} cannot load weights bucket by bucket "
-                            "here (LoRA?): pass the whole state dict to request_update")
-        self._put_pending(_Stream(buckets), int(version))
+        with an optional ``close()``); a replaced or cancelled stream is closed."""
+        if self.copy_stream is None:
+            raise TypeError("these updates cannot load weights bucket by bucket: pass the "
+                            "whole state dict to request")
+        self._put(_Stream(buckets), int(version))
 
-    def _put_pending(self, staged, version: int) -> None:
+    def _put(self, staged, version: int) -> None:
         dropped = None
-        with self._update_lock:
-            pending = self._pending_update
+        with self._lock:
+            pending = self._pending
             if pending is None or version >= pending[1]:
                 if pending is not None:
                     dropped = pending[0]
                     if not isinstance(staged, _Stream) and not isinstance(dropped, _Stream):
-                        staged = self._supersede(dropped, staged)
-                self._pending_update = (staged, version)
+                        staged = self.supersede(dropped, staged)
+                self._pending = (staged, version)
             else:
                 dropped = staged
-            self._update_cond.notify_all()
+            self._cond.notify_all()
         if isinstance(dropped, _Stream):
             dropped.close()
 
-    def cancel_updates(self) -> None:
+    def cancel(self) -> None:
         """The engine is closing: stop waiting for an update to mend mixed weights, and
         close a staged stream (its reader stops, its hold is released)."""
         dropped = None
-        with self._update_lock:
-            self._updates_cancelled = True
-            if self._pending_update is not None and isinstance(self._pending_update[0],
-                                                               _Stream):
-                dropped, self._pending_update = self._pending_update[0], None
-            self._update_cond.notify_all()
+        with self._lock:
+            self._cancelled = True
+            if self._pending is not None and isinstance(self._pending[0], _Stream):
+                dropped, self._pending = self._pending[0], None
+            self._cond.notify_all()
         if dropped is not None:
             dropped.close()
 
-    def _supersede(self, older, newer):
-        """What to stage when ``newer`` replaces ``older`` before it was applied (an
-        engine with LoRA keeps a new base that only ``older`` carried)."""
-        return newer
-
-    @property
-    def pending_version(self) -> int | None:
-        """The version staged by ``request_update`` and not applied yet, if any."""
-        pending = self._pending_update
-        return None if pending is None else pending[1]
-
-    def apply_pending_update(self) -> int | None:
-        """Apply a staged update now (for an idle engine); return its version or ``None``.
-
-        Raises if the copy fails (the weights keep their old version then).
-        """
-        return self._apply_pending(raise_errors=True)
-
-    def _apply_pending(self, *, raise_errors: bool) -> int | None:
-        """Swap in the staged weights, if any; report to ``on_update``. After a stream
-        that failed half-way (``mixed``), wait for the next update and apply it, until
-        the weights are one version again (or ``cancel_updates``)."""
+    def apply(self, *, raise_errors: bool) -> int | None:
+        """Copy in the pending version, if any, and report it to ``on_update``; return
+        it (``None``: nothing pending, or it failed). After a stream that failed half-way
+        (``mixed``), wait for the next update and apply it, until the weights are one
+        version again (or ``cancel``)."""
         applied, error = self._apply_once()
         while self.mixed is not None:
-            with self._update_lock:
-                while self._pending_update is None and not self._updates_cancelled:
-                    self._update_cond.wait(0.5)
-                if self._pending_update is None:
+            with self._lock:
+                while self._pending is None and not self._cancelled:
+                    self._cond.wait(0.5)
+                if self._pending is None:
                     error = RuntimeError(
                         f"the engine's weights are a mix of two versions (loading "
                         f"v{self.mixed[0]} failed half-way: {self.mixed[1]!r}) and it was "
@@ -173,8 +191,8 @@ class StagedUpdates:
 
     def _apply_once(self) -> tuple[int | None, BaseException | None]:
         """Apply the staged update, if any: ``(its version or None, its error or None)``."""
-        with self._update_lock:
-            pending, self._pending_update = self._pending_update, None
+        with self._lock:
+            pending, self._pending = self._pending, None
         if pending is None:
             return None, None
         staged, version = pending
@@ -182,20 +200,25 @@ class StagedUpdates:
         try:
             if isinstance(staged, _Stream):
                 with staged:
-                    self._copy_stream(staged, version)
+                    self.copy_stream(staged, version)
             else:
-                self._copy_in(staged, version)
+                self.copy_in(staged, version)
             self.mixed = None
             error = None
         except Exception as exc:  # noqa: BLE001 - reported, generation goes on
             error = exc
-            self.update_error = (version, exc)
+            self.error = (version, exc)
             if isinstance(staged, _Stream) and staged.copied:
                 self.mixed = (version, exc)
-        self.stall_seconds += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0
         if self.on_update is not None:
             self.on_update(version, error)
         return (None, error) if error is not None else (version, None)
+
+
+def _newer(older, newer):
+    """``supersede``'s default: the newer request replaces the older one whole."""
+    return newer
 
 
 class _Stream:

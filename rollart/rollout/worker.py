@@ -28,13 +28,19 @@ come mostly from the other workers). Tokens generated before the swap keep their
 version; later ones carry ``v``. ``wait_version(v)`` resolves when the swap happened.
 A version that fails to load is tried again after ``retry_after`` s; the latest error is
 in ``stats()["load_error"]`` (the pipeline's stall check names it).
+
+The worker is made of parts it holds: the engine (``self.engine``, whose
+``StagedUpdates``, ``engine.updates``, keeps the version staged for the next boundary)
+and the prefetch (``self.prefetch``, a ``rollart.rollout.prefetch.WeightPrefetch``: the
+store watch, the versions wanted, fetched and waited for, its own thread). The worker
+itself owns the request queue, the engine thread and PD's KV handoffs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -43,7 +49,6 @@ import torch
 from rollart.rollout.base import make_engine
 from rollart.rollout.prefetch import WeightPrefetch
 from rollart.types import GenRequest, GenResult
-from rollart.weights.store import WeightStore
 
 
 @dataclass
@@ -86,8 +91,14 @@ def _worker_address() -> str:
         return ""
 
 
-class InferenceWorker(WeightPrefetch):
-    """Serve generation requests from one model; batch concurrent calls together."""
+class InferenceWorker:
+    """Serve generation requests from one model; batch concurrent calls together.
+
+    It holds two parts: ``engine`` (a ``GenerationEngine``; its ``updates`` stage and
+    apply weight versions) and ``prefetch`` (a ``WeightPrefetch``: finds, loads and
+    stages versions on its own thread). The worker owns the request queue and the engine
+    thread that serves it.
+    """
 
     def __init__(
         self,
@@ -106,49 +117,29 @@ class InferenceWorker(WeightPrefetch):
         if threads:
             torch.set_num_threads(int(threads))
         self.pool = pool
-        self.store_url = str(store_url)
         self.address = _worker_address()
         # engine: "torch" (TorchEngine) or "vllm" (VLLMEngine); see rollart.rollout.base
         self.engine = make_engine(engine, model_path, version=version, max_batch=max_batch,
                                   on_update=self._on_update, **(engine_options or {}))
         self.max_batch = self.engine.max_batch
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards the request queue below
         self._pending: deque[_Pending] = deque()
         self._in_flight = 0
-        self._wanted = int(version)  # newest version asked for by update_weights
-        self._fetched = int(version)  # newest version handed to the engine
-        self._load_error: tuple[int, BaseException] | None = None
-        self.watch, self.retry_after = watch, float(retry_after)  # s: store polls, retries
-        self._failed_at = 0.0  # when the latest load failed (time.monotonic)
-        self._look_now = False  # wait_version: look at the store without waiting
-        self._watch_error: str | None = None  # reading the store's latest() failed
-        self._waiters: list[tuple[int, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._stop = False
-        self.prefetch_seconds = 0.0
-        # the watch: latest() calls, their wall time and the prefetch thread's CPU in them
-        self.watches, self.watch_seconds, self.watch_cpu_seconds = 0, 0.0, 0.0
         self.abandoned = 0  # requests aborted (queued or mid-generation) by their caller
         self._live: dict[str, _Pending] = {}  # request_id -> queued or generating request
         self._kv_held: dict = {}  # key -> Dask Future of a KVHandoff made here
         self.kv_stats = {"sent": 0, "received": 0, "bytes_received": 0,
                          "fetch_seconds": 0.0}
-        self.prefetches = 0  # versions read from the store and staged
-        self.streamed = 0  # of them, staged bucket by bucket (request_stream)
-        self._holding: int | None = None  # the version this worker holds in the store
-        self._store: WeightStore | None = None  # opened by the prefetch thread
-        # LoRA: the base version (rollart.weights.lora) sent to the engine; -1: the
-        # model folder's, None: unknown (send the base again)
-        self._base: int | None = -1
-        self._latest_seen = -1  # the store's latest() at the last look
-        self._reader = f"{self.address or 'local'}/{pool}/{id(self):x}"
+        self.prefetch = WeightPrefetch(
+            store_url, self.engine, version=version, watch=watch, retry_after=retry_after,
+            reader=f"{self.address or 'local'}/{pool}/{id(self):x}",
+            on_staged=self._wake, name=f"rollart-prefetch-{pool}")
         self._thread = threading.Thread(
             target=self._run, name=f"rollart-engine-{pool}", daemon=True
         )
-        self._prefetcher = threading.Thread(
-            target=self._prefetch_loop, name=f"rollart-prefetch-{pool}", daemon=True
-        )
         self._thread.start()
-        self._prefetcher.start()
+        self.prefetch.start()
 
     # -- actor API (async: runs on the worker's event loop) -----------------------------
     async def generate(self, req: GenRequest) -> GenResult:
@@ -228,82 +219,40 @@ class InferenceWorker(WeightPrefetch):
         held or already requested one are ignored; a failed load is reported to
         ``wait_version`` callers and the worker keeps serving its current weights.
         """
-        with self._cond:
-            if int(version) > max(self._wanted, self.engine.version):
-                self._wanted = int(version)
-                self._load_error = None
-                self._cond.notify_all()
+        self.prefetch.want(version)
 
     async def wait_version(self, version: int, timeout: float = 60) -> int:
         """Wait until the engine holds ``version`` or newer; return the held version."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._cond:
-            if self.engine.version >= version:
-                return self.engine.version
-            if self._load_error and self._load_error[0] >= version > self._fetched:
-                raise self._load_error[1]
-            self._waiters.append((int(version), future, loop))
-            self._look_now = True  # someone waits: look at the store now, not at the poll
-            self._cond.notify_all()
+        held = self.prefetch.wait(version, functools.partial(_resolve, future, loop))
+        if held is not None:
+            return held
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"weight version {version} not loaded within {timeout}s on "
                 f"{self.address or self.pool} (holds {self.engine.version}; the store "
-                f"{self.store_url} has {self._latest_seen}; last load error: "
-                f"{self._error_text()})"
+                f"{self.prefetch.store_url} has {self.prefetch.latest_seen}; last load "
+                f"error: {self.prefetch.error_text()})"
             ) from None
 
     async def stats(self) -> dict:
-        eng = self.engine
+        """The engine's counters (``engine.stats()``), the queue, the prefetch's
+        (``prefetch.stats()``: loads, watches, bytes, the last error) and PD's."""
         with self._cond:
             queued, in_flight = len(self._pending), self._in_flight
         return {
             "address": self.address,
             "pool": self.pool,
-            "version": eng.version,
-            "tokens_generated": eng.tokens_generated,
-            "requests": eng.requests,
-            "batches": eng.batches,
-            "busy_seconds": eng.busy_seconds,
+            **self.engine.stats(),
             "queued": queued,
             "in_flight": in_flight,
-            "mean_batch_size": eng.requests / eng.batches if eng.batches else 0.0,
-            "decode_steps": eng.decode_steps,
-            "pending_version": eng.pending_version,
-            "weight_update": getattr(eng, "weight_update", "recompute"),
-            "suspends": eng.suspends,
-            "recompute_tokens": eng.recompute_tokens,
-            "stall_seconds": eng.stall_seconds,
-            "prefetch_seconds": self.prefetch_seconds,
-            "prefetches": self.prefetches,
-            "watches": self.watches,
-            "watch_seconds": self.watch_seconds,
-            "watch_cpu_seconds": self.watch_cpu_seconds,
-            "streamed": self.streamed,
-            "weights_mixed": getattr(eng, "mixed", None) is not None,
-            **self._transfer_stats(),
+            **self.prefetch.stats(),
             "abandoned": self.abandoned,
-            "load_error": self._error_text(),
             **self._pd_stats(),
         }
-
-    def _transfer_stats(self) -> dict:
-        """Bytes this worker read from the trainer's objects and from relays, and the
-        relay reads that fell back to the origin (``WeightStore.transfer``)."""
-        t = dict(self._store.transfer) if self._store is not None else {}
-        return {"weights_origin_bytes": t.get("origin_bytes", 0),
-                "weights_relay_bytes": t.get("relay_bytes", 0),
-                "weights_fallbacks": t.get("fallbacks", 0)}
-
-    def _error_text(self) -> str | None:
-        """The latest failure to find or load a version, as one line (None if none)."""
-        err = self._load_error
-        if err is not None:
-            return f"v{err[0]}: {type(err[1]).__name__}: {err[1]}"
-        return self._watch_error
 
     def _pd_stats(self) -> dict:
         pc = getattr(self.engine, "prefix_cache", None)  # torch engine only
@@ -323,12 +272,13 @@ class InferenceWorker(WeightPrefetch):
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self.prefetch.stop()
         cancel = getattr(self.engine, "cancel_updates", None)
         if cancel is not None:  # an engine waiting to mend mixed weights stops waiting
             cancel()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._thread.join, 60)
-        await loop.run_in_executor(None, self._prefetcher.join, 60)
+        await loop.run_in_executor(None, self.prefetch.join, 60)
 
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -406,41 +356,16 @@ class InferenceWorker(WeightPrefetch):
 
     def _on_update(self, version: int, error: BaseException | None) -> None:
         """Engine hook (engine thread): a staged version was swapped in, or failed to."""
-        with self._cond:
-            if error is not None:
-                if self._base is not None and self._base >= 0:
-                    self._base = None  # LoRA: the next fetch sends the base again
-                self._load_error, self._failed_at = (version, error), time.monotonic()
-                if self._fetched <= version:  # nothing newer staged behind it
-                    self._fetched = self.engine.version
-                if self._wanted <= version:
-                    self._wanted = self.engine.version
-                if getattr(self.engine, "mixed", None) is not None:
-                    # half of a version was copied in: the engine waits for a whole one;
-                    # read this one (or the newest) again at once
-                    self._wanted = max(self._wanted, version)
-                    self._fetched = min(self._fetched, self.engine.version)
-                    self._cond.notify_all()
-            self._settle_waiters(version, error)
+        self.prefetch.applied(version, error)
 
-    def _settle_waiters(self, version: int, error: BaseException | None) -> None:
-        """Resolve waiters now satisfied, or failed by ``error`` (hold ``_cond``)."""
-        held = self.engine.version
-        keep = []
-        for want, future, loop in self._waiters:
-            if held >= want:
-                _resolve(future, loop, held)
-            elif error is not None and self._fetched < want <= version:
-                _resolve(future, loop, error)
-            else:
-                keep.append((want, future, loop))
-        self._waiters = keep
+    def _wake(self) -> None:
+        """Prefetch hook: a version was staged; an idle engine thread applies it."""
+        with self._cond:
+            self._cond.notify_all()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
             pending, self._pending = list(self._pending), deque()
-            waiters, self._waiters = self._waiters, []
         for item in pending:
             _resolve(item.future, item.loop, exc)
-        for _, future, loop in waiters:
-            _resolve(future, loop, exc)
+        self.prefetch.fail_waiters(exc)

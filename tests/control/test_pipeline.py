@@ -340,15 +340,15 @@ def test_async_groups_start_on_the_version_the_trainer_published(local_cluster, 
     published, not on the one a worker still held while loading it (its first turns
     would be a version older, and with alpha 1 the group dropped a step later). Workers
     here read weights as slowly as worker processes on a busy laptop do."""
-    from rollart.rollout.worker import InferenceWorker
+    from rollart.rollout.prefetch import WeightPrefetch
 
-    real = InferenceWorker._fetch
+    real = WeightPrefetch.fetch
 
     def slow_fetch(self, target):
         time.sleep(0.3)  # in the worker's prefetch thread, as a slow store read
         return real(self, target)
 
-    monkeypatch.setattr(InferenceWorker, "_fetch", slow_fetch)  # in-process workers
+    monkeypatch.setattr(WeightPrefetch, "fetch", slow_fetch)  # in-process workers
     result = train(_quick("async"), client=local_cluster, run_dir=tmp_path / "async",
                    progress=False, eval_seeds=0)
     _adds_up(result)

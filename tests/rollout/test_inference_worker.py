@@ -287,10 +287,10 @@ def test_worker_finds_new_versions_in_the_store_and_reports_one_it_cannot_load(m
 
 
 def test_the_watch_looks_at_its_interval_however_many_requests_come(model_dir, tmp_path):
-    """Every request submitted wakes the prefetch thread; the watch still reads the store
-    once per ``watch`` seconds (it read it at each wake-up: as many store reads as
-    requests, on Mooncake each a master round trip and a read from the trainer's
-    segment)."""
+    """However many requests are submitted, the watch reads the store once per ``watch``
+    seconds (it once read it at each wake-up, and every request woke the prefetch
+    thread: as many store reads as requests, on Mooncake each a master round trip and a
+    read from the trainer's segment; the prefetch has its own condition now)."""
     store = WeightStore(str(tmp_path / "w"))
 
     async def scenario():

@@ -178,7 +178,7 @@ def test_a_worker_that_joins_after_the_warmed_base_gets_it(tiny_model, tmp_path)
     w = InferenceWorker(tiny_model, str(tmp_path / "w"), pool="H800", version=-1, watch=None,
                         engine_options={"lora": OPTS})
     try:
-        state, v = w._fetch(5)
+        state, v = w.prefetch.fetch(5)
         assert v == 5 and any(is_adapter_key(k) for k in state) and \
             any(not is_adapter_key(k) for k in state)
         w.engine.load_state_dict(state, 5)
@@ -186,9 +186,9 @@ def test_a_worker_that_joins_after_the_warmed_base_gets_it(tiny_model, tmp_path)
         res = w.engine.generate([GenRequest(prompt, 6, seed=1)])[0]
         assert res.logprobs == pytest.approx(
             _logprobs(tr.model, prompt, res.token_ids).tolist(), abs=1e-4)
-        assert all(is_adapter_key(k) for k in w._fetch(4)[0])  # base sent once
+        assert all(is_adapter_key(k) for k in w.prefetch.fetch(4)[0])  # base sent once
     finally:
-        w._stop = True
+        w.prefetch.stop()
 
 
 # -- checkpoints, output ---------------------------------------------------------------

@@ -64,8 +64,15 @@ Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or t
 after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published
 weights, a new gang forms on the TRAIN workers alive (waiting for a restarted one) and
 the step runs again on its batch (``GangTrainer._compute``; ``trainer/gang_restarts``
-counts it). Rank 0's own worker lost is the trainer role lost: the driver replaces it as
-it replaces a one-process trainer, and the new rank 0 forms a new gang.
+counts it, and the step's ``trainer/gang_events`` says which rank's worker was replaced
+by which, for the run's ``recovery.json``). Rank 0's own worker lost is the trainer role
+lost: the driver replaces it as it replaces a one-process trainer, with a gang of the
+same size (``rollart.control.stages``), whose rank 0 forms a new gang. The worker of a
+rank of the dead gang holds that gang's process group until a new trainer starts there
+(``rollart.trainer.trainer.leave_dead_gang``). A gang short of TRAIN workers says so on
+the driver's console after ``NOTICE_AFTER`` s (``notice``: a Dask event on the
+``NOTICES`` topic, which ``rollart.control.supervisor.Supervisor`` prints) and gives up
+after ``join_timeout`` s with ``GangWaitError``.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import time
 
 import torch
 
@@ -82,7 +90,29 @@ from rollart.trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks"]
+__all__ = ["GangRank", "GangTrainer", "GangWaitError", "NOTICES", "balance", "buckets",
+           "decoder_blocks", "notice"]
+
+NOTICES = "rollart-trainer"  #: the Dask event topic of the trainer's console lines
+NOTICE_AFTER = 3.0  #: seconds a gang waits for TRAIN workers before it says so
+
+
+class GangWaitError(RuntimeError):
+    """The gang could not form: fewer TRAIN workers than its ranks for ``join_timeout`` s
+    (the message says how many to start). Not a lost worker: the run ends with a
+    checkpoint (``rollart.control.loop``)."""
+
+
+def notice(text: str) -> None:
+    """``text`` in this worker's log and as one line on the driver's console (a Dask
+    event on ``NOTICES``: ``rollart.control.supervisor.Supervisor`` logs it)."""
+    from distributed import get_worker
+
+    logger.warning("%s", text)
+    try:
+        get_worker().log_event(NOTICES, {"text": text})
+    except ValueError:  # not on a Dask worker (a trainer built in a test's process)
+        pass
 
 
 class GangTrainer(_Ranked, Trainer):
@@ -106,6 +136,11 @@ class GangTrainer(_Ranked, Trainer):
         self.members: list = []
         self.restarts = 0  # gangs formed again after a rank failed
         self._forms = 0
+        # the gang that failed (its workers, when, in what) until the next one forms;
+        # then one event for recovery.json, sent with the next step (``_compute``)
+        self._failure: dict | None = None
+        self._events: list[dict] = []
+        self.short: str | None = None  # why the last form found too few workers
         self.bucket_bytes = int(bucket_bytes)
         self._gathered_optimizer: dict | None = None  # while a checkpoint is written
         self._weight_map: dict | None = None  # while a sharded one is: HF name -> file
@@ -198,7 +233,12 @@ class GangTrainer(_Ranked, Trainer):
         whole AdamW state under parameter names gathered from every rank
         (``optimizer_format: "names"``). Either resumes on any number of ranks."""
         if not self.sharded and self._dcp_moments is not None:
-            await self._form()  # the moments of the checkpoint loaded are the ranks' to read
+            if self.short is None:
+                await self._form()  # the moments of the checkpoint loaded: the ranks' to read
+            else:  # too few workers to form (the run stops): read here, whole
+                await self._run(self._read_dcp, self._dcp_moments, model=False,
+                                optimizer=True)
+                self._dcp_moments = None
         if not self.sharded:
             return await super().save_state(url)
         if self.sharded_checkpoints:
@@ -299,6 +339,33 @@ class GangTrainer(_Ranked, Trainer):
         self._dcp_moments = None
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     store.port)
+        if self._failure is not None:
+            self._formed_again(get_worker().address)
+
+    def _formed_again(self, me: str) -> None:
+        """The gang formed after ``_failed``: one event per rank whose worker was replaced
+        (the failed gang's workers not in this one), or one for the gang if every worker
+        stayed (a broken or timed-out collective)."""
+        failed, now = self._failure, time.time()
+        self._failure = None
+        gone = [(r, a) for r, a in enumerate(failed["ranks"]) if a not in self.gang and a != me]
+        new = [a for a in self.gang if a not in failed["ranks"]]
+        for i, (rank, addr) in enumerate(gone or [(None, ", ".join(failed["ranks"]))]):
+            self._events.append({"role": "trainer", "rank": rank, "address": addr,
+                                 "replacement": new[i] if i < len(new) else me,
+                                 "lost_at": failed["at"], "recovered_at": now,
+                                 "recovery_s": now - failed["at"], "ranks": self.world,
+                                 "restored_from": f"weights v{self.version}",
+                                 "gang_restart": failed["what"]})
+
+    async def stats(self) -> dict:
+        """The one-process trainer's, and ``ranks``: the workers of rank 0, 1, ... of the
+        gang formed last (rank 0's alone before it forms)."""
+        from distributed import get_worker
+
+        out = await super().stats()
+        out["ranks"] = [get_worker().address, *self.gang]
+        return out
 
     def _rank_kwargs(self) -> dict:
         """What the other ranks' constructor takes besides the trainer's arguments."""
@@ -311,18 +378,32 @@ class GangTrainer(_Ranked, Trainer):
         from rollart.types import TRAIN
 
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.join_timeout
+        t0 = loop.time()
+        said = False
         while True:
             found = [a for a in await loop.run_in_executor(None, workers_with, client, TRAIN)
                      if a != me]
-            if len(found) >= self.world - 1:
+            more = self.world - 1 - len(found)
+            if more <= 0:
+                self.short = None
+                if said:
+                    notice(f"the trainer gang of {self.world} ranks has its TRAIN workers "
+                           f"again after {loop.time() - t0:.0f} s; it forms")
                 return sorted(found)[:self.world - 1]
-            if loop.time() > deadline:
-                raise TimeoutError(
+            if loop.time() - t0 > self.join_timeout:
+                self.short = (
                     f"the trainer gang has {self.world} ranks but only {len(found) + 1} "
                     f"TRAIN workers are alive after {self.join_timeout:.0f} s; start "
-                    f"{self.world - 1 - len(found)} more (or raise Dask's config "
-                    f"rollart.waits.start)")
+                    f"{more} more (or raise Dask's config rollart.waits.start)")
+                raise GangWaitError(self.short)
+            if not said and loop.time() - t0 >= NOTICE_AFTER:
+                said = True
+                notice(f"the trainer gang of {self.world} ranks waits for {more} more "
+                       f"worker(s) with the {TRAIN!r} resource ({len(found) + 1} alive): "
+                       f"start {more} (dask worker SCHEDULER --resources {TRAIN}=1), or let "
+                       f"a Nanny restart a lost one; it waits {self.join_timeout:.0f} s "
+                       "(Dask's config rollart.waits.start), then the run stops with a "
+                       "checkpoint")
             await asyncio.sleep(0.5)
 
     def _open(self, host: str):
@@ -372,20 +453,28 @@ class GangTrainer(_Ranked, Trainer):
         runs again on the same batch, once."""
         for attempt in (0, 1):
             if not self.sharded:  # also a gang rebuilt after a loss restored, unpublished
-                await self._form()
+                await self._form()  # GangWaitError: too few workers, the run's to handle
             try:
-                return await self._gang_step(batch)
+                out = await self._gang_step(batch)
             except Exception as e:  # noqa: BLE001 - any rank's failure fails the gang
                 if attempt:
                     raise
                 await self._failed("a step", e)
+                continue
+            out["trainer/gang_events"], self._events = self._events, []
+            return out
 
     async def _failed(self, what: str, error: BaseException) -> None:
         """The gang failed as a whole in ``what``: back to the published ``self.version``,
         unsharded; the next step forms a new gang."""
+        from distributed import get_worker
+
         logger.warning("the trainer gang failed in %s (%r); forming it again from the "
                        "published v%d", what, error, self.version)
         self.restarts += 1
+        if self._failure is None:  # a second failure before it formed: the first counts
+            self._failure = {"ranks": [get_worker().address, *self.gang], "at": time.time(),
+                             "what": f"{what}: {error!r}"[:300]}
         await self._run(self._unshard)
 
     def _unshard(self) -> None:

@@ -140,6 +140,9 @@ class GangTrainer(_Ranked, Trainer):
         # then one event for recovery.json, sent with the next step (``_compute``)
         self._failure: dict | None = None
         self._events: list[dict] = []
+        # the step being made, (batch, its metrics row), until it is published: a gang
+        # that fails in publishing makes its update again (``_publish``)
+        self._step: tuple | None = None
         self.short: str | None = None  # why the last form found too few workers
         self.bucket_bytes = int(bucket_bytes)
         self._gathered_optimizer: dict | None = None  # while a checkpoint is written
@@ -150,19 +153,39 @@ class GangTrainer(_Ranked, Trainer):
 
     async def _publish(self) -> None:
         """Every rank writes its buckets of ``self.version`` (``_write_buckets``), then
-        rank 0 the manifest that makes them a version."""
+        rank 0 the manifest that makes them a version. A rank that fails it (its worker
+        lost, a collective broken: gloo's "Connection closed by peer") fails the gang
+        as one, as in a step: before the version was made, so the step's update is lost
+        with the gang; within a step (``_compute`` left ``_step``) it is made again on
+        a new gang from the published weights, on the same batch, and published (a
+        second failure, and one outside a step, is the caller's). The lost rank was
+        the run's error (issue 54: the Megatron gang's kill cell)."""
         if not self.sharded:
             return await super()._publish()
         try:
-            parts = await self._all([self._run(self._write_buckets, self.version,
-                                               self.bucket_bytes),
-                                     *(m.write_buckets(self.version, self.bucket_bytes)
-                                       for m in self.members)],
-                                    "did not write its weight buckets")
-        except Exception as e:  # before the version was made: the step's update is lost
-            self.version -= 1  # and its batch goes back
+            await self._write_version()
+        except Exception as e:  # noqa: BLE001 - any rank's failure fails the gang
+            step, self._step = self._step, None
+            self.version -= 1
             await self._failed(f"publishing v{self.version + 1}", e)
-            raise
+            if step is None:
+                raise
+            batch, out = step
+            redo = await self._compute(batch)  # the same update, on a new gang
+            self._step = None
+            out["trainer/gang_events"] += redo["trainer/gang_events"]  # the step's row
+            out["trainer/gang_restarts"] = self.restarts
+            self.version += 1
+            await self._write_version()
+        self._step = None
+
+    async def _write_version(self) -> None:
+        """Every rank's buckets of ``self.version``, then the manifest (``_publish``)."""
+        parts = await self._all([self._run(self._write_buckets, self.version,
+                                           self.bucket_bytes),
+                                 *(m.write_buckets(self.version, self.bucket_bytes)
+                                   for m in self.members)],
+                                "did not write its weight buckets")
         written = sorted(b for part in parts for b in part)
         await self._run(self.store.put_manifest, self.version, [n for _, n, _ in written])
         self.bytes_published = sum(size for _, _, size in written)
@@ -451,6 +474,7 @@ class GangTrainer(_Ranked, Trainer):
         not published; the optimizer's moments start again, as for a trainer replaced
         without a checkpoint), a new gang forms on the TRAIN workers alive, and the step
         runs again on the same batch, once."""
+        self._step = None
         for attempt in (0, 1):
             if not self.sharded:  # also a gang rebuilt after a loss restored, unpublished
                 await self._form()  # GangWaitError: too few workers, the run's to handle
@@ -462,6 +486,7 @@ class GangTrainer(_Ranked, Trainer):
                 await self._failed("a step", e)
                 continue
             out["trainer/gang_events"], self._events = self._events, []
+            self._step = (batch, out)
             return out
 
     async def _failed(self, what: str, error: BaseException) -> None:

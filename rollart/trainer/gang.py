@@ -213,10 +213,15 @@ class GangTrainer(_Ranked, Trainer):
         config and tokenizer (nothing gathered on rank 0)."""
         if not (self.sharded and self.sharded_checkpoints):
             return await super().save(path)
-        parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes, False),
-                                 *(m.save_shards(path, self.bucket_bytes, False)
-                                   for m in self.members)],
-                                "did not write its model shards")
+        try:
+            parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes,
+                                               False),
+                                     *(m.save_shards(path, self.bucket_bytes, False)
+                                       for m in self.members)],
+                                    "did not write its model shards")
+        except Exception as e:  # noqa: BLE001 - a rank lost: rank 0 writes it alone
+            await self._failed(f"saving {path}", e)
+            return await super().save(path)
         weight_map = {name: f for _, part in parts for name, f in part.items()}
         await self._run(_drop_stale_weights, path, set(weight_map.values()))
         await self._run(self._save_index, path, weight_map)
@@ -254,7 +259,11 @@ class GangTrainer(_Ranked, Trainer):
         (``optimizer_format: "dcp"``, no optimizer state in it). Nothing is gathered on
         rank 0. Gathered (the Megatron gang): the one-process trainer's layout, with the
         whole AdamW state under parameter names gathered from every rank
-        (``optimizer_format: "names"``). Either resumes on any number of ranks."""
+        (``optimizer_format: "names"``). Either resumes on any number of ranks. A rank
+        that fails it fails the gang (``_failed``, as in a step) and rank 0 writes the
+        checkpoint alone, in the one-process layout: the published weights (the step
+        was published) with the moments started again; the next step forms the gang
+        (``save`` likewise)."""
         if not self.sharded and self._dcp_moments is not None:
             if self.short is None:
                 await self._form()  # the moments of the checkpoint loaded: the ranks' to read
@@ -266,9 +275,13 @@ class GangTrainer(_Ranked, Trainer):
             return await super().save_state(url)
         if self.sharded_checkpoints:
             return await self._save_sharded(url)
-        state = (await self._all([self._run(self._full_optimizer),
-                                  *(m.full_optimizer() for m in self.members)],
-                                 "did not gather the optimizer state"))[0]
+        try:
+            state = (await self._all([self._run(self._full_optimizer),
+                                      *(m.full_optimizer() for m in self.members)],
+                                     "did not gather the optimizer state"))[0]
+        except Exception as e:  # noqa: BLE001 - a rank lost: rank 0 writes it alone
+            await self._failed(f"writing checkpoint {url}", e)
+            return await Trainer.save_state(self, url)
         self._gathered_optimizer = state
         try:
             return await super().save_state(url)
@@ -279,10 +292,14 @@ class GangTrainer(_Ranked, Trainer):
         """Every rank's shards (``_save_shards``, together), then rank 0's files
         (``Trainer._save_state``, whose ``model/`` is then only the index, config and
         tokenizer: ``_save_hf``); returns all their manifest entries."""
-        parts = await self._all([self._run(self._save_shards, url, self.bucket_bytes),
-                                 *(m.save_shards(url, self.bucket_bytes)
-                                   for m in self.members)],
-                                "did not write its checkpoint shards")
+        try:
+            parts = await self._all([self._run(self._save_shards, url, self.bucket_bytes),
+                                     *(m.save_shards(url, self.bucket_bytes)
+                                       for m in self.members)],
+                                    "did not write its checkpoint shards")
+        except Exception as e:  # noqa: BLE001 - a rank lost: rank 0 writes it alone
+            await self._failed(f"writing checkpoint {url}", e)
+            return await Trainer.save_state(self, url)
         files, self._weight_map = {}, {}
         for part, weight_map in parts:
             files.update(part)

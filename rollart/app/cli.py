@@ -305,7 +305,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.observe.trackers import TrackerError
     from rollart.reward.functions import RewardError
     from rollart.runtime.resources import ResourcesError
-    from rollart.trainer.gang import GangWaitError
+    from rollart.trainer.gang_faults import GangWaitError
     from rollart.trainer.warmup import WarmupEnvError
     from rollart.weights.lora import LoRATargetError
     from rollart.weights.mooncake import MooncakeError

@@ -261,12 +261,12 @@ def _short_of_train(fleet: Fleet, pipeline, url: str, run_dir: Path, last: dict,
                     record: dict):
     """A trainer gang that cannot form (``GangWaitError``: fewer TRAIN workers than its
     ranks for ``rollart.waits.start``) stops the run with a checkpoint of the last step
-    done (``last``: its step and time, updated in place by the caller) and the model folder, then
-    the same error with where they are and how to go on: one line (the CLI's exit status
-    2), never a traceback. The step that found too few workers published nothing: its
-    batch goes back to the buffer first."""
+    done (``last``: its step and time, updated in place by the caller) and the model
+    folder, then the same error with where they are and how to go on: one line (the
+    CLI's exit status 2), never a traceback. The step that found too few workers
+    published nothing: its batch goes back to the buffer first."""
     from rollart.control import checkpoint
-    from rollart.trainer.gang import GangWaitError
+    from rollart.trainer.gang_faults import GangWaitError
 
     try:
         yield

@@ -46,7 +46,7 @@ A trainer gang fails as one (``rollart.trainer.gang``): a lost rank other than r
 is not a lost actor here; rank 0 forms the gang again within the step, and reports it
 with the step (``trainer/gang_events``: ``gang_restarted``). Rank 0 lost is the trainer
 lost (above), replaced by a gang of the same size. What the trainer says while it waits
-for TRAIN workers (``rollart.trainer.gang.NOTICES``, Dask events) is printed on the
+for TRAIN workers (``rollart.trainer.gang_faults.NOTICES``, Dask events) is printed on the
 driver's console as it comes.
 
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
@@ -110,13 +110,13 @@ class Supervisor:
         self._last = 0.0
         self.t0 = time.monotonic()
         self._t0_wall = time.time()
-        from rollart.trainer.gang import NOTICES
+        from rollart.trainer.gang_faults import NOTICES
 
         self.client.subscribe_topic(NOTICES, _say)  # the trainer's waits, on the console
 
     def close(self) -> None:
         """The run is over: the trainer's notices are no longer this run's to print."""
-        from rollart.trainer.gang import NOTICES
+        from rollart.trainer.gang_faults import NOTICES
 
         try:
             self.client.unsubscribe_topic(NOTICES)

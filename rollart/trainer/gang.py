@@ -70,9 +70,9 @@ lost: the driver replaces it as it replaces a one-process trainer, with a gang o
 same size (``rollart.control.stages``), whose rank 0 forms a new gang. The worker of a
 rank of the dead gang holds that gang's process group until a new trainer starts there
 (``rollart.trainer.trainer.leave_dead_gang``). A gang short of TRAIN workers says so on
-the driver's console after ``NOTICE_AFTER`` s (``notice``: a Dask event on the
-``NOTICES`` topic, which ``rollart.control.supervisor.Supervisor`` prints) and gives up
-after ``join_timeout`` s with ``GangWaitError``.
+the driver's console within seconds and gives up after ``join_timeout`` s with
+``GangWaitError`` (``rollart.trainer.gang_faults``, which also keeps the record of the
+restarts).
 """
 
 from __future__ import annotations
@@ -80,39 +80,18 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import time
 
 import torch
 
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.fsdp import GangRank, _Ranked, balance, buckets, decoder_blocks
+from rollart.trainer.gang_faults import GangWaitError, Restarts, wait_for_workers
 from rollart.trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GangRank", "GangTrainer", "GangWaitError", "NOTICES", "balance", "buckets",
-           "decoder_blocks", "notice"]
-
-NOTICES = "rollart-trainer"  #: the Dask event topic of the trainer's console lines
-NOTICE_AFTER = 3.0  #: seconds a gang waits for TRAIN workers before it says so
-
-
-class GangWaitError(RuntimeError):
-    """The gang could not form: fewer TRAIN workers than its ranks for ``join_timeout`` s
-    (the message says how many to start). Not a lost worker: the run ends with a
-    checkpoint (``rollart.control.loop``)."""
-
-
-def notice(text: str) -> None:
-    """``text`` in this worker's log and as one line on the driver's console (a Dask
-    event on ``NOTICES``: ``rollart.control.supervisor.Supervisor`` logs it)."""
-    from distributed import get_worker
-
-    logger.warning("%s", text)
-    try:
-        get_worker().log_event(NOTICES, {"text": text})
-    except ValueError:  # not on a Dask worker (a trainer built in a test's process)
-        pass
+__all__ = ["GangRank", "GangTrainer", "GangWaitError", "balance", "buckets",
+           "decoder_blocks"]
 
 
 class GangTrainer(_Ranked, Trainer):
@@ -134,16 +113,12 @@ class GangTrainer(_Ranked, Trainer):
         self.gang: list[str] = []  # the other ranks' workers, chosen at each form
         self.join_timeout = float(join_timeout)
         self.members: list = []
-        self.restarts = 0  # gangs formed again after a rank failed
+        self.restarts = Restarts()  # the gang's restarts, reported with the steps
         self._forms = 0
-        # the gang that failed (its workers, when, in what) until the next one forms;
-        # then one event for recovery.json, sent with the next step (``_compute``)
-        self._failure: dict | None = None
-        self._events: list[dict] = []
         # the step being made, (batch, its metrics row), until it is published: a gang
         # that fails in publishing makes its update again (``_publish``)
         self._step: tuple | None = None
-        self.short: str | None = None  # why the last form found too few workers
+        self.short = False  # the last form found too few TRAIN workers
         self.bucket_bytes = int(bucket_bytes)
         self._gathered_optimizer: dict | None = None  # while a checkpoint is written
         self._weight_map: dict | None = None  # while a sharded one is: HF name -> file
@@ -174,7 +149,7 @@ class GangTrainer(_Ranked, Trainer):
             redo = await self._compute(batch)  # the same update, on a new gang
             self._step = None
             out["trainer/gang_events"] += redo["trainer/gang_events"]  # the step's row
-            out["trainer/gang_restarts"] = self.restarts
+            out["trainer/gang_restarts"] = self.restarts.count
             self.version += 1
             await self._write_version()
         self._step = None
@@ -265,7 +240,7 @@ class GangTrainer(_Ranked, Trainer):
         was published) with the moments started again; the next step forms the gang
         (``save`` likewise)."""
         if not self.sharded and self._dcp_moments is not None:
-            if self.short is None:
+            if not self.short:
                 await self._form()  # the moments of the checkpoint loaded: the ranks' to read
             else:  # too few workers to form (the run stops): read here, whole
                 await self._run(self._read_dcp, self._dcp_moments, model=False,
@@ -348,7 +323,13 @@ class GangTrainer(_Ranked, Trainer):
         from rollart.types import TRAIN
 
         client = get_client()
-        self.gang = await self._other_workers(client, get_worker().address)
+        try:
+            self.gang = await wait_for_workers(client, get_worker().address, self.world,
+                                               self.join_timeout)
+        except GangWaitError:
+            self.short = True
+            raise
+        self.short = False
         self._forms += 1
         futs = [client.submit(self.rank_class, self.model_path, self.store.url, self.algo,
                               temperature=self.temperature, threads=1, actor=True,
@@ -379,24 +360,7 @@ class GangTrainer(_Ranked, Trainer):
         self._dcp_moments = None
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     store.port)
-        if self._failure is not None:
-            self._formed_again(get_worker().address)
-
-    def _formed_again(self, me: str) -> None:
-        """The gang formed after ``_failed``: one event per rank whose worker was replaced
-        (the failed gang's workers not in this one), or one for the gang if every worker
-        stayed (a broken or timed-out collective)."""
-        failed, now = self._failure, time.time()
-        self._failure = None
-        gone = [(r, a) for r, a in enumerate(failed["ranks"]) if a not in self.gang and a != me]
-        new = [a for a in self.gang if a not in failed["ranks"]]
-        for i, (rank, addr) in enumerate(gone or [(None, ", ".join(failed["ranks"]))]):
-            self._events.append({"role": "trainer", "rank": rank, "address": addr,
-                                 "replacement": new[i] if i < len(new) else me,
-                                 "lost_at": failed["at"], "recovered_at": now,
-                                 "recovery_s": now - failed["at"], "ranks": self.world,
-                                 "restored_from": f"weights v{self.version}",
-                                 "gang_restart": failed["what"]})
+        self.restarts.formed(get_worker().address, self.gang, self.world, self.version)
 
     async def stats(self) -> dict:
         """The one-process trainer's, and ``ranks``: the workers of rank 0, 1, ... of the
@@ -410,41 +374,6 @@ class GangTrainer(_Ranked, Trainer):
     def _rank_kwargs(self) -> dict:
         """What the other ranks' constructor takes besides the trainer's arguments."""
         return {}
-
-    async def _other_workers(self, client, me: str) -> list[str]:
-        """The other ranks' workers: ``world - 1`` live TRAIN workers besides ``me``
-        (waiting up to ``join_timeout`` s for a lost one's Nanny to start it again)."""
-        from rollart.runtime.resources import workers_with
-        from rollart.types import TRAIN
-
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        said = False
-        while True:
-            found = [a for a in await loop.run_in_executor(None, workers_with, client, TRAIN)
-                     if a != me]
-            more = self.world - 1 - len(found)
-            if more <= 0:
-                self.short = None
-                if said:
-                    notice(f"the trainer gang of {self.world} ranks has its TRAIN workers "
-                           f"again after {loop.time() - t0:.0f} s; it forms")
-                return sorted(found)[:self.world - 1]
-            if loop.time() - t0 > self.join_timeout:
-                self.short = (
-                    f"the trainer gang has {self.world} ranks but only {len(found) + 1} "
-                    f"TRAIN workers are alive after {self.join_timeout:.0f} s; start "
-                    f"{more} more (or raise Dask's config rollart.waits.start)")
-                raise GangWaitError(self.short)
-            if not said and loop.time() - t0 >= NOTICE_AFTER:
-                said = True
-                notice(f"the trainer gang of {self.world} ranks waits for {more} more "
-                       f"worker(s) with the {TRAIN!r} resource ({len(found) + 1} alive): "
-                       f"start {more} (dask worker SCHEDULER --resources {TRAIN}=1), or let "
-                       f"a Nanny restart a lost one; it waits {self.join_timeout:.0f} s "
-                       "(Dask's config rollart.waits.start), then the run stops with a "
-                       "checkpoint")
-            await asyncio.sleep(0.5)
 
     def _open(self, host: str):
         """The rendezvous: a ``TCPStore`` on a port of ``host`` the OS picks as it binds
@@ -502,7 +431,7 @@ class GangTrainer(_Ranked, Trainer):
                     raise
                 await self._failed("a step", e)
                 continue
-            out["trainer/gang_events"], self._events = self._events, []
+            out["trainer/gang_events"] = self.restarts.take()
             self._step = (batch, out)
             return out
 
@@ -513,10 +442,7 @@ class GangTrainer(_Ranked, Trainer):
 
         logger.warning("the trainer gang failed in %s (%r); forming it again from the "
                        "published v%d", what, error, self.version)
-        self.restarts += 1
-        if self._failure is None:  # a second failure before it formed: the first counts
-            self._failure = {"ranks": [get_worker().address, *self.gang], "at": time.time(),
-                             "what": f"{what}: {error!r}"[:300]}
+        self.restarts.failed([get_worker().address, *self.gang], f"{what}: {error!r}")
         await self._run(self._unshard)
 
     def _unshard(self) -> None:
@@ -551,7 +477,7 @@ class GangTrainer(_Ranked, Trainer):
                   for m, (rows, a, real) in zip(self.members, rest)]
         out = (await self._all(calls, "failed in the step"))[0]
         out["trainer/adv_abs_mean"] = float(adv.abs().mean())
-        out["trainer/gang_restarts"] = self.restarts
+        out["trainer/gang_restarts"] = self.restarts.count
         return out
 
 

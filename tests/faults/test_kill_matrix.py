@@ -409,7 +409,7 @@ def test_a_gang_whose_lost_rank_does_not_come_back_stops_with_a_checkpoint(
     import dask
 
     from rollart.app.cli import user_errors
-    from rollart.trainer.gang import GangWaitError
+    from rollart.trainer.gang_faults import GangWaitError
 
     _, client = layouts.get("gang")
     run_dir = tmp_path / "run"

@@ -282,29 +282,43 @@ def _gang_rank(client, rank: int) -> str | None:
 
 
 def _kill_late(cluster, client, addr: str, after: float | None) -> threading.Event:
-    """SIGKILL the worker process at ``addr`` of a ``SpecCluster``; its Nanny starts it
-    again ``after`` s later (None: once the returned event is set), not at once: the run
-    meets the loss with the worker still gone, as on a hand-started cluster whose worker
-    takes its time (or has no Nanny). Call it within ``_lost_workers_kept()``: a
-    ``SpecCluster`` closes the Nanny of a worker lost for longer than
-    ``distributed.deploy.lost-worker-timeout`` (15 s), which then never restarts it."""
+    """SIGKILL the worker process at ``addr`` of a ``SpecCluster``; it comes back
+    ``after`` s later (None: once the returned event is set), not at once: the run meets
+    the loss with the worker still gone, as on a hand-started cluster whose worker takes
+    its time (or has no Nanny). Its Nanny's restart is held back until then; a Nanny the
+    cluster closed meanwhile (a ``SpecCluster`` closes that of a worker lost for longer
+    than ``distributed.deploy.lost-worker-timeout``, 15 s, which ``_lost_workers_kept``
+    raises but a run of the whole matrix still met) is started again from the
+    cluster's spec instead (``rollart.control.supervisor._restart``)."""
     import asyncio
 
-    from rollart.control.supervisor import lose_worker
+    from rollart.control.supervisor import _restart, lose_worker
 
-    nanny = next(w for w in cluster.workers.values()
-                 if getattr(w, "worker_address", None) == addr)
+    name, nanny = next((n, w) for n, w in cluster.workers.items()
+                       if getattr(w, "worker_address", None) == addr)
     original, back = nanny.instantiate, threading.Event()
 
     async def late():
         del nanny.instantiate  # this once
-        t0 = time.monotonic()
-        while not back.is_set() and (after is None or time.monotonic() - t0 < after):
+        while not back.is_set():
             await asyncio.sleep(0.1)
         return await original()
 
+    def bring_back() -> None:
+        back.wait(after)
+        back.set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(w.get("name") == name for w in client.scheduler_info()["workers"].values()):
+                return
+            if cluster.workers.get(name) is not nanny or nanny.status.name.startswith("clos"):
+                cluster.sync(_restart, cluster, name, nanny)
+                return
+            time.sleep(0.2)
+
     nanny.instantiate = late
     lose_worker(cluster, client, addr)
+    threading.Thread(target=bring_back, daemon=True).start()
     return back
 
 

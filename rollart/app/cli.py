@@ -337,6 +337,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.observe.trackers import TrackerError
     from rollart.reward.functions import RewardError
     from rollart.runtime.resources import ResourcesError
+    from rollart.trainer.gang_faults import GangWaitError
     from rollart.trainer.warmup import WarmupEnvError
     from rollart.weights.lora import LoRATargetError
     from rollart.weights.mooncake import MooncakeError
@@ -345,7 +346,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
             FileNotFoundError, FileExistsError, LoRATargetError, CheckpointError,
             MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
-            WarmupEnvError, RewardError, SchedulerConnectError)
+            WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError)
 
 
 def main(argv=None) -> int:

@@ -19,8 +19,9 @@ ROLES = ("trainer", "buffer", "inference", "env")
 
 @dataclass
 class Member:
-    """One placed actor: its ``role`` (``ROLES``), pool ``tag``, worker ``address`` and
-    handle."""
+    """One placed actor: its ``role`` (``ROLES``; ``"rank"``: a trainer gang's rank
+    1, 2, ..., placed by the gang's rank 0, no handle), pool ``tag``, worker ``address``
+    and handle."""
 
     role: str
     tag: str
@@ -77,9 +78,20 @@ class Actors:
 
     @property
     def placement(self) -> dict[str, list[str]]:
-        """Role -> the addresses of the workers its actors run on."""
-        return {role: sorted({m.address for m in self.members if m.role == role})
-                for role in ROLES}
+        """Role -> the addresses of the workers its actors run on; a trainer gang's:
+        every rank's, in rank order (``set_ranks``)."""
+        out = {role: sorted({m.address for m in self.members if m.role == role})
+               for role in ROLES}
+        ranks = [m.address for m in self.members if m.role == "rank"]
+        if ranks:
+            out["trainer"] = out["trainer"][:1] + ranks
+        return out
+
+    def set_ranks(self, addresses: list[str]) -> None:
+        """The workers of a trainer gang's ranks 1, 2, ... (rank 0's is the trainer's),
+        as the gang last formed (its ``stats()["ranks"]``)."""
+        self.members = [m for m in self.members if m.role != "rank"]
+        self.members += [Member("rank", TRAIN, a, None) for a in addresses]
 
     def managers_for(self, task) -> list:
         """The env managers on the pool ``task``'s env declares (all when untagged)."""
@@ -98,6 +110,7 @@ class Actors:
     def add(self, role: str, actor, tag: str, addr: str) -> None:
         """Record a new actor of ``role``; a trainer or buffer replaces the one before."""
         if role in ("trainer", "buffer"):  # one of each; the buffer's pool reads BUFFER
-            self.members = [m for m in self.members if m.role != role]
+            self.members = [m for m in self.members if m.role != role and
+                            not (role == "trainer" and m.role == "rank")]
             tag = TRAIN if role == "trainer" else BUFFER
         self.members.append(Member(role, tag, addr, actor))

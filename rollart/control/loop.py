@@ -219,10 +219,13 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
               "resources": {"source": resources_source, **fleet.actors.placement}}
     trackers.start(run_dir, run_dir.name, record)
     save_to, running = checkpoint_url or checkpoint.default_url(run_dir), True
+    last = {"step": first - 1, "time": 0.0}  # the last step done (for a stop short of TRAIN)
     try:
         with clock.timing("rl_s"), closing(_steps(client, pipeline, first, run_dir, pools,
-                                                  t_start, progress)) as steps:
+                                                  t_start, progress)) as steps, \
+                _short_of_train(fleet, pipeline, save_to, run_dir, last, record):
             for row, sample in steps:
+                last.update(step=row["step"], time=row["time"])
                 running = monitor.step(row, sample)  # False once request_stop(run)
                 for notice in silent.update(row, sample.buffer.get("tasks")):
                     logger.warning("%s", notice.text)
@@ -245,6 +248,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         trackers.finish(status="failed")
         raise
     finally:
+        fleet.supervisor.close()
         monitor.close()
         pipeline.close()  # e.g. the rollout workers' priority back
         final_counts = _shutdown(fleet.actors, pools)
@@ -255,6 +259,37 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir,
                        recovery=fleet.supervisor.events, final_counts=final_counts)
     return _finish(result, graph, eval_seeds, progress, clock)
+
+
+@contextmanager
+def _short_of_train(fleet: Fleet, pipeline, url: str, run_dir: Path, last: dict,
+                    record: dict):
+    """A trainer gang that cannot form (``GangWaitError``: fewer TRAIN workers than its
+    ranks for ``rollart.waits.start``) stops the run with a checkpoint of the last step
+    done (``last``: its step and time, updated in place by the caller) and the model
+    folder, then the same error with where they are and how to go on: one line (the
+    CLI's exit status 2), never a traceback. The step that found too few workers
+    published nothing: its batch goes back to the buffer first."""
+    from rollart.control import checkpoint
+    from rollart.trainer.gang_faults import GangWaitError
+
+    try:
+        yield
+    except GangWaitError as e:
+        trainer, step = fleet.actors.trainer, last["step"]
+        version = fleet.call(trainer, "stats", timeout=60)["version"]
+        pipeline.release_taken(step + 1, version)
+        saved = [checkpoint.step_dir(url, step)] if step in checkpoint.steps(url) else []
+        if step > 0 and not saved:
+            saved = [checkpoint.save(url, step, fleet.actors, pipeline=pipeline,
+                                     elapsed=last["time"], **record)]
+        fleet.call(trainer, "save", str(run_dir / "model"), timeout=600)
+        where = f"checkpoint {saved[0]} and " if saved else ""
+        raise GangWaitError(
+            f"{e}. The run stopped after step {step}: {where}{run_dir / 'model'} hold its "
+            f"weights (v{version}); resume with `rollart train --resume {run_dir}` once "
+            f"the TRAIN workers are back (a resumed gang has as many ranks as TRAIN "
+            f"workers at its start)") from None
 
 
 def _resume(pipeline, log, ckpt, run_dir: Path) -> tuple[int, float]:
@@ -310,8 +345,6 @@ def _start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
                "managers)", progress):
         fleet = Fleet(stages.start(), stages, checkpoint_url=checkpoint_url)
     actors = fleet.actors
-    (run_dir / "placement.json").write_text(json.dumps(
-        {"resources": resources_source, **actors.placement}, indent=2))
     warmup_dir = None
     if ckpt is not None:  # continue: trainer and buffer state; no warm-up
         checkpoint.restore(ckpt, actors)
@@ -324,6 +357,11 @@ def _start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
         v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
                      f"{actors.trainer._address} did not publish its first weights")
         fleet.catch_up(v0)
+    # a gang formed as it published: every rank's worker is known now
+    actors.set_ranks(fleet.call(actors.trainer, "stats", timeout=stages.waits.call
+                                ).get("ranks", [])[1:])
+    (run_dir / "placement.json").write_text(json.dumps(
+        {"resources": resources_source, **actors.placement}, indent=2))
     graph = stages.graph
     pools = start_pools(stages.client, [t.reward_fn for t in graph.tasks])
     preload(stages.client, graph)

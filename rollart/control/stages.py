@@ -14,7 +14,9 @@ env manager's proxy keeps the graph's task routes), same pool.
 ==============  ===========================  ===========================================
 role            class                        placed
 ==============  ===========================  ===========================================
-``trainer``     ``trainer_class(backend)``   one, on a ``TRAIN`` worker
+``trainer``     ``trainer_class(backend)``   one, on a ``TRAIN`` worker; a gang over
+                                             every TRAIN worker alive at start (its
+                                             size, kept by every replacement)
 ``buffer``      ``SampleBuffer``             one, on a ``BUFFER`` worker; without one
                                              on ``TRAIN``, then ``REWARD``, then an
                                              inference worker, an env worker only as a
@@ -226,6 +228,7 @@ class Stages:
         self.futures: list = []  # every actor's future: its key stays wanted by us
         self._starting: dict[tuple[str, str], _Start] = {}  # (role, addr) -> not taken up
         self._n = 0
+        self.trainer_ranks = 0  # the gang's size, from the TRAIN workers at start
 
     def spec(self, role: str, tag: str | None = None) -> RoleSpec:
         return next(s for s in self.specs if s.role == role and (tag is None or s.tag == tag))
@@ -245,16 +248,21 @@ class Stages:
         self.futures.append(fut)
         return fut
 
-    def _trainer_spec(self, live: dict) -> RoleSpec:
-        """The trainer's spec: with more than one TRAIN worker, a gang over all of them
-        (rank 0 where it is placed; its ranks join within ``waits.start``), laid out by
-        ``Policy.trainer_parallel``: ``rollart.trainer.gang.GangTrainer`` (FSDP2) on the
-        torch backend, ``rollart.trainer.megatron_gang.MegatronGangTrainer`` (tensor x
-        data parallel) on the Megatron one."""
+    def _trainer_spec(self) -> RoleSpec:
+        """The trainer's spec: with more than one TRAIN worker at start
+        (``trainer_ranks``), a gang over that many (rank 0 where it is placed; its ranks
+        join within ``waits.start``), laid out by ``Policy.trainer_parallel``:
+        ``rollart.trainer.gang.GangTrainer`` (FSDP2) on the torch backend,
+        ``rollart.trainer.megatron_gang.MegatronGangTrainer`` (tensor x data parallel) on
+        the Megatron one. A replacement has the same size whatever is alive as it is
+        built: the gang fails as one and forms again whole, its rank 0 waiting for a lost
+        rank's worker to come back (``GangTrainer._other_workers``); a gang built from
+        the workers alive at that instant was a one-process trainer beside the dead
+        gang's rank (issue 52)."""
         from dataclasses import replace
 
         spec = self.spec("trainer")
-        ranks = len(_with_tag(live, TRAIN))
+        ranks = self.trainer_ranks
         if ranks <= 1:
             return spec
         policy = self.graph.policy
@@ -279,7 +287,8 @@ class Stages:
         """Place every spec; returns the ``Actors`` record (with ``placement``)."""
         live = cluster_tags(self.client)
         trainer_addr = _with_tag(live, TRAIN)[0]
-        trainer = self.submit(self._trainer_spec(live), trainer_addr, None)
+        self.trainer_ranks = len(_with_tag(live, TRAIN))
+        trainer = self.submit(self._trainer_spec(), trainer_addr, None)
         buf_spec = self.spec("buffer")
         buffer_addr, buffer_tag = buffer_worker(live, buf_spec)
         buffer = self.submit(buf_spec, buffer_addr, None, tag=buffer_tag)
@@ -379,8 +388,8 @@ class Stages:
             return
         addr, tag = where
         extra = {"recover": True} if role == "buffer" else {}
-        if role == "trainer":  # a gang is rebuilt whole, rank 0 on ``addr``
-            spec = self._trainer_spec(live)
+        if role == "trainer":  # a gang is rebuilt whole, at its size, rank 0 on ``addr``
+            spec = self._trainer_spec()
         self._n += 1
         fut = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra)
         actor = handle(bounded(fut, self.waits.start, f"the replacement "

@@ -42,6 +42,13 @@ actor lost          what happens
                     one (``wait_for_buffer``).
 ==================  ===================================================================
 
+A trainer gang fails as one (``rollart.trainer.gang``): a lost rank other than rank 0
+is not a lost actor here; rank 0 forms the gang again within the step, and reports it
+with the step (``trainer/gang_events``: ``gang_restarted``). Rank 0 lost is the trainer
+lost (above), replaced by a gang of the same size. What the trainer says while it waits
+for TRAIN workers (``rollart.trainer.gang_faults.NOTICES``, Dask events) is printed on the
+driver's console as it comes.
+
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
 (``recovery_s``: loss noticed → replacement ready), kept in ``Supervisor.events``. A
 replacement that does not start, or a restore call that does not return, within its
@@ -102,6 +109,19 @@ class Supervisor:
         self.pending: list[_Lost] = []
         self._last = 0.0
         self.t0 = time.monotonic()
+        self._t0_wall = time.time()
+        from rollart.trainer.gang_faults import NOTICES
+
+        self.client.subscribe_topic(NOTICES, _say)  # the trainer's waits, on the console
+
+    def close(self) -> None:
+        """The run is over: the trainer's notices are no longer this run's to print."""
+        from rollart.trainer.gang_faults import NOTICES
+
+        try:
+            self.client.unsubscribe_topic(NOTICES)
+        except Exception as e:  # noqa: BLE001 - a client already closed: nothing to stop
+            logger.debug("unsubscribing the trainer's notices: %r", e)
 
     # -- detection ----------------------------------------------------------------------
     def live(self) -> dict[str, dict]:
@@ -201,6 +221,19 @@ class Supervisor:
                        "%.1fs", lost.role, lost.address, addr, event["recovery_s"])
         return event
 
+    def gang_restarted(self, events: list[dict]) -> None:
+        """Book the gang's own restarts (``trainer/gang_events`` of a step: a rank's worker
+        lost and the gang formed again without the driver), as replacements are."""
+        for e in events:
+            event = {**e, "lost_s": e["lost_at"] - self._t0_wall,
+                     "recovered_s": e["recovered_at"] - self._t0_wall}
+            self.events.append(event)
+            rank = "" if e.get("rank") is None else f" rank {e['rank']}"
+            logger.warning("the trainer gang lost%s (%s) and formed again with %d ranks "
+                           "(new worker %s) after %.1fs, from %s", rank, e["address"],
+                           e["ranks"], e["replacement"], e["recovery_s"],
+                           e["restored_from"])
+
     def replace_trainer(self):
         """Re-create the trainer from its spec on a TRAIN worker (waiting for one to come
         back; same backend) and restore it: the last checkpoint, then newer published
@@ -273,6 +306,12 @@ class Supervisor:
                     f"every env manager was lost and no env worker came back within "
                     f"{self.wait_for_worker:.0f}s; start workers with the env pools' tags")
             time.sleep(0.25)
+
+
+def _say(event) -> None:
+    """A trainer's notice (a Dask event: ``(time, {"text": ...})``) on the console."""
+    _, msg = event
+    logger.warning("%s", msg.get("text", msg) if isinstance(msg, dict) else msg)
 
 
 def lose_worker(cluster, client, address: str, restart_after: float | None = 0.0) -> str:

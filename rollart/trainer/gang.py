@@ -64,8 +64,15 @@ Faults: a rank that fails a step (its worker SIGKILLed, a collective broken or t
 after ``join_timeout``) fails the gang as a whole: rank 0 returns to the newest published
 weights, a new gang forms on the TRAIN workers alive (waiting for a restarted one) and
 the step runs again on its batch (``GangTrainer._compute``; ``trainer/gang_restarts``
-counts it). Rank 0's own worker lost is the trainer role lost: the driver replaces it as
-it replaces a one-process trainer, and the new rank 0 forms a new gang.
+counts it, and the step's ``trainer/gang_events`` says which rank's worker was replaced
+by which, for the run's ``recovery.json``). Rank 0's own worker lost is the trainer role
+lost: the driver replaces it as it replaces a one-process trainer, with a gang of the
+same size (``rollart.control.stages``), whose rank 0 forms a new gang. The worker of a
+rank of the dead gang holds that gang's process group until a new trainer starts there
+(``rollart.trainer.trainer.leave_dead_gang``). A gang short of TRAIN workers says so on
+the driver's console within seconds and gives up after ``join_timeout`` s with
+``GangWaitError`` (``rollart.trainer.gang_faults``, which also keeps the record of the
+restarts).
 """
 
 from __future__ import annotations
@@ -78,11 +85,13 @@ import torch
 
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.fsdp import GangRank, _Ranked, balance, buckets, decoder_blocks
+from rollart.trainer.gang_faults import GangWaitError, Restarts, wait_for_workers
 from rollart.trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GangRank", "GangTrainer", "balance", "buckets", "decoder_blocks"]
+__all__ = ["GangRank", "GangTrainer", "GangWaitError", "balance", "buckets",
+           "decoder_blocks"]
 
 
 class GangTrainer(_Ranked, Trainer):
@@ -104,8 +113,12 @@ class GangTrainer(_Ranked, Trainer):
         self.gang: list[str] = []  # the other ranks' workers, chosen at each form
         self.join_timeout = float(join_timeout)
         self.members: list = []
-        self.restarts = 0  # gangs formed again after a rank failed
+        self.restarts = Restarts()  # the gang's restarts, reported with the steps
         self._forms = 0
+        # the step being made, (batch, its metrics row), until it is published: a gang
+        # that fails in publishing makes its update again (``_publish``)
+        self._step: tuple | None = None
+        self.short = False  # the last form found too few TRAIN workers
         self.bucket_bytes = int(bucket_bytes)
         self._gathered_optimizer: dict | None = None  # while a checkpoint is written
         self._weight_map: dict | None = None  # while a sharded one is: HF name -> file
@@ -115,19 +128,39 @@ class GangTrainer(_Ranked, Trainer):
 
     async def _publish(self) -> None:
         """Every rank writes its buckets of ``self.version`` (``_write_buckets``), then
-        rank 0 the manifest that makes them a version."""
+        rank 0 the manifest that makes them a version. A rank that fails it (its worker
+        lost, a collective broken: gloo's "Connection closed by peer") fails the gang
+        as one, as in a step: before the version was made, so the step's update is lost
+        with the gang; within a step (``_compute`` left ``_step``) it is made again on
+        a new gang from the published weights, on the same batch, and published (a
+        second failure, and one outside a step, is the caller's). The lost rank was
+        the run's error (issue 54: the Megatron gang's kill cell)."""
         if not self.sharded:
             return await super()._publish()
         try:
-            parts = await self._all([self._run(self._write_buckets, self.version,
-                                               self.bucket_bytes),
-                                     *(m.write_buckets(self.version, self.bucket_bytes)
-                                       for m in self.members)],
-                                    "did not write its weight buckets")
-        except Exception as e:  # before the version was made: the step's update is lost
-            self.version -= 1  # and its batch goes back
+            await self._write_version()
+        except Exception as e:  # noqa: BLE001 - any rank's failure fails the gang
+            step, self._step = self._step, None
+            self.version -= 1
             await self._failed(f"publishing v{self.version + 1}", e)
-            raise
+            if step is None:
+                raise
+            batch, out = step
+            redo = await self._compute(batch)  # the same update, on a new gang
+            self._step = None
+            out["trainer/gang_events"] += redo["trainer/gang_events"]  # the step's row
+            out["trainer/gang_restarts"] = self.restarts.count
+            self.version += 1
+            await self._write_version()
+        self._step = None
+
+    async def _write_version(self) -> None:
+        """Every rank's buckets of ``self.version``, then the manifest (``_publish``)."""
+        parts = await self._all([self._run(self._write_buckets, self.version,
+                                           self.bucket_bytes),
+                                 *(m.write_buckets(self.version, self.bucket_bytes)
+                                   for m in self.members)],
+                                "did not write its weight buckets")
         written = sorted(b for part in parts for b in part)
         await self._run(self.store.put_manifest, self.version, [n for _, n, _ in written])
         self.bytes_published = sum(size for _, _, size in written)
@@ -155,10 +188,15 @@ class GangTrainer(_Ranked, Trainer):
         config and tokenizer (nothing gathered on rank 0)."""
         if not (self.sharded and self.sharded_checkpoints):
             return await super().save(path)
-        parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes, False),
-                                 *(m.save_shards(path, self.bucket_bytes, False)
-                                   for m in self.members)],
-                                "did not write its model shards")
+        try:
+            parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes,
+                                               False),
+                                     *(m.save_shards(path, self.bucket_bytes, False)
+                                       for m in self.members)],
+                                    "did not write its model shards")
+        except Exception as e:  # noqa: BLE001 - a rank lost: rank 0 writes it alone
+            await self._failed(f"saving {path}", e)
+            return await super().save(path)
         weight_map = {name: f for _, part in parts for name, f in part.items()}
         await self._run(_drop_stale_weights, path, set(weight_map.values()))
         await self._run(self._save_index, path, weight_map)
@@ -196,16 +234,29 @@ class GangTrainer(_Ranked, Trainer):
         (``optimizer_format: "dcp"``, no optimizer state in it). Nothing is gathered on
         rank 0. Gathered (the Megatron gang): the one-process trainer's layout, with the
         whole AdamW state under parameter names gathered from every rank
-        (``optimizer_format: "names"``). Either resumes on any number of ranks."""
+        (``optimizer_format: "names"``). Either resumes on any number of ranks. A rank
+        that fails it fails the gang (``_failed``, as in a step) and rank 0 writes the
+        checkpoint alone, in the one-process layout: the published weights (the step
+        was published) with the moments started again; the next step forms the gang
+        (``save`` likewise)."""
         if not self.sharded and self._dcp_moments is not None:
-            await self._form()  # the moments of the checkpoint loaded are the ranks' to read
+            if not self.short:
+                await self._form()  # the moments of the checkpoint loaded: the ranks' to read
+            else:  # too few workers to form (the run stops): read here, whole
+                await self._run(self._read_dcp, self._dcp_moments, model=False,
+                                optimizer=True)
+                self._dcp_moments = None
         if not self.sharded:
             return await super().save_state(url)
         if self.sharded_checkpoints:
             return await self._save_sharded(url)
-        state = (await self._all([self._run(self._full_optimizer),
-                                  *(m.full_optimizer() for m in self.members)],
-                                 "did not gather the optimizer state"))[0]
+        try:
+            state = (await self._all([self._run(self._full_optimizer),
+                                      *(m.full_optimizer() for m in self.members)],
+                                     "did not gather the optimizer state"))[0]
+        except Exception as e:  # noqa: BLE001 - a rank lost: rank 0 writes it alone
+            await self._failed(f"writing checkpoint {url}", e)
+            return await Trainer.save_state(self, url)
         self._gathered_optimizer = state
         try:
             return await super().save_state(url)
@@ -216,10 +267,14 @@ class GangTrainer(_Ranked, Trainer):
         """Every rank's shards (``_save_shards``, together), then rank 0's files
         (``Trainer._save_state``, whose ``model/`` is then only the index, config and
         tokenizer: ``_save_hf``); returns all their manifest entries."""
-        parts = await self._all([self._run(self._save_shards, url, self.bucket_bytes),
-                                 *(m.save_shards(url, self.bucket_bytes)
-                                   for m in self.members)],
-                                "did not write its checkpoint shards")
+        try:
+            parts = await self._all([self._run(self._save_shards, url, self.bucket_bytes),
+                                     *(m.save_shards(url, self.bucket_bytes)
+                                       for m in self.members)],
+                                    "did not write its checkpoint shards")
+        except Exception as e:  # noqa: BLE001 - a rank lost: rank 0 writes it alone
+            await self._failed(f"writing checkpoint {url}", e)
+            return await Trainer.save_state(self, url)
         files, self._weight_map = {}, {}
         for part, weight_map in parts:
             files.update(part)
@@ -268,7 +323,13 @@ class GangTrainer(_Ranked, Trainer):
         from rollart.types import TRAIN
 
         client = get_client()
-        self.gang = await self._other_workers(client, get_worker().address)
+        try:
+            self.gang = await wait_for_workers(client, get_worker().address, self.world,
+                                               self.join_timeout)
+        except GangWaitError:
+            self.short = True
+            raise
+        self.short = False
         self._forms += 1
         futs = [client.submit(self.rank_class, self.model_path, self.store.url, self.algo,
                               temperature=self.temperature, threads=1, actor=True,
@@ -299,31 +360,20 @@ class GangTrainer(_Ranked, Trainer):
         self._dcp_moments = None
         logger.info("trainer gang of %d ranks formed (rendezvous %s:%d)", self.world, host,
                     store.port)
+        self.restarts.formed(get_worker().address, self.gang, self.world, self.version)
+
+    async def stats(self) -> dict:
+        """The one-process trainer's, and ``ranks``: the workers of rank 0, 1, ... of the
+        gang formed last (rank 0's alone before it forms)."""
+        from distributed import get_worker
+
+        out = await super().stats()
+        out["ranks"] = [get_worker().address, *self.gang]
+        return out
 
     def _rank_kwargs(self) -> dict:
         """What the other ranks' constructor takes besides the trainer's arguments."""
         return {}
-
-    async def _other_workers(self, client, me: str) -> list[str]:
-        """The other ranks' workers: ``world - 1`` live TRAIN workers besides ``me``
-        (waiting up to ``join_timeout`` s for a lost one's Nanny to start it again)."""
-        from rollart.runtime.resources import workers_with
-        from rollart.types import TRAIN
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.join_timeout
-        while True:
-            found = [a for a in await loop.run_in_executor(None, workers_with, client, TRAIN)
-                     if a != me]
-            if len(found) >= self.world - 1:
-                return sorted(found)[:self.world - 1]
-            if loop.time() > deadline:
-                raise TimeoutError(
-                    f"the trainer gang has {self.world} ranks but only {len(found) + 1} "
-                    f"TRAIN workers are alive after {self.join_timeout:.0f} s; start "
-                    f"{self.world - 1 - len(found)} more (or raise Dask's config "
-                    f"rollart.waits.start)")
-            await asyncio.sleep(0.5)
 
     def _open(self, host: str):
         """The rendezvous: a ``TCPStore`` on a port of ``host`` the OS picks as it binds
@@ -370,22 +420,29 @@ class GangTrainer(_Ranked, Trainer):
         not published; the optimizer's moments start again, as for a trainer replaced
         without a checkpoint), a new gang forms on the TRAIN workers alive, and the step
         runs again on the same batch, once."""
+        self._step = None
         for attempt in (0, 1):
             if not self.sharded:  # also a gang rebuilt after a loss restored, unpublished
-                await self._form()
+                await self._form()  # GangWaitError: too few workers, the run's to handle
             try:
-                return await self._gang_step(batch)
+                out = await self._gang_step(batch)
             except Exception as e:  # noqa: BLE001 - any rank's failure fails the gang
                 if attempt:
                     raise
                 await self._failed("a step", e)
+                continue
+            out["trainer/gang_events"] = self.restarts.take()
+            self._step = (batch, out)
+            return out
 
     async def _failed(self, what: str, error: BaseException) -> None:
         """The gang failed as a whole in ``what``: back to the published ``self.version``,
         unsharded; the next step forms a new gang."""
+        from distributed import get_worker
+
         logger.warning("the trainer gang failed in %s (%r); forming it again from the "
                        "published v%d", what, error, self.version)
-        self.restarts += 1
+        self.restarts.failed([get_worker().address, *self.gang], f"{what}: {error!r}")
         await self._run(self._unshard)
 
     def _unshard(self) -> None:
@@ -420,7 +477,7 @@ class GangTrainer(_Ranked, Trainer):
                   for m, (rows, a, real) in zip(self.members, rest)]
         out = (await self._all(calls, "failed in the step"))[0]
         out["trainer/adv_abs_mean"] = float(adv.abs().mean())
-        out["trainer/gang_restarts"] = self.restarts
+        out["trainer/gang_restarts"] = self.restarts.count
         return out
 
 

@@ -51,6 +51,33 @@ def with_threads(threads: int, fn, *args, **kwargs):
         torch.set_num_threads(before)
 
 
+def leave_dead_gang() -> None:
+    """Leave the process group of a trainer gang this process held a rank of (and
+    megatron's parallel state over it), if any: every trainer calls it as it is built.
+
+    The default process group is the process's, not an actor's: the worker of a gang's
+    rank keeps it when the gang dies (rank 0's worker lost, the gang failed), and the
+    next trainer built there, a one-process trainer or a rank of the next gang, would
+    take itself for that group's rank: ``save_pretrained`` writes neither config nor
+    weights on a rank other than 0 (transformers' ``should_save_on_this_rank``), and a
+    collective waits on peers that are gone. A trainer is built in a process only when
+    the gang there is over (the gang fails as one and forms anew: new actors), so the
+    group is left whole. A world of one (the one-process Megatron trainer's own group)
+    is kept."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return
+    logger.info("leaving the process group of a dead trainer gang (rank %d of %d) before "
+                "a new trainer starts in this process", dist.get_rank(), dist.get_world_size())
+    state = sys.modules.get("megatron.core.parallel_state")  # imported only if used
+    if state is not None and state.model_parallel_is_initialized():
+        state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 class Trainer(TrainerState):
     """Holds the policy being trained and its optimizer.
 
@@ -66,6 +93,7 @@ class Trainer(TrainerState):
 
     def __init__(self, model_path: str, store_url: str, algo, *, temperature: float = 1.0,
                  threads: int | None = None, seed: int = 0, lora: dict | None = None):
+        leave_dead_gang()  # before the policy is built: a Megatron one joins a group
         set_worker_threads(threads)
         torch.manual_seed(seed)
         self.algo = algo

@@ -107,6 +107,78 @@ def test_a_gang_short_of_train_workers_says_how_many_and_what_to_do(mg_model_dir
         gang.publish().result()
 
 
+def _break_once(method: str) -> None:
+    """(on a worker) The next ``GangRank.<method>`` call there does its work, then fails
+    as gloo does when a peer dies ("Connection closed by peer")."""
+    from rollart.trainer.fsdp import GangRank
+
+    original = getattr(GangRank, method)
+
+    async def broken(self, *args):
+        setattr(GangRank, method, original)
+        await original(self, *args)
+        raise RuntimeError("[gloo] Connection closed by peer (planted)")
+
+    setattr(GangRank, method, broken)
+
+
+def test_a_gang_that_fails_in_publishing_or_saving_forms_again(mg_model_dir, train_pool,
+                                                               tmp_path):
+    """Issue 54 (the Megatron gang's kill cell): a rank that fails while the gang
+    publishes fails the gang as one, as in a step; the step's update is made again on a
+    new gang from the published weights, on the same batch, and published (the gloo
+    error was the run's error). A rank that fails while the gang writes a checkpoint:
+    rank 0 writes it alone (the published weights, one-process layout), and the next
+    step forms the gang again."""
+    import sys
+
+    import cloudpickle
+
+    from rollart.buffer import SampleBuffer
+    from rollart.runtime.handles import handle
+    from rollart.trainer.gang import GangTrainer
+    from rollart.weights import WeightStore
+
+    from rollart.model import load_model
+    from rollart.trainer import Trainer
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _break_once
+    client = train_pool
+    a, b = sorted(client.scheduler_info()["workers"])
+    store = str(tmp_path / "w")
+    gang = handle(client.submit(GangTrainer, mg_model_dir, store,
+                                GRPO(group_size=3, groups_per_step=3), ranks=2, actor=True,
+                                bucket_bytes=40_000, workers=[a],
+                                resources={TRAIN: 1}).result())
+    buf = handle(client.submit(SampleBuffer, None, actor=True, workers=[a]).result())
+    with open(f"{mg_model_dir}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    for t in _batch(vocab):
+        buf.put(t, 3).result()
+    assert gang.publish().result() == 0
+    client.run(_break_once, "write_buckets", workers=[b])
+    out = gang.train_step(buf, 1).result()
+    assert out["version"] == 1 and out["trainer/ranks"] == 2, out
+    assert out["trainer/gang_restarts"] == 1
+    [event] = out["trainer/gang_events"]
+    assert event["role"] == "trainer" and "publishing v1" in event["gang_restart"]
+    assert WeightStore(store).latest() == 1
+    assert len(gang.stats().result()["ranks"]) == 2
+
+    client.run(_break_once, "save_shards", workers=[b])
+    ckpt = str(tmp_path / "ckpt")
+    gang.save_state(ckpt).result()
+    assert torch.load(f"{ckpt}/trainer.pt", weights_only=False)["optimizer_format"] != "dcp"
+    saved, v1 = load_model(f"{ckpt}/model").state_dict(), WeightStore(store).get(1)
+    assert all(torch.equal(saved[k], v) for k, v in v1.items())
+    one = Trainer(mg_model_dir, str(tmp_path / "one"), GRPO(group_size=3, groups_per_step=3))
+    assert asyncio.run(one.load_state(ckpt)) == 1
+    for t in random_batch(vocab, groups=3, shared_prompt=True, seed=5):
+        buf.put(t, 3).result()
+    out = gang.train_step(buf, 2).result()
+    assert out["trainer/ranks"] == 2 and out["trainer/gang_restarts"] == 2, out
+
+
 @pytest.mark.slow
 def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(train_on_two_ranks):
     """``rollart train gridnav --resources FILE`` with ``Pool(tag=TRAIN, workers=2)``: the

@@ -172,6 +172,9 @@ class Pipeline(abc.ABC):
             except ActorLost as e:
                 error = e
             else:
+                events = metrics.pop("trainer/gang_events", None)  # a gang that re-formed
+                if events and self.supervisor is not None:
+                    self.supervisor.gang_restarted(events)
                 self.watchdog.stepped(metrics["version"], time.monotonic())
                 return metrics
             if self.supervisor.alive(trainer):

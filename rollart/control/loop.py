@@ -227,6 +227,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             for row, sample in steps:
                 last.update(step=row["step"], time=row["time"])
                 running = monitor.step(row, sample)  # False once request_stop(run)
+                pipeline.name_failures(sample.buffer)  # a step shorter than the watchdog's tick
                 for notice in silent.update(row, sample.buffer.get("tasks")):
                     logger.warning("%s", notice.text)
                     monitor.notice(notice)

@@ -80,16 +80,21 @@ def resolve_model(spec: str | os.PathLike | None) -> str | None:
     if spec in KNOWN:
         return fetch(spec)
     if spec.lower().endswith(".gguf"):
-        if not os.path.isfile(spec):
-            raise PretrainedError(f"GGUF file {spec!r} does not exist: pass the path of a "
-                                  f".gguf chat model, or a known name ({', '.join(KNOWN)})")
-        digest = sha256(spec)
-        return convert_gguf(spec, cache_dir() / f"gguf-{digest[:16]}", digest=digest)
+        return convert_cached(spec)
     if not os.path.exists(spec) and "/" not in spec and os.sep not in spec:
         raise PretrainedError(
             f"model {spec!r} does not exist as a folder and is not a known model name: pass "
             f"a Hugging Face model folder, a .gguf file, or one of: {', '.join(KNOWN)}")
     return spec
+
+
+def convert_cached(path: str | os.PathLike) -> str:
+    """The GGUF file ``path`` converted into the cache (once: keyed by its sha256)."""
+    if not os.path.isfile(path):
+        raise PretrainedError(f"GGUF file {str(path)!r} does not exist: pass the path of a "
+                              f".gguf chat model, or a known name ({', '.join(KNOWN)})")
+    digest = sha256(path)
+    return convert_gguf(path, cache_dir() / f"gguf-{digest[:16]}", digest=digest)
 
 
 def needs_conversion(spec: str | os.PathLike) -> bool:

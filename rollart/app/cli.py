@@ -134,8 +134,7 @@ def _model(args) -> int:
         out = pretrained.fetch(name, args.cache)
     else:
         out = (pretrained.convert_gguf(args.source, args.out) if args.out
-               else pretrained.resolve_model(args.source if args.source.lower().endswith(
-                   ".gguf") else args.source + ".gguf"))
+               else pretrained.convert_cached(args.source))
     print(out)
     return 0
 

@@ -1,16 +1,28 @@
 """Members lost to infrastructure are kept out of GRPO's advantages, on a real in-process
 tagged cluster: a member whose env crashes is re-run (replaced) up to its group's bound,
 else dropped from its group; a group left smaller than ``GRPO.min_group_size`` is not
-trained; each case is counted per task in the buffer's stats. A trajectory the env
-scored, reward 0 or not, is the policy's and trains (``rollart.buffer.infra``)."""
+trained; each case is counted per task, in the buffer's stats, the step rows
+(metrics.jsonl) and ``rollart status``. A trajectory the env scored, reward 0 or not,
+is the policy's and trains (``rollart.buffer.infra``)."""
 
+import json
+from dataclasses import replace
+
+import pyarrow.compute as pc
 import pytest
 
+from rollart import train
 from rollart.buffer import SampleBuffer, read_samples
+from rollart.buffer.infra import INFRA_COUNTS
+from rollart.chaos.faults import Faults, with_faults
 from rollart.config.graph import GRPO, GraphError
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import Task
+from rollart.observe.dashboard.status import format_status
+from rollart.observe.metrics import fold
+from rollart.policy.admission import GroupSequence
 from rollart.reward import success_reward
+from rollart.testing import check_run_record, tiny_graph
 from rollart.types import H20, H800, Trajectory
 
 
@@ -114,3 +126,35 @@ def test_a_scored_failure_trains_and_a_crash_does_not():
     with pytest.raises(GraphError, match="min_group_size must be ≤ group_size"):
         GRPO(group_size=2, min_group_size=3)
 
+
+def test_a_run_counts_lost_members_in_its_rows_and_status(local_cluster, tmp_path):
+    """A run whose first group's env crashes on every member (a fault planted for its
+    episode seed): its members are re-run, then dropped, the group is not trained, and
+    the rows (metrics.jsonl) and ``rollart status`` count them."""
+    graph = tiny_graph("infra", mode="async", steps=2, groups=2)
+    seq = GroupSequence(("gridnav",), None, graph.seed, graph.algo.group_size)
+    first = seq.next()[1]
+    graph = replace(graph, tasks=(with_faults("gridnav", Faults(fail_seeds=(first,))),))
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "run", progress=False,
+                   eval_seeds=0)
+    check_run_record(result)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    last = rows[-1]
+    # 2 members, each re-run once (a group of 2 re-runs 2), then 2 dropped; each is
+    # counted for its task and in all
+    assert last["task/infra_failed/gridnav"] == last["rollout/infra_failed"] >= 4
+    assert last["rollout/infra_rerun"] >= 2 and last["rollout/infra_dropped"] >= 2
+    assert last["rollout/groups_too_small"] == last["task/groups_too_small/gridnav"] >= 1
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    assert first not in trained["seed"].to_pylist()
+    assert "failed" not in trained["outcome"].to_pylist()
+    assert trained.num_rows == 2 * 2 * 2
+    # the rows the scheduler's events carry (what `rollart status` folds)
+    runs = fold(local_cluster.get_events("rollart"))
+    (name,) = [n for n, r in runs.items() if r.rows and "rollout/infra_failed" in r.rows[-1]]
+    summary = runs[name].summary()
+    assert summary["infra"] == {k: last[f"rollout/{k}"] for k in INFRA_COUNTS}
+    assert f"  infra:        infra_failed={last['rollout/infra_failed']}" in format_status(
+        {name: summary})

@@ -37,12 +37,13 @@ from rollart.buffer import restore as recovery
 from rollart.buffer.arrivals import Arrivals, is_failed
 from rollart.buffer.backpressure import ACQUIRE_WAIT, Admission, next_group
 from rollart.buffer.group import TAKE_KEY, Group, Groups, restate
-from rollart.buffer.infra import InfraFailures, min_members
+from rollart.buffer.infra import InfraFailures
 from rollart.buffer.journal import Journal
 from rollart.buffer.ledger import STATES, Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
 from rollart.buffer.taken import TakenBatches, row_ids
+from rollart.policy.redundancy import min_members
 from rollart.types import Trajectory, TrajState
 
 __all__ = ["TAKE_KEY", "SampleBuffer"]  # TAKE_KEY: the trainer reads a batch's hand-out

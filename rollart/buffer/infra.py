@@ -15,7 +15,8 @@ truncation), is the policy's outcome and trains. The rule, one place each:
 * dropped: a failed member past that bound is dropped from its group, written as
   ``failed``: never a row with reward 0 among its group's advantages;
 * too small: a group left with fewer trainable members than ``min_group``
-  (``GRPO.min_group_size``; a group declared smaller needs all of them) is not trained;
+  (``GRPO.min_group_size``; a group declared smaller needs all of them:
+  ``rollart.policy.redundancy.min_members``, the simulator's rule too) is not trained;
   its members leave as ``dropped`` (``Groups.completed``), and the slot frees for
   another group (the lockstep baselines re-run it: ``Lockstep.refill``).
 
@@ -32,15 +33,6 @@ from collections import Counter
 
 #: what ``InfraFailures.tasks`` counts per task (module docstring)
 INFRA_COUNTS = ("infra_failed", "infra_rerun", "infra_dropped", "groups_too_small")
-
-
-def min_members(min_group: int, size: int) -> int:
-    """Trainable members a group of ``size`` needs: ``min_group``, or all of a smaller one.
-
-    >>> min_members(2, 8), min_members(2, 1)
-    (2, 1)
-    """
-    return max(1, min(int(min_group), int(size)))
 
 
 class InfraFailures:

@@ -127,6 +127,31 @@ def test_a_scored_failure_trains_and_a_crash_does_not():
         GRPO(group_size=2, min_group_size=3)
 
 
+def test_the_counts_survive_the_buffers_recovery(tmp_path):
+    """A buffer re-created from the lost one's journal (``recover=True``) continues the
+    counts instead of starting them again at 0."""
+    import asyncio
+
+    crashed = Trajectory("g-1", "calc", "g", 0, [1], [2], [1], [0.0], [0], outcome="failed",
+                         error="ConnectionError: sandbox went away")
+    kept = Trajectory("g-0", "calc", "g", 0, [1], [2], [1], [0.0], [0], outcome="failure")
+
+    async def go():
+        buf = SampleBuffer(str(tmp_path))
+        await buf.put_many([(kept, 2), (crashed, 2)])
+        await buf.flush()
+        before = (await buf.stats())["infra"]
+        await buf.close()
+        again = SampleBuffer(str(tmp_path), recover=True)
+        after = (await again.stats())["infra"]
+        await again.close()
+        return before, after
+
+    before, after = asyncio.run(go())
+    assert before == after == {"calc": {"infra_failed": 1, "infra_rerun": 0,
+                                        "infra_dropped": 1, "groups_too_small": 1}}
+
+
 def test_a_run_counts_lost_members_in_its_rows_and_status(local_cluster, tmp_path):
     """A run whose first group's env crashes on every member (a fault planted for its
     episode seed): its members are re-run, then dropped, the group is not trained, and

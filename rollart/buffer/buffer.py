@@ -22,8 +22,8 @@ The actor wires together plain parts, each with its own state (none touches anot
 
 ``SampleBuffer(run_dir, recover=True)`` continues from the journal and parts after the
 previous buffer's worker was lost (``rollart.buffer.restore``); ``min_group``: see
-``rollart.buffer.infra``. The trainer waits on the
-actor's one asyncio condition. All public methods are coroutines on the worker's loop.
+``rollart.buffer.infra``. The trainer waits on the actor's one asyncio condition. All
+public methods are coroutines on the worker's loop.
 """
 
 from __future__ import annotations
@@ -128,9 +128,8 @@ class SampleBuffer:
         if not self._arrived(traj):
             return False
         gid, failed = traj.group_id, is_failed(traj)
-        if failed:
+        if failed:  # infrastructure's: dropped from its group (rollart.buffer.infra)
             traj.state = TrajState.FAILED.value
-        if failed:  # infrastructure: dropped from its group (rollart.buffer.infra)
             self.infra.failed(traj.task, rerun=False)
         if self.groups.ended(gid):
             logger.warning("late member %s of group %s dropped", traj.traj_id, gid)

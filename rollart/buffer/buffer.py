@@ -15,13 +15,15 @@ The actor wires together plain parts, each with its own state (none touches anot
     groups     Groups        open, complete, closed groups    rollart.buffer.group
     taken      TakenBatches  what each trainer step holds     rollart.buffer.taken
     arrivals   Arrivals      counters, lost ids, fail streak  rollart.buffer.arrivals
+    infra      InfraFailures failed members, too-small groups rollart.buffer.infra
     admission  Admission     async mode's slots (acquire)     rollart.buffer.backpressure
     journal    Journal       pending/ rows, ledger/ changes   rollart.buffer.journal
     store      BufferStore   samples/ parts, the I/O thread   rollart.buffer.store
 
 ``SampleBuffer(run_dir, recover=True)`` continues from the journal and parts after the
-previous buffer's worker was lost (``rollart.buffer.restore``). The trainer waits on the
-actor's one asyncio condition. All public methods are coroutines on the worker's loop.
+previous buffer's worker was lost (``rollart.buffer.restore``); ``min_group``: see
+``rollart.buffer.infra``. The trainer waits on the actor's one asyncio condition. All
+public methods are coroutines on the worker's loop.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from rollart.buffer import restore as recovery
 from rollart.buffer.arrivals import Arrivals, is_failed
 from rollart.buffer.backpressure import ACQUIRE_WAIT, Admission, next_group
 from rollart.buffer.group import TAKE_KEY, Group, Groups, restate
+from rollart.buffer.infra import InfraFailures
 from rollart.buffer.journal import Journal
 from rollart.buffer.ledger import STATES, Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
 from rollart.buffer.taken import TakenBatches, row_ids
+from rollart.policy.redundancy import min_members
 from rollart.types import Trajectory, TrajState
 
 __all__ = ["TAKE_KEY", "SampleBuffer"]  # TAKE_KEY: the trainer reads a batch's hand-out
@@ -57,12 +61,14 @@ class SampleBuffer:
     """
 
     def __init__(self, run_dir: str | None = None, *, flush_every: int = 256,
-                 recover: bool = False):
+                 recover: bool = False, min_group: int = 2):
         self.run_dir = str(run_dir).rstrip("/") if run_dir is not None else None
+        self.min_group = int(min_group)
         self.ledger = Ledger()
         self.groups = Groups()
         self.taken = TakenBatches()
         self.arrivals = Arrivals()
+        self.infra = InfraFailures()
         self.admission = Admission()
         self.store = BufferStore(self.run_dir, flush_every)
         self.journal = Journal(self.run_dir, self.store)
@@ -100,7 +106,7 @@ class SampleBuffer:
 
     def _meta(self) -> dict:
         return {"counts": self.arrivals.record(), "ledger": dict(self.ledger.counts),
-                "taken": self.taken.meta()}
+                "taken": self.taken.meta(), "infra": self.infra.tasks()}
 
     async def _durable(self, fut: asyncio.Future | None) -> None:
         """Wait for the journal entry ``fut``, then write a part if enough rows wait."""
@@ -122,14 +128,15 @@ class SampleBuffer:
         if not self._arrived(traj):
             return False
         gid, failed = traj.group_id, is_failed(traj)
-        if failed:
+        if failed:  # infrastructure's: dropped from its group (rollart.buffer.infra)
             traj.state = TrajState.FAILED.value
+            self.infra.failed(traj.task, rerun=False)
         if self.groups.ended(gid):
             logger.warning("late member %s of group %s dropped", traj.traj_id, gid)
             state = TrajState.FAILED if failed else TrajState.DROPPED
             self._leave([to_record_batch([traj])], state)
             return False
-        group = self.groups.arrive(gid, group_size)
+        group = self.groups.arrive(gid, group_size, traj.task)
         group.arrived += 1
         self.arrivals.noted(traj, failed)
         if failed:
@@ -140,11 +147,18 @@ class SampleBuffer:
             group.add(traj)
         if not group.complete:
             return False
-        if not self.groups.completed(group):  # every member failed: nothing to train on
-            self.admission.free(gid)
+        if not self.groups.completed(group, min_members(self.min_group, group.size)):
+            self._too_small(group)
             return False
         self.journal.add_rows(group.arrow())
         return True
+
+    def _too_small(self, group: Group) -> None:
+        """Failed members left ``group`` too few to train on: its rows leave as
+        ``dropped``, counted; its slot frees."""
+        self.infra.too_small(group.task)
+        self._leave(group.arrow(), TrajState.DROPPED)
+        self.admission.free(group.group_id)
 
     def _drop(self, groups: list[tuple[Group, bool]]) -> None:
         """``(group, complete)`` leave as ``dropped`` (a complete one is journaled)."""
@@ -223,6 +237,7 @@ class SampleBuffer:
                              "replaces")
         rec = recovery.read_journal(self.run_dir)
         recovery.load_recovered(rec, **self._parts())
+        self.infra.load(rec.meta.get("infra"))
         lost = self.ledger.in_flight()
         self._orphan(lost)
         self.journal.entry_now(self.ledger.drain(), self._meta())
@@ -293,6 +308,7 @@ class SampleBuffer:
             return
         traj.state = TrajState.FAILED.value
         self.arrivals.noted(traj, True)
+        self.infra.failed(traj.task, rerun=True)
         self._leave([to_record_batch([traj])], TrajState.FAILED)
         self.journal.soon(self._entry)
         await self.store.maybe_flush()
@@ -496,6 +512,7 @@ class SampleBuffer:
             **self._counts_now(),
             **self.groups.figures(),
             "tasks": self.arrivals.tasks(),  # per task: rollart.buffer.arrivals.TASK_COUNTS
+            "infra": self.infra.tasks(),  # per task: rollart.buffer.infra.INFRA_COUNTS
             "first_errors": self.arrivals.first_errors(),  # per task: its first failure's text
             "stop": self.arrivals.stop(),  # a failure that stops the run (arrivals.STOPS_RUN)
             "taken_steps": self.taken.steps(),
@@ -533,6 +550,7 @@ class SampleBuffer:
         taken ones taken, incomplete ones dropped, in flight aborted, the old run's later
         files set aside (``rollart.buffer.restore.restore_state``). Returns rows buffered."""
         meta, table = recovery.read_snapshot(url)
+        self.infra.load(meta.get("infra"))
         async with self._condition:
             for g in recovery.restore_state(meta, table, self.run_dir, **self._parts()):
                 self._leave(g.arrow(), TrajState.DROPPED)

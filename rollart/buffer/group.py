@@ -35,6 +35,7 @@ class Group:
 
     group_id: str
     size: int
+    task: str = ""  # its members' task (what ``groups_too_small`` is counted under)
     arrived: int = 0  # members seen, failed ones included
     batches: list[pa.RecordBatch] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # of the buffered members
@@ -149,15 +150,17 @@ class Groups:
         """Groups live: open, complete, or with members ``running`` (and not closed)."""
         return len((running - self.closed) | set(self.open) | set(self.complete))
 
-    def arrive(self, group_id: str, size: int) -> Group:
-        """The open group ``group_id`` (opened now with ``size`` members if new)."""
-        return self.open.setdefault(group_id, Group(group_id, max(1, int(size))))
+    def arrive(self, group_id: str, size: int, task: str = "") -> Group:
+        """The open group ``group_id`` (opened now with ``size`` members of ``task`` if
+        new)."""
+        return self.open.setdefault(group_id, Group(group_id, max(1, int(size)), task))
 
-    def completed(self, group: Group) -> bool:
-        """``group`` has all its members: complete (True) when it holds rows to train on,
-        else closed (every member failed)."""
+    def completed(self, group: Group, min_rows: int = 1) -> bool:
+        """``group`` has all its members: complete (True) when it holds at least
+        ``min_rows`` rows to train on, else closed (too many members failed: its rows
+        are the caller's to drop, ``rollart.buffer.infra``)."""
         del self.open[group.group_id]
-        if not group.rows:
+        if group.rows < max(1, min_rows):
             self.closed.add(group.group_id)
             return False
         group.compact()

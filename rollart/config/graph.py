@@ -181,9 +181,16 @@ class Policy:
 
 @dataclass(frozen=True)
 class GRPO:
-    """Group-relative policy optimisation settings."""
+    """Group-relative policy optimisation settings.
+
+    ``min_group_size``: a group whose members failed for infrastructure (env crashed or
+    hung, reward failed, worker lost) past their re-runs keeps only its finished members;
+    with fewer than this many it is not trained and is counted
+    (``rollout/groups_too_small``; ``rollart.buffer.infra``). A failed member is never
+    scored as a zero reward among its group's advantages."""
 
     group_size: int = 8  # trajectories per group (same task and seed)
+    min_group_size: int = 2  # trainable members a group needs (docstring), ≤ group_size
     groups_per_step: int = 12  # groups per trainer step; batch = group_size * this
     lr: float = 5e-4  # AdamW learning rate
     clip_eps: float = 0.2  # PPO clip range: the ratio is clipped at 1 ± clip_eps
@@ -206,7 +213,7 @@ class GRPO:
     scale_rewards: str = "group"
 
     def __post_init__(self):
-        for name in ("group_size", "groups_per_step"):
+        for name in ("group_size", "groups_per_step", "min_group_size"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                    f"GRPO.{name} must be an int ≥ 1, got {v!r}")
@@ -217,6 +224,9 @@ class GRPO:
         _numbers(self, "lr", "clip_eps", "kl_coef", "max_grad_norm", "weight_decay", "is_cap")
         _check(self.group_size >= 2, f"GRPO.group_size must be ≥ 2 (group-normalised "
                f"advantages need a group), got {self.group_size}")
+        _check(self.min_group_size <= self.group_size,
+               f"GRPO.min_group_size must be ≤ group_size={self.group_size} (a group "
+               f"never has more members), got {self.min_group_size}")
         _check(self.alpha is None or self.alpha >= 0,
                f"GRPO.alpha (staleness bound) must be an int ≥ 0 or None (the mode's), "
                f"got {self.alpha!r}")

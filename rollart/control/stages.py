@@ -114,7 +114,8 @@ def role_specs(graph, model_path: str, run_dir, store_url: str | None = None
                  graph.algo), dict(temperature=p.temperature, threads=1, seed=graph.seed,
                                    **({"lora": p.lora.peft_options()} if p.lora else {})),
                  TRAIN),
-        RoleSpec("buffer", SampleBuffer, (str(run_dir),), {}, BUFFER,
+        RoleSpec("buffer", SampleBuffer, (str(run_dir),),
+                 dict(min_group=graph.algo.min_group_size), BUFFER,
                  fallback=(TRAIN, REWARD, *inference_tags(graph)),
                  last_resort=env_pools(graph)),
     ]

@@ -17,7 +17,8 @@ lifecycle around them:
 * **Replace failures** (not in lockstep batches): a member that fails (env raised,
   hung past a time-out, returned garbage) is recorded as ``failed`` and a new member
   starts in its place, up to ``group_size`` replacements per group; after that
-  failures are delivered to the group like any member.
+  failures are delivered to the buffer, which drops them from their group (never a
+  zero reward among its advantages: ``rollart.buffer.infra``).
 * **Lockstep batches** (the synchronous baselines): ``run_batch`` moves a whole batch
   turn by turn through a ``TurnBarrier``.
 * **Taking work** (the async mode): ``take_work`` runs the groups the buffer hands out

@@ -23,7 +23,11 @@ Every task of the graph (``tasks``) has its keys in every row (``task_keys``):
   ``task/failed/<task>`` failed ones, ``task/truncated/<task>`` truncated ones (context
   or turns ran out), ``task/invalid_tool_calls/<task>`` ones with at least one invalid
   tool call, and ``task/tool_calls/<task>`` tool calls made. A step's own count is
-  the difference from the row before.
+  the difference from the row before;
+* cumulative, members lost to infrastructure and the groups they left too small
+  (``rollart.buffer.infra.INFRA_COUNTS``): ``task/<count>/<task>`` per task, and
+  ``rollout/<count>`` summed over the tasks (``rollout/infra_failed`` adds the members
+  orphaned with their worker, whose task the buffer does not know: ``traj/orphaned``).
 
 No key is also the prefix of others (``traj/failed`` and ``traj/failed/<task>``):
 MLflow's file store keeps each key as a file path, and a key that is also a folder
@@ -32,6 +36,7 @@ made it drop the rest of the row; hence ``trainer/rows/<task>`` and ``task/…``
 
 from __future__ import annotations
 
+from rollart.buffer.infra import INFRA_COUNTS
 from rollart.buffer.ledger import STATES
 
 #: the agent endpoint's counters, summed over the env managers into every row
@@ -45,6 +50,8 @@ def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
     row = dict(trainer)
     row.update({f"traj/{k}": sample.buffer[k] for k in ("launched", *STATES)})
     row.update(task_keys(row, tasks, sample.buffer.get("tasks", {})))
+    row.update(infra_keys(tasks, sample.buffer.get("infra", {}),
+                          sample.buffer.get("orphaned", 0)))
     row.update(rollout_figures([s for _, _, s in sample.workers], sample.managers,
                                driver_errors))
     for tag, p in pool_totals(sample.workers).items():
@@ -72,6 +79,22 @@ def task_keys(trainer: dict, tasks, per_task: dict) -> dict:
         for k in ("received", "failed", "truncated", "invalid_tool_calls"):
             out[f"task/{k}/{task}"] = c.get(k, 0)
         out[f"task/tool_calls/{task}"] = c.get("tool_calls", 0)
+    return out
+
+
+def infra_keys(tasks, per_task: dict, orphaned: int = 0) -> dict:
+    """Members lost to infrastructure and groups too small, per task and in all (module
+    doc), from the buffer's ``stats()["infra"]``; a task missing there gets 0.
+
+    >>> keys = infra_keys(["a"], {"b": {"infra_failed": 2, "infra_dropped": 2}}, 1)
+    >>> keys["task/infra_failed/a"], keys["rollout/infra_failed"], keys["rollout/infra_dropped"]
+    (0, 3, 2)
+    """
+    out = {f"task/{k}/{t}": per_task.get(t, {}).get(k, 0)
+           for t in sorted(set(tasks) | set(per_task)) for k in INFRA_COUNTS}
+    out.update({f"rollout/{k}": sum(c.get(k, 0) for c in per_task.values())
+                for k in INFRA_COUNTS})
+    out["rollout/infra_failed"] += orphaned
     return out
 
 

@@ -27,6 +27,7 @@ import math
 import time
 from collections import deque
 
+from rollart.buffer.infra import INFRA_COUNTS
 from rollart.buffer.ledger import BUFFERED, FINAL, TAKEN
 from rollart.observe.figures import AGENT_KEYS
 
@@ -136,6 +137,10 @@ class RunState:
             # last step: calls, history rewrites, generated tokens they dropped
             "agents": {key.rsplit("agent_", 1)[1]: last[key] for key in AGENT_KEYS
                        if last.get(key)},
+            # members lost to infrastructure, groups they left too small (at the last
+            # step: rollart.buffer.infra.INFRA_COUNTS), when any
+            "infra": {k: last[f"rollout/{k}"] for k in INFRA_COUNTS
+                      if last.get(f"rollout/{k}")},
         }
 
     def prometheus(self) -> list[tuple[str, str, dict, float]]:

@@ -5,7 +5,9 @@ Consumes a group's size (or the members it still needs), ``Rollout.redundancy`` 
 backups wait and after how many deliveries they start, and how many start then. The
 ``EnvManager`` (``rollart.env.manager``) calls it when it launches a group and each time
 a member is delivered; the cluster simulator (``rollart.sim``) calls the same object.
-A group keeps its first ``need`` finishers; the rest are cancelled.
+A group keeps its first ``need`` finishers; the rest are cancelled. ``min_members``:
+how many finished (not failed) members a group needs to be trained at all, decided here
+for the ``SampleBuffer`` (``rollart.buffer.infra``) and the simulator alike.
 
 >>> r = Redundancy(1.5)
 >>> r.plan(8)
@@ -49,3 +51,13 @@ class Redundancy:
     def keep(delivered: int, need: int) -> bool:
         """A finisher is kept while the group has fewer than ``need`` deliveries."""
         return delivered < need
+
+
+def min_members(min_group: int, size: int) -> int:
+    """Finished members a group of ``size`` needs to be trained: ``min_group``
+    (``GRPO.min_group_size``), or all of a group declared smaller.
+
+    >>> min_members(2, 8), min_members(2, 1)
+    (2, 1)
+    """
+    return max(1, min(int(min_group), int(size)))

@@ -12,7 +12,8 @@ What is simulated (and what is aggregated to stay fast at thousands of GPUs):
 * **Env managers**: each trajectory is one simpy process (an event chain, not a thread):
   env reset, then per turn a generation request and an env step (``EnvCost``
   latencies; a failed step fails the member, which the group replaces as
-  ``EnvManager`` does), then its reward and the buffer. A trajectory holds one of its
+  ``EnvManager`` does), then its reward and the buffer (which trains a group only with
+  ``min_members`` finished members, and never its failed ones). A trajectory holds one of its
   env pool's slots while it lives (``EnvManager``'s ``max_concurrency``). Groups are
   spread round robin over the pool's ``managers``, each with its own ``Router``.
 * **Inference workers**: one ``SimWorker`` per worker (``tp`` GPUs) batching many
@@ -53,7 +54,7 @@ import simpy
 
 from rollart.policy.admission import group_number, take_order
 from rollart.policy.affinity import env_tag, task_routes
-from rollart.policy.redundancy import Redundancy
+from rollart.policy.redundancy import Redundancy, min_members
 from rollart.policy.routing import Router
 from rollart.sim.config import SimConfig, SimConfigError, SimResult
 from rollart.sim.fanout import fan_out
@@ -321,7 +322,10 @@ class Cluster:
     def group_complete(self, grp: Group) -> None:
         grp.done.succeed()
         self.groups.pop(grp.gid, None)
-        if grp.version is None:  # every member failed: nothing to train, slot frees
+        trainable = sum(not m.failed for m in grp.delivered)
+        if grp.version is None or trainable < min_members(self.graph.algo.min_group_size,
+                                                          grp.size):
+            # too many members failed: nothing to train (rollart.buffer.infra), slot frees
             self.counts["groups_failed"] += 1
             self.release(grp)
             self.notify()  # a start-order window may have moved past it
@@ -375,7 +379,7 @@ class Cluster:
         """One trainer step on ``batch``: the update, then the weight push."""
         t0 = self.env.now
         yield self.env.timeout(self.costs.control.actor_call_s)  # get_table's round trip
-        members = [m for g in batch for m in g.delivered]
+        members = [m for g in batch for m in g.delivered if not m.failed]  # the buffer's rows
         tokens = sum(m.tokens for m in members)
         for m in members:
             if not m.failed and m.oldest is not None:

@@ -449,3 +449,14 @@ def test_members_draw_their_length_from_measured_episodes():
     two = _run(g, shapes={"gridnav": TaskShape(episodes=((1, 4.0), (5, 4.0)))})
     assert 16 * 1 < two.extra["turns"] < 16 * 5
     assert (two.extra["turns"] - 16) % 4 == 0  # each member 1 or 5 turns
+
+
+def test_a_group_left_too_small_by_failed_members_is_not_trained_in_the_simulator_too():
+    """``GRPO.min_group_size`` (2): a group of 2 that keeps one member, its other failed
+    past its re-runs, is not trained, as the ``SampleBuffer`` decides
+    (``rollart.policy.redundancy.min_members``)."""
+    flaky = EnvCost("flaky", reset=Latency("fixed", 1.0), step=Latency("fixed", 0.5),
+                    fail_prob=0.3)
+    r = _run(_graph(groups=2, size=2, steps=3), seed=1, costs=_costs(flaky))
+    assert r.aborts["groups_failed"] > 0 and r.aborts["replaced"] > 0
+    assert r.trained == 3 * 2 * 2  # every trained group has both its members

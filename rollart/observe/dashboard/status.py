@@ -50,6 +50,10 @@ def format_status(state: dict) -> str:
             lines.append("  agents:       " + "  ".join(f"{k}={v}" for k, v in
                                                       s["agents"].items())
                          + "  (endpoint calls; history rewrites, generated tokens dropped)")
+        if s.get("infra"):
+            lines.append("  infra:        " + "  ".join(f"{k}={v}" for k, v in
+                                                      s["infra"].items())
+                         + "  (members lost to infrastructure; groups not trained)")
         lines.append(f"  env step:     p50 {s['env_step_p50_s'] * 1000:.1f} ms, "
                      f"p99 {s['env_step_p99_s'] * 1000:.1f} ms;  buffer {s['buffer']}")
         for pool, p in s["pools"].items():

@@ -19,6 +19,9 @@ Run it alone on an idle machine; each run takes about ``K`` minutes on two cores
     flock /tmp/rollart-bench.lock python benchmarks/real_model.py --method lora
     python benchmarks/real_model.py --quick      # one seed, two tiny LoRA steps: a smoke run
 
+``--plot`` draws the newest full record of each method into
+``docs/how-to/real-model-curve.png`` (the how-to's curve).
+
 Appends one record per invocation to ``benchmarks/results/real_model.jsonl`` (date,
 commit, load average before, command, every run's figures and per-step rewards).
 
@@ -35,7 +38,7 @@ import math
 import statistics
 import subprocess
 import sys
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -83,6 +86,60 @@ def stderr(a: float, b: float, n: int) -> float:
     return math.sqrt(a * (1 - a) / n + b * (1 - b) / n)
 
 
+CURVE = ROOT / "docs" / "how-to" / "real-model-curve.png"
+RECORDS = ROOT / "benchmarks" / "results" / "real_model.jsonl"
+
+
+def plot(out: Path = CURVE, records: Path = RECORDS) -> Path:
+    """The learning curve of the newest record of each method in
+    ``benchmarks/results/real_model.jsonl`` (a full run, not ``--quick``'s): per task,
+    each seed's training success per RL step (thin) and their median (thick, a running
+    mean over 5 steps), and the
+    held-out success before (dashed) and after (dots at the last step) training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    newest: dict[str, dict] = {}
+    for line in open(records):
+        rec = json.loads(line)
+        if "--quick" not in rec.get("command", "") and rec.get("runs"):
+            newest[rec["method"]] = rec
+    if not newest:
+        raise SystemExit("no full record in benchmarks/results/real_model.jsonl to plot")
+    tasks = sorted(next(iter(newest.values()))["before"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for c, (method, rec) in enumerate(sorted(newest.items())):
+            color = f"C{c}"
+            curves = [r["reward"].get(f"success/{task}") or [] for r in rec["runs"]]
+            for cur in curves:
+                ax.plot(range(1, len(cur) + 1), [math.nan if v is None else v for v in cur],
+                        color=color, alpha=0.25, lw=0.8)
+            steps = min(map(len, curves))
+            med = [statistics.median(c[i] for c in curves if c[i] is not None)
+                   for i in range(steps)]
+            smooth = [statistics.mean(med[max(0, i - 4):i + 1]) for i in range(steps)]
+            ax.plot(range(1, steps + 1), smooth, color=color, lw=2,
+                    label=f"{method}: training success (median of {len(curves)} seeds, "
+                          "mean of 5 steps)")
+            ax.axhline(rec["before"][task], color=color, ls="--", lw=1)
+            ax.plot([steps] * len(rec["runs"]), [r["after"][task] for r in rec["runs"]],
+                    "o", color=color, label=f"{method}: held-out after "
+                    f"({rec['eval_seeds']} seeds; dashed: before)")
+        ax.set_title(task)
+        ax.set_xlabel("RL step")
+        ax.set_ylim(-0.02, 1.02)
+    axes[0][0].set_ylabel("success")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle("SmolLM2-135M-Instruct, graphs/real.py, async GRPO on 2 CPU cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", choices=sorted(GRAPHS), default="lora")
@@ -92,8 +149,14 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="one seed, graphs/real.py:smoke's two tiny LoRA steps, 4 held-out "
                         "seeds (a smoke run: records nothing)")
+    p.add_argument("--plot", action="store_true",
+                   help=f"draw the newest records' curves into {CURVE.relative_to(ROOT)} "
+                        "and exit")
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.plot:
+        print(f"curve: {plot()}")
+        return
     run = Run("real_model", args, argv)
     graph, extra = GRAPHS[args.method], []
     if args.quick:
@@ -101,16 +164,21 @@ def main(argv=None) -> None:
         args.method = "lora"
     base = before(graph, args.eval_seeds)
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
-            one = train_one(graph, seed, args.steps, args.eval_seeds,
-                            Path(tmp) / f"s{seed}", extra)
-            one["gain"] = {t: one["after"][t] - base[t] for t in base}
-            one["stderr"] = {t: stderr(base[t], one["after"][t], args.eval_seeds)
-                             for t in base}
-            print(f"seed {seed}: " + " ".join(
-                f"{t} {base[t]:.2f}->{one['after'][t]:.2f}" for t in base), flush=True)
-            runs.append(one)
+    # the runs' directories are kept (runs/ is not tracked): a seed's run can be looked
+    # at, and a crash later on leaves the seeds done so far, each with its summary
+    keep = ROOT / "runs" / "bench-real_model" / args.method
+    shutil.rmtree(keep, ignore_errors=True)
+    keep.mkdir(parents=True)
+    (keep / "before.json").write_text(json.dumps(base))
+    for seed in range(args.seeds):
+        one = train_one(graph, seed, args.steps, args.eval_seeds, keep / f"s{seed}", extra)
+        (keep / f"s{seed}.json").write_text(json.dumps(one))
+        one["gain"] = {t: one["after"][t] - base[t] for t in base}
+        one["stderr"] = {t: stderr(base[t], one["after"][t], args.eval_seeds)
+                         for t in base}
+        print(f"seed {seed}: " + " ".join(
+            f"{t} {base[t]:.2f}->{one['after'][t]:.2f}" for t in base), flush=True)
+        runs.append(one)
     gains = {t: statistics.median(r["gain"][t] for r in runs) for t in base}
     figures = {"gain_min": min(gains.values()),
                **{f"gain_{t}": g for t, g in gains.items()},

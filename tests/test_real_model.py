@@ -73,3 +73,24 @@ def test_the_real_model_benchmark_smoke_run():
         assert float(figures[f"gain_{task}"]) == pytest.approx(after - before, abs=1e-3)
     assert figures["method"] == "lora" and figures["seeds"] == "1"
     assert re.fullmatch(r"[0-9.]+", figures["wall_s"])
+
+
+def test_the_engine_benchmark_smoke_run():
+    """``benchmarks/engine_real.py --quick``: the torch engine and bare ``generate`` on the
+    real model with the graph's first prompts, every side counted by one rule."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/engine_real.py", "--quick"], cwd=root,
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "ROLLART_NO_RECORD": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = done.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT ")
+    f = {k: v for k, v in (kv.split("=", 1) for kv in result.split()[1:])}
+    assert f["rows"] == "8" and f["new"] == "16" and f["model"] == "smollm2-135m-instruct"
+    # the model writes a short reply and stops, or runs to the limit: 1..16 tokens a row
+    assert 1 <= float(f["gen_tokens"]) <= 16
+    for side in ("engine", "bare", "engine_nobatch", "engine_noshare"):
+        assert float(f[f"{side}_tok_s"]) > 0

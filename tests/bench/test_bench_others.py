@@ -276,3 +276,31 @@ def test_inflight_learning_chat_tiny():
         assert r[f"worst_{s}"] <= r[f"gain_{s}"] + 1e-9, r
     assert "gain_two" not in r and r["graph"] == "chat" and r["steps"] == 3, r
     assert 0 <= r["warm_calc"] <= 1
+
+
+def test_real_model_curve_is_drawn_from_the_newest_full_records(tmp_path, monkeypatch):
+    """``real_model.py --plot``: the newest full record of each method (a ``--quick``
+    record is skipped), one panel per task; no full record is one line, exit."""
+    import json
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    real_model = importlib.import_module("real_model")
+    tasks = ("guess_number", "calculator")
+
+    def rec(method, command, steps):
+        runs = [{"after": {t: 0.3 for t in tasks},
+                 "reward": {f"success/{t}": [0.1 * (i % 3)] * steps for t in tasks}}
+                for i in range(3)]
+        return {"command": command, "method": method, "runs": runs, "eval_seeds": 128,
+                "before": {t: 0.2 for t in tasks}}
+
+    records = tmp_path / "real_model.jsonl"
+    records.write_text(json.dumps(rec("lora", "real_model.py --quick", 2)) + "\n")
+    with pytest.raises(SystemExit, match="no full record"):
+        real_model.plot(tmp_path / "c.png", records)
+    with open(records, "a") as f:
+        for r in (rec("lora", "real_model.py --method lora", 40),
+                  rec("full", "real_model.py --method full", 40)):
+            f.write(json.dumps(r) + "\n")
+    out = real_model.plot(tmp_path / "c.png", records)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

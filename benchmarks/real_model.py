@@ -149,6 +149,9 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="one seed, graphs/real.py:smoke's two tiny LoRA steps, 4 held-out "
                         "seeds (a smoke run: records nothing)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the seeds an earlier invocation of the same settings "
+                        "finished (runs/bench-real_model/METHOD)")
     p.add_argument("--plot", action="store_true",
                    help=f"draw the newest records' curves into {CURVE.relative_to(ROOT)} "
                         "and exit")
@@ -162,17 +165,34 @@ def main(argv=None) -> None:
     if args.quick:
         graph, args.seeds, args.steps, args.eval_seeds = "graphs/real.py:smoke", 1, 2, 4
         args.method = "lora"
-    base = before(graph, args.eval_seeds)
-    runs = []
     # the runs' directories are kept (runs/ is not tracked): a seed's run can be looked
-    # at, and a crash later on leaves the seeds done so far, each with its summary
-    keep = ROOT / "runs" / "bench-real_model" / args.method
-    shutil.rmtree(keep, ignore_errors=True)
-    keep.mkdir(parents=True)
-    (keep / "before.json").write_text(json.dumps(base))
+    # at, and an invocation cut short (a crash, a machine needed back) goes on where it
+    # stopped with --resume: the seeds done are read back, never run again
+    keep = ROOT / "runs" / "bench-real_model" / ("quick" if args.quick else args.method)
+    settings = {"graph": graph, "steps": args.steps, "eval_seeds": args.eval_seeds}
+    if args.resume and (keep / "settings.json").is_file():
+        kept = json.loads((keep / "settings.json").read_text())
+        if kept != settings:
+            raise SystemExit(f"--resume: {keep} holds runs of {kept}, not {settings}")
+    else:
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.mkdir(parents=True)
+        (keep / "settings.json").write_text(json.dumps(settings))
+    if (keep / "before.json").is_file():
+        base = json.loads((keep / "before.json").read_text())
+    else:
+        base = before(graph, args.eval_seeds)
+        (keep / "before.json").write_text(json.dumps(base))
+    runs = []
     for seed in range(args.seeds):
-        one = train_one(graph, seed, args.steps, args.eval_seeds, keep / f"s{seed}", extra)
-        (keep / f"s{seed}.json").write_text(json.dumps(one))
+        done = keep / f"s{seed}.json"
+        if done.is_file():
+            one = json.loads(done.read_text())
+            print(f"seed {seed}: read back from {done}", flush=True)
+        else:
+            one = train_one(graph, seed, args.steps, args.eval_seeds, keep / f"s{seed}",
+                            extra)
+            done.write_text(json.dumps(one))
         one["gain"] = {t: one["after"][t] - base[t] for t in base}
         one["stderr"] = {t: stderr(base[t], one["after"][t], args.eval_seeds)
                          for t in base}

@@ -334,6 +334,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.model import ModelFolderError
     from rollart.observe.samples import SampleQueryError
     from rollart.observe.trackers import TrackerError
+    from rollart.policy.quarantine import TasksStoppedError
     from rollart.reward.functions import RewardError
     from rollart.runtime.resources import ResourcesError
     from rollart.trainer.gang_faults import GangWaitError
@@ -345,7 +346,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
             FileNotFoundError, FileExistsError, LoRATargetError, CheckpointError,
             MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
-            WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError)
+            WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError,
+            TasksStoppedError)
 
 
 def main(argv=None) -> int:

@@ -227,7 +227,6 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             for row, sample in steps:
                 last.update(step=row["step"], time=row["time"])
                 running = monitor.step(row, sample)  # False once request_stop(run)
-                pipeline.name_failures(sample.buffer)  # a step shorter than the watchdog's tick
                 for notice in silent.update(row, sample.buffer.get("tasks")):
                     logger.warning("%s", notice.text)
                     monitor.notice(notice)
@@ -407,10 +406,12 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
         for step in range(first, graph.steps + 1):
             trainer = _step(client, pipeline, step, run_dir)
             sample = fleet.sample(latencies=True, timeout=None)
+            pipeline.after_step(sample.buffer)  # name failing tasks, stop hopeless ones
             extra = reward_metrics(client, pools, sample.managers) if serverless else {}
             extra.update({"recovery/actors_replaced": len(fleet.supervisor.events),
                           "recovery/groups_restarted": pipeline.restarted_groups,
-                          "rollout/groups_refilled": pipeline.refilled_groups})
+                          "rollout/groups_refilled": pipeline.refilled_groups,
+                          "rollout/tasks_stopped": len(pipeline.failing.stopped)})
             row = step_row(trainer, sample, elapsed=time.time() - t_start,
                            driver_errors=len(pipeline.errors), extra=extra,
                            tasks=graph.task_names)

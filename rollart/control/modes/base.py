@@ -33,6 +33,9 @@ version, each worker's and its last load error. A trajectory that failed with a
 configuration error (``rollart.buffer.arrivals.STOPS_RUN``: an agent's request the chat
 template can never serve) stops the run at the next look with that error
 (``stop_on_config_error``: a ``ChatTemplateError``, one line and rc 2 from the CLI).
+A task whose every trajectory failed for ``Rollout.failing_task_steps`` trainer steps
+in a row is no longer launched (``after_step``, the rule: ``rollart.policy.quarantine``);
+once every task is, the run stops with ``TasksStoppedError`` (one line, rc 2).
 
 After every step the loop reads the ledger's counts (``traj/<state>``) with the rest of
 the fleet's sample; the buffer checks that they add up to the launches (a mismatch

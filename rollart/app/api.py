@@ -78,7 +78,8 @@ class Run:
         return table.select(columns) if columns else table
 
     def stop(self) -> None:
-        """Stop after the current trainer step: the model is saved, samples flushed."""
+        """Stop after the current trainer step (during the format warm-up: after its
+        current warm-up step, with no RL step): the model is saved, samples flushed."""
         request_stop(self.name)
 
     def wait(self, timeout: float | None = None) -> RunResult:

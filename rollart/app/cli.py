@@ -19,36 +19,25 @@ import sys
 
 def quiet(verbose: bool = False) -> None:
     """Keep the terminal for the progress bar: Dask INFO logs and per-load bars off
-    (``verbose=True``: Dask's INFO logs on). A level set in ``DASK_LOGGING__DISTRIBUTED``
-    is kept. Set before any worker process starts, so the workers inherit it.
+    (``verbose=True``: Dask's INFO logs on). A level set in ``ROLLART_DASK_LOGS`` or
+    ``DASK_LOGGING__DISTRIBUTED`` is kept (``rollart.runtime.logs``). Set before any
+    worker process starts, so the workers inherit it.
 
     >>> # import rollart; rollart.quiet()    # first cell of a notebook
     """
-    import logging
     import os
+
+    from rollart.runtime.logs import set_dask_logs
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if verbose:
-        os.environ["DASK_LOGGING__DISTRIBUTED"] = "info"
-    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-    level = os.environ["DASK_LOGGING__DISTRIBUTED"].upper()
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    try:  # importing distributed configures its loggers (INFO): set the levels after it
-        import distributed  # noqa: F401
-    except ImportError:
-        pass
-    if not hasattr(logging, level) or not isinstance(getattr(logging, level), int):
-        level = "WARNING"
-    for name in ("distributed", "distributed.scheduler", "distributed.worker",
-                 "distributed.nanny", "distributed.core", "distributed.http",
-                 "distributed.deploy", "distributed.deploy.spec"):
-        logging.getLogger(name).setLevel(getattr(logging, level))
+    set_dask_logs("info" if verbose else None)  # rollart.runtime.logs
 
 
 def _train(args) -> int:
@@ -334,6 +323,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.model import ModelFolderError
     from rollart.observe.samples import SampleQueryError
     from rollart.observe.trackers import TrackerError
+    from rollart.policy.quarantine import TasksStoppedError
     from rollart.reward.functions import RewardError
     from rollart.runtime.resources import ResourcesError
     from rollart.trainer.gang_faults import GangWaitError
@@ -345,7 +335,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
             FileNotFoundError, FileExistsError, LoRATargetError, CheckpointError,
             MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
-            WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError)
+            WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError,
+            TasksStoppedError)
 
 
 def main(argv=None) -> int:

@@ -140,6 +140,12 @@ class Admission:
         """The group sequence's state (for a checkpoint), None before ``open``."""
         return self._slots.sequence.state() if self._slots is not None else None
 
+    def stop_task(self, task_name: str) -> None:
+        """Hand out no more groups of ``task_name`` (``GroupSequence.stop``)."""
+        if self._slots is not None:
+            self._slots.sequence.stop(task_name)
+            self._event().set()  # a manager waiting on a peeked group of it draws again
+
     def stop(self) -> None:
         """The buffer closes: waiting managers stop asking."""
         self._closing = True

@@ -481,6 +481,11 @@ class SampleBuffer:
             self.journal.soon(self._entry)
         self.admission.free(group_id)
 
+    async def stop_task(self, task_name: str) -> None:
+        """Draw no more groups of ``task_name``: it failed every trajectory for
+        ``Rollout.failing_task_steps`` (the driver decides: ``rollart.policy.quarantine``)."""
+        self.admission.stop_task(task_name)
+
     async def slot_stats(self) -> dict:
         """Slots held and their capacity, and the groups in flight or buffered counted
         from the ledger and the buffer's groups (not from the slots)."""

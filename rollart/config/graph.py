@@ -298,6 +298,11 @@ class Rollout:
     # group, or (its env declaring tools) no tool call, for this many trainer steps in a
     # row, and again once it recovers (rollart.observe.silent); 0: never
     silent_task_steps: int = 10
+    # stop launching a task once every trajectory of it that arrived failed with an error
+    # for this many trainer steps in a row (rollart.policy.quarantine): one console line
+    # names it, rollout/tasks_stopped counts it; every task stopped ends the run
+    # (TasksStoppedError); 0: never
+    failing_task_steps: int = 3
     # async and areal: groups in flight or buffered at once, in trainer steps' worth of
     # groups (GRPO.groups_per_step each), apart from the staleness bound alpha; None:
     # max(alpha, 1) steps' worth in async (rollart.policy.admission.slot_capacity) and
@@ -323,7 +328,10 @@ class Rollout:
                f"Rollout.failure_streak_limit must be ≥ 0 (0: never stop) or None, got "
                f"{self.failure_streak_limit!r}")
         _numbers(self, "stall_timeout", optional=True)
-        _numbers(self, "silent_task_steps", integer=True)
+        _numbers(self, "silent_task_steps", "failing_task_steps", integer=True)
+        _check(self.failing_task_steps >= 0,
+               f"Rollout.failing_task_steps must be an int ≥ 0 (trainer steps; 0: never "
+               f"stop a task), got {self.failing_task_steps!r}")
         _check(self.silent_task_steps >= 0,
                f"Rollout.silent_task_steps must be an int ≥ 0 (trainer steps; 0: never "
                f"warn), got {self.silent_task_steps!r}")

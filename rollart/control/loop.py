@@ -33,6 +33,7 @@ run directory; ``rollart.start_run`` calls it before its thread starts) + ``exec
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -47,6 +48,7 @@ from rollart.control.prepare import Prepared, connect, prepare, prepare_model
 from rollart.control.stages import Actors, Stages
 from rollart.env.tasks import is_agent_task, warmup_tasks
 from rollart.observe.figures import step_row
+from rollart.observe.metrics import stop_requested
 from rollart.observe.monitor import Monitor
 from rollart.observe.silent import SilentTasks
 from rollart.reward.offload import is_serverless
@@ -227,7 +229,6 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
             for row, sample in steps:
                 last.update(step=row["step"], time=row["time"])
                 running = monitor.step(row, sample)  # False once request_stop(run)
-                pipeline.name_failures(sample.buffer)  # a step shorter than the watchdog's tick
                 for notice in silent.update(row, sample.buffer.get("tasks")):
                     logger.warning("%s", notice.text)
                     monitor.notice(notice)
@@ -241,6 +242,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                                     elapsed=row["time"], **record)
                 if not running:
                     break
+        running = running and not stop_requested(run_dir.name)  # stopped before step 1
         model_dir = bounded(fleet.actors.trainer.save(str(run_dir / "model")),
                             stages.waits.call, f"the trainer on "
                             f"{fleet.actors.trainer._address} did not save the model")
@@ -254,7 +256,8 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         pipeline.close()  # e.g. the rollout workers' priority back
         final_counts = _shutdown(fleet.actors, pools)
         (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
-    plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
+    if log.rows:  # none when stopped before the first step (e.g. in the warm-up)
+        plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
     feed.maybe_publish(force=True)
     trackers.finish(str(run_dir / "reward.png"), "finished" if running else "stopped")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir,
@@ -371,7 +374,8 @@ def _start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
 
 def _warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> str:
     """The built-in model's format warm-up on the trainer (``Trainer.warmup``, bounded by
-    ``Waits.warmup``), saved to ``RUN/warmup_model``; returns that folder."""
+    ``Waits.warmup``; ended early by ``Run.stop``), saved to ``RUN/warmup_model``;
+    returns that folder."""
     from rollart.observe.progress import warmup_bar
 
     graph, p = stages.graph, stages.graph.policy
@@ -383,12 +387,14 @@ def _warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> s
         episode_threads=p.warmup_episode_threads,
         **p.conversation_options()), waits.warmup(total),
         f"the trainer's warm-up ({total} steps) {on} did not finish",
-        "warmup-step"), total, progress)
+        "warmup-step"), total, progress, stop=functools.partial(stop_requested, run_dir.name))
     warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
                          waits.call, f"the trainer {on} did not save the warm-up model")
     bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
             if p.warmup_bare_tool_steps else "")
-    print(f"warm-up: {total} format steps{bare}, loss {info['warmup/loss_first']:.3f}"
+    done = info["warmup/steps"]  # fewer once the run was asked to stop
+    print(f"warm-up: {done if done == total else f'stopped after {done} of {total}'} "
+          f"format steps{bare}, loss {info['warmup/loss_first']:.3f}"
           f" -> {info['warmup/loss_last']:.3f}")
     return warmup_dir
 
@@ -405,12 +411,16 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
     bar.update(first - 1)
     try:
         for step in range(first, graph.steps + 1):
+            if stop_requested(run_dir.name):  # asked before a step ran (warm-up, start-up)
+                return
             trainer = _step(client, pipeline, step, run_dir)
             sample = fleet.sample(latencies=True, timeout=None)
+            pipeline.after_step(sample.buffer)  # name failing tasks, stop hopeless ones
             extra = reward_metrics(client, pools, sample.managers) if serverless else {}
             extra.update({"recovery/actors_replaced": len(fleet.supervisor.events),
                           "recovery/groups_restarted": pipeline.restarted_groups,
-                          "rollout/groups_refilled": pipeline.refilled_groups})
+                          "rollout/groups_refilled": pipeline.refilled_groups,
+                          "rollout/tasks_stopped": len(pipeline.failing.stopped)})
             row = step_row(trainer, sample, elapsed=time.time() - t_start,
                            driver_errors=len(pipeline.errors), extra=extra,
                            tasks=graph.task_names)

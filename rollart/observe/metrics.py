@@ -48,6 +48,11 @@ def request_stop(run: str) -> None:
     _STOP.add(run)
 
 
+def stop_requested(run: str) -> bool:
+    """``request_stop(run)`` was called and the run has not ended yet."""
+    return run in _STOP
+
+
 def histogram(values, edges=LATENCY_EDGES) -> list[int]:
     """Counts per bin; bin i is [edges[i], edges[i+1]), the first and last bins are open.
 

@@ -70,13 +70,18 @@ def cluster_bar(n_workers: int, enabled: bool = True, interval: float = 0.25):
 
 
 def warmup_bar(trainer, future, total: int, enabled: bool = True,
-               interval: float = 0.5):
+               interval: float = 0.5, stop=None):
     """Wait for the warm-up ``future`` (an actor call on ``trainer``) with a bar of its
-    steps; returns its result (re-raises its error)."""
+    steps; returns its result (re-raises its error). Once ``stop()`` is true (the run
+    was asked to stop: ``rollart.observe.metrics.stop_requested``) the trainer is told
+    to end the warm-up after its current step (``Trainer.stop_warmup``)."""
     bar = _bar(total, "format warm-up", enabled, "step")
+    stopping = None
     try:
         while not future.done():
             time.sleep(interval)
+            if stopping is None and stop is not None and stop():
+                stopping = trainer.stop_warmup()  # the warm-up's future ends soon after
             if enabled:
                 try:
                     done = min(int(trainer.warmup_done), total)

@@ -70,10 +70,33 @@ class GroupSequence:
         self.rng = random.Random(self.seed)
         self.n_groups = 0
         self._peeked: tuple | None = None
+        self.stopped: set[str] = set()  # task names never drawn again (``stop``)
 
     def _draw(self) -> tuple:
-        task = self.rng.choices(self.tasks, weights=self.weights)[0]
+        weights = [0.0 if _name(t) in self.stopped else w
+                   for t, w in zip(self.tasks, self.weights)]
+        task = self.rng.choices(self.tasks, weights=weights)[0]
         return task, self.rng.randrange(1_000_000)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every task with a weight was stopped: there is nothing left to draw."""
+        return not any(w > 0 and _name(t) not in self.stopped
+                       for t, w in zip(self.tasks, self.weights))
+
+    def stop(self, task_name: str) -> None:
+        """Draw no more groups of ``task_name`` (it failed every trajectory for
+        ``Rollout.failing_task_steps``: ``rollart.policy.quarantine``); a group of it
+        already peeked is drawn again.
+
+        >>> from rollart.env.tasks import get_task
+        >>> seq = GroupSequence([get_task("gridnav"), get_task("guess")], None, 0, 2)
+        >>> seq.stop("guess"); {seq.next()[0].name for _ in range(20)}, seq.exhausted
+        ({'gridnav'}, False)
+        """
+        self.stopped.add(task_name)
+        if self._peeked is not None and _name(self._peeked[0]) == task_name:
+            self._peeked = None
 
     def peek(self) -> tuple:
         """The next group without using it up."""
@@ -89,11 +112,13 @@ class GroupSequence:
 
     def state(self) -> dict:
         """What a checkpoint keeps to continue the sequence."""
+        stopped = sorted(self.stopped)
         if self._peeked is not None:  # a peeked draw is not used yet: replay to before it
-            return {"n_groups": self.n_groups, "rng": None}
-        return {"n_groups": self.n_groups, "rng": self.rng.getstate()}
+            return {"n_groups": self.n_groups, "rng": None, "stopped": stopped}
+        return {"n_groups": self.n_groups, "rng": self.rng.getstate(), "stopped": stopped}
 
     def load_state(self, state: dict) -> None:
+        self.stopped = set(state.get("stopped") or ())
         if state.get("rng") is None:
             self.rng, self.n_groups = random.Random(self.seed), 0
             self.advance_to(int(state["n_groups"]))
@@ -216,7 +241,8 @@ class Slots:
                 self.retry.remove(work)
                 self.held[work.group_id] = holder
                 return work
-        if self.room(training) <= 0 or not mine(self.sequence.peek()[0]):
+        if self.room(training) <= 0 or self.sequence.exhausted or \
+                not mine(self.sequence.peek()[0]):
             return None
         task, seed, gid, size = self.sequence.next()
         self.held[gid] = holder
@@ -261,6 +287,11 @@ class Slots:
                 "slots_retry": len(self.retry), "groups_drawn": self.sequence.n_groups,
                 "slots_version": self.version, "slots_trained": self.trained,
                 "slots_take_window": self.take_window}
+
+
+def _name(task) -> str:
+    """A task's name (a sequence may draw names, as the simulator's does)."""
+    return getattr(task, "name", task)
 
 
 def _tupled(x):

@@ -142,9 +142,17 @@ class Resources:
                                           "options": options}
         return specs
 
-    def make_cluster(self, asynchronous: bool = False):
-        """Start the declared pools as a ``SpecCluster`` (scheduler in this process)."""
+    def make_cluster(self, asynchronous: bool = False, dask_logs: str | None = None):
+        """Start the declared pools as a ``SpecCluster`` (scheduler in this process).
+
+        Dask's INFO logs are off (its loggers at WARNING, here and in the worker
+        processes) unless asked for: ``dask_logs="info"`` or ``ROLLART_DASK_LOGS=info``
+        (or a level in ``DASK_LOGGING__DISTRIBUTED``; ``rollart.runtime.logs``)."""
         from distributed import Scheduler, SpecCluster
+
+        from rollart.runtime.logs import set_dask_logs
+
+        set_dask_logs(dask_logs)
 
         if self.address:
             raise ResourcesError(f"{self.source} points at {self.address}; connect instead")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +118,7 @@ class Trainer(TrainerState):
         self.busy_seconds = 0.0
         self.waited_seconds = 0.0
         self.stepping = False  # a train_step is running
+        self._warmup_stop = threading.Event()  # set by stop_warmup: the run was stopped
 
     def _load_policy(self, model_path: str):
         """The model being trained (backends override: ``rollart.trainer.megatron``), on
@@ -183,21 +185,29 @@ class Trainer(TrainerState):
         (rollout waits for the first weights), so the trainer's own thread limit, sized
         for sharing the host with rollout, is lifted for it and restored after.
         ``bare_tool_steps`` (``Policy.warmup_bare_tool_steps``) come first; the progress
-        counter counts both stages."""
+        counter counts both stages. ``stop_warmup`` ends it after the step in progress
+        (the run was asked to stop)."""
         losses = await self._run(with_threads, threads or usable_cores(), run_warmup,
                                  self.model, self.tokenizer, list(tasks), steps=steps,
                                  batch_size=batch_size, lr=lr, seed=seed,
                                  bare_tool_steps=bare_tool_steps,
                                  episode_threads=episode_threads,
-                                 on_step=self._warmup_step, **conversation)
+                                 on_step=self._warmup_step, stop=self._warmup_stop,
+                                 **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state
         self._base_dirty = self.lora is not None  # LoRA: publish this base once
         return {"warmup/loss_first": losses[0] if losses else None,
                 "warmup/loss_last": losses[-1] if losses else None,
-                "warmup/steps": steps + bare_tool_steps}
+                "warmup/steps": len(losses)}
 
     def _warmup_step(self, n: int) -> None:
         self.warmup_done = n
+
+    async def stop_warmup(self) -> None:
+        """End the warm-up in progress (or the next one) after its current step: the run
+        was asked to stop (``Run.stop``); served on the worker's event loop while the
+        warm-up computes in the trainer's thread."""
+        self._warmup_stop.set()
 
     async def publish(self) -> int:
         """Put the current weights into the store as ``self.version``."""

@@ -180,9 +180,10 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
                seed: int = 0, obs_weight: float = 1.0, conversation: str = "auto",
                system_prompt: str | None = None, max_context: int | None = None,
                bare_tool_steps: int = 0, episode_threads: int | None = None,
-               on_step=None) -> list[float]:
+               on_step=None, stop=None) -> list[float]:
     """Supervised steps on random valid actions; returns the loss curve (``on_step(n)``
-    after each step: the trainer's progress counter).
+    after each step: the trainer's progress counter). ``stop`` (a ``threading.Event``,
+    set from another thread) ends the warm-up after the step in progress.
 
     Episodes are rendered in the rollout's conversation format (``conversation``,
     ``system_prompt``: ``rollart.chat.conversation``), within ``max_context`` tokens (the
@@ -240,6 +241,12 @@ def run_warmup(model, tokenizer, tasks, *, steps: int, batch_size: int, lr: floa
                 losses.append(_step(model, opt, ids, attn, mask, weight))
                 if on_step is not None:
                     on_step(len(losses))
+                if stop is not None and stop.is_set():
+                    break
+            if stop is not None and stop.is_set():
+                logger.warning("warm-up stopped after %d steps: the run was asked to stop",
+                               len(losses))
+                break
     model.eval()
     if counts.get("truncated"):
         logger.warning("warm-up: %d episodes cut at the context budget of %d tokens",

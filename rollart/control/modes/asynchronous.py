@@ -72,6 +72,12 @@ class AsyncPipeline(Pipeline):
             logger.warning("could not give the rollout workers their priority back: %r", e)
         self.yielded = {}
 
+    def stop_task(self, task: str) -> None:
+        """The buffer draws the groups once it has its slots: it stops drawing ``task``."""
+        super().stop_task(task)
+        if self._slotted is not None:
+            self.fleet.ask_buffer("stop_task", task)
+
     def admission(self):
         """The buffer's admission policy: ``slot_capacity`` groups at once
         (``Rollout.max_in_flight`` steps' worth, else ``max(alpha, 1)``)."""

@@ -33,6 +33,9 @@ version, each worker's and its last load error. A trajectory that failed with a
 configuration error (``rollart.buffer.arrivals.STOPS_RUN``: an agent's request the chat
 template can never serve) stops the run at the next look with that error
 (``stop_on_config_error``: a ``ChatTemplateError``, one line and rc 2 from the CLI).
+A task whose every trajectory failed for ``Rollout.failing_task_steps`` trainer steps
+in a row is no longer launched (``after_step``, the rule: ``rollart.policy.quarantine``);
+once every task is, the run stops with ``TasksStoppedError`` (one line, rc 2).
 
 After every step the loop reads the ledger's counts (``traj/<state>``) with the rest of
 the fleet's sample; the buffer checks that they add up to the launches (a mismatch
@@ -47,6 +50,7 @@ import time
 
 from rollart.control.fleet import ActorLost, Fleet
 from rollart.policy.admission import GroupSequence
+from rollart.policy.quarantine import FailingTasks, TasksStoppedError
 from rollart.policy.staleness import StalenessBound
 from rollart.policy.watchdog import Watchdog
 
@@ -64,6 +68,7 @@ class Pipeline(abc.ABC):
         self.watchdog = Watchdog.for_graph(graph, time.monotonic())
         self._checked = 0.0  # last watchdog look (check_failures)
         self._named: set[str] = set()  # tasks whose first failure was named in the console
+        self.failing = FailingTasks(graph.rollout.failing_task_steps)  # stopped tasks
         self.refilled_groups = 0  # lockstep modes: groups re-run after all members failed
         self.restarted_groups = 0  # lockstep modes: groups restarted after a lost manager
         self.trainer_recoveries = 0
@@ -90,6 +95,7 @@ class Pipeline(abc.ABC):
 
     def load_state(self, state: dict) -> None:
         self.sequence.load_state(state)
+        self.failing.stopped = sorted(self.sequence.stopped)
 
     @abc.abstractmethod
     def step(self, step: int) -> dict:
@@ -158,6 +164,32 @@ class Pipeline(abc.ABC):
                 logger.warning("task %r: a trajectory failed: %s (its first failure; "
                                "failed ones are counted as traj/failed/%s)", task,
                                first[:400], task)
+
+    def after_step(self, buffer: dict) -> None:
+        """At each step's end (``buffer``: the buffer's ``stats`` read after it): name
+        the tasks that failed for the first time (a step shorter than the watchdog's
+        tick left them unnamed) and stop the tasks that failed every trajectory for
+        ``Rollout.failing_task_steps`` steps (``rollart.policy.quarantine``)."""
+        self.name_failures(buffer)
+        for task in self.failing.update(buffer.get("tasks")):
+            error = str((buffer.get("first_errors") or {}).get(task) or "failed").strip()
+            logger.warning("task %r stopped: every trajectory of it failed for %d trainer "
+                           "steps in a row, so it is not launched again (its first error: "
+                           "%s; counted as rollout/tasks_stopped)", task,
+                           self.failing.steps, error.splitlines()[0][:400])
+            self.stop_task(task)
+        if self.failing.stopped and self.sequence.exhausted:
+            firsts = buffer.get("first_errors") or {}
+            raise TasksStoppedError(
+                "every task was stopped after failing every trajectory for "
+                f"{self.failing.steps} trainer steps in a row (Rollout.failing_task_steps)"
+                ": " + "; ".join(f"{t}: {str(firsts.get(t, 'failed')).strip()[:200]}"
+                                 for t in self.failing.stopped)
+                + ". Fix the env or reward they point at, then run again")
+
+    def stop_task(self, task: str) -> None:
+        """Draw no more groups of ``task`` (the asynchronous modes: in the buffer too)."""
+        self.sequence.stop(task)
 
     # -- the trainer step -------------------------------------------------------------
     def train(self, step: int, while_waiting=None) -> dict:

@@ -26,7 +26,8 @@ the generation prompt), sampled at temperature 1 (top-p 1, no top-k) for at most
   above (the same warm-up, the same number of rounds; not interleaved with them, so its
   ratio ``vllm_vs_engine`` is of medians, not per round).
 * ``engine_nobatch`` (where the time goes: batching): the engine one row at a time
-  (``max_batch`` 1);
+  (``max_batch`` 1), on the first group's rows only (a row's tokens/s alone does not
+  depend on how many rows follow it, and the side costs the most);
 * ``engine_noshare`` (where the time goes: prefix sharing): every row's prompt made
   distinct by a per-row first token of the user turn (the same length and shape), so no
   row shares another's prefill.
@@ -197,8 +198,8 @@ def main(argv=None) -> None:
         "bare": lambda s: run_bare(model, tok, shared, args.new, stop, s),
         "engine": lambda s: run_engine(engines["engine"], shared, args.new, stop, s),
         "engine_noshare": lambda s: run_engine(engines["engine"], distinct, args.new, stop, s),
-        "engine_nobatch": lambda s: run_engine(engines["engine_nobatch"], shared, args.new,
-                                               stop, s),
+        "engine_nobatch": lambda s: run_engine(engines["engine_nobatch"],
+                                               shared[:args.group_size], args.new, stop, s),
     }
     for name, fn in sides.items():  # warm-up, untimed
         fn(10_000)

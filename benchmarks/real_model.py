@@ -20,7 +20,7 @@ Run it alone on an idle machine; each run takes about ``K`` minutes on two cores
     python benchmarks/real_model.py --quick      # one seed, two tiny LoRA steps: a smoke run
 
 ``--plot`` draws the newest full record of each method into
-``docs/how-to/real-model-curve.png`` (the how-to's curve).
+``benchmarks/figures/real_model_curve.png`` (the how-to's curve).
 
 Appends one record per invocation to ``benchmarks/results/real_model.jsonl`` (date,
 commit, load average before, command, every run's figures and per-step rewards).
@@ -86,7 +86,7 @@ def stderr(a: float, b: float, n: int) -> float:
     return math.sqrt(a * (1 - a) / n + b * (1 - b) / n)
 
 
-CURVE = ROOT / "docs" / "how-to" / "real-model-curve.png"
+CURVE = ROOT / "benchmarks" / "figures" / "real_model_curve.png"
 RECORDS = ROOT / "benchmarks" / "results" / "real_model.jsonl"
 
 

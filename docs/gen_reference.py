@@ -23,6 +23,7 @@ import argparse
 import ast
 import io
 import json
+import os
 import re
 import sys
 import tokenize
@@ -214,8 +215,9 @@ def _table(records: list[dict]) -> list[str]:
     return out
 
 
-def latest_records(script: str, n: int = 3) -> str:
-    """The newest ``n`` records of ``benchmarks/<script>.py`` as a table, for its page."""
+def latest_records(script: str, n: int = 3, log: str = "results.md") -> str:
+    """The newest ``n`` records of ``benchmarks/<script>.py`` as a table, for its page
+    (``log``: the results log's address from that page)."""
     if not (ROOT / "benchmarks" / f"{script}.py").exists():
         raise ValueError(f"<!-- results: {script} -->: there is no benchmarks/{script}.py")
     records = _records(script)
@@ -225,7 +227,7 @@ def latest_records(script: str, n: int = 3) -> str:
     shown = records[:n]
     return "\n".join([f"The newest {len(shown)} of {len(records)} record(s) in "
                       f"`benchmarks/results/{script}.jsonl` (all of them: [results log]"
-                      "(results.md)), generated at build time:", "", *_table(shown)])
+                      f"({log})), generated at build time:", "", *_table(shown)])
 
 
 RESULTS_MARKER = re.compile(r"<!-- results: ([A-Za-z0-9_]+) -->")
@@ -287,7 +289,8 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     """MkDocs hook: ``<!-- results: SCRIPT -->`` becomes SCRIPT's newest records."""
-    return RESULTS_MARKER.sub(lambda m: latest_records(m.group(1)), markdown)
+    log = os.path.relpath("benchmarks/results.md", os.path.dirname(page.file.src_uri) or ".")
+    return RESULTS_MARKER.sub(lambda m: latest_records(m.group(1), log=log), markdown)
 
 
 if __name__ == "__main__":  # print a page: python docs/gen_reference.py reference/cli.md

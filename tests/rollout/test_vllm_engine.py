@@ -320,6 +320,37 @@ def test_pipeline_trains_with_the_vllm_engine(tmp_path):
     assert rows[-1]["trainer/staleness_max"] == 0
 
 
+def test_the_real_graph_trains_with_the_vllm_engine(tmp_path):
+    """``graphs/real.py:smoke`` with its inference on the vLLM engine: SmolLM2-135M-Instruct
+    (fetched and converted once: ``rollart.pretrained``; CI's real step has cached it),
+    two LoRA steps of its two English tasks, vLLM serving the published adapters."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from distributed import Client
+
+    from rollart import train
+    from rollart.buffer import read_samples
+    from rollart.config.graph import load_graph
+    from rollart.runtime.resources import load_resources
+
+    root = Path(__file__).resolve().parents[2]
+    graph = load_graph(f"{root}/graphs/real.py:smoke")[0]
+    graph = replace(graph, policy=replace(graph.policy, engine="vllm"))
+    res = replace(load_resources(), processes=False, dashboard_address=":0")
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,
+                       eval_seeds=0)
+    rows = result.metrics
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/group_errors"] == 0 for r in rows)
+    assert sum(r["trainer/tokens"] for r in rows) > 0
+    samples = read_samples(tmp_path / "run").to_pylist()
+    trained = [r for r in samples if r["state"] == "trained"]
+    assert {r["task"] for r in trained} <= {"guess_number", "calculator"} and trained
+    assert all(any(r["loss_mask"]) for r in trained)
+
+
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
     """A chat folder not built by rollart: the BPE tokenizer and ChatML template with

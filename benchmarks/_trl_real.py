@@ -1,0 +1,163 @@
+"""``graphs/real.py``'s multi-turn task as Hugging Face TRL sees it, on the real model
+(SmolLM2-135M-Instruct): the TRL side of ``benchmarks/vs_trl_real.py``.
+
+TRL's recommended set-up for a multi-turn task is ``GRPOTrainer``'s
+``environment_factory``: the model's reply is parsed into a tool call, the environment
+method of that name runs, its return value is appended as a ``tool`` message, and the
+model replies again until a reply carries no tool call. SmolLM2's ChatML template has
+no tool syntax and TRL ships no response parser for it (``add_response_schema`` refuses
+an unknown template), so, as TRL's docs ask for such a model, this module sets both:
+
+* ``GAME_TEMPLATE`` is SmolLM2's own template (system, user and assistant turns rendered
+  byte for byte as SmolLM2 renders them) in which the game's one tool, ``act``, is
+  invisible: a call renders as the reply's text in the assistant turn, and the tool's
+  answer as a ``user`` turn. Rollart renders ``guess_number`` exactly so (its env's
+  replies are user turns), so both trainers see the same token sequences, prompts
+  included (the system prompt is the task's);
+* ``GameTokenizer.parse_response`` makes every reply an ``act`` call while the game is
+  on, and a closing message once the last user turn ended it (``Correct, it was …`` or
+  ``No guesses left.``): TRL always asks the model once more after the last env step,
+  and those few tokens are part of its batch, as with the toy (``_trl_env``).
+
+The env (``_trl_env.GameEnv``) wraps the rollart env and owns the reward
+(``get_reward``: the task's own reward function on the episode). ``run_trl`` trains
+with TRL (imported there only) with LoRA through TRL's ``peft_config`` (the same rank,
+alpha and target layers as rollart's ``LoRA``) or every weight.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerFast
+
+from rollart.model import load_tokenizer
+
+from _trl_env import RESPONSE_TEMPLATE, TOOL, GameEnv, trl_config
+
+GAME_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if loop.first and messages[0].role != 'system' -%}"
+    "{{- '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if m.tool_calls -%}"
+    "{%- for tc in m.tool_calls -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- if f.name == '" + TOOL + "' -%}"
+    "{{- f.arguments.action if f.arguments.action is defined else '' -}}"
+    "{%- else -%}{{- f.name ~ ' ' ~ (f.arguments | tojson) -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{- m.content -}}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|im_start|>user\n' + m.content + '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+#: the env's last texts: a turn that starts with or contains one of these ended the game
+GAME_OVER = ("Correct, it was", "No guesses left.")
+
+
+class GameTokenizer(PreTrainedTokenizerFast):
+    """The real model's byte-level BPE tokenizer (its ids as rollart loads them) with
+    ``GAME_TEMPLATE`` and a parser of replies into ``act`` calls."""
+
+    @classmethod
+    def from_model_folder(cls, path) -> "GameTokenizer":
+        base = load_tokenizer(path)
+        return cls(tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token,
+                   pad_token=base.pad_token or base.eos_token, bos_token=base.bos_token,
+                   unk_token=base.unk_token, clean_up_tokenization_spaces=False)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chat_template = GAME_TEMPLATE
+        self.response_template = RESPONSE_TEMPLATE
+        self.padding_side = "left"  # TRL generates from left-padded prompts
+
+    def parse_response(self, response, schema=None, *, prefix=None, tools=None):
+        """A reply → an ``act`` call while the game is on, else a closing message."""
+        ids = [i for i in response if i != self.eos_token_id]
+        text = self.decode(ids, skip_special_tokens=True).strip()
+        before = self.decode(list(prefix or []), skip_special_tokens=False)
+        last = before.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
+        if any(marker in last for marker in GAME_OVER):
+            return {"role": "assistant", "content": text}
+        call = {"type": "function", "function": {"name": TOOL, "arguments": {"action": text}}}
+        return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def env_class(task) -> type[GameEnv]:
+    """A ``GameEnv`` subclass playing ``task`` (a ``Task`` object, e.g. from
+    ``graphs/real.py``): pass the class as TRL's ``environment_factory``."""
+    return type(f"{task.name.title().replace('_', '')}Env", (GameEnv,), {"task": task})
+
+
+def run_trl(model_dir: str, s: dict, task, seeds: list[int], out_dir: str,
+            threads: int) -> tuple[list[dict], list[tuple]]:
+    """Train with TRL's ``GRPOTrainer`` on ``task`` with ``vs_trl_real.Settings`` ``s`` (a
+    dict), one group per seed in ``seeds`` (the order rollart draws them). Returns one row
+    per optimizer step (rollart's metric names) and the snapshots saved every
+    ``s["eval_every"]`` steps and at the last, ``(step, time, folder)``: the save is
+    inside the timed window, as rollart's checkpoints are."""
+    import os
+    import time
+    import warnings
+
+    import torch
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    from _trl_env import save_snapshot
+    from rollart.model import load_model
+
+    batch = s["group_size"] * s["groups_per_step"]
+    prompt = [{"role": "system", "content": task.system_prompt}, {"role": "user", "content": ""}]
+    data = Dataset.from_dict({"prompt": [prompt] * len(seeds), "seed": seeds})
+    rows: list[dict] = []
+    snaps: list[tuple] = []
+
+    class Rows(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0, self.tokens = time.time(), 0.0
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            step = state.global_step
+            if step % s["eval_every"] == 0 or step == s["steps"]:
+                path = save_snapshot(model, model_dir, f"{out_dir}/snap/step-{step:06d}")
+                snaps.append((step, time.time() - self.t0, path))
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "reward" not in logs:
+                return  # the end-of-training summary
+            self.tokens += logs["completions/mean_length"] * batch
+            rows.append({"step": state.global_step, "time": time.time() - self.t0,
+                         "reward/mean": logs["reward"],
+                         "rollout/tokens_generated": self.tokens})
+
+    config = trl_config(s, task, out_dir)
+    config.scale_rewards = s["scale_rewards"]  # rollart's GRPO.scale_rewards
+    config.max_completion_length = s["max_completion_length"]
+    peft = None
+    if s.get("lora_rank"):
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=s["lora_rank"], lora_alpha=2 * s["lora_rank"], lora_dropout=0.0,
+                          target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=load_model(model_dir), args=config, train_dataset=data,
+                          processing_class=GameTokenizer.from_model_folder(model_dir),
+                          environment_factory=env_class(task), callbacks=[Rows()],
+                          peft_config=peft)
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return rows, snaps

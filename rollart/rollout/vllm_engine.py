@@ -116,6 +116,14 @@ class VLLMEngine(BatchingEngine):
                     enforce_eager=cpu, enable_prefix_caching=True,
                     logprobs_mode="processed_logprobs", max_num_seqs=self.max_batch,
                     max_model_len=self.max_positions, skip_tokenizer_init=True, seed=0)
+        if cpu:
+            # vLLM rewinds a seeded request's generator after a partial (chunked) prefill
+            # with a CUDA-only call (``Generator.set_offset``), which raises on the CPU and
+            # kills the engine once a batch's prompts outgrow one step's token budget
+            # (32 prompts of ~100 tokens did): on the CPU a prompt is prefilled whole
+            # (one that does not fit this step waits for the next), never chunked
+            args.update(enable_chunked_prefill=False,
+                        max_num_batched_tokens=max(self.max_positions, 2048))
         if self.lora is not None:  # one adapter live at a time, the previous one cached
             rank = min(r for r in VLLM_RANKS if r >= self.lora["r"])
             args.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)

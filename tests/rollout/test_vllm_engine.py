@@ -320,6 +320,23 @@ def test_pipeline_trains_with_the_vllm_engine(tmp_path):
     assert rows[-1]["trainer/staleness_max"] == 0
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget(vllm_model_dir, chunked=None):
+    """Seeded sampled requests whose prompts together outgrow one scheduler step's token
+    budget (24 x 120 tokens > 2,048): on the CPU vLLM would prefill some in chunks and
+    then rewind their seeded generators with a CUDA-only call that raises ("CPU
+    Generator does not use offset"), killing the engine; rollart's CPU engine prefills
+    every prompt whole (a graph's first turn: 32 rows of ~100 tokens did this)."""
+    kw = {} if chunked is None else {"enable_chunked_prefill": chunked,
+                                     "max_num_batched_tokens": 2048}
+    eng = VLLMEngine(vllm_model_dir, max_batch=32, block_size=32, **kw)
+    reqs = [GenRequest([3 + (i + k) % 20 for k in range(120)], max_new_tokens=4,
+                       temperature=1.0, seed=1000 + i) for i in range(24)]
+    out = eng.generate(reqs)
+    assert [len(r.token_ids) for r in out] == [4] * 24
+    again = eng.generate(reqs)  # seeded: the same tokens
+    assert [r.token_ids for r in again] == [r.token_ids for r in out]
+
+
 def test_the_real_graph_trains_with_the_vllm_engine(tmp_path):
     """``graphs/real.py:smoke`` with its inference on the vLLM engine: SmolLM2-135M-Instruct
     (fetched and converted once: ``rollart.pretrained``; CI's real step has cached it),

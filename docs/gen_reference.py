@@ -289,7 +289,8 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     """MkDocs hook: ``<!-- results: SCRIPT -->`` becomes SCRIPT's newest records."""
-    log = os.path.relpath("benchmarks/results.md", os.path.dirname(page.file.src_uri) or ".")
+    here = os.path.dirname(page.file.src_uri) if page is not None else "benchmarks"
+    log = os.path.relpath("benchmarks/results.md", here or ".")
     return RESULTS_MARKER.sub(lambda m: latest_records(m.group(1), log=log), markdown)
 
 

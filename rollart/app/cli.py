@@ -310,12 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The errors that are the user's to fix (their message says how): ``main`` prints
-    them as one line. Dask re-raises an actor's error as its own class, so a warm-up's
+    them as one line (with a run's latest errors, for a failure storm or a stall). Dask re-raises an actor's error as its own class, so a warm-up's
     ``WarmupEnvError`` on the trainer's worker arrives here as one."""
     from rollart.config.graph import GraphError
     from rollart.config.preflight import RunDirError
     from rollart.control.checkpoint import CheckpointError
     from rollart.control.prepare import SchedulerConnectError
+    from rollart.control.supervisor import FailureStormError, StallError
     from rollart.chat.conversation import ConversationError
     from rollart.env.protocol import EnvOutputError
     from rollart.env.tasks import UnknownTaskError
@@ -336,7 +337,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
             MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
             WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError,
-            TasksStoppedError)
+            TasksStoppedError, FailureStormError, StallError)
 
 
 def main(argv=None) -> int:

@@ -74,6 +74,9 @@ def test_a_page_shows_the_newest_records_from_the_log(monkeypatch, tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["`c5`", "`c4`", "`c3`"]
     assert "gang_step_ratio=0.5" in rows[0] and "steps_s_1" not in rows[0]
     assert "newest 3 of 5" in page and page.startswith("before\n") and page.endswith("after")
+    how_to = type("Page", (), {"file": type("File", (), {"src_uri": "how-to/x.md"})})()
+    page = gen.on_page_markdown("<!-- results: trainer_gang -->", how_to, None, None)
+    assert "[results log](../benchmarks/results.md)" in page  # the log, from another folder
     (tmp_path / "benchmarks/chaos.py").write_text("")
     assert "No record yet" in gen.latest_records("chaos")
     with pytest.raises(ValueError, match="no benchmarks/nosuch.py"):

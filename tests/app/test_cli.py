@@ -302,26 +302,3 @@ def test_status_of_a_scheduler_that_is_not_there_is_one_line_and_exit_2(capsys):
     assert err.startswith(f"rollart: error: cannot connect to the Dask scheduler at "
                           f"tcp://127.0.0.1:{port}")
 
-
-@pytest.mark.slow
-def test_a_run_whose_every_trajectory_fails_from_the_start_ends_in_one_error(tmp_path):
-    """Every task broken from the first trajectory: no step completes, so the failing
-    task rule never fires and the failure-storm check stops the run; on the command line
-    that is the message (what failed, what to fix) and exit status 2, no traceback."""
-    f = tmp_path / "broken.py"
-    f.write_text(
-        "from rollart import GRPO, Graph, Policy, Rollout\n"
-        "from rollart.chaos.faults import Faults, with_faults\n"
-        "from rollart.env.tasks import get_task\n"
-        "def graph():\n"
-        "    task = with_faults(get_task('gridnav'), Faults(fail_prob=1.0, seed=0))\n"
-        "    return Graph(name='broken', tasks=(task,), steps=3,\n"
-        "                 policy=Policy(warmup_steps=2),\n"
-        "                 algo=GRPO(group_size=2, groups_per_step=2),\n"
-        "                 rollout=Rollout(failure_streak_limit=8))\n")
-    done = subprocess.run([sys.executable, "-m", "rollart", "train", str(f), "--run-dir",
-                           str(tmp_path / "run"), "--no-progress"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-    assert "rollart: error: the last" in done.stderr and "injected failure" in done.stderr

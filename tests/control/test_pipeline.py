@@ -128,12 +128,17 @@ def test_a_run_that_cannot_progress_stops_with_the_reason(local_cluster, tmp_pat
                                                           case):
     from rollart.control import supervisor as recovery
 
+    from rollart.app.cli import user_errors
+
     faults, rollout, error, message, knob = STOPS[case]
     graph = replace(_graph(mode, **rollout),
                     tasks=tuple(with_faults(t, faults) for t in ("gridnav", "boxpush")))
-    with pytest.raises(getattr(recovery, error), match=message):
+    with pytest.raises(getattr(recovery, error), match=message) as stopped:
         train(graph, client=local_cluster, run_dir=tmp_path / mode, progress=False,
               eval_seeds=0)
+    # the command line prints it as its message and exits 2, no traceback: its text
+    # says what to fix (rollart.app.cli.main)
+    assert isinstance(stopped.value, user_errors())
     with pytest.raises(GraphError, match=knob):
         Rollout(**{knob: -1})
 

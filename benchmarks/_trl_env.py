@@ -270,10 +270,22 @@ def save_snapshot(model, model_dir: str, path: str) -> str:
 def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], out_dir: str,
             threads: int) -> tuple[list[dict], list[tuple]]:
     """Train with TRL's GRPOTrainer on ``task_name`` (its envs inject ``faults``) with
-    ``vs_trl.Settings`` ``s`` (as a dict), one group per seed. Returns one row per
-    optimizer step with rollart's metric names, and the policy snapshots saved every
-    ``s["eval_every"]`` steps and at the last, as ``(step, time, folder)`` (the save is
-    inside the timed window, as rollart's checkpoints are)."""
+    ``vs_trl.Settings`` ``s`` (as a dict), one group per seed (``train_with_trl``)."""
+    task = get_task(task_name)
+    prompt = [{"role": "user", "content": ""}]
+    return train_with_trl(model_dir, s, task, prompt, seeds, out_dir, threads,
+                          tokenizer_for(model_dir, s.get("conversation", "raw")),
+                          env_class(task, faults), trl_config(s, task, out_dir))
+
+
+def train_with_trl(model_dir: str, s: dict, task, prompt: list[dict], seeds: list[int],
+                   out_dir: str, threads: int, tokenizer, environment, config,
+                   peft_config=None) -> tuple[list[dict], list[tuple]]:
+    """Train with TRL's GRPOTrainer from ``prompt`` (the dataset's messages; the env's
+    first observation is appended to the last), one group per seed, with ``config``.
+    Returns one row per optimizer step with rollart's metric names, and the policy
+    snapshots saved every ``s["eval_every"]`` steps and at the last, as ``(step, time,
+    folder)`` (the save is inside the timed window, as rollart's checkpoints are)."""
     import os
     import time
     import warnings
@@ -289,10 +301,8 @@ def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], o
 
     from rollart.model import load_model
 
-    task = get_task(task_name)
     batch = s["group_size"] * s["groups_per_step"]
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * len(seeds),
-                              "seed": seeds})
+    data = Dataset.from_dict({"prompt": [prompt] * len(seeds), "seed": seeds})
     rows: list[dict] = []
     snaps: list[tuple] = []
 
@@ -315,9 +325,9 @@ def run_trl(model_dir: str, s: dict, task_name: str, faults, seeds: list[int], o
                          "rollout/tokens_generated": self.tokens})
 
     trainer = GRPOTrainer(
-        model=load_model(model_dir), args=trl_config(s, task, out_dir), train_dataset=data,
-        processing_class=tokenizer_for(model_dir, s.get("conversation", "raw")),
-        environment_factory=env_class(task, faults), callbacks=[Rows()])
+        model=load_model(model_dir), args=config, train_dataset=data,
+        processing_class=tokenizer, environment_factory=environment, callbacks=[Rows()],
+        peft_config=peft_config)
     trainer.remove_callback(PrinterCallback)  # our own one line per run instead
     trainer.train()
     return rows, snaps

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerFast
 
 from rollart.model import load_tokenizer
 
-from _trl_env import RESPONSE_TEMPLATE, TOOL, GameEnv, trl_config
+from _trl_env import RESPONSE_TEMPLATE, TOOL, GameEnv, train_with_trl, trl_config
 
 GAME_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -101,50 +101,8 @@ def env_class(task) -> type[GameEnv]:
 def run_trl(model_dir: str, s: dict, task, seeds: list[int], out_dir: str,
             threads: int) -> tuple[list[dict], list[tuple]]:
     """Train with TRL's ``GRPOTrainer`` on ``task`` with ``vs_trl_real.Settings`` ``s`` (a
-    dict), one group per seed in ``seeds`` (the order rollart draws them). Returns one row
-    per optimizer step (rollart's metric names) and the snapshots saved every
-    ``s["eval_every"]`` steps and at the last, ``(step, time, folder)``: the save is
-    inside the timed window, as rollart's checkpoints are."""
-    import os
-    import time
-    import warnings
-
-    import torch
-
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(threads)
-    from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
-    from trl import GRPOTrainer
-
-    from _trl_env import save_snapshot
-    from rollart.model import load_model
-
-    batch = s["group_size"] * s["groups_per_step"]
-    prompt = [{"role": "system", "content": task.system_prompt}, {"role": "user", "content": ""}]
-    data = Dataset.from_dict({"prompt": [prompt] * len(seeds), "seed": seeds})
-    rows: list[dict] = []
-    snaps: list[tuple] = []
-
-    class Rows(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.tokens = time.time(), 0.0
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            step = state.global_step
-            if step % s["eval_every"] == 0 or step == s["steps"]:
-                path = save_snapshot(model, model_dir, f"{out_dir}/snap/step-{step:06d}")
-                snaps.append((step, time.time() - self.t0, path))
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if not logs or "reward" not in logs:
-                return  # the end-of-training summary
-            self.tokens += logs["completions/mean_length"] * batch
-            rows.append({"step": state.global_step, "time": time.time() - self.t0,
-                         "reward/mean": logs["reward"],
-                         "rollout/tokens_generated": self.tokens})
-
+    dict), one group per seed in ``seeds`` (the order rollart draws them), LoRA through
+    TRL's ``peft_config`` when ``s["lora_rank"]``: ``_trl_env.train_with_trl``."""
     config = trl_config(s, task, out_dir)
     config.scale_rewards = s["scale_rewards"]  # rollart's GRPO.scale_rewards
     config.max_completion_length = s["max_completion_length"]
@@ -154,10 +112,7 @@ def run_trl(model_dir: str, s: dict, task, seeds: list[int], out_dir: str,
 
         peft = LoraConfig(r=s["lora_rank"], lora_alpha=2 * s["lora_rank"], lora_dropout=0.0,
                           target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=load_model(model_dir), args=config, train_dataset=data,
-                          processing_class=GameTokenizer.from_model_folder(model_dir),
-                          environment_factory=env_class(task), callbacks=[Rows()],
-                          peft_config=peft)
-    trainer.remove_callback(PrinterCallback)
-    trainer.train()
-    return rows, snaps
+    prompt = [{"role": "system", "content": task.system_prompt}, {"role": "user", "content": ""}]
+    return train_with_trl(model_dir, s, task, prompt, seeds, out_dir, threads,
+                          GameTokenizer.from_model_folder(model_dir), env_class(task),
+                          config, peft)

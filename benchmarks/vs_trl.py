@@ -213,13 +213,19 @@ def run_rollart(client, model_dir: str, s: Settings, task, mode: str, redundancy
     graph = rollart_graph(s, task, model_dir, mode, redundancy, pools)
     rows = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
                          eval_seeds=0).metrics
+    return rows, snapshots(rows, run_dir)
+
+
+def snapshots(rows: list[dict], run_dir: Path) -> list[tuple[int, float, str]]:
+    """A rollart run's complete checkpoints as ``(step, time the step finished, model
+    folder)``, oldest first."""
     done = {r["step"]: r["time"] for r in rows}
     snaps = []
     for path in sorted((run_dir / "checkpoints").glob("step-*")):
         step = int(path.name.split("-")[1])
         if (path / "COMPLETE").exists() and step in done:
             snaps.append((step, done[step], str(path / "model")))
-    return rows, snaps
+    return snaps
 
 
 # -- figures --------------------------------------------------------------------------

@@ -115,15 +115,11 @@ def run_rollart(client, model_dir: str, s: Settings, run_dir: Path):
     """One rollart run: ``(rows, snapshots)``, snapshots ``(step, time, model folder)``."""
     import rollart
 
+    from vs_trl import snapshots
+
     rows = rollart.train(rollart_graph(s, model_dir), client=client, run_dir=run_dir,
                          progress=False, eval_seeds=0).metrics
-    done = {r["step"]: r["time"] for r in rows}
-    snaps = []
-    for path in sorted((run_dir / "checkpoints").glob("step-*")):
-        step = int(path.name.split("-")[1])
-        if (path / "COMPLETE").exists() and step in done:
-            snaps.append((step, done[step], str(path / "model")))
-    return rows, snaps
+    return rows, snapshots(rows, run_dir)
 
 
 def run_trl(model_dir: str, s: Settings, out_dir: str, threads: int):

@@ -353,7 +353,10 @@ def test_the_real_graph_trains_with_the_vllm_engine(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     graph = load_graph(f"{root}/graphs/real.py:smoke")[0]
-    graph = replace(graph, policy=replace(graph.policy, engine="vllm"))
+    # one inference pool: the in-process cluster's workers share this process, and vLLM
+    # builds one engine a process (a second one's layers clash in its global registry)
+    graph = replace(graph, policy=replace(graph.policy, engine="vllm"),
+                    rollout=replace(graph.rollout, inference_pools=("H800",)))
     res = replace(load_resources(), processes=False, dashboard_address=":0")
     with res.make_cluster() as cluster, Client(cluster) as client:
         result = train(graph, client=client, run_dir=tmp_path / "run", progress=False,

@@ -112,8 +112,9 @@ class GameTokenizer(PreTrainedTokenizerFast):
 # prompt, no tools): each observation a ``user`` turn, each action the ``assistant``
 # turn's content. TRL's loop records the env's replies as ``tool`` messages and the
 # actions as ``act`` calls; this template renders them as exactly those turns.
-CHAT_GAME_TEMPLATE = (
-    "{%- for m in messages -%}"
+#: a ChatML assistant turn in which an ``act`` call renders as the action's bare text
+#: (any other call as its name and JSON arguments)
+ASSISTANT_TURN = (
     "{%- if m.role == 'assistant' -%}"
     "{{- '<|im_start|>assistant\n' -}}"
     "{%- if m.tool_calls -%}"
@@ -125,6 +126,9 @@ CHAT_GAME_TEMPLATE = (
     "{%- endfor -%}"
     "{%- else -%}{{- m.content -}}{%- endif -%}"
     "{{- '<|im_end|>\n' -}}"
+)
+CHAT_GAME_TEMPLATE = (
+    "{%- for m in messages -%}" + ASSISTANT_TURN +
     "{%- else -%}"
     "{{- '<|im_start|>user\n' + m.content + '<|im_end|>\n' -}}"
     "{%- endif -%}"
@@ -135,7 +139,10 @@ CHAT_GAME_TEMPLATE = (
 
 class ChatGameTokenizer(PreTrainedTokenizerFast):
     """The chat toy's byte-level BPE tokenizer with ``CHAT_GAME_TEMPLATE`` for TRL: the
-    same ids rollart's ``conversation="chat"`` builds for a game."""
+    same ids rollart's ``conversation="chat"`` builds for a game. Subclasses set another
+    ``template`` and the rule ``game_on``."""
+
+    template = CHAT_GAME_TEMPLATE
 
     @classmethod
     def from_model_folder(cls, path) -> "ChatGameTokenizer":
@@ -146,9 +153,14 @@ class ChatGameTokenizer(PreTrainedTokenizerFast):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.chat_template = CHAT_GAME_TEMPLATE
+        self.chat_template = self.template
         self.response_template = RESPONSE_TEMPLATE
         self.padding_side = "left"
+
+    @staticmethod
+    def game_on(last: str) -> bool:
+        """Whether the last user turn's text asks for another action."""
+        return last.endswith(PROMPT_END)
 
     def parse_response(self, response, schema=None, *, prefix=None, tools=None):
         """A reply → an ``act`` call while the last user/tool turn asks for an action,
@@ -157,7 +169,7 @@ class ChatGameTokenizer(PreTrainedTokenizerFast):
         text = self.decode(ids, skip_special_tokens=True).strip()
         before = self.decode(list(prefix or []), skip_special_tokens=False)
         last = before.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0].strip()
-        if not last.endswith(PROMPT_END):
+        if not self.game_on(last):
             return {"role": "assistant", "content": text}
         call = {"type": "function", "function": {"name": TOOL, "arguments": {"action": text}}}
         return {"role": "assistant", "content": "", "tool_calls": [call]}

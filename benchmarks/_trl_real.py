@@ -27,29 +27,15 @@ alpha and target layers as rollart's ``LoRA``) or every weight.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerFast
-
-from rollart.model import load_tokenizer
-
-from _trl_env import RESPONSE_TEMPLATE, TOOL, GameEnv, train_with_trl, trl_config
+from _trl_env import (ASSISTANT_TURN, ChatGameTokenizer, GameEnv, train_with_trl,
+                      trl_config)
 
 GAME_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if loop.first and messages[0].role != 'system' -%}"
     "{{- '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
     "Hugging Face<|im_end|>\n' -}}"
-    "{%- endif -%}"
-    "{%- if m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\n' -}}"
-    "{%- if m.tool_calls -%}"
-    "{%- for tc in m.tool_calls -%}"
-    "{%- set f = tc.function if tc.function is defined else tc -%}"
-    "{%- if f.name == '" + TOOL + "' -%}"
-    "{{- f.arguments.action if f.arguments.action is defined else '' -}}"
-    "{%- else -%}{{- f.name ~ ' ' ~ (f.arguments | tojson) -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- else -%}{{- m.content -}}{%- endif -%}"
-    "{{- '<|im_end|>\n' -}}"
+    "{%- endif -%}" + ASSISTANT_TURN +
     "{%- elif m.role == 'tool' -%}"
     "{{- '<|im_start|>user\n' + m.content + '<|im_end|>\n' -}}"
     "{%- else -%}"
@@ -63,33 +49,15 @@ GAME_TEMPLATE = (
 GAME_OVER = ("Correct, it was", "No guesses left.")
 
 
-class GameTokenizer(PreTrainedTokenizerFast):
+class GameTokenizer(ChatGameTokenizer):
     """The real model's byte-level BPE tokenizer (its ids as rollart loads them) with
-    ``GAME_TEMPLATE`` and a parser of replies into ``act`` calls."""
+    ``GAME_TEMPLATE``; a reply is an ``act`` call until a turn ended the game."""
 
-    @classmethod
-    def from_model_folder(cls, path) -> "GameTokenizer":
-        base = load_tokenizer(path)
-        return cls(tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token,
-                   pad_token=base.pad_token or base.eos_token, bos_token=base.bos_token,
-                   unk_token=base.unk_token, clean_up_tokenization_spaces=False)
+    template = GAME_TEMPLATE
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.chat_template = GAME_TEMPLATE
-        self.response_template = RESPONSE_TEMPLATE
-        self.padding_side = "left"  # TRL generates from left-padded prompts
-
-    def parse_response(self, response, schema=None, *, prefix=None, tools=None):
-        """A reply → an ``act`` call while the game is on, else a closing message."""
-        ids = [i for i in response if i != self.eos_token_id]
-        text = self.decode(ids, skip_special_tokens=True).strip()
-        before = self.decode(list(prefix or []), skip_special_tokens=False)
-        last = before.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
-        if any(marker in last for marker in GAME_OVER):
-            return {"role": "assistant", "content": text}
-        call = {"type": "function", "function": {"name": TOOL, "arguments": {"action": text}}}
-        return {"role": "assistant", "content": "", "tool_calls": [call]}
+    @staticmethod
+    def game_on(last: str) -> bool:
+        return not any(marker in last for marker in GAME_OVER)
 
 
 def env_class(task) -> type[GameEnv]:

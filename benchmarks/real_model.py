@@ -2,13 +2,16 @@
 success before and after async GRPO, per task and per seed, full fine-tuning or LoRA.
 
 One invocation, one method (``--method full``: ``graphs/real.py``; ``--method lora``:
-``graphs/real.py:lora``; their learning rates were fixed in that file before any run):
+``graphs/real.py:lora``; ``--method warm-lora``: ``graphs/real.py:warm_lora``, LoRA after
+a short supervised warm-up on calculator's demonstrations; their settings were fixed in
+that file before any run):
 
 1. ``rollart eval smollm2-135m-instruct graphs/real.py --seeds N``: the untrained model's
    held-out success per task (the same held-out seeds every run is evaluated on: the
    pairs are per seed of the held-out set);
 2. for each run seed S: ``rollart train GRAPH --seed S --steps K --eval-seeds N``, each
-   run's own held-out evaluation of its final model;
+   run's own held-out evaluation of its final model (and, with a warm-up, of the model
+   the warm-up left: its own row);
 3. per task and seed, gain = after − before; the headline is the median over run seeds,
    ``gain_min`` the smallest of those medians over the tasks (the goal: ≥ +0.15 on every
    task within 60 minutes on two cores), with each gain's standard error
@@ -27,7 +30,9 @@ commit, load average before, command, every run's figures and per-step rewards).
 
 RESULT keys: ``gain_min``, ``gain_<task>`` (median over seeds), ``heldout_before_<task>``,
 ``heldout_after_<task>`` (median over seeds), ``seeds``, ``wall_s`` (median wall time of
-a run: start-up, RL steps, evaluation), ``rl_step_s`` (median), ``method``.
+a run: start-up, RL steps, evaluation), ``rl_step_s`` (median), ``method``; with a
+warm-up also ``heldout_warm_<task>`` (median after the warm-up, before RL) and
+``gain_rl_<task>`` (median over seeds of after − warm: RL's own share of the gain).
 """
 
 from __future__ import annotations
@@ -47,7 +52,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
 from _results import Run, add_arguments  # noqa: E402
 
-GRAPHS = {"full": "graphs/real.py", "lora": "graphs/real.py:lora"}
+GRAPHS = {"full": "graphs/real.py", "lora": "graphs/real.py:lora",
+          "warm-lora": "graphs/real.py:warm_lora"}
+#: --quick's graph per method: two tiny LoRA steps (after two demonstration steps)
+QUICK = {"full": "graphs/real.py:smoke", "lora": "graphs/real.py:smoke",
+         "warm-lora": "graphs/real.py:warm_smoke"}
 MODEL = "smollm2-135m-instruct"
 
 
@@ -75,7 +84,8 @@ def train_one(graph: str, seed: int, steps: int, eval_seeds: int, run_dir: Path,
     ev = json.loads((run_dir / "eval.json").read_text())
     timings = json.loads((run_dir / "timings.json").read_text())
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return {"seed": seed, "after": ev["trained"], "wall_s": time.time() - t0,
+    warm = {"warm": ev["warmup"]} if "warmup" in ev else {}
+    return {"seed": seed, "after": ev["trained"], **warm, "wall_s": time.time() - t0,
             "rl_step_s": timings["rl_s"] / max(timings["rl_steps"], 1),
             "timings": timings,
             "reward": {k: [r.get(k) for r in rows] for k in rows[0] if k.startswith(
@@ -147,8 +157,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=40, help="RL steps per run")
     p.add_argument("--eval-seeds", type=int, default=128, help="held-out seeds per task")
     p.add_argument("--quick", action="store_true",
-                   help="one seed, graphs/real.py:smoke's two tiny LoRA steps, 4 held-out "
-                        "seeds (a smoke run: records nothing)")
+                   help="one seed, graphs/real.py:smoke's two tiny LoRA steps (warm-lora: "
+                        "warm_smoke's), 4 held-out seeds (a smoke run: records nothing)")
     p.add_argument("--resume", action="store_true",
                    help="go on from the seeds an earlier invocation of the same settings "
                         "finished (runs/bench-real_model/METHOD)")
@@ -163,12 +173,13 @@ def main(argv=None) -> None:
     run = Run("real_model", args, argv)
     graph, extra = GRAPHS[args.method], []
     if args.quick:
-        graph, args.seeds, args.steps, args.eval_seeds = "graphs/real.py:smoke", 1, 2, 4
-        args.method = "lora"
+        graph, args.seeds, args.steps, args.eval_seeds = QUICK[args.method], 1, 2, 4
+        args.method = "warm-lora" if args.method == "warm-lora" else "lora"
     # the runs' directories are kept (runs/ is not tracked): a seed's run can be looked
     # at, and an invocation cut short (a crash, a machine needed back) goes on where it
     # stopped with --resume: the seeds done are read back, never run again
-    keep = ROOT / "runs" / "bench-real_model" / ("quick" if args.quick else args.method)
+    name = f"quick-{args.method}" if args.quick else args.method
+    keep = ROOT / "runs" / "bench-real_model" / name
     settings = {"graph": graph, "steps": args.steps, "eval_seeds": args.eval_seeds}
     if args.resume and (keep / "settings.json").is_file():
         kept = json.loads((keep / "settings.json").read_text())
@@ -196,8 +207,10 @@ def main(argv=None) -> None:
         one["gain"] = {t: one["after"][t] - base[t] for t in base}
         one["stderr"] = {t: stderr(base[t], one["after"][t], args.eval_seeds)
                          for t in base}
+        warm = one.get("warm")
         print(f"seed {seed}: " + " ".join(
-            f"{t} {base[t]:.2f}->{one['after'][t]:.2f}" for t in base), flush=True)
+            f"{t} {base[t]:.2f}->" + (f"{warm[t]:.2f} (warm-up)->" if warm else "")
+            + f"{one['after'][t]:.2f}" for t in base), flush=True)
         runs.append(one)
     gains = {t: statistics.median(r["gain"][t] for r in runs) for t in base}
     figures = {"gain_min": min(gains.values()),
@@ -209,6 +222,12 @@ def main(argv=None) -> None:
                "wall_s": statistics.median(r["wall_s"] for r in runs),
                "rl_step_s": statistics.median(r["rl_step_s"] for r in runs),
                "method": args.method}
+    if all("warm" in r for r in runs):  # the warm-up's own row, and RL's share
+        figures.update({f"heldout_warm_{t}": statistics.median(r["warm"][t] for r in runs)
+                        for t in base})
+        figures.update({f"gain_rl_{t}": statistics.median(r["after"][t] - r["warm"][t]
+                                                           for r in runs) for t in base})
+        figures["warmup_s"] = statistics.median(r["timings"]["warmup_s"] for r in runs)
     run.result(figures, {"before": base, "runs": runs, "graph": graph})
 
 

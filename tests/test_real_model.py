@@ -54,14 +54,17 @@ def test_smollm2_trains_two_lora_steps_of_the_real_graph(tmp_path):
 
 
 def test_the_real_model_benchmark_smoke_run():
-    """``benchmarks/real_model.py --quick``: the untrained model's evaluation, a two-step
-    LoRA run and its evaluation, ending in its RESULT line (recording nothing)."""
+    """``benchmarks/real_model.py --quick --method warm-lora``: the untrained model's
+    evaluation, two demonstration steps on calculator (graphs/real.py:warm_smoke), a
+    two-step LoRA run and the evaluations of both models, ending in its RESULT line
+    (recording nothing)."""
     import os
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "benchmarks/real_model.py", "--quick"], cwd=root,
+    done = subprocess.run([sys.executable, "benchmarks/real_model.py", "--quick",
+                           "--method", "warm-lora"], cwd=root,
                           capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "ROLLART_NO_RECORD": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -73,7 +76,10 @@ def test_the_real_model_benchmark_smoke_run():
             float(figures[f"heldout_after_{task}"])
         assert 0 <= before <= 1 and 0 <= after <= 1
         assert float(figures[f"gain_{task}"]) == pytest.approx(after - before, abs=1e-3)
-    assert figures["method"] == "lora" and figures["seeds"] == "1"
+        warm = float(figures[f"heldout_warm_{task}"])
+        assert float(figures[f"gain_rl_{task}"]) == pytest.approx(after - warm, abs=1e-3)
+    assert figures["method"] == "warm-lora" and figures["seeds"] == "1"
+    assert float(figures["warmup_s"]) > 0
     assert re.fullmatch(r"[0-9.]+", figures["wall_s"])
 
 

@@ -58,6 +58,11 @@ class Policy:
     # the call) and the loss on the model's turns only: teaches a small model to copy an
     # observation into its tool call (rollart.trainer.warmup.run_warmup; 0 = none)
     warmup_bare_tool_steps: int = 0
+    # the warm-up as supervised fine-tuning of a pretrained model on its tasks'
+    # warmup_action demonstrations: it runs on a model folder (Policy.model, --model) too,
+    # with the loss on the model's turns only; saved and evaluated as its own row
+    warmup_pretrained: bool = False
+    warmup_tasks: tuple[str, ...] = ()  # the tasks the warm-up plays (empty: every task)
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling (1.0: off; Task.top_p overrides it per task)
     max_batch: int = 64  # requests batched together by one inference worker
@@ -134,6 +139,12 @@ class Policy:
                f"Policy.warmup_bare_tool_steps={self.warmup_bare_tool_steps} needs the chat "
                "format (tools reach the model through its chat template); with "
                "conversation='raw' set it to 0")
+        _check(isinstance(self.warmup_pretrained, bool), f"Policy.warmup_pretrained must be "
+               f"True or False, got {self.warmup_pretrained!r}")
+        _check(isinstance(self.warmup_tasks, (tuple, list)) and all(
+            isinstance(t, str) for t in self.warmup_tasks), f"Policy.warmup_tasks must be a "
+            f"tuple of task names (empty: every task), got {self.warmup_tasks!r}")
+        object.__setattr__(self, "warmup_tasks", tuple(self.warmup_tasks))  # graph.json: list
         _check(self.temperature > 0, f"Policy.temperature must be > 0 for RL sampling, "
                f"got {self.temperature!r}")
         _check(0 < self.top_p <= 1, f"Policy.top_p must be in (0, 1], got {self.top_p!r}")
@@ -402,6 +413,9 @@ class Graph:
             _check(isinstance(getattr(self, attr), cls),
                    f"Graph.{attr} must be a rollart.{cls.__name__}, "
                    f"got {type(getattr(self, attr)).__name__}")
+        unknown = [t for t in self.policy.warmup_tasks if t not in names]
+        _check(not unknown, f"Graph {self.name!r}: Policy.warmup_tasks names {unknown}, "
+               f"not among the graph's tasks {names}")
         _numbers(self, "steps", "seed", "checkpoint_every", integer=True)
         _check(self.checkpoint_every >= 0, f"Graph.checkpoint_every must be ≥ 0 (0 = never), "
                f"got {self.checkpoint_every}")

@@ -33,7 +33,6 @@ run directory; ``rollart.start_run`` calls it before its thread starts) + ``exec
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -43,17 +42,18 @@ from pathlib import Path
 
 from rollart.config.graph import Graph
 from rollart.control.fleet import Fleet
+from rollart.control.lifecycle import shutdown, start
 from rollart.control.modes import make_pipeline
 from rollart.control.prepare import Prepared, connect, prepare, prepare_model
-from rollart.control.stages import Actors, Stages
-from rollart.env.tasks import is_agent_task, warmup_tasks
+from rollart.control.stages import Stages
+from rollart.env.tasks import is_agent_task
 from rollart.observe.figures import step_row
 from rollart.observe.metrics import stop_requested
 from rollart.observe.monitor import Monitor
 from rollart.observe.silent import SilentTasks
 from rollart.reward.offload import is_serverless
-from rollart.runtime.resources import CONFIG_MODULE_PREFIX, Resources
-from rollart.runtime.waits import Bounded, bounded
+from rollart.runtime.resources import Resources
+from rollart.runtime.waits import bounded
 from rollart.types import EVAL_SEED_BASE
 
 logger = logging.getLogger(__name__)
@@ -73,11 +73,6 @@ class RunResult:
     #: ``other_s`` (cluster and actor start-up, first weights, saving)
     timings: dict = field(default_factory=dict)
 
-
-def start_actors(client, graph: Graph, model_path: str, run_dir: Path,
-                 store_url: str | None = None) -> Actors:
-    """Place every role of ``graph`` (``rollart.control.stages``) and return the ``Actors``."""
-    return Stages(client, graph, model_path, run_dir, store_url=store_url).start()
 
 
 def train(graph: Graph | str | None = None, resources: Resources | str | None = None, *,
@@ -151,46 +146,6 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
                         trackers=prep.trackers, started=prep.started)
 
 
-def task_modules(graph: Graph) -> list[str]:
-    """``rollart`` and the modules defining each task's env and reward function, less
-    ``__main__`` and a graph file loaded from its path (``CONFIG_MODULE_PREFIX``): no
-    worker can import those by name, and what they define travels pickled by value."""
-    mods = {"rollart"}
-    for t in graph.tasks:
-        for obj in (t.env_factory, t.reward_fn, getattr(t.reward_fn, "fn", None)):
-            mod = getattr(obj, "__module__", None)
-            if isinstance(mod, str) and mod != "__main__" and not mod.startswith(
-                    CONFIG_MODULE_PREFIX):
-                mods.add(mod)
-    return sorted(mods)
-
-
-def _import_modules(modules: list[str]) -> list[str]:
-    import importlib
-
-    failed = []
-    for m in modules:
-        try:
-            importlib.import_module(m)
-        except Exception as e:  # noqa: BLE001 - a worker that can't: its tasks will say why
-            failed.append(f"{m}: {type(e).__name__}: {e}")
-    return failed
-
-
-def preload(client, graph: Graph) -> None:
-    """Import ``task_modules`` on every worker before the run's clock starts.
-
-    ``import rollart`` takes seconds in a fresh worker process (torch, transformers);
-    without this the first reward task on the reward pool paid it inside step 1, and
-    so did whichever mode ran first on a new cluster in a side-by-side benchmark. An
-    import that fails is logged here and left to the tasks that need it to report."""
-    out = client.run(_import_modules, task_modules(graph), on_error="return")
-    for addr, failed in out.items():
-        if isinstance(failed, BaseException):
-            logger.warning("preload on %s failed: %r", addr, failed)
-        elif failed:
-            logger.warning("preload on %s: %s", addr, "; ".join(failed))
-
 
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
              progress: bool, eval_seeds: int, resources_source: str,
@@ -207,7 +162,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
 
     trackers, clock = trackers if trackers is not None else Trackers([]), _Timings(started)
     stages = Stages(client, graph, model_path, run_dir, store_url=store_url)
-    fleet, warmup_dir, pools = _start(stages, ckpt, warm, checkpoint_url, resources_source,
+    fleet, warmup_dir, pools = start(stages, ckpt, warm, checkpoint_url, resources_source,
                                       progress, clock)
     pipeline, log = make_pipeline(fleet, graph), MetricsLog(run_dir / "metrics.jsonl")
     first, t_start = _resume(pipeline, log, ckpt, run_dir)
@@ -254,7 +209,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
         fleet.supervisor.close()
         monitor.close()
         pipeline.close()  # e.g. the rollout workers' priority back
-        final_counts = _shutdown(fleet.actors, pools)
+        final_counts = shutdown(fleet.actors, pools)
         (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
     if log.rows:  # none when stopped before the first step (e.g. in the warm-up)
         plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
@@ -333,71 +288,6 @@ class _Timings:
         return {k: round(v, 2) for k, v in t.items()}
 
 
-def _start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
-           resources_source: str, progress: bool, clock: _Timings
-           ) -> tuple[Fleet, str | None, list]:
-    """Place the actors (``placement.json``), restore a checkpoint or warm up, load the
-    first weights everywhere, start the serverless reward pools and import the tasks'
-    modules on every worker; returns the run's ``Fleet``, the warm-up model folder and
-    the reward pools."""
-    from rollart.control import checkpoint
-    from rollart.observe.progress import phase
-    from rollart.reward.elastic import start_pools
-
-    run_dir = stages.run_dir
-    with phase("starting the actors (trainer, sample buffer, inference workers, env "
-               "managers)", progress):
-        fleet = Fleet(stages.start(), stages, checkpoint_url=checkpoint_url)
-    actors = fleet.actors
-    warmup_dir = None
-    if ckpt is not None:  # continue: trainer and buffer state; no warm-up
-        checkpoint.restore(ckpt, actors)
-        if (run_dir / "warmup_model").is_dir():
-            warmup_dir = str(run_dir / "warmup_model")
-    elif warm:
-        with clock.timing("warmup_s"):
-            warmup_dir = _warm_up(actors, stages, run_dir, progress)
-    with phase("loading the first weights on the inference workers", progress):
-        v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
-                     f"{actors.trainer._address} did not publish its first weights")
-        fleet.catch_up(v0)
-    # a gang formed as it published: every rank's worker is known now
-    actors.set_ranks(fleet.call(actors.trainer, "stats", timeout=stages.waits.call
-                                ).get("ranks", [])[1:])
-    (run_dir / "placement.json").write_text(json.dumps(
-        {"resources": resources_source, **actors.placement}, indent=2))
-    graph = stages.graph
-    pools = start_pools(stages.client, [t.reward_fn for t in graph.tasks])
-    preload(stages.client, graph)
-    return fleet, warmup_dir, pools
-
-
-def _warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> str:
-    """The built-in model's format warm-up on the trainer (``Trainer.warmup``, bounded by
-    ``Waits.warmup``; ended early by ``Run.stop``), saved to ``RUN/warmup_model``;
-    returns that folder."""
-    from rollart.observe.progress import warmup_bar
-
-    graph, p = stages.graph, stages.graph.policy
-    total = p.warmup_total_steps
-    waits, on = stages.waits, f"on {actors.trainer._address}"
-    info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
-        warmup_tasks(graph.tasks), p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
-        threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
-        episode_threads=p.warmup_episode_threads,
-        **p.conversation_options()), waits.warmup(total),
-        f"the trainer's warm-up ({total} steps) {on} did not finish",
-        "warmup-step"), total, progress, stop=functools.partial(stop_requested, run_dir.name))
-    warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
-                         waits.call, f"the trainer {on} did not save the warm-up model")
-    bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
-            if p.warmup_bare_tool_steps else "")
-    done = info["warmup/steps"]  # fewer once the run was asked to stop
-    print(f"warm-up: {done if done == total else f'stopped after {done} of {total}'} "
-          f"format steps{bare}, loss {info['warmup/loss_first']:.3f}"
-          f" -> {info['warmup/loss_last']:.3f}")
-    return warmup_dir
-
 
 def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: float,
            progress: bool):
@@ -473,36 +363,6 @@ def _scheduler_alive(client) -> bool:
     except Exception:
         return False
 
-
-def _shutdown(actors: Actors, pools: list = ()) -> dict:
-    """Cancel what is still running and flush the buffer to Parquet, stop the reward
-    ``pools``; return the ledger's final counts. Once the live managers have settled their members, what is
-    still in flight ran on a lost worker: it becomes ``failed`` (``orphaned``).
-
-    A manager or worker that cannot be closed (its worker died) is reported and skipped
-    so the samples still get flushed.
-    """
-    for actor in actors.managers:
-        _close(actor, "env manager")
-    try:
-        actors.buffer.orphan_all_in_flight().result(timeout=60)  # ran on lost managers
-        counts = actors.buffer.counts().result(timeout=60)
-    except Exception as e:  # the buffer's worker (or the scheduler) is gone
-        logger.warning("could not read the final counts: %s: %s", type(e).__name__, e)
-        counts = {}
-    _close(actors.buffer, "sample buffer", timeout=600)
-    for w, tag, addr in actors.workers:
-        _close(w, f"inference worker {tag} at {addr}")
-    for pool in pools:
-        pool.stop()
-    return counts
-
-
-def _close(actor, what: str, timeout: float = 30) -> None:
-    try:
-        actor.close().result(timeout=timeout)
-    except Exception as e:
-        logger.warning("could not close %s: %s: %s", what, type(e).__name__, e)
 
 
 def _progress(total: int, enabled: bool):

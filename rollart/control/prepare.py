@@ -108,13 +108,15 @@ def open_client(address: str, **kwargs):
 def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, bool]:
     """The model folder to train and whether it needs the format warm-up. ``model`` (or
     ``Policy.model``) is a folder, a ``.gguf`` file or a known name such as
-    ``smollm2-135m-instruct`` (``rollart.pretrained.resolve_model``)."""
+    ``smollm2-135m-instruct`` (``rollart.pretrained.resolve_model``); a folder is warmed
+    up only where ``Policy.warmup_pretrained`` asks for it."""
     from rollart.pretrained import resolve_model
 
-    path = resolve_model(model or graph.policy.model)  # a known name or a .gguf: converted once
+    p = graph.policy
+    path = resolve_model(model or p.model)  # a known name or a .gguf: converted once
     if path:
         check_model_folder(path)
-        return str(path), False
+        return str(path), p.warmup_pretrained and p.warmup_total_steps > 0
     # a chat graph gets the chat toy (byte-level BPE + ChatML template, trained on the
     # tasks' own text); otherwise the word-level toy built from the tasks' vocabularies
     chat = graph.policy.conversation == "chat"

@@ -177,7 +177,8 @@ class Trainer(TrainerState):
     # -- actor methods ------------------------------------------------------------------
     async def warmup(self, tasks, steps: int, batch_size: int, lr: float, seed: int = 0,
                      threads: int | None = None, bare_tool_steps: int = 0,
-                     episode_threads: int | None = None, **conversation):
+                     episode_threads: int | None = None, obs_weight: float = 1.0,
+                     **conversation):
         """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``), in
         the rollout's conversation format (``Policy.conversation_options()``), on
         ``threads`` torch threads (``Policy.warmup_threads``; None: every core this
@@ -186,12 +187,13 @@ class Trainer(TrainerState):
         for sharing the host with rollout, is lifted for it and restored after.
         ``bare_tool_steps`` (``Policy.warmup_bare_tool_steps``) come first; the progress
         counter counts both stages. ``stop_warmup`` ends it after the step in progress
-        (the run was asked to stop)."""
+        (the run was asked to stop). ``obs_weight`` 0: the loss on the model's turns only
+        (a pretrained model's demonstrations, ``Policy.warmup_pretrained``)."""
         losses = await self._run(with_threads, threads or usable_cores(), run_warmup,
                                  self.model, self.tokenizer, list(tasks), steps=steps,
                                  batch_size=batch_size, lr=lr, seed=seed,
                                  bare_tool_steps=bare_tool_steps,
-                                 episode_threads=episode_threads,
+                                 episode_threads=episode_threads, obs_weight=obs_weight,
                                  on_step=self._warmup_step, stop=self._warmup_stop,
                                  **conversation)
         self.optimizer = self._make_optimizer()  # RL starts with fresh optimizer state

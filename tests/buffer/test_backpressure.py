@@ -424,7 +424,7 @@ def _start(client, graph, model, run_dir):
 
 
 def _stop(actors, extra=()):
-    from rollart.control.loop import _shutdown
+    from rollart.control.lifecycle import shutdown as _shutdown
 
     _shutdown(actors)
     for w in extra:

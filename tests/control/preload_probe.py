@@ -1,4 +1,4 @@
-"""A reward function in a module of its own: only ``rollart.control.loop.preload`` imports it
+"""A reward function in a module of its own: only ``rollart.control.lifecycle.preload`` imports it
 on the worker processes of ``tests/control/test_affinity_processes.py``."""
 
 

@@ -113,7 +113,7 @@ def test_preload_imports_rollart_and_the_task_modules_on_every_worker(dask_proce
 
     import preload_probe
 
-    from rollart.control.loop import preload, task_modules
+    from rollart.control.lifecycle import preload, task_modules
 
     c = dask_processes
     task = dataclasses.replace(get_task("gridnav"), reward_fn=preload_probe.probe_reward)
@@ -164,7 +164,7 @@ def test_task_modules_leave_out_a_graph_file_loaded_from_its_path(tmp_path):
     """No worker can import ``rollart_config_<name>``; its functions travel by value."""
     import cloudpickle
 
-    from rollart.control.loop import task_modules
+    from rollart.control.lifecycle import task_modules
 
     g = _file_graph(tmp_path)
     assert g.tasks[0].reward_fn.__module__ == "rollart_config_file_graph"

@@ -19,7 +19,7 @@ from distributed import Client
 from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
 from rollart.policy.affinity import check_declared, env_tag, task_affinity, task_routes
 from rollart.buffer import read_samples
-from rollart.control.loop import _shutdown
+from rollart.control.lifecycle import shutdown as _shutdown
 from rollart.env.tasks import get_task
 from rollart.control.supervisor import Supervisor, lose_worker
 from rollart.config.preflight import check_cluster_tags, preflight

@@ -124,3 +124,67 @@ def test_real_graph_trains_two_steps_on_a_tiny_model_of_its_family(smol_family, 
     tok = load_tokenizer(smol_family)
     text = tok.decode(rows[0]["prompt_ids"] + rows[0]["response_ids"])
     assert text.startswith("<|im_start|>system\n") and "<|im_start|>assistant\n" in text
+
+
+def _demo_nll(model, batch) -> float:
+    """Mean NLL of the model's own turns in a batch of demonstrations."""
+    import torch
+
+    from rollart.trainer.losses import target_logprobs
+
+    ids, attn, mask = batch
+    target = mask[:, 1:]
+    with torch.no_grad():
+        nll = -target_logprobs(model, ids, attn, target > 0)
+    return float((nll * target).sum() / target.sum())
+
+
+def test_calculator_demonstrations_teach_the_tool_call_on_the_model_turns_only(smol_family):
+    """A pretrained model's warm-up (``Policy.warmup_pretrained``: obs_weight 0): the
+    demonstrations' own turns get likelier on episodes it never saw, and the loss never
+    touches the system prompt, question or tool results."""
+    from rollart.chat.conversation import ConversationFormat
+    from rollart.env.natural import calculator_task
+    from rollart.model import load_model, load_tokenizer
+    from rollart.trainer.warmup import run_warmup, warmup_batch
+
+    tok, model = load_tokenizer(smol_family), load_model(smol_family)
+    task = calculator_task()
+    fmt = ConversationFormat(tok, "chat", max_context=1024, model_path=smol_family,
+                             cache=False)
+    held_out = warmup_batch([task], tok, 8, random.Random(99), fmt)
+    ids, attn, mask = held_out
+    text = tok.decode(ids[0][mask[0] > 0].tolist())
+    assert "<tool_call>" in text and "What is" not in text  # the call is trained, the
+    before = _demo_nll(model, held_out)  # question is not
+    losses = run_warmup(model, tok, [task], steps=30, batch_size=4, lr=3e-3,
+                        obs_weight=0.0, conversation="chat", max_context=1024)
+    after = _demo_nll(model, held_out)
+    assert len(losses) == 30 and after < 0.7 * before, (before, after, losses[::5])
+
+
+@pytest.mark.slow
+def test_warm_graph_fine_tunes_a_model_folder_on_its_demonstration_tasks_only(
+        smol_family, tmp_path, capsys):
+    """``graphs/real.py:warm_smoke``: the model folder is warmed up (a pretrained model is
+    not, unless ``Policy.warmup_pretrained``), on calculator only (``warmup_tasks``: the
+    other task has no demonstrations here, so playing it would raise), saved and
+    evaluated as its own row before RL."""
+    from dataclasses import replace
+
+    from rollart import load_graph
+    from rollart.env.natural import guess_number_task
+    from tests.graph_runs import train_briefly
+
+    graph, _ = load_graph("graphs/real.py:warm_smoke")
+    no_demos = replace(guess_number_task(), warmup_action=None)
+    graph = replace(graph, tasks=(no_demos, *graph.tasks[1:]))
+    _, result, rows = train_briefly(graph, tmp_path / "run", model=smol_family,
+                                    warmup_steps=2, warmup_batch=4)
+    assert "warm-up: 2 demonstration steps" in capsys.readouterr().out
+    assert result.warmup_model_dir and (tmp_path / "run" / "warmup_model").is_dir()
+    import json
+
+    ev = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert set(ev["warmup"]) >= {"guess_number", "calculator"}
+    assert {r["task"] for r in rows} == {"guess_number", "calculator"}

@@ -163,7 +163,7 @@ def test_missing_tag_on_a_running_cluster(tagged):
 
 
 def test_each_declared_stage_runs_on_its_tag(tagged, tiny_model, tmp_path):
-    from rollart.control.loop import _shutdown, start_actors
+    from rollart.control.lifecycle import shutdown as _shutdown, start_actors
     from rollart.runtime.resources import workers_with
 
     c = tagged

@@ -70,7 +70,7 @@ def test_same_workload_real_cluster_and_simulator_route_alike_and_stay_within_al
     from rollart.control.fleet import Fleet
     from rollart.control.modes import make_pipeline
     from rollart.control.stages import Stages
-    from rollart.control.loop import _shutdown
+    from rollart.control.lifecycle import shutdown as _shutdown
 
     graph = _graph(_tasks(), steps=3)
     stages = Stages(local_cluster, graph, tiny_model, tmp_path / "run")

@@ -16,7 +16,11 @@ whose message is what the model is shown. ``check_call(call, tools)`` checks a p
 call against the env's declared tools (OpenAI-style ``{"type": "function", "function":
 {"name", "description", "parameters"}}`` dicts; ``parameters`` is a JSON schema, checked
 with ``jsonschema``). ``format_tool_call`` writes a call the way the templates render one
-(used by warm-up actions). Consumed by the trajectory runner's tool turn and by
+(used by warm-up actions). ``tool_calls(text, fmt, tools)`` and ``check_calls(calls,
+tools)`` are a generation's calls as rollout, the warm-up and evaluation all handle them
+(one rule): parsed, then each either the ``ToolCall`` to run or, when invalid, the error
+text the model reads back in its ``tool`` message. Consumed by the trajectory runner's
+tool turn (``rollart.env.trajectory``), the trainer's warm-up, held-out evaluation and
 tool-using envs (``rollart.env.adapters.tool``); the env side of the contract is in
 ``rollart.env.protocol``.
 """
@@ -27,8 +31,8 @@ import jsonschema
 
 from rollart.chat.tool_formats import ToolCall, ToolError, ToolFormat, get_tool_format
 
-__all__ = ["ToolCall", "ToolError", "check_call", "format_tool_call", "function_tool",
-           "has_tool_call", "parse_tool_calls", "python_tool"]
+__all__ = ["ToolCall", "ToolError", "check_call", "check_calls", "format_tool_call",
+           "function_tool", "has_tool_call", "parse_tool_calls", "python_tool", "tool_calls"]
 
 
 def has_tool_call(text: str, fmt: str | ToolFormat = "hermes") -> bool:
@@ -85,6 +89,40 @@ def check_call(call: ToolCall | ToolError, tools) -> ToolCall | ToolError:
         return ToolError(f"tool {call.name!r}: bad arguments"
                          f"{' at ' + where if where else ''}: {errors[0].message}"[:300])
     return call
+
+
+def tool_calls(text: str, fmt: str | ToolFormat = "hermes", tools=None) -> list:
+    """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text written in
+    tool format ``fmt`` (``rollart.chat.tool_formats``; ``tools`` types qwen3_coder's
+    text values).
+
+    >>> tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    [ToolCall(name='f', arguments={})]
+    """
+    return list(parse_tool_calls(text, fmt, tools))
+
+
+def check_calls(calls, tools) -> list:
+    """Each call checked against ``tools``: the ``ToolCall`` to run, or for an invalid
+    one (malformed, unknown tool, bad arguments) the error text the model reads. Shared
+    by rollout, the warm-up and evaluation.
+
+    >>> ok, bad = check_calls([ToolCall("python", {"code": "1"}), ToolCall("shell", {})],
+    ...                       [python_tool()])
+    >>> ok
+    ToolCall(name='python', arguments={'code': '1'})
+    >>> bad
+    "error : unknown tool 'shell'; available: python"
+    """
+    out = []
+    for call in calls:
+        checked = check_call(call, tools)
+        if isinstance(checked, ToolError):
+            msg = checked.message
+            out.append(msg if msg.lower().startswith("error") else f"error : {msg}")
+        else:
+            out.append(checked)
+    return out
 
 
 def format_tool_call(name: str, arguments: dict, fmt: str | ToolFormat = "hermes") -> str:

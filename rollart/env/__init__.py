@@ -6,8 +6,9 @@ user's own) and the ``LLMProxy`` handles of the inference pools; produces scored
 trajectories, delivered to the ``SampleBuffer``. ``protocol`` is the env contract and
 its checks, ``tasks`` the ``Task`` record and the registry of names (``get_task``),
 ``manager`` the ``EnvManager`` actor on the ``CPU_ENV`` pool, ``trajectory`` one
-trajectory turn by turn (env, generation, tool turns, reward), ``scripted`` the scripted
-players every success figure is read against. Called by the control plane (which starts
+trajectory turn by turn (env, generation, tool turns, reward), ``barrier`` the turn
+barrier of lockstep batches, ``scripted`` the scripted players every success figure is
+read against. Called by the control plane (which starts
 the env managers), the config (which resolves task names), the warm-up and evaluation.
 
 Chat rendering and tool-call parsing are ``rollart.chat``; agents played through the

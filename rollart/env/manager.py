@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollart.policy.redundancy import Redundancy
-from rollart.env.trajectory import TokenLog, TrajectoryRunner, TurnBarrier
+from rollart.env.barrier import TurnBarrier
+from rollart.env.trajectory import TokenLog, TrajectoryRunner
 from rollart.runtime.coalesce import Coalescer
 from rollart.runtime.handles import Handle
 from rollart.model import load_tokenizer

@@ -17,14 +17,14 @@ thread comes back); ``stuck_calls`` counts env calls and rewards that were given
 How the turns become token ids is ``rollart.chat.conversation`` (the one definition,
 shared with the warm-up and evaluation): raw concatenation or the tokenizer's chat
 template, generated ids kept verbatim. A generation that calls tools (an env with
-``tools``, chat format) is a tool turn: each call is parsed in the task's tool format
-(``rollart.chat.tool_formats``) and checked (``rollart.chat.tools``), run by
-``env.call_tool`` on the env thread pool with the step time-out, and its result (or
-the error of an invalid call, which costs ``Task.invalid_penalty``) returns as ``tool``
-messages. A conversation that outgrows the
-context budget ends ``truncated``. ``stats`` counts cut generations, truncations, tool
-turns and invalid calls. ``TurnBarrier`` makes a batch of trajectories advance turn by
-turn (the synchronous baselines).
+``tools``, chat format) is a tool turn: its calls are parsed in the task's tool format
+and checked (``rollart.chat.tools.tool_calls``, ``check_calls``: the rule the warm-up
+and evaluation share), each valid one run by ``env.call_tool`` on the env thread pool
+with the step time-out, and its result (or the error of an invalid call, which costs
+``Task.invalid_penalty``) returns as ``tool`` messages. A conversation that outgrows
+the context budget ends ``truncated``. ``stats`` counts cut generations, truncations, tool
+turns and invalid calls. A ``TurnBarrier`` (``rollart.env.barrier``), when given, makes
+a batch of trajectories advance turn by turn (the synchronous baselines).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from dataclasses import replace
 
 from rollart.agents.agent import agent_session, is_agent_task, play
 from rollart.chat.conversation import ConversationFormat, TokenLog, cap_text
+from rollart.chat.tool_formats import tool_format_of
+from rollart.chat.tools import check_calls, tool_calls
+from rollart.env.barrier import TurnBarrier
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
-from rollart.chat.tool_formats import tool_format_of
 from rollart.reward import check_reward
 from rollart.policy.affinity import reward_tag
 from rollart.reward.dispatch import Dispatchers
@@ -51,6 +53,8 @@ from rollart.reward.offload import is_serverless
 from rollart.types import Episode, GenRequest, TrajState, Trajectory
 from rollart.runtime.waits import wait_result
 
+# TokenLog, TurnBarrier, check_calls and tool_calls are re-exported from their homes
+# (rollart.chat.conversation, rollart.env.barrier, rollart.chat.tools)
 __all__ = ["StepTimeout", "TokenLog", "TrajectoryRunner", "TurnBarrier", "check_calls",
            "request_seed", "score_episode", "tool_calls"]
 
@@ -70,35 +74,6 @@ def score_episode(reward_fn, episode: Episode) -> float:
 def request_seed(base: int, traj_id: str, turn: int) -> int:
     """A per-request sampling seed, stable across processes (no ``hash()``)."""
     return zlib.crc32(f"{base}/{traj_id}/{turn}".encode()) & 0x7FFFFFFF
-
-
-class TurnBarrier:
-    """All live members wait at each turn until every one of them has arrived.
-
-    A member that finishes calls ``leave`` so the others do not wait for it.
-    """
-
-    def __init__(self, parties: int):
-        self.parties = parties
-        self.arrived = 0
-        self._release = asyncio.Event()
-
-    async def wait(self) -> None:
-        self.arrived += 1
-        release = self._release
-        if self.arrived >= self.parties:
-            self._open()
-        await release.wait()
-
-    def leave(self) -> None:
-        self.parties -= 1
-        if self.parties > 0 and self.arrived >= self.parties:
-            self._open()
-
-    def _open(self) -> None:
-        self._release.set()
-        self._release = asyncio.Event()
-        self.arrived = 0
 
 
 class TrajectoryRunner:
@@ -159,7 +134,7 @@ class TrajectoryRunner:
             self._reward_executor.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, task, seed: int, traj_id: str, group_id: str, log: TokenLog,
-                  barrier: "TurnBarrier | None" = None) -> Trajectory:
+                  barrier: TurnBarrier | None = None) -> Trajectory:
         """Play one trajectory to the end and score it; errors make it ``failed``."""
         ep = Episode(task.name, seed, [], [], [], {})
         traj = Trajectory(traj_id, task.name, group_id, seed, [], [], [], [], [])
@@ -490,32 +465,6 @@ class TrajectoryRunner:
             except asyncio.CancelledError:  # timed out, or the trajectory was cancelled
                 self._held(cfut)
                 raise
-
-
-def tool_calls(text: str, fmt: str = "hermes", tools=None) -> list:
-    """The tool calls (``ToolCall`` / ``ToolError``) in an assistant text written in
-    tool format ``fmt`` (``rollart.chat.tool_formats``; ``tools`` types qwen3_coder's
-    text values)."""
-    from rollart.chat.tools import parse_tool_calls
-
-    return list(parse_tool_calls(text, fmt, tools))
-
-
-def check_calls(calls, tools) -> list:
-    """Each call checked against ``tools``: the ``ToolCall`` to run, or for an invalid
-    one (malformed, unknown tool, bad arguments) the error text the model reads. Shared
-    by rollout, the warm-up and evaluation."""
-    from rollart.chat.tools import ToolError, check_call
-
-    out = []
-    for call in calls:
-        checked = check_call(call, tools)
-        if isinstance(checked, ToolError):
-            msg = checked.message
-            out.append(msg if msg.lower().startswith("error") else f"error : {msg}")
-        else:
-            out.append(checked)
-    return out
 
 
 def _close_quietly(env) -> None:

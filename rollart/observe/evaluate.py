@@ -20,7 +20,8 @@ from rollart.chaos.faults import without_faults
 from rollart.env.protocol import env_tools
 from rollart.env.tasks import is_agent_task
 from rollart.chat.tool_formats import tool_format_of
-from rollart.env.trajectory import check_calls, request_seed, tool_calls
+from rollart.chat.tools import check_calls, tool_calls
+from rollart.env.trajectory import request_seed
 from rollart.types import GenRequest
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from rollart.chaos.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
 from rollart.chat.tool_formats import tool_format_of
-from rollart.env.trajectory import check_calls, tool_calls
+from rollart.chat.tools import check_calls, tool_calls
 from rollart.trainer.losses import target_logprobs
 
 logger = logging.getLogger(__name__)

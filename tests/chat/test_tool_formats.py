@@ -19,9 +19,9 @@ from rollart.env.tasks import Task
 from rollart.chat.template_support import tools_header, tools_prompt
 from rollart.chat.tool_formats import (TOOL_FORMATS, ToolCall, ToolError, detect_tool_format,
                                       get_tool_format, tool_format_of)
-from rollart.chat.tools import (check_call, format_tool_call, function_tool, has_tool_call,
-                               parse_tool_calls, python_tool)
-from rollart.env.trajectory import TrajectoryRunner, check_calls, tool_calls
+from rollart.chat.tools import (check_call, check_calls, format_tool_call, function_tool,
+                               has_tool_call, parse_tool_calls, python_tool, tool_calls)
+from rollart.env.trajectory import TrajectoryRunner
 from rollart.testing import ADD_TOOL, CHATML, bpe_tokenizer
 from rollart.types import Episode, GenResult, Trajectory
 from test_conversation import AddEnv  # tests/chat/

@@ -1,4 +1,5 @@
-"""rollart.chat.tools (tool-call parsing and checking) and the calc task's python tool."""
+"""rollart.chat.tools (tool-call parsing and checking, a generation's calls as rollout,
+warm-up and evaluation handle them) and the calc task's python tool."""
 
 import json
 import pickle
@@ -16,10 +17,12 @@ from rollart.chat.tools import (
     ToolCall,
     ToolError,
     check_call,
+    check_calls,
     format_tool_call,
     function_tool,
     parse_tool_calls,
     python_tool,
+    tool_calls,
 )
 
 TOOLS = [python_tool(),
@@ -105,6 +108,35 @@ def test_check_call_passes_parse_errors_through_and_knows_no_tools():
     err = ToolError("x")
     assert check_call(err, TOOLS) is err
     assert check_call(ToolCall("python", {"code": "1"}), []).message.endswith("available: none")
+
+
+# -- a generation's calls: parsed and checked (rollout, warm-up and evaluation) ---------
+def test_tool_calls_and_check_calls_keep_order_and_turn_errors_into_text():
+    text = ("first " + format_tool_call("python", {"code": "1 + 1"})
+            + call({"name": "shell", "arguments": {"cmd": "ls"}})
+            + call("{not json") + format_tool_call("move", {"direction": "up"}))
+    calls = tool_calls(text, "hermes", TOOLS)
+    assert len(calls) == 4 and isinstance(calls[2], ToolError)
+    ok, unknown, malformed, move = check_calls(calls, TOOLS)
+    assert ok == ToolCall("python", {"code": "1 + 1"}) and move == ToolCall("move", {
+        "direction": "up"})
+    assert unknown == "error : unknown tool 'shell'; available: move, python"
+    assert malformed.startswith("error : ") and malformed[len("error : "):] == calls[2].message
+    assert tool_calls("no call here", "hermes", TOOLS) == [] and check_calls([], TOOLS) == []
+
+
+def test_check_calls_does_not_prefix_an_error_twice_and_reads_other_formats():
+    assert check_calls([ToolError("Error: the sandbox is down")], TOOLS) == [
+        "Error: the sandbox is down"]
+    llama = format_tool_call("python", {"code": "6 * 7"}, "llama3")
+    assert check_calls(tool_calls(llama, "llama3", TOOLS), TOOLS) == [
+        ToolCall("python", {"code": "6 * 7"})]
+
+
+def test_the_runner_path_still_exports_them():
+    from rollart.env import trajectory
+
+    assert trajectory.tool_calls is tool_calls and trajectory.check_calls is check_calls
 
 
 # -- the env side -----------------------------------------------------------------------

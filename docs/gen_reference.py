@@ -36,7 +36,7 @@ CLASSES = [
     ("Graph", "rollart/config/graph.py", "Graph",
      "A training run: tasks, policy, algorithm, rollout settings. A function in "
      "`graphs/` returns one; `--set FIELD=VALUE` overrides a field."),
-    ("Policy", "rollart/config/graph.py", "Policy",
+    ("Policy", "rollart/config/policy.py", "Policy",
      "`Graph.policy`: the model, how it samples, its engines (`--set policy.FIELD=...`)."),
     ("GRPO", "rollart/config/graph.py", "GRPO",
      "`Graph.algo`: the optimisation settings (`--set algo.FIELD=...`)."),

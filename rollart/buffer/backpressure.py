@@ -13,8 +13,9 @@ the group sequence after the last group its ledger knows.
 
 ``Admission`` holds the ``Slots``, the event that wakes waiting managers, the holders
 reported lost and whether the buffer is closing; it owns the managers' wait
-(``acquire``). The ``SampleBuffer`` (``rollart.buffer.buffer``) tells it when groups
-leave or updates are published and supplies what it needs to know about groups.
+(``acquire``). The ``SampleBuffer`` (``rollart.buffer.buffer``) and its ``Handout``
+(``rollart.buffer.handout``) tell it when groups leave or updates are published and
+supply what it needs to know about groups.
 Its methods run on the buffer worker's event loop.
 """
 

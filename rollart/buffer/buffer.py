@@ -5,15 +5,15 @@ hands out complete, bounded-stale groups to the ``Trainer`` (``get_table``: one 
 table; ``get_batch``: the same as records). Buffered rows are held as Arrow record
 batches in ``rollart.buffer.schema.SCHEMA``, one per group once it completes.
 
-A batch taken for trainer step ``s`` is ``taken`` until the trainer confirms that the
-update trained on it was published (``mark_trained(s)``); a lost step's batch is settled
-by ``release_taken`` or the next ``get_table`` (``rollart.buffer.taken``).
+A batch taken for trainer step ``s`` is ``taken`` until ``mark_trained(s)`` confirms its
+update published, or settled (``release_taken``, next ``get_table``: ``Handout``).
 
 The actor wires together plain parts, each with its own state (none touches another's):
 
     ledger     Ledger        each trajectory's state          rollart.buffer.ledger
     groups     Groups        open, complete, closed groups    rollart.buffer.group
     taken      TakenBatches  what each trainer step holds     rollart.buffer.taken
+    handout    Handout       takes, confirms, settles; waits  rollart.buffer.handout
     arrivals   Arrivals      counters, lost ids, fail streak  rollart.buffer.arrivals
     infra      InfraFailures failed members, too-small groups rollart.buffer.infra
     admission  Admission     async mode's slots (acquire)     rollart.buffer.backpressure
@@ -22,8 +22,8 @@ The actor wires together plain parts, each with its own state (none touches anot
 
 ``SampleBuffer(run_dir, recover=True)`` continues from the journal and parts after the
 previous buffer's worker was lost (``rollart.buffer.restore``); ``min_group``: see
-``rollart.buffer.infra``. The trainer waits on the actor's one asyncio condition. All
-public methods are coroutines on the worker's loop.
+``rollart.buffer.infra``. The trainer waits on the actor's one asyncio condition (the
+handout's). All public methods are coroutines on the worker's loop.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from rollart.buffer import restore as recovery
 from rollart.buffer.arrivals import Arrivals, is_failed
 from rollart.buffer.backpressure import ACQUIRE_WAIT, Admission, next_group
 from rollart.buffer.group import TAKE_KEY, Group, Groups, restate
+from rollart.buffer.handout import Handout
 from rollart.buffer.infra import InfraFailures
 from rollart.buffer.journal import Journal
-from rollart.buffer.ledger import STATES, Ledger
+from rollart.buffer.ledger import Ledger
 from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
 from rollart.buffer.store import BufferStore
 from rollart.buffer.taken import TakenBatches, row_ids
@@ -49,7 +50,7 @@ from rollart.types import Trajectory, TrajState
 __all__ = ["TAKE_KEY", "SampleBuffer"]  # TAKE_KEY: the trainer reads a batch's hand-out
 logger = logging.getLogger(__name__)
 
-BUFFERED, TAKEN = TrajState.BUFFERED.value, TrajState.TAKEN.value
+BUFFERED = TrajState.BUFFERED.value
 
 
 class SampleBuffer:
@@ -72,18 +73,11 @@ class SampleBuffer:
         self.admission = Admission()
         self.store = BufferStore(self.run_dir, flush_every)
         self.journal = Journal(self.run_dir, self.store)
-        self._cond: asyncio.Condition | None = None
-        self._waiters = 0
+        self.handout = Handout(self.ledger, self.groups, self.taken, self.admission, self._leave)
         self.ended = False  # the run's end was called (orphan_all_in_flight): no launches
         self.recovered: dict | None = self._recover() if recover else None  # what it found
 
     # -- wiring -------------------------------------------------------------------------
-    @property
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:  # created lazily: __init__ may run off the event loop
-            self._cond = asyncio.Condition()
-        return self._cond
-
     def _leave(self, batches: list[pa.RecordBatch], state: TrajState, step: int | None = None,
                durable: bool = False) -> list[pa.RecordBatch]:
         """Rows that leave the buffer: ledger moves, queued for Parquet (and for the
@@ -95,10 +89,6 @@ class SampleBuffer:
         if not durable:
             self.journal.add_rows(out)
         return out
-
-    def _close(self, group: Group) -> None:
-        self.groups.close(group.group_id)
-        self.admission.free(group.group_id)
 
     def _entry(self) -> asyncio.Future | None:
         """Start the next journal entry (the ledger's changes since the last one)."""
@@ -115,11 +105,10 @@ class SampleBuffer:
 
     def _arrived(self, traj: Trajectory) -> bool:
         """Book an arrival: False for one given up as lost (ignored). One never launched
-        (a buffer fed without env managers: tests, tools) is launched as it arrives."""
+        (a buffer fed without env managers: tests, tools) is counted ``unannounced``."""
         if self.arrivals.ignore(traj.traj_id):
             return False
-        if traj.traj_id not in self.ledger:
-            self.ledger.launch(traj.traj_id)
+        self.ledger.adopt(traj.traj_id)
         self.arrivals.received(traj)
         return True
 
@@ -160,52 +149,6 @@ class SampleBuffer:
         self._leave(group.arrow(), TrajState.DROPPED)
         self.admission.free(group.group_id)
 
-    def _drop(self, groups: list[tuple[Group, bool]]) -> None:
-        """``(group, complete)`` leave as ``dropped`` (a complete one is journaled)."""
-        for g, done in groups:
-            self._close(g)
-            self._leave(g.arrow(), TrajState.DROPPED, durable=done)
-
-    def _take(self, n_groups: int, step: int | None, min_version: int) -> pa.Table:
-        """Hand out the ``n_groups`` oldest complete groups (first completed, or first
-        started within the window: ``Rollout.take_window``): ``taken`` for ``step``
-        (``trained`` at once when there is no step to confirm)."""
-        groups = self.groups.oldest(n_groups, self.admission.take_limit())
-        for g in groups:
-            self._close(g)
-        if step is None:
-            out = [b for g in groups
-                   for b in self._leave(g.arrow(), TrajState.TRAINED, None, durable=True)]
-            return pa.Table.from_batches(out, schema=SCHEMA)
-        table = self.taken.hold(step, min_version, groups).table(step)
-        for traj_id in table.column("traj_id").to_pylist():
-            self.ledger.move(traj_id, TAKEN, step)
-        return table
-
-    def _confirm(self, step: int, state: TrajState = TrajState.TRAINED) -> int:
-        """Step ``step``'s taken rows leave as ``state``; returns how many."""
-        taken = self.taken.pop(step)
-        for g in taken.groups if taken else ():
-            self._leave(g.arrow(), state, step, durable=True)
-        if taken and state == TrajState.TRAINED:
-            self.admission.published(len(taken.groups))
-        return taken.rows if taken else 0
-
-    def _settle(self, step: int, min_version: int, trained_on: int | None = None) -> dict:
-        """A taken batch whose confirmation will not come: ``trained`` (with its figures,
-        ``TakenBatches.figures``) if a trainer at ``min_version`` shows its update was
-        published, else its groups go back to the front of the queue, in order."""
-        if self.taken.published(step, min_version):
-            out = self.taken.figures(step, trained_on)
-            return {"trained": self._confirm(step), "buffered": 0, **out}
-        taken = self.taken.pop(step)
-        for g in reversed(taken.groups):
-            for traj_id in row_ids(g.arrow()):
-                self.ledger.move(traj_id, BUFFERED)
-            self.groups.first_in_line(g)
-            self.admission.hold(g.group_id)
-        return {"trained": 0, "buffered": taken.rows}
-
     def _orphan(self, traj_ids: list[str]) -> None:
         """In-flight trajectories whose worker was lost become failed (``orphaned``)."""
         for t in traj_ids:
@@ -220,10 +163,10 @@ class SampleBuffer:
             await self.store.wait(self._entry())
 
     def _counts_now(self) -> dict[str, int]:
-        ledger, arrivals = self.ledger.check(), self.arrivals.counts()
-        return {"launched": ledger["launched"], **{s: ledger[s] for s in STATES},
-                "received": arrivals["received"], "groups_complete": self.groups.ready(),
-                "orphaned": arrivals["orphaned"], "ignored": arrivals["ignored"],
+        arrivals = self.arrivals.counts()
+        return {**self.ledger.check(), "received": arrivals["received"],
+                "groups_complete": self.groups.ready(), "orphaned": arrivals["orphaned"],
+                "ignored": arrivals["ignored"], "unannounced": self.ledger.counts["unannounced"],
                 "failed_streak": self.arrivals.streak}  # failed arrivals since the last good one
 
     def _parts(self) -> dict:
@@ -263,7 +206,7 @@ class SampleBuffer:
         item, ``None`` or the error booking it raised; the others are booked regardless."""
         errors: list[Exception | None] = []
         completed = False
-        async with self._condition:
+        async with self.handout.condition:
             for traj, group_size in items:
                 try:
                     completed |= self._add(traj, group_size)
@@ -273,7 +216,7 @@ class SampleBuffer:
                     errors.append(None)
             fut = self._entry() if completed else None
             if completed or self.admission.take_limit() is not None:
-                self._condition.notify_all()  # an ended group may have moved the window
+                self.handout.wake()  # an ended group may have moved the window
         await self._durable(fut)
         return errors
 
@@ -296,8 +239,7 @@ class SampleBuffer:
         for t in traj_ids:
             if self.arrivals.ignore(t):
                 continue
-            if t not in self.ledger:  # never launched here: it ends as it is reported
-                self.ledger.launch(t)
+            self.ledger.adopt(t)  # never launched here: it ends as it is reported
             self.ledger.move(t, state)
         self.journal.soon(self._entry)
 
@@ -357,34 +299,8 @@ class SampleBuffer:
         Batches still taken by earlier steps are settled first (``release_taken``)."""
         if n_groups <= 0:
             return SCHEMA.empty_table()
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        cond = self._condition
-        async with cond:
-            for step in self.taken.steps():
-                self._settle(step, min_version)
-            while True:
-                floor = self.admission.stale_floor(min_version)  # areal: None
-                if floor is not None:
-                    self._drop(self.groups.older_than(floor))
-                if self.groups.ready(self.admission.take_limit()) >= n_groups:
-                    batch = self._take(n_groups, trained_step, min_version)
-                    fut = self._entry()
-                    break
-                remaining = None if deadline is None else deadline - loop.time()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"get_batch({n_groups}, min_version={min_version}) timed out after "
-                        f"{timeout}s: {self.groups.ready()} complete groups ready, "
-                        f"counts={self._counts_now()}"
-                    )
-                self._waiters += 1
-                try:
-                    await asyncio.wait_for(cond.wait(), remaining)
-                except TimeoutError:
-                    pass  # loop once more: report or (rarely) succeed
-                finally:
-                    self._waiters -= 1
+        batch, fut = await self.handout.take(n_groups, min_version, timeout, trained_step,
+                                             self._counts_now, self._entry)
         await self._durable(fut)  # taken is durable before the trainer sees the batch
         return batch
 
@@ -394,13 +310,8 @@ class SampleBuffer:
         ``TAKE_KEY`` metadata; a confirmation for another hand-out of ``step`` than the
         one taken now is refused (its step was settled, and maybe re-run, meanwhile).
         Returns rows confirmed; 0 when nothing (or another hand-out) is taken for it."""
-        async with self._condition:
-            taken = self.taken.get(step)
-            if taken is not None and take is not None and take != taken.take:
-                logger.warning("step %d: a confirmation for hand-out %s refused (%s is "
-                               "taken now)", step, take, taken.take)
-                return 0
-            n = self._confirm(step)
+        async with self.handout.condition:
+            n = self.handout.confirm(step, take)
             fut = self._entry() if n else None
         await self._durable(fut)
         return n
@@ -410,16 +321,13 @@ class SampleBuffer:
         """Step ``step`` was lost with its trainer; its replacement trains at
         ``min_version`` (= its version - alpha). If that trainer holds a newer version
         than the batch was taken for, the lost step's update was published: the rows
-        are ``trained`` and the step is done, not re-run (``batch_sha1``, and
-        ``metrics`` when ``trained_on`` is given: ``_settle``). Otherwise its groups are
-        buffered again, first in line for the re-run step. Returns
-        ``{"trained": n, "buffered": n, ...}`` (rows)."""
-        async with self._condition:
+        are ``trained`` and the step is done, not re-run; otherwise its groups are buffered
+        again, first in line (``Handout.settle``). Returns ``{"trained": n, "buffered": n,
+        ...}`` (rows; ``batch_sha1``, and ``metrics`` when ``trained_on`` is given)."""
+        async with self.handout.condition:
             if step not in self.taken:
                 return {"trained": 0, "buffered": 0}
-            out = self._settle(step, min_version, trained_on)
-            if out["buffered"]:
-                self._condition.notify_all()
+            out = self.handout.release(step, min_version, trained_on)
             fut = self._entry()
         await self._durable(fut)
         return out
@@ -427,12 +335,9 @@ class SampleBuffer:
     async def abort_older_than(self, min_version: int) -> int:
         """Drop groups (complete or not) whose arrived members are older than
         ``min_version``; their later members are dropped on arrival. Returns rows dropped."""
-        async with self._condition:
-            stale = self.groups.older_than(min_version, open_too=True)
-            self._drop(stale)
+        async with self.handout.condition:
+            stale = self.handout.abort_older_than(min_version)
             fut = self._entry() if stale else None
-            if stale:
-                self._condition.notify_all()  # the start-order window may have moved
         await self._durable(fut)
         return sum(g.rows for g, _ in stale)
 
@@ -475,9 +380,8 @@ class SampleBuffer:
         self.arrivals.error(f"group {group_id}: {error}")
         group = self.groups.open.get(group_id)
         if group is not None:
-            async with self._condition:
-                self._close(group)
-                self._leave(group.arrow(), TrajState.DROPPED)
+            async with self.handout.condition:
+                self.handout.drop([(group, False)])
             self.journal.soon(self._entry)
         self.admission.free(group_id)
 
@@ -521,7 +425,7 @@ class SampleBuffer:
             "first_errors": self.arrivals.first_errors(),  # per task: its first failure's text
             "stop": self.arrivals.stop(),  # a failure that stops the run (arrivals.STOPS_RUN)
             "taken_steps": self.taken.steps(),
-            "waiters": self._waiters,
+            "waiters": self.handout.waiters,
             "pending_rows": self.store.pending_rows,
             "parts_started": self.store.parts,
             "journal_entries": self.journal.next_entry,
@@ -541,7 +445,7 @@ class SampleBuffer:
         """Write the buffer's part of a checkpoint under ``url`` (``rollart.control.checkpoint``;
         ``rollart.buffer.restore.snapshot_of``), after a flush; then compact the journal.
         Returns the manifest entries."""
-        async with self._condition:
+        async with self.handout.condition:
             await self.flush()
             meta = {**self._meta(), "next_part": self.store.parts,
                     "next_entry": self.journal.next_entry}
@@ -556,11 +460,11 @@ class SampleBuffer:
         files set aside (``rollart.buffer.restore.restore_state``). Returns rows buffered."""
         meta, table = recovery.read_snapshot(url)
         self.infra.load(meta.get("infra"))
-        async with self._condition:
+        async with self.handout.condition:
             for g in recovery.restore_state(meta, table, self.run_dir, **self._parts()):
                 self._leave(g.arrow(), TrajState.DROPPED)
             self.ledger.check()
-            self._condition.notify_all()
+            self.handout.wake()
         await self.flush()
         return self.groups.rows()
 
@@ -569,9 +473,8 @@ class SampleBuffer:
         confirmed nor settled) leave as ``lost_in_step``; buffered rows stay buffered
         (in the journal: ``read_samples`` shows them)."""
         self.admission.stop()
-        async with self._condition:
-            for step in self.taken.steps():
-                self._confirm(step, TrajState.LOST_IN_STEP)
+        async with self.handout.condition:
+            self.handout.lose_taken()
         self.journal.cancel_soon()
         await self.flush()
         self.store.close()

@@ -1,6 +1,7 @@
 """The trajectory ledger: every launched trajectory ends in exactly one final state.
 
-Consumes state changes from the ``SampleBuffer`` (which owns one ledger): launches and
+Consumes state changes from the ``SampleBuffer`` (which owns one ledger) and its
+``Handout`` (``rollart.buffer.handout``: hand-outs, settlements): launches and
 cancellations/aborts reported by the env managers, arrivals, hand-outs to the trainer
 (``taken``) and its confirmations (``trained``). Produces the counts every metrics row
 carries, the accounting invariant
@@ -19,9 +20,10 @@ and the changes since they were last drained (``drain``: what the buffer's journ
 
 An impossible transition (a trajectory trained twice, delivered after it was cancelled,
 launched twice, moved without ever being launched) raises ``AccountingError`` at once
-instead of skewing the numbers. The ledger is a plain part of the buffer: it knows ids
-and states only; the buffer decides what an arrival it never saw launched means
-(``SampleBuffer.put``) before it asks the ledger to move it.
+instead of skewing the numbers. An id first reported when it arrives or settles, never
+launched here (a buffer fed without env managers: tests, tools), is ``adopt``ed: launched
+then, and counted (``unannounced``, outside the invariant), never taken in silently. The
+ledger is a plain part of the buffer: it knows ids and states only.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ FINAL = tuple(s.value for s in (TrajState.TRAINED, TrajState.DROPPED, TrajState.
                                 TrajState.CANCELLED, TrajState.FAILED,
                                 TrajState.LOST_IN_STEP))
 STATES = (IN_FLIGHT, BUFFERED, TAKEN) + FINAL
+UNANNOUNCED = "unannounced"  # launches adopted from a report (``Ledger.adopt``), counted
 _ALLOWED = {
     IN_FLIGHT: {BUFFERED, *(s for s in FINAL if s != LOST_IN_STEP)},
     # trained straight from buffered: a batch taken without a step to confirm
@@ -68,6 +71,20 @@ class Ledger:
         self.counts["launched"] += 1
         self.counts[IN_FLIGHT] += 1
         self.changes.append((traj_id, IN_FLIGHT, None))
+
+    def adopt(self, traj_id: str) -> bool:
+        """Launch ``traj_id`` if it never was: it is reported (arrived, settled) without a
+        launch here, which is counted (``counts["unannounced"]``). True if it was new.
+
+        >>> led = Ledger(); led.launch("a")
+        >>> led.adopt("a"), led.adopt("b"), led.counts["unannounced"], led.check()["launched"]
+        (False, True, 1, 2)
+        """
+        if traj_id in self.state:
+            return False
+        self.launch(traj_id)
+        self.counts[UNANNOUNCED] += 1
+        return True
 
     def __contains__(self, traj_id: str) -> bool:
         return traj_id in self.state

@@ -11,8 +11,9 @@ pipeline records it from the figures made here: size, digest, per-task reward);
 otherwise the groups go back to the front of the queue for the re-run step.
 
 Holds ``step -> Taken`` (``rollart.buffer.group``) and decides ``published``; the
-``SampleBuffer`` (``rollart.buffer.buffer``) moves the rows in its ledger, queue and
-files. ``rollart.buffer.restore`` refills it from a checkpoint or the journal.
+buffer's ``Handout`` (``rollart.buffer.handout``) moves the rows in the ledger and queue,
+and the ``SampleBuffer`` (``rollart.buffer.buffer``) in its files.
+``rollart.buffer.restore`` refills it from a checkpoint or the journal.
 """
 
 from __future__ import annotations

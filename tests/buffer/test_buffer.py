@@ -328,3 +328,20 @@ def test_actor_timeout_and_failed_members(client, tmp_path):
     table = read_samples(str(tmp_path))
     assert sorted(table.column("state").to_pylist()) == ["failed"] * 6 + ["trained"] * 2
     assert len(list((tmp_path / "samples").glob("part-*.parquet"))) >= 2
+
+
+def test_arrivals_and_settlements_never_launched_are_counted_unannounced():
+    """A buffer fed without env managers takes what arrives, and says how much of it it
+    never saw launched (``counts()["unannounced"]``, ``Ledger.adopt``)."""
+    async def main():
+        buf = SampleBuffer(None)
+        await buf.launched(["g-0"])
+        await buf.put(make("g", 0, 0), 2)
+        await buf.put(make("g", 1, 0), 2)
+        await buf.settle(["h-0"], "cancelled")
+        counts = await buf.counts()
+        await buf.close()
+        return counts
+
+    c = asyncio.run(main())
+    assert (c["launched"], c["unannounced"], c["buffered"], c["cancelled"]) == (3, 2, 2, 1), c

@@ -128,3 +128,15 @@ def test_no_batch_ever_contains_a_token_older_than_alpha(seed):
         return c
 
     asyncio.run(run())
+
+
+def test_an_id_reported_without_a_launch_is_adopted_and_counted():
+    """An arrival or settlement the ledger never saw launched is no silent launch: it is
+    counted (``unannounced``); a move of an unknown id is still refused."""
+    led = Ledger()
+    led.launch("a")
+    assert led.adopt("a") is False and led.adopt("b") is True
+    led.move("b", "buffered")
+    assert led.counts["unannounced"] == 1 and led.check()["launched"] == 2
+    with pytest.raises(AccountingError, match="c was never launched"):
+        led.move("c", "buffered")

@@ -14,9 +14,9 @@ again and again, each built for real (no mocks):
   Qwen2), for the conversation and engine tests;
 * ``check_run_record``: a finished run's ledger checked against records it does not
   keep (the trainer's own report of each batch, the Parquet rows on disk);
-* ``cluster_fixture``, ``trajectory``, ``tiny_graph`` and ``BigGridEnv``: the pytest
-  client fixture, the record, the graph and the tagged env that test modules used to
-  write out each for themselves;
+* ``cluster_fixture``, ``trajectory``, ``tiny_graph``, ``BigGridEnv`` and
+  ``big_grid_task``: the pytest client fixture, the record, the graph, and the tagged env
+  and its task that test modules used to write out each for themselves;
 * ``write_tiny_gguf`` (with ``tiny_llama`` and ``SMOLLM_TEMPLATE``): a tiny Llama chat
   model written as a GGUF file the way llama.cpp lays one out, with SmolLM2's template,
   for ``rollart.pretrained``'s conversion and the real-model graph's tests.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,9 +41,10 @@ from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.policy.affinity import env_affinity
 
 __all__ = ["ADD_TOOL", "BIG", "BigGridEnv", "CHATML", "CHATML_SPECIALS", "CHAT_CORPUS",
-           "ProxyHost", "SMOLLM_TEMPLATE", "bpe_tokenizer", "check_run_record",
-           "cluster_fixture", "json_model", "save_folder", "tagged_cluster", "tiny_graph",
-           "tiny_llama", "tiny_qwen2", "trajectory", "unique_key", "write_tiny_gguf"]
+           "ProxyHost", "SMOLLM_TEMPLATE", "big_grid_task", "bpe_tokenizer",
+           "check_run_record", "cluster_fixture", "json_model", "save_folder",
+           "tagged_cluster", "tiny_graph", "tiny_llama", "tiny_qwen2", "trajectory",
+           "unique_key", "write_tiny_gguf"]
 
 
 # -- Dask --------------------------------------------------------------------------------
@@ -305,10 +306,11 @@ def trajectory(traj_id: str = "t", group_id: str = "g", prompt: Sequence[int] = 
 
 def tiny_graph(name: str = "t", tasks: Sequence | None = None, *, mode: str = "async",
                steps: int = 3, groups: int = 2, size: int = 2, alpha: int | None = None,
-               warmup_steps: int = 0, **rollout):
+               warmup_steps: int = 0, policy: Mapping | None = None, **rollout):
     """A ``Graph`` a test runs on 2 cores: ``tasks`` (default gridnav), ``groups`` GRPO
     groups of ``size`` a step, no format warm-up unless asked, ``alpha`` (else GRPO's
-    default) and ``rollout`` as ``Rollout`` takes them.
+    default), ``policy`` (more ``Policy`` fields, e.g. ``trainer_backend``) and
+    ``rollout`` as ``Rollout`` takes them.
 
     >>> g = tiny_graph("t", steps=4, env_step_timeout=5.0)
     >>> g.steps, g.algo.group_size, g.policy.warmup_steps, g.rollout.env_step_timeout
@@ -318,7 +320,7 @@ def tiny_graph(name: str = "t", tasks: Sequence | None = None, *, mode: str = "a
 
     bound = {} if alpha is None else {"alpha": alpha}
     return Graph(name=name, tasks=tuple(tasks or ("gridnav",)), mode=mode, steps=steps,
-                 policy=Policy(warmup_steps=warmup_steps),
+                 policy=Policy(warmup_steps=warmup_steps, **(policy or {})),
                  algo=GRPO(group_size=size, groups_per_step=groups, **bound),
                  rollout=Rollout(**rollout))
 
@@ -330,6 +332,22 @@ BIG = "CPU_BIG"
 @env_affinity(BIG)
 class BigGridEnv(GridNavEnv):
     """Grid navigation whose envs need the big CPU hosts (the ``CPU_BIG`` pool)."""
+
+
+def big_grid_task(**fields):
+    """The built-in gridnav task named ``big_grid`` playing ``BigGridEnv`` (so its envs
+    need the ``CPU_BIG`` pool); ``fields`` (``max_turns``, ``reward_fn``, ...) replace the
+    task's own.
+
+    >>> t = big_grid_task(max_turns=2)
+    >>> t.name, t.env_factory is BigGridEnv, t.max_turns
+    ('big_grid', True, 2)
+    """
+    from dataclasses import replace
+
+    from rollart.env.tasks import get_task
+
+    return replace(get_task("gridnav"), name="big_grid", env_factory=BigGridEnv, **fields)
 
 
 # -- a GGUF chat model ---------------------------------------------------------------------

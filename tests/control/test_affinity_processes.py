@@ -11,22 +11,16 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
-from rollart.policy.affinity import Affinity, AffinityError, check_cluster, env_affinity
-from rollart.env.builtin.gridnav import GridNavEnv
+from rollart.policy.affinity import Affinity, AffinityError, check_cluster
 from rollart.env.tasks import get_task
 from rollart.config.graph import Graph
 from rollart.runtime.resources import workers_with
 from rollart.rollout import InferenceWorker, LLMProxy
-from rollart.testing import ProxyHost
+from rollart.testing import ProxyHost, big_grid_task
 from rollart.types import CPU_ENV, H20, H800, REWARD, GenRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = {H800: f"{H800}=1", H20: f"{H20}=1", CPU_ENV: f"{CPU_ENV}=1 {REWARD}=1"}
-
-
-@env_affinity("CPU_BIG")
-class BigEnv(GridNavEnv):
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +66,8 @@ def test_real_workers_tags_placement_and_pd(dask_processes, model_dir, tmp_path)
                                              "affinity": Affinity(prefill=H800, decode=H20)})
     g = Graph(name="procs", tasks=(pd_task,))
     check_cluster(c, g, "resources/scheduler.py")
-    big = get_task("gridnav").__class__(**{**get_task("gridnav").__dict__,
-                                           "env_factory": BigEnv})
     with pytest.raises(AffinityError, match="'CPU_BIG'.*--resources 'CPU_BIG=1'"):
-        check_cluster(c, Graph(name="big", tasks=(big,)), "resources/scheduler.py")
+        check_cluster(c, Graph(name="big", tasks=(big_grid_task(),)), "resources/scheduler.py")
 
     store = str(tmp_path / "w")
     starting = {t: c.submit(InferenceWorker, str(model_dir), store, pool=t, threads=1,

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pytest
 from distributed import Client
 
-from rollart import GRPO, Graph, Policy, Rollout, load_resources, train
+from rollart import Graph, load_resources, train
 from rollart.policy.affinity import check_declared, env_tag, task_affinity, task_routes
 from rollart.buffer import read_samples
 from rollart.control.lifecycle import shutdown as _shutdown
@@ -27,7 +27,7 @@ from rollart.runtime.resources import Pool, Resources, cluster_tags, workers_wit
 from rollart.control.stages import RoleSpec, Stages, buffer_worker
 from rollart.types import BUFFER, CPU_ENV, H20, H800, REWARD, TRAIN
 from rollart.weights import WeightStore
-from rollart.testing import BIG, BigGridEnv, check_run_record
+from rollart.testing import BIG, big_grid_task, check_run_record, tiny_graph
 
 @task_affinity(prefill=H800, decode=H20)
 def pd_guess():
@@ -35,13 +35,11 @@ def pd_guess():
 
 
 def big_grid():
-    return replace(get_task("gridnav"), name="big_grid", env_factory=BigGridEnv, max_turns=2)
+    return big_grid_task(max_turns=2)
 
 
 def small_graph(*tasks, **policy) -> Graph:
-    return Graph(name="t-stages", tasks=tasks or ("gridnav",), steps=1,
-                 policy=Policy(warmup_steps=0, **policy),
-                 algo=GRPO(group_size=2, groups_per_step=1))
+    return tiny_graph("t-stages", tasks, steps=1, groups=1, policy=policy)
 
 
 def one_per_tag(*extra: Pool, **buffer_on) -> Resources:
@@ -228,10 +226,7 @@ def _kill_after(cluster, client, run_dir, step: int, tag: str, log: list) -> Non
 
 
 def _run_and_kill(res: Resources, tag: str, name: str, tiny_model, run_dir):
-    graph = Graph(name=name, tasks=("gridnav",), steps=4, mode="async",
-                  policy=Policy(warmup_steps=0), algo=GRPO(group_size=2, groups_per_step=2,
-                                                           alpha=1),
-                  rollout=Rollout(env_step_timeout=5.0))
+    graph = tiny_graph(name, steps=4, alpha=1, env_step_timeout=5.0)
     killed: list = []
     with res.make_cluster() as cluster, Client(cluster) as c:
         t = threading.Thread(target=_kill_after, daemon=True,

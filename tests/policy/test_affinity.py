@@ -14,10 +14,9 @@ from rollart.policy.affinity import (Affinity, AffinityError, affinity_of, check
                               reward_affinity, reward_tag, task_affinity, task_routes)
 from rollart.env.builtin.gridnav import GridNavEnv
 from rollart.env.tasks import get_task
-from rollart.config.graph import GRPO, Graph, Policy
 from rollart.runtime.resources import Pool, Resources, load_resources
 from rollart.reward import success_reward
-from rollart.testing import BIG, BigGridEnv, tagged_cluster
+from rollart.testing import BIG, BigGridEnv, big_grid_task, tagged_cluster, tiny_graph
 from rollart.types import CPU_ENV, H20, H800, REWARD, TRAIN
 
 JUDGE = "GPU_RM"
@@ -39,13 +38,11 @@ def pd_guess():
 
 
 def big_grid():
-    return replace(get_task("gridnav"), name="big_grid", env_factory=BigGridEnv,
-                   reward_fn=judged, max_turns=3)
+    return big_grid_task(reward_fn=judged, max_turns=3)
 
 
-def graph(*tasks, **kw):
-    return Graph(name="aff", tasks=tasks, policy=Policy(warmup_steps=0),
-                 algo=GRPO(group_size=2, groups_per_step=1), steps=1, **kw)
+def graph(*tasks):
+    return tiny_graph("aff", tasks, steps=1, groups=1)
 
 
 def test_decorators_declare_where_things_run():

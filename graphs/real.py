@@ -15,9 +15,11 @@ ChatML template:
 No warm-up by default: the untrained model's held-out success is above 0 and below 0.7
 on each task as it is (``rollart eval smollm2-135m-instruct graphs/real.py``). It almost
 never writes calculator's tool call, though, so RL alone barely moves that task;
-``warm_lora()`` first fine-tunes on ``DEMO_STEPS`` batches of calculator's demonstrations
-(its ``warmup_action``: the question as a call, then the tool's result as the answer),
-loss on the model's turns only, saved and evaluated as its own row. Sized for two CPU
+``warm_lora()`` first fine-tunes on ``DEMO_STEPS`` batches of both tasks' demonstrations
+(their ``warmup_action``: calculator's question as a call, then the tool's result as the
+answer; a random number in 1..10 for a guess), loss on the model's turns only, saved and
+evaluated as its own row. Calculator's demonstrations alone taught the model to copy its
+last observation into every reply, guesses included. Sized for two CPU
 cores, where a trainer step on this model costs about a minute: 4 groups of 8 a step,
 short turns (8 tokens for a guess, 48 for a call), a 1,024-token context. ``lora()``
 trains LoRA adapters instead of every weight (``python -m rollart train
@@ -34,7 +36,7 @@ MODEL = "smollm2-135m-instruct"
 #: full fine-tuning's learning rate for a 135M instruct model (small: it is pretrained),
 #: and LoRA's at ten times it (the ratio commonly used; chosen before any run)
 LR, LORA_RANK, LORA_LR = 1e-5, 16, 1e-4
-#: calculator's demonstrations before RL (warm_lora): steps of DEMO_BATCH episodes at
+#: demonstrations before RL (warm_lora): steps of DEMO_BATCH episodes of either task at
 #: LoRA's learning rate
 DEMO_STEPS, DEMO_BATCH = 16, 8
 
@@ -70,12 +72,13 @@ def smoke() -> Graph:
 
 
 def warm_lora() -> Graph:
-    """``lora()`` after ``DEMO_STEPS`` supervised steps on calculator's demonstrations
-    (``Policy.warmup_pretrained``): the tool call shown before RL asks for it."""
+    """``lora()`` after ``DEMO_STEPS`` supervised steps on the tasks' demonstrations
+    (``Policy.warmup_pretrained``): calculator's tool call shown before RL asks for it,
+    and guesses kept to a number."""
     g = lora()
     return replace(g, name="real-warm-lora", policy=replace(
-        g.policy, warmup_pretrained=True, warmup_tasks=("calculator",),
-        warmup_steps=DEMO_STEPS, warmup_batch=DEMO_BATCH, warmup_lr=LORA_LR))
+        g.policy, warmup_pretrained=True, warmup_steps=DEMO_STEPS, warmup_batch=DEMO_BATCH,
+        warmup_lr=LORA_LR))
 
 
 def warm_smoke() -> Graph:

@@ -167,9 +167,9 @@ def test_calculator_demonstrations_teach_the_tool_call_on_the_model_turns_only(s
 def test_warm_graph_fine_tunes_a_model_folder_on_its_demonstration_tasks_only(
         smol_family, tmp_path, capsys):
     """``graphs/real.py:warm_smoke``: the model folder is warmed up (a pretrained model is
-    not, unless ``Policy.warmup_pretrained``), on calculator only (``warmup_tasks``: the
-    other task has no demonstrations here, so playing it would raise), saved and
-    evaluated as its own row before RL."""
+    not, unless ``Policy.warmup_pretrained``), here on calculator only (``warmup_tasks``:
+    the other task has no demonstrations in this test, so playing it would raise), saved
+    and evaluated as its own row before RL."""
     from dataclasses import replace
 
     from rollart import load_graph
@@ -180,7 +180,8 @@ def test_warm_graph_fine_tunes_a_model_folder_on_its_demonstration_tasks_only(
     no_demos = replace(guess_number_task(), warmup_action=None)
     graph = replace(graph, tasks=(no_demos, *graph.tasks[1:]))
     _, result, rows = train_briefly(graph, tmp_path / "run", model=smol_family,
-                                    warmup_steps=2, warmup_batch=4)
+                                    warmup_steps=2, warmup_batch=4,
+                                    warmup_tasks=("calculator",))
     assert "warm-up: 2 demonstration steps" in capsys.readouterr().out
     assert result.warmup_model_dir and (tmp_path / "run" / "warmup_model").is_dir()
     import json

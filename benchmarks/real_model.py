@@ -200,7 +200,8 @@ def main(argv=None) -> None:
         if done.is_file():
             one = json.loads(done.read_text())
             print(f"seed {seed}: read back from {done}", flush=True)
-        else:
+        else:  # a seed cut short mid-run (no sN.json) runs again from its start
+            shutil.rmtree(keep / f"s{seed}", ignore_errors=True)
             one = train_one(graph, seed, args.steps, args.eval_seeds, keep / f"s{seed}",
                             extra)
             done.write_text(json.dumps(one))

@@ -3,7 +3,7 @@ success before and after async GRPO, per task and per seed, full fine-tuning or 
 
 One invocation, one method (``--method full``: ``graphs/real.py``; ``--method lora``:
 ``graphs/real.py:lora``; ``--method warm-lora``: ``graphs/real.py:warm_lora``, LoRA after
-a short supervised warm-up on calculator's demonstrations; their settings were fixed in
+a short supervised warm-up on both tasks' demonstrations; their settings were fixed in
 that file before any run):
 
 1. ``rollart eval smollm2-135m-instruct graphs/real.py --seeds N``: the untrained model's
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     graph, extra = GRAPHS[args.method], []
     if args.quick:
         graph, args.seeds, args.steps, args.eval_seeds = QUICK[args.method], 1, 2, 4
-        args.method = "warm-lora" if args.method == "warm-lora" else "lora"
+        args.method = "lora" if args.method == "full" else args.method  # smoke: LoRA
     # the runs' directories are kept (runs/ is not tracked): a seed's run can be looked
     # at, and an invocation cut short (a crash, a machine needed back) goes on where it
     # stopped with --resume: the seeds done are read back, never run again

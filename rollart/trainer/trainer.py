@@ -179,7 +179,7 @@ class Trainer(TrainerState):
                      threads: int | None = None, bare_tool_steps: int = 0,
                      episode_threads: int | None = None, obs_weight: float = 1.0,
                      **conversation):
-        """Format-only warm-up of the built-in model (see ``rollart.trainer.warmup``), in
+        """Supervised warm-up before RL (see ``rollart.trainer.warmup``), in
         the rollout's conversation format (``Policy.conversation_options()``), on
         ``threads`` torch threads (``Policy.warmup_threads``; None: every core this
         process may use). The warm-up runs before anything else of the run computes

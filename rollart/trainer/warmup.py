@@ -1,4 +1,5 @@
-"""Format-only supervised warm-up for the built-in tiny model.
+"""Supervised warm-up before RL: the built-in tiny model's format warm-up, or a pretrained
+model's demonstrations (``Policy.warmup_pretrained``: loss on its own turns only).
 
 A randomly initialised tiny model cannot emit valid actions, so RL would have no signal.
 The warm-up plays each task with its ``warmup_action`` — a *uniformly random valid*

@@ -10,6 +10,11 @@ default and meaning), ``reference/cli.md`` (every
 it also copies ``benchmarks/figures/*.png`` into the site, and replaces a benchmark page's
 ``<!-- results: SCRIPT -->`` with a table of ``benchmarks/SCRIPT.py``'s newest records
 (``latest_records``): the figures a page shows come from the log, not from prose.
+The set-up times and the default run's held-out table on ``README.md`` and
+``docs/quickstart.md`` come from ``benchmarks/setup_times.py``'s records too: each sits
+between ``<!-- setup_times: KEY -->`` and ``<!-- /setup_times -->`` and is written in
+place by ``python docs/gen_reference.py --times`` (``fill_times``; the pages are read raw
+on GitHub, so not at build time); ``tests/docs/test_times.py`` fails when a page differs.
 
 A field's meaning is its comment in the dataclass source: the comment at the end of its
 line, the ``#`` lines right above it, or both. ``tests/docs/test_reference.py`` fails
@@ -247,6 +252,64 @@ def results_page() -> str:
     return "\n".join(out)
 
 
+SETUP_TIMES = re.compile(r"<!-- setup_times: (\w+) -->(.*?)<!-- /setup_times -->", re.S)
+TIMED_PAGES = ("README.md", "docs/quickstart.md")
+#: the default graph's tasks, as the held-out table names them
+TASK_NAMES = {"gridnav": "gridnav (grid navigation)",
+              "guess": "guess (guess the number with feedback)",
+              "boxpush": "boxpush (1-D box pushing)"}
+
+
+def _newest(script: str, key: str) -> dict:
+    """The newest record of ``benchmarks/<script>.py`` that holds ``key`` (a step that
+    exited 0, for a time)."""
+    step = key[:-2] if key.endswith("_s") else None
+    for r in _records(script):
+        if key in r and (step is None or r.get(f"{step}_rc", 0) == 0):
+            return r
+    raise ValueError(f"no record of benchmarks/{script}.py holds {key!r} (with its step "
+                     f"passing): run python benchmarks/{script}.py --steps "
+                     f"{step or 'main'} on a quiet machine")
+
+
+def _minutes(seconds: float) -> str:
+    return f"about {max(1, round(seconds / 60))} minutes"
+
+
+def _heldout_table() -> str:
+    r = _newest("setup_times", "main_s")
+    base = _records("baselines")
+    base = base[0] if base else {}
+    tasks = [k[len("heldout_after_"):] for k in r if k.startswith("heldout_after_")]
+    out = ["", "| task | warm-up policy | after RL | random player | one-rule heuristic |",
+           "|---|---|---|---|---|"]
+    for t in tasks:
+        cells = [r.get(f"heldout_warm_{t}"), r[f"heldout_after_{t}"],
+                 base.get(f"{t}_random"), base.get(f"{t}_heuristic")]
+        out.append(f"| {TASK_NAMES.get(t, t)} | " +
+                   " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
+    took = r["main_s"]
+    out += ["", f"From `benchmarks/setup_times.py`'s record of {r['date'][:10]} (commit "
+                f"`{r['commit']}`, {r.get('cores', '?')} cores: `python -m rollart train` "
+                f"took {int(took // 60)} min {int(took % 60)} s); the scripted players' "
+                f"columns are `benchmarks/baselines.py`'s record of {base.get('date', '?')[:10]} "
+                f"({base.get('seeds', '?')} seeds).", ""]
+    return "\n".join(out)
+
+
+def fill_times(text: str) -> str:
+    """``text`` with every ``<!-- setup_times: KEY -->…<!-- /setup_times -->`` written
+    from the newest record: KEY ``heldout`` is the default run's held-out table, any other
+    a step of ``benchmarks/setup_times.py`` (``main``, ``suite``, ``slow``, ``bench``,
+    ``matrix``, ``learning``) as ``about N minutes``."""
+    def one(m):
+        key = m.group(1)
+        body = _heldout_table() if key == "heldout" else \
+            _minutes(_newest("setup_times", f"{key}_s")[f"{key}_s"])
+        return f"<!-- setup_times: {key} -->{body}<!-- /setup_times -->"
+    return SETUP_TIMES.sub(one, text)
+
+
 def api_page() -> str:
     """``::: module.Name`` for every public name of ``rollart`` (its lazy exports), for
     mkdocstrings to render from the docstrings."""
@@ -294,5 +357,10 @@ def on_page_markdown(markdown, page, config, files):
     return RESULTS_MARKER.sub(lambda m: latest_records(m.group(1), log=log), markdown)
 
 
-if __name__ == "__main__":  # print a page: python docs/gen_reference.py reference/cli.md
-    print(PAGES[sys.argv[1]]())
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--times"]:  # write the set-up times into the pages that state them
+        for name in TIMED_PAGES:
+            page = ROOT / name
+            page.write_text(fill_times(page.read_text()))
+    else:  # print a page: python docs/gen_reference.py reference/cli.md
+        print(PAGES[sys.argv[1]]())

@@ -1,5 +1,5 @@
 """benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py,
-trainer_gang.py, limits.py, calc_copy.py and inflight_learning.py run tiny and report
+trainer_gang.py, limits.py, calc_copy.py, inflight_learning.py and setup_times.py run tiny and report
 figures that make sense (their full runs are scripts, not tests: see docs/benchmarks/)."""
 
 import importlib
@@ -304,3 +304,14 @@ def test_real_model_curve_is_drawn_from_the_newest_full_records(tmp_path, monkey
             f.write(json.dumps(r) + "\n")
     out = real_model.plot(tmp_path / "c.png", records)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.bench
+def test_setup_times_quick():
+    """The README's main job (2 steps) and its doc test, timed: both exit 0, the run's
+    held-out figures per task are read from its eval.json."""
+    r = _bench("setup_times", "--quick", timeout=600)
+    assert r["failed"] == "none" and r["main_rc"] == 0 and r["suite_rc"] == 0, r
+    assert r["main_s"] > 0 and r["suite_s"] > 0 and r["suite_passed"] >= 1, r
+    for task in ("gridnav", "guess", "boxpush"):
+        assert 0 <= r[f"heldout_warm_{task}"] <= 1 and 0 <= r[f"heldout_after_{task}"] <= 1

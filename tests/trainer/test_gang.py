@@ -208,6 +208,22 @@ def test_the_cli_trains_on_a_two_worker_train_pool_and_resumes_on_one(train_on_t
     load_model(str(run / "model"))  # written again by the one-process trainer
 
 
+@pytest.mark.slow
+def test_a_pretrained_models_warm_up_runs_before_the_gang_forms(train_on_two_ranks,
+                                                                tiny_model, capsys):
+    """``Policy.warmup_pretrained`` on a two-rank gang: rank 0 warms the model folder up
+    alone (the gang forms at the first RL step, from rank 0's weights), saves it as
+    ``warmup_model``, and the gang then trains from it."""
+    from safetensors.torch import load_file
+
+    run, rows = train_on_two_ranks("policy.warmup_pretrained=true", "policy.warmup_steps=2")
+    assert "warm-up: 2 demonstration steps" in capsys.readouterr().out
+    assert {r["trainer/ranks"] for r in rows} == {2}
+    before = load_file(f"{tiny_model}/model.safetensors")
+    warm = load_file(str(run / "warmup_model" / "model.safetensors"))
+    assert any(not torch.equal(before[k], warm[k]) for k in before), "the warm-up moved nothing"
+
+
 def test_what_a_gang_cannot_do_yet_is_a_graph_error():
     from rollart import LoRA
     from rollart.config.graph import Graph, GraphError, Policy

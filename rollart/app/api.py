@@ -82,6 +82,16 @@ class Run:
         current warm-up step, with no RL step): the model is saved, samples flushed."""
         request_stop(self.name)
 
+    def scale(self, pool: str, n: int) -> None:
+        """Run ``n`` workers in ``pool`` from the next trainer step on: a ``Pool.name``
+        of the cluster rollart made (``"env"``, ``"infer-h20"``), or a resource tag
+        (``"CPU_ENV"``) on any cluster. Workers added are routed to as they join; workers
+        removed are drained first (``rollart.control.scaling``). The console and
+        ``recovery.json`` say what was done, or why not."""
+        from rollart.control.scaling import request_scale
+
+        request_scale(self.name, pool, n)
+
     def wait(self, timeout: float | None = None) -> RunResult:
         """Block until the run ends; returns its ``RunResult`` (re-raises its error)."""
         self._thread.join(timeout)

@@ -118,6 +118,12 @@ class Admission:
                 return None
         return False
 
+    def retire(self, holder: str) -> None:
+        """``holder`` leaves (its pool shrinks): it takes nothing more, and keeps the
+        groups it runs until they finish (or it is reported lost after all)."""
+        self._dead.add(holder)
+        self._event().set()  # its waiting acquire answers False now
+
     def lose(self, holder: str) -> list[str] | None:
         """``holder`` was lost: it takes nothing more. Returns the groups it held (None
         before the slots are open)."""

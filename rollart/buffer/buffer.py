@@ -357,6 +357,11 @@ class SampleBuffer:
         at once for a holder reported lost or a closing buffer (stop asking)."""
         return await self.admission.acquire(holder, tasks, wait, self.taken.in_training)
 
+    async def retire_holder(self, holder: str) -> None:
+        """Env manager ``holder`` is drained before its worker leaves
+        (``rollart.control.scaling``): it gets no more groups; the ones it runs finish."""
+        self.admission.retire(holder)
+
     async def holder_lost(self, holder: str) -> int:
         """Env manager ``holder`` was lost: its groups' members in flight there are
         ``failed`` (orphaned) and each group is handed out again for its missing

@@ -293,16 +293,20 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
            progress: bool):
     """Trainer steps ``first``..``graph.steps``: yields each step's metrics row and the
     sample it was made from (``Fleet.sample``: read once, after the step)."""
+    from rollart.control.scaling import Scaler
     from rollart.reward.elastic import reward_metrics
 
     graph, fleet = pipeline.graph, pipeline.fleet
     serverless = bool(pools) or any(is_serverless(t.reward_fn) for t in graph.tasks)
+    scaler = Scaler(fleet, pipeline, run_dir.name) if fleet.supervisor is not None else None
     bar = _progress(graph.steps, progress)
     bar.update(first - 1)
     try:
         for step in range(first, graph.steps + 1):
             if stop_requested(run_dir.name):  # asked before a step ran (warm-up, start-up)
                 return
+            if scaler is not None:  # Run.scale: pools resized between steps
+                scaler.apply(step)
             trainer = _step(client, pipeline, step, run_dir)
             sample = fleet.sample(latencies=True, timeout=None)
             pipeline.after_step(sample.buffer)  # name failing tasks, stop hopeless ones
@@ -321,6 +325,8 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
             yield row, sample
     finally:
         bar.close()
+        if scaler is not None:
+            scaler.close()
 
 
 def _finish(result: RunResult, graph: Graph, eval_seeds: int, progress: bool,

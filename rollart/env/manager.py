@@ -302,6 +302,28 @@ class EnvManager:
         await asyncio.gather(*jobs, return_exceptions=True)
         return len(jobs)
 
+    async def drain(self, timeout: float) -> dict:
+        """Let the groups running here finish, for at most ``timeout`` s: the pool is
+        shrinking (``rollart.control.scaling``) and the driver has already retired this
+        manager's holder at the buffer, so no group starts here any more. Returns
+        ``{"finished", "left"}``: the groups that ended meanwhile, and those still
+        running (the driver hands them out again once this worker is retired)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        seen: set[str] = set()
+        while True:
+            running = [g for g in self._groups.values() if not g.done.is_set()]
+            seen.update(self._groups)
+            left = deadline - loop.time()
+            if not running or left <= 0:
+                break
+            waits = [asyncio.ensure_future(g.done.wait()) for g in running]
+            _, pending = await asyncio.wait(waits, timeout=min(left, 0.5),
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+        return {"finished": len(seen) - len(running), "left": len(running)}
+
     async def close(self) -> None:
         self._closing = True
         if self._taking is not None:

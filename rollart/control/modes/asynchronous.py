@@ -114,6 +114,18 @@ class AsyncPipeline(Pipeline):
             if id(mgr) not in self.takers:
                 self.take_work(mgr)
 
+    def release_manager(self, mgr) -> None:
+        """The buffer gives ``mgr``'s holder no more groups; its ``take_work`` ends."""
+        taker = self.takers.get(id(mgr))
+        if taker is not None:
+            self.fleet.ask_buffer("retire_holder", taker[1])
+
+    def forget_manager(self, mgr, lost: bool) -> None:
+        """``mgr`` left the run; the groups it still ran go back in line (``lost``)."""
+        taker = self.takers.pop(id(mgr), None)
+        if taker is not None and lost:
+            self.fleet.ask_buffer("holder_lost", taker[1])
+
     def take_work(self, mgr) -> None:
         """Start ``mgr``'s ``take_work`` loop for the tasks of its env pool."""
         tasks = [t.name for t in self.graph.tasks

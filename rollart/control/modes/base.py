@@ -105,6 +105,15 @@ class Pipeline(abc.ABC):
         """The run is over (finished, stopped or failed): undo what the mode changed
         on the cluster (the asynchronous modes: process priorities)."""
 
+    # -- a pool shrinking (rollart.control.scaling) -------------------------------------
+    def release_manager(self, mgr) -> None:
+        """``mgr`` is drained before its worker leaves: it starts no more groups. The
+        lockstep modes launch their batches from here, between steps: nothing to do."""
+
+    def forget_manager(self, mgr, lost: bool) -> None:
+        """``mgr`` left the run (``lost``: with groups still running, which the run
+        hands out again)."""
+
     # -- waiting, healing, watching ---------------------------------------------------
     def heal(self) -> None:
         if self.supervisor is not None:

@@ -1,0 +1,252 @@
+"""Resizing a running job's pools at a step boundary: ``Run.scale(pool, n)``.
+
+Consumes scale requests (``request_scale``: a pool named by its ``Pool.name`` in a cluster
+rollart made, or by its resource tag on any cluster, and the number of workers wanted)
+and the run's ``Fleet`` and pipeline; produces workers started, or drained and retired,
+and one event per request: a console line and a row of ``recovery.json`` (``"kind":
+"scale"``). The control loop applies what was asked before each trainer step
+(``Scaler.apply``).
+
+==========  ===========================================================================
+grow        a cluster rollart made (``Resources.make_cluster``: a ``SpecCluster``) gets
+            new worker specs copied from the pool's first; ``Stages.reconcile`` (the
+            supervisor's heal, every ``check_every`` s) starts an inference worker (the
+            newest weights first) or env manager on each as it joins and routes to it.
+            On a cluster started by hand, a ``ScaleError`` names the ``dask worker
+            --resources`` command: workers started so are routed to as they join.
+shrink      the pool's newest workers are drained, then retired through Dask's
+            ``retire_workers`` (their spec dropped first, so nothing restarts them): an
+            inference worker leaves every manager's routing, then finishes the requests
+            it holds; an env manager takes no more groups (``SampleBuffer.retire_holder``)
+            and finishes the ones it runs, within ``Waits.call``. What is still running
+            past that is handled as a lost manager's: re-run elsewhere and counted
+            (``rollout/infra_*``), never trained as a zero reward.
+refused     the trainer's pool (a gang changes size at a ``--resume``: its checkpoint is
+            sharded for any number of ranks), a worker holding the trainer or the
+            buffer, and an inference or env pool asked to 0 while the run uses it.
+==========  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import threading
+import time
+
+from rollart.runtime.waits import bounded
+from rollart.types import BUFFER, TRAIN
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ScaleError", "Scaler", "request_scale"]
+
+_REQUESTS: dict[str, list[tuple[str, int]]] = {}
+_LOCK = threading.Lock()
+
+
+class ScaleError(ValueError):
+    """A scale request that cannot be carried out; the message says what to do instead."""
+
+
+def request_scale(run: str, pool: str, n: int) -> None:
+    """Ask the run named ``run`` (its run directory's name) to run ``n`` workers in
+    ``pool`` from its next trainer step on.
+
+    >>> request_scale("demo", "env", -1)
+    Traceback (most recent call last):
+    ...
+    rollart.control.scaling.ScaleError: a pool runs 0 or more workers, not -1
+    """
+    if int(n) != n or n < 0:
+        raise ScaleError(f"a pool runs 0 or more workers, not {n}")
+    with _LOCK:
+        _REQUESTS.setdefault(run, []).append((str(pool), int(n)))
+
+
+def _take(run: str) -> list[tuple[str, int]]:
+    with _LOCK:
+        return _REQUESTS.pop(run, [])
+
+
+class Scaler:
+    """Applies the scale requests of one run (module docstring)."""
+
+    def __init__(self, fleet, pipeline, run: str):
+        self.fleet, self.pipeline, self.run = fleet, pipeline, run
+        self.client = fleet.stages.client
+        self.waits = fleet.stages.waits
+        self.retired: set[str] = set()  # workers retired here (the scheduler may lag)
+        _take(run)  # a request left by an earlier run of the same name is not this one's
+
+    def close(self) -> None:
+        _take(self.run)
+
+    def apply(self, step: int) -> list[dict]:
+        """Carry out the requests made since the last call, before trainer step
+        ``step``; a request that cannot be is refused with one console line."""
+        from rollart.observe.progress import say
+
+        done = []
+        for pool, n in _take(self.run):
+            try:
+                event = self.scale(pool, n, step)
+            except ScaleError as e:
+                say(f"scale {pool}={n} refused: {e}")
+                continue
+            done.append(event)
+            self.fleet.supervisor.events.append(event)
+            say(f"scale {pool} ({event['tag']}): {event['from']} -> {event['to']} workers "
+                f"before step {step}" + _what(event))
+        return done
+
+    # -- one request --------------------------------------------------------------------
+    def scale(self, pool: str, n: int, step: int) -> dict:
+        tag, specs = self._pool(pool)
+        if tag == TRAIN:
+            raise ScaleError("the trainer's pool changes size at a resume: stop the run, "
+                             "change Pool(tag=TRAIN, workers=...) and `rollart train "
+                             "--resume RUN` (its checkpoint reshards to any number of ranks)")
+        live = self.fleet.supervisor.live()
+        have = _newest_last([a for a, r in live.items()
+                             if r.get(tag, 0) > 0 and a not in self.retired], specs)
+        event = {"kind": "scale", "pool": pool, "tag": tag, "from": len(have), "to": n,
+                 "step": step, "at": time.time(), "added": [], "removed": []}
+        if n > len(have):
+            event["added"] = self._grow(pool, tag, specs, n - len(have))
+        elif n < len(have):
+            if n == 0 and self._needed(tag):
+                raise ScaleError(f"the run's tasks use the {tag} pool: it may shrink to 1 "
+                                 "worker, not to 0")
+            gone = have[n:]
+            self._check_movable(gone)
+            event.update(self._drain(gone))
+            cluster = getattr(self.client, "cluster", None)
+            for name in [s for s, a in specs.items() if a in gone]:
+                cluster.worker_spec.pop(name, None)  # nothing restarts them
+            # Dask's drain: data moved off, each worker (and its nanny) closed
+            self.client.sync(self.client.scheduler.retire_workers, workers=gone,
+                             close_workers=True, remove=True,
+                             callback_timeout=self.waits.call)
+            self.retired.update(gone)
+            event["removed"] = gone
+        return event
+
+    def _pool(self, pool: str) -> tuple[str, dict[str, str | None]]:
+        """``(tag, {spec name: worker address or None})`` of ``pool``: a ``Pool.name`` of
+        the ``SpecCluster`` rollart made (its specs ``{pool}-{i}``), or a resource tag
+        (any cluster; specs as for a name, where the cluster has them)."""
+        cluster = getattr(self.client, "cluster", None)
+        spec = getattr(cluster, "worker_spec", None) or {}
+        addresses = _spec_addresses(cluster)
+        mine = {n: s for n, s in spec.items() if re.fullmatch(rf"{re.escape(pool)}-\d+", n)}
+        if mine:
+            tag = next(iter(next(iter(mine.values()))["options"]["resources"]))
+            return tag, {n: addresses.get(n) for n in mine}
+        tags = {t for a, r in self.fleet.supervisor.live().items() for t in r}
+        if pool in tags:
+            return pool, {n: addresses.get(n) for n, s in spec.items()
+                          if next(iter(s["options"].get("resources", {})), None) == pool}
+        pools = sorted({n.rsplit("-", 1)[0] for n in spec})
+        raise ScaleError(f"no pool {pool!r}: name one of {', '.join(pools) or 'none'} "
+                         f"(the pools of the cluster rollart made) or a resource tag of the "
+                         f"cluster's workers ({', '.join(sorted(tags))})")
+
+    def _needed(self, tag: str) -> bool:
+        return any(t == tag for _, t, _ in self.fleet.actors.of("inference")) or \
+            any(t == tag for _, t, _ in self.fleet.actors.of("env"))
+
+    def _grow(self, pool: str, tag: str, specs: dict, k: int) -> list[str]:
+        cluster = getattr(self.client, "cluster", None)
+        if not specs or not hasattr(cluster, "_correct_state"):
+            raise ScaleError(f"this cluster was not started by rollart: start {k} more "
+                             f"worker(s) with `dask worker --resources \"{tag}=1\" "
+                             f"{self.client.scheduler.address}` (or your cluster manager's "
+                             "scale); each is routed to as it joins")
+        template = cluster.worker_spec[min(specs, key=_index)]
+        if template.get("options", {}).get("env", {}).get("CUDA_VISIBLE_DEVICES"):
+            raise ScaleError(f"the {pool} pool's workers each own a GPU: start a worker on "
+                             f"another GPU by hand (`dask worker --resources \"{tag}=1\"`)")
+        first = max(_index(n) for n in specs) + 1
+        names = [f"{pool}-{first + i}" for i in range(k)]
+        for name in names:
+            spec = copy.deepcopy(template)
+            spec.setdefault("options", {})["name"] = name
+            cluster.worker_spec[name] = spec
+        # SpecCluster.scale's own way to start what its spec declares (one template for
+        # every worker there; a pool's template here)
+        cluster.sync(cluster._correct_state)
+        return names
+
+    def _check_movable(self, gone: list[str]) -> None:
+        placement = self.fleet.actors.placement
+        for role in ("trainer", "buffer"):
+            held = [a for a in placement.get(role, []) if a in gone]
+            if held:
+                tag = TRAIN if role == "trainer" else BUFFER
+                raise ScaleError(f"worker {held[0]} holds the run's {role} ({tag}): it "
+                                 "cannot be retired while the run goes on")
+
+    def _drain(self, gone: list[str]) -> dict:
+        """Take ``gone``'s actors out of the run, letting their work finish (module
+        docstring); returns the counts."""
+        actors, out = self.fleet.actors, {"groups_finished": 0, "groups_left": 0,
+                                          "requests_left": 0}
+        managers = [(m, a) for m, _, a in actors.of("env") if a in gone]
+        for mgr, addr in managers:
+            self.pipeline.release_manager(mgr)  # takes no more groups
+            done = bounded(mgr.drain(self.waits.call), self.waits.call + 30,
+                           f"the EnvManager on {addr} did not drain")
+            out["groups_finished"] += done["finished"]
+            out["groups_left"] += done["left"]
+            actors.remove("env", mgr)
+            self.pipeline.forget_manager(mgr, lost=done["left"] > 0)
+        workers = [(w, a) for w, _, a in actors.of("inference") if a in gone]
+        for w, _ in workers:
+            actors.remove("inference", w)
+        if workers:
+            routes = [(w, t) for w, t, _ in actors.workers]
+            self.fleet.broadcast("env", "set_inference_workers", routes)
+            deadline = time.monotonic() + self.waits.call
+            for w, addr in workers:
+                while time.monotonic() < deadline:
+                    st = self.fleet.call(w, "stats", timeout=self.waits.call)
+                    if not st["queued"] and not st["in_flight"]:
+                        break
+                    time.sleep(0.1)
+                else:
+                    out["requests_left"] += st["queued"] + st["in_flight"]
+        return out
+
+
+def _spec_addresses(cluster) -> dict[str, str]:
+    """Spec name -> its worker's address, for the workers a ``SpecCluster`` runs."""
+    out = {}
+    for name, w in (getattr(cluster, "workers", None) or {}).items():
+        addr = getattr(w, "worker_address", None) or getattr(w, "address", None)
+        if addr:
+            out[name] = addr
+    return out
+
+
+def _index(name: str) -> int:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _newest_last(addresses: list[str], specs: dict) -> list[str]:
+    """``addresses`` oldest first: by their spec's index where the cluster has one, then
+    by address."""
+    index = {a: _index(n) for n, a in specs.items() if a}
+    return sorted(addresses, key=lambda a: (index.get(a, 10 ** 9), a))
+
+
+def _what(event: dict) -> str:
+    if event["added"]:
+        return f": starting {', '.join(event['added'])} (routed to as each joins)"
+    if event["removed"]:
+        return (f": retired {', '.join(event['removed'])} after draining them "
+                f"({event['groups_finished']} groups finished there, "
+                f"{event['groups_left']} left to re-run elsewhere)")
+    return ": nothing to do"

@@ -1,0 +1,98 @@
+"""``Run.scale(pool, n)`` (``rollart.control.scaling``): a pool of the cluster rollart
+made grows and shrinks between trainer steps of a running job. Workers that join get an
+actor and work within a couple of steps; workers that leave are drained first (their
+groups finish there), so the run loses nothing: ``check_run_record`` audits the Parquet
+rows against the trainer's batches, and no member failed with a lost worker."""
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+
+from rollart.control.scaling import ScaleError, request_scale
+
+pytestmark = pytest.mark.slow
+
+
+def _cluster():
+    from rollart.runtime.resources import load_resources
+
+    return replace(load_resources(), processes=False, dashboard_address=":0").make_cluster()
+
+
+def _managers(client) -> dict[str, int]:
+    """Worker address -> groups its env manager took (read on the workers)."""
+    def probe(dask_worker):
+        return [a.counts["groups_taken"] for a in dask_worker.state.actors.values()
+                if type(a).__name__ == "EnvManager"]
+    return {a: sum(v) for a, v in client.run(probe).items() if v}
+
+
+def _wait(run, step: int, timeout: float = 300) -> None:
+    from rollart.app.api import wait_for_step
+
+    wait_for_step(run, step, timeout)
+    assert not run.done() or run.error is None, run.error
+
+
+def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp_path):
+    from distributed import Client
+
+    from rollart.app.api import start_run
+    from rollart.testing import check_run_record, tiny_graph
+
+    graph = tiny_graph("t-scale", steps=12, groups=2, size=2)
+    with _cluster() as cluster, Client(cluster) as client:
+        run = start_run(client, graph, run_dir=tmp_path / "run")
+        _wait(run, 2)
+        before = set(_managers(client))
+        run.scale("env", 2)
+        run.scale("infer-h20", 2)
+        _wait(run, 8)  # asked during step 3: applied before step 4, joins during it
+        grown = _managers(client)
+        new = set(grown) - before
+        assert len(new) == 1, (before, grown)
+        assert grown[new.pop()] > 0, grown  # the new manager was given groups
+        run.scale("env", 1)
+        run.scale("CPU_ENV", 1)  # by tag: already 1, nothing to do
+        run.scale("infer-h20", 1)
+        result = run.wait(timeout=300)
+        assert sorted(n for n in cluster.worker_spec if n.startswith("env-")) == ["env-0"]
+    assert [r["step"] for r in result.metrics] == list(range(1, 13))
+    check_run_record(result)
+    assert result.final_counts["orphaned"] == 0, result.final_counts  # drained, not lost
+    events = [e for e in json.loads((tmp_path / "run" / "recovery.json").read_text())
+              if e.get("kind") == "scale"]
+    moves = [(e["pool"], e["from"], e["to"]) for e in events]
+    assert moves == [("env", 1, 2), ("infer-h20", 1, 2), ("env", 2, 1), ("CPU_ENV", 1, 1),
+                     ("infer-h20", 2, 1)], moves
+    assert not events[3]["added"] and not events[3]["removed"]
+    assert events[0]["added"] == ["env-1"] and len(events[2]["removed"]) == 1
+    assert events[2]["groups_left"] == 0, events[2]
+
+
+def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
+    from distributed import Client
+
+    from rollart.app.api import start_run
+    from rollart.testing import tiny_graph
+
+    with pytest.raises(ScaleError, match="0 or more"):
+        request_scale("x", "env", -2)
+    graph = tiny_graph("t-scale-refused", steps=4, groups=2, size=2)
+    with _cluster() as cluster, Client(cluster) as client:
+        run = start_run(client, graph, run_dir=tmp_path / "run")
+        _wait(run, 1)
+        run.scale("trainer", 2)
+        run.scale("env", 0)
+        run.scale("gpu-pool", 1)
+        result = run.wait(timeout=300)
+        assert len(cluster.worker_spec) == 5
+    out = capsys.readouterr().err  # rollart's progress lines
+    assert "scale trainer=2 refused: the trainer's pool changes size at a resume" in out
+    assert "scale env=0 refused: the run's tasks use the CPU_ENV pool: it may shrink to 1" \
+        in out
+    assert "scale gpu-pool=1 refused: no pool 'gpu-pool': name one of env, infer-h20, " \
+        "infer-h800, reward, trainer" in out
+    assert len(result.metrics) == 4 and not [e for e in result.recovery if e.get("kind")]

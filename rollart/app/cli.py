@@ -194,6 +194,33 @@ def _status(args) -> int:
     return 0
 
 
+def _scale(args) -> int:
+    from rollart.control.prepare import open_client
+    from rollart.control.scaling import SCALE_TOPIC, ScaleError, check_count
+    from rollart.observe.dashboard.status import fetch_state
+
+    from pathlib import Path
+
+    run = Path(args.run).name
+    asks = []
+    for item in args.sizes:
+        pool, _, n = item.partition("=")
+        if not pool or not n.strip().isdigit():
+            raise ScaleError(f"{item!r}: write POOL=N, e.g. env=3 or infer-h20=2")
+        check_count(int(n))
+        asks.append((pool, int(n)))
+    with open_client(args.scheduler, timeout=args.timeout) as client:
+        live = sorted(fetch_state(client))
+        if run not in live:
+            raise ScaleError(f"no live run named {run!r} on {args.scheduler} (live: "
+                             f"{', '.join(live) or 'none'})")
+        for pool, n in asks:
+            client.log_event(SCALE_TOPIC, {"run": run, "pool": pool, "n": n})
+            print(f"asked {run} to run {n} worker(s) in {pool} from its next trainer step; "
+                  "its console and recovery.json say what was done")
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -305,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--timeout", default="10s", help="connect timeout")
     st.set_defaults(func=_status)
+    sc = sub.add_parser("scale", help="resize a pool of a live run between its trainer "
+                        "steps (rollart.control.scaling)")
+    sc.add_argument("run", help="the run (its directory, or the directory's name)")
+    sc.add_argument("sizes", nargs="+", metavar="POOL=N",
+                    help="a Pool.name of the cluster rollart made, or a resource tag, and "
+                         "the number of workers wanted: env=3 infer-h20=2")
+    sc.add_argument("--scheduler", required=True, help="scheduler address, tcp://HOST:PORT")
+    sc.add_argument("--timeout", default="10s", help="connect timeout")
+    sc.set_defaults(func=_scale)
     return p
 
 
@@ -316,6 +352,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rollart.config.preflight import RunDirError
     from rollart.control.checkpoint import CheckpointError
     from rollart.control.prepare import SchedulerConnectError
+    from rollart.control.scaling import ScaleError
     from rollart.control.supervisor import FailureStormError, StallError
     from rollart.chat.conversation import ConversationError
     from rollart.env.protocol import EnvOutputError
@@ -337,7 +374,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
             MooncakeError, RunDirError, TrackerError,
             SampleQueryError, ConversationError, ChatTemplateError, EnvOutputError,
             WarmupEnvError, RewardError, SchedulerConnectError, GangWaitError,
-            TasksStoppedError, FailureStormError, StallError)
+            TasksStoppedError, FailureStormError, StallError, ScaleError)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,10 @@ from rollart.types import BUFFER, TRAIN
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ScaleError", "Scaler", "request_scale"]
+__all__ = ["SCALE_TOPIC", "ScaleError", "Scaler", "request_scale"]
+
+#: the Dask event topic ``rollart scale RUN pool=n`` sends a request on (another process)
+SCALE_TOPIC = "rollart-scale"
 
 _REQUESTS: dict[str, list[tuple[str, int]]] = {}
 _LOCK = threading.Lock()
@@ -59,10 +62,14 @@ def request_scale(run: str, pool: str, n: int) -> None:
     ...
     rollart.control.scaling.ScaleError: a pool runs 0 or more workers, not -1
     """
-    if int(n) != n or n < 0:
-        raise ScaleError(f"a pool runs 0 or more workers, not {n}")
+    check_count(n)
     with _LOCK:
         _REQUESTS.setdefault(run, []).append((str(pool), int(n)))
+
+
+def check_count(n) -> None:
+    if not isinstance(n, int) or n < 0:
+        raise ScaleError(f"a pool runs 0 or more workers, not {n}")
 
 
 def _take(run: str) -> list[tuple[str, int]]:
@@ -79,8 +86,22 @@ class Scaler:
         self.waits = fleet.stages.waits
         self.retired: set[str] = set()  # workers retired here (the scheduler may lag)
         _take(run)  # a request left by an earlier run of the same name is not this one's
+        self.client.subscribe_topic(SCALE_TOPIC, self._heard)  # rollart scale, elsewhere
+
+    def _heard(self, event) -> None:
+        _, msg = event
+        if isinstance(msg, dict) and msg.get("run") == self.run:
+            try:
+                request_scale(self.run, msg["pool"], msg["n"])
+            except (KeyError, ScaleError) as e:
+                logger.warning("a scale request for this run was not understood: %r (%s)",
+                               msg, e)
 
     def close(self) -> None:
+        try:
+            self.client.unsubscribe_topic(SCALE_TOPIC)
+        except Exception as e:  # noqa: BLE001 - a client already closed: nothing to stop
+            logger.debug("unsubscribing the scale requests: %r", e)
         _take(self.run)
 
     def apply(self, step: int) -> list[dict]:

@@ -40,6 +40,7 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
     from distributed import Client
 
     from rollart.app.api import start_run
+    from rollart.app.cli import main
     from rollart.testing import check_run_record, tiny_graph
 
     graph = tiny_graph("t-scale", steps=12, groups=2, size=2)
@@ -48,7 +49,9 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
         _wait(run, 2)
         before = set(_managers(client))
         run.scale("env", 2)
-        run.scale("infer-h20", 2)
+        # from another shell: the request travels as a Dask event to the run's driver
+        assert main(["scale", str(tmp_path / "run"), "infer-h20=2", "--scheduler",
+                     cluster.scheduler_address]) == 0
         _wait(run, 8)  # asked during step 3: applied before step 4, joins during it
         grown = _managers(client)
         new = set(grown) - before
@@ -76,6 +79,7 @@ def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
     from distributed import Client
 
     from rollart.app.api import start_run
+    from rollart.app.cli import main
     from rollart.testing import tiny_graph
 
     with pytest.raises(ScaleError, match="0 or more"):
@@ -87,6 +91,10 @@ def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
         run.scale("trainer", 2)
         run.scale("env", 0)
         run.scale("gpu-pool", 1)
+        assert main(["scale", "no-such-run", "env=2", "--scheduler",
+                     cluster.scheduler_address]) == 2
+        assert main(["scale", "t-scale-refused", "env=two", "--scheduler",
+                     cluster.scheduler_address]) == 2
         result = run.wait(timeout=300)
         assert len(cluster.worker_spec) == 5
     out = capsys.readouterr().err  # rollart's progress lines
@@ -95,4 +103,5 @@ def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
         in out
     assert "scale gpu-pool=1 refused: no pool 'gpu-pool': name one of env, infer-h20, " \
         "infer-h800, reward, trainer" in out
+    assert "no live run named 'no-such-run'" in out and "write POOL=N" in out
     assert len(result.metrics) == 4 and not [e for e in result.recovery if e.get("kind")]

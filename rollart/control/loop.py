@@ -44,7 +44,7 @@ from rollart.config.graph import Graph
 from rollart.control.fleet import Fleet
 from rollart.control.lifecycle import shutdown, start
 from rollart.control.modes import make_pipeline
-from rollart.control.prepare import Prepared, connect, prepare, prepare_model
+from rollart.control.prepare import Prepared, connect, model_folder, prepare
 from rollart.control.stages import Stages
 from rollart.env.tasks import is_agent_task
 from rollart.observe.figures import step_row
@@ -72,7 +72,6 @@ class RunResult:
     #: ``warmup_s``, ``rl_s`` and ``rl_steps`` (this session's), ``evaluation_s``, and
     #: ``other_s`` (cluster and actor start-up, first weights, saving)
     timings: dict = field(default_factory=dict)
-
 
 
 def train(graph: Graph | str | None = None, resources: Resources | str | None = None, *,
@@ -109,30 +108,13 @@ def train(graph: Graph | str | None = None, resources: Resources | str | None = 
 def execute(prep: Prepared, *, client=None, model: str | None = None,
             weights: str | None = None, progress: bool = True,
             eval_seeds: int = 64) -> RunResult:
-    """Run what ``prepare`` checked: the model folder, the cluster, ``run_loop``."""
+    """Run what ``prepare`` checked: the model folder (``model_folder``), the cluster,
+    ``run_loop``."""
     from rollart.config.preflight import check_cluster_tags
-    from rollart.config.templates import check_templates
-    from rollart.observe.progress import phase
     from rollart.weights import store_url
 
     graph, run_dir = prep.graph, prep.run_dir
-    if prep.ckpt is not None:  # a LoRA run's checkpoint holds the adapter: its base
-        from rollart.model import adapter_base
-
-        model_path, warm = adapter_base(prep.ckpt.model_dir) or prep.ckpt.model_dir, False
-    else:
-        from rollart.pretrained import needs_conversion
-
-        given = model or graph.policy.model
-        what = (f"preparing {given} (fetched and converted once, then cached)" if given
-                else "preparing the model")
-        with phase(what, progress and (not given or needs_conversion(given))):
-            model_path, warm = prepare_model(graph, run_dir, model)
-    check_templates(graph, model_path)  # what its chat template cannot do: fail or fold now
-    if graph.policy.lora is not None:  # its targets against the model's layers, now
-        from rollart.weights.lora import check_folder_targets
-
-        check_folder_targets(model_path, graph.policy.lora.peft_options())
+    model_path, warm = model_folder(prep, model, progress)
     source = prep.resources.source if prep.resources else "the cluster you connected"
     with connect(prep.resources, client, progress) as c, \
             store_url(weights, run_dir) as weights_url:
@@ -146,7 +128,6 @@ def execute(prep: Prepared, *, client=None, model: str | None = None,
                         trackers=prep.trackers, started=prep.started)
 
 
-
 def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *,
              progress: bool, eval_seeds: int, resources_source: str,
              store_url: str | None = None, ckpt=None, checkpoint_url: str | None = None,
@@ -157,7 +138,6 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     ``started`` (``time.time()``) is when the run began, for ``RunResult.timings``."""
     from rollart.control import checkpoint
     from rollart.observe.report import MetricsLog, plot_rewards
-    from rollart.observe.samples import SampleFeed
     from rollart.observe.trackers import Trackers
 
     trackers, clock = trackers if trackers is not None else Trackers([]), _Timings(started)
@@ -166,12 +146,7 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                                       progress, clock)
     pipeline, log = make_pipeline(fleet, graph), MetricsLog(run_dir / "metrics.jsonl")
     first, t_start = _resume(pipeline, log, ckpt, run_dir)
-    monitor = Monitor(client, fleet, graph, run_dir.name)  # live figures -> dashboard
-    weights = graph.task_weights or [1] * len(graph.tasks)
-    silent = SilentTasks([t for t, w in zip(graph.task_names, weights) if w > 0],  # watched
-                         graph.rollout.silent_task_steps,
-                         exempt=[t.name for t in graph.tasks if is_agent_task(t)])
-    feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories -> page
+    rows = _Rows(client, fleet, graph, run_dir, model_path, log, trackers)
     record = {"graph": {"source": graph_source, **graph.to_dict()},
               "resources": {"source": resources_source, **fleet.actors.placement}}
     trackers.start(run_dir, run_dir.name, record)
@@ -183,41 +158,81 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
                 _short_of_train(fleet, pipeline, save_to, run_dir, last, record):
             for row, sample in steps:
                 last.update(step=row["step"], time=row["time"])
-                running = monitor.step(row, sample)  # False once request_stop(run)
-                for notice in silent.update(row, sample.buffer.get("tasks")):
-                    logger.warning("%s", notice.text)
-                    monitor.notice(notice)
-                log.write(row)
-                trackers.log_step(row["step"], row)
-                feed.maybe_publish()
+                running = rows.add(row, sample)  # False once request_stop(run)
                 clock.times["rl_steps"] += 1
-                if row["step"] == graph.steps or graph.checkpoint_every and \
-                        row["step"] % graph.checkpoint_every == 0:
+                if _checkpoint_due(graph, row["step"]):
                     checkpoint.save(save_to, row["step"], fleet.actors, pipeline=pipeline,
                                     elapsed=row["time"], **record)
                 if not running:
                     break
         running = running and not stop_requested(run_dir.name)  # stopped before step 1
-        model_dir = bounded(fleet.actors.trainer.save(str(run_dir / "model")),
-                            stages.waits.call, f"the trainer on "
-                            f"{fleet.actors.trainer._address} did not save the model")
+        model_dir = _save_model(fleet, stages, run_dir)
         fleet.supervisor.settle()  # a loss late in the run in recovery.json too
     except BaseException:
         trackers.finish(status="failed")
         raise
     finally:
-        fleet.supervisor.close()
-        monitor.close()
-        pipeline.close()  # e.g. the rollout workers' priority back
-        final_counts = shutdown(fleet.actors, pools)
-        (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
+        final_counts = _close(fleet, rows.monitor, pipeline, pools, run_dir)
     if log.rows:  # none when stopped before the first step (e.g. in the warm-up)
         plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    feed.maybe_publish(force=True)
+    rows.feed.maybe_publish(force=True)
     trackers.finish(str(run_dir / "reward.png"), "finished" if running else "stopped")
     result = RunResult(str(run_dir), log.rows, model_dir, warmup_dir,
                        recovery=fleet.supervisor.events, final_counts=final_counts)
     return _finish(result, graph, eval_seeds, progress, clock)
+
+
+class _Rows:
+    """Where each step's metrics row goes as the step is done: the live figures
+    (``Monitor``: it also says whether the run was asked to stop), the notices of tasks
+    gone silent, ``metrics.jsonl``, the trackers and the page of decoded samples."""
+
+    def __init__(self, client, fleet: Fleet, graph: Graph, run_dir: Path, model_path: str,
+                 log, trackers):
+        from rollart.observe.samples import SampleFeed
+
+        self.monitor = Monitor(client, fleet, graph, run_dir.name)  # live figures -> dashboard
+        weights = graph.task_weights or [1] * len(graph.tasks)
+        self.silent = SilentTasks([t for t, w in zip(graph.task_names, weights) if w > 0],
+                                  graph.rollout.silent_task_steps,  # the tasks watched
+                                  exempt=[t.name for t in graph.tasks if is_agent_task(t)])
+        self.feed = SampleFeed(client, run_dir, model_path, graph)  # decoded trajectories
+        self.log, self.trackers = log, trackers
+
+    def add(self, row: dict, sample) -> bool:
+        """Record one step's ``row``; False once the run was asked to stop."""
+        running = self.monitor.step(row, sample)
+        for notice in self.silent.update(row, sample.buffer.get("tasks")):
+            logger.warning("%s", notice.text)
+            self.monitor.notice(notice)
+        self.log.write(row)
+        self.trackers.log_step(row["step"], row)
+        self.feed.maybe_publish()
+        return running
+
+
+def _checkpoint_due(graph: Graph, step: int) -> bool:
+    """A checkpoint after the last step and every ``Graph.checkpoint_every`` steps."""
+    return bool(step == graph.steps or graph.checkpoint_every
+                and step % graph.checkpoint_every == 0)
+
+
+def _save_model(fleet: Fleet, stages: Stages, run_dir: Path) -> str:
+    """The trained policy as the run's ``model/`` folder (the trainer writes it)."""
+    trainer = fleet.actors.trainer
+    return bounded(trainer.save(str(run_dir / "model")), stages.waits.call,
+                   f"the trainer on {trainer._address} did not save the model")
+
+
+def _close(fleet: Fleet, monitor, pipeline, pools: list, run_dir: Path) -> dict:
+    """Stop the supervisor, the live figures, the pipeline and the actors, and write
+    ``recovery.json``; returns the ledger's counts after shutdown."""
+    fleet.supervisor.close()
+    monitor.close()
+    pipeline.close()  # e.g. the rollout workers' priority back
+    final_counts = shutdown(fleet.actors, pools)
+    (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
+    return final_counts
 
 
 @contextmanager

@@ -4,7 +4,8 @@ folder, the cluster to run on.
 Consumes ``train``'s arguments (a graph or its name, resources, flags, ``--set``
 overrides, a run to resume); produces a ``Prepared`` run (the checked ``Graph``, its run
 directory with ``graph.json`` and checkpoint URL, the trackers) that
-``rollart.control.loop.execute`` runs. ``rollart.control.loop.train`` and
+``rollart.control.loop.execute`` runs, with its model folder (``model_folder``: made
+or resumed, then checked against the graph: ``check_model``). ``rollart.control.loop.train`` and
 ``rollart.app.api.start_run`` both prepare through ``prepare``, so a notebook's run is
 checked exactly like the CLI's, before its thread starts.
 """
@@ -24,8 +25,8 @@ from rollart.env.tasks import task_corpus, warmup_tasks
 from rollart.model import build_tiny_model, check_model_folder
 from rollart.runtime.resources import Resources, load_resources
 
-__all__ = ["Prepared", "SchedulerConnectError", "connect", "new_run_dir", "open_client",
-           "override", "prepare", "prepare_model"]
+__all__ = ["Prepared", "SchedulerConnectError", "check_model", "connect", "model_folder",
+           "new_run_dir", "open_client", "override", "prepare", "prepare_model"]
 
 
 @dataclass
@@ -124,6 +125,43 @@ def prepare_model(graph: Graph, run_dir: Path, model: str | None) -> tuple[str, 
     corpus = chat_corpus(tasks) if chat else task_corpus(tasks)
     out = build_tiny_model(str(run_dir / "init_model"), corpus, chat=chat, seed=graph.seed)
     return out, graph.policy.warmup_total_steps > 0
+
+
+def model_folder(prep: Prepared, model: str | None = None,
+                 progress: bool = False) -> tuple[str, bool]:
+    """The model folder a prepared run trains and whether it needs the format warm-up:
+    a resumed run's checkpoint (a LoRA run's holds the adapter: its base), else
+    ``prepare_model``'s; then what needs the folder (``check_model``)."""
+    from rollart.observe.progress import phase
+
+    graph = prep.graph
+    if prep.ckpt is not None:
+        from rollart.model import adapter_base
+
+        model_path, warm = adapter_base(prep.ckpt.model_dir) or prep.ckpt.model_dir, False
+    else:
+        from rollart.pretrained import needs_conversion
+
+        given = model or graph.policy.model
+        what = (f"preparing {given} (fetched and converted once, then cached)" if given
+                else "preparing the model")
+        with phase(what, progress and (not given or needs_conversion(given))):
+            model_path, warm = prepare_model(graph, prep.run_dir, model)
+    check_model(graph, model_path)
+    return model_path, warm
+
+
+def check_model(graph: Graph, model_path: str) -> None:
+    """The checks that need the model folder, before a cluster is made: what its chat
+    template cannot do (fail or fold now: ``rollart.config.templates``) and, with
+    ``Policy.lora``, its targets against the model's layers."""
+    from rollart.config.templates import check_templates
+
+    check_templates(graph, model_path)
+    if graph.policy.lora is not None:
+        from rollart.weights.lora import check_folder_targets
+
+        check_folder_targets(model_path, graph.policy.lora.peft_options())
 
 
 def prepare(graph: Graph | str | None = None, resources: Resources | str | None = None, *,

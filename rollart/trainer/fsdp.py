@@ -6,15 +6,16 @@ its own shard of a checkpoint's AdamW state when the gang forms (``_shard``). Th
 runs in the rank's trainer thread; every method that holds a collective is called on
 every rank, in the same order.
 
-``_Ranked`` is mixed into ``Trainer`` by both ``GangRank`` (ranks 1..N-1, each a Dask
-actor on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0). What is
-FSDP2's is in a few hooks (``_shard``, ``_publish_state``/``_whole``, ``_grad_norm``,
-``_loss_scale``, ``_save_shards``; ``_full_optimizer`` for a gathered checkpoint); the
-Megatron gang (``rollart.trainer.megatron_gang``) overrides them and keeps the rest:
-joining, the token-weighted step over the data-parallel shares, the buckets (its
-checkpoints are gathered: ``GangTrainer.sharded_checkpoints``). The plain
-helpers: ``balance`` (token-balanced shares of a batch), ``buckets`` (a version's cut into
-buckets, the same on every rank), ``decoder_blocks`` (what ``fully_shard`` wraps).
+``GangMember`` is the ``Trainer`` that both ``GangRank`` (ranks 1..N-1, each a Dask actor
+on its TRAIN worker, started by rank 0) and ``GangTrainer`` (rank 0) build on. What is
+FSDP2's is its backend, a part it holds (``FsdpBackend``: ``shard``,
+``publish_state``/``whole``, ``grad_norm``, ``loss_scale``; ``full_optimizer`` for a
+gathered checkpoint); the Megatron gang (``rollart.trainer.megatron_gang``) holds another
+backend and keeps the rest: joining, the token-weighted step over the data-parallel
+shares, the buckets (its checkpoints are gathered: ``backend.sharded_checkpoints``). The
+plain helpers: ``balance`` (token-balanced shares of a batch), ``buckets`` (a version's
+cut into buckets, the same on every rank), ``decoder_blocks`` (what ``fully_shard``
+wraps), ``leave_gang``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import datetime
 import torch
 
 from rollart.trainer.shards import DCP_DIR, METADATA, dcp_storage, hash_files
+from rollart.trainer.backend import TorchBackend
 from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
 
-__all__ = ["GangRank", "balance", "buckets", "decoder_blocks"]
+__all__ = ["FsdpBackend", "GangMember", "GangRank", "balance", "buckets", "decoder_blocks",
+           "leave_gang"]
 
 def balance(lengths: list[int], n: int) -> list[list[int]]:
     """Row indices split into ``n`` shares of nearly equal total length: longest first,
@@ -77,12 +80,125 @@ def decoder_blocks(model) -> list:
     return list(max(lists, key=len)) if lists else []
 
 
-class _Ranked:
-    """What every rank of the gang does (mixed into ``Trainer``)."""
+def leave_gang() -> None:
+    """Leave this process's gang, if any (its process group destroyed)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class FsdpBackend(TorchBackend):
+    """How the ranks of a torch gang hold the Hugging Face policy: FSDP2 over all ranks
+    (a part ``GangMember`` holds, ``trainer.backend``; ``rollart.trainer.megatron_gang``
+    has Megatron's)."""
+
+    tp = 1  # ranks per tensor-parallel group (FSDP2: every rank its own share)
+    #: checkpoints sharded with torch.distributed.checkpoint (``GangMember._save_shards``)
+    sharded_checkpoints = True
+
+    def leave(self) -> None:
+        """Leave this process's gang, if any."""
+        leave_gang()
+
+    def shard(self, t: GangMember, optimizer_state: bool, dcp: str | None = None) -> None:
+        """Every rank of ``t``'s gang takes rank 0's weights and KL reference (broadcast,
+        tensor by tensor, before sharding), then shards every decoder block and the root
+        over all ranks; with ``optimizer_state``, rank 0's AdamW moments (a one-process
+        layout checkpoint's) reach every rank's shard (``set_optimizer_state_dict``,
+        broadcast from rank 0); with ``dcp`` (a sharded checkpoint's folder), every rank
+        reads its own shard of the moments from it (``_read_dcp``: nothing gathered on
+        rank 0)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        for w in t.model.state_dict().values():
+            dist.broadcast(w.data, 0)
+        if t.algo.kl_coef > 0:
+            if t.ref_model is None:  # members: rank 0's reference comes next
+                t.ref_model = t._frozen_copy().eval()
+            for w in t.ref_model.state_dict().values():
+                dist.broadcast(w.data, 0)
+        full = None
+        if optimizer_state and t.rank == 0:
+            full = get_optimizer_state_dict(t.model, t.optimizer,
+                                            options=StateDictOptions(full_state_dict=True))
+        mesh = init_device_mesh(t._device().type, (t.world,))
+        for block in decoder_blocks(t.model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(t.model, mesh=mesh)
+        t.optimizer = t._make_optimizer()
+        t.sharded = True
+        if dcp is not None:
+            t._read_dcp(dcp, model=False, optimizer=True)
+        elif optimizer_state:
+            set_optimizer_state_dict(t.model, t.optimizer, full or {},
+                                     options=StateDictOptions(full_state_dict=True,
+                                                              broadcast_from_rank0=True))
+
+    def whole_reference(self) -> dict | None:
+        """The KL reference under HF names, to rebuild it whole when the gang is left
+        (FSDP2: none needed, every rank held it whole)."""
+        return None
+
+    def publish_state(self, model) -> dict:
+        """The policy's HF-named tensors, in the same order on every rank (FSDP2: its
+        state dict of DTensors, each gathered whole by ``whole`` as it is written)."""
+        return model.state_dict()
+
+    def whole(self, t) -> torch.Tensor:
+        """One tensor of ``publish_state`` whole (a collective for a DTensor)."""
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def full_optimizer(self, model, optimizer, rank: int) -> dict:
+        """The whole AdamW state under parameter names (a collective: every rank calls
+        it; rank 0 gets the dict, the others ``{}``)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+
+    # -- one step (trainer thread) --------------------------------------------------------
+    def dp_group(self):
+        """The process group over which shares differ (FSDP2: every rank, ``None``)."""
+        return None
+
+    def loss_scale(self, world: int) -> float:
+        """FSDP2 averages gradients over ranks: each rank's loss is scaled by N."""
+        return float(world)
+
+    def reduce_grads(self, model, dp: int) -> None:
+        """After the backward: FSDP2 has reduced the gradients already."""
+
+    def grad_norm(self, params: list, device) -> torch.Tensor:
+        """The whole model's gradient norm (a sharded one reduced over the ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class GangMember(Trainer):
+    """What every rank of the gang does: a ``Trainer`` whose backend also shards the
+    policy over the gang (``FsdpBackend``, or another: ``rollart.trainer.megatron_gang``)."""
 
     share_prompts = False  # a shared prompt is two forwards: the ranks' collectives must line up
     rank, world, sharded = 0, 1, False
-    tp = 1  # ranks per tensor-parallel group (FSDP2: 1, every rank its own share)
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("backend", FsdpBackend())
+        super().__init__(*args, **kwargs)
+
+    @property
+    def tp(self) -> int:
+        """Ranks per tensor-parallel group (the backend's layout; FSDP2: 1)."""
+        return self.backend.tp
 
     @property
     def dp(self) -> int:
@@ -92,10 +208,7 @@ class _Ranked:
 
     def _leave(self) -> None:
         """Leave this process's gang, if any (its process group destroyed)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.backend.leave()
 
     # -- joining and sharding (trainer thread) -------------------------------------------
     def _join(self, host: str, port: int, rank: int, world: int, timeout: float,
@@ -121,41 +234,8 @@ class _Ranked:
         return next(self.model.parameters()).device
 
     def _shard(self, optimizer_state: bool, dcp: str | None = None) -> None:
-        """Every rank takes rank 0's weights and KL reference (broadcast, tensor by
-        tensor, before sharding), then shards every decoder block and the root over all
-        ranks; with ``optimizer_state``, rank 0's AdamW moments (a one-process layout
-        checkpoint's) reach every rank's shard (``set_optimizer_state_dict``, broadcast
-        from rank 0); with ``dcp`` (a sharded checkpoint's folder), every rank reads its
-        own shard of the moments from it (``_read_dcp``: nothing gathered on rank 0)."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        for t in self.model.state_dict().values():
-            dist.broadcast(t.data, 0)
-        if self.algo.kl_coef > 0:
-            if self.ref_model is None:  # members: rank 0's reference comes next
-                self.ref_model = self._frozen_copy().eval()
-            for t in self.ref_model.state_dict().values():
-                dist.broadcast(t.data, 0)
-        full = None
-        if optimizer_state and self.rank == 0:
-            full = get_optimizer_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True))
-        mesh = init_device_mesh(self._device().type, (self.world,))
-        for block in decoder_blocks(self.model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        self.optimizer = self._make_optimizer()
-        self.sharded = True
-        if dcp is not None:
-            self._read_dcp(dcp, model=False, optimizer=True)
-        elif optimizer_state:
-            set_optimizer_state_dict(self.model, self.optimizer, full or {},
-                                     options=StateDictOptions(full_state_dict=True,
-                                                              broadcast_from_rank0=True))
+        """Take rank 0's policy and shard it over the gang (the backend's ``shard``)."""
+        self.backend.shard(self, optimizer_state, dcp)
 
     def _write_buckets(self, version: int, bucket_bytes: int) -> list[tuple[int, str, int]]:
         """This rank's buckets of ``version`` in the weight store (``_buckets_here``).
@@ -176,7 +256,7 @@ class _Ranked:
         for k, names in enumerate(cut):
             mine, part = k % self.world == self.rank, {}
             for name in names:
-                whole = self._whole(state[name])
+                whole = self.backend.whole(state[name])
                 if mine:
                     part[name] = whole.detach().to("cpu")
             if mine:
@@ -230,50 +310,23 @@ class _Ranked:
         return files, weight_map
 
     def _publish_state(self) -> dict:
-        """The policy's HF-named tensors, in the same order on every rank (FSDP2: its
-        state dict of DTensors, each gathered whole by ``_whole`` as it is written)."""
-        return self.model.state_dict()
-
-    def _whole(self, t) -> torch.Tensor:
-        """One tensor of ``_publish_state`` whole (a collective for a DTensor)."""
-        from torch.distributed.tensor import DTensor
-
-        return t.full_tensor() if isinstance(t, DTensor) else t
+        """The policy's HF-named tensors, in the same order on every rank (the backend's:
+        each gathered whole by its ``whole`` as it is written)."""
+        return self.backend.publish_state(self.model)
 
     def _full_optimizer(self) -> dict:
         """The whole AdamW state under parameter names (a collective: every rank calls
         it; rank 0 gets the dict, the others ``{}``)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
-
-        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        return self.backend.full_optimizer(self.model, self.optimizer, self.rank)
 
     # -- one step (trainer thread) --------------------------------------------------------
-    def _dp_group(self):
-        """The process group over which shares differ (FSDP2: every rank, ``None``)."""
-        return None
-
-    def _loss_scale(self) -> float:
-        """FSDP2 averages gradients over ranks: each rank's loss is scaled by N."""
-        return float(self.world)
-
-    def _reduce_grads(self) -> None:
-        """After the backward: FSDP2 has reduced the gradients already."""
-
-    def _grad_norm(self, params: list) -> torch.Tensor:
-        """The whole model's gradient norm (a sharded one reduced over the ranks)."""
-        from torch.distributed.tensor import DTensor
-
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
     def _share_update(self, batch, adv: torch.Tensor, real: int) -> dict:
         """This rank's part of one optimizer step: ``batch``'s first ``real`` rows are its
         share (the rest one filler row, weight 0, for a rank with no share). Every rank
         of one tensor-parallel group has the same share; token counts, micro-batch counts
-        and statistics are reduced over the data-parallel group (``_dp_group``), so each
-        share counts once. Returns the step's statistics, summed over shares."""
+        and statistics are reduced over the data-parallel group (the backend's
+        ``dp_group``), so each share counts once. Returns the step's statistics, summed
+        over shares."""
         import torch.distributed as dist
 
         pad = self.tokenizer.pad_token_id
@@ -283,16 +336,18 @@ class _Ranked:
         counts = [float(_loss_mask(c).sum()) if real else 0.0 for c in collated]
         head = torch.tensor([sum(counts), len(parts)], dtype=torch.float64,
                             device=self._device())  # NCCL reduces on the GPU
-        total, most, group = head.clone(), head.clone(), self._dp_group()
+        total, most, group = head.clone(), head.clone(), self.backend.dp_group()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         total_tokens = max(float(total[0]), 1.0)
         plan = list(zip(parts, collated, counts))
         plan += [(parts[0], collated[0], 0.0)] * (int(most[1]) - len(parts))  # weight 0
-        loss_sum, stats = self._backward(plan, adv, total_tokens, scale=self._loss_scale())
-        self._reduce_grads()
+        scale = self.backend.loss_scale(self.world)
+        loss_sum, stats = self._backward(plan, adv, total_tokens, scale=scale)
+        self.backend.reduce_grads(self.model, self.dp)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = self._grad_norm(params)  # the whole model's, from every rank's part
+        # the whole model's norm, from every rank's part
+        norm = self.backend.grad_norm(params, self._device())
         torch.nn.utils.clip_grads_with_norm_(params, self.algo.max_grad_norm, norm)
         self.optimizer.step()
         self.model.eval()
@@ -309,7 +364,8 @@ class _Ranked:
         return out
 
 
-class GangRank(_Ranked, Trainer):
+
+class GangRank(GangMember):
     """Rank ≥ 1 of the gang, started by ``GangTrainer`` on its own TRAIN worker."""
 
     async def join(self, host: str, port: int, rank: int, world: int, timeout: float) -> int:

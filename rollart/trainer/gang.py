@@ -84,7 +84,7 @@ import logging
 import torch
 
 from rollart.trainer.advantages import compute_advantages
-from rollart.trainer.fsdp import GangRank, _Ranked, balance, buckets, decoder_blocks
+from rollart.trainer.fsdp import GangMember, GangRank, balance, buckets, decoder_blocks
 from rollart.trainer.gang_faults import GangWaitError, Restarts, wait_for_workers
 from rollart.trainer.trainer import Trainer
 
@@ -94,14 +94,10 @@ __all__ = ["GangRank", "GangTrainer", "GangWaitError", "balance", "buckets",
            "decoder_blocks"]
 
 
-class GangTrainer(_Ranked, Trainer):
+class GangTrainer(GangMember):
     """Rank 0 of a gang of ``ranks`` ranks, one per TRAIN worker (module docstring)."""
 
     rank_class = GangRank  # the other ranks' actor (the Megatron gang: its own)
-    #: checkpoints sharded with torch.distributed.checkpoint (module docstring); the
-    #: Megatron gang's are gathered in the one-process layout (its TP shards are plain
-    #: tensors, not DTensors that DCP could reshard)
-    sharded_checkpoints = True
 
     def __init__(self, *args, ranks: int = 2, join_timeout: float = 300.0,
                  bucket_bytes: int = 256 << 20, **kwargs):
@@ -186,7 +182,7 @@ class GangTrainer(_Ranked, Trainer):
         """The policy as a Hugging Face model folder at ``path``; on a sharded gang each
         rank writes its buckets of the weights as the folder's shards, rank 0 the index,
         config and tokenizer (nothing gathered on rank 0)."""
-        if not (self.sharded and self.sharded_checkpoints):
+        if not (self.sharded and self.backend.sharded_checkpoints):
             return await super().save(path)
         try:
             parts = await self._all([self._run(self._save_shards, path, self.bucket_bytes,
@@ -226,8 +222,8 @@ class GangTrainer(_Ranked, Trainer):
         return version
 
     async def save_state(self, url: str) -> dict:
-        """A checkpoint of the gang. Sharded (``sharded_checkpoints``): every rank writes
-        its shards of the policy and AdamW state (``dcp/``, torch.distributed.checkpoint)
+        """A checkpoint of the gang. Sharded (``backend.sharded_checkpoints``): every rank
+        writes its shards of the policy and AdamW state (``dcp/``, torch.distributed.checkpoint)
         and its buckets of the HF-named weights (``model/``'s shards); rank 0 adds the
         model folder's index, config and tokenizer, the KL reference (frozen, held whole
         by every rank: written as the one-process trainer does) and ``trainer.pt``
@@ -248,7 +244,7 @@ class GangTrainer(_Ranked, Trainer):
                 self._dcp_moments = None
         if not self.sharded:
             return await super().save_state(url)
-        if self.sharded_checkpoints:
+        if self.backend.sharded_checkpoints:
             return await self._save_sharded(url)
         try:
             state = (await self._all([self._run(self._full_optimizer),
@@ -289,7 +285,7 @@ class GangTrainer(_Ranked, Trainer):
 
     def _optimizer_state(self) -> tuple[dict | None, str]:
         if self.sharded:
-            if self.sharded_checkpoints:
+            if self.backend.sharded_checkpoints:
                 return None, "dcp"
             return self._gathered_optimizer, "names"
         return super()._optimizer_state()
@@ -457,6 +453,10 @@ class GangTrainer(_Ranked, Trainer):
         self.model.eval()
         self.optimizer = self._make_optimizer()  # the moments were sharded: they start again
         self.sharded = False
+        ref = self.backend.whole_reference()  # Megatron's: its TP shards left with the gang
+        if ref is not None:
+            self.ref_model = self._frozen_copy().eval()
+            self._load_hf(self.ref_model, ref)
 
     async def _gang_step(self, batch) -> dict:
         """The advantages over the whole batch, each rank its token-balanced share

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rollart.model import load_model
+from rollart.trainer.backend import TorchBackend
 from rollart.trainer.trainer import Trainer
 
 # -- layout conversion (pure torch; no megatron import) -------------------------------
@@ -377,50 +378,37 @@ def load_megatron_model(path, *, tp_size: int = 1) -> MegatronLM:
 # -- the Trainer backend --------------------------------------------------------------
 
 
-class MegatronTrainer(Trainer):
-    """``Trainer`` with the policy as a megatron-core ``GPTModel`` (``MegatronLM``).
+class MegatronBackend(TorchBackend):
+    """The policy as a megatron-core ``GPTModel`` (``MegatronLM``), held by a ``Trainer``
+    (``rollart.trainer.backend``): Hugging Face names in the weight store and on disk."""
 
-    Same actor API, loss, optimizer (plain torch AdamW) and weight store; the store gets
-    HF-named weights, so inference workers (torch or vLLM) load them unchanged. This
-    actor is one process (one TRAIN worker: tensor parallelism 1); N TRAIN workers are a
-    tensor x data parallel gang of them (``rollart.trainer.megatron_gang``, laid out by
-    ``Policy.trainer_parallel``), whose checkpoints this one loads (``"names"`` layout:
-    ``_load_named_optimizer``).
-    """
-
-    def _load_policy(self, model_path: str):
-        self._model_path = str(model_path)
+    def load_policy(self, model_path: str, device) -> MegatronLM:
         return load_megatron_model(model_path)
 
-    def _hf_state_dict(self) -> dict:
-        return self.model.hf_state_dict()
+    def hf_state_dict(self, model) -> dict:
+        return model.hf_state_dict()
 
-    def _frozen_copy(self):
+    def frozen_copy(self, model):
         # a GPTModel holds process groups, which do not deepcopy: rebuild from weights
-        return MegatronLM(self.model.hf_config, self._hf_state_dict())
+        return MegatronLM(model.hf_config, self.hf_state_dict(model))
 
-    async def save(self, path: str) -> str:
-        """Write the policy as a Hugging Face model folder (converted back from Megatron)."""
-        await self._run(self._save_hf, path)
-        return path
-
-    # checkpoint hooks: Hugging Face names on disk
-    def _save_hf(self, path: str) -> None:
-        hf = load_model(self._model_path)
-        hf.load_state_dict(self._hf_state_dict(), strict=False)
+    def save_pretrained(self, model, path: str, model_path: str) -> None:
+        """Converted back from Megatron, into the HF model of ``model_path``."""
+        hf = load_model(model_path)
+        hf.load_state_dict(self.hf_state_dict(model), strict=False)
         hf.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
 
-    def _hf_weights(self, module) -> dict:
+    def hf_weights(self, module) -> dict:
         return module.hf_state_dict()
 
-    def _load_hf(self, module, state: dict) -> None:
+    def load_hf(self, module, state: dict) -> None:
         module.load_hf_state_dict(state)
 
-    def _load_named_optimizer(self, state: dict) -> None:
-        load_named_moments(self.model, self.optimizer, state)
+    def load_named_optimizer(self, model, optimizer, state: dict) -> None:
+        load_named_moments(model, optimizer, state)
 
-    def _read_dcp(self, path: str, *, model: bool, optimizer: bool) -> None:
+    def read_dcp(self, model, optimizer, path: str, *, weights: bool, moments: bool,
+                 sharded: bool = False) -> None:
         """A torch trainer gang's sharded checkpoint holds the Hugging Face model's
         parameters as DTensor shards (``rollart.trainer.fsdp``); a megatron ``GPTModel``'s
         are others, under other names: refused, with the fix."""
@@ -430,3 +418,20 @@ class MegatronTrainer(Trainer):
             f"load: resume it with the backend it was trained with (--set "
             f"policy.trainer_backend=torch), or start the Megatron run from its model/ "
             f"folder (--model PATH/model; the optimizer's moments start again)")
+
+
+class MegatronTrainer(Trainer):
+    """``Trainer`` with the policy as a megatron-core ``GPTModel`` (``MegatronLM``): it
+    holds a ``MegatronBackend``.
+
+    Same actor API, loss, optimizer (plain torch AdamW) and weight store; the store gets
+    HF-named weights, so inference workers (torch or vLLM) load them unchanged. This
+    actor is one process (one TRAIN worker: tensor parallelism 1); N TRAIN workers are a
+    tensor x data parallel gang of them (``rollart.trainer.megatron_gang``, laid out by
+    ``Policy.trainer_parallel``), whose checkpoints this one loads (``"names"`` layout:
+    ``MegatronBackend.load_named_optimizer``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("backend", MegatronBackend())
+        super().__init__(*args, **kwargs)

@@ -6,8 +6,8 @@ Consumes a checkpoint folder URL (a local path or ``file://``: DCP's
 ``FileSystemWriter``; another fsspec URL: its ``FsspecWriter``); produces the storage
 object ``dcp.save``/``dcp.load`` take (``dcp_storage``), manifest entries of the files
 (``hash_files``) and a check that every file the metadata names is there
-(``check_dcp``). Used by the trainer ranks (``rollart.trainer.fsdp._Ranked._save_shards``)
-and by every trainer that loads such a checkpoint (``Trainer._read_dcp``).
+(``check_dcp``). Used by the trainer ranks (``rollart.trainer.fsdp.GangMember._save_shards``)
+and by every trainer that loads such a checkpoint (``TorchBackend.read_dcp``).
 
 Every rank writes into the same folder: the checkpoint URL must be one place every TRAIN
 worker reaches (one host, a shared file system or an object store), as it already is for

@@ -6,9 +6,10 @@
 ``ref_model.safetensors``, ``trainer.pt`` and, from a trainer gang, the sharded ``dcp/``
 folder) call these. The backend hooks (``_save_hf``, ``_hf_weights``, ``_load_hf``,
 ``_optimizer_state``, ``_load_dcp_optimizer``, ``_load_named_optimizer``, ``_read_dcp``)
-are what the gang and Megatron trainers override: Hugging Face names on disk whatever the
-training backend. A mixin of ``Trainer``: it uses the trainer's model, optimizer, store
-and version.
+ask the trainer's backend (``rollart.trainer.backend``) what depends on the policy's
+layout; the gang overrides the optimizer's: Hugging Face names on disk whatever the
+training backend. The base class of ``Trainer``: it uses the trainer's model, optimizer,
+store and version.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from rollart.weights import lora
 class TrainerState:
     """The checkpoint half of ``rollart.trainer.trainer.Trainer`` (module docstring)."""
 
-    # Backend hooks (Hugging Face names on disk whatever the training backend):
+    # Hugging Face names on disk whatever the training backend (``self.backend``):
     def _save_hf(self, path: str) -> None:
         if self.peft is None:
-            self.model.save_pretrained(path)
+            self.backend.save_pretrained(self.model, path, self.model_path)
         else:
             self._save_adapter(path)
         self.tokenizer.save_pretrained(path)
@@ -35,10 +36,10 @@ class TrainerState:
         lora.save_folder(self.peft, path, self.model_path, base, self.tokenizer)
 
     def _hf_weights(self, module) -> dict:
-        return module.state_dict()
+        return self.backend.hf_weights(module)
 
     def _load_hf(self, module, state: dict) -> None:
-        module.load_state_dict(state, strict=False)
+        self.backend.load_hf(module, state)
 
     def _save_state(self, url: str) -> dict:
         import io
@@ -79,7 +80,7 @@ class TrainerState:
         ``state_dict``, by parameter position), ``"names"`` (by parameter name: a Megatron
         trainer gang's, gathered from its ranks) or ``"dcp"`` (``None`` here: a torch
         trainer gang's, each rank's shard in the checkpoint's ``dcp/`` folder,
-        ``rollart.trainer.fsdp._Ranked._save_shards``). Any trainer loads each (the
+        ``rollart.trainer.fsdp.GangMember._save_shards``). Any trainer loads each (the
         Megatron backend: not ``"dcp"``)."""
         return self.optimizer.state_dict(), "ids"
 
@@ -94,9 +95,7 @@ class TrainerState:
         """Load an optimizer state in the ``"names"`` layout (keyed by Hugging Face
         parameter names; a gang's checkpoint) into ``self.optimizer`` (a backend whose
         parameters have other names converts them: ``rollart.trainer.megatron``)."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        self.backend.load_named_optimizer(self.model, self.optimizer, state)
 
     def _load_state(self, url: str, truncate: bool = True) -> int:
         import io
@@ -149,34 +148,10 @@ class TrainerState:
 
     def _read_dcp(self, path: str, *, model: bool, optimizer: bool) -> None:
         """Load the policy's weights and/or AdamW state from the sharded checkpoint folder
-        ``path`` (``_save_shards``) with ``torch.distributed.checkpoint.load``, which
-        reshards: a sharded rank of a gang reads only its own shards (a collective over
-        the gang), an unsharded policy (the one-process trainer, or rank 0 before a gang
-        forms) reads whole tensors alone, with no process group (``no_dist``)."""
-        import warnings
-
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-            set_optimizer_state_dict)
-
-        from rollart.trainer.shards import check_dcp, dcp_storage
-
-        check_dcp(path)
-        want = {}
-        if model:
-            want["model"] = get_model_state_dict(self.model)
-        if optimizer:  # an AdamW without moments yet: a zero step (lr 0) makes its slots
-            want["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        alone = not (getattr(self, "sharded", False) and dist.is_initialized())
-        with warnings.catch_warnings():  # alone is meant: no process group to use
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(want, storage_reader=dcp_storage(path, write=False), no_dist=alone)
-        if model:
-            set_model_state_dict(self.model, want["model"])
-        if optimizer:
-            set_optimizer_state_dict(self.model, self.optimizer, want["optimizer"])
+        ``path`` (``_save_shards``): ``TorchBackend.read_dcp`` (a sharded rank of a gang
+        reads only its own shards, an unsharded policy whole tensors alone)."""
+        self.backend.read_dcp(self.model, self.optimizer, path, weights=model,
+                              moments=optimizer, sharded=getattr(self, "sharded", False))
 
     def _load_adapter_state(self, fs, root: str, state: dict) -> None:
         """LoRA ``load_state``: the checkpoint's base (when not the model folder's), a

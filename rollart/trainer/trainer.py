@@ -13,7 +13,6 @@ heartbeats.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
@@ -24,11 +23,12 @@ import torch
 
 from rollart.buffer.buffer import TAKE_KEY
 from rollart.buffer.schema import batch_digest, batch_metrics, from_table  # noqa: F401 (re-exported)
-from rollart.model import load_model, load_tokenizer
+from rollart.model import load_tokenizer
 from rollart.runtime.devices import worker_device
 from rollart.runtime.resources import set_worker_threads, usable_cores
 from rollart.policy.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
+from rollart.trainer.backend import TorchBackend
 from rollart.trainer.losses import (grpo_loss, shared_prompt_logprobs, shares_prompts,
                                      target_logprobs)
 from rollart.trainer.state import TrainerState
@@ -93,8 +93,11 @@ class Trainer(TrainerState):
     share_prompts = True
 
     def __init__(self, model_path: str, store_url: str, algo, *, temperature: float = 1.0,
-                 threads: int | None = None, seed: int = 0, lora: dict | None = None):
+                 threads: int | None = None, seed: int = 0, lora: dict | None = None,
+                 backend: TorchBackend | None = None):
         leave_dead_gang()  # before the policy is built: a Megatron one joins a group
+        # how the policy is held (rollart.trainer.backend): the HF model's, or another's
+        self.backend = backend if backend is not None else TorchBackend()
         set_worker_threads(threads)
         torch.manual_seed(seed)
         self.algo = algo
@@ -121,18 +124,18 @@ class Trainer(TrainerState):
         self._warmup_stop = threading.Event()  # set by stop_warmup: the run was stopped
 
     def _load_policy(self, model_path: str):
-        """The model being trained (backends override: ``rollart.trainer.megatron``), on
-        this worker's device (``rollart.runtime.devices.worker_device``)."""
-        return load_model(model_path, device=self.device)
+        """The model being trained (the backend's: ``rollart.trainer.backend``), on this
+        worker's device (``rollart.runtime.devices.worker_device``)."""
+        return self.backend.load_policy(model_path, self.device)
 
     def _hf_state_dict(self) -> dict:
         """The policy's weights under Hugging Face names, as the weight store holds them
         (in host memory: the store writes bytes)."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return self.backend.hf_state_dict(self.model)
 
     def _frozen_copy(self):
         """A copy of the current policy, the KL reference."""
-        return copy.deepcopy(self.model)
+        return self.backend.frozen_copy(self.model)
 
     def _put_weights(self) -> None:
         """Publish ``self.version``: every weight, or with LoRA the adapter only (the

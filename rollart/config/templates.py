@@ -4,8 +4,9 @@ Consumes a ``Graph`` and a model folder; produces nothing (or a ``ChatTemplateEr
 ``ConversationError`` naming the fix) and one warning line each where system prompts are
 folded into the first user turn, where the template re-renders a growing conversation
 (its conversations are then appended to in delta mode: ``rollart.chat.deltas``), and
-where a task's ``tool_format`` is not the one its template's family writes. ``rollart.control.loop.execute`` (and ``rollart eval``) run it on the driver once
-the model folder is known, before a cluster starts. What a template can do and how a
+where a task's ``tool_format`` is not the one its template's family writes.
+``rollart.control.loop.execute`` (and ``rollart eval``) run it on the driver once the
+model folder is known, before a cluster starts. What a template can do and how a
 task falls back is ``rollart.chat.template_support`` (``check_task``); this module only
 walks the graph's tasks, each env made once to read its tools (an agent task's are
 those it declares, ``AgentTask.tools``).

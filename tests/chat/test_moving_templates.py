@@ -24,7 +24,7 @@ from tool_families import MISTRAL_SPECIALS, MISTRAL_V03  # tests/
 REPO = Path(__file__).resolve().parents[2]
 SYSTEM = "you add numbers"
 Q_ADD = AddEnv.question
-TOOLS_BLOCK = f"[AVAILABLE_TOOLS] [{{\"type\": \"function\""
+TOOLS_BLOCK = "[AVAILABLE_TOOLS] [{\"type\": \"function\""
 # the real template's tool branch: a tool message without a 9-character tool_call_id raises
 NEEDS_CALL_ID = MISTRAL_V03.replace(
     "{% elif m.role == 'tool' %}",

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _PROBE_THINK = "<think>probe thought</think>probe answer"
 _REPLY = "rollart probe reply"  # the probe assistant's content, found in the render
 _NOTED: set[tuple[str, int]] = set()  # (template name, level) already noted
+_MAX_KINDS = 512  # (system?, tools) kinds whose answer a format keeps
 
 
 class ConversationError(ValueError):
@@ -50,6 +51,8 @@ def stable(fmt, system: bool, tools=None) -> bool:
     key = (bool(system), json.dumps(tools, sort_keys=True) if tools else None)
     found = fmt.stable_kinds.get(key)
     if found is None:
+        if len(fmt.stable_kinds) >= _MAX_KINDS:  # bounded memory (an agent's tool lists)
+            fmt.stable_kinds.clear()
         found = fmt.stable_kinds[key] = _probe(fmt, bool(system), tools)
         if not found:
             note(fmt.name)

@@ -3,9 +3,15 @@ moves as the conversation grows (a Mistral-v0.3-style one from tests/tool_famili
 tools before the last user turn, strict alternation): a three-turn tool episode (a
 call, a wrong answer, the right one after a new user turn) runs to success, and its row
 holds the ids the policy saw: each prompt given to the engine is a prefix of the row,
-and the generated ids stand exactly at the loss-masked positions."""
+and the generated ids stand exactly at the loss-masked positions. And (slow) the chat
+graph trains on such a folder with no calc trajectory failing."""
 
 import asyncio
+import json
+import logging
+from pathlib import Path
+
+import pytest
 
 from rollart.chat.conversation import TokenLog
 from rollart.chat.tool_formats import get_tool_format
@@ -15,6 +21,7 @@ from rollart.testing import ADD_TOOL, bpe_tokenizer
 from rollart.types import Episode, GenResult, StepResult, Trajectory
 from tool_families import MISTRAL_SPECIALS, MISTRAL_V03  # tests/
 
+REPO = Path(__file__).resolve().parents[2]
 QUESTION = "what is 2 plus 3 ?"
 
 
@@ -96,3 +103,41 @@ def test_a_tool_episode_under_a_moving_template_trains_on_the_ids_the_policy_saw
     assert text.count("[AVAILABLE_TOOLS]") == 2  # moved before the new user turn: appended
     assert text.endswith("[INST] try again .[/INST]5</s>")
     assert '[TOOL_RESULTS] {"content": "5"}[/TOOL_RESULTS]4</s>' in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_chat_graph_trains_calc_on_a_moving_template(tmp_path, caplog):
+    """``rollart train graphs/chat.py --model`` a Mistral-v0.3-style folder, with a system
+    prompt: no calc trajectory fails (before delta mode every one did, with
+    ``ConversationError: the chat template renders a conversation differently once a
+    message is added``), calc's tool format is the template's, and the console says so
+    in one line."""
+    from dataclasses import replace
+
+    from rollart.app.cli import main
+    from rollart.buffer import read_samples
+    from rollart.runtime.resources import load_resources
+    from rollart.testing import save_folder, tiny_qwen2
+
+    tok = bpe_tokenizer(MISTRAL_SPECIALS, MISTRAL_V03, eos="</s>")
+    tok.bos_token = "<s>"
+    folder = save_folder(tmp_path / "model", tiny_qwen2(tok), tok)
+    res = replace(load_resources("laptop"), processes=False, dashboard_address=":0")
+    with caplog.at_level(logging.WARNING), res.make_cluster() as cluster:
+        code = main(["train", str(REPO / "graphs" / "chat.py"), "--model", folder,
+                     "--steps", "2", "--resources", cluster.scheduler_address,
+                     "--run-dir", str(tmp_path / "run"), "--eval-seeds", "0",
+                     "--no-progress", "--set", "policy.system_prompt=you play"])
+    assert code == 0
+    last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert last["task/received/calc"] > 0 and last["task/failed/calc"] == 0
+    assert last["traj/failed"] == 0
+    said = [r.getMessage() for r in caplog.records
+            if "renders a conversation differently" in r.getMessage()]
+    assert len(said) == 1 and "(tasks calc)" in said[0], said
+    rows = [r for r in read_samples(str(tmp_path / "run")).to_pylist() if r["task"] == "calc"]
+    assert rows
+    for row in rows[:8]:  # each opens as the template renders calc's first prompt
+        text = tok.decode(row["prompt_ids"] + row["response_ids"])
+        assert text.startswith("<s>[AVAILABLE_TOOLS]") and "[INST] you play\n\n" in text

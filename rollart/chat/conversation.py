@@ -65,8 +65,6 @@ CONVERSATIONS = ("auto", "chat", "raw")
 #: above any tokenizer's characters per token, so only text that cannot fit is cut)
 CHARS_PER_TOKEN = 64
 _WARNED = deltas._NOTED  # templates already noted as not prefix-stable (once per process)
-__all__ = ["CONVERSATIONS", "Conversation", "ConversationError", "ConversationFormat",
-           "TokenLog", "cap_text", "context_budget"]
 
 # -- the token log -----------------------------------------------------------------------
 @dataclass
@@ -240,7 +238,9 @@ class Conversation:
     ``add_generation`` appends what the policy generated (loss mask 1) and returns the
     assistant text; ``add_user`` / ``add_tool_results`` append a new message's delta
     (loss mask 0). ``room(n)`` says whether ``n`` more tokens fit the context budget;
-    ``truncated`` is set once text had to be cut to fit.
+    ``truncated`` is set once text had to be cut to fit; ``detached`` once the template
+    re-renders this conversation as it grows (delta mode, ``rollart.chat.deltas``: found
+    at start for its system prompt and tools, or at the first render that fails).
     """
 
     def __init__(self, fmt: ConversationFormat, log: TokenLog, system: str | None,
@@ -385,8 +385,6 @@ class Conversation:
             if after[:len(before)] != before:
                 return None
             ids = self._closing(before) + after[len(before):]
-        except ConversationError:
-            raise
         except Exception:  # noqa: BLE001 - e.g. a template insisting on alternation
             return None
         self._prompt = after

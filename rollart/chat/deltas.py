@@ -138,13 +138,14 @@ def note(name: str, level: int = logging.INFO, tasks: str = "") -> None:
                "messages", name, f" (tasks {tasks})" if tasks else "")
 
 
-def check_task(fmt, system: bool, tools) -> bool:
+def check_task(fmt, system: bool, tools, tool_messages: bool = True) -> bool:
     """Whether conversations with a system message (``system``) and ``tools`` are kept
     in delta mode under ``fmt``; raise ``ConversationError`` where the deltas they need
-    (a user message, and a tool message with tools) cannot be rendered."""
+    (a user message, and a tool message with tools unless not ``tool_messages``: an
+    agent's messages are its own, checked at its requests) cannot be rendered."""
     if fmt.mode != "chat" or stable(fmt, system, tools):
         return False
     turn_delta(fmt, [{"role": "user", "content": "probe"}], tools)
-    if tools:
+    if tools and tool_messages:
         turn_delta(fmt, [{"role": "tool", "content": "probe"}], tools)
     return True

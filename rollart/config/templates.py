@@ -63,7 +63,8 @@ def check_templates(graph, model_path: str) -> None:
         if check_task(fmt, t, tools, own_system=not agent):
             folded.append(t.name)
         system, shown = (None, tools) if agent else opening(fmt, t, tools)
-        if deltas.check_task(fmt, bool(system) and fmt.system_role, shown):
+        if deltas.check_task(fmt, bool(system) and fmt.system_role, shown,
+                             tool_messages=not agent):
             moving.append(t.name)
         if shown:
             _note_tool_format(fmt, t)

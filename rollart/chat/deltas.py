@@ -16,7 +16,10 @@ change ids the policy already saw, or fail. A conversation under such a template
 in delta mode, as ROLL's and verl's token-in-token-out rollouts do: its ids are the ids
 the policy saw, and each new message appends what the template writes after an
 assistant turn, measured by rendering a probe conversation ``[user, assistant, *new]``
-and keeping the ids after the probe assistant's end-of-turn token. Generated ids are
+and keeping the ids after the probe assistant's end-of-turn token (no system message in
+the probe: the system prompt stays where the opening prompt put it; under Mistral
+v0.3's template a new user turn's delta carries the tool list again, as the template
+puts it before the newest user turn, while a tool result's does not). Generated ids are
 never decoded and re-encoded: the next prompt is exactly the previous ids plus the delta,
 and a training row is exactly those ids. Where the template cannot render the probe, a
 ``ConversationError`` names the template and the fix, at start where the check runs.

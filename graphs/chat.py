@@ -4,8 +4,9 @@ Like the default graph, but every trajectory is a chat conversation rendered by 
 tokenizer's template (``Policy(conversation="chat")``, ``rollart.chat.conversation``):
 each observation a ``user`` message, each generation the ``assistant`` message ending
 with its end-of-turn token. The fourth task, ``calc``, declares a sandboxed ``python``
-tool: the model writes ``<tool_call>{"name": "python", "arguments": {"code": ...}}
-</tool_call>``, the runner runs it and the result comes back as a ``tool`` message
+tool: the model writes its call in its family's format, detected from its chat template
+(``rollart.chat.tool_formats``; the chat toy's is Hermes, ``<tool_call>{"name":
+"python", "arguments": {"code": ...}}</tool_call>``), the runner runs it and the result comes back as a ``tool`` message
 (masked out of the loss); the final ``answer <n>`` goes to the env.
 
 With ``Policy(model=None)`` the built-in model is the chat toy
@@ -94,7 +95,9 @@ LORA_RANK, LORA_LR = 16, 5e-3
 def tasks() -> tuple:
     games = tuple(replace(BUILTIN_TASKS[name], max_new_tokens=GAME_TOKENS)
                   for name in ("gridnav", "guess", "boxpush"))
-    calc = calc_tool_task(max_turns=3, tool_format="hermes", max_new_tokens=TOOL_TOKENS,
+    # tool_format=None: the model's family, detected from its chat template (hermes for
+    # the chat toy; mistral for a Mistral folder), never overridden
+    calc = calc_tool_task(max_turns=3, tool_format=None, max_new_tokens=TOOL_TOKENS,
                           top_p=1.0)
     return games + (calc,)
 

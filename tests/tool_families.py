@@ -1,7 +1,9 @@
 """A small chat template per model family, in that family's style (how it renders
 ``tools=`` and assistant ``tool_calls``), with its special tokens and end-of-turn token:
-``FAMILIES[name] = (template, specials, eos)``. Shared by tests/chat/test_tool_formats.py
-and tests/agents/test_agent.py; it sits at tests/, beside conftest.py, whose folder
+``FAMILIES[name] = (template, specials, eos)``; ``MISTRAL_V03``, a mistral template that
+is not prefix-stable, as Mistral v0.3's real one. Shared by tests/chat/test_tool_formats.py,
+tests/chat/test_moving_templates.py, tests/env/test_trajectory_templates.py and
+tests/agents/test_agent.py; it sits at tests/, beside conftest.py, whose folder
 pytest puts on ``sys.path``."""
 
 from rollart.testing import CHATML_SPECIALS
@@ -66,6 +68,36 @@ MISTRAL = (
     "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ {'content': m.content} | tojson }}"
     "[/TOOL_RESULTS]"
     "{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+
+# Mistral v0.3 as its real template behaves: strict user/assistant alternation (tool
+# messages and assistant turns with tool_calls aside; anything else raises), the
+# [AVAILABLE_TOOLS] block before the LAST user turn (it moves as the conversation grows),
+# a system message folded into the first user turn (the real one folds it into the
+# last), no generation prompt, " content</s>" for an assistant turn: not prefix-stable
+MISTRAL_V03 = (
+    "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}"
+    "{% endif %}{% set users = loop_messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{% set ns = namespace(i=0) %}{% for m in loop_messages %}"
+    "{% if not (m.role == 'tool' or m.tool_calls) %}"
+    "{% if (m.role == 'user') != (ns.i % 2 == 0) %}{{ raise_exception('After the optional "
+    "system message, conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% set ns.i = ns.i + 1 %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{% for m in loop_messages %}"
+    "{% if m.role == 'user' %}"
+    "{% if tools and m == users[-1] %}[AVAILABLE_TOOLS] {{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{% endif %}"
+    "{% if loop.first and system is defined %}[INST] {{ system }}\n\n{{ m.content }}[/INST]"
+    "{% else %}[INST] {{ m.content }}[/INST]{% endif %}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
+    "{% for c in m.tool_calls %}{% set c = c.function %}"
+    "{{ '{\"name\": \"' + c.name + '\", \"arguments\": ' }}{{ c.arguments | tojson }}"
+    "{{ '}' }}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif m.role == 'assistant' %} {{ m.content | trim }}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ {'content': m.content} | tojson }}"
+    "[/TOOL_RESULTS]"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported, with the "
+    "exception of an initial optional system message!') }}{% endif %}{% endfor %}")
 
 # Qwen3-Coder: tools as XML, calls as <tool_call><function=...><parameter=...>
 QWEN3_CODER = (

@@ -69,7 +69,7 @@ from typing import Any, Callable
 
 from jinja2 import TemplateError
 
-from rollart.chat.conversation import Conversation, TokenLog, cap_text
+from rollart.chat.conversation import Conversation, ConversationError, TokenLog, cap_text
 from rollart.agents.wire import (AgentError, _internal, _list, _max_tokens, _message,
                                  _stops, _tools, continues, same_turn)
 from rollart.chat.template_support import ChatTemplateError, agent_opening
@@ -300,7 +300,7 @@ class AgentSession:
             return render()
         except ChatTemplateError as e:
             self._stop(e)
-        except TemplateError as e:
+        except (TemplateError, ConversationError) as e:  # the latter: not even as a delta
             roles = " ".join(m["role"] for m in sent)
             self._stop(ChatTemplateError(
                 f"the chat template of {self.fmt.name} refuses the messages of agent task "

@@ -30,10 +30,12 @@ end-of-turn token here), the new user/tool turn and the generation prompt — fo
 rendering the conversation with and without the new message and keeping the suffix.
 Where the template renders prefix-stably the ids equal
 ``apply_chat_template(messages, add_generation_prompt=True)`` of the whole conversation.
-A template that re-renders history differently (e.g. one that drops past ``<think>``
-blocks) is not prefix-stable: rollart then keeps what the policy actually saw (the
-delta of a new message comes from a fixed probe conversation), so training sees the
-very tokens generation saw; a warning says so once when the format is set up.
+A template that re-renders history differently as a conversation grows (one that drops
+past ``<think>`` blocks, moves its tool list before the newest user turn, or insists on
+alternating user and assistant turns) is not prefix-stable: such a conversation is kept
+in delta mode (``rollart.chat.deltas``): each new message appends the ids the template
+writes after an assistant turn, measured on a probe conversation, so training sees the
+very tokens generation saw.
 
 Loss mask: 1 on every generated token, the end-of-turn token the policy generated
 included; 0 on everything rollart adds. Stops: the template's end-of-turn token, the
@@ -48,28 +50,21 @@ How a task reads its action out of the assistant's text (``Task.parse_action``) 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 
+from rollart.chat import deltas
 from rollart.chat import template_support as support
+from rollart.chat.deltas import ConversationError
 from rollart.chat.template_cache import TemplateCache
 from rollart.chat.tool_formats import detect_tool_format
-
-logger = logging.getLogger(__name__)
 
 #: values of ``Policy.conversation``
 CONVERSATIONS = ("auto", "chat", "raw")
 #: at most this many characters of text are encoded per token of room left (a cap far
 #: above any tokenizer's characters per token, so only text that cannot fit is cut)
 CHARS_PER_TOKEN = 64
-_PROBE_THINK = "<think>probe thought</think>probe answer"
-_WARNED: set[str] = set()  # templates already warned about (once per process)
-
-
-class ConversationError(ValueError):
-    """The tokenizer cannot serve the asked-for conversation format."""
-
+_WARNED = deltas._NOTED  # templates already noted as not prefix-stable (once per process)
 
 # -- the token log -----------------------------------------------------------------------
 @dataclass
@@ -161,6 +156,7 @@ class ConversationFormat:
         # how the model writes tool calls (Task.tool_format overrides it: tool_format_of)
         self.tool_format = detect_tool_format(template) if self.mode == "chat" else "hermes"
         self.prefix_stable = self.system_role = self.tools_rendered = True
+        self.stable_kinds: dict = {}  # (system?, tools) -> prefix-stable (rollart.chat.deltas)
         self.end_id: int | None = None  # the template's end-of-turn token (chat)
         eos = _eos_ids(tokenizer, model_path or getattr(tokenizer, "name_or_path", None))
         if self.mode == "chat":
@@ -168,7 +164,9 @@ class ConversationFormat:
             if system_prompt and not self.system_role and strict:
                 raise support.no_system_role(name, "Policy.system_prompt")
             self.end_id = self._probe_end_id()
-            self.prefix_stable = self._probe_prefix_stable(name)
+            # without tools, with the system prompt where it has a role; a conversation
+            # asks again with its own tools (Conversation.detached)
+            self.prefix_stable = deltas.stable(self, bool(system_prompt and self.system_role))
         # the opening prompt and each new message from cached template pieces (one small
         # encode each, checked against the full render at first use); None: full renders
         self.cache = TemplateCache(self) if cache and self.mode == "chat" else None
@@ -189,24 +187,15 @@ class ConversationFormat:
     # -- chat template plumbing ----------------------------------------------------------
     def render(self, messages: list[dict], generation_prompt: bool, tools=None) -> list[int]:
         """``apply_chat_template(messages)`` as ids (rendered text, then encoded)."""
-        kwargs = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.encode(self.render_text(messages, generation_prompt, tools))
 
-    def detached_delta(self, messages: list[dict], tools=None) -> list[int]:
-        """The ids ``messages`` add after an assistant turn, measured on a fixed probe
-        conversation (for templates that are not prefix-stable)."""
-        base = [{"role": "user", "content": "probe"},
-                {"role": "assistant", "content": "probe"}]
-        before = self.render(base, False, tools)
-        after = self.render(base + messages, True, tools)
-        if after[:len(before)] != before:
-            raise ConversationError("the chat template renders a conversation differently "
-                                    "once a message is added, even without <think> blocks; "
-                                    "rollart cannot tell which ids a new message adds: use "
-                                    "Policy.conversation='raw' or another template")
-        return after[len(before):]
+    def render_text(self, messages: list[dict], generation_prompt: bool, tools=None) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _probe_end_id(self) -> int | None:
         """The last special token of an assistant turn as the template renders it."""
@@ -219,34 +208,6 @@ class ConversationFormat:
             if tok in special:
                 return int(tok)
         return None
-
-    def _probe_prefix_stable(self, name: str) -> bool:
-        """Render a probe conversation prefix by prefix: is each render a prefix of the
-        next? Warn once per template when not."""
-        msgs = ([{"role": "system", "content": "probe"}]
-                if self.system_prompt and self.system_role else [])
-        turns = [{"role": "user", "content": "probe one"},
-                 {"role": "assistant", "content": _PROBE_THINK},
-                 {"role": "user", "content": "probe two"},
-                 {"role": "assistant", "content": _PROBE_THINK},
-                 {"role": "user", "content": "probe three"}]
-        prev: list[int] = []
-        for m in turns:
-            msgs.append(m)
-            ids = self.render(msgs, m["role"] != "assistant")
-            if ids[:len(prev)] != prev:
-                key = str(self.tokenizer.chat_template)
-                if key not in _WARNED:
-                    _WARNED.add(key)
-                    logger.warning(
-                        "the chat template of %r does not render conversations "
-                        "prefix-stably (it re-renders past turns, e.g. drops <think> "
-                        "blocks): rollart keeps the ids the policy actually saw, so a "
-                        "trajectory's ids differ from apply_chat_template of its messages",
-                        name)
-                return False
-            prev = ids
-        return True
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -277,7 +238,9 @@ class Conversation:
     ``add_generation`` appends what the policy generated (loss mask 1) and returns the
     assistant text; ``add_user`` / ``add_tool_results`` append a new message's delta
     (loss mask 0). ``room(n)`` says whether ``n`` more tokens fit the context budget;
-    ``truncated`` is set once text had to be cut to fit.
+    ``truncated`` is set once text had to be cut to fit; ``detached`` once the template
+    re-renders this conversation as it grows (delta mode, ``rollart.chat.deltas``: found
+    at start for its system prompt and tools, or at the first render that fails).
     """
 
     def __init__(self, fmt: ConversationFormat, log: TokenLog, system: str | None,
@@ -287,6 +250,7 @@ class Conversation:
         self.cut = 0  # generations closed by rollart (cut by max_new_tokens)
         self.messages: list[dict] = []
         self._ended = True  # the last generation ended with a stop id
+        self.detached = False  # delta mode: new messages appended as probe deltas
         if fmt.mode == "raw":
             self._append(self._encode(observation))
             return
@@ -296,6 +260,7 @@ class Conversation:
         if system:
             self.messages.append({"role": "system", "content": system})
         self.messages.append({"role": "user", "content": content})
+        self.detached = not deltas.stable(fmt, bool(system), self.tools)
         cached = fmt.cache.prompt(system, self.messages[-1]["content"], self.tools) if (
             fmt.cache is not None) else None
         # the template's view of the conversation so far (None: not rendered, see _closing)
@@ -330,6 +295,8 @@ class Conversation:
         for m in msgs:
             m["content"] = self._cap(m.get("content") or "")
         self.messages = msgs
+        self.detached = not deltas.stable(fmt, bool(msgs) and msgs[0]["role"] == "system",
+                                          self.tools)
         self._prompt = fmt.render(msgs, True, self.tools)
         self._append(self._prompt)
         return self
@@ -393,22 +360,35 @@ class Conversation:
     def _add_messages(self, new: list[dict]) -> None:
         plain = all(m.keys() <= {"role", "content"} for m in new)  # the cache keys no more
         cached = self._cached_delta(new) if plain else None
-        if cached is not None:
-            self.messages.extend(new)
-            self._prompt = None
-            self._append(cached)
-            return
-        fmt, tools = self.fmt, self.tools
-        before = fmt.render(self.messages, False, tools)
-        ids = self._closing(before)
-        after = fmt.render(self.messages + new, True, tools)
-        if after[:len(before)] == before:
-            ids += after[len(before):]
-        else:  # not prefix-stable: keep what the policy saw, add only the new turn
-            ids += fmt.detached_delta(new, tools)
+        ids = cached
+        if ids is None and not self.detached:
+            ids = self._full(new)
+        if ids is None:  # delta mode: keep what the policy saw, append the new turn's ids
+            if not self.detached:  # found here, not by the probe (e.g. a tool-call turn)
+                self.detached = True
+                deltas.note(self.fmt.name)
+            ended = self._ended or self.messages[-1]["role"] != "assistant"
+            ids = deltas.turn_delta(self.fmt, new, self.tools, ended)
         self.messages.extend(new)
-        self._prompt = after
+        if cached is not None or self.detached:
+            self._prompt = None
         self._append(ids)
+
+    def _full(self, new: list[dict]) -> list[int] | None:
+        """The ids ``new`` adds as the suffix of the whole conversation's render (the
+        last prompt rendered kept in ``_prompt``); ``None`` where the render of the
+        grown conversation does not extend the previous one, or raises."""
+        fmt, tools = self.fmt, self.tools
+        try:
+            before = fmt.render(self.messages, False, tools)
+            after = fmt.render(self.messages + new, True, tools)
+            if after[:len(before)] != before:
+                return None
+            ids = self._closing(before) + after[len(before):]
+        except Exception:  # noqa: BLE001 - e.g. a template insisting on alternation
+            return None
+        self._prompt = after
+        return ids
 
     def _cached_delta(self, new: list[dict]) -> list[int] | None:
         """The ids ``new`` adds from the format's cached pieces (the end of the turn the
@@ -418,7 +398,8 @@ class Conversation:
             return None
         system = self.messages[0]["role"] == "system"
         tail = cache.turn_tail(self.tools, system)
-        delta = cache.delta(new, self.tools, system) if tail is not None else None
+        delta = (cache.delta(new, self.tools, system, self.detached) if tail is not None
+                 else None)
         if delta is None:
             return None
         return (tail[1:] if self._ended else tail) + delta

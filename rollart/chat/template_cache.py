@@ -49,13 +49,14 @@ class TemplateCache:
         found = self._get(key, lambda: self._prompt_pieces(system, tools))
         return None if found is None else self._encode(found, [content])
 
-    def delta(self, new: list[dict], tools=None, system: bool = False) -> list[int] | None:
+    def delta(self, new: list[dict], tools=None, system: bool = False,
+              detached: bool = False) -> list[int] | None:
         """Ids ``new`` (messages after an assistant turn) add, generation prompt included:
-        the full render's suffix (the detached probe's, for a template that is not
-        prefix-stable)."""
+        the full render's suffix (for a conversation in delta mode, ``detached``: the
+        suffix on the probe conversation ``rollart.chat.deltas`` measures it on)."""
         roles = tuple(m["role"] for m in new)
-        key = ("delta", roles, _tools_key(tools), system)
-        found = self._get(key, lambda: self._delta_pieces(roles, tools, system))
+        key = ("delta", roles, _tools_key(tools), system, detached)
+        found = self._get(key, lambda: self._delta_pieces(roles, tools, system, detached))
         return None if found is None else self._encode(found, [m["content"] for m in new])
 
     def turn_tail(self, tools=None, system: bool = False) -> list[int] | None:
@@ -73,7 +74,11 @@ class TemplateCache:
         if found is _MISSING:
             if len(self._pieces) >= _MAX_KEYS:
                 self._pieces.clear()
-            found = self._pieces[key] = build()
+            try:
+                found = build()
+            except Exception:  # noqa: BLE001 - a template that raises on the probe: the
+                found = None   # full render (or delta) path says what is wrong
+            self._pieces[key] = found
         return found
 
     def _encode(self, found, contents: list[str]) -> list[int]:
@@ -105,18 +110,16 @@ class TemplateCache:
         text = self._text(msgs(_SENTINEL.format(0)), True, tools)
         return self._checked(_split(text, 1), lambda c: self.fmt.render(msgs(c), True, tools))
 
-    def _delta_pieces(self, roles, tools, system):
+    def _delta_pieces(self, roles, tools, system, detached):
         fmt = self.fmt
 
         def new(c):
             return [{"role": r, "content": c} for r in roles]
         sentinels = [{"role": r, "content": _SENTINEL.format(i)} for i, r in enumerate(roles)]
-        if not fmt.prefix_stable:  # the detached probe's delta, as the full path takes it
-            base = _bases(False)[0]
-            return self._checked(self._suffix_pieces(base, sentinels, tools),
-                                 lambda c: fmt.detached_delta(new(c), tools))
+        # delta mode: one position, the probe's [user, assistant] (rollart.chat.deltas)
+        bases = _bases(False)[:1] if detached else _bases(system)
         found = None
-        for base in _bases(system):  # the same pieces at two positions
+        for base in bases:  # the same pieces at two positions
             pieces = self._suffix_pieces(base, sentinels, tools)
             if found is not None and (pieces is None or pieces != found[0]):
                 return None

@@ -103,10 +103,10 @@ def play(fmt, tok, observations, answers, end_id, system_task=None):
 def test_incremental_ids_equal_the_full_render_where_prefix_stable(request, caplog, name,
                                                                    end):
     tok = request.getfixturevalue(name)
-    with caplog.at_level(logging.WARNING, logger=conv_mod.__name__):
+    with caplog.at_level(logging.INFO, logger="rollart.chat.deltas"):
         fmt = ConversationFormat(tok, "auto", system_prompt="you play a game")
     assert fmt.mode == "chat" and fmt.prefix_stable
-    assert not [r for r in caplog.records if "prefix-stably" in r.getMessage()]
+    assert not [r for r in caplog.records if "differently" in r.getMessage()]
     end_id = tok.convert_tokens_to_ids(end)
     assert fmt.end_id == end_id and fmt.stop_ids[0] == end_id
     obs = ["guess : pick 1 to 9 . act :", "guess : higher . act :", "guess : lower ."]
@@ -133,13 +133,15 @@ def test_incremental_ids_equal_the_full_render_where_prefix_stable(request, capl
     assert sum(mask) == sum(len(a) for _, a in gens)
 
 
-def test_thinking_template_keeps_what_the_policy_saw_and_warns_once(thinking, caplog):
+def test_thinking_template_keeps_what_the_policy_saw_and_notes_once(thinking, caplog):
     conv_mod._WARNED.clear()
-    with caplog.at_level(logging.WARNING, logger=conv_mod.__name__):
+    with caplog.at_level(logging.INFO, logger="rollart.chat.deltas"):
         fmt = ConversationFormat(thinking, "chat")
-        ConversationFormat(thinking, "chat")  # a second format: no second warning
-    warnings = [r for r in caplog.records if "prefix-stably" in r.getMessage()]
-    assert len(warnings) == 1 and not fmt.prefix_stable
+        ConversationFormat(thinking, "chat")  # a second format: no second note
+    # INFO: the console line is the start check's (tests/chat/test_moving_templates.py)
+    notes = [r for r in caplog.records if "renders a conversation differently" in
+             r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO and not fmt.prefix_stable
     end_id = thinking.convert_tokens_to_ids("<|im_end|>")
     assert fmt.stop_ids == (end_id, thinking.eos_token_id)
     obs = ["guess : pick 1 to 9 .", "guess : higher .", "guess : lower ."]

@@ -25,7 +25,9 @@ models and the chat toy), another family of ``rollart.chat.tool_formats`` (``"ll
 ``"mistral"``, ``"qwen3_coder"``: the task's ``Task.tool_format`` is then that family, so
 rollout parses what the warm-up taught, and so does ``step`` in raw mode) or ``"text"``
 (``python <code>``, a few words: the word-level toy in raw mode; the default, as the
-``calc`` name and ``graphs/ecosystem.py`` use it).
+``calc`` name and ``graphs/ecosystem.py`` use it). ``None``: the chat model's own family,
+detected from its template at rollout (``Task.tool_format`` unset; ``graphs/chat.py``),
+with the warm-up writing hermes calls, the chat toy's family.
 """
 
 from __future__ import annotations
@@ -211,24 +213,25 @@ def calc_call_warmup_action(rng: random.Random, observation: str,
 
 
 def calc_tool_task(name: str = "calc", max_turns: int = 3, limits: ToolLimits = ToolLimits(),
-                   top_p: float | None = None, tool_format: str = "text",
+                   top_p: float | None = None, tool_format: str | None = "text",
                    max_new_tokens: int | None = None, **task_fields):
     """The tool-use arithmetic task (reward: the env's return, minus invalid moves).
 
-    ``tool_format`` picks the warm-up's call syntax (module docstring); the env accepts
-    the text form and that format's calls. ``max_new_tokens`` defaults to what that
-    syntax needs (5 or 48)."""
-    if tool_format not in CALC_FORMATS:
-        raise ValueError(f"calc_tool_task: tool_format must be one of {CALC_FORMATS}, got "
-                         f"{tool_format!r}; use 'hermes' (or the chat model's own family) "
-                         "for chat models, 'text' for the word-level toy")
+    ``tool_format`` picks the warm-up's call syntax (module docstring; ``None``: the chat
+    model's own family, the warm-up's calls hermes); the env accepts the text form and
+    that format's calls. ``max_new_tokens`` defaults to what that syntax needs (5 or
+    48)."""
+    if tool_format is not None and tool_format not in CALC_FORMATS:
+        raise ValueError(f"calc_tool_task: tool_format must be one of {CALC_FORMATS} or "
+                         f"None, got {tool_format!r}; use None (the chat model's own "
+                         "family) for chat models, 'text' for the word-level toy")
     calls = tool_format != "text"
     factory = partial(CalcToolEnv, max_turns=max_turns, limits=limits, name=name,
-                      tool_format=tool_format if calls else "hermes")
+                      tool_format=tool_format if calls and tool_format else "hermes")
     warmup = calc_warmup_action
-    if calls:  # rollout parses the calls the warm-up writes
+    if calls:  # rollout parses the calls the warm-up writes (None: the model's family)
         task_fields = {"tool_format": tool_format, **task_fields}
-        warmup = (calc_hermes_warmup_action if tool_format == "hermes" else
+        warmup = (calc_hermes_warmup_action if tool_format in ("hermes", None) else
                   partial(calc_call_warmup_action, tool_format=tool_format))
     words = ["tool", "error", "no", "output", "python", "answer", "what", "is", "?", "use",
              "or", *OPS, *(str(n) for n in range(-8, 82))]

@@ -148,7 +148,7 @@ class Resources:
         Dask's INFO logs are off (its loggers at WARNING, here and in the worker
         processes) unless asked for: ``dask_logs="info"`` or ``ROLLART_DASK_LOGS=info``
         (or a level in ``DASK_LOGGING__DISTRIBUTED``; ``rollart.runtime.logs``)."""
-        from distributed import Scheduler, SpecCluster
+        from distributed import Scheduler
 
         from rollart.runtime.logs import set_dask_logs
 
@@ -161,8 +161,38 @@ class Resources:
         if self.security is not None:
             options.update(security=self.security, protocol="tls")
         scheduler = {"cls": Scheduler, "options": options}
-        return SpecCluster(workers=self.worker_specs(), scheduler=scheduler,
-                           asynchronous=asynchronous, name="rollart", security=self.security)
+        return _cluster_class()(workers=self.worker_specs(), scheduler=scheduler,
+                                asynchronous=asynchronous, name="rollart",
+                                security=self.security)
+
+
+#: s a closing cluster's worker processes get to exit on their own (``TaggedCluster``)
+WORKER_EXIT_S = 60.0
+
+
+def _cluster_class():
+    """``TaggedCluster``: a ``SpecCluster`` whose end is a scale to zero in which every
+    worker exits on its own. ``SpecCluster`` gives a worker process 4 s to exit once its
+    worker closed (``Nanny.close``'s 5 s) and kills it past that, with a WARNING per
+    worker; a process that imported torch and loaded a model takes longer than that on
+    a busy 2-core machine, so every run ended with "Worker process still alive after
+    4.0 seconds, killing" lines. Its workers get ``WORKER_EXIT_S`` here (defined in a
+    function: ``distributed`` is imported only when a cluster is made)."""
+    import asyncio
+
+    from distributed import SpecCluster
+    from distributed.core import Status
+
+    class TaggedCluster(SpecCluster):
+        async def _close(self):
+            if self.status == Status.running:
+                workers = [w for w in self.workers.values()
+                           if w.status not in (Status.closing, Status.closed)]
+                await asyncio.gather(*(w.close(timeout=WORKER_EXIT_S) for w in workers),
+                                     return_exceptions=True)
+            await super()._close()
+
+    return TaggedCluster
 
 
 def _on_host(address: str | None, host: str) -> str | None:

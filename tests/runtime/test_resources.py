@@ -125,3 +125,29 @@ def test_worker_processes_keep_big_tensors_out_of_mmap(monkeypatch):
     # a value in the environment wins
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert _one_process_worker() == ("131072", 1)
+
+
+@pytest.mark.slow
+def test_a_cluster_rollart_made_lets_its_workers_exit_on_their_own(caplog):
+    """The end of a run is a scale to zero: a worker process slow to exit (here: an
+    exit handler that takes 6 s, as a process that loaded torch and a model can on a busy
+    machine) is let exit, not killed after 4 s as ``SpecCluster`` does."""
+    import atexit
+    import logging
+    import time
+
+    from distributed import Client
+
+    from rollart.runtime.resources import Pool, Resources
+    from rollart.types import CPU_ENV
+
+    res = Resources(pools=(Pool("env", tag=CPU_ENV, kind="cpu_env", workers=1, threads=1),),
+                    processes=True, dashboard_address=":0")
+    with caplog.at_level(logging.INFO, logger="distributed.nanny"):
+        with res.make_cluster() as cluster, Client(cluster) as client:
+            client.run(lambda: atexit.register(time.sleep, 6))
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+    assert not [r for r in caplog.records if "still alive" in r.getMessage()], caplog.text
+    assert not [r for r in caplog.records if "killed by signal" in r.getMessage()]
+    assert took >= 6, took  # it waited for the worker's own exit

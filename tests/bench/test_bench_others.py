@@ -1,5 +1,5 @@
 """benchmarks/kv_transfer.py, reward_pool.py, tool_sandbox.py, weight_sync.py,
-trainer_gang.py, limits.py, calc_copy.py, inflight_learning.py and setup_times.py run tiny and report
+trainer_gang.py, limits.py, calc_copy.py, inflight_learning.py, setup_times.py and elastic.py run tiny and report
 figures that make sense (their full runs are scripts, not tests: see docs/benchmarks/)."""
 
 import importlib
@@ -315,3 +315,17 @@ def test_setup_times_quick():
     assert r["main_s"] > 0 and r["suite_s"] > 0 and r["suite_passed"] >= 1, r
     for task in ("gridnav", "guess", "boxpush"):
         assert 0 <= r[f"heldout_warm_{task}"] <= 1 and 0 <= r[f"heldout_after_{task}"] <= 1
+
+
+@pytest.mark.bench
+def test_elastic_quick():
+    """An inference pool grown 1 -> 2 and shrunk back mid-run (in-process): the new
+    worker serves, the shrink leaves nothing to re-run, and the audit, apart from the
+    ledger, finds nothing lost or duplicated."""
+    r = _bench("elastic", "--quick", timeout=600)
+    assert r["lost"] == 0 and r["duplicated"] == 0, r
+    assert r["steps"] == 10 and r["groups_left_by_shrink"] == 0, r
+    assert 0 < r["join_to_first_request_s"] < math.inf, r
+    assert r["grow_step"] < r["joined_step"] <= r["shrink_step"], r
+    for k in ("traj_s_before", "traj_s_during", "traj_s_after"):
+        assert r[k] > 0, (k, r)

@@ -155,6 +155,8 @@ class ConversationFormat:
                                                          template) else "raw"
         # how the model writes tool calls (Task.tool_format overrides it: tool_format_of)
         self.tool_format = detect_tool_format(template) if self.mode == "chat" else "hermes"
+        # its tool messages carry a tool_call_id (rollart.chat.deltas.tool_message)
+        self.call_ids = self.mode == "chat" and "tool_call_id" in (template or "")
         self.prefix_stable = self.system_role = self.tools_rendered = True
         self.stable_kinds: dict = {}  # (system?, tools) -> prefix-stable (rollart.chat.deltas)
         self.end_id: int | None = None  # the template's end-of-turn token (chat)
@@ -349,7 +351,9 @@ class Conversation:
         if self.fmt.mode == "raw":
             self._append(self._encode("\n".join(results)))
             return
-        self._add_messages([{"role": "tool", "content": self._cap(r)} for r in results])
+        first = sum(m["role"] == "tool" for m in self.messages)
+        self._add_messages([deltas.tool_message(self.fmt, self._cap(r), first + i)
+                            for i, r in enumerate(results)])
 
     def add_messages(self, new: list[dict]) -> None:
         """Messages after the last assistant turn (an agent's ``user`` / ``tool``

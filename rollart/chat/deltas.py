@@ -67,7 +67,7 @@ def _probe(fmt, system: bool, tools) -> bool:
     turns = [{"role": "user", "content": "probe one"},
              {"role": "assistant", "content": _PROBE_THINK}]
     if tools:  # a tool turn too: a template may insist on alternating user / assistant
-        turns += [{"role": "tool", "content": "probe result"},
+        turns += [tool_message(fmt, "probe result"),
                   {"role": "assistant", "content": _PROBE_THINK}]
     turns += [{"role": "user", "content": "probe two"},
               {"role": "assistant", "content": _PROBE_THINK},
@@ -141,6 +141,18 @@ def note(name: str, level: int = logging.INFO, tasks: str = "") -> None:
                "messages", name, f" (tasks {tasks})" if tasks else "")
 
 
+def tool_message(fmt, content: str, k: int = 0) -> dict:
+    """A tool result as a ``tool`` message; with a ``tool_call_id`` (``call00000``,
+    ``call00001``, ... by the call's place in the conversation: nine alphanumeric
+    characters, as Mistral v0.3's template insists) where ``fmt``'s template reads one
+    (``ConversationFormat.call_ids``), plain elsewhere (the template cache keys plain
+    messages only)."""
+    m = {"role": "tool", "content": content}
+    if getattr(fmt, "call_ids", False):
+        m["tool_call_id"] = f"call{k % 100000:05d}"
+    return m
+
+
 def check_task(fmt, system: bool, tools, tool_messages: bool = True) -> bool:
     """Whether conversations with a system message (``system``) and ``tools`` are kept
     in delta mode under ``fmt``; raise ``ConversationError`` where the deltas they need
@@ -150,5 +162,5 @@ def check_task(fmt, system: bool, tools, tool_messages: bool = True) -> bool:
         return False
     turn_delta(fmt, [{"role": "user", "content": "probe"}], tools)
     if tools and tool_messages:
-        turn_delta(fmt, [{"role": "tool", "content": "probe"}], tools)
+        turn_delta(fmt, [tool_message(fmt, "probe")], tools)
     return True

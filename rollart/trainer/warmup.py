@@ -28,7 +28,7 @@ from rollart.chaos.faults import without_faults
 from rollart.env.protocol import (EnvOutputError, check_observation, check_step_result,
                                   check_tool_result, env_tools)
 from rollart.chat.tool_formats import tool_format_of
-from rollart.chat.tools import check_calls, tool_calls
+from rollart.chat.tools import ToolCall, check_calls, format_tool_call, tool_calls
 from rollart.trainer.losses import target_logprobs
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
                     counts["truncated"] = counts.get("truncated", 0) + 1
                 break
             action = task.warmup_action(rng, obs)
+            if tools:
+                action = in_family(action, tool_format_of(fmt, task), tools)
             text = conv.add_text_generation(action)
             calls = tool_calls(text, tool_format_of(fmt, task), tools) if tools else []
             if calls:  # a tool turn, as rollout plays it: results come back as messages
@@ -84,6 +86,23 @@ def play_random(task, tokenizer, seed: int, rng: random.Random,
     finally:
         _close_quietly(env)
     return log
+
+
+def in_family(action: str, family: str, tools) -> str:
+    """A demonstration's tool calls in the model family's tool format: ``warmup_action``
+    writes them as ``hermes`` (``format_tool_call(..., "hermes")``), which a Mistral or
+    Llama model does not write. Text without a hermes call is left as it is.
+
+    >>> in_family('<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>',
+    ...           "mistral", [])
+    '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}]'
+    """
+    if family == "hermes":
+        return action
+    calls = [c for c in tool_calls(action, "hermes", tools) if isinstance(c, ToolCall)]
+    if not calls:
+        return action
+    return "".join(format_tool_call(c.name, c.arguments, family) for c in calls)
 
 
 def _run_tools(task, env, tools, calls) -> list[str]:

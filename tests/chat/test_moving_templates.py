@@ -192,3 +192,19 @@ def test_a_template_that_insists_on_tool_call_ids_gets_them(tmp_path):
     assert "[TOOL_RESULTS]" in tok.decode(conv.log.ids)
 
 
+
+
+def test_the_warm_up_demonstrates_calls_in_the_models_family(mistral):
+    """calc's demonstrations write hermes calls; on a Mistral-style model the warm-up
+    writes them as that family's ``[TOOL_CALLS]``, and the tool's result comes back."""
+    import random
+
+    from rollart.env.adapters.tool import calc_tool_task
+    from rollart.trainer.warmup import play_random
+
+    fmt = ConversationFormat(mistral, "chat")
+    log = play_random(calc_tool_task(tool_format=None), mistral, seed=3,
+                      rng=random.Random(0), fmt=fmt)
+    text = mistral.decode(log.ids)
+    assert "[TOOL_CALLS]" in text and "<tool_call>" not in text, text
+    assert "[TOOL_RESULTS]" in text, text

@@ -20,7 +20,10 @@ shrink      the pool's newest workers are drained, then retired through Dask's
             it holds; an env manager takes no more groups (``SampleBuffer.retire_holder``)
             and finishes the ones it runs, within ``Waits.call``. What is still running
             past that is handled as a lost manager's: re-run elsewhere and counted
-            (``rollout/infra_*``), never trained as a zero reward.
+            (``rollout/infra_*``), never trained as a zero reward. The drained actors are
+            closed and their tasks forgotten (Dask does not retire a worker holding an
+            actor), so a retired worker process exits on its own, a ``dask worker``
+            started by hand included.
 refused     the trainer's pool (a gang changes size at a ``--resume``: its checkpoint is
             sharded for any number of ranks), a worker holding the trainer or the
             buffer, and an inference or env pool asked to 0 while the run uses it.
@@ -146,10 +149,15 @@ class Scaler:
             cluster = getattr(self.client, "cluster", None)
             for name in [s for s, a in specs.items() if a in gone]:
                 cluster.worker_spec.pop(name, None)  # nothing restarts them
+            self._release(event.pop("keys"))
             # Dask's drain: data moved off, each worker (and its nanny) closed
-            self.client.sync(self.client.scheduler.retire_workers, workers=gone,
-                             close_workers=True, remove=True,
-                             callback_timeout=self.waits.call)
+            retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
+                                       close_workers=True, remove=True,
+                                       callback_timeout=self.waits.call)
+            kept = sorted(set(gone) - set(retired))
+            if kept:
+                raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "
+                                 "why); their actors were drained and closed")
             self.retired.update(gone)
             event["removed"] = gone
         return event
@@ -213,7 +221,7 @@ class Scaler:
         """Take ``gone``'s actors out of the run, letting their work finish (module
         docstring); returns the counts."""
         actors, out = self.fleet.actors, {"groups_finished": 0, "groups_left": 0,
-                                          "requests_left": 0}
+                                          "requests_left": 0, "keys": []}
         managers = [(m, a) for m, _, a in actors.of("env") if a in gone]
         for mgr, addr in managers:
             self.pipeline.release_manager(mgr)  # takes no more groups
@@ -223,6 +231,8 @@ class Scaler:
             out["groups_left"] += done["left"]
             actors.remove("env", mgr)
             self.pipeline.forget_manager(mgr, lost=done["left"] > 0)
+            self._close(mgr, f"the EnvManager on {addr}")
+            out["keys"].append(mgr.key)
         workers = [(w, a) for w, _, a in actors.of("inference") if a in gone]
         for w, _ in workers:
             actors.remove("inference", w)
@@ -238,7 +248,35 @@ class Scaler:
                     time.sleep(0.1)
                 else:
                     out["requests_left"] += st["queued"] + st["in_flight"]
+                self._close(w, f"the InferenceWorker on {addr}")
+                out["keys"].append(w.key)
         return out
+
+    def _release(self, keys: list[str]) -> None:
+        """Forget the closed actors' tasks (``force``: whoever still holds a handle):
+        Dask does not retire a worker that holds an actor."""
+        if keys:  # on the scheduler's loop, before the retire that follows
+            self.client.run_on_scheduler(_forget, keys=keys, client=self.client.id)
+
+    def _close(self, actor, what: str) -> None:
+        """Close a drained actor (its engine thread, its env threads), so its worker
+        process can exit once Dask retires it; a failure is logged, not raised."""
+        try:
+            self.fleet.call(actor, "close", timeout=self.waits.call)
+        except Exception as e:  # noqa: BLE001 - retiring the worker ends it anyway
+            logger.warning("%s did not close before its worker was retired: %r", what, e)
+
+
+def _forget(keys, client, dask_scheduler=None) -> None:
+    """(on the scheduler) every client's want of ``keys`` released, as
+    ``Client.cancel(..., force=True)`` does, but at once: a cancel sent on the client's
+    stream could reach the scheduler after the retire that follows it."""
+    dask_scheduler.stimulus_cancel(keys, client=client, force=True,
+                                   reason="rollart: drained before its worker is retired",
+                                   msg="")
+    left = [k for k in keys if k in dask_scheduler.tasks]
+    if left:
+        raise ScaleError(f"Dask still holds the drained actors {left}")
 
 
 def _spec_addresses(cluster) -> dict[str, str]:

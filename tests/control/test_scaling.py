@@ -61,6 +61,7 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
         run.scale("CPU_ENV", 1)  # by tag: already 1, nothing to do
         run.scale("infer-h20", 1)
         result = run.wait(timeout=300)
+        assert len(client.scheduler_info()["workers"]) == 5  # the retired ones left
         assert sorted(n for n in cluster.worker_spec if n.startswith("env-")) == ["env-0"]
     assert [r["step"] for r in result.metrics] == list(range(1, 13))
     check_run_record(result)
@@ -105,3 +106,59 @@ def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
         "infer-h800, reward, trainer" in out
     assert "no live run named 'no-such-run'" in out and "write POOL=N" in out
     assert len(result.metrics) == 4 and not [e for e in result.recovery if e.get("kind")]
+
+
+def test_a_worker_started_by_hand_joins_an_inference_pool_and_is_retired_by_tag(tmp_path):
+    """``dask worker SCHEDULER --resources H20=1``, started by hand mid-run, gets an
+    inference worker and serves requests; ``run.scale("H20", 1)`` then drains and
+    retires it (the newest of the pool: not one of the cluster's own), losing nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import Client
+
+    from rollart.app.api import start_run
+    from rollart.testing import check_run_record, tiny_graph
+
+    graph = tiny_graph("t-scale-hand", steps=40, groups=2, size=2)
+    with _cluster() as cluster, Client(cluster) as client:
+        run = start_run(client, graph, run_dir=tmp_path / "run")
+        _wait(run, 1)
+        hand = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+             "--resources", "H20=1", "--nthreads", "1", "--no-nanny", "--name", "by-hand",
+             "--no-dashboard"], env={**os.environ, "DASK_LOGGING__DISTRIBUTED": "warning"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 240
+            served = 0
+            while not served:
+                assert time.time() < deadline, "the hand-started worker served nothing"
+                assert not run.done(), run.error
+                served = _served(client, "by-hand")
+                time.sleep(0.5)
+            run.scale("H20", 1)
+            result = run.wait(timeout=600)
+            assert hand.wait(timeout=60) == 0  # retired: it exits on its own
+        finally:
+            if hand.poll() is None:
+                hand.kill()
+    check_run_record(result)
+    assert result.final_counts["orphaned"] == 0, result.final_counts
+    shrink = [e for e in result.recovery if e.get("kind") == "scale"]
+    assert [(e["pool"], e["from"], e["to"]) for e in shrink] == [("H20", 2, 1)], shrink
+    assert shrink[0]["requests_left"] == 0, shrink
+
+
+def _served(client, name: str) -> int:
+    """Requests served by the inference worker on the worker named ``name``."""
+    def probe(dask_worker):
+        if dask_worker.name != name:
+            return 0
+        return sum(a.engine.requests for a in dask_worker.state.actors.values()
+                   if type(a).__name__ == "InferenceWorker")
+    try:
+        return sum(client.run(probe).values())
+    except Exception:  # noqa: BLE001 - a worker joining or leaving mid-probe
+        return 0

@@ -282,6 +282,25 @@ def check_run_record(result) -> None:
     assert final["trained"] == len(ids) == sum(r["trainer/batch_size"] for r in result.metrics)
 
 
+def play_episode(runner, task, seed: int = 0):
+    """One episode of ``task`` through ``runner`` (a ``TrajectoryRunner`` over a test's
+    proxy), as rollout plays it, the runner closed after; returns ``(episode, log)``: the
+    ``Episode`` record and the ``TokenLog`` of the ids the policy saw."""
+    import asyncio
+
+    from rollart.chat.conversation import TokenLog
+    from rollart.types import Episode, Trajectory
+
+    ep = Episode(task.name, seed, [], [], [], {})
+    traj = Trajectory("t0", task.name, "g0", seed, [], [], [], [], [])
+    log = TokenLog()
+    try:
+        asyncio.run(runner._episode(task, seed, log, ep, traj, None, []))
+    finally:
+        runner.close()
+    return ep, log
+
+
 # -- small records, graphs and envs ------------------------------------------------------
 def trajectory(traj_id: str = "t", group_id: str = "g", prompt: Sequence[int] = (1, 2),
                response: Sequence[int] = (3, 4), *, mask: Sequence[int] | None = None,

@@ -6,7 +6,6 @@ template renders and ``parse`` reads it back; ``content`` drops the calls; qwen3
 types its values by the tool's schema; ``Task.tool_format`` is checked; and a tool turn
 in each non-hermes format reaches ``env.call_tool`` in the trajectory runner."""
 
-import asyncio
 import json
 import pickle
 import random
@@ -14,7 +13,7 @@ import random
 import pytest
 
 from rollart.env.adapters.tool import CalcToolEnv, calc_tool_task
-from rollart.chat.conversation import ConversationFormat, TokenLog
+from rollart.chat.conversation import ConversationFormat
 from rollart.env.tasks import Task
 from rollart.chat.template_support import tools_header, tools_prompt
 from rollart.chat.tool_formats import (TOOL_FORMATS, ToolCall, ToolError, detect_tool_format,
@@ -22,8 +21,8 @@ from rollart.chat.tool_formats import (TOOL_FORMATS, ToolCall, ToolError, detect
 from rollart.chat.tools import (check_call, check_calls, format_tool_call, function_tool,
                                has_tool_call, parse_tool_calls, python_tool, tool_calls)
 from rollart.env.trajectory import TrajectoryRunner
-from rollart.testing import ADD_TOOL, CHATML, bpe_tokenizer
-from rollart.types import Episode, GenResult, Trajectory
+from rollart.testing import ADD_TOOL, CHATML, bpe_tokenizer, play_episode
+from rollart.types import GenResult
 from test_conversation import AddEnv  # tests/chat/
 from tool_families import FAMILIES  # tests/
 
@@ -312,13 +311,7 @@ def test_a_tool_turn_in_the_templates_format_reaches_call_tool(name, tokenizers)
     proxy = ScriptedProxy(tok, [call, "5"], tok.convert_tokens_to_ids(FAMILIES[name][2]))
     runner = TrajectoryRunner(proxy, tok, conversation="chat", max_context=1024)
     assert runner.format.tool_format == name
-    ep = Episode(task.name, 0, [], [], [], {})
-    traj = Trajectory("t0", task.name, "g0", 0, [], [], [], [], [])
-    log = TokenLog()
-    try:
-        asyncio.run(runner._episode(task, 0, log, ep, traj, None, []))
-    finally:
-        runner.close()
+    ep, log = play_episode(runner, task)
     assert envs[0].calls == [("add", {"a": 2, "b": 3})]  # typed: qwen3_coder's "2" is 2
     assert ep.info["tool_calls"] == 1 and ep.info["invalid_tool_calls"] == 0
     assert ep.actions == ["5"] and ep.info["success"]
@@ -339,11 +332,6 @@ def test_a_task_format_overrides_the_templates_in_the_runner(tokenizers):
                     tool_format=fmt_name)
         runner = TrajectoryRunner(ScriptedProxy(tok, [mistral_call, "5"], stop), tok,
                                   conversation="chat", max_context=1024)
-        ep = Episode(task.name, 0, [], [], [], {})
-        traj = Trajectory("t0", task.name, "g0", 0, [], [], [], [], [])
-        try:
-            asyncio.run(runner._episode(task, 0, TokenLog(), ep, traj, None, []))
-        finally:
-            runner.close()
+        ep, _ = play_episode(runner, task)
         results[fmt_name] = ep.info.get("tool_calls", 0)
     assert results == {None: 0, "mistral": 1}

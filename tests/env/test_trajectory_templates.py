@@ -6,19 +6,17 @@ holds the ids the policy saw: each prompt given to the engine is a prefix of the
 and the generated ids stand exactly at the loss-masked positions. And (slow) the chat
 graph trains on such a folder with no calc trajectory failing."""
 
-import asyncio
 import json
 import logging
 from pathlib import Path
 
 import pytest
 
-from rollart.chat.conversation import TokenLog
 from rollart.chat.tool_formats import get_tool_format
 from rollart.env.tasks import Task
 from rollart.env.trajectory import TrajectoryRunner
-from rollart.testing import ADD_TOOL, bpe_tokenizer
-from rollart.types import Episode, GenResult, StepResult, Trajectory
+from rollart.testing import ADD_TOOL, bpe_tokenizer, play_episode
+from rollart.types import GenResult, StepResult
 from tool_families import MISTRAL_SPECIALS, MISTRAL_V03  # tests/
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,13 +75,7 @@ def test_a_tool_episode_under_a_moving_template_trains_on_the_ids_the_policy_saw
                               system_prompt="you add numbers")
     assert runner.format.tool_format == "mistral"  # detected from the template
     task = Task("add", AddTwiceEnv, _reward, max_turns=3, max_new_tokens=60)
-    ep = Episode(task.name, 0, [], [], [], {})
-    traj = Trajectory("t0", task.name, "g0", 0, [], [], [], [], [])
-    log = TokenLog()
-    try:
-        asyncio.run(runner._episode(task, 0, log, ep, traj, None, []))
-    finally:
-        runner.close()
+    ep, log = play_episode(runner, task)
     assert ep.info["success"] and ep.actions == ["4", "5"] and ep.info["tool_calls"] == 1
     row = log.prompt_ids + log.response_ids  # what the buffer stores
     assert len(proxy.prompts) == 3

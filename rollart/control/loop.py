@@ -152,9 +152,10 @@ def run_loop(client, graph: Graph, run_dir: Path, model_path: str, warm: bool, *
     trackers.start(run_dir, run_dir.name, record)
     save_to, running = checkpoint_url or checkpoint.default_url(run_dir), True
     last = {"step": first - 1, "time": 0.0}  # the last step done (for a stop short of TRAIN)
+    steps = _steps(client, pipeline, first, run_dir, pools, t_start, progress,
+                   rows.monitor.scaled)  # a generator: runs as it is iterated
     try:
-        with clock.timing("rl_s"), closing(_steps(client, pipeline, first, run_dir, pools,
-                                                  t_start, progress)) as steps, \
+        with clock.timing("rl_s"), closing(steps), \
                 _short_of_train(fleet, pipeline, save_to, run_dir, last, record):
             for row, sample in steps:
                 last.update(step=row["step"], time=row["time"])
@@ -305,7 +306,7 @@ class _Timings:
 
 
 def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: float,
-           progress: bool):
+           progress: bool, on_scale=None):
     """Trainer steps ``first``..``graph.steps``: yields each step's metrics row and the
     sample it was made from (``Fleet.sample``: read once, after the step)."""
     from rollart.control.scaling import Scaler
@@ -313,7 +314,8 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
 
     graph, fleet = pipeline.graph, pipeline.fleet
     serverless = bool(pools) or any(is_serverless(t.reward_fn) for t in graph.tasks)
-    scaler = Scaler(fleet, pipeline, run_dir.name) if fleet.supervisor is not None else None
+    scaler = Scaler(fleet, pipeline, run_dir.name, on_scale) \
+        if fleet.supervisor is not None else None
     bar = _progress(graph.steps, progress)
     bar.update(first - 1)
     try:

@@ -83,8 +83,9 @@ def _take(run: str) -> list[tuple[str, int]]:
 class Scaler:
     """Applies the scale requests of one run (module docstring)."""
 
-    def __init__(self, fleet, pipeline, run: str):
+    def __init__(self, fleet, pipeline, run: str, on_event=None):
         self.fleet, self.pipeline, self.run = fleet, pipeline, run
+        self.on_event = on_event  # each event, as it is done (the dashboard's mark)
         self.client = fleet.stages.client
         self.waits = fleet.stages.waits
         self.retired: set[str] = set()  # workers retired here (the scheduler may lag)
@@ -121,6 +122,8 @@ class Scaler:
                 continue
             done.append(event)
             self.fleet.supervisor.events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
             say(f"scale {pool} ({event['tag']}): {event['from']} -> {event['to']} workers "
                 f"before step {step}" + _what(event))
         return done

@@ -12,7 +12,7 @@
                                                        ├─ rollart_* on /metrics
                                                        └─ rollart status (run_on_scheduler)
 
-Messages are plain dicts (msgpack-able): ``{"kind": "snapshot"|"step"|"warning"|"end",
+Messages are plain dicts (msgpack-able): ``{"kind": "snapshot"|"step"|"warning"|"scale"|"end",
 "run": name, ...}`` (a warning names a silent task or its recovery:
 ``rollart.observe.silent.Notice.message``). ``RunState`` folds them into the figures every reader shows; it is pure logic
 (no Dask) so the page, Prometheus, ``rollart status`` and the tests share it. The sampling
@@ -77,6 +77,7 @@ class RunState:
         self.series: deque = deque(maxlen=history)  # (time, tokens/s per pool, buffer)
         self.staleness: dict[int, int] = {}  # trained samples by versions behind
         self.warnings: dict[tuple[str, str], str] = {}  # (task, reason) -> text, active
+        self.scales: list[dict] = []  # pools resized (rollart.control.scaling), in order
         self.updated = 0.0
 
     def ingest(self, msg: dict) -> None:
@@ -105,6 +106,9 @@ class RunState:
                 self.warnings[key] = msg.get("text", "")
             else:
                 self.warnings.pop(key, None)
+        elif kind == "scale":
+            self.scales.append({k: msg.get(k) for k in ("step", "pool", "from", "to",
+                                                        "time")})
         elif kind == "end":
             self.status = msg.get("status", "finished")
 
@@ -138,6 +142,7 @@ class RunState:
             "workers": snap.get("workers", {}),
             "buffer": snap.get("buffer", 0),
             "warnings": list(self.warnings.values()),  # silent tasks, now
+            "scales": list(self.scales),  # pools resized: step, pool, from, to, time
             # agent tasks' endpoint counters (rollart.observe.figures.AGENT_KEYS) at the
             # last step: calls, history rewrites, generated tokens they dropped
             "agents": {key.rsplit("agent_", 1)[1]: last[key] for key in AGENT_KEYS

@@ -64,6 +64,12 @@ class Monitor:
         """Publish a ``rollart.observe.silent.Notice`` (a task silent or recovered)."""
         self._publish(notice.message(self.run))
 
+    def scaled(self, event: dict) -> None:
+        """Publish a pool resized (``rollart.control.scaling``: a mark on the page's
+        plots, a line under its header and in ``rollart status``)."""
+        self._publish({"kind": "scale", "step": event["step"], "pool": event["pool"],
+                       "from": event["from"], "to": event["to"], "time": event["at"]})
+
     def close(self, status: str | None = None) -> None:
         """Stop sampling; the run ends as ``status`` (default: failed while an exception
         propagates, stopped if a stop was requested, else finished)."""

@@ -62,6 +62,9 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
         run.scale("infer-h20", 1)
         result = run.wait(timeout=300)
         assert len(client.scheduler_info()["workers"]) == 5  # the retired ones left
+        from rollart.observe.dashboard.status import fetch_state
+
+        marks = fetch_state(client)["run"]["scales"]  # the dashboard's marks
         assert sorted(n for n in cluster.worker_spec if n.startswith("env-")) == ["env-0"]
     assert [r["step"] for r in result.metrics] == list(range(1, 13))
     check_run_record(result)
@@ -72,6 +75,7 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
     assert moves == [("env", 1, 2), ("infer-h20", 1, 2), ("env", 2, 1), ("CPU_ENV", 1, 1),
                      ("infer-h20", 2, 1)], moves
     assert not events[3]["added"] and not events[3]["removed"]
+    assert [(m["pool"], m["step"]) for m in marks] == [(e["pool"], e["step"]) for e in events]
     assert events[0]["added"] == ["env-1"] and len(events[2]["removed"]) == 1
     assert events[2]["groups_left"] == 0, events[2]
 

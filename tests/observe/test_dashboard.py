@@ -42,6 +42,9 @@ def _messages(run="r1", steps=3):
             "step": s, "version": s, "time": float(s), "reward/gridnav": 0.1 * s,
             "reward/guess": 0.2, "reward/mean": 0.15, "trainer/staleness/0": 16,
             "trainer/staleness/1": 16}})
+        if s == 1:  # a pool resized (Run.scale) before step 2
+            msgs.append({"kind": "scale", "run": run, "step": 2, "pool": "env", "from": 1,
+                         "to": 2, "time": 101.5})
     msgs.append({"kind": "end", "run": run, "status": "finished"})
     return msgs
 
@@ -61,6 +64,7 @@ def test_run_state_folds_messages():
     assert r.staleness == {0: 48, 1: 48}
     s = r.summary()
     assert s["step"] == 3 and s["workers"]["tcp://127.0.0.1:1"]["version"] == 3
+    assert s["scales"] == [{"step": 2, "pool": "env", "from": 1, "to": 2, "time": 101.5}]
     names = {n for n, *_ in r.prometheus()}
     assert {"rollart_reward", "rollart_trajectories", "rollart_staleness_trained_total",
             "rollart_tokens_per_second", "rollart_busy_fraction",
@@ -79,6 +83,7 @@ def test_status_shows_the_agent_counters_of_the_last_row():
     assert "  agents:       calls=12  rewrites=3  dropped_tokens=40" in format_status(
         {"r1": s})
     assert "agents:" not in format_status({"r1": fold(_messages())["r1"].summary()})
+    assert "  scaled:       env 1 -> 2 workers before step 2" in format_status({"r1": s})
     json.dumps(s)  # `rollart status --json`
 
 
@@ -98,6 +103,9 @@ def test_page_fills_every_plot_from_a_run_state():
         data = page.sources[name].data
         assert any(len(v) for v in data.values()), name
     assert "finished" in page.header.text and "step 3/3" in page.header.text
+    assert "scaled: env 1 -&gt; 2 workers before step 2" in page.header.text
+    assert page.sources["scales"].data["step"] == [2]  # the reward plot's mark
+    assert page.sources["scales"].data["t"] == [0.5]  # the tokens plot's, in its seconds
 
 
 def test_page_shows_the_latest_decoded_trajectories_per_task():

@@ -22,7 +22,8 @@ from bokeh.plotting import figure
 from rollart.observe.metrics import LATENCY_EDGES, TRAJ_STATES, RunState
 from rollart.observe.samples import samples_html
 
-PLOTS = ("reward", "states", "staleness", "latency", "tokens", "busy", "versions", "buffer")
+PLOTS = ("reward", "states", "staleness", "latency", "tokens", "busy", "versions", "buffer",
+         "scales")
 
 
 def _fig(title: str, **kw):
@@ -54,10 +55,13 @@ class RollartPage:
         s["busy"].data = {"xs": [], "ys": [], "pool": [], "color": []}
         s["versions"].data = {"worker": [], "version": []}
         s["buffer"].data = {"t": [], "rows": []}
+        s["scales"].data = {"step": [], "t": [], "label": []}  # pools resized: the marks
 
         reward = _fig("Reward per task (trained batch mean)", x_axis_label="trainer step")
         reward.multi_line("xs", "ys", color="color", legend_field="task", line_width=2,
                           source=s["reward"])
+        reward.ray(x="step", y=0, length=0, angle=90, angle_units="deg", color="#888",
+                   line_dash="dashed", source=s["scales"])  # each resize, at its step
         states = _fig("Trajectories by state", x_range=FactorRange(*TRAJ_STATES))
         states.vbar(x="state", top="count", width=0.8, source=s["states"])
         states.xaxis.major_label_orientation = 0.6
@@ -69,6 +73,8 @@ class RollartPage:
         tokens = _fig("Generated tokens/s per inference pool", x_axis_label="seconds")
         tokens.multi_line("xs", "ys", color="color", legend_field="pool", line_width=2,
                           source=s["tokens"])
+        tokens.ray(x="t", y=0, length=0, angle=90, angle_units="deg", color="#888",
+                   line_dash="dashed", source=s["scales"])  # ... and at its time
         busy = _fig("Busy fraction per inference pool", x_axis_label="seconds",
                     y_range=(0, 1.05))
         busy.multi_line("xs", "ys", color="color", legend_field="pool", line_width=2,
@@ -117,6 +123,10 @@ class RollartPage:
                 "xs": [[p["time"] - t0 for p in r.series] for _ in pools],
                 "ys": [[p.get(f"{key}/{pool}", 0) for p in r.series] for pool in pools],
                 "pool": pools, "color": [Category10_10[i % 10] for i in range(len(pools))]}
+        t_scale = [x["time"] - t0 if x.get("time") and t0 else 0 for x in summ["scales"]]
+        s["scales"].data = {"step": [x["step"] for x in summ["scales"]], "t": t_scale,
+                            "label": [f"{x['pool']} {x['from']} -> {x['to']} workers before "
+                                      f"step {x['step']}" for x in summ["scales"]]}
         workers = snap.get("workers", {})
         names = [f"{w['pool']} {a.split('://')[-1]}" for a, w in sorted(workers.items())]
         self.version_range.factors = names
@@ -133,7 +143,9 @@ class RollartPage:
             f"{states.get('launched', 0)} trajectories launched, "
             f"env step p99 {summ['env_step_p99_s'] * 1000:.0f} ms"
             + "".join(f"<br><span class='rollart-warning' style='color:#b00'>warning: "
-                      f"{html.escape(text)}</span>" for text in summ["warnings"]))
+                      f"{html.escape(text)}</span>" for text in summ["warnings"])
+            + "".join(f"<br><span class='rollart-scale'>scaled: {html.escape(x)}</span>"
+                      for x in s["scales"].data["label"]))
 
 
     def _update_samples(self, run: str) -> None:

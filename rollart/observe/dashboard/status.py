@@ -62,4 +62,6 @@ def format_status(state: dict) -> str:
         for addr, w in s["workers"].items():
             lines.append(f"  worker {addr} ({w['pool']}): weights v{w['version']}")
         lines += [f"  warning:      {text}" for text in s.get("warnings", ())]
+        lines += [f"  scaled:       {x['pool']} {x['from']} -> {x['to']} workers before step "
+                  f"{x['step']}" for x in s.get("scales", ())]
     return "\n".join(lines)

@@ -47,6 +47,7 @@ class Sample:
 
     workers: list = field(default_factory=list)  # [(pool tag, address, stats)]
     managers: list = field(default_factory=list)  # [stats] of each env manager
+    manager_pools: list = field(default_factory=list)  # the env pool tag of each, in order
     latencies: list = field(default_factory=list)  # env step latencies (s), all managers
     buffer: dict = field(default_factory=dict)  # SampleBuffer.stats(): counts + internals
 
@@ -223,7 +224,10 @@ class Fleet:
             out.workers = [(*tags[id(w)], s) for w, s in
                            self.broadcast("inference", "stats", timeout=timeout)]
         if managers:
-            out.managers = [s for _, s in self.broadcast("env", "stats", timeout=timeout)]
+            pool = {id(m): tag for m, tag, _ in self.actors.of("env")}
+            got = self.broadcast("env", "stats", timeout=timeout)
+            out.managers = [s for _, s in got]
+            out.manager_pools = [pool.get(id(m)) for m, _ in got]
         if latencies:
             for _, lat in self.broadcast("env", "env_latencies", timeout=timeout):
                 out.latencies += lat.tolist()  # one float64 array per manager

@@ -322,8 +322,8 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
         for step in range(first, graph.steps + 1):
             if stop_requested(run_dir.name):  # asked before a step ran (warm-up, start-up)
                 return
-            if scaler is not None:  # Run.scale: pools resized between steps
-                scaler.apply(step)
+            if scaler is not None:  # Run.scale and Pool.adapt: pools resized between steps
+                scaler.apply(step, sample if step > first else None)
             trainer = _step(client, pipeline, step, run_dir)
             sample = fleet.sample(latencies=True, timeout=None)
             pipeline.after_step(sample.buffer)  # name failing tasks, stop hopeless ones

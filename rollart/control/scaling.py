@@ -5,7 +5,8 @@ rollart made, or by its resource tag on any cluster, and the number of workers w
 and the run's ``Fleet`` and pipeline; produces workers started, or drained and retired,
 and one event per request: a console line and a row of ``recovery.json`` (``"kind":
 "scale"``). The control loop applies what was asked before each trainer step
-(``Scaler.apply``).
+(``Scaler.apply``), and resizes a pool declared with ``Pool.adapt=(min, max)`` by its
+measured demand (``Demand``) the same way.
 
 ==========  ===========================================================================
 grow        a cluster rollart made (``Resources.make_cluster``: a ``SpecCluster``) gets
@@ -43,7 +44,7 @@ from rollart.types import BUFFER, TRAIN
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCALE_TOPIC", "ScaleError", "Scaler", "request_scale"]
+__all__ = ["Demand", "SCALE_TOPIC", "ScaleError", "Scaler", "request_scale"]
 
 #: the Dask event topic ``rollart scale RUN pool=n`` sends a request on (another process)
 SCALE_TOPIC = "rollart-scale"
@@ -89,6 +90,7 @@ class Scaler:
         self.client = fleet.stages.client
         self.waits = fleet.stages.waits
         self.retired: set[str] = set()  # workers retired here (the scheduler may lag)
+        self.demand: dict[str, Demand] = {}  # Pool.adapt's state, per pool name
         _take(run)  # a request left by an earlier run of the same name is not this one's
         self.client.subscribe_topic(SCALE_TOPIC, self._heard)  # rollart scale, elsewhere
 
@@ -108,25 +110,47 @@ class Scaler:
             logger.debug("unsubscribing the scale requests: %r", e)
         _take(self.run)
 
-    def apply(self, step: int) -> list[dict]:
+    def apply(self, step: int, sample=None) -> list[dict]:
         """Carry out the requests made since the last call, before trainer step
-        ``step``; a request that cannot be is refused with one console line."""
+        ``step``, then what the demand in ``sample`` (the last step's ``Fleet.sample``)
+        asks of the pools declared with ``Pool.adapt``; a request that cannot be carried
+        out is refused with one console line."""
         from rollart.observe.progress import say
 
         done = []
-        for pool, n in _take(self.run):
+        asked = _take(self.run)
+        if sample is not None:
+            asked += self._adapt(sample)
+        for pool, n, *why in asked:
             try:
                 event = self.scale(pool, n, step)
             except ScaleError as e:
                 say(f"scale {pool}={n} refused: {e}")
                 continue
+            if why:
+                event["reason"] = why[0]
             done.append(event)
             self.fleet.supervisor.events.append(event)
             if self.on_event is not None:
                 self.on_event(event)
             say(f"scale {pool} ({event['tag']}): {event['from']} -> {event['to']} workers "
-                f"before step {step}" + _what(event))
+                f"before step {step}" + _what(event)
+                + (f" [adapt: {event['reason']}]" if "reason" in event else ""))
         return done
+
+    def _adapt(self, sample) -> list[tuple]:
+        """``(pool, n, why)`` for each adapting pool whose demand moved far enough."""
+        out = []
+        for pool in getattr(getattr(self.client, "cluster", None), "pools", ()):
+            if pool.adapt is None:
+                continue
+            demand = self.demand.setdefault(pool.name, Demand(*pool.adapt))
+            n = len([a for a, r in self.fleet.supervisor.live().items()
+                     if r.get(pool.tag, 0) > 0 and a not in self.retired])
+            want = demand.update(n, pressure(pool, sample))
+            if want != n:
+                out.append((pool.name, want, demand.why))
+        return out
 
     # -- one request --------------------------------------------------------------------
     def scale(self, pool: str, n: int, step: int) -> dict:
@@ -268,6 +292,60 @@ class Scaler:
             self.fleet.call(actor, "close", timeout=self.waits.call)
         except Exception as e:  # noqa: BLE001 - retiring the worker ends it anyway
             logger.warning("%s did not close before its worker was retired: %r", what, e)
+
+
+class Demand:
+    """When an adapting pool (``Pool.adapt=(lo, hi)``) grows or shrinks by one worker:
+    its ``pressure`` (1.0: just saturated) measured at each trainer step's end, over
+    ``HIGH`` for ``GROW_AFTER`` steps in a row grows it, under ``LOW`` for
+    ``SHRINK_AFTER`` steps in a row shrinks it, within ``[lo, hi]``; each move starts
+    the count again (a resize changes the pressure it was measured under).
+
+    >>> d = Demand(1, 2)
+    >>> [d.update(1, 1.5), d.update(1, 1.5), d.update(2, 1.5)], d.why  # at most hi
+    ([1, 2, 2], 'pressure 1.50 for 2 steps (over 1)')
+    >>> [d.update(2, p) for p in (0.1, 0.1, 0.1)], [d.update(1, 0.0) for _ in range(3)]
+    ([2, 2, 1], [1, 1, 1])
+    """
+
+    HIGH, LOW, GROW_AFTER, SHRINK_AFTER = 1.0, 0.25, 2, 3
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.high = self.low = 0
+        self.why = ""
+
+    def update(self, n: int, pressure: float | None) -> int:
+        if pressure is None:  # nothing measured (no worker of it answered)
+            return n
+        self.high = self.high + 1 if pressure > self.HIGH else 0
+        self.low = self.low + 1 if pressure < self.LOW else 0
+        if self.high >= self.GROW_AFTER and n < self.hi:
+            self.why = f"pressure {pressure:.2f} for {self.high} steps (over {self.HIGH:g})"
+            self.high = self.low = 0
+            return n + 1
+        if self.low >= self.SHRINK_AFTER and n > self.lo:
+            self.why = f"pressure {pressure:.2f} for {self.low} steps (under {self.LOW:g})"
+            self.high = self.low = 0
+            return n - 1
+        return n
+
+
+def pressure(pool, sample) -> float | None:
+    """An adapting pool's demand at a step's end (``Sample``): for an inference pool,
+    requests waiting per engine over ``QUEUE_PER_ENGINE``; for an env pool, env calls
+    under way or waiting per manager over its env threads. None: no figure."""
+    if pool.kind == "cpu_env":
+        got = [st.get("states", {}).get("in_env", 0) / max(st.get("env_threads", 8), 1)
+               for st, tag in zip(sample.managers, sample.manager_pools) if tag == pool.tag]
+    else:
+        got = [st.get("queued", 0) / QUEUE_PER_ENGINE
+               for tag, _, st in sample.workers if tag == pool.tag]
+    return sum(got) / len(got) if got else None
+
+
+#: requests waiting per engine at which an adapting inference pool counts as saturated
+QUEUE_PER_ENGINE = 8
 
 
 def _forget(keys, client, dask_scheduler=None) -> None:

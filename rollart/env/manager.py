@@ -273,6 +273,7 @@ class EnvManager:
         turns = max(r.turns, 1)
         proxy = r.proxy.stats()
         return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
+                "env_threads": r.env_threads,
                 "group_errors": len(self.group_errors), "groups_running": len(self._groups),
                 "rerouted": proxy.get("rerouted", 0),
                 # deliveries to the buffer, and the calls that carried them (put_many)

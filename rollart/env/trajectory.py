@@ -102,6 +102,7 @@ class TrajectoryRunner:
         self.inference_pools = inference_pools
         self.seed = seed
         self.max_context = max_context
+        self.env_threads = env_threads  # env calls at once (more wait: rollart.control.scaling)
         self._executor = ThreadPoolExecutor(max_workers=env_threads,
                                             thread_name_prefix="rollart-env")
         self.running: dict[str, str] = {}  # traj_id -> state

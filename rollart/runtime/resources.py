@@ -53,6 +53,10 @@ class Pool:
     memory_limit: str | None = None  # each worker's Dask memory limit, e.g. "4GB" (None: none)
     extra_tags: dict[str, float] = field(default_factory=dict)  # more resource tags of each worker
     gpus: int = 0  # GPUs of each worker (rollart.runtime.devices: CUDA_VISIBLE_DEVICES)
+    # (min, max) workers: a running job resizes the pool between trainer steps by its
+    # measured demand (rollart.control.scaling.Demand: requests queued per engine, env
+    # calls waiting for a thread); inference and env pools of a cluster rollart makes
+    adapt: tuple[int, int] | None = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -71,6 +75,21 @@ class Pool:
                                      f"{1 if attr == 'threads' else 0}, got {value!r}")
         if not isinstance(self.slots, (int, float)) or self.slots <= 0:
             raise ResourcesError(f"Pool {self.name!r}: slots must be > 0, got {self.slots!r}")
+        if self.adapt is not None:
+            self._check_adapt()
+
+    def _check_adapt(self) -> None:
+        lo_hi = tuple(self.adapt) if isinstance(self.adapt, (tuple, list)) else ()
+        if len(lo_hi) != 2 or not all(isinstance(x, int) for x in lo_hi) or \
+                not 1 <= lo_hi[0] <= self.workers <= lo_hi[1]:
+            raise ResourcesError(f"Pool {self.name!r}: adapt must be (min, max) whole numbers "
+                                 f"with 1 <= min <= workers ({self.workers}) <= max, got "
+                                 f"{self.adapt!r}")
+        if self.kind not in ("compute_gpu", "bandwidth_gpu", "cpu_env") or self.gpus:
+            raise ResourcesError(f"Pool {self.name!r}: adapt resizes inference and env pools "
+                                 f"of CPU workers, not a {self.kind} pool"
+                                 f"{' with GPUs' if self.gpus else ''}")
+        object.__setattr__(self, "adapt", lo_hi)  # a list (JSON, --set) kept as a tuple
 
 
 @dataclass(frozen=True)
@@ -161,9 +180,11 @@ class Resources:
         if self.security is not None:
             options.update(security=self.security, protocol="tls")
         scheduler = {"cls": Scheduler, "options": options}
-        return _cluster_class()(workers=self.worker_specs(), scheduler=scheduler,
-                                asynchronous=asynchronous, name="rollart",
-                                security=self.security)
+        cluster = _cluster_class()(workers=self.worker_specs(), scheduler=scheduler,
+                                   asynchronous=asynchronous, name="rollart",
+                                   security=self.security)
+        cluster.pools = self.pools  # what rollart.control.scaling adapts (Pool.adapt)
+        return cluster
 
 
 #: s a closing cluster's worker processes get to exit on their own (``TaggedCluster``)

@@ -166,3 +166,39 @@ def _served(client, name: str) -> int:
         return sum(client.run(probe).values())
     except Exception:  # noqa: BLE001 - a worker joining or leaving mid-probe
         return 0
+
+
+def test_an_adapting_env_pool_grows_under_load_within_its_bounds(tmp_path):
+    """``Pool("env", ..., adapt=(1, 2))``: slow env steps keep more env calls waiting than
+    the manager has threads, so the pool grows to 2 (not past it) between steps, with the
+    reason in its event; the run's rows still audit clean."""
+    from distributed import Client
+
+    from rollart.app.api import start_run
+    from rollart.chaos.faults import Faults, Latency, with_faults
+    from rollart.runtime.resources import load_resources
+    from rollart.testing import check_run_record, tiny_graph
+
+    res = load_resources()
+    pools = tuple(replace(p, adapt=(1, 2)) if p.name == "env" else p for p in res.pools)
+    res = replace(res, pools=pools, processes=False, dashboard_address=":0")
+    slow = with_faults("gridnav", Faults(step=Latency("fixed", seconds=0.2)))
+    graph = tiny_graph("t-adapt", [slow], steps=8, groups=8, size=4)
+    with res.make_cluster() as cluster, Client(cluster) as client:
+        result = start_run(client, graph, run_dir=tmp_path / "run").wait(timeout=600)
+        assert sorted(n for n in cluster.worker_spec if n.startswith("env-")) == \
+            ["env-0", "env-1"]
+    events = [e for e in result.recovery if e.get("kind") == "scale"]
+    assert [(e["pool"], e["from"], e["to"]) for e in events] == [("env", 1, 2)], events
+    assert events[0]["reason"].startswith("pressure "), events
+    check_run_record(result)
+
+
+def test_adapt_bounds_are_checked():
+    from rollart.runtime.resources import Pool, ResourcesError
+
+    with pytest.raises(ResourcesError, match=r"1 <= min <= workers \(1\) <= max"):
+        Pool("env", tag="CPU_ENV", kind="cpu_env", adapt=(2, 3))
+    with pytest.raises(ResourcesError, match="not a trainer pool"):
+        Pool("t", tag="TRAIN", kind="trainer", adapt=(1, 2))
+    assert Pool("env", tag="CPU_ENV", kind="cpu_env", adapt=[1, 3]).adapt == (1, 3)

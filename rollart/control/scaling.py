@@ -39,6 +39,7 @@ import re
 import threading
 import time
 
+from rollart.observe.metrics import SCALE_TOPIC  # requests from `rollart scale`, the page
 from rollart.runtime.waits import bounded
 from rollart.types import BUFFER, TRAIN
 
@@ -46,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Demand", "SCALE_TOPIC", "ScaleError", "Scaler", "request_scale"]
 
-#: the Dask event topic ``rollart scale RUN pool=n`` sends a request on (another process)
-SCALE_TOPIC = "rollart-scale"
 
 _REQUESTS: dict[str, list[tuple[str, int]]] = {}
 _LOCK = threading.Lock()

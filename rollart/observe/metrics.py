@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 TOPIC = "rollart"  # start / per-step rows / end: one event per trainer step
 TOPIC_LIVE = "rollart-live"  # snapshots, one per `interval`: the scheduler keeps few
+#: scale requests for a running job (rollart.control.scaling: `rollart scale`, the page)
+SCALE_TOPIC = "rollart-scale"
 # the dashboard's state chart: in flight split by where (the env managers'), then the
 # ledger's own states (taken until its update is published; lost_in_step and the rest)
 TRAJ_STATES = ("generating", "in_env", "scoring", BUFFERED, TAKEN, *FINAL)

@@ -108,6 +108,38 @@ def test_page_fills_every_plot_from_a_run_state():
     assert page.sources["scales"].data["t"] == [0.5]  # the tokens plot's, in its seconds
 
 
+def test_the_pages_scale_control_asks_the_running_run():
+    """The page's scale control sends what ``rollart scale`` sends: a request on the
+    scheduler's scale topic, which the run's driver hears (rollart.control.scaling)."""
+    pytest.importorskip("bokeh")
+    from rollart.observe.dashboard.page import RollartPage
+    from rollart.observe.metrics import SCALE_TOPIC
+
+    class Scheduler:
+        def __init__(self):
+            self.sent = []
+
+        def log_event(self, topic, msg):
+            self.sent.append((topic, msg))
+
+    class Holder:
+        runs = fold(_messages()[:-1])  # still running
+        scheduler = Scheduler()
+
+        def latest(self):
+            return self.runs["r1"]
+
+    page = RollartPage(Holder())
+    page.scale_pool.value, page.scale_n.value = "infer-h20", 2
+    page.ask_scale()
+    assert Holder.scheduler.sent == [(SCALE_TOPIC, {"run": "r1", "pool": "infer-h20",
+                                                    "n": 2})]
+    assert "asked r1 to run 2 worker(s) in infer-h20" in page.scale_said.text
+    Holder.runs = fold(_messages())  # finished: nothing to scale
+    page.ask_scale()
+    assert len(Holder.scheduler.sent) == 1 and "no running run" in page.scale_said.text
+
+
 def test_page_shows_the_latest_decoded_trajectories_per_task():
     """The plugin keeps the newest ``rollart-samples`` message per run; the page's
     ``rollart-samples`` section shows its turns, escaped, grouped by task."""

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import html
 
-from bokeh.layouts import column, gridplot
-from bokeh.models import ColumnDataSource, Div, FactorRange
+from bokeh.layouts import column, gridplot, row
+from bokeh.models import Button, ColumnDataSource, Div, FactorRange, Spinner, TextInput
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
-from rollart.observe.metrics import LATENCY_EDGES, TRAJ_STATES, RunState
+from rollart.observe.metrics import LATENCY_EDGES, SCALE_TOPIC, TRAJ_STATES, RunState
 from rollart.observe.samples import samples_html
 
-PLOTS = ("reward", "states", "staleness", "latency", "tokens", "busy", "versions", "buffer",
-         "scales")
+PLOTS = ("reward", "states", "staleness", "latency", "tokens", "busy", "versions", "buffer")
+MARKS = ("scales",)  # drawn over plots: the pools resized (empty in a run never resized)
 
 
 def _fig(title: str, **kw):
@@ -38,7 +38,7 @@ class RollartPage:
 
     def __init__(self, plugin, run: str | None = None):
         self.plugin, self.run = plugin, run
-        self.sources = {p: ColumnDataSource(name=f"rollart-{p}") for p in PLOTS}
+        self.sources = {p: ColumnDataSource(name=f"rollart-{p}") for p in PLOTS + MARKS}
         self.header = Div(name="rollart-header", text="<b>RollArt</b>: waiting for a run "
                           "(start one with rollart.train or rollart.start_run)",
                           sizing_mode="stretch_width")
@@ -86,8 +86,29 @@ class RollartPage:
         buffer.line("t", "rows", line_width=2, source=s["buffer"])
         grid = gridplot([[reward, states], [stale, lat], [tokens, busy], [versions, buffer]],
                         sizing_mode="stretch_width", toolbar_location="right")
-        self.root = column(self.header, grid, self.samples, sizing_mode="stretch_width",
-                           name="rollart")
+        # resize a pool of the run between its steps (rollart.control.scaling, as
+        # `rollart scale` does: a request on the scheduler's event topic)
+        self.scale_pool = TextInput(name="rollart-scale-pool", title="pool (name or tag)",
+                                    value="env", width=160)
+        self.scale_n = Spinner(name="rollart-scale-n", title="workers", low=0, step=1,
+                               value=1, width=90)
+        self.scale_button = Button(name="rollart-scale", label="scale", width=80)
+        self.scale_button.on_click(self.ask_scale)
+        self.scale_said = Div(name="rollart-scale-said", text="")
+        scale = row(self.scale_pool, self.scale_n, self.scale_button, self.scale_said)
+        self.root = column(self.header, scale, grid, self.samples,
+                           sizing_mode="stretch_width", name="rollart")
+
+    def ask_scale(self) -> None:
+        """The scale control: ask the shown run to run ``n`` workers in the pool."""
+        r, pool, n = self.state(), self.scale_pool.value.strip(), int(self.scale_n.value)
+        scheduler = getattr(self.plugin, "scheduler", None)
+        if r is None or r.status != "running" or scheduler is None or not pool:
+            self.scale_said.text = "no running run to scale"
+            return
+        scheduler.log_event(SCALE_TOPIC, {"run": r.run, "pool": pool, "n": n})
+        self.scale_said.text = (f"asked {html.escape(r.run)} to run {n} worker(s) in "
+                                f"{html.escape(pool)} from its next step")
 
     def state(self) -> RunState | None:
         if self.run and self.run in self.plugin.runs:

@@ -2,11 +2,12 @@
 a 1 -> 2 scale, how soon a worker that joins serves, what a scale-down stalls, and what
 was lost or duplicated.
 
-One run of ``--steps`` trainer steps on a cluster rollart makes (``resources/local.py``'s
+One run of ``--steps`` trainer steps (30) on a cluster rollart makes (``resources/local.py``'s
 layout, worker processes; ``--quick``: in-process), two recorded tasks (gridnav, guess:
 every env wrapped by ``benchmarks/chaos.py``'s ``RecordedEnv``), no faults. Before step
 ``--up-at`` the pool ``--pool`` (default ``infer-h20``, the decode pool) is asked to grow
-1 -> 2; before step ``--down-at`` to shrink back to 1. A thread polls every inference
+1 -> 2; once its new worker has served and ``--during`` more steps ran (and not before
+step ``--down-at``), to shrink back to 1. A thread polls every inference
 worker's request count every 0.1 s.
 
 Figures (``RESULT``):
@@ -24,7 +25,7 @@ Figures (``RESULT``):
 - ``lost`` / ``duplicated``: ``benchmarks/_chaos_audit.audit`` (the envs' own record, the
   Parquet rows, the trainer's batch digests; not the ledger). Both must be 0.
 
-    python benchmarks/elastic.py --quick            # 10 steps, in-process, ~1 min
+    python benchmarks/elastic.py --quick            # 12 steps, in-process, ~1 min
     flock /tmp/rollart-bench.lock python benchmarks/elastic.py
 """
 
@@ -109,15 +110,25 @@ def measure(args) -> dict:
             poller = threading.Thread(target=poll, daemon=True)
             poller.start()
             wait_for_step(run, args.up_at - 2, 600)
+            asked = time.time()
             run.scale(args.pool, 2)
-            wait_for_step(run, args.down_at - 2, 600)
+            # the shrink once the new worker has served and the larger pool has run a
+            # few steps (a worker process takes seconds to start: a shrink before it
+            # served would measure nothing)
+            while not any(t > asked for t, _ in seen.values()) and not run.done():
+                time.sleep(0.1)
+            joined_at = len(_rows(run_dir))
+            wait_for_step(run, max(args.down_at - 2, joined_at + args.during), 600)
             run.scale(args.pool, 1)
             result = run.wait(timeout=1800)
             stop.set()
             poller.join()
         rows = result.metrics
         events = [e for e in result.recovery if e.get("kind") == "scale"]
-        grow, shrink = events[0], events[1]
+        if [(e["from"], e["to"]) for e in events] != [(1, 2), (2, 1)]:
+            raise SystemExit(f"elastic.py: the pool was not resized 1 -> 2 -> 1 as asked "
+                             f"(events {events}); the console says why")
+        grow, shrink = events
         first = min((t for t in seen.values() if t[0] > grow["at"]), default=None)
         durations = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
         median = statistics.median(durations)
@@ -146,16 +157,18 @@ def measure(args) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="10 steps, in-process workers")
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--up-at", type=int, default=6, help="the grow is carried out "
                    "before about this step")
     p.add_argument("--down-at", type=int, default=16, help="the shrink, likewise")
+    p.add_argument("--during", type=int, default=6, help="steps run with the larger pool "
+                   "after the new worker first served, at least")
     p.add_argument("--pool", default="infer-h20")
     p.add_argument("--seed", type=int, default=1)
     add_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.up_at, args.down_at = 10, 4, 8
+        args.steps, args.up_at, args.down_at, args.during = 12, 4, 8, 2
     run = Run("elastic", args, argv)
     figures = measure(args)
     run.result(figures)

@@ -248,6 +248,8 @@ class Scaler:
         docstring); returns the counts."""
         actors, out = self.fleet.actors, {"groups_finished": 0, "groups_left": 0,
                                           "requests_left": 0, "keys": []}
+        # an actor still starting there (a worker that joined moments ago): cancelled
+        out["keys"] += self.fleet.stages.drop_starts(set(gone))
         managers = [(m, a) for m, _, a in actors.of("env") if a in gone]
         for mgr, addr in managers:
             self.pipeline.release_manager(mgr)  # takes no more groups

@@ -30,9 +30,8 @@ An env manager's proxy and buffer are live handles, not graph data: its spec nam
 it is built. After inference workers or the buffer change, ``reconcile`` hands the new
 ones to every live manager (``set_inference_workers`` / ``set_buffer``).
 
-No wait is silent: an actor's constructor and every call start-up, recovery and
-shutdown make on one are bounded (``Waits``, from Dask's config ``rollart.waits``); past
-the bound ``rollart.runtime.waits.StuckError`` names the actor, its worker and its pool.
+No wait is silent: an actor's constructor and every call start-up, recovery and shutdown
+make on one are bounded (``Waits``, Dask's config ``rollart.waits``): ``StuckError``.
 """
 
 from __future__ import annotations
@@ -312,12 +311,10 @@ class Stages:
 
     def _hand_buffer(self, manager, actors: Actors, where: str) -> None:
         """Give a new env manager the buffer again, as a method argument: a handle passed
-        to the constructor arrives as a plain Dask one (an actor argument is a task
-        dependency), whose calls wait forever once the buffer's worker is lost
-        (``rollart.runtime.handles``); a manager stuck in ``acquire`` on it took no more work.
-        A manager in this very process (an in-process cluster) got the driver's own
-        handle, which works: it keeps it (a Handle bound to an in-process worker left
-        calls whose tasks never ended, and the cluster could not close)."""
+        to the constructor arrives as a plain Dask one, whose calls wait forever once the
+        buffer's worker is lost (``rollart.runtime.handles``). A manager in this very
+        process (an in-process cluster) keeps the driver's own handle, which works (a
+        Handle bound to an in-process worker left calls that never ended)."""
         import os
 
         addr = manager._address
@@ -400,21 +397,16 @@ class Stages:
         out.made.append((role, tag, addr))
 
     def _fill(self, actors: Actors, role: str, live, out: Reconciled) -> None:
-        """One actor of ``role`` per live worker carrying each of its specs' tags (as
-        ``rollart.runtime.handles.Handle`` s, like every actor placed here).
+        """One actor of ``role`` per live worker carrying each of its specs' tags.
 
         A new actor is submitted here and taken up by a later reconcile once built: the
-        run goes on meanwhile (the other workers serve; the supervisor heals every
-        ``check_every`` s), instead of stalling the step for a constructor that loads a
-        model. A start whose worker leaves first is dropped (the next worker gets its
-        own); one that has not started within ``waits.start`` is a ``StuckError`` that
-        says what the scheduler knows of its task."""
+        run goes on meanwhile, instead of stalling the step for a constructor that loads
+        a model. A start whose worker leaves first is dropped; one that has not started
+        within ``waits.start`` is a ``StuckError`` naming what the scheduler knows."""
         from rollart.runtime.handles import handle
 
-        for key in [k for k in self._starting if k[0] == role and k[1] not in live]:
-            fut = self._starting.pop(key).fut
-            logger.info("dropped the start of a %s actor on %s: its worker left", role, key[1])
-            fut.cancel()
+        for key in self.drop_starts({a for r, a in self._starting if a not in live}, role):
+            logger.info("dropped the start of %s: its worker left", key)
         for spec in (s for s in self.specs if s.role == role):
             have = {addr for _, _, addr in actors.of(role, spec.tag)}
             for addr in _with_tag(live, spec.tag):
@@ -458,6 +450,14 @@ class Stages:
     def starting(self) -> list[tuple[str, str]]:
         """``[(role, address)]`` of the actors submitted and not yet taken up."""
         return sorted(self._starting)
+
+    def drop_starts(self, gone, role: str | None = None) -> list[str]:
+        """Cancel the actor starts (of ``role``, or all) on the workers ``gone``: keys."""
+        futs = [self._starting.pop(k).fut for k in list(self._starting)
+                if k[1] in gone and role in (None, k[0])]
+        for fut in futs:
+            fut.cancel()
+        return [fut.key for fut in futs]
 
     def _announce(self, actors: Actors, out: Reconciled) -> None:
         """Hand new inference workers / a new buffer to the managers that survived."""

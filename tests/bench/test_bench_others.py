@@ -324,7 +324,7 @@ def test_elastic_quick():
     ledger, finds nothing lost or duplicated."""
     r = _bench("elastic", "--quick", timeout=600)
     assert r["lost"] == 0 and r["duplicated"] == 0, r
-    assert r["steps"] == 10 and r["groups_left_by_shrink"] == 0, r
+    assert r["steps"] == 12 and r["groups_left_by_shrink"] == 0, r
     assert 0 < r["join_to_first_request_s"] < math.inf, r
     assert r["grow_step"] < r["joined_step"] <= r["shrink_step"], r
     for k in ("traj_s_before", "traj_s_during", "traj_s_after"):

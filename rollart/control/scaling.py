@@ -180,6 +180,9 @@ class Scaler:
             retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
                                        close_workers=True, remove=True,
                                        callback_timeout=self.waits.call)
+            if hasattr(cluster, "_correct_state"):  # the cluster lets go of their nannies,
+                cluster.loop.add_callback(cluster._correct_state)  # as SpecCluster.scale
+                # does: not waited for (a process takes seconds to exit; the run goes on)
             kept = sorted(set(gone) - set(retired))
             if kept:
                 raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "

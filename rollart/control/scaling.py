@@ -173,16 +173,16 @@ class Scaler:
             self._check_movable(gone)
             event.update(self._drain(gone))
             cluster = getattr(self.client, "cluster", None)
-            for name in [s for s, a in specs.items() if a in gone]:
+            names = [s for s, a in specs.items() if a in gone]
+            for name in names:
                 cluster.worker_spec.pop(name, None)  # nothing restarts them
             self._release(event.pop("keys"))
             # Dask's drain: data moved off, each worker (and its nanny) closed
             retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
                                        close_workers=True, remove=True,
                                        callback_timeout=self.waits.call)
-            if hasattr(cluster, "_correct_state"):  # the cluster lets go of their nannies,
-                cluster.loop.add_callback(cluster._correct_state)  # as SpecCluster.scale
-                # does: not waited for (a process takes seconds to exit; the run goes on)
+            if hasattr(cluster, "let_go"):  # the cluster rollart made drops their nannies
+                cluster.let_go(names)  # once each process exited (not waited for)
             kept = sorted(set(gone) - set(retired))
             if kept:
                 raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "

@@ -205,6 +205,15 @@ def _cluster_class():
     from distributed.core import Status
 
     class TaggedCluster(SpecCluster):
+        def let_go(self, names) -> None:
+            """Workers ``names`` were retired (``rollart.control.scaling``): their specs
+            go, and their nannies close once each process exited on its own (not waited
+            for here)."""
+            for name in names:
+                self.worker_spec.pop(name, None)
+            gone = [self.workers.pop(n) for n in names if n in self.workers]
+            self.loop.add_callback(_let_go, gone)
+
         async def _close(self):
             if self.status == Status.running:
                 workers = [w for w in self.workers.values()
@@ -212,6 +221,10 @@ def _cluster_class():
                 await asyncio.gather(*(w.close(timeout=WORKER_EXIT_S) for w in workers),
                                      return_exceptions=True)
             await super()._close()
+
+    async def _let_go(workers):
+        await asyncio.gather(*(w.close(timeout=WORKER_EXIT_S) for w in workers),
+                             return_exceptions=True)
 
     return TaggedCluster
 

@@ -178,11 +178,15 @@ class Scaler:
                 cluster.worker_spec.pop(name, None)  # nothing restarts them
             self._release(event.pop("keys"))
             # Dask's drain: data moved off, each worker (and its nanny) closed
+            # the cluster rollart made closes its own workers through their nannies, once
+            # retired (let_go: not waited for); Dask closes the others (a dask worker
+            # started by hand). Both at once raced in Dask's worker (an ERROR line).
+            ours = hasattr(cluster, "let_go") and len(names) == len(gone)
             retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
-                                       close_workers=True, remove=True,
+                                       close_workers=not ours, remove=not ours,
                                        callback_timeout=self.waits.call)
-            if hasattr(cluster, "let_go"):  # the cluster rollart made drops their nannies
-                cluster.let_go(names)  # once each process exited (not waited for)
+            if ours:
+                cluster.let_go(names)
             kept = sorted(set(gone) - set(retired))
             if kept:
                 raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "

@@ -289,8 +289,8 @@ def _heldout_table() -> str:
         out.append(f"| {TASK_NAMES.get(t, t)} | " +
                    " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
     took = r["main_s"]
-    out += ["", f"From `benchmarks/setup_times.py`'s record of {r['date'][:10]} (commit "
-                f"`{r['commit']}`, {r.get('cores', '?')} cores: `python -m rollart train` "
+    out += ["", f"From `benchmarks/setup_times.py`'s record of {r['date'][:10]} "
+                f"({r.get('cores', '?')} cores: `python -m rollart train` "
                 f"took {int(took // 60)} min {int(took % 60)} s); the scripted players' "
                 f"columns are `benchmarks/baselines.py`'s record of {base.get('date', '?')[:10]} "
                 f"({base.get('seeds', '?')} seeds).", ""]

@@ -351,7 +351,8 @@ class Conversation:
         if self.fmt.mode == "raw":
             self._append(self._encode("\n".join(results)))
             return
-        first = sum(m["role"] == "tool" for m in self.messages)
+        # a call id by the result's place, counted only where the template reads ids
+        first = sum(m["role"] == "tool" for m in self.messages) if self.fmt.call_ids else 0
         self._add_messages([deltas.tool_message(self.fmt, self._cap(r), first + i)
                             for i, r in enumerate(results)])
 

@@ -177,10 +177,10 @@ class Scaler:
             for name in names:
                 cluster.worker_spec.pop(name, None)  # nothing restarts them
             self._release(event.pop("keys"))
-            # Dask's drain: data moved off, each worker (and its nanny) closed
-            # the cluster rollart made closes its own workers through their nannies, once
-            # retired (let_go: not waited for); Dask closes the others (a dask worker
-            # started by hand). Both at once raced in Dask's worker (an ERROR line).
+            # Dask's drain (data moved off); the cluster rollart made closes its own
+            # workers through their nannies once retired (let_go: not waited for), Dask
+            # the others (a dask worker started by hand). Both at once raced in Dask's
+            # worker (an ERROR line).
             ours = hasattr(cluster, "let_go") and len(names) == len(gone)
             retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
                                        close_workers=not ours, remove=not ours,

@@ -56,7 +56,8 @@ STEPS = {
     "slow": 'python -m pytest -p no:cacheprovider -m "slow and not learning and not bench '
             'and not matrix and not real"',
     "bench": f"python -m pytest -m bench {BENCH_FILES}",
-    "matrix": "python -m pytest -m matrix tests/faults/test_kill_matrix.py",
+    "matrix": "python -m pytest -m matrix tests/faults/test_kill_matrix.py "
+              "tests/faults/test_scale_matrix.py",
     "learning": "python -m pytest -m learning tests/test_e2e.py",
 }
 PAGES_CHECK = "tests/docs/test_times.py::test_the_times_a_page_states_are_the_records"

@@ -327,5 +327,5 @@ def test_elastic_quick():
     assert r["steps"] == 12 and r["groups_left_by_shrink"] == 0, r
     assert 0 < r["join_to_first_request_s"] < math.inf, r
     assert r["grow_step"] < r["joined_step"] <= r["shrink_step"], r
-    for k in ("traj_s_before", "traj_s_during", "traj_s_after"):
+    for k in ("tps_before", "tps_during", "tps_after"):
         assert r[k] > 0, (k, r)

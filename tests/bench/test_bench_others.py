@@ -326,6 +326,6 @@ def test_elastic_quick():
     assert r["lost"] == 0 and r["duplicated"] == 0, r
     assert r["steps"] == 12 and r["groups_left_by_shrink"] == 0, r
     assert 0 < r["join_to_first_request_s"] < math.inf, r
-    assert r["grow_step"] <= r["joined_step"] <= r["shrink_step"], r  # served in the step it joined: <=
+    assert r["grow_step"] <= r["joined_step"] <= r["shrink_step"], r  # may serve in that step
     for k in ("tps_before", "tps_during", "tps_after"):
         assert r[k] > 0, (k, r)

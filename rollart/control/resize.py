@@ -11,8 +11,9 @@ one's place and the scale event's fields (workers added or removed, ``ranks``):
    old trainer trains on;
 2. the trainer writes its state, as in a checkpoint (``save_state``: weights, AdamW
    moments, version, KL reference, RNG; a gang's sharded, every rank its shards) to
-   ``{checkpoint url}/resize-{step}`` (one place every TRAIN worker reaches, as the
-   run's checkpoints);
+   ``{checkpoint url}/resize-{step}-{i}`` (one place every TRAIN worker reaches, as
+   the run's checkpoints; removed after the next step: a gang's ranks read their shards
+   of the moments from it as the gang forms, ``settle``);
 3. a trainer of M ranks (``Stages._trainer_spec`` at ``trainer_ranks = M``: the
    one-process ``Trainer`` for M = 1, as for a one-worker pool at start, else a
    ``GangTrainer``) is built on rank 0's worker, loads that state without dropping a
@@ -40,7 +41,7 @@ from rollart.types import TRAIN
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["resize_trainer"]
+__all__ = ["resize_trainer", "settle"]
 
 
 def resize_trainer(scaler, pool: str, specs: dict, have: list[str], n: int,
@@ -70,8 +71,9 @@ def resize_trainer(scaler, pool: str, specs: dict, have: list[str], n: int,
                              f"{len(have) - len(free)} worker(s) at least, not {n}")
         gone = free[len(free) - (len(have) - n):]
     old_keys = _old_ranks(scaler, [a for a in have if a != rank0])
-    out["version"] = _rebuild(scaler, rank0, n, step)
-    scaler._release([*old_keys])  # the old gang's ranks: a worker holding one stays
+    out["version"], state = _rebuild(scaler, rank0, n, step)
+    scaler.resized.append(state)  # read as the gang forms: removed after the next step
+    _let_go(scaler, old_keys)  # the old gang's ranks (Dask retires no worker holding one)
     if gone:
         scaler._retire(gone, specs)
         out["removed"] = gone
@@ -84,8 +86,8 @@ def _check(scaler, specs: dict, n: int) -> None:
 
     graph = scaler.fleet.stages.graph
     if n < 1:
-        raise ScaleError("the trainer's pool runs 1 worker or more, not 0 (stop the run "
-                         "with `rollart stop RUN`; resume it with `rollart train --resume`)")
+        raise ScaleError("the trainer's pool runs 1 worker or more, not 0 (to pause: "
+                         "Run.stop(), then `rollart train --resume RUN`)")
     if graph.policy.trainer_backend == "megatron":
         raise ScaleError("the Megatron trainer gang changes size at a resume only: stop "
                          "the run, change Pool(tag=TRAIN, workers=...) and `rollart train "
@@ -144,36 +146,75 @@ def _rank_keys(addresses, dask_scheduler=None) -> list[str]:
     return out
 
 
-def _rebuild(scaler, rank0: str, n: int, step: int) -> int:
-    """Steps 2 and 3 of the module docstring; returns the new trainer's version."""
-    import fsspec
-
+def _rebuild(scaler, rank0: str, n: int, step: int) -> tuple[int, str]:
+    """Steps 2 and 3 of the module docstring; returns the new trainer's version and the
+    URL of the state it loaded (a gang's ranks read their shards of it as it forms:
+    ``settle`` removes it after the next step). A
+    failure is a ``ScaleError``: the old trainer trains on at its size (a gang whose
+    process group the new trainer left forms again at the next step, from the published
+    weights: ``GangTrainer._failed``)."""
     from rollart.control import checkpoint
+    from rollart.control.scaling import ScaleError
     from rollart.runtime.handles import handle
     from rollart.runtime.waits import bounded
 
     fleet, stages, waits = scaler.fleet, scaler.fleet.stages, scaler.waits
     actors, old = fleet.actors, fleet.actors.trainer
     base = fleet.supervisor.checkpoint_url or checkpoint.default_url(stages.run_dir)
-    url = f"{base.rstrip('/')}/resize-{step:08d}"
-    fleet.call(old, "save_state", url, timeout=waits.call)
-    before = stages.trainer_ranks
-    stages.trainer_ranks = n
+    url = f"{base.rstrip('/')}/resize-{step:08d}-{len(scaler.resized)}"
+    before, fut = stages.trainer_ranks, None
     try:
-        stages._n += 1
+        fleet.call(old, "save_state", url, timeout=waits.call)
+        stages.trainer_ranks, stages._n = n, stages._n + 1
         spec = stages._trainer_spec()
         fut = stages.submit(spec, rank0, actors, suffix=f"-s{stages._n}")
         new = handle(bounded(fut, waits.start, f"the {spec.cls.__name__} of {n} rank(s) "
                              f"on {rank0} (TRAIN) did not start", "start"))
         version = fleet.call(new, "load_state", url, False, timeout=waits.call)
-    except BaseException:
-        stages.trainer_ranks = before  # the old trainer trains on (a replacement: its size)
-        raise
+    except Exception as e:  # noqa: BLE001 - said, and the run goes on as it was
+        stages.trainer_ranks = before  # a replacement of the old trainer: its size
+        if fut is not None:
+            _let_go(scaler, [fut.key])
+        _remove(url)
+        raise ScaleError(f"the trainer did not hand its state to one of {n} rank(s) "
+                         f"({e}); it trains on with {max(before, 1)}") from e
     actors.add("trainer", new, TRAIN, rank0)
-    scaler._release([old.key])
+    _let_go(scaler, [old.key])
+    return version, url
+
+
+def settle(scaler, urls: list[str]) -> None:
+    """After the first step of a resized trainer (``Scaler.apply``, or the run's end):
+    its gang formed, each rank reading its shard of the moments from the state it
+    loaded (``urls``: one a resize since the step before), which goes now; the run's
+    record of the ranks' workers (``Actors.set_ranks``) is read again."""
+    for url in urls:
+        _remove(url)
+    fleet = scaler.fleet
+    try:
+        ranks = fleet.call(fleet.actors.trainer, "stats", timeout=scaler.waits.call)["ranks"]
+    except Exception as e:  # noqa: BLE001 - the placement's record only
+        logger.warning("reading the resized trainer's ranks: %r", e)
+        return
+    fleet.actors.set_ranks(ranks[1:])
+
+
+def _let_go(scaler, keys: list[str]) -> None:
+    """Forget the actors ``keys`` (``Scaler._release``); a failure is logged: a trainer
+    left behind holds memory, not the run."""
+    try:
+        scaler._release(keys)
+    except Exception as e:  # noqa: BLE001 - see above
+        logger.warning("letting go of the trainer actors %s: %r", keys, e)
+
+
+def _remove(url: str) -> None:
+    """The resize's state, once loaded (or not)."""
+    import fsspec
+
     fs, root = fsspec.core.url_to_fs(url)
     try:
-        fs.rm(root, recursive=True)
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
     except OSError as e:  # a leftover folder, not the run's failure
         logger.warning("removing the resize's state %s: %r", url, e)
-    return version

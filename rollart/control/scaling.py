@@ -97,7 +97,7 @@ class Scaler:
         self.waits = fleet.stages.waits
         self.retired: set[str] = set()  # workers retired here (the scheduler may lag)
         self.demand: dict[str, Demand] = {}  # Pool.adapt's state, per pool name
-        self.reformed = False  # the trainer was resized: its ranks' workers to read again
+        self.resized: list[str] = []  # the states a resized trainer loaded, until it stepped
         _take(run)  # a request left by an earlier run of the same name is not this one's
         self.client.subscribe_topic(SCALE_TOPIC, self._heard)  # rollart scale, elsewhere
 
@@ -111,11 +111,19 @@ class Scaler:
                                msg, e)
 
     def close(self) -> None:
+        self._settle()
         try:
             self.client.unsubscribe_topic(SCALE_TOPIC)
         except Exception as e:  # noqa: BLE001 - a client already closed: nothing to stop
             logger.debug("unsubscribing the scale requests: %r", e)
         _take(self.run)
+
+    def _settle(self) -> None:
+        if self.resized:  # the trainer resized before the last step
+            from rollart.control.resize import settle
+
+            settle(self, self.resized)
+            self.resized = []
 
     def apply(self, step: int, sample=None) -> list[dict]:
         """Carry out the requests made since the last call, before trainer step
@@ -124,11 +132,7 @@ class Scaler:
         out is refused with one console line."""
         from rollart.observe.progress import say
 
-        if self.reformed:  # the gang formed at its new size in the step since: its workers
-            self.reformed = False
-            actors = self.fleet.actors
-            actors.set_ranks(self.fleet.call(actors.trainer, "stats", timeout=self.waits.call
-                                             ).get("ranks", [])[1:])
+        self._settle()
         done = []
         asked = _take(self.run)
         if sample is not None:
@@ -176,7 +180,6 @@ class Scaler:
             from rollart.control.resize import resize_trainer
 
             event.update(resize_trainer(self, pool, specs, have, n, step))
-            self.reformed = "version" in event
             return event
         if n > len(have):
             event["added"] = self._grow(pool, tag, specs, n - len(have))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 
+from rollart.control.scaling import ScaleError
 from rollart.types import TRAIN
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ def resize_trainer(scaler, pool: str, specs: dict, have: list[str], n: int,
     """Resize the TRAIN pool ``pool`` (``specs``: its spec names -> addresses) from the
     workers ``have`` (oldest first) to ``n`` before step ``step`` (module docstring);
     returns the scale event's fields."""
-    from rollart.control.scaling import ScaleError
-
     fleet, stages = scaler.fleet, scaler.fleet.stages
     _check(scaler, specs, n)
     actors = fleet.actors
@@ -82,8 +81,6 @@ def resize_trainer(scaler, pool: str, specs: dict, have: list[str], n: int,
 
 def _check(scaler, specs: dict, n: int) -> None:
     """Refuse what a resize cannot do (module docstring), saying what to do instead."""
-    from rollart.control.scaling import ScaleError
-
     graph = scaler.fleet.stages.graph
     if n < 1:
         raise ScaleError("the trainer's pool runs 1 worker or more, not 0 (to pause: "
@@ -113,7 +110,6 @@ def _is_process(cls) -> bool:
 def _wait_for(scaler, n: int) -> None:
     """Until ``n`` TRAIN workers are alive (the ones just started joined), within
     ``Waits.start``; else a ``ScaleError`` (the old trainer trains on)."""
-    from rollart.control.scaling import ScaleError
     from rollart.runtime.resources import workers_with
 
     deadline = time.monotonic() + scaler.waits.start
@@ -154,7 +150,6 @@ def _rebuild(scaler, rank0: str, n: int, step: int) -> tuple[int, str]:
     process group the new trainer left forms again at the next step, from the published
     weights: ``GangTrainer._failed``)."""
     from rollart.control import checkpoint
-    from rollart.control.scaling import ScaleError
     from rollart.runtime.handles import handle
     from rollart.runtime.waits import bounded
 

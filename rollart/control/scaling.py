@@ -120,7 +120,7 @@ class Scaler:
 
     def _settle(self) -> None:
         if self.resized:  # the trainer resized before the last step
-            from rollart.control.resize import settle
+            from rollart.control.resize import settle  # import cycle: it raises ScaleError
 
             settle(self, self.resized)
             self.resized = []
@@ -177,6 +177,7 @@ class Scaler:
         event = {"kind": "scale", "pool": pool, "tag": tag, "from": len(have), "to": n,
                  "step": step, "at": time.time(), "added": [], "removed": []}
         if tag == TRAIN:  # the gang re-formed at n ranks with the trainer's state
+            # import cycle: resize raises this module's ScaleError
             from rollart.control.resize import resize_trainer
 
             event.update(resize_trainer(self, pool, specs, have, n, step))

@@ -25,9 +25,16 @@ shrink      the pool's newest workers are drained, then retired through Dask's
             closed and their tasks forgotten (Dask does not retire a worker holding an
             actor), so a retired worker process exits on its own, a ``dask worker``
             started by hand included.
-refused     the trainer's pool (a gang changes size at a ``--resume``: its checkpoint is
-            sharded for any number of ranks), a worker holding the trainer or the
-            buffer, and an inference or env pool asked to 0 while the run uses it.
+trainer     the TRAIN pool: the trainer gang goes from N to M ranks with its exact state
+            (``rollart.control.resize``): workers started as above, then the trainer
+            writes its state (sharded), a trainer of M ranks on rank 0's worker loads
+            it and takes its place (one process for M = 1); on a shrink the freed
+            workers (never rank 0's nor the buffer's) are then retired. The gang forms
+            at M ranks at the next step; its rows say ``trainer/ranks`` = M.
+refused     a worker holding the trainer or the buffer, an inference or env pool asked
+            to 0 while the run uses it, the trainer's pool asked to 0, a Megatron gang
+            (it changes size at a ``--resume``), LoRA on more than one rank, and a gang
+            on a cluster of threads (``Resources(processes=False)``).
 ==========  ===========================================================================
 """
 
@@ -90,6 +97,7 @@ class Scaler:
         self.waits = fleet.stages.waits
         self.retired: set[str] = set()  # workers retired here (the scheduler may lag)
         self.demand: dict[str, Demand] = {}  # Pool.adapt's state, per pool name
+        self.resized: list[str] = []  # the states a resized trainer loaded, until it stepped
         _take(run)  # a request left by an earlier run of the same name is not this one's
         self.client.subscribe_topic(SCALE_TOPIC, self._heard)  # rollart scale, elsewhere
 
@@ -103,11 +111,19 @@ class Scaler:
                                msg, e)
 
     def close(self) -> None:
+        self._settle()
         try:
             self.client.unsubscribe_topic(SCALE_TOPIC)
         except Exception as e:  # noqa: BLE001 - a client already closed: nothing to stop
             logger.debug("unsubscribing the scale requests: %r", e)
         _take(self.run)
+
+    def _settle(self) -> None:
+        if self.resized:  # the trainer resized before the last step
+            from rollart.control.resize import settle  # import cycle: it raises ScaleError
+
+            settle(self, self.resized)
+            self.resized = []
 
     def apply(self, step: int, sample=None) -> list[dict]:
         """Carry out the requests made since the last call, before trainer step
@@ -116,6 +132,7 @@ class Scaler:
         out is refused with one console line."""
         from rollart.observe.progress import say
 
+        self._settle()
         done = []
         asked = _take(self.run)
         if sample is not None:
@@ -154,15 +171,17 @@ class Scaler:
     # -- one request --------------------------------------------------------------------
     def scale(self, pool: str, n: int, step: int) -> dict:
         tag, specs = self._pool(pool)
-        if tag == TRAIN:
-            raise ScaleError("the trainer's pool changes size at a resume: stop the run, "
-                             "change Pool(tag=TRAIN, workers=...) and `rollart train "
-                             "--resume RUN` (its checkpoint reshards to any number of ranks)")
         live = self.fleet.supervisor.live()
         have = _newest_last([a for a, r in live.items()
                              if r.get(tag, 0) > 0 and a not in self.retired], specs)
         event = {"kind": "scale", "pool": pool, "tag": tag, "from": len(have), "to": n,
                  "step": step, "at": time.time(), "added": [], "removed": []}
+        if tag == TRAIN:  # the gang re-formed at n ranks with the trainer's state
+            # import cycle: resize raises this module's ScaleError
+            from rollart.control.resize import resize_trainer
+
+            event.update(resize_trainer(self, pool, specs, have, n, step))
+            return event
         if n > len(have):
             event["added"] = self._grow(pool, tag, specs, n - len(have))
         elif n < len(have):
@@ -172,28 +191,32 @@ class Scaler:
             gone = have[n:]
             self._check_movable(gone)
             event.update(self._drain(gone))
-            cluster = getattr(self.client, "cluster", None)
-            names = [s for s, a in specs.items() if a in gone]
-            for name in names:
-                cluster.worker_spec.pop(name, None)  # nothing restarts them
             self._release(event.pop("keys"))
-            # Dask's drain (data moved off); the cluster rollart made closes its own
-            # workers through their nannies once retired (let_go: not waited for), Dask
-            # the others (a dask worker started by hand). Both at once raced in Dask's
-            # worker (an ERROR line).
-            ours = hasattr(cluster, "let_go") and len(names) == len(gone)
-            retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
-                                       close_workers=not ours, remove=not ours,
-                                       callback_timeout=self.waits.call)
-            if ours:
-                cluster.let_go(names)
-            kept = sorted(set(gone) - set(retired))
-            if kept:
-                raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "
-                                 "why); their actors were drained and closed")
-            self.retired.update(gone)
+            self._retire(gone, specs)
             event["removed"] = gone
         return event
+
+    def _retire(self, gone: list[str], specs: dict) -> None:
+        """Retire the workers ``gone`` (drained: no actor of the run left there)."""
+        cluster = getattr(self.client, "cluster", None)
+        names = [s for s, a in specs.items() if a in gone]
+        for name in names:
+            cluster.worker_spec.pop(name, None)  # nothing restarts them
+        # Dask's drain (data moved off); the cluster rollart made closes its own
+        # workers through their nannies once retired (let_go: not waited for), Dask
+        # the others (a dask worker started by hand). Both at once raced in Dask's
+        # worker (an ERROR line).
+        ours = hasattr(cluster, "let_go") and len(names) == len(gone)
+        retired = self.client.sync(self.client.scheduler.retire_workers, workers=gone,
+                                   close_workers=not ours, remove=not ours,
+                                   callback_timeout=self.waits.call)
+        if ours:
+            cluster.let_go(names)
+        kept = sorted(set(gone) - set(retired))
+        if kept:
+            raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "
+                             "why); their actors were drained and closed")
+        self.retired.update(gone)
 
     def _pool(self, pool: str) -> tuple[str, dict[str, str | None]]:
         """``(tag, {spec name: worker address or None})`` of ``pool``: a ``Pool.name`` of
@@ -391,6 +414,14 @@ def _newest_last(addresses: list[str], specs: dict) -> list[str]:
 
 
 def _what(event: dict) -> str:
+    if "ranks" in event:  # the trainer's pool (rollart.control.resize)
+        if "version" not in event:
+            return ": nothing to do"
+        a, b = event["ranks"]
+        workers = (f", starting {', '.join(event['added'])}" if event["added"] else
+                   f", retired {', '.join(event['removed'])}" if event["removed"] else "")
+        return (f": the trainer of {a} rank(s) handed its state (v{event['version']}) to "
+                f"one of {b}{workers}")
     if event["added"]:
         return f": starting {', '.join(event['added'])} (routed to as each joins)"
     if event["removed"]:

@@ -93,7 +93,8 @@ def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
     with _cluster() as cluster, Client(cluster) as client:
         run = start_run(client, graph, run_dir=tmp_path / "run")
         _wait(run, 1)
-        run.scale("trainer", 2)
+        run.scale("trainer", 2)  # a gang needs a process per rank (test_resize: it grows)
+        run.scale("trainer", 0)
         run.scale("env", 0)
         run.scale("gpu-pool", 1)
         assert main(["scale", "no-such-run", "env=2", "--scheduler",
@@ -103,7 +104,9 @@ def test_what_cannot_be_scaled_is_refused_with_what_to_do(tmp_path, capsys):
         result = run.wait(timeout=300)
         assert len(cluster.worker_spec) == 5
     out = capsys.readouterr().err  # rollart's progress lines
-    assert "scale trainer=2 refused: the trainer's pool changes size at a resume" in out
+    assert "scale trainer=2 refused: the cluster's workers are threads of one process " \
+        "(Resources(processes=False)): a trainer gang needs a process per rank" in out
+    assert "scale trainer=0 refused: the trainer's pool runs 1 worker or more" in out
     assert "scale env=0 refused: the run's tasks use the CPU_ENV pool: it may shrink to 1" \
         in out
     assert "scale gpu-pool=1 refused: no pool 'gpu-pool': name one of env, infer-h20, " \

@@ -11,9 +11,11 @@ pool) is asked to grow 1 -> ``--to`` (2); with ``--hand`` it grows instead by ``
 Once every new worker has done work and ``--during`` more steps ran (and not before step
 ``--down-at``), the pool is asked to shrink back to 1 (by its tag with ``--hand``). A
 thread polls every worker's actor every 0.1 s: requests an inference worker served,
-groups an env manager took. ``tests/faults/test_scale_matrix.py`` (the kill matrix's
-scale cells) runs it at a small size for the decode pool 1 -> 2 -> 1, the env pool
-1 -> 3 -> 1 and a hand-started decode worker.
+groups an env manager took, a rank of the trainer gang held (``--pool trainer``: the
+trainer's pool 1 -> TO ranks and back, ``rollart.control.resize``).
+``tests/faults/test_scale_matrix.py`` (the kill matrix's scale cells) runs it at a small
+size for the decode pool 1 -> 2 -> 1, the env pool 1 -> 3 -> 1, a hand-started decode
+worker, and the trainer gang 1 -> 2 -> 1.
 
 Figures (``RESULT``):
 
@@ -57,7 +59,7 @@ from _results import Run, add_arguments  # noqa: E402
 from _chaos_audit import audit, read_env_log  # noqa: E402
 from chaos import RecordedEnvFactory  # noqa: E402
 
-from rollart.types import CPU_ENV  # noqa: E402
+from rollart.types import CPU_ENV, TRAIN  # noqa: E402
 
 
 def elastic_graph(steps: int, seed: int, env_log: str):
@@ -73,9 +75,11 @@ def elastic_graph(steps: int, seed: int, env_log: str):
 
 def _served(client, pool_tag: str) -> dict[str, int]:
     """Worker address -> the work its actor of ``pool_tag``'s role did so far: requests an
-    inference worker served, groups an env manager took."""
-    cls, count = (("EnvManager", lambda a: a.counts["groups_taken"]) if pool_tag == CPU_ENV
-                  else ("InferenceWorker", lambda a: a.engine.requests))
+    inference worker served, groups an env manager took; a TRAIN worker counts 1 once it
+    holds a rank of the trainer gang (a gang forms at the step that uses it)."""
+    cls, count = {CPU_ENV: ("EnvManager", lambda a: a.counts["groups_taken"]),
+                  TRAIN: ("GangRank", lambda a: 1)}.get(
+        pool_tag, ("InferenceWorker", lambda a: a.engine.requests))
 
     def probe(dask_worker):
         return [count(a) for a in dask_worker.state.actors.values()
@@ -117,8 +121,8 @@ def measure(args) -> dict:
     from rollart.runtime.resources import load_resources
 
     res = replace(load_resources(), dashboard_address=":0")
-    if args.quick and not args.hand:  # a hand-started worker needs a TCP scheduler
-        res = replace(res, processes=False)
+    if args.quick and not args.hand and args.pool != "trainer":  # a hand-started worker
+        res = replace(res, processes=False)  # needs a TCP scheduler, a gang processes
     tag = next(p.tag for p in res.pools if p.name == args.pool)
     hand: list = []
     with tempfile.TemporaryDirectory(prefix="rollart-elastic-") as tmp:
@@ -209,7 +213,7 @@ def measure(args) -> dict:
         "step_s_median": median, "lost": checked["lost"],
         "duplicated": checked["duplicated"], "steps": len(rows),
         "grow_step": grow["step"], "shrink_step": shrink["step"], "joined_step": joined_step,
-        "groups_left_by_shrink": shrink["groups_left"], "pool": args.pool,
+        "groups_left_by_shrink": shrink.get("groups_left", 0), "pool": args.pool,
         "to": args.to, "hand": int(args.hand),
         "processes": int(not args.quick or args.hand),
     }
@@ -226,7 +230,8 @@ def main(argv=None) -> dict:
     p.add_argument("--during", type=int, default=6, help="steps run with the larger pool "
                    "after the new worker first served, at least")
     p.add_argument("--pool", default="infer-h20", help="a Pool.name of resources/local.py: "
-                   "infer-h20, infer-h800 or env")
+                   "infer-h20, infer-h800, env or trainer (the trainer gang: 1 -> TO ranks "
+                   "and back, worker processes)")
     p.add_argument("--to", type=int, default=2, help="grow the pool 1 -> TO, then back to 1")
     p.add_argument("--hand", action="store_true", help="grow by starting TO-1 `dask worker "
                    "--resources TAG=1` processes by hand (the shrink goes through "

@@ -7,7 +7,9 @@ processes, two tasks whose every env writes its own record) at a small size:
 - the decode pool (``infer-h20``) 1 -> 2 -> 1 through ``Run.scale``;
 - the env pool 1 -> 3 -> 1 through ``Run.scale``;
 - a ``dask worker --resources H20=1`` started by hand joining the decode pool mid-run,
-  then retired by tag (``Run.scale("H20", 1)``), exiting on its own.
+  then retired by tag (``Run.scale("H20", 1)``), exiting on its own;
+- the trainer's pool 1 -> 2 -> 1: a one-process trainer becomes a two-rank gang with its
+  state and back (``rollart.control.resize``).
 
 The script fails unless the pool was resized as asked, every new worker did work, and a
 hand-started worker exited cleanly once retired; the audit of ``benchmarks/chaos.py``
@@ -29,7 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.matrix]
 ROOT = Path(__file__).resolve().parents[2]
 
 #: (pool, the size it grows to, grown by hand-started workers)
-CELLS = [("infer-h20", 2, False), ("env", 3, False), ("infer-h20", 2, True)]
+CELLS = [("infer-h20", 2, False), ("env", 3, False), ("infer-h20", 2, True),
+         ("trainer", 2, False)]
 
 
 @pytest.mark.parametrize("pool,to,hand", CELLS,

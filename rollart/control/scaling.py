@@ -227,12 +227,12 @@ class Scaler:
         addresses = _spec_addresses(cluster)
         mine = {n: s for n, s in spec.items() if re.fullmatch(rf"{re.escape(pool)}-\d+", n)}
         if mine:
-            tag = next(iter(next(iter(mine.values()))["options"]["resources"]))
+            tag = spec_tag(next(iter(mine.values())))
             return tag, {n: addresses.get(n) for n in mine}
         tags = {t for a, r in self.fleet.supervisor.live().items() for t in r}
         if pool in tags:
             return pool, {n: addresses.get(n) for n, s in spec.items()
-                          if next(iter(s["options"].get("resources", {})), None) == pool}
+                          if spec_tag(s) == pool}
         pools = sorted({n.rsplit("-", 1)[0] for n in spec})
         raise ScaleError(f"no pool {pool!r}: name one of {', '.join(pools) or 'none'} "
                          f"(the pools of the cluster rollart made) or a resource tag of the "
@@ -404,6 +404,28 @@ def _spec_addresses(cluster) -> dict[str, str]:
 def _index(name: str) -> int:
     tail = name.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else -1
+
+
+def spec_tag(spec: dict) -> str | None:
+    """The resource tag a ``SpecCluster`` worker spec gives its worker: a local worker's
+    ``options["resources"]``, or a dask-jobqueue job's ``--resources TAG=1`` among its
+    ``worker_extra_args`` (``resources/jobqueue.py``).
+
+    >>> spec_tag({"options": {"resources": {"H20": 1}}})
+    'H20'
+    >>> spec_tag({"options": {"worker_extra_args": ["--resources", "CPU_ENV=1"]}})
+    'CPU_ENV'
+    >>> spec_tag({"options": {}}) is None
+    True
+    """
+    options = spec.get("options", {})
+    if options.get("resources"):
+        return next(iter(options["resources"]))
+    args = list(options.get("worker_extra_args") or ())
+    for flag, value in zip(args, args[1:]):
+        if flag == "--resources":
+            return value.split("=", 1)[0].split(",", 1)[0].strip()
+    return None
 
 
 def _newest_last(addresses: list[str], specs: dict) -> list[str]:

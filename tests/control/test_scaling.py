@@ -205,3 +205,35 @@ def test_adapt_bounds_are_checked():
     with pytest.raises(ResourcesError, match="not a trainer pool"):
         Pool("t", tag="TRAIN", kind="trainer", adapt=(1, 2))
     assert Pool("env", tag="CPU_ENV", kind="cpu_env", adapt=[1, 3]).adapt == (1, 3)
+
+
+def test_the_module_examples_hold():
+    """``Demand``'s hysteresis and ``spec_tag``'s spec forms, as their docstrings show."""
+    import doctest
+
+    import rollart.control.scaling as scaling
+
+    assert doctest.testmod(scaling).failed == 0
+
+
+def test_a_jobqueue_cluster_names_its_pools_by_tag():
+    """``resources/jobqueue.py``'s ``SLURMCluster`` (no SLURM: nothing submitted) tags each
+    job through ``--resources TAG=1``: a scale request by tag finds that pool's jobs, the
+    copies ``_grow`` would submit included."""
+    pytest.importorskip("dask_jobqueue", reason="needs the jobqueue extra")
+    import importlib.util
+    from pathlib import Path
+
+    from rollart.control.scaling import spec_tag
+
+    path = Path(__file__).resolve().parents[2] / "resources" / "jobqueue.py"
+    spec = importlib.util.spec_from_file_location("rollart_jobqueue_file", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cluster = mod.slurm_cluster(submit=False, host="127.0.0.1", dashboard_address=":0")
+    try:
+        tags = {name: spec_tag(s) for name, s in cluster.worker_spec.items()}
+    finally:
+        cluster.close()
+    assert tags and all(tag == name.rsplit("-", 1)[0] for name, tag in tags.items()), tags
+    assert sorted(set(tags.values())) == sorted(mod.POOLS)

@@ -39,6 +39,11 @@ worker did no work, or a hand-started worker did not exit cleanly once retired.
     python benchmarks/elastic.py --quick            # 12 steps, in-process, ~1 min
     flock /tmp/rollart-bench.lock python benchmarks/elastic.py
     python benchmarks/elastic.py --pool env --to 3   # the env pool 1 -> 3 -> 1
+    flock /tmp/rollart-bench.lock python benchmarks/elastic.py --model smollm2-135m-instruct
+
+``--model smollm2-135m-instruct`` makes the same run on the real model with
+``graphs/real.py:lora``'s tasks and settings (14 steps of about 30 s on 2 cores, ~10 min):
+there a worker's join is measured against a real trainer step, not a toy's 0.35 s.
 """
 
 from __future__ import annotations
@@ -62,14 +67,24 @@ from chaos import RecordedEnvFactory  # noqa: E402
 from rollart.types import CPU_ENV, TRAIN  # noqa: E402
 
 
-def elastic_graph(steps: int, seed: int, env_log: str):
+#: ``--model``'s graph: the real model's LoRA run (``graphs/real.py``), its tasks recorded
+REAL_GRAPH = str(Path(__file__).resolve().parents[1] / "graphs" / "real.py") + ":lora"
+
+
+def elastic_graph(steps: int, seed: int, env_log: str, model: str | None = None):
     from rollart import GRPO, Graph, Policy
+    from rollart.config.graph import load_graph
     from rollart.env.tasks import get_task
 
-    tasks = tuple(replace(t, env_factory=RecordedEnvFactory(t.env_factory, t.name, env_log))
-                  for t in (get_task("gridnav"), get_task("guess")))
-    return Graph(name="elastic", tasks=tasks, steps=steps, seed=seed,
-                 policy=Policy(warmup_steps=0),
+    def recorded(tasks):
+        return tuple(replace(t, env_factory=RecordedEnvFactory(t.env_factory, t.name,
+                                                                env_log)) for t in tasks)
+    if model is not None:  # a real model: graphs/real.py's tasks and settings, as fixed
+        g = load_graph(REAL_GRAPH)[0]
+        return replace(g, name="elastic-real", tasks=recorded(g.tasks), steps=steps,
+                       seed=seed)
+    return Graph(name="elastic", tasks=recorded((get_task("gridnav"), get_task("guess"))),
+                 steps=steps, seed=seed, policy=Policy(warmup_steps=0),
                  algo=GRPO(group_size=2, groups_per_step=4))
 
 
@@ -128,9 +143,9 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollart-elastic-") as tmp:
         run_dir, env_log = Path(tmp) / "run", Path(tmp) / "envs"
         env_log.mkdir()
-        graph = elastic_graph(args.steps, args.seed, str(env_log))
+        graph = elastic_graph(args.steps, args.seed, str(env_log), args.model)
         with res.make_cluster() as cluster, Client(cluster) as client:
-            run = start_run(client, graph, run_dir=run_dir)
+            run = start_run(client, graph, run_dir=run_dir, model=args.model)
             seen: dict[str, tuple] = {}  # address -> (time, steps done) of its first request
             stop = threading.Event()
 
@@ -214,7 +229,7 @@ def measure(args) -> dict:
         "duplicated": checked["duplicated"], "steps": len(rows),
         "grow_step": grow["step"], "shrink_step": shrink["step"], "joined_step": joined_step,
         "groups_left_by_shrink": shrink.get("groups_left", 0), "pool": args.pool,
-        "to": args.to, "hand": int(args.hand),
+        "to": args.to, "hand": int(args.hand), "model": args.model or "toy",
         "processes": int(not args.quick or args.hand),
     }
 
@@ -237,8 +252,15 @@ def main(argv=None) -> dict:
                    "--resources TAG=1` processes by hand (the shrink goes through "
                    "Run.scale by tag); worker processes even with --quick")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model", default=None, help="a real model (smollm2-135m-instruct): "
+                   "graphs/real.py:lora's tasks and settings on it, --steps 14 --up-at 3 "
+                   "--down-at 8 --during 2 unless given (about 30 s a step on 2 cores)")
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.model and not args.quick:  # a real model's step is ~100 toy steps
+        for key, value in {"steps": 14, "up_at": 3, "down_at": 8, "during": 2}.items():
+            if f"--{key.replace('_', '-')}" not in (argv if argv is not None else sys.argv):
+                setattr(args, key, value)
     if args.quick:
         # a worker process takes seconds (about 15 steps here) to join
         args.steps, args.up_at, args.down_at, args.during = 40 if args.hand else 12, 4, 8, 2

@@ -108,6 +108,13 @@ def test_trainer_gang_tiny():
                         rel_tol=0.02)
     assert math.isclose(r["gang_step_ratio_t2"], r["gang_step_s_1t2"] / r["gang_step_s_2"],
                         rel_tol=0.02)
+    assert r["model"] == "tiny" and r["row_tokens"] > 0
+    for side in ("1", "1t2", "2"):
+        assert r[f"train_tok_s_{side}"] > 0, r
+    # fresh processes a side: each peak is a loaded trainer's, well over an idle worker's
+    for k in ("peak_rss_mb_1", "peak_rss_mb_1t2", "peak_rss_mb_2_rank0",
+              "peak_rss_mb_2_rank1"):
+        assert 100 < r[k] < 10_000, (k, r)
 
 
 @pytest.mark.bench

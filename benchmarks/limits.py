@@ -2,7 +2,7 @@
 rollart run gets to bare PyTorch on the same cores, and where the rest of its time goes.
 
 **The run.** The default graph (``graphs/multitask.py``, what ``python -m rollart train``
-runs), async mode, on ``resources/laptop.py`` with one inference pool (as
+runs; with ``--model``, ``graphs/real.py``: below), async mode, on ``resources/laptop.py`` with one inference pool (as
 ``benchmarks/pipeline.py`` runs it: one worker process for rollout, envs and rewards, one
 for the trainer and the buffer; the Dask scheduler in this process), from the built-in
 model after its format warm-up (``pipeline.cached_warm_model``, shared with the pipeline
@@ -52,11 +52,21 @@ waiting for its batch).
 
 Other RESULT keys: ``bare_tok_s``, ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
 ``context``, ``prefill`` (the bare loop's shape), ``window_s``, ``steps``, ``groups``,
-``threads_infer``, ``threads_train``, ``cores``. The record also keeps every snapshot
+``threads_infer``, ``threads_train``, ``cores``, ``graph`` (the graph's name) and
+``model`` (``built-in`` or what ``--model`` named). The record also keeps every snapshot
 delta. Run it alone on an idle machine::
 
     flock /tmp/rollart-bench.lock python benchmarks/limits.py
     python benchmarks/limits.py --quick     # a smoke run (~2 minutes on 2 cores)
+
+**On a pretrained model** (``--model smollm2-135m-instruct``, or a model folder): the run
+is ``graphs/real.py`` (full fine-tuning, async, its own 4 groups of 8 a step) on that
+model, measured by the same probe and bare loops (given the model's folder); no format
+warm-up (a pretrained model has none). Sized before any run (``REAL``): 4 steps (the
+window: steps 2 to 4) and 2,000 bare tokens, about 12 minutes on 2 cores, where a step of
+that graph costs about a minute::
+
+    flock /tmp/rollart-bench.lock python benchmarks/limits.py --model smollm2-135m-instruct
 
 ``--max-in-flight 2`` runs the same with two steps' worth of groups in flight (a
 diagnostic: with one, rollout waits for the trainer to free slots; ``inflight`` in the
@@ -85,6 +95,10 @@ from pipeline import WARM_CACHE  # noqa: E402
 QUICK = {"steps": 12, "groups": None, "warmup_steps": 60, "bare_tokens": 10000}
 FULL = {"steps": 60, "groups": None, "warmup_steps": None, "bare_tokens": 50000}
 TINY = {"steps": 3, "groups": 2, "warmup_steps": 0, "bare_tokens": 500}
+#: ``--model``: graphs/real.py on a pretrained model (no format warm-up: it has none), its
+#: own groups (4 of 8); a step of it costs about a minute on 2 cores, so 4 steps (the
+#: window: steps 2-4) and a short bare generation: about 12 minutes in all
+REAL = {"steps": 4, "groups": None, "warmup_steps": 0, "bare_tokens": 2000}
 #: thread name prefix -> share (``cpu_delta``); every other Python thread is "other"
 THREADS = (("rollart-engine", "inference"), ("rollart-trainer", "trainer"),
            ("rollart-env", "env"), ("rollart-sandbox", "env"), ("rollart-reward", "reward"),
@@ -162,10 +176,10 @@ class Probe:
 
 
 def run_graph(client, a, model: str, run_dir: Path) -> tuple:
-    """Train the default graph (module doc) with the probe in; (graph, rows, marks)."""
+    """Train the run's graph (module doc) with the probe in; (graph, rows, marks)."""
     import rollart
 
-    base, _ = rollart.load_graph(None)
+    base, _ = rollart.load_graph(a.graph)
     graph = replace(base, steps=a.steps, seed=a.seed,
                     policy=replace(base.policy, model=model),
                     algo=replace(base.algo, groups_per_step=a.groups or base.algo.groups_per_step,
@@ -262,6 +276,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run (~2 minutes)")
     p.add_argument("--tiny", action="store_true",
                    help="the smoke test's size: the untrained model, 3 short steps")
+    p.add_argument("--model", default=None,
+                   help="a pretrained model folder or known name (smollm2-135m-instruct): "
+                        "graphs/real.py on it instead of the default graph (REAL)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-cache", default=None,
                    help="a folder to keep the warmed-up model in (default: the pipeline "
@@ -272,8 +289,12 @@ def parse(argv) -> argparse.Namespace:
                         "much the trainer's pace holds rollout back")
     add_arguments(p)
     a = p.parse_args(argv)
-    for k, v in (TINY if a.tiny else QUICK if a.quick else FULL).items():
+    if a.model and (a.quick or a.tiny):
+        p.error("--quick and --tiny are the default graph's smoke runs: leave out --model "
+                "(or them)")
+    for k, v in (REAL if a.model else TINY if a.tiny else QUICK if a.quick else FULL).items():
         setattr(a, k, v)
+    a.graph = "real" if a.model else None
     if a.warm_cache is None:
         a.warm_cache = "" if a.tiny else WARM_CACHE
     return a
@@ -293,13 +314,19 @@ def main(argv=None) -> dict:
     from rollart.policy.admission import slot_capacity
     from rollart.runtime.resources import usable_cores
 
-    base, _ = rollart.load_graph(None)
+    from rollart.pretrained import resolve_model
+
+    base, _ = rollart.load_graph(a.graph)
     warm_steps = base.policy.warmup_steps if a.warmup_steps is None else a.warmup_steps
     t_all = time.time()
     with tempfile.TemporaryDirectory(prefix="rollart-limits-") as tmp:
-        model, reused = cached_warm_model(a.warm_cache or tmp, base.tasks, warm_steps)
-        print(f"model {model} ({warm_steps} warm-up steps, "
-              f"{'reused' if reused else 'built'})", flush=True)
+        if a.model:  # a pretrained model: no format warm-up
+            model = resolve_model(a.model)
+            print(f"model {model} (graphs/real.py)", flush=True)
+        else:
+            model, reused = cached_warm_model(a.warm_cache or tmp, base.tasks, warm_steps)
+            print(f"model {model} ({warm_steps} warm-up steps, "
+                  f"{'reused' if reused else 'built'})", flush=True)
         run_dir = Path(tmp) / "run"
         with rollart.load_resources("laptop").make_cluster() as cluster, \
                 Client(cluster) as client:
@@ -337,7 +364,8 @@ def main(argv=None) -> dict:
            "groups": graph.algo.groups_per_step, "threads_infer": t_infer,
            "threads_train": t_train, "cores": cores,
            "inflight": slot_capacity(graph.algo, graph.rollout.max_in_flight)
-                       / graph.algo.groups_per_step}
+                       / graph.algo.groups_per_step,
+           "graph": graph.name, "model": a.model or "built-in"}
     details = {"forward": bare["kind"], "bare_batches": bare["batches"],
                "bare_train_s": bare_train_s, "cpu_s": shares["cpu_s"],
                "driver_cpu_s": shares["driver_cpu_s"],

@@ -73,14 +73,28 @@ prefetch the worker hid), ``put_s_<run>``, ``swaps_<run>``; ``stall_mooncake_idl
 prefetch thread's CPU in it) and ``watches_s_<run>`` (looks per second) for ``base_a``,
 ``fsspec``, ``mooncake_idle`` and ``mooncake``; ``bytes_full``, ``bytes_lora<r>`` (bytes published
 per version), ``bytes_ratio_lora<r>`` (adapter ÷ full; the goal is ≤ 0.05);
+``update_s_<run>`` (per update, the seconds a version cost the worker: ``fetch_s`` +
+the engine's stall), ``publish_s`` and ``update_s`` (the fsspec run's ``put_s`` and
+``update_s``: full weights through the default store, the headline);
 ``trainer_step_s`` (full, median), ``trainer_step_s_lora<r>``;
 ``rss_peak_mib_<full|lora<r>>``, ``rss_train_mib_<full|lora<r>>``; ``model_mib``,
 ``params_m`` (model parameters, millions, tied embedding once), ``context`` (longest
-context, tokens), ``updates``.
+context, tokens), ``updates``, ``model`` (``tiny`` or what ``--model`` named). A run
+left out by ``--runs`` leaves its keys out.
+
+The model is a tiny one built here (``--hidden``, ``--layers``, ``--heads``: the default
+and CI's workload), or with ``--model`` a pretrained model folder or known name
+(``rollart.pretrained``) for trainer and worker alike, with its own defaults (``REAL``,
+fixed before any run: 3 updates, 4 conversations of up to 320 tokens, a trainer batch of
+4, the runs baseline, fsspec and keep, no fan-out): SmolLM2-135M-Instruct (538 MB fp32)
+takes about 12 minutes on 2 cores. ``--runs`` picks the runs (comma list of
+``baseline,fsspec,keep,mooncake,lora``; the baseline always)::
 
     python benchmarks/weight_sync.py --quick                      # ranks 8 and 64
     python benchmarks/weight_sync.py --quick --lora '' --fanout 1,2,4,8
     python benchmarks/weight_sync.py --hidden 768 --layers 12 --heads 12  # 113 M params
+    flock /tmp/rollart-bench.lock python benchmarks/weight_sync.py \\
+        --model smollm2-135m-instruct                             # the real model
 """
 
 from __future__ import annotations
@@ -88,6 +102,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -375,13 +390,19 @@ async def measure(trainer: TrainerProcess, url: str, model_dir: str, updates: in
             "rss_train_mib": (memory["rss_peak_kib"] - memory["rss_loaded_kib"]) / 1024}
 
 
+#: the runs ``--runs`` picks from, in the order they are made (``baseline`` is two runs:
+#: the first and the last; ``mooncake`` its idle run and its updates; ``lora`` one run per
+#: ``--lora`` rank)
+RUNS = ("baseline", "fsspec", "keep", "mooncake", "lora")
+
+
 async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: int,
-                   settle: float, mb: float, ranks: list[int]) -> dict:
-    """Baseline, fsspec, fsspec keep, Mooncake, LoRA per rank, baseline. The full-weight
-    runs share one trainer process; each LoRA rank has one of its own (its peak memory
-    is its own)."""
+                   settle: float, mb: float, ranks: list[int],
+                   runs: tuple[str, ...] = RUNS) -> dict:
+    """Baseline, fsspec, fsspec keep, Mooncake, LoRA per rank, baseline, as ``runs``
+    picks them (the baseline always). The full-weight runs share one trainer process; each
+    LoRA rank has one of its own (its peak memory is its own)."""
     from rollart import LoRA
-    from rollart.weights import MooncakeMaster
 
     full = await TrainerProcess(model_dir, updates, spec).start()
     out = {}
@@ -398,18 +419,23 @@ async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: in
 
     try:
         await run("baseline", "base_a", full, str(tmp / "w-base-a"), False)
-        await run("fsspec", "fsspec", full, str(tmp / "w-fsspec"), True)
-        await run("keep", "keep", full, str(tmp / "w-keep"), True, weight_update="keep")
-        with MooncakeMaster() as master:
-            buf = max(64, int(mb * 2) + 16)
-            # watching a Mooncake store, publishing nothing: the baseline's run on
-            # Mooncake (the baselines watch a folder), so that what updates cost on
-            # Mooncake is told apart from what watching it costs
-            await run("mc idle", "mooncake_idle", full, master.url(
-                "bench-idle", segment_mb=buf * 5, buffer_mb=buf), False)
-            await run("mooncake", "mooncake", full, master.url(
-                "bench", segment_mb=buf * 5, buffer_mb=buf), True)
-        for rank in ranks:
+        if "fsspec" in runs:
+            await run("fsspec", "fsspec", full, str(tmp / "w-fsspec"), True)
+        if "keep" in runs:
+            await run("keep", "keep", full, str(tmp / "w-keep"), True, weight_update="keep")
+        if "mooncake" in runs:
+            from rollart.weights import MooncakeMaster
+
+            with MooncakeMaster() as master:
+                buf = max(64, int(mb * 2) + 16)
+                # watching a Mooncake store, publishing nothing: the baseline's run on
+                # Mooncake (the baselines watch a folder), so that what updates cost on
+                # Mooncake is told apart from what watching it costs
+                await run("mc idle", "mooncake_idle", full, master.url(
+                    "bench-idle", segment_mb=buf * 5, buffer_mb=buf), False)
+                await run("mooncake", "mooncake", full, master.url(
+                    "bench", segment_mb=buf * 5, buffer_mb=buf), True)
+        for rank in ranks if "lora" in runs else ():
             proc = await TrainerProcess(model_dir, updates, spec).start()
             try:
                 await run(f"lora r{rank}", f"lora{rank}", proc, str(tmp / f"w-lora{rank}"),
@@ -419,7 +445,8 @@ async def all_runs(model_dir: str, tmp: Path, updates: int, spec: dict, load: in
         await run("baseline", "base_b", full, str(tmp / "w-base-b"), False)
     finally:
         await full.close()
-    for name, r in [("full", out["base_a"])] + [(f"lora{k}", out[f"lora{k}"]) for k in ranks]:
+    for name, r in [("full", out["base_a"])] + [(k, r) for k, r in out.items()
+                                                if k.startswith("lora")]:
         print(f"memory    {name}: trainer peak RSS {r['rss_peak_mib']:.0f} MiB, "
               f"{r['rss_train_mib']:.0f} MiB of it over the loaded model and batch",
               flush=True)
@@ -439,46 +466,79 @@ def parameters(model_dir: str) -> tuple[int, int]:
 
 
 def results(out: dict, ranks: list[int]) -> dict:
-    """The RESULT fields of ``all_runs``' figures."""
+    """The RESULT fields of ``all_runs``' figures (those of the runs it made)."""
     base = (out["base_a"]["tok_s"] + out["base_b"]["tok_s"]) / 2
-    fields = {"stall_fsspec": 1 - out["fsspec"]["tok_s"] / base,
-              "stall_mooncake": 1 - out["mooncake"]["tok_s"] / base,
-              "stall_recompute": 1 - out["fsspec"]["tok_s"] / base,
-              "stall_keep": 1 - out["keep"]["tok_s"] / base,
-              "tok_s_base": base, "tok_s_base_a": out["base_a"]["tok_s"],
-              "tok_s_base_b": out["base_b"]["tok_s"]}
-    idle = out["mooncake_idle"]["tok_s"]
-    fields.update({"stall_mooncake_idle": 1 - idle / base, "tok_s_mooncake_idle": idle,
-                   "stall_mooncake_updates": 1 - out["mooncake"]["tok_s"] / idle})
+    fields = {f"stall_{k}": 1 - out[s]["tok_s"] / base
+              for k, s in (("fsspec", "fsspec"), ("mooncake", "mooncake"),
+                           ("recompute", "fsspec"), ("keep", "keep")) if s in out}
+    fields.update({"tok_s_base": base, "tok_s_base_a": out["base_a"]["tok_s"],
+                   "tok_s_base_b": out["base_b"]["tok_s"]})
+    if "mooncake_idle" in out:
+        idle = out["mooncake_idle"]["tok_s"]
+        fields.update({"stall_mooncake_idle": 1 - idle / base, "tok_s_mooncake_idle": idle,
+                       "stall_mooncake_updates": 1 - out["mooncake"]["tok_s"] / idle})
     for s in ("base_a", "fsspec", "mooncake_idle", "mooncake"):
-        fields.update({f"watch_ms_{s}": out[s]["watch_ms"],
-                       f"watch_cpu_ms_{s}": out[s]["watch_cpu_ms"],
-                       f"watches_s_{s}": out[s]["watches_s"]})
+        if s in out:
+            fields.update({f"watch_ms_{s}": out[s]["watch_ms"],
+                           f"watch_cpu_ms_{s}": out[s]["watch_cpu_ms"],
+                           f"watches_s_{s}": out[s]["watches_s"]})
     for s in ("fsspec", "keep", "mooncake"):
-        fields.update({f"tok_s_{s}": out[s]["tok_s"],
-                       f"engine_stall_ms_{s}": out[s]["engine_stall_ms"],
-                       f"recompute_tokens_{s}": out[s]["recompute_tokens"],
-                       f"fetch_s_{s}": out[s]["fetch_s"], f"put_s_{s}": out[s]["put_s"],
-                       f"swaps_{s}": out[s]["swaps_in_window"]})
-    full = out["fsspec"]["bytes"]
-    fields["bytes_full"] = full
+        if s in out:
+            fields.update({f"tok_s_{s}": out[s]["tok_s"],
+                           f"engine_stall_ms_{s}": out[s]["engine_stall_ms"],
+                           f"recompute_tokens_{s}": out[s]["recompute_tokens"],
+                           f"fetch_s_{s}": out[s]["fetch_s"], f"put_s_{s}": out[s]["put_s"],
+                           f"update_s_{s}": update_s(out[s]),
+                           f"swaps_{s}": out[s]["swaps_in_window"]})
+    full = next((out[s]["bytes"] for s in ("fsspec", "keep", "mooncake") if s in out), None)
+    if full is not None:
+        fields["bytes_full"] = full
+    if "fsspec" in out:  # the headline: full weights through the default store
+        fields.update(publish_s=out["fsspec"]["put_s"], update_s=update_s(out["fsspec"]))
     for k in (f"lora{r}" for r in ranks):
+        if k not in out:
+            continue
         r = out[k]
-        fields.update({f"bytes_{k}": r["bytes"], f"bytes_ratio_{k}": r["bytes"] / full,
+        fields.update({f"bytes_{k}": r["bytes"],
+                       **({f"bytes_ratio_{k}": r["bytes"] / full} if full else {}),
                        f"stall_{k}": 1 - r["tok_s"] / base, f"tok_s_{k}": r["tok_s"],
                        f"engine_stall_ms_{k}": r["engine_stall_ms"],
                        f"fetch_s_{k}": r["fetch_s"], f"put_s_{k}": r["put_s"],
+                       f"update_s_{k}": update_s(r),
                        f"swaps_{k}": r["swaps_in_window"], f"trainer_step_s_{k}": r["step_s"]})
-    for name, r in [("full", out["base_a"])] + [(f"lora{k}", out[f"lora{k}"]) for k in ranks]:
+    for name, r in [("full", out["base_a"])] + [(k, r) for k, r in out.items()
+                                                if k.startswith("lora")]:
         fields.update({f"rss_peak_mib_{name}": r["rss_peak_mib"],
                        f"rss_train_mib_{name}": r["rss_train_mib"]})
     fields["trainer_step_s"] = out["base_a"]["step_s"]
     return fields
 
 
+def update_s(r: dict) -> float:
+    """Seconds a version cost the worker: pulling and staging it (its prefetch thread,
+    beside decoding) plus the engine's stall for it (swap and KV re-prefill)."""
+    return r["fetch_s"] + r["engine_stall_ms"] / 1000
+
+
+#: the tiny model's workload (the default, CI's) and a pretrained model's (``--model``:
+#: SmolLM2-135M-Instruct's trainer step costs tens of seconds on one core, so fewer,
+#: shorter runs; fixed before any run: about 12 minutes on 2 cores). ``updates`` None:
+#: 4 with --quick, else 12
+TOY = {"updates": None, "load": 8, "prompt": 192, "tokens": 32, "obs": 32, "turns": 6,
+       "batch": 16, "runs": ",".join(RUNS), "fanout": "1,2,4,8"}
+REAL = {"updates": 3, "load": 4, "prompt": 128, "tokens": 32, "obs": 32, "turns": 3,
+        "batch": 4, "runs": "baseline,fsspec,keep", "fanout": ""}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
+    p.add_argument("--model", default=None,
+                   help="a model folder or known name (smollm2-135m-instruct) instead of "
+                        "the tiny model built here; its own defaults (REAL)")
+    p.add_argument("--runs", default=None,
+                   help=f"the runs to make (comma list of {', '.join(RUNS)}; the baseline "
+                        f"always; default all, with --model {REAL['runs']})")
     p.add_argument("--updates", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None, help="model hidden size")
     p.add_argument("--layers", type=int, default=None)
@@ -486,16 +546,18 @@ def main(argv=None) -> dict:
     p.add_argument("--lora", default="8,64",
                    help="LoRA ranks, one more run each (comma list; '' for none)")
     p.add_argument("--kl", type=float, default=0.05, help="the trainer's GRPO kl_coef")
-    p.add_argument("--load", type=int, default=8, help="concurrent conversations")
-    p.add_argument("--prompt", type=int, default=192, help="first message, tokens")
-    p.add_argument("--tokens", type=int, default=32, help="generated tokens per turn")
-    p.add_argument("--obs", type=int, default=32, help="observation tokens per turn")
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--batch", type=int, default=16, help="trajectories per trainer step")
+    p.add_argument("--load", type=int, default=None, help="concurrent conversations (8)")
+    p.add_argument("--prompt", type=int, default=None, help="first message, tokens (192)")
+    p.add_argument("--tokens", type=int, default=None, help="generated tokens per turn (32)")
+    p.add_argument("--obs", type=int, default=None, help="observation tokens per turn (32)")
+    p.add_argument("--turns", type=int, default=None, help="turns (6)")
+    p.add_argument("--batch", type=int, default=None, help="trajectories per trainer step "
+                                                           "(16)")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of load before each measured window")
-    p.add_argument("--fanout", default="1,2,4,8",
-                   help="reader processes per fan-out run (comma list; '' for none)")
+    p.add_argument("--fanout", default=None,
+                   help="reader processes per fan-out run (comma list; '' for none; "
+                        "default 1,2,4,8, with --model none)")
     p.add_argument("--fanout-buckets", type=int, default=16,
                    help="buckets of the fan-out version")
     p.add_argument("--fanout-versions", type=int, default=None,
@@ -505,9 +567,18 @@ def main(argv=None) -> dict:
     add_arguments(p)
     a = p.parse_args(argv)
     run = Run("weight_sync", a, argv)
+    if a.quick and a.model:
+        p.error("--quick is the tiny model's smoke run: leave out --model (or --quick)")
+    for k, v in (REAL if a.model else TOY).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    runs = tuple(r.strip() for r in a.runs.split(",") if r.strip())
+    if set(runs) - set(RUNS) or "baseline" not in runs:
+        p.error(f"--runs takes a comma list of {', '.join(RUNS)} with baseline among them, "
+                f"got {a.runs!r}")
     updates = a.updates or (4 if a.quick else 12)
     hidden, layers = a.hidden or (256 if a.quick else 512), a.layers or (4 if a.quick else 8)
-    ranks = [int(r) for r in a.lora.split(",") if r.strip()]
+    ranks = [int(r) for r in a.lora.split(",") if r.strip()] if "lora" in runs else []
     ks = [int(k) for k in a.fanout.split(",") if k.strip()]
     if any(k < 1 for k in ks) or a.fanout_buckets < 1:
         p.error("--fanout takes reader counts >= 1 and --fanout-buckets at least 1")
@@ -524,30 +595,41 @@ def main(argv=None) -> dict:
     from rollart import LoRA
     from rollart.env.tasks import BUILTIN_TASKS, task_corpus
     from rollart.model import build_tiny_model
+    from rollart.pretrained import resolve_model
 
     for r in ranks:
         LoRA(rank=r)  # a bad rank fails here, with what to change
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="rollart-wsync-"))
-    model_dir = build_tiny_model(tmp / "model", task_corpus(list(BUILTIN_TASKS)),
-                                 hidden_size=hidden, num_layers=layers, num_heads=a.heads,
-                                 max_positions=max(1024, context + a.tokens))
+    if a.model:
+        model_dir = resolve_model(a.model)
+        about = f"{a.model}"
+    else:
+        model_dir = build_tiny_model(tmp / "model", task_corpus(list(BUILTIN_TASKS)),
+                                     hidden_size=hidden, num_layers=layers,
+                                     num_heads=a.heads,
+                                     max_positions=max(1024, context + a.tokens))
+        about = f"hidden {hidden}, {layers} layers, {a.heads} heads"
     mb = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**20
     params, embedding = parameters(model_dir)
-    print(f"model: hidden {hidden}, {layers} layers, {a.heads} heads, {params / 1e6:.1f} M "
+    print(f"model: {about}, {params / 1e6:.1f} M "
           f"parameters ({embedding / 1e6:.2f} M of them the embedding), {mb:.1f} MiB; "
           f"{updates} updates; {a.load} conversations of up to {context} tokens; trainer "
-          f"batch {a.batch} × {context} tokens, kl_coef {a.kl}; LoRA ranks {ranks}",
-          flush=True)
+          f"batch {a.batch} × {context} tokens, kl_coef {a.kl}; runs {', '.join(runs)}; "
+          f"LoRA ranks {ranks}", flush=True)
 
     fields = {}
-    if not a.fanout_only:
-        out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle, mb,
-                                   ranks))
-        fields = results(out, ranks)
-    if ks:
-        fields.update(fanout(model_dir, ks, fan_versions, a.fanout_buckets))
-    fields.update(model_mib=mb, params_m=params / 1e6, context=context, updates=updates)
+    try:
+        if not a.fanout_only:
+            out = asyncio.run(all_runs(model_dir, tmp, updates, spec, a.load, a.settle,
+                                       mb, ranks, runs))
+            fields = results(out, ranks)
+        if ks:
+            fields.update(fanout(model_dir, ks, fan_versions, a.fanout_buckets))
+    finally:  # the stores' versions: gigabytes for a pretrained model
+        shutil.rmtree(tmp, ignore_errors=True)
+    fields.update(model_mib=mb, params_m=params / 1e6, context=context, updates=updates,
+                  model=a.model or "tiny")
     run.result(fields)
     return fields
 

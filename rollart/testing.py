@@ -215,13 +215,14 @@ def save_folder(path, model, tokenizer) -> str:
 
 # -- a finished run ------------------------------------------------------------------------
 def random_batch(vocab: int, groups: int = 2, size: int = 3, seed: int = 0,
-                 shared_prompt: bool = False, lengths: tuple[int, int] | None = None) -> list:
+                 shared_prompt: bool = False, lengths: tuple[int, int] | None = None,
+                 prompt_lengths: tuple[int, int] = (2, 6)) -> list:
     """``groups`` GRPO groups of ``size`` random trajectories over token ids ``3..vocab``
     (trainer tests, ``benchmarks/trainer_gang.py``): uneven lengths (responses of
     ``lengths`` tokens, low and high included; short ones by default), an env token (loss
     mask 0) inside each response, behaviour log-probs and versions, rewards that differ
     within a group; with ``shared_prompt`` a group's members share one prompt (as a real
-    group does)."""
+    group does); prompts of ``prompt_lengths`` tokens (low and high included)."""
     import random
 
     from rollart.types import Trajectory
@@ -229,10 +230,10 @@ def random_batch(vocab: int, groups: int = 2, size: int = 3, seed: int = 0,
     rng = random.Random(seed)
     out = []
     for g in range(groups):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lengths))]
         for i in range(size):
             if not shared_prompt:
-                prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+                prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lengths))]
             r = rng.randint(*lengths) if lengths else rng.randint(3, 9 if shared_prompt else 8)
             mask = [1] * r
             mask[r // 2] = 0

@@ -108,6 +108,13 @@ def test_trainer_gang_tiny():
                         rel_tol=0.02)
     assert math.isclose(r["gang_step_ratio_t2"], r["gang_step_s_1t2"] / r["gang_step_s_2"],
                         rel_tol=0.02)
+    assert r["model"] == "tiny" and r["row_tokens"] > 0
+    for side in ("1", "1t2", "2"):
+        assert r[f"train_tok_s_{side}"] > 0, r
+    # fresh processes a side: each peak is a loaded trainer's, well over an idle worker's
+    for k in ("peak_rss_mb_1", "peak_rss_mb_1t2", "peak_rss_mb_2_rank0",
+              "peak_rss_mb_2_rank1"):
+        assert 100 < r[k] < 10_000, (k, r)
 
 
 @pytest.mark.bench
@@ -149,6 +156,12 @@ def test_weight_sync_tiny():
         assert r[k] > 0, (k, r)
     assert math.isclose(r["tok_s_base"], (r["tok_s_base_a"] + r["tok_s_base_b"]) / 2,
                         rel_tol=0.01)
+    assert r["model"] == "tiny"
+    # a version's cost on each side: the trainer's put, the worker's pull + swap
+    assert r["publish_s"] == r["put_s_fsspec"]
+    assert math.isclose(r["update_s_fsspec"], r["update_s"], rel_tol=1e-3)
+    assert math.isclose(r["update_s"], r["fetch_s_fsspec"]
+                        + r["engine_stall_ms_fsspec"] / 1000, rel_tol=0.01, abs_tol=1e-3)
     # the two modes side by side: recompute is the fsspec run; keep re-prefills nothing
     assert r["stall_recompute"] == r["stall_fsspec"] and r["recompute_tokens_keep"] == 0
     for s in ("fsspec", "keep", "mooncake", "lora8"):

@@ -19,7 +19,22 @@ import torch
 
 from rollart.model import load_model
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "without_tied_head"]
+
+#: the output head's Hugging Face name (the engines' ``rollart.rollout.staging`` too)
+HEAD = "lm_head.weight"
+
+
+def without_tied_head(model, state: dict) -> dict:
+    """``state`` without ``lm_head.weight`` when ``model``'s head is its input embedding
+    (``tie_word_embeddings``): a published version would otherwise carry the embedding
+    twice (18% of SmolLM2-135M's bytes). Every reader ties its own head: the engines drop
+    a tied head they are sent (``check_state_dict``), and a trainer or a model folder
+    built from the same config shares the one tensor."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and emb is not None and head.weight is emb.weight:
+        return {k: v for k, v in state.items() if k != HEAD}
+    return state
 
 
 class TorchBackend:
@@ -35,8 +50,9 @@ class TorchBackend:
 
     def hf_state_dict(self, model) -> dict:
         """``model``'s weights under Hugging Face names, as the weight store holds them (in
-        host memory: the store writes bytes)."""
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        host memory: the store writes bytes; a tied head left out: ``without_tied_head``)."""
+        return {k: v.detach().cpu()
+                for k, v in without_tied_head(model, model.state_dict()).items()}
 
     def frozen_copy(self, model):
         """A copy of ``model``, the KL reference."""

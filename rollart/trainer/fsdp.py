@@ -25,7 +25,7 @@ import datetime
 import torch
 
 from rollart.trainer.shards import DCP_DIR, METADATA, dcp_storage, hash_files
-from rollart.trainer.backend import TorchBackend
+from rollart.trainer.backend import TorchBackend, without_tied_head
 from rollart.trainer.trainer import Trainer, _loss_mask, collate, micro_batches
 
 __all__ = ["FsdpBackend", "GangMember", "GangRank", "balance", "buckets", "decoder_blocks",
@@ -146,8 +146,9 @@ class FsdpBackend(TorchBackend):
 
     def publish_state(self, model) -> dict:
         """The policy's HF-named tensors, in the same order on every rank (FSDP2: its
-        state dict of DTensors, each gathered whole by ``whole`` as it is written)."""
-        return model.state_dict()
+        state dict of DTensors, each gathered whole by ``whole`` as it is written; a
+        tied head left out, ``rollart.trainer.backend.without_tied_head``)."""
+        return without_tied_head(model, model.state_dict())
 
     def whole(self, t) -> torch.Tensor:
         """One tensor of ``publish_state`` whole (a collective for a DTensor)."""

@@ -363,3 +363,28 @@ def test_warmup_runs_on_its_own_thread_count_and_restores_the_trainers(tiny_mode
     asyncio.run(trainer.warmup(tasks, 1, 2, 1e-3))
     assert seen[-1] == usable_cores() and in_executor() == 1
     trainer._pool.shutdown()
+
+
+def test_a_tied_head_is_published_once(tiny_model, tmp_path):
+    """The built-in model ties its head to its input embedding: a version carries that
+    tensor once, and an engine's model loading it gets the trainer's head too."""
+    import asyncio
+
+    from rollart import GRPO
+    from rollart.model import load_model
+    from rollart.trainer import Trainer
+    from rollart.weights import WeightStore
+
+    t = Trainer(tiny_model, str(tmp_path / "w"), GRPO())
+    assert "lm_head.weight" in t.model.state_dict()
+    with torch.no_grad():
+        t.model.get_input_embeddings().weight.add_(1.0)  # not the folder's weights
+    asyncio.run(t.publish())
+    state = WeightStore(str(tmp_path / "w")).get(0)
+    assert "lm_head.weight" not in state and "model.embed_tokens.weight" in state
+    emb = t.model.get_input_embeddings().weight
+    assert t.bytes_published < sum(v.numel() * v.element_size()
+                                   for v in t.model.state_dict().values())
+    engine_model = load_model(tiny_model)
+    engine_model.load_state_dict(state, strict=False)
+    assert torch.equal(engine_model.get_output_embeddings().weight, emb)

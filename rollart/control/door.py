@@ -7,7 +7,8 @@ and its supervisor; what places and restores actors below the Fleet (``Stages``:
 ``rollart.control.stages``, the ``Supervisor``'s restore, a checkpoint written without a
 pipeline) uses a ``Door`` without a view (``Door()``): the same waits and time-outs,
 every error the caller's as raised. ``tests/control/test_one_door.py`` fails when
-control code waits on an actor any other way (``rollart.runtime.waits.bounded``).
+control code waits on an actor any other way (``.result()`` on an actor call, or the
+former ``rollart.runtime.waits.bounded``).
 
 The rules, in one place:
 

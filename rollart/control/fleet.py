@@ -4,8 +4,11 @@ Consumes the ``Actors`` record (``rollart.control.stages``: role, pool, address 
 handle of every actor placed) and, for a run that heals, the ``Stages`` that placed
 them; owns the ``Supervisor`` (``rollart.control.supervisor``) built from those. Every
 call the driver makes on an actor goes through here; a ``Fleet`` is the run's ``Door``
-(``rollart.control.door``), whose module doc holds the one lost rule and the one
-time-out rule:
+(``rollart.control.door``: the ``Door`` without the scheduler's view is what ``Stages``
+places and restores actors through, below the Fleet). The two rules, spelled out there:
+a call whose worker left is ``ActorLost`` (an ``OSError``), and a wait past its bound is
+a ``StuckError`` (a ``RuntimeError``: never taken for a lost worker), naming what did
+not happen and the ``Waits`` setting that raises the bound when given one:
 
 =====================  ==============================================================
 ``call(a, m, *args)``  ``a.m(*args)``'s result; ``ActorLost`` when ``a``'s worker was

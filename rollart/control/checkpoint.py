@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import fsspec
 
+from rollart.control.door import Door
 from rollart.control.fleet import ActorLost
 # the checkpoint's folder layout and file writes (rollart.runtime.storage), used here and
 # read through this module by callers that handle checkpoints
@@ -87,7 +88,7 @@ def save(url: str, step: int, actors, *, pipeline=None, graph=None, resources=No
     if fs.exists(f"{root}/{MARKER}"):
         fs.rm(f"{root}/{MARKER}")  # rewriting the same step: invalid until done again
     files, version = _actor_files(path, actors, pipeline,
-                                  _wait(f"checkpoint step {step} at {path}", pipeline))
+                                  _asker(f"checkpoint step {step} at {path}", pipeline))
     state = {"step": int(step), "version": int(version), "elapsed": float(elapsed),
              "python_rng": _jsonable(random.getstate()), **(extra or {})}
     if pipeline is not None:
@@ -138,29 +139,23 @@ def load(path: str, *, verify: bool = True) -> Checkpoint:
 
 def restore(ckpt: Checkpoint, actors, *, pipeline=None) -> None:
     """Load ``ckpt`` into freshly started actors (trainer, buffer) and the pipeline."""
-    call = _wait(f"restoring checkpoint {ckpt.path}")
-    call(actors.trainer.load_state(ckpt.path), actors.trainer, "load its state")
-    call(actors.buffer.restore(ckpt.path), actors.buffer, "restore the buffer")
+    ask = _asker(f"restoring checkpoint {ckpt.path}")
+    ask(actors.trainer, "load_state", "load its state", ckpt.path)
+    ask(actors.buffer, "restore", "restore the buffer", ckpt.path)
     if pipeline is not None and "pipeline" in ckpt.state:
         pipeline.load_state(ckpt.state["pipeline"])
     if "python_rng" in ckpt.state:
         random.setstate(_tupled(ckpt.state["python_rng"]))
 
 
-def _actor_files(path: str, actors, pipeline, call) -> tuple[dict, int]:
+def _actor_files(path: str, actors, pipeline, ask) -> tuple[dict, int]:
     """The trainer's and the buffer's files of a checkpoint, and the trainer's version.
     A worker of either lost meanwhile (the trainer's after its step returned, as
     ``benchmarks/chaos.py``'s mid-step kill of an in-process worker can land) is healed
     once by the pipeline's supervisor, then the files are written again: the trainer
     re-created (it holds the newest published weights: the step's update) or the
     buffer's replacement waited for. Without a supervisor the loss is the caller's."""
-    fleet = getattr(pipeline, "fleet", None)
-    sup = getattr(fleet, "supervisor", None)
-
-    def ask(actor, method: str, doing: str, *args):
-        fut = getattr(actor, method)(*args) if fleet is None else \
-            fleet.submit(actor, method, *args)
-        return call(fut, actor, doing)  # through Fleet.result: ActorLost once it is lost
+    sup = getattr(getattr(pipeline, "fleet", None), "supervisor", None)
 
     def write() -> tuple[dict, int]:
         files = dict(ask(actors.trainer, "save_state", "save its state", path))
@@ -182,22 +177,23 @@ def _actor_files(path: str, actors, pipeline, call) -> tuple[dict, int]:
     return write()
 
 
-def _wait(context: str, pipeline=None):
-    """``call(future, actor, doing)``: the future's result within ``rollart.waits.call``
-    seconds, else ``StuckError`` naming the actor, its worker and ``context``. With a
-    ``pipeline``, a call whose actor's worker left the cluster fails at once
-    (``Fleet.result``) instead of waiting on Dask's connect time-out."""
-    from rollart.runtime.waits import Waits, bounded
+def _asker(context: str, pipeline=None):
+    """``ask(actor, method, doing, *args)``: ``actor.method(*args)``'s result within
+    ``rollart.waits.call`` seconds, else ``StuckError`` naming the actor, its worker and
+    ``context``. With a ``pipeline``, through its ``Fleet``: a call whose actor's worker
+    left the cluster is ``ActorLost`` at once instead of a wait on Dask's connect
+    time-out; without, through a ``Door`` without a view (errors as raised)."""
+    from rollart.runtime.waits import Waits
 
     seconds = Waits.from_config().call
-    wait = getattr(getattr(pipeline, "fleet", None), "result", None)
+    door = getattr(pipeline, "fleet", None) or Door()
 
-    def call(fut, actor, doing: str):
+    def ask(actor, method: str, doing: str, *args):
         who = f"the {getattr(actor, '_cls', type(actor)).__name__} on " \
               f"{getattr(actor, '_address', '?')}"
-        how = None if wait is None else (lambda f, s: wait(f, actor, timeout=s))
-        return bounded(fut, seconds, f"{who} did not {doing} ({context})", wait=how)
-    return call
+        return door.call(actor, method, *args, timeout=seconds,
+                         stuck=f"{who} did not {doing} ({context})")
+    return ask
 
 
 def _read_json(fs, root: str, path: str, name: str) -> dict:

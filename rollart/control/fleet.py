@@ -3,12 +3,18 @@
 Consumes the ``Actors`` record (``rollart.control.stages``: role, pool, address and
 handle of every actor placed) and, for a run that heals, the ``Stages`` that placed
 them; owns the ``Supervisor`` (``rollart.control.supervisor``) built from those. Every
-call the driver makes on an actor goes through here:
+call the driver makes on an actor goes through here; a ``Fleet`` is the run's ``Door``
+(``rollart.control.door``: the ``Door`` without the scheduler's view is what ``Stages``
+places and restores actors through, below the Fleet). The two rules, spelled out there:
+a call whose worker left is ``ActorLost`` (an ``OSError``), and a wait past its bound is
+a ``StuckError`` (a ``RuntimeError``: never taken for a lost worker), naming what did
+not happen and the ``Waits`` setting that raises the bound when given one:
 
 =====================  ==============================================================
 ``call(a, m, *args)``  ``a.m(*args)``'s result; ``ActorLost`` when ``a``'s worker was
                        lost (the one rule: ``rollart.runtime.lost.is_lost``), any other
-                       error as it was raised
+                       error as it was raised; with ``timeout=``, ``StuckError`` past
+                       it (``stuck=``: what did not happen, and the ``Waits`` setting)
 ``submit(a, m, ...)``  the call's future (``ActorLost`` if the handle fails at once)
 ``result(f, a)``       a future's result, failing as soon as ``a``'s worker leaves
 ``broadcast(role, m)`` ``[(actor, result)]`` of every live actor of ``role``; lost ones
@@ -22,7 +28,8 @@ call the driver makes on an actor goes through here:
 Without ``stages`` there is no supervisor and nothing is judged lost: an error is the
 caller's, as raised (tests that drive a pipeline over hand-made actors).
 Used by ``rollart.control.modes`` (the pipelines), ``rollart.control.loop``,
-``rollart.control.checkpoint`` and ``rollart.observe.monitor``.
+``rollart.control.lifecycle``, ``rollart.control.scaling``, ``rollart.control.checkpoint``
+and ``rollart.observe.monitor``.
 """
 
 from __future__ import annotations
@@ -30,15 +37,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rollart.control.door import ActorLost, Door
 from rollart.control.stages import Actors, catch_up
 from rollart.control.supervisor import Supervisor
-from rollart.runtime.lost import is_lost
 
 __all__ = ["ActorLost", "Fleet", "Sample"]
-
-
-class ActorLost(OSError):
-    """A call's actor was lost: its worker left the cluster (``Fleet``)."""
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Sample:
                  "load_error": st.get("load_error")} for tag, addr, st in self.workers]
 
 
-class Fleet:
+class Fleet(Door):
     """The run's actors and the one way to call them (see the module doc).
 
     >>> # fleet = Fleet(stages.start(), stages, checkpoint_url=url)
@@ -68,73 +71,9 @@ class Fleet:
         self.actors, self.stages = actors, stages
         self.supervisor = None if stages is None else \
             Supervisor(stages, actors, checkpoint_url=checkpoint_url)
+        super().__init__(None if self.supervisor is None else self.supervisor.live)
 
-    # -- the rule ---------------------------------------------------------------------
-    def lost(self, error: BaseException | None, actor=None) -> bool:
-        """``error`` came from losing a worker (``actor``'s, if given) and the supervisor
-        can replace it; without a supervisor, never."""
-        if self.supervisor is None:
-            return False
-        return is_lost(error) or (actor is not None and
-                                  is_lost(None, actor, self.supervisor.live()))
-
-    def check_alive(self, actor) -> None:
-        """``ActorLost`` if ``actor``'s worker left the cluster (with a supervisor)."""
-        if self.supervisor is not None and actor._address not in self.supervisor.live():
-            raise ActorLost(f"Unable to contact Actor's worker {actor._address}: it left "
-                            "the cluster")
-
-    def _judge(self, error: BaseException, actor) -> BaseException:
-        if isinstance(error, ActorLost) or not self.lost(error, actor):
-            return error
-        lost = ActorLost(f"the actor on {actor._address} was lost: "
-                         f"{type(error).__name__}: {error}")
-        lost.__cause__ = error
-        return lost
-
-    # -- calls ------------------------------------------------------------------------
-    def attempt(self, actor, fn):
-        """``fn()`` (which calls ``actor``); an error that says ``actor`` was lost comes
-        out as ``ActorLost``."""
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - judged, then raised
-            judged = self._judge(e, actor)
-            if judged is e:
-                raise
-            raise judged from e
-
-    def submit(self, actor, method: str, *args, **kwargs):
-        """``actor.method(*args, **kwargs)``'s future."""
-        return self.attempt(actor, lambda: getattr(actor, method)(*args, **kwargs))
-
-    def result(self, fut, actor, timeout: float | None = None):
-        """``fut.result()`` of a call on ``actor``: ``ActorLost`` as soon as the scheduler
-        no longer lists ``actor``'s worker, ``TimeoutError`` after ``timeout`` s. A call
-        made just as an in-process worker closed is proxied by the scheduler, which
-        retries connecting to the closed address until Dask's connect time-out
-        (``distributed.comm.timeouts.connect``: 30 s; 300 s in ``benchmarks/chaos.py``):
-        the driver gives up on a lost worker instead."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = 0.5 if end is None else min(0.5, max(end - time.monotonic(), 0.01))
-            try:
-                return fut.result(timeout=wait)
-            except TimeoutError:
-                if not fut.done():
-                    if end is not None and time.monotonic() >= end:
-                        raise TimeoutError(f"the actor on {actor._address} gave no answer "
-                                           f"within {timeout:g} s") from None
-                    self.check_alive(actor)
-                    continue
-            except Exception:  # noqa: BLE001 - the call's own error: judged below
-                pass
-            return self.attempt(actor, fut.result)  # done: its result, or its error
-
-    def call(self, actor, method: str, *args, timeout: float | None = None, **kwargs):
-        """``actor.method(*args, **kwargs)``'s result (``result``)."""
-        return self.result(self.submit(actor, method, *args, **kwargs), actor, timeout)
-
+    # -- calls (``call``, ``submit``, ``result``, ``attempt``: ``Door``) ----------------
     def broadcast(self, role: str, method: str, *args, timeout: float | None = None
                   ) -> list[tuple]:
         """``[(actor, result)]`` of ``method(*args)`` on every live actor of ``role``, all
@@ -238,7 +177,7 @@ class Fleet:
         weights ``version`` (``rollart.control.stages.catch_up``)."""
         workers = self.actors.workers if workers is None else workers
         catch_up([(w, f"{addr} ({tag})") for w, tag, addr in workers], version,
-                 self.stages.waits if self.stages is not None else _waits())
+                 self.stages.waits if self.stages is not None else _waits(), "", self)
 
 
 def _waits():

@@ -17,12 +17,13 @@ import logging
 from pathlib import Path
 
 from rollart.config.graph import Graph
+from rollart.control.door import Door
 from rollart.control.fleet import Fleet
 from rollart.control.stages import Actors, Stages
 from rollart.env.tasks import warmup_tasks
 from rollart.observe.metrics import stop_requested
 from rollart.runtime.resources import CONFIG_MODULE_PREFIX
-from rollart.runtime.waits import Bounded, bounded
+from rollart.runtime.waits import Bounded
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,10 @@ def start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
             warmup_dir = str(run_dir / "warmup_model")
     elif warm:
         with clock.timing("warmup_s"):
-            warmup_dir = warm_up(actors, stages, run_dir, progress)
+            warmup_dir = warm_up(fleet, stages, run_dir, progress)
     with phase("loading the first weights on the inference workers", progress):
-        v0 = bounded(actors.trainer.publish(), stages.waits.call, f"the trainer on "
-                     f"{actors.trainer._address} did not publish its first weights")
+        v0 = fleet.call(actors.trainer, "publish", timeout=stages.waits.call, stuck=f"the "
+                        f"trainer on {actors.trainer._address} did not publish its first weights")
         fleet.catch_up(v0)
     # a gang formed as it published: every rank's worker is known now
     actors.set_ranks(fleet.call(actors.trainer, "stats", timeout=stages.waits.call
@@ -112,28 +113,28 @@ def start(stages: Stages, ckpt, warm: bool, checkpoint_url: str | None,
     return fleet, warmup_dir, pools
 
 
-def warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> str:
+def warm_up(fleet: Fleet, stages: Stages, run_dir: Path, progress: bool) -> str:
     """The built-in model's format warm-up (or a pretrained model's demonstrations,
     ``Policy.warmup_pretrained``) on the trainer (``Trainer.warmup``, bounded by
     ``Waits.warmup``; ended early by ``Run.stop``), saved to ``RUN/warmup_model``;
     returns that folder."""
     from rollart.observe.progress import warmup_bar
 
-    graph, p = stages.graph, stages.graph.policy
+    graph, p, trainer = stages.graph, stages.graph.policy, fleet.actors.trainer
     total = p.warmup_total_steps
-    waits, on = stages.waits, f"on {actors.trainer._address}"
+    waits, on = stages.waits, f"on {trainer._address}"
     tasks = [t for t in warmup_tasks(graph.tasks)
              if not p.warmup_tasks or t.name in p.warmup_tasks]
-    info = warmup_bar(actors.trainer, Bounded(actors.trainer.warmup(
-        tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
+    info = warmup_bar(trainer, Bounded(fleet.submit(
+        trainer, "warmup", tasks, p.warmup_steps, p.warmup_batch, p.warmup_lr, seed=graph.seed,
         threads=p.warmup_threads, bare_tool_steps=p.warmup_bare_tool_steps,
         episode_threads=p.warmup_episode_threads,
         obs_weight=0.0 if p.warmup_pretrained else 1.0,  # a pretrained model: its turns
         **p.conversation_options()), waits.warmup(total),
         f"the trainer's warm-up ({total} steps) {on} did not finish",
         "warmup-step"), total, progress, stop=functools.partial(stop_requested, run_dir.name))
-    warmup_dir = bounded(actors.trainer.save(str(run_dir / "warmup_model")),
-                         waits.call, f"the trainer {on} did not save the warm-up model")
+    warmup_dir = fleet.call(trainer, "save", str(run_dir / "warmup_model"), timeout=waits.call,
+                            stuck=f"the trainer {on} did not save the warm-up model")
     bare = (f" ({p.warmup_bare_tool_steps} of them on the tool tasks, tools undeclared)"
             if p.warmup_bare_tool_steps else "")
     done = info["warmup/steps"]  # fewer once the run was asked to stop
@@ -144,32 +145,34 @@ def warm_up(actors: Actors, stages: Stages, run_dir: Path, progress: bool) -> st
     return warmup_dir
 
 
-def shutdown(actors: Actors, pools: list = ()) -> dict:
+def shutdown(actors: Actors, pools: list = (), door: Door | None = None) -> dict:
     """Cancel what is still running and flush the buffer to Parquet, stop the reward
     ``pools``; return the ledger's final counts. Once the live managers have settled their members, what is
     still in flight ran on a lost worker: it becomes ``failed`` (``orphaned``).
 
     A manager or worker that cannot be closed (its worker died) is reported and skipped
-    so the samples still get flushed.
+    so the samples still get flushed. Every call goes through ``door`` (the run's
+    ``Fleet``; by default a ``Door`` without a view).
     """
+    door = door or Door()
     for actor in actors.managers:
-        _close(actor, "env manager")
+        _close(door, actor, "env manager")
     try:
-        actors.buffer.orphan_all_in_flight().result(timeout=60)  # ran on lost managers
-        counts = actors.buffer.counts().result(timeout=60)
+        door.call(actors.buffer, "orphan_all_in_flight", timeout=60)  # ran on lost managers
+        counts = door.call(actors.buffer, "counts", timeout=60)
     except Exception as e:  # the buffer's worker (or the scheduler) is gone
         logger.warning("could not read the final counts: %s: %s", type(e).__name__, e)
         counts = {}
-    _close(actors.buffer, "sample buffer", timeout=600)
+    _close(door, actors.buffer, "sample buffer", timeout=600)
     for w, tag, addr in actors.workers:
-        _close(w, f"inference worker {tag} at {addr}")
+        _close(door, w, f"inference worker {tag} at {addr}")
     for pool in pools:
         pool.stop()
     return counts
 
 
-def _close(actor, what: str, timeout: float = 30) -> None:
+def _close(door: Door, actor, what: str, timeout: float = 30) -> None:
     try:
-        actor.close().result(timeout=timeout)
+        door.call(actor, "close", timeout=timeout)
     except Exception as e:
         logger.warning("could not close %s: %s: %s", what, type(e).__name__, e)

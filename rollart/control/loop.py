@@ -53,7 +53,6 @@ from rollart.observe.monitor import Monitor
 from rollart.observe.silent import SilentTasks
 from rollart.reward.offload import is_serverless
 from rollart.runtime.resources import Resources
-from rollart.runtime.waits import bounded
 from rollart.types import EVAL_SEED_BASE
 
 logger = logging.getLogger(__name__)
@@ -221,8 +220,8 @@ def _checkpoint_due(graph: Graph, step: int) -> bool:
 def _save_model(fleet: Fleet, stages: Stages, run_dir: Path) -> str:
     """The trained policy as the run's ``model/`` folder (the trainer writes it)."""
     trainer = fleet.actors.trainer
-    return bounded(trainer.save(str(run_dir / "model")), stages.waits.call,
-                   f"the trainer on {trainer._address} did not save the model")
+    return fleet.call(trainer, "save", str(run_dir / "model"), timeout=stages.waits.call,
+                      stuck=f"the trainer on {trainer._address} did not save the model")
 
 
 def _close(fleet: Fleet, monitor, pipeline, pools: list, run_dir: Path) -> dict:
@@ -231,7 +230,7 @@ def _close(fleet: Fleet, monitor, pipeline, pools: list, run_dir: Path) -> dict:
     fleet.supervisor.close()
     monitor.close()
     pipeline.close()  # e.g. the rollout workers' priority back
-    final_counts = shutdown(fleet.actors, pools)
+    final_counts = shutdown(fleet.actors, pools, fleet)
     (run_dir / "recovery.json").write_text(json.dumps(fleet.supervisor.events, indent=2))
     return final_counts
 

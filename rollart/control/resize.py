@@ -151,7 +151,6 @@ def _rebuild(scaler, rank0: str, n: int, step: int) -> tuple[int, str]:
     weights: ``GangTrainer._failed``)."""
     from rollart.control import checkpoint
     from rollart.runtime.handles import handle
-    from rollart.runtime.waits import bounded
 
     fleet, stages, waits = scaler.fleet, scaler.fleet.stages, scaler.waits
     actors, old = fleet.actors, fleet.actors.trainer
@@ -163,8 +162,9 @@ def _rebuild(scaler, rank0: str, n: int, step: int) -> tuple[int, str]:
         stages.trainer_ranks, stages._n = n, stages._n + 1
         spec = stages._trainer_spec()
         fut = stages.submit(spec, rank0, actors, suffix=f"-s{stages._n}")
-        new = handle(bounded(fut, waits.start, f"the {spec.cls.__name__} of {n} rank(s) "
-                             f"on {rank0} (TRAIN) did not start", "start"))
+        new = handle(fleet.result(fut, None, waits.start, setting="start", stuck=f"the "
+                                  f"{spec.cls.__name__} of {n} rank(s) on {rank0} (TRAIN) "
+                                  "did not start"))
         version = fleet.call(new, "load_state", url, False, timeout=waits.call)
     except Exception as e:  # noqa: BLE001 - said, and the run goes on as it was
         stages.trainer_ranks = before  # a replacement of the old trainer: its size

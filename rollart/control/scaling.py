@@ -47,7 +47,6 @@ import threading
 import time
 
 from rollart.observe.metrics import SCALE_TOPIC  # requests from `rollart scale`, the page
-from rollart.runtime.waits import bounded
 from rollart.types import BUFFER, TRAIN
 
 logger = logging.getLogger(__name__)
@@ -283,8 +282,8 @@ class Scaler:
         managers = [(m, a) for m, _, a in actors.of("env") if a in gone]
         for mgr, addr in managers:
             self.pipeline.release_manager(mgr)  # takes no more groups
-            done = bounded(mgr.drain(self.waits.call), self.waits.call + 30,
-                           f"the EnvManager on {addr} did not drain")
+            done = self.fleet.call(mgr, "drain", self.waits.call, timeout=self.waits.call + 30,
+                                   stuck=f"the EnvManager on {addr} did not drain")
             out["groups_finished"] += done["finished"]
             out["groups_left"] += done["left"]
             actors.remove("env", mgr)

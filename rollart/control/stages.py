@@ -31,7 +31,8 @@ it is built. After inference workers or the buffer change, ``reconcile`` hands t
 ones to every live manager (``set_inference_workers`` / ``set_buffer``).
 
 No wait is silent: an actor's constructor and every call start-up, recovery and shutdown
-make on one are bounded (``Waits``, Dask's config ``rollart.waits``): ``StuckError``.
+make on one are bounded (``Waits``, Dask's config ``rollart.waits``), through a ``Door``
+(``rollart.control.door``): ``StuckError``.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollart.control.actors import Actors, Member  # noqa: F401 (re-exported)
+from rollart.control.door import Door
 from rollart.policy.affinity import env_pools, inference_tags, task_routes
 from rollart.runtime.resources import cluster_tags
 from rollart.types import BUFFER, REWARD, TRAIN
 from rollart.runtime.lost import gone, is_lost
-from rollart.runtime.waits import StuckError, Waits, bounded, stuck
+from rollart.runtime.waits import StuckError, Waits, stuck
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +229,7 @@ class Stages:
         self.run = f"{self.run_dir.name}-{time.time_ns() % 10**9:09d}"
         self.futures: list = []  # every actor's future: its key stays wanted by us
         self._starting: dict[tuple[str, str], _Start] = {}  # (role, addr) -> not taken up
-        self._n = 0
+        self._n, self.door = 0, Door()  # below the Fleet: no view, errors as raised
         self.trainer_ranks = 0  # the gang's size, from the TRAIN workers at start
 
     def spec(self, role: str, tag: str | None = None) -> RoleSpec:
@@ -320,20 +322,24 @@ class Stages:
         addr = manager._address
         if self.client.run(os.getpid, workers=[addr]).get(addr) == os.getpid():
             return
-        buf = actors.buffer
-        bounded(manager.set_buffer((buf._cls, buf._address, buf.key)), self.waits.call,
-                f"the EnvManager on {where} did not take the sample buffer")
+        buf, what = actors.buffer, f"the EnvManager on {where} did not take the sample buffer"
+        self.door.call(manager, "set_buffer", (buf._cls, buf._address, buf.key),
+                       timeout=self.waits.call, stuck=what)
 
     def _started(self, t0: float):
         """``started(future, role, tag, addr)``: the actor, once built, within
         ``waits.start`` of ``t0`` (they were submitted together)."""
         def started(fut, role: str, tag: str, addr: str):
-            from rollart.runtime.handles import handle
-
             left = max(t0 + self.waits.start - time.monotonic(), 0.1)
-            return handle(bounded(fut, left, f"the {self._cls(role, tag)} on {addr} ({tag}) "
-                                  "did not start", "start"))
+            return self._built(fut, left, f"the {self._cls(role, tag)} on {addr} ({tag})")
         return started
+
+    def _built(self, fut, seconds: float, what: str):
+        """``fut``'s actor (a ``Handle``) within ``seconds``; else ``what`` did not start."""
+        from rollart.runtime.handles import handle
+
+        return handle(self.door.result(fut, None, seconds, stuck=f"{what} did not start",
+                                       setting="start"))
 
     def _cls(self, role: str, tag: str | None = None) -> str:
         spec = next((s for s in self.specs if s.role == role and s.tag == tag), None)
@@ -372,8 +378,6 @@ class Stages:
         return out
 
     def _replace_one(self, actors: Actors, role: str, old: str, live, out: Reconciled) -> None:
-        from rollart.runtime.handles import handle
-
         spec = self.spec(role)
         if role == "buffer":
             where = buffer_worker(live, spec, avoid=old)
@@ -390,9 +394,8 @@ class Stages:
             spec = self._trainer_spec()
         self._n += 1
         fut = self.submit(spec, addr, actors, tag=tag, suffix=f"-r{self._n}", **extra)
-        actor = handle(bounded(fut, self.waits.start, f"the replacement "
-                               f"{spec.cls.__name__} on {addr} ({tag}) did not start",
-                               "start"))
+        actor = self._built(fut, self.waits.start,
+                            f"the replacement {spec.cls.__name__} on {addr} ({tag})")
         actors.add(role, actor, tag, addr)
         out.made.append((role, tag, addr))
 
@@ -403,8 +406,6 @@ class Stages:
         run goes on meanwhile, instead of stalling the step for a constructor that loads
         a model. A start whose worker leaves first is dropped; one that has not started
         within ``waits.start`` is a ``StuckError`` naming what the scheduler knows."""
-        from rollart.runtime.handles import handle
-
         for key in self.drop_starts({a for r, a in self._starting if a not in live}, role):
             logger.info("dropped the start of %s: its worker left", key)
         for spec in (s for s in self.specs if s.role == role):
@@ -413,6 +414,7 @@ class Stages:
                 if addr in have or (role == "env" and not actors.workers):
                     continue
                 where = f"{addr} ({spec.tag})"
+                new = f"the new {spec.cls.__name__} on {where}"
                 start = self._starting.get((role, addr))
                 if start is None:
                     self._n += 1
@@ -422,26 +424,24 @@ class Stages:
                 if not start.fut.done():
                     if time.monotonic() - start.t0 > self.waits.start:
                         del self._starting[(role, addr)]
-                        error = _stuck_start(self.client, start, f"the new "
-                                             f"{spec.cls.__name__} on {where} did not start",
+                        error = _stuck_start(self.client, start, f"{new} did not start",
                                              self.waits.start)
                         start.fut.cancel()
                         raise error
                     continue
                 del self._starting[(role, addr)]
                 try:
-                    actor = handle(start.fut.result())
+                    actor = self._built(start.fut, self.waits.start, new)
                 except Exception as e:  # noqa: BLE001 - its worker was lost: next time
                     if not is_lost(e):
                         raise
-                    logger.info("the new %s on %s was lost as it started: %s",
-                                spec.cls.__name__, where, e)
+                    logger.info("%s was lost as it started: %s", new, e)
                     continue
                 if role == "inference":  # the newest published weights before it serves
                     from rollart.weights import WeightStore
 
                     catch_up([(actor, where)], WeightStore(self.store_url).latest(),
-                             self.waits, "new ")
+                             self.waits, "new ", self.door)
                 if role == "env":
                     self._hand_buffer(actor, actors, where)
                 actors.add(role, actor, spec.tag, addr)
@@ -464,15 +464,15 @@ class Stages:
         new = {role for role, _, _ in out.made}
         calls = []
         if "inference" in new and actors.workers:
-            workers = [(w, tag) for w, tag, _ in actors.workers]
-            calls.append(lambda m: m.set_inference_workers(workers))
+            calls.append(("set_inference_workers", [(w, t) for w, t, _ in actors.workers]))
         if "buffer" in new:
-            calls.append(lambda m: m.set_buffer(actors.buffer))
+            calls.append(("set_buffer", actors.buffer))
         for m in list(actors.managers) if calls else []:
-            for call in calls:
+            for method, arg in calls:
                 try:
-                    bounded(call(m), self.waits.call, f"the EnvManager on {m._address} did "
-                            "not take the new inference workers / buffer")
+                    self.door.call(m, method, arg, timeout=self.waits.call, stuck=f"the "
+                                   f"EnvManager on {m._address} did not take the new "
+                                   "inference workers / buffer")
                 except StuckError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a manager lost meanwhile: next time
@@ -485,16 +485,16 @@ def _with_tag(live: dict[str, dict], *tags: str) -> list[str]:
     return sorted(a for a, r in live.items() if any(r.get(t, 0) > 0 for t in tags))
 
 
-def catch_up(workers: list[tuple], version: int, waits: Waits, what: str = "") -> None:
+def catch_up(workers: list[tuple], version: int, waits: Waits, what: str, door: Door) -> None:
     """Every inference worker of ``workers`` (``[(actor, where)]``) loads weights
     ``version`` from the store (a negative one: nothing published yet, nothing to load):
-    all are asked at once, then each is waited for, within ``waits.call`` a call. The
-    run's first weights (``rollart.control.loop``) and a new worker's catch-up
+    all are asked at once, then each is waited for through ``door``, within ``waits.call``
+    a call. The run's first weights (``Fleet.catch_up``) and a new worker's catch-up
     (``Stages.reconcile``) both come here."""
     if version < 0:
         return
     for call in ("update_weights", "wait_version"):
-        futs = [(getattr(w, call)(version), where) for w, where in workers]
-        for fut, where in futs:
-            bounded(fut, waits.call, f"the {what}InferenceWorker on {where} did not load "
-                    f"weights v{version} ({call})")
+        futs = [(door.submit(w, call, version), w, where) for w, where in workers]
+        for fut, w, where in futs:
+            door.result(fut, w, waits.call, stuck=f"the {what}InferenceWorker on {where} did "
+                        f"not load weights v{version} ({call})")

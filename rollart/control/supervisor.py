@@ -52,7 +52,8 @@ driver's console as it comes.
 Every replacement is an event ``{role, address, lost_s, recovered_s, recovery_s}``
 (``recovery_s``: loss noticed → replacement ready), kept in ``Supervisor.events``. A
 replacement that does not start, or a restore call that does not return, within its
-bound (``rollart.control.stages.Waits``) is a ``StuckError`` naming the actor and its worker.
+bound (``rollart.control.stages.Waits``; through the ``Stages``' ``Door``) is a
+``StuckError`` naming the actor and its worker.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from dataclasses import dataclass, field
 
 from rollart.runtime.resources import cluster_tags
 from rollart.runtime.lost import gone
-from rollart.runtime.waits import StuckError, bounded
+from rollart.runtime.waits import StuckError
 from rollart.types import BUFFER
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Supervisor:
     def __init__(self, stages, actors, *, checkpoint_url: str | None = None,
                  check_every: float = 0.5, wait_for_worker: float = 300.0):
         self.stages, self.client, self.actors = stages, stages.client, actors
-        self.waits = stages.waits  # bounds on the calls a restore makes
+        self.waits, self.door = stages.waits, stages.door  # a restore's calls, their bounds
         self.graph, self.store_url = stages.graph, stages.store_url
         self.checkpoint_url = checkpoint_url
         self.check_every, self.wait_for_worker = check_every, wait_for_worker
@@ -135,7 +136,7 @@ class Supervisor:
         if gone(actor, self.live()):
             return False
         try:
-            actor.stats().result(timeout=grace)
+            self.door.call(actor, "stats", timeout=grace)
         except Exception:
             return False
         return not gone(actor, self.live())
@@ -145,7 +146,7 @@ class Supervisor:
         and the buffer it reads from answers: the step's comm error may have been the
         buffer's worker dying, and a re-run needs its replacement (``wait_for_buffer``)."""
         deadline = time.monotonic() + timeout
-        while trainer.stats().result(timeout=30).get("stepping") and \
+        while self.door.call(trainer, "stats", timeout=30).get("stepping") and \
                 time.monotonic() < deadline:
             time.sleep(0.1)
         self.wait_for_buffer()
@@ -277,16 +278,16 @@ class Supervisor:
         if path is not None:
             try:
                 checkpoint.load(path)  # verifies the manifest: no half-restored trainer
-                version = bounded(trainer.load_state(path, truncate=False), self.waits.call,
-                                  f"the new trainer on {trainer._address} did not load "
-                                  f"checkpoint {path}")
+                version = self.door.call(trainer, "load_state", path, truncate=False,
+                                         timeout=self.waits.call, stuck=f"the new trainer "
+                                         f"on {trainer._address} did not load checkpoint {path}")
                 how.append(f"checkpoint {path}")
             except checkpoint.CheckpointError as e:
                 logger.warning("not restoring the trainer from %s: %s", path, e)
         if WeightStore(self.store_url).latest() > version:
-            version = bounded(trainer.restore_latest(), self.waits.call,
-                              f"the new trainer on {trainer._address} did not load the "
-                              f"newest published weights from {self.store_url}")
+            version = self.door.call(trainer, "restore_latest", timeout=self.waits.call,
+                                     stuck=f"the new trainer on {trainer._address} did not "
+                                     f"load the newest published weights from {self.store_url}")
             how.append(f"weights v{version}")
         if not how:
             raise RunLostError(f"the trainer was lost and there is neither a checkpoint under "

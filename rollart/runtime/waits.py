@@ -2,17 +2,18 @@
 
 An actor whose constructor hangs (a model folder that never loads, a worker whose only
 thread is blocked) or a call that never returns would leave a run waiting with no word.
-``bounded(future, seconds, what)`` waits at most ``seconds`` and then raises
-``StuckError`` naming ``what`` is stuck (the actor, its worker, its pool) and the
-setting that raises the bound. ``Waits`` holds the bounds, read from Dask's config
-``rollart.runtime.waits``. Used by ``rollart.control.stages`` (placing and reconciling actors),
-``rollart.control.supervisor`` (restoring a trainer), ``rollart.control.loop`` (warm-up, first
-publish, saves) and ``rollart.control.checkpoint``; ``close_bounded`` closes a client and its
-cluster within a bound (``benchmarks/chaos.py``); ``wait_result`` waits on a Dask
-future from a coroutine within a time-out, whatever the client (``result_unless``: the
-synchronous client's thread, which the wait releases when it ends); ``stop_process`` /
-``stop_processes`` end child processes within a bound (a polite exit line on stdin when
-asked, then terminate, then kill).
+``Waits`` holds the bounds, read from Dask's config ``rollart.waits``; ``stuck(what,
+seconds, setting)`` is the ``StuckError`` past one, naming ``what`` is stuck (the actor,
+its worker, its pool) and the setting that raises the bound. The driver waits on actors
+only through ``rollart.control.door.Door`` (the run's ``Fleet`` is one), which raises it:
+placing and reconciling actors, restoring a trainer, the first publish, saves and
+checkpoints. ``Bounded`` is a future with a deadline for code that polls it (the
+warm-up's progress bar); ``close_bounded`` closes a client and its cluster within a
+bound (``benchmarks/chaos.py``); ``wait_result`` waits on a Dask future from a coroutine
+within a time-out, whatever the client (``result_unless``: the synchronous client's
+thread, which the wait releases when it ends); ``stop_process`` / ``stop_processes`` end
+child processes within a bound (a polite exit line on stdin when asked, then terminate,
+then kill).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "bounded", "close_bounded",
+__all__ = ["Bounded", "CONFIG", "StuckError", "Waits", "close_bounded",
            "result_unless", "stop_process", "stop_processes", "stuck", "wait_result"]
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Waits:
 class Bounded:
     """``fut`` with a deadline, for code that polls ``done()`` then calls ``result()``
     (``rollart.observe.progress.warmup_bar``): done once ``fut`` is or ``seconds`` have passed;
-    ``result()`` is ``bounded``'s."""
+    ``result()`` past the deadline is ``stuck``'s ``StuckError``."""
 
     def __init__(self, fut, seconds: float, what: str, setting: str = "call"):
         self.fut, self.what, self.setting = fut, what, setting
@@ -94,20 +95,9 @@ class Bounded:
             raise stuck(self.what, self.seconds, self.setting) from None
 
 
-def bounded(fut, seconds: float, what: str, setting: str = "call", wait=None):
-    """``fut.result()`` within ``seconds``; else ``StuckError`` saying ``what`` is stuck
-    (``"the Trainer on ADDR (TRAIN) did not start"``) and how to raise the bound.
-    ``wait(fut, seconds)``, if given, waits instead of ``fut.result`` (e.g.
-    ``rollart.control.fleet.Fleet.result``, which gives up on a lost worker at once)."""
-    try:
-        return fut.result(timeout=seconds) if wait is None else wait(fut, seconds)
-    except TimeoutError:
-        raise stuck(what, seconds, setting) from None
-
-
 def stuck(what: str, seconds: float, setting: str) -> StuckError:
     """The ``StuckError`` for ``what`` past its ``seconds`` bound (``Waits.<setting>``),
-    saying how to raise it."""
+    saying how to raise it (``"the Trainer on ADDR (TRAIN) did not start"``)."""
     env = f"DASK_ROLLART__WAITS__{setting.upper().replace('-', '_')}"
     return StuckError(
         f"{what} within {seconds:g} s; see that worker's log (its `dask worker` output, "

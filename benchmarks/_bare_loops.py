@@ -11,12 +11,16 @@ is the engine's own kind: ``rollart.rollout.lean.LeanForward`` on its ``LeanCach
 where the model allows it, else the ``transformers`` forward on a ``DynamicCache``.
 No stopping, no continuous batching, no admission: every row lives for the whole batch.
 
-``bare_train``: per batch, group-normalised advantages, length-sorted micro-batches of
-at most ``micro_batch_tokens`` padded tokens (right-padded, as the trainer cuts them),
-a forward of the whole sequence, the clipped policy-gradient loss against the behaviour
-log-probs (plus the k3 KL to a frozen copy when ``kl_coef > 0``, as the run computes),
-backward, gradient clipping and AdamW. No prompt sharing, no ``logits_to_keep``, no
-publishing: the textbook loop.
+``bare_train``: per batch, group-normalised advantages, the trainer's micro-batches (a
+group's members, whose prompt is the same, together; the rest length-sorted, each part
+within ``micro_batch_tokens``: ``Trainer._parts``), the trainer's forwards at full
+strength (a shared prompt computed once and its KV cache repeated for the members'
+responses, ``shared_prompt_logprobs``; only the loss's columns through the head,
+``logits_to_keep``: ``target_logprobs``), the clipped policy-gradient loss against the
+behaviour log-probs (plus the k3 KL to a frozen copy when ``kl_coef > 0``, as the run
+computes), backward, gradient clipping and AdamW. No actor, no buffer, no publishing;
+``shared=False`` is the textbook loop (whole sequences, every logit) that earlier
+records compared against.
 """
 
 from __future__ import annotations
@@ -94,9 +98,10 @@ def bare_generate(model_path: str, *, batch: int, context: int, prefill: int, ne
 
 
 def bare_train(model_path: str, batches: list, algo, *, threads: int,
-               temperature: float = 1.0) -> dict:
+               temperature: float = 1.0, shared: bool = True) -> dict:
     """Seconds per batch of the bare training step (module doc) on ``batches`` (lists of
-    ``rollart.types.Trajectory``), after one untimed step on the first."""
+    ``rollart.types.Trajectory``), after one untimed step on the first; ``shared``: at
+    the trainer's full strength (prompt sharing, ``logits_to_keep``)."""
     from rollart.model import load_model
 
     torch.set_num_threads(threads)
@@ -109,7 +114,7 @@ def bare_train(model_path: str, batches: list, algo, *, threads: int,
     times = []
     for i, batch in enumerate([batches[0], *batches]):
         t0 = time.perf_counter()
-        _train_step(model, ref, opt, batch, algo, temperature)
+        (_full_step if shared else _train_step)(model, ref, opt, batch, algo, temperature)
         if i:
             times.append(time.perf_counter() - t0)
     return {"seconds": times}
@@ -134,6 +139,46 @@ def _train_step(model, ref, opt, batch, algo, temperature: float) -> None:
         if ref is not None:
             with torch.no_grad():
                 diff = _logprobs(ref, ids, attn, temperature) - logp
+            loss = loss + algo.kl_coef * (torch.exp(diff) - diff - 1)
+        ((loss * mask).sum() / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)
+    opt.step()
+
+
+def _full_step(model, ref, opt, batch, algo, temperature: float) -> None:
+    """``_train_step`` with the trainer's micro-batches and forwards (module doc)."""
+    from types import SimpleNamespace
+
+    from rollart.trainer.advantages import compute_advantages
+    from rollart.trainer.losses import shared_prompt_logprobs, target_logprobs
+    from rollart.trainer.trainer import Trainer, collate, collate_shared
+
+    adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
+                             scale=algo.scale_rewards)
+    parts = Trainer._parts(SimpleNamespace(algo=algo, share_prompts=True, model=model,
+                                           ref_model=ref), batch)
+    total = max(float(sum(sum(t.loss_mask) for t in batch)), 1.0)
+    opt.zero_grad(set_to_none=True)
+    for rows, shared in parts:
+        if shared:
+            prompt, resp, attn, mask, behaviour = collate_shared([batch[i] for i in rows], 0)
+            need = mask > 0
+
+            def logprobs(m):
+                return shared_prompt_logprobs(m, prompt, resp, attn, need, temperature)
+        else:
+            ids, attn, mask, behaviour = collate([batch[i] for i in rows], 0)
+            mask, behaviour, need = mask[:, 1:], behaviour[:, 1:], mask[:, 1:] > 0
+
+            def logprobs(m):
+                return target_logprobs(m, ids, attn, need, temperature)
+        logp = logprobs(model)
+        ratio = torch.exp(logp - behaviour)
+        a = adv[rows][:, None]
+        loss = -torch.min(ratio * a, ratio.clamp(1 - algo.clip_eps, 1 + algo.clip_eps) * a)
+        if ref is not None:
+            with torch.no_grad():
+                diff = logprobs(ref) - logp
             loss = loss + algo.kl_coef * (torch.exp(diff) - diff - 1)
         ((loss * mask).sum() / total).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)

@@ -31,9 +31,11 @@ computes and publishes it, without waiting for its batch); ``run_train_tok_s_wai
 the wait too. The bare loop (``_bare_loops.bare_train``) trains the very batches those
 steps trained (read back from the run's samples by ``trained_step``), from the same
 model, on as many threads as the run's trainer: forward, backward, clip, AdamW (and the
-KL reference's forward: the default graph has ``kl_coef > 0``). It lacks the trainer's
-prompt sharing and ``logits_to_keep``, so the run may beat it. ``trainer_vs_bare`` =
-``run_train_tok_s`` ÷ ``bare_train_tok_s``.
+KL reference's forward: the default graph has ``kl_coef > 0``), at the trainer's full
+strength: the same micro-batches, a group's shared prompt computed once and only the
+loss's columns through the head (``logits_to_keep``), as issue 51 asked. (Records before
+2026-12-06 19:10 held the run against the textbook loop without those two, which the
+run could beat.) ``trainer_vs_bare`` = ``run_train_tok_s`` ÷ ``bare_train_tok_s``.
 
 **Where the rest goes.** Capacity = the window's wall seconds × ``cores``. Each
 ``share_*`` is CPU seconds ÷ capacity: ``inference`` (the engine thread),

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -342,3 +343,32 @@ def test_elastic_quick():
     assert r["grow_step"] <= r["joined_step"] <= r["shrink_step"], r  # may serve in that step
     for k in ("tps_before", "tps_during", "tps_after"):
         assert r[k] > 0, (k, r)
+
+
+def test_the_full_strength_bare_train_step_makes_the_textbook_update(monkeypatch, tiny_model):
+    """limits.py's bare trainer shares a group's prompt and keeps only the loss's logits,
+    as rollart's trainer does: its update is the textbook loop's (whole sequences, every
+    logit) within AdamW's rounding (near-zero gradients flip sign: none by lr/20)."""
+    import copy
+
+    from rollart import GRPO
+    from rollart.model import load_model
+    from rollart.testing import random_batch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _bare_loops as bare
+
+    m0 = load_model(tiny_model)
+    algo = GRPO(group_size=3, groups_per_step=3, lr=1e-2, kl_coef=0.05,
+                micro_batch_tokens=60)
+    batch = random_batch(m0.config.vocab_size, groups=3, size=3, shared_prompt=True, seed=1)
+    out = []
+    for step in (bare._train_step, bare._full_step):
+        m, ref = copy.deepcopy(m0).train(), copy.deepcopy(m0).eval()
+        opt = torch.optim.AdamW(m.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
+                                betas=(0.9, 0.99))
+        step(m, ref, opt, batch, algo, 1.0)
+        out.append(m.state_dict())
+    diff = max(float((out[0][k] - out[1][k]).abs().max()) for k in out[0])
+    moved = max(float((out[1][k] - v).abs().max()) for k, v in m0.state_dict().items())
+    assert diff < algo.lr / 20 and moved > algo.lr / 2, (diff, moved)

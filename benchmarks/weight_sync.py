@@ -58,7 +58,13 @@ the trainer's objects and from other readers' replicas; the K readers are the fi
 of a pool started once. Per K: ``fanout_s_K`` (seconds from the go to the last reader
 done, mean over ``--fanout-versions``) and ``origin_bytes_ratio_K`` = bytes the trainer's
 objects served ÷ (version bytes × K) (the goal: ≤ 0.3 at K = 8; without the relay it is
-1); ``fanout_fallbacks`` (relay reads that went to the origin, all K), ``fanout_mib``.
+1 by construction, so it measures the rule, not a speed); ``fanout_fallbacks`` (relay
+reads that went to the origin, all K), ``fanout_mib``. The same pass then runs without the
+relay (a new master and reader pool, every reader pulling every bucket from the
+trainer's objects): ``fanout_s_K_norelay``, and ``fanout_speedup_K`` = without ÷ with
+(issue 51's ``fanout_speedup_8``: > 1 means the relay delivers a version to K readers
+sooner). On one machine both ways copy through the same memory, so the relay can only
+win where the trainer's side is the narrow part.
 
 RESULT keys: ``stall_fsspec``, ``stall_mooncake``, ``stall_lora<r>`` (fraction of
 decode tokens/s lost; negative = within noise of none); ``stall_recompute`` (the fsspec
@@ -212,8 +218,24 @@ FANOUT_LEASE_MS = 500
 
 
 def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
-    """The fan-out runs (see the module docstring): per K, seconds per version and the
-    share of the K copies the trainer's objects served."""
+    """The fan-out runs (see the module docstring), with the relay and without it, side
+    by side: per K, seconds per version each way, the share of the K copies the
+    trainer's objects served, and ``fanout_speedup_K`` = without ÷ with."""
+    out = fanout_pass(model_dir, ks, versions, buckets, relay=True)
+    plain = fanout_pass(model_dir, ks, versions, buckets, relay=False)
+    for k in ks:
+        out[f"fanout_s_{k}_norelay"] = plain[f"fanout_s_{k}"]
+        out[f"fanout_speedup_{k}"] = plain[f"fanout_s_{k}"] / out[f"fanout_s_{k}"]
+        print(f"fan-out   K={k}: without the relay ÷ with it = "
+              f"{out[f'fanout_speedup_{k}']:.3f}", flush=True)
+    return out
+
+
+def fanout_pass(model_dir: str, ks: list[int], versions: int, buckets: int, *,
+                relay: bool) -> dict:
+    """One pass of the fan-out runs over ``ks``, every reader a process of its own, with
+    the relay on (``relay_mb``) or without it (each reader pulls every bucket from the
+    trainer's objects)."""
     import subprocess
 
     from safetensors.torch import load_file
@@ -233,7 +255,7 @@ def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
     out, version = {"fanout_mib": mib, "fanout_buckets": len(parts), "fanout_fallbacks": 0}, 0
     with MooncakeMaster(lease_ms=FANOUT_LEASE_MS) as master:
         url = master.url("fanout", segment_mb=int(mib * 3) + 64, buffer_mb=buf,
-                         relay_mb=int(mib * 2.5) + 32)
+                         **({"relay_mb": int(mib * 2.5) + 32} if relay else {}))
         trainer = WeightStore(url)
         logs = [tempfile.NamedTemporaryFile("w+", prefix=f"rollart-fanout-{i}-",
                                             suffix=".log") for i in range(max(ks))]
@@ -284,7 +306,8 @@ def fanout(model_dir: str, ks: list[int], versions: int, buckets: int) -> dict:
                         trainer.gc(keep=1)
                 out[f"fanout_s_{k}"] = sum(seconds) / len(seconds)
                 out[f"origin_bytes_ratio_{k}"] = origin / served
-                print(f"fan-out   K={k}: {out[f'fanout_s_{k}']:.3f} s/version of "
+                print(f"fan-out   K={k} ({'relay' if relay else 'no relay'}): "
+                      f"{out[f'fanout_s_{k}']:.3f} s/version of "
                       f"{mib:.1f} MiB in {len(parts)} buckets; the trainer's objects "
                       f"served {out[f'origin_bytes_ratio_{k}']:.3f} of K copies", flush=True)
         finally:

@@ -252,6 +252,96 @@ def results_page() -> str:
     return "\n".join(out)
 
 
+COSTS_MARKER = "<!-- costs -->"
+REAL_MARKER = "<!-- real_model_figures -->"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def _first(record: dict, *keys):
+    """The first of ``keys`` the record has (a figure renamed since: its older name)."""
+    return next((record[k] for k in keys if k in record), None)
+
+
+def costs_table() -> str:
+    """What each failure and each resize cost, from the newest full record of every
+    kind (``benchmarks/results/elastic.jsonl``: per pool, size, way and model;
+    ``chaos.jsonl``): the reliability page's table."""
+    out = ["| event | model | what it cost | lost / duplicated | record |",
+           "|---|---|---|---|---|"]
+    seen = set()
+    for r in _records("elastic"):
+        key = (r.get("pool", "infer-h20"), r.get("to", 2), r.get("hand", 0),
+               r.get("model", "toy"))
+        if key in seen:
+            continue
+        seen.add(key)
+        pool, to, hand, model = key
+        join_s = r["join_to_first_request_s"]
+        join = _first(r, "join_steps", "join_in_steps")
+        stall = _first(r, "scale_down_stall_steps", "shrink_stall_steps")
+        step = r.get("step_s_median")
+        how = " (workers started by hand)" if hand else ""
+        out.append(f"| resize `{pool}` 1 → {to} → 1{how} | {model} | a new worker's first "
+                   f"work {_fmt(join_s)} s after the grow = {_fmt(join)} trainer steps "
+                   f"(a step: {_fmt(step)} s); the scale-down's step {_fmt(stall)} steps "
+                   f"longer than the median | {r['lost']} / {r['duplicated']} | "
+                   f"{r['date'][:10]} `{r['commit']}` |")
+    for r in _records("chaos")[:1]:
+        out.append(f"| SIGKILL of the `{r.get('killed')}` worker and of the trainer's "
+                   f"worker mid-step, with {_fmt(r.get('failed_frac'))} of trajectories "
+                   f"failing in their envs | toy | longest recovery {_fmt(r['max_recovery_s'])}"
+                   f" s; {r.get('restarted_groups')} groups re-run; {r['steps']} steps | "
+                   f"{r['lost']} / {r['duplicated']} | {r['date'][:10]} `{r['commit']}` |")
+    if len(out) == 2:
+        return "No record yet: `benchmarks/elastic.py` and `benchmarks/chaos.py` write them."
+    return "\n".join(["Generated from the newest record of each kind in "
+                      "`benchmarks/results/elastic.jsonl` and `chaos.jsonl` (all of them: "
+                      "[results log](../benchmarks/results.md)):", "", *out])
+
+
+#: (script, title, figures shown) of the real model's table (``REAL_MARKER``)
+REAL_FIGURES = (
+    ("trainer_gang", "trainer: one rank against a two-rank FSDP2 gang",
+     ("gang_step_s_1", "gang_step_s_2", "gang_step_ratio_t2", "train_tok_s_1",
+      "train_tok_s_2", "peak_rss_mb_1", "peak_rss_mb_2_rank0", "peak_rss_mb_2_rank1")),
+    ("weight_sync", "weight sync of the full fp32 model",
+     ("bytes_full", "publish_s", "update_s", "stall_fsspec", "stall_keep")),
+    ("limits", "rollout and trainer against bare PyTorch",
+     ("rollout_vs_bare", "trainer_vs_bare", "run_tok_s", "bare_tok_s", "run_train_tok_s",
+      "bare_train_tok_s")),
+    ("engine_real", "the engine against bare generate and vLLM",
+     ("engine_vs_bare", "engine_tok_s", "bare_tok_s", "vllm_tok_s", "batching_gain",
+      "sharing_gain")),
+    ("elastic", "a decode worker joining and leaving mid-run",
+     ("join_to_first_request_s", "join_steps", "scale_down_stall_steps", "lost",
+      "duplicated")),
+)
+
+
+def real_model_table() -> str:
+    """The newest record on a real model (its ``model`` is not the toy) of each script in
+    ``REAL_FIGURES``, as one table: the real-model how-to's figures."""
+    out = ["| what | figures | record |", "|---|---|---|"]
+    for script, title, keys in REAL_FIGURES:
+        real = [r for r in _records(script) if r.get("model", "toy") not in ("toy", None)
+                and not str(r.get("model", "")).startswith("tiny")]
+        if not real:
+            out.append(f"| {title} (`{script}.py`) | no record on a real model yet | |")
+            continue
+        r = real[0]
+        figures = ", ".join(f"`{k}`={_fmt(r[k])}" for k in keys if k in r)
+        out.append(f"| {title} (`{script}.py`, `{r['model']}`) | {figures} | "
+                   f"{r['date'][:10]} `{r['commit']}` |")
+    return "\n".join(["Generated from the newest real-model record of each benchmark in "
+                      "`benchmarks/results/` (all of them: "
+                      "[results log](../benchmarks/results.md)):", "", *out])
+
+
 SETUP_TIMES = re.compile(r"<!-- setup_times: (\w+) -->(.*?)<!-- /setup_times -->", re.S)
 TIMED_PAGES = ("README.md", "docs/quickstart.md")
 #: the default graph's tasks, as the held-out table names them
@@ -351,9 +441,13 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    """MkDocs hook: ``<!-- results: SCRIPT -->`` becomes SCRIPT's newest records."""
+    """MkDocs hook: ``<!-- results: SCRIPT -->`` becomes SCRIPT's newest records,
+    ``<!-- costs -->`` the costs of failures and resizes, ``<!-- real_model_figures -->``
+    the real model's figures."""
     here = os.path.dirname(page.file.src_uri) if page is not None else "benchmarks"
     log = os.path.relpath("benchmarks/results.md", here or ".")
+    markdown = markdown.replace(COSTS_MARKER, costs_table())
+    markdown = markdown.replace(REAL_MARKER, real_model_table())
     return RESULTS_MARKER.sub(lambda m: latest_records(m.group(1), log=log), markdown)
 
 

@@ -210,12 +210,29 @@ class Scaler:
                                    close_workers=not ours, remove=not ours,
                                    callback_timeout=self.waits.call)
         if ours:
+            self._until_graceful(retired)
             cluster.let_go(names)
         kept = sorted(set(gone) - set(retired))
         if kept:
             raise ScaleError(f"Dask did not retire {', '.join(kept)} (its log says "
                              "why); their actors were drained and closed")
         self.retired.update(gone)
+
+    def _until_graceful(self, workers: list[str], seconds: float = 10.0) -> None:
+        """Until each retired worker has itself taken the status ``closing_gracefully``:
+        the scheduler sends it on the worker's batched stream, and a nanny's close that
+        came first (a busy worker, a real model's) made Dask's worker log an ERROR
+        ("Invalid Worker.status transition: closing -> closing_gracefully"). A worker
+        gone, or one still running after ``seconds``, is let go as it is."""
+        deadline = time.monotonic() + seconds
+        while workers and time.monotonic() < deadline:
+            try:
+                states = self.client.run(_status, workers=workers, on_error="return")
+            except Exception:  # noqa: BLE001 - a worker leaving: nothing to wait for
+                return
+            if all(s != "running" for s in states.values()):
+                return
+            time.sleep(0.05)
 
     def _pool(self, pool: str) -> tuple[str, dict[str, str | None]]:
         """``(tag, {spec name: worker address or None})`` of ``pool``: a ``Pool.name`` of
@@ -388,6 +405,11 @@ def _forget(keys, client, dask_scheduler=None) -> None:
     left = [k for k in keys if k in dask_scheduler.tasks]
     if left:
         raise ScaleError(f"Dask still holds the drained actors {left}")
+
+
+def _status(dask_worker) -> str:
+    """(on a worker) its own status, as it has taken it."""
+    return dask_worker.status.name
 
 
 def _spec_addresses(cluster) -> dict[str, str]:

@@ -82,3 +82,43 @@ def test_a_page_shows_the_newest_records_from_the_log(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="no benchmarks/nosuch.py"):
         gen.on_page_markdown("<!-- results: nosuch -->", None, None, None)
     sys.modules.pop("gen_reference", None)
+
+
+def test_the_costs_and_real_model_tables_come_from_the_newest_records(tmp_path, monkeypatch):
+    """The reliability page's costs and the real-model how-to's figures: the newest
+    record of each kind (an elastic record per pool, size and model; a real-model record
+    of each script), never a toy record in the real model's table."""
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    gen = importlib.import_module("gen_reference")
+    (tmp_path / "benchmarks/results").mkdir(parents=True)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    assert "No record yet" in gen.costs_table()
+
+    def rec(day: int, **figures) -> str:
+        return json.dumps({"date": f"2026-12-0{day}T10:00:00+00:00", "commit": f"c{day}",
+                           **figures}) + "\n"
+    toy = dict(join_to_first_request_s=5.0, step_s_median=0.4, lost=0, duplicated=0)
+    (tmp_path / "benchmarks/results/elastic.jsonl").write_text(
+        rec(1, **toy, join_in_steps=12.5, shrink_stall_steps=0.3)  # older names
+        + rec(2, **toy, join_steps=14.0, scale_down_stall_steps=0.2)
+        + rec(3, **toy, join_steps=3.0, scale_down_stall_steps=0.1, pool="env", to=3)
+        + rec(4, **{**toy, "step_s_median": 30.0}, join_steps=0.2,
+              scale_down_stall_steps=0.05, model="smollm2-135m-instruct"))
+    (tmp_path / "benchmarks/results/chaos.jsonl").write_text(
+        rec(2, lost=0, duplicated=0, max_recovery_s=7.5, steps=30, failed_frac=0.21,
+            restarted_groups=4, killed="CPU_ENV"))
+    costs = gen.costs_table()
+    rows = [line for line in costs.splitlines() if line.startswith("| ") and "`c" in line]
+    assert len(rows) == 4, costs  # three resize kinds (c2 newer than c1), one failure
+    assert "smollm2" in rows[0] and "= 0.2 trainer" in rows[0]  # newest first
+    assert "`env` 1 → 3 → 1" in rows[1]
+    assert "= 14 trainer steps" in rows[2] and "`c2`" in rows[2]
+    assert "longest recovery 7.5 s" in rows[3] and "`CPU_ENV`" in rows[3]
+    real = gen.real_model_table()
+    assert "`join_steps`=0.2" in real and "`join_steps`=14" not in real
+    assert real.count("no record on a real model yet") == len(gen.REAL_FIGURES) - 1
+    reliability = type("Page", (), {"file": type("File", (), {"src_uri": "concepts/x.md"})})()
+    page = gen.on_page_markdown("<!-- costs -->\n<!-- real_model_figures -->", reliability,
+                                None, None)
+    assert "longest recovery" in page and "`join_steps`=0.2" in page
+    sys.modules.pop("gen_reference", None)

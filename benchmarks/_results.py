@@ -27,11 +27,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def commit() -> str:
     """The short hash of HEAD, with ``+dirty`` when tracked files differ from it (the run's
-    code is then not that commit's); ``unknown`` without git."""
+    code is then not that commit's); ``unknown`` without git. The records themselves
+    (``benchmarks/results/``, appended by the runs before) do not count: a run's code is
+    the same with them."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                               capture_output=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no",
+                                "--", ".", ":(exclude)benchmarks/results"],
                                cwd=ROOT, text=True, capture_output=True).stdout.strip()
     except OSError:
         return "unknown"

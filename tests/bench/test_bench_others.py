@@ -192,7 +192,9 @@ def test_weight_sync_tiny():
     # the manifest), more readers share one copy of it (16 buckets: each read once)
     assert r["fanout_mib"] > 0 and r["fanout_buckets"] > 1
     for k in (1, 2, 4, 8):
-        assert r[f"fanout_s_{k}"] > 0, (k, r)
+        assert r[f"fanout_s_{k}"] > 0 and r[f"fanout_s_{k}_norelay"] > 0, (k, r)
+        assert math.isclose(r[f"fanout_speedup_{k}"],
+                            r[f"fanout_s_{k}_norelay"] / r[f"fanout_s_{k}"], rel_tol=0.01)
     assert 1 <= r["origin_bytes_ratio_1"] < 1.05
     for k in (2, 4, 8):
         assert r[f"origin_bytes_ratio_{k}"] < 1.5 / k + 0.05, (k, r)

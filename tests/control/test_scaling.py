@@ -221,15 +221,13 @@ def test_a_jobqueue_cluster_names_its_pools_by_tag():
     job through ``--resources TAG=1``: a scale request by tag finds that pool's jobs, the
     copies ``_grow`` would submit included."""
     pytest.importorskip("dask_jobqueue", reason="needs the jobqueue extra")
-    import importlib.util
     from pathlib import Path
 
     from rollart.control.scaling import spec_tag
+    from rollart.runtime.resources import ResourcesError, load_module
 
-    path = Path(__file__).resolve().parents[2] / "resources" / "jobqueue.py"
-    spec = importlib.util.spec_from_file_location("rollart_jobqueue_file", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_module(Path(__file__).resolve().parents[2] / "resources" / "jobqueue.py",
+                      ResourcesError)
     cluster = mod.slurm_cluster(submit=False, host="127.0.0.1", dashboard_address=":0")
     try:
         tags = {name: spec_tag(s) for name, s in cluster.worker_spec.items()}

@@ -114,64 +114,33 @@ def bare_train(model_path: str, batches: list, algo, *, threads: int,
     times = []
     for i, batch in enumerate([batches[0], *batches]):
         t0 = time.perf_counter()
-        (_full_step if shared else _train_step)(model, ref, opt, batch, algo, temperature)
+        _train_step(model, ref, opt, batch, algo, temperature, full=shared)
         if i:
             times.append(time.perf_counter() - t0)
     return {"seconds": times}
 
 
-def _train_step(model, ref, opt, batch, algo, temperature: float) -> None:
-    from rollart.trainer.advantages import compute_advantages
-    from rollart.trainer.trainer import micro_batches
-
-    adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
-                             scale=algo.scale_rewards)
-    parts = micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in batch],
-                          algo.micro_batch_tokens)
-    tensors = [_collate([batch[i] for i in part]) for part in parts]
-    total = max(float(sum(m.sum() for _, _, m, _ in tensors)), 1.0)
-    opt.zero_grad(set_to_none=True)
-    for part, (ids, attn, mask, behaviour) in zip(parts, tensors):
-        logp = _logprobs(model, ids, attn, temperature)
-        ratio = torch.exp(logp - behaviour)
-        a = adv[part][:, None]
-        loss = -torch.min(ratio * a, ratio.clamp(1 - algo.clip_eps, 1 + algo.clip_eps) * a)
-        if ref is not None:
-            with torch.no_grad():
-                diff = _logprobs(ref, ids, attn, temperature) - logp
-            loss = loss + algo.kl_coef * (torch.exp(diff) - diff - 1)
-        ((loss * mask).sum() / total).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)
-    opt.step()
-
-
-def _full_step(model, ref, opt, batch, algo, temperature: float) -> None:
-    """``_train_step`` with the trainer's micro-batches and forwards (module doc)."""
+def _train_step(model, ref, opt, batch, algo, temperature: float, full: bool = False
+                ) -> None:
+    """One bare optimizer step on ``batch``: the textbook loop (length-sorted parts, whole
+    sequences, every logit) or, ``full``, the trainer's parts and forwards (module doc)."""
     from types import SimpleNamespace
 
     from rollart.trainer.advantages import compute_advantages
-    from rollart.trainer.losses import shared_prompt_logprobs, target_logprobs
-    from rollart.trainer.trainer import Trainer, collate, collate_shared
+    from rollart.trainer.trainer import Trainer, micro_batches
 
     adv = compute_advantages([t.reward for t in batch], [t.group_id for t in batch],
                              scale=algo.scale_rewards)
-    parts = Trainer._parts(SimpleNamespace(algo=algo, share_prompts=True, model=model,
-                                           ref_model=ref), batch)
+    if full:
+        parts = Trainer._parts(SimpleNamespace(algo=algo, share_prompts=True, model=model,
+                                               ref_model=ref), batch)
+    else:
+        parts = [(part, None) for part in micro_batches(
+            [len(t.prompt_ids) + len(t.response_ids) for t in batch], algo.micro_batch_tokens)]
     total = max(float(sum(sum(t.loss_mask) for t in batch)), 1.0)
     opt.zero_grad(set_to_none=True)
     for rows, shared in parts:
-        if shared:
-            prompt, resp, attn, mask, behaviour = collate_shared([batch[i] for i in rows], 0)
-            need = mask > 0
-
-            def logprobs(m):
-                return shared_prompt_logprobs(m, prompt, resp, attn, need, temperature)
-        else:
-            ids, attn, mask, behaviour = collate([batch[i] for i in rows], 0)
-            mask, behaviour, need = mask[:, 1:], behaviour[:, 1:], mask[:, 1:] > 0
-
-            def logprobs(m):
-                return target_logprobs(m, ids, attn, need, temperature)
+        logprobs, mask, behaviour = _forward([batch[i] for i in rows], shared, temperature)
         logp = logprobs(model)
         ratio = torch.exp(logp - behaviour)
         a = adv[rows][:, None]
@@ -183,6 +152,32 @@ def _full_step(model, ref, opt, batch, algo, temperature: float) -> None:
         ((loss * mask).sum() / total).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)
     opt.step()
+
+
+def _full_step(model, ref, opt, batch, algo, temperature: float) -> None:
+    """``_train_step`` at the trainer's full strength (module doc)."""
+    _train_step(model, ref, opt, batch, algo, temperature, full=True)
+
+
+def _forward(rows, shared: bool | None, temperature: float):
+    """``(logprobs(model), loss mask, behaviour log-probs)`` of one micro-batch: the
+    textbook forward (``shared`` None), a group sharing its prompt (True:
+    ``shared_prompt_logprobs``), or rows apart with only the loss's columns through the
+    head (False: ``target_logprobs``)."""
+    from rollart.trainer.losses import shared_prompt_logprobs, target_logprobs
+    from rollart.trainer.trainer import collate, collate_shared
+
+    if shared is None:
+        ids, attn, mask, behaviour = _collate(rows)
+        return (lambda m: _logprobs(m, ids, attn, temperature)), mask, behaviour
+    if shared:
+        prompt, resp, attn, mask, behaviour = collate_shared(rows, 0)
+        need = mask > 0
+        return (lambda m: shared_prompt_logprobs(m, prompt, resp, attn, need, temperature),
+                mask, behaviour)
+    ids, attn, mask, behaviour = collate(rows, 0)
+    mask, behaviour, need = mask[:, 1:], behaviour[:, 1:], mask[:, 1:] > 0
+    return (lambda m: target_logprobs(m, ids, attn, need, temperature)), mask, behaviour
 
 
 def _logprobs(model, ids, attn, temperature: float) -> torch.Tensor:

@@ -54,6 +54,17 @@ class ModelFolderError(ValueError):
 
 
 # -- tokenizer ------------------------------------------------------------------------
+#: the output head's Hugging Face name (a tied one is the input embedding's tensor)
+HEAD = "lm_head.weight"
+
+
+def ties_head(model) -> bool:
+    """Whether ``model``'s output head is its input embedding (``tie_word_embeddings``):
+    one tensor under two names."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and emb is not None and head.weight is emb.weight
+
+
 def build_tokenizer(corpus: Iterable[str]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer: specials, then the corpus' words (sorted), plus digits."""
     words: set[str] = {str(d) for d in range(10)}

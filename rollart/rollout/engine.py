@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from rollart.model import load_model, load_tokenizer
+from rollart.model import load_model, load_tokenizer, ties_head
 from rollart.rollout import pd
 from rollart.rollout.base import serve_all, weight_update_problem
 from rollart.rollout.batch import _Batch
@@ -164,7 +164,7 @@ class TorchEngine(BatchingEngine):
         own = self.model.state_dict()
         if full:
             full = check_state_dict(full, {k: tuple(v.shape) for k, v in own.items()},
-                                    tied=_tied(self.model))
+                                    tied=ties_head(self.model))
             full = {k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
                     for k, v in full.items()}
         if self.adapter is None:
@@ -188,7 +188,7 @@ class TorchEngine(BatchingEngine):
         written, every weight required by the end."""
         own = self.model.state_dict()  # views of the parameters: copy_ writes them
         shapes = {k: tuple(v.shape) for k, v in own.items()}
-        tied = _tied(self.model)
+        tied = ties_head(self.model)
         seen: set[str] = set()
         with torch.inference_mode(False), torch.no_grad():
             for name, part in stream:
@@ -248,12 +248,6 @@ class TorchEngine(BatchingEngine):
         cache = self._new_cache()
         logits = self._forward(input_ids, mask, positions, cache)
         return logits, mask, positions[:, -1:] + 1, cache
-
-
-def _tied(model) -> bool:
-    emb = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    return head is not None and head.weight is emb.weight
 
 
 def _cache_kwarg(model) -> str:

@@ -36,6 +36,10 @@ import threading
 import time
 from typing import Callable
 
+#: the output head's Hugging Face name (``rollart.model.HEAD``; not imported: this
+#: module stays free of ``transformers``)
+HEAD = "lm_head.weight"
+
 #: ``on_update(version, error)``: called on the thread that applied (or failed to apply)
 #: a requested update; ``error`` is ``None`` on success.
 UpdateHook = Callable[[int, "BaseException | None"], None]
@@ -44,9 +48,8 @@ UpdateHook = Callable[[int, "BaseException | None"], None]
 def check_state_dict(state_dict: dict, shapes: dict[str, tuple], *, tied: bool) -> dict:
     """Drop a tied head; raise ``KeyError`` / ``ValueError`` naming the keys whose
     names or shapes do not match ``shapes``; return the dict to stage."""
-    head = "lm_head.weight"
-    sd = {k: v for k, v in state_dict.items() if not (tied and k == head)}
-    expected = {k for k in shapes if not (tied and k == head)}
+    sd = {k: v for k, v in state_dict.items() if not (tied and k == HEAD)}
+    expected = {k for k in shapes if not (tied and k == HEAD)}
     missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - shapes.keys())
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
@@ -60,8 +63,7 @@ def check_state_dict(state_dict: dict, shapes: dict[str, tuple], *, tied: bool) 
 def check_bucket(name: str, part: dict, shapes: dict[str, tuple], *, tied: bool) -> dict:
     """One bucket of a streamed version (``copy_stream``): drop a tied head; raise
     ``KeyError`` naming unexpected keys or wrong shapes; return the tensors to copy."""
-    head = "lm_head.weight"
-    part = {k: v for k, v in part.items() if not (tied and k == head)}
+    part = {k: v for k, v in part.items() if not (tied and k == HEAD)}
     unexpected = sorted(set(part) - shapes.keys())
     wrong = [k for k, v in part.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])]
     if unexpected or wrong:
@@ -72,8 +74,7 @@ def check_bucket(name: str, part: dict, shapes: dict[str, tuple], *, tied: bool)
 
 def check_complete(version: int, seen, shapes: dict[str, tuple], *, tied: bool) -> None:
     """A streamed version's end: ``KeyError`` if a weight of the model never came."""
-    head = "lm_head.weight"
-    missing = sorted(k for k in shapes if k not in seen and not (tied and k == head))
+    missing = sorted(k for k in shapes if k not in seen and not (tied and k == HEAD))
     if missing:
         raise KeyError(f"version {version} lacks weights the model has: {missing[:5]} "
                        f"({len(missing)} in all)")

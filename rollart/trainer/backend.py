@@ -17,12 +17,9 @@ import copy
 
 import torch
 
-from rollart.model import load_model
+from rollart.model import HEAD, load_model, ties_head
 
 __all__ = ["TorchBackend", "without_tied_head"]
-
-#: the output head's Hugging Face name (the engines' ``rollart.rollout.staging`` too)
-HEAD = "lm_head.weight"
 
 
 def without_tied_head(model, state: dict) -> dict:
@@ -31,10 +28,7 @@ def without_tied_head(model, state: dict) -> dict:
     twice (18% of SmolLM2-135M's bytes). Every reader ties its own head: the engines drop
     a tied head they are sent (``check_state_dict``), and a trainer or a model folder
     built from the same config shares the one tensor."""
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and emb is not None and head.weight is emb.weight:
-        return {k: v for k, v in state.items() if k != HEAD}
-    return state
+    return {k: v for k, v in state.items() if k != HEAD} if ties_head(model) else state
 
 
 class TorchBackend:

@@ -76,6 +76,14 @@ def add_arguments(parser) -> None:
                              "benchmarks/results/<script>.jsonl")
 
 
+def fill(args, preset: dict) -> None:
+    """Set each of ``preset``'s settings on ``args`` that the command line left ``None``
+    (a script's sizes: quick, full, a real model's), so a flag given wins."""
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.6g}"

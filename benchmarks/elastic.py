@@ -60,12 +60,19 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Run, add_arguments  # noqa: E402
+from _results import Run, add_arguments, fill  # noqa: E402
 from _chaos_audit import audit, read_env_log  # noqa: E402
 from chaos import RecordedEnvFactory  # noqa: E402
 
 from rollart.types import CPU_ENV, TRAIN  # noqa: E402
 
+
+#: the run's sizes (steps; the grow before about ``up_at``, the shrink before about
+#: ``down_at`` and at least ``during`` steps after the first join): the toy's, ``--quick``'s
+#: and a real model's (its step is about 100 toy steps)
+FULL = {"steps": 30, "up_at": 6, "down_at": 16, "during": 6}
+QUICK = {"steps": 12, "up_at": 4, "down_at": 8, "during": 2}
+REAL = {"steps": 14, "up_at": 3, "down_at": 8, "during": 2}
 
 #: ``--model``'s graph: the real model's LoRA run (``graphs/real.py``), its tasks recorded
 REAL_GRAPH = str(Path(__file__).resolve().parents[1] / "graphs" / "real.py") + ":lora"
@@ -238,12 +245,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="12 steps, in-process workers (with "
                    "--hand: 40 steps, worker processes)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--up-at", type=int, default=6, help="the grow is carried out "
-                   "before about this step")
-    p.add_argument("--down-at", type=int, default=16, help="the shrink, likewise")
-    p.add_argument("--during", type=int, default=6, help="steps run with the larger pool "
-                   "after the new worker first served, at least")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps (30)")
+    p.add_argument("--up-at", type=int, default=None, help="the grow is carried out "
+                   "before about this step (6)")
+    p.add_argument("--down-at", type=int, default=None, help="the shrink, likewise (16)")
+    p.add_argument("--during", type=int, default=None, help="steps run with the larger "
+                   "pool after the new worker first served, at least (6)")
     p.add_argument("--pool", default="infer-h20", help="a Pool.name of resources/local.py: "
                    "infer-h20, infer-h800, env or trainer (the trainer gang: 1 -> TO ranks "
                    "and back, worker processes)")
@@ -257,13 +264,9 @@ def main(argv=None) -> dict:
                    "--down-at 8 --during 2 unless given (about 30 s a step on 2 cores)")
     add_arguments(p)
     args = p.parse_args(argv)
-    if args.model and not args.quick:  # a real model's step is ~100 toy steps
-        for key, value in {"steps": 14, "up_at": 3, "down_at": 8, "during": 2}.items():
-            if f"--{key.replace('_', '-')}" not in (argv if argv is not None else sys.argv):
-                setattr(args, key, value)
-    if args.quick:
-        # a worker process takes seconds (about 15 steps here) to join
-        args.steps, args.up_at, args.down_at, args.during = 40 if args.hand else 12, 4, 8, 2
+    if args.quick:  # a worker process takes seconds (about 15 steps here) to join
+        fill(args, {**QUICK, "steps": 40 if args.hand else QUICK["steps"]})
+    fill(args, REAL if args.model else FULL)
     run = Run("elastic", args, argv)
     figures = measure(args)
     run.result(figures)

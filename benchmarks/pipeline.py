@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
 
-from _results import Run, add_arguments  # noqa: E402
+from _results import Run, add_arguments, fill  # noqa: E402
 
 MODES = ("sync", "sync+", "one-off", "areal", "async")
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
@@ -280,10 +280,7 @@ def parse(argv) -> argparse.Namespace:
                    "('' = build it afresh in a temporary folder)")
     add_arguments(p)
     a = p.parse_args(argv)
-    preset = QUICK if a.quick else FULL
-    for k, v in preset.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill(a, QUICK if a.quick else FULL)
     a.modes = tuple(m for m in a.modes.split(",") if m)
     a.redundant = tuple(m for m in a.redundant.split(",") if m)
     bad = [m for m in a.modes if m not in MODES] + \

@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-from _results import Run, add_arguments  # noqa: E402
+from _results import Run, add_arguments, fill  # noqa: E402
 
 
 #: the tiny model's settings (the quick default and CI's workload): rows of about 60 tokens
@@ -151,9 +151,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.hidden, args.layers = 64, 2
         shape = {**shape, "steps": 2, "groups": 4}
-    for k in ("steps", "groups", "size"):
-        if getattr(args, k) is None:
-            setattr(args, k, shape[k])
+    fill(args, {k: shape[k] for k in ("steps", "groups", "size")})
 
     from rollart.config.graph import GRPO
     from rollart.model import load_model

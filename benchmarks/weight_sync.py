@@ -116,7 +116,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
 
-from _results import Run, add_arguments  # noqa: E402
+from _results import Run, add_arguments, fill  # noqa: E402
 
 TRAINER = """
 import asyncio, gc, json, os, random, resource, sys, time
@@ -592,9 +592,7 @@ def main(argv=None) -> dict:
     run = Run("weight_sync", a, argv)
     if a.quick and a.model:
         p.error("--quick is the tiny model's smoke run: leave out --model (or --quick)")
-    for k, v in (REAL if a.model else TOY).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill(a, REAL if a.model else TOY)
     runs = tuple(r.strip() for r in a.runs.split(",") if r.strip())
     if set(runs) - set(RUNS) or "baseline" not in runs:
         p.error(f"--runs takes a comma list of {', '.join(RUNS)} with baseline among them, "

@@ -436,10 +436,13 @@ def _ratio_range(r: dict, key: str) -> str:
     return f"{med}× ({lo}–{hi})"
 
 
-def _pair(r: dict, key: str) -> str:
-    """``1.20× (0.90–1.50; async first on 4 of 5 seeds)``: a paired ratio from ``r``."""
-    return (f"{_ratio_range(r, key)[:-1]}; async first on {r.get(f'wins_vs_{key}')} of "
-            f"{r.get(f'pairs_vs_{key}')} seeds)")
+def _pair(r: dict, key: str, name: str, bold: bool = False) -> str:
+    """``**1.20× sync+** (0.90–1.50; first on 4 of 5 seeds)``: the paired ratio against
+    ``key`` (called ``name``) from ``r``."""
+    ratio, spread = _ratio_range(r, key).split(" ", 1)
+    star = "**" if bold else ""
+    return (f"{star}{ratio} {name}{star} {spread[:-1]}; first on {r.get(f'wins_vs_{key}')} "
+            f"of {r.get(f'pairs_vs_{key}')} seeds)")
 
 
 def pipeline_figures(key: str) -> str:
@@ -465,9 +468,9 @@ def pipeline_figures(key: str) -> str:
     paired = r["speedup_vs_syncplus_paired"]
     met = "met" if paired is None or paired >= SYNCPLUS_GOAL else "not met"  # None: ∞
     return (f"time to a held-out target, median of the per-seed ratios (min–max): async "
-            f"**{_pair(r, 'syncplus')} sync+** (the paper's goal ≥ {SYNCPLUS_GOAL}×: {met}), "
-            f"**{_pair(r, 'areal')} areal** at its own budget, "
-            f"{_pair(r, 'areal_at_async')} areal at async's, {_pair(r, 'sync')} sync; "
+            f"{_pair(r, 'syncplus', 'sync+', True)} (the paper's goal ≥ {SYNCPLUS_GOAL}×: "
+            f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget, "
+            f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}; "
             f"groups in flight, mean: async {_x(r.get('inflight_async'))}, areal "
             f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
 
@@ -485,8 +488,11 @@ def paired_table() -> str:
     if r is None:
         return ("Not measured yet: no record of `benchmarks/pipeline.py` has the paired "
                 f"figures. Run `{PIPELINE_COMMAND}` on a quiet machine.")
+    load = r.get("load_before")
+    if isinstance(load, (list, tuple)):
+        load = " / ".join(f"{x:.2f}" for x in load)
     out = [f"From the record of {r['date']} (commit `{r['commit']}`, load before "
-           f"{_cell(r.get('load_before'))}): `python benchmarks/{r['command']}`, target "
+           f"{_cell(load)}): `python benchmarks/{r['command']}`, target "
            f"{_fmt(r.get('target'))}, generated at build time.", "",
            "| async against | paired ratio, median (min–max) | async first on | "
            "groups in flight, mean (steps' worth) |", "|---|---|---|---|"]

@@ -109,9 +109,10 @@ def test_the_row_and_the_page_show_the_newest_paired_record(monkeypatch):
     _planted(monkeypatch, OLD, PAIRED)
     row = gen.fill_figures(BLOCK)
     # a null range end of a paired ratio is an infinity (JSON has none)
-    assert "**1.25× (0.80–∞; async first on 4 of 5 seeds) sync+**" in row, row
-    assert "goal ≥ 2.05×: not met" in row and "0.60× (0.40–0.90; async first on 0 of 5" in row
-    assert "0.90× (0.70–1.20; async first on 2 of 5 seeds) areal at async's" in row
+    assert "async **1.25× sync+** (0.80–∞; first on 4 of 5 seeds)" in row, row
+    assert "goal ≥ 2.05×: not met" in row
+    assert "**0.60× areal** (0.40–0.90; first on 0 of 5 seeds) at areal's own budget" in row
+    assert "0.90× areal (0.70–1.20; first on 2 of 5 seeds) at async's" in row
     assert "async 0.98, areal 1.70 steps' worth" in row
     assert gen.fill_figures(row) == row  # written again: the same
     command = gen.pipeline_figures("pipeline_command")

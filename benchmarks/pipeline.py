@@ -10,27 +10,51 @@ about once per 10 steps and are retried, pooled warm sandboxes; one scale factor
 
 Per seed (``--seeds``; the order of the runs shuffled by a seeded RNG and printed) each
 run trains ``--steps`` steps and keeps a checkpoint every ``--every`` steps. After the
-run (outside its timed window) each checkpoint's policy is evaluated on held-out seeds
-(``rollart.observe.evaluate.evaluate``, seeds from ``rollart.types.EVAL_SEED_BASE``) and
-mapped to the wall time its step finished (the metrics rows' ``time``, less the time
-the driver spent writing earlier checkpoints). A run's *time to target* is that of its
-first checkpoint at or above the target held-out success, which is fixed before any
-run: the warm-up policy's held-out success + ``TARGET_MARGIN``. A run that never gets
-there counts ``inf``. The headline runs have no redundant members (every mode alike);
-the modes that can use redundancy (``REDUNDANT_MODES``: their groups run on their own;
-``sync`` and ``one-off`` move a batch turn by turn) also run with ``--redundancy``
-extras per group, reported beside them as ``<mode>@r`` (``--redundant``; the full run
-does all three, ``--quick`` none, to fit its time). Ends with
+run each checkpoint's policy is evaluated on held-out seeds
+(``rollart.observe.evaluate.evaluate``, seeds from ``rollart.types.EVAL_SEED_BASE``).
 
-    RESULT speedup_vs_syncplus=… speedup_vs_sync=… speedup_vs_oneoff=… speedup_vs_areal=…
-           throughput_vs_sync=… heldout_async=… heldout_syncplus=… seeds=… target=… …
+**The clock** is the same for every mode: the training clock, the metrics rows'
+``time``: seconds from the start of step 1 (after the actors started and loaded the
+warm-up model, which every mode does alike and off the clock) to the end of a step, the
+checkpoint writes of earlier steps included (every mode writes the same checkpoints at
+the same steps; what a mode does meanwhile, e.g. async rollout going on, is its own).
+Held-out evaluation is never on it: it runs after the run, from the checkpoints, for
+every mode. A run's *time to target* is the clock at the first checkpoint at or above
+the target held-out success, which is fixed before any run: the warm-up policy's
+held-out success + ``TARGET_MARGIN``. A run that never gets there counts ``inf``.
 
-``speedup_vs_X`` = X's median time to target ÷ async's (``_min``/``_max``: the per-seed
-ratios' range); ``throughput_vs_sync`` = async's median trained trajectories/s ÷ sync's;
-``heldout_*`` = the median held-out success of each mode's last checkpoint. A script,
-not a test.
+**The headline is paired**: per seed, baseline X's time to target ÷ async's on the same
+seed (same workload, same group sequence); ``speedup_vs_X_paired`` is the median of
+those ratios, ``_min``/``_max`` their range, ``wins_vs_X`` the seeds where async got
+there strictly first, of ``pairs_vs_X`` (``paired``: a seed where only async reached the
+target is a win, ratio ``inf``; only X, a loss, ratio 0; neither, a tie, ratio 1; none
+is dropped; a seed where a run failed is no pair and ``failed_runs`` counts it).
+
+**In-flight budgets.** ``areal`` runs at its own default (AReaL's start bound, about two
+steps' worth of groups) and ``areal@async`` with ``Rollout.max_in_flight`` set to
+async's budget (``async_budget``: ``slot_capacity`` in steps' worth), so both the
+default-vs-default and the equal-budget ratios are printed. ``inflight_<mode>`` is the
+groups each run actually held in flight or buffered, averaged over its time
+(``rollout/slots_held_s`` ÷ ``rollout/slots_open_s`` of its last row, in steps' worth),
+median over seeds.
+
+The headline runs have no redundant members (every mode alike); the modes that can use
+redundancy (``REDUNDANT_MODES``: their groups run on their own; ``sync`` and ``one-off``
+move a batch turn by turn) also run with ``--redundancy`` extras per group, reported
+beside them as ``<mode>@r`` (``--redundant``; the full run does all three, ``--quick``
+none, to fit its time). Ends with
+
+    RESULT speedup_vs_syncplus_paired=… wins_vs_syncplus=… pairs_vs_syncplus=…
+           speedup_vs_areal_paired=… wins_vs_areal=… … inflight_async=… inflight_areal=…
+           speedup_vs_syncplus=… speedup_vs_sync=… … seeds=… target=… …
+
+kept from before the paired figures (old records render with them): ``speedup_vs_X`` =
+X's median time to target ÷ async's (a ratio of medians); ``throughput_vs_sync`` =
+async's median trained trajectories/s ÷ sync's; ``heldout_*`` = the median held-out
+success of each mode's last checkpoint. A script, not a test.
 
     python benchmarks/pipeline.py --quick
+    python benchmarks/pipeline.py --redundant '' --eval-seeds 128   # the headline
 """
 
 from __future__ import annotations
@@ -54,14 +78,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
 from _results import Run, add_arguments, fill  # noqa: E402
 
 MODES = ("sync", "sync+", "one-off", "areal", "async")
+AT_ASYNC = "areal@async"  # areal with Rollout.max_in_flight at async's budget
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)
 BASELINES = {"syncplus": "sync+", "sync": "sync", "oneoff": "one-off", "areal": "areal"}
+# the paired comparisons, headline first: key -> the label async is compared with
+PAIRED = {"syncplus": "sync+", "areal": "areal", "areal_at_async": AT_ASYNC,
+          "sync": "sync", "oneoff": "one-off"}
 # sized (before any measurement) so that --quick fits ~13 minutes of a 2-core machine
 QUICK = {"steps": 10, "every": 2, "groups": 6, "eval_seeds": 32, "seeds": 3,
-         "redundant": ""}
-FULL = {"steps": 30, "every": 3, "groups": 12, "eval_seeds": 64, "seeds": 3,
-        "redundant": ",".join(REDUNDANT_MODES)}
+         "redundant": "", "modes": ",".join(MODES)}
+FULL = {"steps": 30, "every": 3, "groups": 12, "eval_seeds": 64, "seeds": 5,
+        "redundant": ",".join(REDUNDANT_MODES), "modes": ",".join(MODES + (AT_ASYNC,))}
 WARM_CACHE = "~/.cache/rollart/pipeline-bench"
 
 
@@ -95,8 +123,8 @@ def cached_warm_model(folder: str, tasks, steps: int) -> tuple[str, bool]:
 @contextlib.contextmanager
 def timed_checkpoints(durations: dict):
     """Record how long the driver spends in each ``rollart.control.checkpoint.save`` (step ->
-    seconds): the checkpoints exist for the held-out evaluation, so their time is taken
-    out of the run's clock. The real ``save`` runs unchanged."""
+    seconds; reported as ``ckpt_s``, and on the clock of every mode alike: module doc).
+    The real ``save`` runs unchanged."""
     from rollart.control import checkpoint
 
     real = checkpoint.save
@@ -115,41 +143,69 @@ def timed_checkpoints(durations: dict):
         checkpoint.save = real
 
 
-def clock(rows: list[dict], ckpt_s: dict) -> dict[int, float]:
-    """Step -> seconds since the run's start when the step finished, without the time
-    spent writing the checkpoints of earlier steps."""
-    return {r["step"]: r["time"] - sum(d for s, d in ckpt_s.items() if s < r["step"])
-            for r in rows}
+def clock(rows: list[dict]) -> dict[int, float]:
+    """Step -> the training clock when the step finished: the row's ``time``, the same
+    for every mode (module doc: start-up off it, earlier checkpoint writes on it)."""
+    return {r["step"]: r["time"] for r in rows}
 
 
-def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path) -> dict:
-    """Train one (mode, redundancy) from ``model``; returns its clock and checkpoints."""
-    import rollart
-    from rollart.chaos.workload import drain_pools, pool_stats
+def in_flight(row: dict, groups: int) -> float:
+    """The groups a run held in flight or buffered, averaged over the time its slots
+    were open, in steps' worth (``groups`` per step), from its last metrics ``row``;
+    nan for a lockstep mode (no slots)."""
+    open_s = row.get("rollout/slots_open_s") or 0
+    return row.get("rollout/slots_held_s", 0) / open_s / groups if open_s else math.nan
 
-    mode, redundancy = label.split("@")[0], a.redundancy if "@" in label else 1.0
+
+def async_budget(graph) -> float:
+    """Async's in-flight budget for ``graph`` in steps' worth of groups (its slots,
+    ``rollart.policy.admission.slot_capacity``): ``areal@async``'s ``max_in_flight``."""
+    from rollart.policy.admission import slot_capacity
+
+    g = replace(graph, mode="async")
+    return slot_capacity(g.algo, g.rollout.max_in_flight) / g.algo.groups_per_step
+
+
+def label_graph(base, tasks, model: str, label: str, seed: int, a):
+    """The graph of run ``label``: a mode, ``<mode>@r`` (with redundancy) or
+    ``areal@async`` (areal at async's in-flight budget)."""
+    mode, _, tag = label.partition("@")
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
                     checkpoint_every=a.every,
                     policy=replace(base.policy, model=model, weight_update=a.weight_update),
                     algo=replace(base.algo, groups_per_step=a.groups, alpha=None),
-                    rollout=replace(base.rollout, redundancy=redundancy,
+                    rollout=replace(base.rollout,
+                                    redundancy=a.redundancy if tag == "r" else 1.0,
                                     max_in_flight=a.max_in_flight,
                                     take_window=a.take_window))
+    if tag == "async":
+        graph = replace(graph, rollout=replace(graph.rollout,
+                                               max_in_flight=async_budget(graph)))
+    return graph
+
+
+def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path) -> dict:
+    """Train one run (``label_graph``) from ``model``; returns its clock and checkpoints."""
+    import rollart
+    from rollart.chaos.workload import drain_pools, pool_stats
+
+    graph = label_graph(base, tasks, model, label, seed, a)
     client.run(drain_pools, on_error="return")  # no run inherits another's warm sandboxes
     ckpt_s: dict[int, float] = {}
-    run_dir = out / f"{label.replace('@', '_r').replace('+', 'plus')}-seed{seed}"
+    run_dir = out / f"{short(label)}-seed{seed}"
     with timed_checkpoints(ckpt_s):
         result = rollart.train(graph, client=client, run_dir=run_dir, progress=False,
                                eval_seeds=0)
     env = _sum_stats(client.run(pool_stats, on_error="return"))
     rows = result.metrics
-    t = clock(rows, ckpt_s)
+    t = clock(rows)
     last = rows[-1]
     snaps = sorted((int(p.name.split("-")[1]), str(p / "model"))
                    for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
     return {"label": label, "seed": seed, "clock": t, "snapshots": snaps,
             "traj_per_s": last["traj/trained"] / t[last["step"]],
             "wall_s": t[last["step"]], "ckpt_s": sum(ckpt_s.values()),
+            "inflight": in_flight(last, a.groups),
             "fail_per_step": env.get("reset_failures", 0) / max(env.get("steps", 0), 1),
             "reuse": env.get("reused", 0) / max(env.get("resets", 0), 1),
             # weight swaps that met rows generating, and the tokens re-prefilled after them
@@ -195,8 +251,39 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
+def short(label: str) -> str:
+    """A label as a key: ``sync+`` -> ``syncplus``, ``one-off`` -> ``oneoff``, ``async@r``
+    -> ``async_r``, ``areal@async`` -> ``areal_at_async``."""
+    mode, _, tag = label.partition("@")
+    mode = mode.replace("+", "plus").replace("-", "")
+    return mode + {"": "", "r": "_r"}.get(tag, f"_at_{tag}")
+
+
+def paired(theirs: dict, ours: dict) -> dict:
+    """Time to target, seed by seed (``theirs``: a baseline's, ``ours``: async's; seed ->
+    seconds, ``inf`` where the run never reached the target), on the seeds both ran:
+    the median, least and greatest of the ratios theirs ÷ ours, the ``wins`` (seeds
+    where async got there strictly first) and the ``pairs``. Where only async reached
+    the target the ratio is ``inf`` (a win); only the baseline, 0 (a loss); neither, 1
+    (a tie: neither got there within the run). No pair is dropped.
+
+    >>> p = paired({1: 20.0, 2: 30.0, 3: float("inf"), 4: 5.0},
+    ...            {1: 10.0, 2: 40.0, 3: 9.0, 4: float("inf")})
+    >>> p["ratios"], p["median"], p["wins"], p["pairs"]
+    ([2.0, 0.75, inf, 0.0], 1.375, 2, 4)
+    """
+    ratios = []
+    for seed in sorted(set(theirs) & set(ours)):
+        t, o = theirs[seed], ours[seed]
+        ratios.append(1.0 if math.isinf(t) and math.isinf(o) else
+                      math.inf if math.isinf(t) else t / o)
+    lo, hi = (min(ratios), max(ratios)) if ratios else (math.nan, math.nan)
+    return {"ratios": ratios, "median": _median(ratios), "min": lo, "max": hi,
+            "wins": sum(r > 1 for r in ratios), "pairs": len(ratios)}
+
+
 def summarise(runs: list[dict], seeds: list[int]) -> dict:
-    """The RESULT figures from every scored run."""
+    """The RESULT figures from every scored run (module doc)."""
     by = {}
     for r in runs:
         by.setdefault(r["label"], {})[r["seed"]] = r
@@ -204,28 +291,37 @@ def summarise(runs: list[dict], seeds: list[int]) -> dict:
     def med(label, key):
         return _median([r[key] for r in by.get(label, {}).values()])
 
+    def per_seed(label, key) -> dict:
+        return {s: r[key] for s, r in by.get(label, {}).items() if s in seeds}
+
     def ratios(num: str, den: str, key: str) -> list[float]:
         return [_ratio(by[num][s][key], by[den][s][key]) for s in seeds
                 if s in by.get(num, {}) and s in by.get(den, {})]
 
-    out = {}
-    for short, mode in BASELINES.items():
-        out[f"speedup_vs_{short}"] = _ratio(med(mode, "time_to_target_s"),
-                                            med("async", "time_to_target_s"))
+    out, pairs = {}, {}
+    for key, label in PAIRED.items():
+        p = pairs[key] = paired(per_seed(label, "time_to_target_s"),
+                                per_seed("async", "time_to_target_s"))
+        out[f"speedup_vs_{key}_paired"] = p["median"]
+        out[f"wins_vs_{key}"], out[f"pairs_vs_{key}"] = p["wins"], p["pairs"]
+    for label in ("async", "areal", AT_ASYNC):
+        out[f"inflight_{short(label)}"] = med(label, "inflight") if label in by else math.nan
+    for short_name, mode in BASELINES.items():
+        out[f"speedup_vs_{short_name}"] = _ratio(med(mode, "time_to_target_s"),
+                                                 med("async", "time_to_target_s"))
     out["throughput_vs_sync"] = med("async", "traj_per_s") / med("sync", "traj_per_s")
     out["heldout_async"] = med("async", "heldout")
     out["heldout_syncplus"] = med("sync+", "heldout")
     out["seeds"] = len(seeds)
     out["target"] = math.nan  # set by main (kept here for the key order)
-    for short, mode in BASELINES.items():
-        per = ratios(mode, "async", "time_to_target_s")
-        out[f"speedup_vs_{short}_min"], out[f"speedup_vs_{short}_max"] = _range(per)
+    for key in PAIRED:  # the paired ratios' range
+        out[f"speedup_vs_{key}_min"] = pairs[key]["min"]
+        out[f"speedup_vs_{key}_max"] = pairs[key]["max"]
     per = ratios("async", "sync", "traj_per_s")
     out["throughput_vs_sync_min"], out["throughput_vs_sync_max"] = _range(per)
     for label in by:
-        key = label.replace("+", "plus").replace("-", "").replace("@r", "_r")
-        out[f"ttt_{key}"] = med(label, "time_to_target_s")
-        out[f"tps_{key}"] = med(label, "traj_per_s")
+        out[f"ttt_{short(label)}"] = med(label, "time_to_target_s")
+        out[f"tps_{short(label)}"] = med(label, "traj_per_s")
     if "sync+@r" in by and "async@r" in by:
         out["speedup_r_vs_syncplus_r"] = _ratio(med("sync+@r", "time_to_target_s"),
                                                 med("async@r", "time_to_target_s"))
@@ -255,7 +351,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--groups", type=int, help="groups of 8 per trainer step")
     p.add_argument("--eval-seeds", type=int, help="held-out seeds per task")
     p.add_argument("--seeds", type=int, help="seeds (1, 2, …); every mode runs each")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated, of {MODES + (AT_ASYNC,)} (default: all; "
+                        f"--quick: all but {AT_ASYNC})")
     p.add_argument("--redundant", default=None,
                    help="modes also run with redundancy (of REDUNDANT_MODES; '' = none)")
     p.add_argument("--max-in-flight", type=float, default=None,
@@ -283,10 +381,11 @@ def parse(argv) -> argparse.Namespace:
     fill(a, QUICK if a.quick else FULL)
     a.modes = tuple(m for m in a.modes.split(",") if m)
     a.redundant = tuple(m for m in a.redundant.split(",") if m)
-    bad = [m for m in a.modes if m not in MODES] + \
+    bad = [m for m in a.modes if m not in MODES + (AT_ASYNC,)] + \
         [m for m in a.redundant if m not in REDUNDANT_MODES]
     if bad:
-        p.error(f"unknown mode(s) {bad}: --modes takes {MODES}, --redundant {REDUNDANT_MODES}")
+        p.error(f"unknown mode(s) {bad}: --modes takes {MODES + (AT_ASYNC,)}, --redundant "
+                f"{REDUNDANT_MODES}")
     return a
 
 
@@ -334,6 +433,7 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
         print(f"  {label:9s} time_to_target_s={fmt(run['time_to_target_s'])} "
               f"traj_per_s={fmt(run['traj_per_s'])} heldout={fmt(run['heldout'])} "
               f"wall_s={fmt(run['wall_s'])} ckpt_s={fmt(run['ckpt_s'])} "
+              f"inflight={fmt(run['inflight'])} "
               f"env_fail_per_step={fmt(run['fail_per_step'])} reuse={fmt(run['reuse'])} "
               f"suspends={run['suspends']} recompute_tokens={run['recompute_tokens']} "
               "curve=" + ",".join(f"{s}:{v:.2f}" for s, v in run["curve"].items())
@@ -371,6 +471,8 @@ def main(argv=None) -> dict:
                                             if k != "target"), flush=True)
     out = summarise(runs, seeds)
     out.update(inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
+               budget_areal_at_async=async_budget(label_graph(base, base.tasks, model, "async",
+                                                              1, a)),
                order="completion" if a.take_window is None else f"start{a.take_window:g}",
                weight_update=a.weight_update,
                target=target, failed_runs=len(failed),
@@ -378,7 +480,7 @@ def main(argv=None) -> dict:
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,
                total_s=round(time.time() - t_all))
     keys = ("label", "seed", "time_to_target_s", "heldout", "traj_per_s", "wall_s",
-            "suspends", "recompute_tokens")
+            "ckpt_s", "inflight", "suspends", "recompute_tokens")
     run.result(out, {"runs": [{k: r.get(k) for k in keys} for r in runs]}, fmt=fmt)
     return out
 

@@ -15,6 +15,10 @@ The set-up times and the default run's held-out table on ``README.md`` and
 between ``<!-- setup_times: KEY -->`` and ``<!-- /setup_times -->`` and is written in
 place by ``python docs/gen_reference.py --times`` (``fill_times``; the pages are read raw
 on GitHub, so not at build time); ``tests/docs/test_times.py`` fails when a page differs.
+So do README's benchmark figures between ``<!-- figures: KEY -->`` and ``<!-- /figures -->``
+(``fill_figures``, the same command: the pipeline's paired headline from the newest
+``benchmarks/pipeline.py`` record that has it, or "not measured yet"); on the pipeline's
+page ``<!-- paired: pipeline -->`` becomes that record's paired table at build time.
 
 A field's meaning is its comment in the dataclass source: the comment at the end of its
 line, the ``#`` lines right above it, or both. ``tests/docs/test_reference.py`` fails
@@ -400,6 +404,123 @@ def fill_times(text: str) -> str:
     return SETUP_TIMES.sub(one, text)
 
 
+FIGURES = re.compile(r"<!-- figures: (\w+) -->(.*?)<!-- /figures -->", re.S)
+PAIRED_MARKER = "<!-- paired: pipeline -->"
+#: the pipeline's headline measurement (run on a quiet machine; README names it)
+PIPELINE_COMMAND = "python benchmarks/pipeline.py --redundant '' --eval-seeds 128"
+#: the paired comparisons: record key -> how a page names the baseline
+PAIRED_NAMES = {"syncplus": "sync+", "areal": "areal (its own budget)",
+                "areal_at_async": "areal at async's budget", "sync": "sync",
+                "oneoff": "one-off"}
+SYNCPLUS_GOAL = 2.05  # the paper's speed-up over sync+ (fixed before any run)
+
+
+def _paired_record() -> dict | None:
+    """The newest ``benchmarks/pipeline.py`` record with the paired figures against both
+    sync+ and areal (None: no record has them yet)."""
+    return next((r for r in _records("pipeline")
+                 if r.get("pairs_vs_syncplus") and r.get("pairs_vs_areal")), None)
+
+
+def _x(value, none: str = "–") -> str:
+    """A ratio to two decimals; ``none`` for JSON null: a paired ratio of at least one
+    pair is never nan, so null is an infinity there (``_json_safe``), ``none="∞"``."""
+    if value is None:
+        return none
+    return "∞" if value == float("inf") else f"{value:.2f}"
+
+
+def _ratio_range(r: dict, key: str) -> str:
+    """``1.20× (0.90–1.50)``: the paired ratio against ``key`` and its range."""
+    med, lo, hi = (_x(r.get(f"speedup_vs_{key}{k}"), "∞") for k in ("_paired", "_min", "_max"))
+    return f"{med}× ({lo}–{hi})"
+
+
+def _pair(r: dict, key: str, name: str, bold: bool = False) -> str:
+    """``**1.20× sync+** (0.90–1.50; first on 4 of 5 seeds)``: the paired ratio against
+    ``key`` (called ``name``) from ``r``."""
+    ratio, spread = _ratio_range(r, key).split(" ", 1)
+    star = "**" if bold else ""
+    return (f"{star}{ratio} {name}{star} {spread[:-1]}; first on {r.get(f'wins_vs_{key}')} "
+            f"of {r.get(f'pairs_vs_{key}')} seeds)")
+
+
+def pipeline_figures(key: str) -> str:
+    """README's pipeline row: ``pipeline_command`` (the command cell) or ``pipeline``
+    (the figure cell), from ``_paired_record``; "not measured yet" without one."""
+    r = _paired_record()
+    if key == "pipeline_command":
+        if r is None:
+            return f"`{PIPELINE_COMMAND}`"
+        labels = list(dict.fromkeys(x["label"] for x in r.get("runs", [])))
+        return (f"`python benchmarks/{r['command']}` ({', '.join(labels)}; "
+                f"{r.get('steps')} steps, {r.get('seeds')} seeds)")
+    if r is None:
+        old = next((o for o in _records("pipeline") if o.get("speedup_vs_syncplus")
+                    and o.get("speedup_vs_areal")), None)
+        before = "" if old is None else (
+            f" (the newest full record before them, a ratio of medians over "
+            f"{old.get('seeds')} seeds: async {_x(old['speedup_vs_syncplus'])}× sync+, "
+            f"{_x(old['speedup_vs_areal'])}× areal)")
+        return ("time to a held-out target, paired per seed: **not measured yet**, no "
+                "record of `benchmarks/pipeline.py` has the paired figures" + before +
+                " — [why](docs/benchmarks/pipeline.md)")
+    paired = r["speedup_vs_syncplus_paired"]
+    met = "met" if paired is None or paired >= SYNCPLUS_GOAL else "not met"  # None: ∞
+    return (f"time to a held-out target, median of the per-seed ratios (min–max): async "
+            f"{_pair(r, 'syncplus', 'sync+', True)} (the paper's goal ≥ {SYNCPLUS_GOAL}×: "
+            f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget, "
+            f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}; "
+            f"groups in flight, mean: async {_x(r.get('inflight_async'))}, areal "
+            f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
+
+
+def fill_figures(text: str) -> str:
+    """``text`` with every ``<!-- figures: KEY -->…<!-- /figures -->`` written from the
+    records (``pipeline_figures``)."""
+    return FIGURES.sub(lambda m: f"<!-- figures: {m.group(1)} -->"
+                       f"{pipeline_figures(m.group(1))}<!-- /figures -->", text)
+
+
+def paired_table() -> str:
+    """The pipeline page's paired figures and per-seed times, from ``_paired_record``."""
+    r = _paired_record()
+    if r is None:
+        return ("Not measured yet: no record of `benchmarks/pipeline.py` has the paired "
+                f"figures. Run `{PIPELINE_COMMAND}` on a quiet machine.")
+    load = r.get("load_before")
+    if isinstance(load, (list, tuple)):
+        load = " / ".join(f"{x:.2f}" for x in load)
+    out = [f"From the record of {r['date']} (commit `{r['commit']}`, load before "
+           f"{_cell(load)}): `python benchmarks/{r['command']}`, target "
+           f"{_fmt(r.get('target'))}, generated at build time.", "",
+           "| async against | paired ratio, median (min–max) | async first on | "
+           "groups in flight, mean (steps' worth) |", "|---|---|---|---|"]
+    inflight = {"areal": r.get("inflight_areal"),
+                "areal_at_async": r.get("inflight_areal_at_async")}
+    for key, name in PAIRED_NAMES.items():
+        if not r.get(f"pairs_vs_{key}"):
+            continue
+        theirs = inflight.get(key)
+        out.append(f"| {name} | {_ratio_range(r, key)} | {r[f'wins_vs_{key}']} of "
+                   f"{r[f'pairs_vs_{key}']} seeds | async "
+                   f"{_x(r.get('inflight_async'))}"
+                   + ("" if theirs is None else f", {name.split(' ')[0]} {_x(theirs)}") + " |")
+    runs = r.get("runs", [])
+    labels = list(dict.fromkeys(x["label"] for x in runs))
+    cell = {(x["label"], x["seed"]): x for x in runs}
+    out += ["", "Per seed: time to target in s (`∞`: never reached) · trajectories/s · last "
+            "held-out success.", "", "| seed | " + " | ".join(labels) + " |",
+            "|---" * (len(labels) + 1) + "|"]
+    for seed in sorted({x["seed"] for x in runs}):
+        row = [cell.get((label, seed)) for label in labels]
+        out.append(f"| {seed} | " + " | ".join(
+            "failed" if x is None else
+            f"{'∞' if x['time_to_target_s'] is None else _fmt(x['time_to_target_s'])} · "
+            f"{_fmt(x['traj_per_s'])} · {_fmt(x['heldout'])}" for x in row) + " |")
+    return "\n".join(out)
+
+
 def api_page() -> str:
     """``::: module.Name`` for every public name of ``rollart`` (its lazy exports), for
     mkdocstrings to render from the docstrings."""
@@ -448,13 +569,14 @@ def on_page_markdown(markdown, page, config, files):
     log = os.path.relpath("benchmarks/results.md", here or ".")
     markdown = markdown.replace(COSTS_MARKER, costs_table())
     markdown = markdown.replace(REAL_MARKER, real_model_table())
+    markdown = markdown.replace(PAIRED_MARKER, paired_table())
     return RESULTS_MARKER.sub(lambda m: latest_records(m.group(1), log=log), markdown)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--times"]:  # write the set-up times into the pages that state them
+    if sys.argv[1:] == ["--times"]:  # write the recorded figures into the pages that state them
         for name in TIMED_PAGES:
             page = ROOT / name
-            page.write_text(fill_times(page.read_text()))
+            page.write_text(fill_figures(fill_times(page.read_text())))
     else:  # print a page: python docs/gen_reference.py reference/cli.md
         print(PAGES[sys.argv[1]]())

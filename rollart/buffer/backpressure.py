@@ -16,12 +16,16 @@ reported lost and whether the buffer is closing; it owns the managers' wait
 (``acquire``). The ``SampleBuffer`` (``rollart.buffer.buffer``) and its ``Handout``
 (``rollart.buffer.handout``) tell it when groups leave or updates are published and
 supply what it needs to know about groups.
-Its methods run on the buffer worker's event loop.
+Its methods run on the buffer worker's event loop. ``stats()`` adds to the slots' own
+figures ``slots_held_s``, the groups holding a slot (in flight or buffered) integrated over
+time since the slots opened (group-seconds), and ``slots_open_s``, that time: their ratio
+is the mean number of groups in flight or buffered (``benchmarks/pipeline.py``'s budgets).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 
 from rollart.policy.admission import group_number
@@ -46,6 +50,15 @@ class Admission:
         self._freed: asyncio.Event | None = None
         self._dead: set[str] = set()  # holders reported lost: they take nothing more
         self._closing = False
+        self._held_s, self._counted, self._opened = 0.0, 0.0, None  # stats(): group-seconds
+
+    def _count(self) -> None:
+        """Add the groups holding a slot since the last count, times the seconds since
+        (called before every change to the slots held, and by ``stats``)."""
+        now = time.monotonic()
+        if self._slots is not None:
+            self._held_s += len(self._slots.held) * (now - self._counted)
+        self._counted = now
 
     @property
     def is_open(self) -> bool:
@@ -62,11 +75,13 @@ class Admission:
         if self._slots is None:
             slots.reset(held)
             slots.sequence.advance_to(next_index)
-            self._slots = slots
+            self._count()
+            self._slots, self._opened = slots, self._counted
             self._event().set()
 
     def free(self, group_id: str) -> None:
         """``group_id`` left: its slot frees (and waiting managers wake)."""
+        self._count()
         if self._slots is not None and self._slots.release(group_id):
             self._event().set()
 
@@ -80,6 +95,7 @@ class Admission:
     def hold(self, group_id: str) -> None:
         """``group_id`` is back in the buffer (its step was lost): it holds a slot."""
         if self._slots is not None:
+            self._count()
             self._slots.hold(group_id)
 
     def take_limit(self) -> int | None:
@@ -104,6 +120,7 @@ class Admission:
         freed = self._event()
         while not self._closing and holder not in self._dead:
             if self._slots is not None:
+                self._count()
                 work = self._slots.take(holder, tasks, in_training())
                 if work is not None:
                     freed.set()  # another manager may take the next one
@@ -141,7 +158,11 @@ class Admission:
         return len(again)
 
     def stats(self) -> dict:
-        return self._slots.stats() if self._slots is not None else {}
+        if self._slots is None:
+            return {}
+        self._count()
+        return {**self._slots.stats(), "slots_held_s": self._held_s,
+                "slots_open_s": self._counted - self._opened}
 
     def state(self) -> dict | None:
         """The group sequence's state (for a checkpoint), None before ``open``."""

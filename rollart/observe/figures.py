@@ -41,6 +41,8 @@ from rollart.buffer.ledger import STATES
 
 #: the agent endpoint's counters, summed over the env managers into every row
 AGENT_KEYS = ("rollout/agent_calls", "rollout/agent_rewrites", "rollout/agent_dropped_tokens")
+#: the buffer's slot figures copied into every row (``rollart.buffer.backpressure``)
+SLOT_KEYS = ("slots_held", "slots_held_s", "slots_open_s")
 
 
 def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
@@ -54,6 +56,9 @@ def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
                           sample.buffer.get("orphaned", 0)))
     row.update(rollout_figures([s for _, _, s in sample.workers], sample.managers,
                                driver_errors))
+    # async modes (0 in the others): groups holding a slot now, and the group-seconds
+    # held and seconds open since the slots opened (their ratio: the mean in flight)
+    row.update({f"rollout/{k}": sample.buffer.get(k, 0) for k in SLOT_KEYS})
     for tag, p in pool_totals(sample.workers).items():
         row[f"rollout/tokens/{tag}"] = p["tokens"]
         row[f"rollout/busy_s/{tag}"] = p["busy_s"]

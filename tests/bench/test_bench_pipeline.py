@@ -18,6 +18,9 @@ from rollart.chaos.workload import (SandboxError, Workload, drain_pools, pool_st
                                   with_workload)
 
 ROOT = Path(__file__).resolve().parents[2]
+HEADLINE = tuple(k for b in ("syncplus", "areal", "areal_at_async", "sync", "oneoff")
+                 for k in (f"speedup_vs_{b}_paired", f"wins_vs_{b}", f"pairs_vs_{b}"))
+INFLIGHT = ("inflight_async", "inflight_areal", "inflight_areal_at_async")
 REQUIRED = ("speedup_vs_syncplus", "speedup_vs_sync", "speedup_vs_oneoff", "speedup_vs_areal",
             "throughput_vs_sync", "heldout_async", "heldout_syncplus", "seeds", "target")
 NO_WAIT = Latency("fixed", 0.0)
@@ -106,36 +109,104 @@ def test_closed_envs_go_back_to_the_pool_and_a_reused_one_resets_faster():
     assert pool_stats()["idle"] == 0
 
 
-def test_clock_takes_earlier_checkpoints_out_of_the_run_time(monkeypatch):
+def _bench(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = importlib.import_module("pipeline")
+    return importlib.import_module("pipeline")
+
+
+def test_the_clock_is_the_rows_time_for_every_mode(monkeypatch):
+    bench = _bench(monkeypatch)
     rows = [{"step": 1, "time": 2.0}, {"step": 2, "time": 5.0}, {"step": 3, "time": 9.0}]
-    assert bench.clock(rows, {1: 0.5, 2: 1.0}) == {1: 2.0, 2: 4.5, 3: 7.5}
+    assert bench.clock(rows) == {1: 2.0, 2: 5.0, 3: 9.0}  # checkpoint writes on it too
 
 
-def test_a_mode_that_never_reaches_the_target_counts_inf(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = importlib.import_module("pipeline")
-    runs = [{"label": m, "seed": s, "time_to_target_s": t, "traj_per_s": tps, "heldout": 0.5}
-            for m, s, t, tps in [("async", 1, 10.0, 30.0), ("async", 2, 20.0, 40.0),
-                                 ("sync", 1, 40.0, 10.0), ("sync", 2, math.inf, 10.0),
-                                 ("sync+", 1, 30.0, 20.0), ("sync+", 2, 30.0, 20.0)]]
-    out = bench.summarise(runs, [1, 2])
-    assert out["speedup_vs_sync"] == math.inf  # median of (40, inf) over async's 15
+def test_in_flight_is_the_time_mean_of_the_groups_held_in_steps_worth(monkeypatch):
+    bench = _bench(monkeypatch)
+    row = {"rollout/slots_held_s": 120.0, "rollout/slots_open_s": 10.0}
+    assert bench.in_flight(row, groups=6) == 2.0
+    assert math.isnan(bench.in_flight({"rollout/slots_open_s": 0}, groups=6))  # lockstep
+
+
+def test_paired_ratios_wins_and_spread_on_planted_times(monkeypatch):
+    bench = _bench(monkeypatch)
+    inf = math.inf
+    ours = {1: 10.0, 2: 20.0, 3: 30.0, 4: inf, 5: inf, 6: 8.0}
+    theirs = {1: 15.0, 2: 10.0, 3: inf, 4: 12.0, 5: inf, 7: 1.0}  # seed 6/7: no pair
+    p = bench.paired(theirs, ours)
+    # 1.5 (win), 0.5 (loss), inf (only async got there: a win), 0 (only the baseline:
+    # a loss), 1 (neither: a tie, not a win, still counted)
+    assert p["ratios"] == [1.5, 0.5, inf, 0.0, 1.0]
+    assert (p["wins"], p["pairs"], p["median"], p["min"], p["max"]) == (2, 5, 1.0, 0.0, inf)
+    assert bench.paired({1: 10.0}, {1: 10.0})["wins"] == 0  # a tie is not a win
+    empty = bench.paired({}, {1: 3.0})
+    assert empty["pairs"] == 0 and math.isnan(empty["median"]) and math.isnan(empty["min"])
+
+
+def test_the_headline_is_paired_and_a_mode_that_never_reaches_the_target_counts_inf(
+        monkeypatch):
+    bench = _bench(monkeypatch)
+    runs = [{"label": m, "seed": s, "time_to_target_s": t, "traj_per_s": tps,
+             "heldout": 0.5, "inflight": f}
+            for m, s, t, tps, f in [
+                ("async", 1, 10.0, 30.0, 1.0), ("async", 2, 20.0, 40.0, 0.9),
+                ("async", 3, 30.0, 40.0, 0.8),
+                ("sync", 1, 40.0, 10.0, math.nan), ("sync", 2, math.inf, 10.0, math.nan),
+                ("sync+", 1, 30.0, 20.0, math.nan), ("sync+", 2, 10.0, 20.0, math.nan),
+                ("sync+", 3, 60.0, 20.0, math.nan),
+                ("areal", 1, 5.0, 50.0, 2.0), ("areal", 2, 10.0, 50.0, 1.8),
+                ("areal", 3, math.inf, 50.0, 1.6),
+                ("areal@async", 1, 20.0, 40.0, 1.0), ("areal@async", 3, 60.0, 40.0, 1.0)]]
+    out = bench.summarise(runs, [1, 2, 3])
+    assert list(out)[:len(HEADLINE)] == list(HEADLINE)
+    # sync+ ÷ async per seed: 3, 0.5, 2 -> median 2 (the ratio of medians is 1.5)
+    assert (out["speedup_vs_syncplus_paired"], out["wins_vs_syncplus"],
+            out["pairs_vs_syncplus"]) == (2.0, 2, 3)
+    assert out["speedup_vs_syncplus"] == 1.5
+    assert (out["speedup_vs_syncplus_min"], out["speedup_vs_syncplus_max"]) == (0.5, 3.0)
+    # areal: 0.5, 0.5, inf (areal never got there on seed 3: async's win) -> 1 win of 3
+    assert (out["speedup_vs_areal_paired"], out["wins_vs_areal"]) == (0.5, 1)
+    assert out["speedup_vs_areal_max"] == math.inf
+    # at async's budget: seeds 1 and 3 only (seed 2's run failed): 2 and 2
+    assert (out["speedup_vs_areal_at_async_paired"], out["wins_vs_areal_at_async"],
+            out["pairs_vs_areal_at_async"]) == (2.0, 2, 2)
+    assert out["speedup_vs_sync"] == math.inf  # median of (40, inf) over async's 20
     assert (out["speedup_vs_sync_min"], out["speedup_vs_sync_max"]) == (4.0, math.inf)
-    assert out["speedup_vs_syncplus"] == 2.0
-    assert out["throughput_vs_sync"] == 3.5 and math.isnan(out["speedup_vs_areal"])
-    assert list(out)[:len(REQUIRED)] == list(REQUIRED)
+    assert (out["inflight_async"], out["inflight_areal"], out["inflight_areal_at_async"]) \
+        == (0.9, 1.8, 1.0)
+    assert out["throughput_vs_sync"] == 4.0 and math.isnan(out["speedup_vs_oneoff"])
+    assert out["pairs_vs_oneoff"] == 0 and out["wins_vs_oneoff"] == 0
+    rest = [k for k in out if k not in HEADLINE and k not in INFLIGHT]
+    assert rest[:len(REQUIRED)] == list(REQUIRED)
+
+
+def test_areal_at_async_gets_asyncs_budget_and_the_rest_their_own(monkeypatch):
+    bench = _bench(monkeypatch)
+    import rollart
+
+    base, _ = rollart.load_graph("multitask")
+    a = bench.parse(["--quick", "--no-record"])
+    assert a.modes == bench.MODES and bench.parse([]).modes == bench.MODES + (bench.AT_ASYNC,)
+    graphs = {label: bench.label_graph(base, base.tasks, "m", label, 1, a)
+              for label in ("areal", "areal@async", "async", "async@r")}
+    assert graphs["areal@async"].mode == "areal"
+    assert graphs["areal@async"].rollout.max_in_flight == bench.async_budget(graphs["async"]) == 1
+    assert graphs["areal"].rollout.max_in_flight is None  # its own start bound
+    assert graphs["async@r"].rollout.redundancy == a.redundancy
+    assert graphs["areal@async"].rollout.redundancy == 1.0
+    wide = bench.parse(["--quick", "--max-in-flight", "2"])
+    assert bench.label_graph(base, base.tasks, "m", "areal@async", 1, wide) \
+        .rollout.max_in_flight == 2
 
 
 @pytest.mark.bench
 def test_pipeline_benchmark_tiny():
-    """Two modes, one seed, one step; the target below the warm-up's success, so both
-    reach it at their first checkpoint and every ratio is finite."""
+    """Four runs (sync, areal at its own budget and at async's, async), one seed, two
+    steps; the target below the warm-up's success, so every run reaches it at its first
+    checkpoint and every ratio is finite."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--steps", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--steps", "2",
          "--every", "1", "--groups", "2", "--eval-seeds", "4", "--seeds", "1",
-         "--modes", "sync,async", "--redundant", "", "--warmup-steps", "5",
+         "--modes", "sync,areal,areal@async,async", "--redundant", "", "--warmup-steps", "5",
          "--margin", "-1", "--warm-cache", "", "--weight-update", "keep"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -145,10 +216,24 @@ def test_pipeline_benchmark_tiny():
     assert r.pop("inflight") == "alpha" and r.pop("order") == "completion", line
     assert r.pop("weight_update") == "keep", line
     r = {k: float(v) for k, v in r.items()}
-    assert list(r)[:len(REQUIRED)] == list(REQUIRED), line
+    assert list(r)[:len(HEADLINE)] == list(HEADLINE), line
+    rest = [k for k in r if k not in HEADLINE and k not in INFLIGHT]
+    assert rest[:len(REQUIRED)] == list(REQUIRED), line
     for k in ("speedup_vs_sync", "throughput_vs_sync", "ttt_async", "ttt_sync",
-              "tps_async", "tps_sync"):
+              "tps_async", "tps_sync", "speedup_vs_areal_paired",
+              "speedup_vs_areal_at_async_paired", "ttt_areal_at_async", *INFLIGHT):
         assert 0 < r[k] < math.inf, (k, line)
+    for key in ("sync", "areal", "areal_at_async"):
+        assert r[f"pairs_vs_{key}"] == 1 and r[f"wins_vs_{key}"] in (0, 1), line
+        assert r[f"speedup_vs_{key}_min"] == r[f"speedup_vs_{key}_max"] \
+            == r[f"speedup_vs_{key}_paired"], line  # one seed: one ratio
+        assert r[f"wins_vs_{key}"] == (r[f"speedup_vs_{key}_paired"] > 1), line
+    # the budgets: async and areal@async hold at most one step's worth (2 groups) at
+    # once, areal at most its start bound's two steps' worth
+    assert r["budget_areal_at_async"] == 1, line
+    assert r["inflight_async"] <= 1 and r["inflight_areal_at_async"] <= 1, line
+    assert r["inflight_areal"] <= 2, line
+    assert r["pairs_vs_syncplus"] == 0 and math.isnan(r["speedup_vs_syncplus_paired"])
     assert 0 <= r["heldout_async"] <= 1 and r["seeds"] == 1
     assert math.isnan(r["speedup_vs_syncplus"])  # sync+ did not run
     assert "seed 1: order" in out.stdout

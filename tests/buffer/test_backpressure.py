@@ -99,6 +99,26 @@ def _counts(launched=10, in_flight=2, dropped=0, streak=0):
             "failed_streak": streak}
 
 
+def test_the_admission_integrates_the_groups_held_over_time(monkeypatch):
+    from rollart.buffer import backpressure
+
+    now = [100.0]
+    monkeypatch.setattr(backpressure.time, "monotonic", lambda: now[0])
+    adm = backpressure.Admission()
+    assert adm.stats() == {}  # not open: no figures
+    adm.open(Slots(2, _seq()), held=[], next_index=0)
+    grab = lambda: asyncio.run(adm.acquire("m0", None, 0.0, lambda: 0))  # noqa: E731
+    now[0] = 101.0
+    first = grab()  # 0 held for 1 s
+    now[0] = 103.0
+    grab()  # 1 held for 2 s
+    now[0] = 104.0
+    adm.free(first.group_id)  # 2 held for 1 s
+    now[0] = 108.0  # 1 held for 4 s
+    s = adm.stats()
+    assert (s["slots_held_s"], s["slots_open_s"], s["slots_held"]) == (8.0, 8.0, 1)
+
+
 def test_the_watchdog_names_each_way_a_run_stops_progressing():
     from rollart.policy.watchdog import Watchdog
 

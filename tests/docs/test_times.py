@@ -1,9 +1,12 @@
 """The set-up times and the default run's held-out table that README.md and
 docs/quickstart.md state are those of ``benchmarks/setup_times.py``'s newest records
 (``docs/gen_reference.py --times`` writes them in), and each step that script times is
-still the command ``.ci/run`` (or the README) runs."""
+still the command ``.ci/run`` (or the README) runs. README's pipeline row is the newest
+paired record of ``benchmarks/pipeline.py`` (the same command), or says it is not
+measured yet."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -55,3 +58,68 @@ def test_a_time_is_written_from_the_newest_passing_record(tmp_path, monkeypatch)
         "took <!-- setup_times: suite -->about 2 minutes<!-- /setup_times -->."
     with pytest.raises(ValueError, match="--steps matrix"):
         gen.fill_times("<!-- setup_times: matrix --><!-- /setup_times -->")
+
+
+def test_the_readme_pipeline_row_is_the_newest_paired_record():
+    text = (ROOT / "README.md").read_text()
+    assert "<!-- figures: pipeline -->" in text and "<!-- figures: pipeline_command -->" in text
+    assert text == gen.fill_figures(text), (
+        "README.md's pipeline row differs from benchmarks/results/pipeline.jsonl's newest "
+        "paired record: run python docs/gen_reference.py --times")
+
+
+def _planted(monkeypatch, *records):
+    monkeypatch.setattr(gen, "_records", lambda script: sorted(
+        [json.loads(json.dumps(r)) for r in records], key=lambda r: r["date"], reverse=True))
+
+
+OLD = {"date": "2026-01-01", "command": "pipeline.py", "seeds": 3,
+       "speedup_vs_syncplus": 1.04, "speedup_vs_areal": 0.56}
+PAIRED = {"date": "2026-01-02", "commit": "abc1234", "load_before": [0.1, 0.2, 0.3],
+          "command": "pipeline.py --redundant '' --eval-seeds 128", "seeds": 5, "steps": 30,
+          "target": 0.4, "speedup_vs_syncplus": 1.1,
+          "speedup_vs_syncplus_paired": 1.25, "speedup_vs_syncplus_min": 0.8,
+          "speedup_vs_syncplus_max": None, "wins_vs_syncplus": 4, "pairs_vs_syncplus": 5,
+          "speedup_vs_areal_paired": 0.6, "speedup_vs_areal_min": 0.4,
+          "speedup_vs_areal_max": 0.9, "wins_vs_areal": 0, "pairs_vs_areal": 5,
+          "speedup_vs_areal_at_async_paired": 0.9, "speedup_vs_areal_at_async_min": 0.7,
+          "speedup_vs_areal_at_async_max": 1.2, "wins_vs_areal_at_async": 2,
+          "pairs_vs_areal_at_async": 5, "speedup_vs_sync_paired": 1.8,
+          "speedup_vs_sync_min": 1.5, "speedup_vs_sync_max": 2.0, "wins_vs_sync": 5,
+          "pairs_vs_sync": 5, "pairs_vs_oneoff": 0, "inflight_async": 0.98,
+          "inflight_areal": 1.7, "inflight_areal_at_async": 0.99,
+          "runs": [{"label": "sync+", "seed": 1, "time_to_target_s": None, "traj_per_s": 30.0,
+                    "heldout": 0.5},
+                   {"label": "async", "seed": 1, "time_to_target_s": 20.0, "traj_per_s": 32.0,
+                    "heldout": 0.6}]}
+BLOCK = "| <!-- figures: pipeline -->x<!-- /figures --> |"
+
+
+def test_without_a_paired_record_the_row_says_not_measured_yet(monkeypatch):
+    _planted(monkeypatch, OLD, {"date": "2026-01-03", "command": "pipeline.py --modes async",
+                                "pairs_vs_syncplus": 0, "pairs_vs_areal": 0})
+    row = gen.fill_figures(BLOCK)
+    assert "not measured yet" in row and "1.04× sync+" in row and "ratio of medians" in row
+    assert gen.fill_figures("<!-- figures: pipeline_command --><!-- /figures -->") == \
+        f"<!-- figures: pipeline_command -->`{gen.PIPELINE_COMMAND}`<!-- /figures -->"
+    assert "Not measured yet" in gen.paired_table()
+
+
+def test_the_row_and_the_page_show_the_newest_paired_record(monkeypatch):
+    _planted(monkeypatch, OLD, PAIRED)
+    row = gen.fill_figures(BLOCK)
+    # a null range end of a paired ratio is an infinity (JSON has none)
+    assert "async **1.25× sync+** (0.80–∞; first on 4 of 5 seeds)" in row, row
+    assert "goal ≥ 2.05×: not met" in row
+    assert "**0.60× areal** (0.40–0.90; first on 0 of 5 seeds) at areal's own budget" in row
+    assert "0.90× areal (0.70–1.20; first on 2 of 5 seeds) at async's" in row
+    assert "async 0.98, areal 1.70 steps' worth" in row
+    assert gen.fill_figures(row) == row  # written again: the same
+    command = gen.pipeline_figures("pipeline_command")
+    assert command == ("`python benchmarks/pipeline.py --redundant '' --eval-seeds 128` "
+                       "(sync+, async; 30 steps, 5 seeds)")
+    page = gen.paired_table()
+    assert "| areal at async's budget | 0.90× (0.70–1.20) | 2 of 5 seeds | async 0.98, " \
+        "areal 0.99 |" in page, page
+    assert "one-off" not in page.split("Per seed")[0]  # no pair: no row
+    assert "| 1 | ∞ · 30 · 0.5 | 20 · 32 · 0.6 |" in page, page

@@ -67,7 +67,7 @@ def test_a_page_shows_the_newest_records_from_the_log(monkeypatch, tmp_path):
                                        "command": "trainer_gang.py", "gang_step_ratio": d / 10,
                                        "steps_s_1": [1.0, 2.0]}) + "\n"
                            for d in (2, 5, 1, 4, 3)))
-    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen.figures, "ROOT", tmp_path)
     page = gen.on_page_markdown("before\n<!-- results: trainer_gang -->\nafter", None, None,
                                 None)
     rows = [line for line in page.splitlines() if line.startswith("| 2026")]
@@ -91,7 +91,7 @@ def test_the_costs_and_real_model_tables_come_from_the_newest_records(tmp_path, 
     monkeypatch.syspath_prepend(str(ROOT / "docs"))
     gen = importlib.import_module("gen_reference")
     (tmp_path / "benchmarks/results").mkdir(parents=True)
-    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen.figures, "ROOT", tmp_path)
     assert "No record yet" in gen.costs_table()
 
     def rec(day: int, **figures) -> str:

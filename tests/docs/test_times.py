@@ -50,7 +50,7 @@ def test_a_time_is_written_from_the_newest_passing_record(tmp_path, monkeypatch)
     log.write_text('{"date": "2026-01-01", "suite_s": 600, "suite_rc": 0}\n'
                    '{"date": "2026-01-03", "suite_s": 1500, "suite_rc": 1}\n'
                    '{"date": "2026-01-02", "suite_s": 130, "suite_rc": 0}\n')
-    monkeypatch.setattr(gen, "_records", lambda script: sorted(
+    monkeypatch.setattr(gen.figures, "_records", lambda script: sorted(
         [__import__("json").loads(x) for x in log.read_text().splitlines()],
         key=lambda r: r["date"], reverse=True))
     text = "took <!-- setup_times: suite -->about 99 minutes<!-- /setup_times -->."
@@ -69,7 +69,7 @@ def test_the_readme_pipeline_row_is_the_newest_paired_record():
 
 
 def _planted(monkeypatch, *records):
-    monkeypatch.setattr(gen, "_records", lambda script: sorted(
+    monkeypatch.setattr(gen.figures, "_records", lambda script: sorted(
         [json.loads(json.dumps(r)) for r in records], key=lambda r: r["date"], reverse=True))
 
 

@@ -287,8 +287,9 @@ class EnvManager:
         tokens; when that fails it is aborted here, exactly as ``abort_older_than``
         aborts (cancelled, settled ``aborted``, replaced)."""
         r = self.runner
+        at_end = r.running.get(traj.traj_id) == TrajState.SCORING.value
         if await self.rescorer.refresh(r.proxy, traj.traj_id, task.name, log,
-                                       r.inference_pools):
+                                       r.inference_pools, at_end):
             return
         grp = self._groups.get(traj.group_id)
         job = grp.jobs.get(traj.traj_id) if grp is not None else None

@@ -64,14 +64,18 @@ class Rescorer:
         self.temperature = float(temperature)
         self.wait = float(wait)
         self.floor: int | None = None  # the newest min_version broadcast
-        self.counts = {"rescored_tokens": 0, "rescored_members": 0, "rescore_failed": 0}
+        # rescored_members: re-scorings (a member may have several), at_end of them once
+        # the member's turns were over (the others at a turn boundary, mid-episode)
+        self.counts = {"rescored_tokens": 0, "rescored_members": 0, "rescored_at_end": 0,
+                       "rescore_failed": 0}
 
     def raise_floor(self, min_version: int) -> None:
         """The trainer moved on: tokens older than ``min_version`` can no longer train."""
         self.floor = int(min_version) if self.floor is None else max(self.floor,
                                                                        int(min_version))
 
-    async def refresh(self, proxy, traj_id: str, task: str | None, log, pools=None) -> bool:
+    async def refresh(self, proxy, traj_id: str, task: str | None, log, pools=None,
+                      at_end: bool = False) -> bool:
         """Re-score ``log``'s tokens older than the floor through ``proxy`` (the
         trajectory's worker); False when they could not be brought up to it."""
         floor = self.floor
@@ -95,4 +99,5 @@ class Rescorer:
             log.versions[i] = res.version
         self.counts["rescored_tokens"] += len(stale)
         self.counts["rescored_members"] += 1
+        self.counts["rescored_at_end"] += at_end
         return True

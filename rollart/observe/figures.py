@@ -3,7 +3,8 @@
 ``step_row`` is the one place a row is put together: the trainer's figures of the step
 (``Trainer.train_step``), the ledger's counts (``traj/<state>``), the rollout figures
 (``rollout_figures``: ``rollout/…``, ``env/…``, from the stats the inference workers
-(``InferenceWorker.stats``) and env managers (``EnvManager.stats``) report), each
+(``InferenceWorker.stats``) and env managers (``EnvManager.stats``) report), the tokens
+generated, wasted and re-scored (``waste_figures``: those stats and the buffer's), each
 inference pool's tokens and busy seconds, and what the caller adds (reward pools,
 recovery counters), then ``time``. The sample is ``rollart.control.fleet.Sample``
 (``Fleet.sample``, read once per step by ``rollart.control.loop``); a test or a simulator

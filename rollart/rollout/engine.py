@@ -167,14 +167,16 @@ class TorchEngine(BatchingEngine):
         for req in requests:
             t0 = time.perf_counter()
             first, last = min(req.positions), max(req.positions)
-            ids = torch.tensor([req.token_ids[:last]], dtype=torch.long)
+            ids = torch.tensor([req.token_ids[:last]], dtype=torch.long,
+                               device=self.model.device)
             keep = last - first + 1  # logits at first-1 .. last-1 predict first .. last
             kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
             logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits[0, -keep:]
             scale = req.temperature if req.temperature > 0 else 1.0
             logp = torch.log_softmax(logits.float() / scale, dim=-1)
-            rows = torch.tensor([p - first for p in req.positions], dtype=torch.long)
-            toks = torch.tensor([req.token_ids[p] for p in req.positions], dtype=torch.long)
+            rows = torch.tensor([p - first for p in req.positions], device=logp.device)
+            toks = torch.tensor([req.token_ids[p] for p in req.positions],
+                                device=logp.device)
             out.append(ScoreResult(logp[rows, toks].tolist(), self.version))
             self.scored_tokens += len(req.positions)
             self.busy_seconds += time.perf_counter() - t0

@@ -16,14 +16,15 @@ behaviour log-probs and versions they were sampled under. KV made under other we
 is never reused beyond those rows, in both modes: the prefix cache keeps a finished
 row's KV only when all of it was computed under the current weights and uses an entry
 only under the version that made it, and a PD handoff prefilled under other weights is
-recomputed here. ``score`` re-scores tokens already generated under the weights held
-now (a stale member's, ``rollart.env.rescore``). Two hooks serve PD disaggregation (``rollart.rollout.pd``):
-``prefill`` returns a portable KV cache per request and ``decode`` continues from such
-caches; a per-trajectory prefix cache lets a later turn prefill only its new tokens. No
-Dask here: the ``InferenceWorker`` actor owns one engine and calls it from its engine
-thread. The serve loop, ``validate``, the version swap and the counters are the shared
-skeleton's (``rollart.rollout.serving.BatchingEngine``); this module supplies the batch
-(``rollart.rollout.batch._Batch``), the forward pass and the weight copies.
+recomputed here. ``score`` re-scores tokens already generated under the weights held now
+(a stale member's, ``rollart.env.rescore``). Two hooks serve PD disaggregation
+(``rollart.rollout.pd``): ``prefill`` returns a portable KV cache per request and
+``decode`` continues from such caches; a per-trajectory prefix cache lets a later turn
+prefill only its new tokens. No Dask here: the ``InferenceWorker`` actor owns one engine
+and calls it from its engine thread. The serve loop, ``validate``, the version swap and
+the counters are the shared skeleton's (``rollart.rollout.serving.BatchingEngine``);
+this module supplies the batch (``rollart.rollout.batch._Batch``), the forward pass and
+the weight copies.
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@ The engine is a ``TorchEngine`` or a ``VLLMEngine`` (``engine="torch"|"vllm"``, 
 Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight
 versions, which it finds itself: its prefetch thread reads the store's ``latest()``
 every ``watch`` seconds (a few bytes) and at once when someone waits (``wait_version``),
-so nobody relays versions to it (``update_weights`` remains to ask for one at once). Produces ``GenResult``s stamped
-with this worker's address, and ``ScoreResult``s (``rescore``: a stale member's tokens
-re-scored under the weights held now, on the same engine thread). Its methods are ``async`` and run on
-the Dask worker's event loop; the model runs on one engine thread the actor owns, which
-batches requests continuously (they join the running batch at decode-step boundaries and
-return as soon as they finish; an aborted request's row is dropped), so heartbeats and
-comms are never blocked.
+so nobody relays versions to it (``update_weights`` remains to ask for one at once).
+Produces ``GenResult``s stamped with this worker's address, and ``ScoreResult``s
+(``rescore``: a stale member's tokens re-scored under the weights held now, on the same
+engine thread, at its next admission). Its methods are ``async`` and run on the Dask
+worker's event loop; the model runs on one engine thread the actor owns, which batches
+requests continuously (they join the running batch at decode-step boundaries and return
+as soon as they finish; an aborted request's row is dropped), so heartbeats and comms
+are never blocked.
 
 Weight updates follow the asynchronous protocol: once the worker sees ``v`` (its watch
 of the store, or ``update_weights(v)``, which returns at once), the prefetch thread
@@ -319,7 +320,8 @@ class InferenceWorker:
 
     def _admit(self, free: int) -> list[tuple]:
         """Engine hook (engine thread, at a decode-step boundary): up to ``free`` queued
-        generate/decode requests join the running batch; queued PD prefills run now."""
+        generate/decode requests join the running batch; queued PD prefills and
+        re-scorings run now."""
         prefills, scores, taken = [], [], []
         with self._cond:
             if self._stop:

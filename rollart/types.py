@@ -4,6 +4,8 @@ Who makes what:
   * ``GenRequest`` / ``GenResult``: the env manager (through ``LLMProxy``) asks an
     ``InferenceWorker`` for one turn of text; the engine answers with token ids,
     behaviour log-probs and the policy version that produced each token.
+  * ``ScoreRequest`` / ``ScoreResult``: the env manager asks a worker to re-score a stale
+    member's generated tokens under the weights it holds now (``rollart.env.rescore``).
   * ``StepResult``: what an environment's ``step`` returns.
   * ``Episode``: what a reward function sees (text only, no tensors, so rewards can run
     anywhere, including behind HTTP later).
@@ -90,6 +92,28 @@ class GenResult:
     versions: list[int]  # policy version that produced each token
     finish_reason: str  # "stop" | "length" | "abort" (its caller aborted it)
     worker: str = ""  # address of the worker that generated it
+
+
+@dataclass
+class ScoreRequest:
+    """Re-score tokens already generated (no sampling): the log-prob of
+    ``token_ids[i]`` given ``token_ids[:i]`` for each ``i`` in ``positions`` (each ≥ 1),
+    under temperature-scaled logits as ``GenResult.logprobs``; ``min_version``: the
+    caller wants weights at least this new (the worker waits briefly for them)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    temperature: float = 1.0
+    min_version: int | None = None
+
+
+@dataclass
+class ScoreResult:
+    """``ScoreRequest``'s answer: one log-prob per position, all under ``version``."""
+
+    logprobs: list[float]
+    version: int
+    worker: str = ""
 
 
 @dataclass

@@ -41,7 +41,7 @@ from rollart.buffer.handout import Handout
 from rollart.buffer.infra import InfraFailures
 from rollart.buffer.journal import Journal
 from rollart.buffer.ledger import Ledger
-from rollart.buffer.schema import SCHEMA, from_table, to_record_batch
+from rollart.buffer.schema import SCHEMA, from_table, generated_tokens, to_record_batch
 from rollart.buffer.store import BufferStore
 from rollart.buffer.taken import TakenBatches, row_ids
 from rollart.policy.redundancy import min_members
@@ -51,6 +51,8 @@ __all__ = ["TAKE_KEY", "SampleBuffer"]  # TAKE_KEY: the trainer reads a batch's 
 logger = logging.getLogger(__name__)
 
 BUFFERED = TrajState.BUFFERED.value
+#: rows leaving in these states were never trained on: their generated tokens are wasted
+NEVER_TRAINED = (TrajState.DROPPED, TrajState.FAILED, TrajState.LOST_IN_STEP)
 
 
 class SampleBuffer:
@@ -75,6 +77,7 @@ class SampleBuffer:
         self.journal = Journal(self.run_dir, self.store)
         self.handout = Handout(self.ledger, self.groups, self.taken, self.admission, self._leave)
         self.ended = False  # the run's end was called (orphan_all_in_flight): no launches
+        self.wasted_tokens = 0  # generated tokens of rows that left never trained (_leave)
         self.recovered: dict | None = self._recover() if recover else None  # what it found
 
     # -- wiring -------------------------------------------------------------------------
@@ -83,6 +86,8 @@ class SampleBuffer:
         """Rows that leave the buffer: ledger moves, queued for Parquet (and for the
         journal unless ``durable``: a complete group's rows already are)."""
         out = [restate(b, state.value, step) for b in batches if b.num_rows]
+        if state in NEVER_TRAINED:
+            self.wasted_tokens += generated_tokens(out)
         for traj_id in row_ids(out):
             self.ledger.move(traj_id, state.value, step)
         self.store.left(out)
@@ -434,6 +439,7 @@ class SampleBuffer:
             "pending_rows": self.store.pending_rows,
             "parts_started": self.store.parts,
             "journal_entries": self.journal.next_entry,
+            "wasted_tokens": self.wasted_tokens,
             **await self.slot_stats(),
         }
 

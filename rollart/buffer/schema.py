@@ -44,6 +44,7 @@ from dataclasses import fields as dc_fields
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rollart.types import Trajectory
@@ -208,3 +209,9 @@ def batch_metrics(batch, trainer_version: int) -> dict:
     out["rollout/turns_mean"] = sum(t.num_turns for t in batch) / len(batch)
     out["reward/mean"] = sum(t.reward for t in batch) / len(batch)
     return out
+
+
+def generated_tokens(batches: list[pa.RecordBatch]) -> int:
+    """Tokens the policy generated in these rows (their ``loss_mask`` ones)."""
+    return sum(int(pc.sum(pc.list_flatten(b.column("loss_mask"))).as_py() or 0)
+               for b in batches)

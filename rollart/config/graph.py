@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rollart.policy.affinity import inference_tags
 from rollart.policy.affinity import needs as affinity_needs
+from rollart.env.rescore import stale_members_problem
 from rollart.env.tasks import get_task
 from rollart.runtime.resources import find_file, load_module
 from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLICY, REWARD,
@@ -171,6 +172,11 @@ class Rollout:
     # (rollart.policy.admission.Slots.take_limit); None: the first groups to complete are
     # taken first
     take_window: float | None = None
+    # async: a running member whose oldest token fell below the staleness bound is
+    # "abort"ed and run again from the start, or "rescore"d: its old tokens re-scored
+    # under the new weights at its next turn boundary, and it goes on
+    # (rollart.env.rescore; torch engine only)
+    stale_members: str = "abort"
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -213,6 +219,8 @@ class Rollout:
                f"Rollout.take_window must be ≥ 1 (trainer steps' worth of groups: fewer "
                f"could never fill a batch) or None (completion order), got "
                f"{self.take_window!r}")
+        _check(stale_members_problem(self.stale_members) is None,
+               stale_members_problem(self.stale_members))
         _numbers(self, "backup_after", optional=True)
         _check(self.backup_after is None or 0 < self.backup_after <= 1,
                f"Rollout.backup_after must be a fraction in (0, 1] of the group (extra "
@@ -261,6 +269,10 @@ class Graph:
         unknown = [t for t in self.policy.warmup_tasks if t not in names]
         _check(not unknown, f"Graph {self.name!r}: Policy.warmup_tasks names {unknown}, "
                f"not among the graph's tasks {names}")
+        _check(self.rollout.stale_members != "rescore" or self.policy.engine == "torch",
+               f"Graph {self.name!r}: Rollout.stale_members='rescore' needs "
+               f"Policy.engine='torch' (the vLLM engine cannot re-score tokens yet); set "
+               f"Rollout.stale_members='abort' or Policy.engine='torch'")
         _numbers(self, "steps", "seed", "checkpoint_every", integer=True)
         _check(self.checkpoint_every >= 0, f"Graph.checkpoint_every must be ≥ 0 (0 = never), "
                f"got {self.checkpoint_every}")

@@ -13,7 +13,10 @@ lifecycle around them:
   stragglers waste little, and extra compute goes to the groups that have them.
 * **Abort and replace**: ``abort_older_than(v)`` cancels every running member whose
   oldest generated token is older than ``v`` (it could never be trained) and starts a
-  fresh member of the same group in its place.
+  fresh member of the same group in its place. With ``stale_members="rescore"`` it
+  raises the members' floor instead: each re-scores its tokens older than it at its next
+  turn boundary and goes on, aborted as above only when no worker reaches the floor in
+  time (``rollart.env.rescore``).
 * **Replace failures** (not in lockstep batches): a member that fails (env raised,
   hung past a time-out, returned garbage) is recorded as ``failed`` and a new member
   starts in its place, up to ``group_size`` replacements per group; after that
@@ -43,6 +46,7 @@ import numpy as np
 
 from rollart.policy.redundancy import Redundancy
 from rollart.env.barrier import TurnBarrier
+from rollart.env.rescore import Rescorer, stale_members_problem
 from rollart.env.trajectory import TokenLog, TrajectoryRunner
 from rollart.runtime.coalesce import Coalescer
 from rollart.runtime.handles import Handle
@@ -100,7 +104,10 @@ class EnvManager:
                  inference_pools: tuple[str, ...] | None = None, seed: int = 0,
                  max_context: int | None = None, env_threads: int = 8,
                  local_reward: bool = True, conversation: str = "auto",
-                 system_prompt: str | None = None, put_linger: float = 0.05):
+                 system_prompt: str | None = None, put_linger: float = 0.05,
+                 stale_members: str = "abort"):
+        if problem := stale_members_problem(stale_members):
+            raise ValueError(problem)
         self.buffer = near(buffer)
         self.runner = TrajectoryRunner(
             proxy, load_tokenizer(model_path), temperature=temperature, top_p=top_p,
@@ -120,7 +127,13 @@ class EnvManager:
         self._closing = False
         self.group_errors: list[str] = []  # run_group calls of take_work that raised
         self.counts = {"launched": 0, "delivered": 0, "failed": 0, "cancelled": 0,
-                       "aborted": 0, "replaced": 0, "backups": 0, "groups_taken": 0}
+                       "aborted": 0, "replaced": 0, "backups": 0, "groups_taken": 0,
+                       # generated tokens of members cancelled or aborted here (never
+                       # delivered, so never trained on)
+                       "wasted_tokens": 0}
+        self.rescorer = Rescorer(temperature) if stale_members == "rescore" else None
+        if self.rescorer is not None:
+            self.runner.refresh = self._refresh
 
     # -- public actor methods -----------------------------------------------------------
     async def run_group(self, task, seed: int, group_id: str, group_size: int,
@@ -253,7 +266,12 @@ class EnvManager:
 
     async def abort_older_than(self, min_version: int) -> int:
         """Abort running members whose oldest generated token is older than
-        ``min_version`` and start replacements; returns how many were aborted."""
+        ``min_version`` and start replacements; returns how many were aborted. With
+        ``stale_members="rescore"`` none is aborted now: they re-score at their next
+        turn boundary (``_refresh``)."""
+        if self.rescorer is not None:
+            self.rescorer.raise_floor(min_version)
+            return 0
         n = 0
         for grp in list(self._groups.values()):
             for traj_id, log in list(grp.logs.items()):
@@ -264,6 +282,23 @@ class EnvManager:
                     n += 1
         return n
 
+    async def _refresh(self, traj, task, log) -> None:
+        """The runner's hook (``stale_members="rescore"``): re-score the member's stale
+        tokens; when that fails it is aborted here, exactly as ``abort_older_than``
+        aborts (cancelled, settled ``aborted``, replaced)."""
+        r = self.runner
+        at_end = r.running.get(traj.traj_id) == TrajState.SCORING.value
+        if await self.rescorer.refresh(r.proxy, traj.traj_id, task.name, log,
+                                       r.inference_pools, at_end):
+            return
+        grp = self._groups.get(traj.group_id)
+        job = grp.jobs.get(traj.traj_id) if grp is not None else None
+        if job is None or job is not asyncio.current_task():
+            return  # not a member of this manager's groups: it goes on as it is
+        grp.reasons[traj.traj_id] = TrajState.ABORTED.value
+        job.cancel()
+        await asyncio.sleep(0)  # the cancellation lands here
+
     async def stats(self) -> dict:
         r = self.runner
         states: dict[str, int] = {}
@@ -272,7 +307,9 @@ class EnvManager:
         lat = sorted(r.env_latency[-1000:])
         turns = max(r.turns, 1)
         proxy = r.proxy.stats()
-        return {**self.counts, "in_flight": sum(len(g.jobs) for g in self._groups.values()),
+        rescored = self.rescorer.counts if self.rescorer is not None else {}
+        return {**self.counts, **rescored,
+                "in_flight": sum(len(g.jobs) for g in self._groups.values()),
                 "env_threads": r.env_threads,
                 "group_errors": len(self.group_errors), "groups_running": len(self._groups),
                 "rerouted": proxy.get("rerouted", 0),
@@ -401,7 +438,7 @@ class EnvManager:
             self._maybe_done(grp)
 
     async def _run_member(self, grp: _GroupRun, traj_id: str) -> None:
-        traj = None
+        traj, log = None, grp.logs[traj_id]
         try:
             async with self._slots:
                 traj = await self.runner.run(grp.task, grp.seed, traj_id, grp.group_id,
@@ -412,10 +449,10 @@ class EnvManager:
             grp.jobs.pop(traj_id, None)
             grp.logs.pop(traj_id, None)
         if traj is None:
-            await self._cancelled(grp, traj_id)
+            await self._cancelled(grp, traj_id, sum(log.loss_mask))
             return
         if grp.filled:  # a redundant member that finished late
-            await self._settle(traj_id, TrajState.CANCELLED.value)
+            await self._settle(traj_id, TrajState.CANCELLED.value, sum(traj.loss_mask))
         elif traj.state == TrajState.FAILED.value and grp.barrier is None and \
                 grp.replaced < grp.size:
             # failed (env raised, hung, returned garbage): record it, start a new member
@@ -463,17 +500,19 @@ class EnvManager:
         if not grp.jobs and not grp.putting:
             grp.done.set()
 
-    async def _cancelled(self, grp: _GroupRun, traj_id: str) -> None:
+    async def _cancelled(self, grp: _GroupRun, traj_id: str, tokens: int = 0) -> None:
         reason = grp.reasons.pop(traj_id, TrajState.CANCELLED.value)
-        await self._settle(traj_id, reason)
+        await self._settle(traj_id, reason, tokens)
         if reason == TrajState.ABORTED.value and not grp.filled:
             await self._launch(grp, 1)  # replace it: the group still needs a member
         else:  # filled, or shut down before it filled
             self._maybe_done(grp)
 
-    async def _settle(self, traj_id: str, state: str) -> None:
+    async def _settle(self, traj_id: str, state: str, tokens: int = 0) -> None:
+        """``traj_id`` ends here, cancelled or aborted, its ``tokens`` generated wasted."""
         key = "aborted" if state == TrajState.ABORTED.value else "cancelled"
         self.counts[key] += 1
+        self.counts["wasted_tokens"] += tokens
         await self.buffer.settle([traj_id], state)
 
 

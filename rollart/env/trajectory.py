@@ -5,7 +5,8 @@ the ``LLMProxy`` and step the env, then score the episode on the REWARD pool (on
 thread of this worker when it carries the pool's tag, else as a Dask task there). Env
 calls run in a thread pool it owns with a per-step time-out (or are awaited directly
 when the env has ``areset``/``astep``), and the whole episode may have a per-trajectory
-time-out; an env or reward that raises, hangs or returns the wrong types
+time-out (an owner's ``refresh`` hook runs at each turn boundary and before delivery:
+``rollart.env.rescore``); an env or reward that raises, hangs or returns the wrong types
 makes that trajectory ``failed`` with the error kept, and nothing else (a
 ``ChatTemplateError``, e.g. an agent's request the template can never serve, fails it
 too; the buffer then tells the driver, which stops the run with it:
@@ -120,6 +121,9 @@ class TrajectoryRunner:
         self.rewards = {"here": 0, "tasks": 0}  # how rewards ran: on this worker / as tasks
         self._server = None  # the agent endpoint (rollart.agents.endpoint), made on first use
         self._agent_executor: ThreadPoolExecutor | None = None  # plain agent functions
+        # ``await refresh(traj, task, log)`` at each turn boundary and once the reward is
+        # in: the owner's chance to re-score stale tokens (rollart.env.rescore); None: off
+        self.refresh = None
 
     def stats(self) -> dict:
         """Conversation counters, namespaced ``rollout/…`` (merged into
@@ -155,6 +159,8 @@ class TrajectoryRunner:
                     barrier.leave()
             self.running[traj_id] = TrajState.SCORING.value
             traj.reward = await self._score(task, ep, traj_id)
+            if self.refresh is not None:  # before delivery: no token below the bound
+                await self.refresh(traj, task, log)
             traj.outcome = "success" if ep.info.get("success") else (
                 "truncated" if ep.truncated else "failure")
             traj.state = TrajState.BUFFERED.value
@@ -289,6 +295,8 @@ class TrajectoryRunner:
                     ep.truncated = True
                     self.counts["truncated"] += 1
                     return
+                if self.refresh is not None and turn:
+                    await self.refresh(traj, task, log)
                 t0 = time.perf_counter()
                 env_before, gen_before = traj.env_time, traj.gen_time
                 text = await self._generate(task, conv, traj, turn)

@@ -3,7 +3,8 @@
 ``step_row`` is the one place a row is put together: the trainer's figures of the step
 (``Trainer.train_step``), the ledger's counts (``traj/<state>``), the rollout figures
 (``rollout_figures``: ``rollout/…``, ``env/…``, from the stats the inference workers
-(``InferenceWorker.stats``) and env managers (``EnvManager.stats``) report), each
+(``InferenceWorker.stats``) and env managers (``EnvManager.stats``) report), the tokens
+generated, wasted and re-scored (``waste_figures``: those stats and the buffer's), each
 inference pool's tokens and busy seconds, and what the caller adds (reward pools,
 recovery counters), then ``time``. The sample is ``rollart.control.fleet.Sample``
 (``Fleet.sample``, read once per step by ``rollart.control.loop``); a test or a simulator
@@ -59,6 +60,8 @@ def step_row(trainer: dict, sample, *, elapsed: float, driver_errors: int = 0,
     # async modes (0 in the others): groups holding a slot now, and the group-seconds
     # held and seconds open since the slots opened (their ratio: the mean in flight)
     row.update({f"rollout/{k}": sample.buffer.get(k, 0) for k in SLOT_KEYS})
+    row.update(waste_figures([s for _, _, s in sample.workers], sample.managers,
+                             sample.buffer))
     for tag, p in pool_totals(sample.workers).items():
         row[f"rollout/tokens/{tag}"] = p["tokens"]
         row[f"rollout/busy_s/{tag}"] = p["busy_s"]
@@ -161,6 +164,31 @@ def rollout_figures(workers: list[dict], managers: list[dict], driver_errors: in
         # generated tokens those dropped from training
         **{key: total(managers, key) for key in AGENT_KEYS},
     }
+
+
+def waste_figures(workers: list[dict], managers: list[dict], buffer: dict) -> dict:
+    """Generated tokens never trained on, and tokens kept by re-scoring
+    (``Rollout.stale_members``). Wasted are the tokens of members cancelled or aborted
+    by their env manager (redundant, stale, shut down), of rows an engine dropped
+    mid-generation (their caller went away), of rows that left the buffer ``dropped``
+    (stale, late, too small a group), ``failed`` or ``lost_in_step``, and an agent's
+    dropped tokens. Not counted: members lost with their worker (orphaned), and what is
+    still in flight or buffered. ``rollout/wasted_share`` divides by the engines'
+    ``tokens_generated`` (``rollout/generated_tokens``).
+
+    >>> w = waste_figures([{"tokens_generated": 100, "abandoned_tokens": 5}],
+    ...                   [{"wasted_tokens": 10, "rescored_tokens": 7}], {"wasted_tokens": 15})
+    >>> w["rollout/wasted_tokens"], w["rollout/wasted_share"], w["rollout/rescored_tokens"]
+    (30, 0.3, 7)
+    """
+    generated = sum(s.get("tokens_generated", 0) for s in workers)
+    wasted = (sum(s.get("abandoned_tokens", 0) for s in workers)
+              + sum(m.get("wasted_tokens", 0) + m.get("rollout/agent_dropped_tokens", 0)
+                    for m in managers) + buffer.get("wasted_tokens", 0))
+    return {"rollout/generated_tokens": generated, "rollout/wasted_tokens": wasted,
+            "rollout/wasted_share": wasted / generated if generated else 0.0,
+            "rollout/rescored_tokens": sum(m.get("rescored_tokens", 0) for m in managers),
+            "rollout/rescore_failed": sum(m.get("rescore_failed", 0) for m in managers)}
 
 
 def padding(padded: int, tokens: int) -> float:

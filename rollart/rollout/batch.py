@@ -62,8 +62,11 @@ class _Batch:
         return [row.tag for row in self.rows]
 
     def abandon(self, abandoned) -> None:
-        """Drop the rows whose caller went away (``abandoned(tag)``), without a result."""
-        self.drop([j for j, row in enumerate(self.rows) if abandoned(row.tag)])
+        """Drop the rows whose caller went away (``abandoned(tag)``), without a result;
+        their tokens are counted as never returned (``abandoned_tokens``)."""
+        gone = [j for j, row in enumerate(self.rows) if abandoned(row.tag)]
+        self.engine.abandoned_tokens += sum(len(self.rows[j].tokens) for j in gone)
+        self.drop(gone)
 
     @torch.inference_mode()
     def join(self, items: list[tuple]) -> None:

@@ -16,13 +16,15 @@ behaviour log-probs and versions they were sampled under. KV made under other we
 is never reused beyond those rows, in both modes: the prefix cache keeps a finished
 row's KV only when all of it was computed under the current weights and uses an entry
 only under the version that made it, and a PD handoff prefilled under other weights is
-recomputed here. Two hooks serve PD disaggregation (``rollart.rollout.pd``):
-``prefill`` returns a portable KV cache per request and ``decode`` continues from such
-caches; a per-trajectory prefix cache lets a later turn prefill only its new tokens. No
-Dask here: the ``InferenceWorker`` actor owns one engine and calls it from its engine
-thread. The serve loop, ``validate``, the version swap and the counters are the shared
-skeleton's (``rollart.rollout.serving.BatchingEngine``); this module supplies the batch
-(``rollart.rollout.batch._Batch``), the forward pass and the weight copies.
+recomputed here. ``score`` re-scores tokens already generated under the weights held now
+(a stale member's, ``rollart.env.rescore``). Two hooks serve PD disaggregation
+(``rollart.rollout.pd``): ``prefill`` returns a portable KV cache per request and
+``decode`` continues from such caches; a per-trajectory prefix cache lets a later turn
+prefill only its new tokens. No Dask here: the ``InferenceWorker`` actor owns one engine
+and calls it from its engine thread. The serve loop, ``validate``, the version swap and
+the counters are the shared skeleton's (``rollart.rollout.serving.BatchingEngine``);
+this module supplies the batch (``rollart.rollout.batch._Batch``), the forward pass and
+the weight copies.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from rollart.rollout.lean import LeanForward, unsupported
 from rollart.rollout.serving import BatchingEngine
 from rollart.rollout.staging import (UpdateHook, check_bucket, check_complete,
                                      check_state_dict)
-from rollart.types import GenRequest, GenResult
+from rollart.types import GenRequest, GenResult, ScoreRequest, ScoreResult
 from rollart.weights import lora
 from rollart.weights.lora import MergedAdapter
 
@@ -95,6 +97,9 @@ class TorchEngine(BatchingEngine):
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self._cache_kwarg = _cache_kwarg(self.model)
+        # score: the forward can make the logits of the last positions only
+        self._keeps_logits = "logits_to_keep" in inspect.signature(
+            self.model.forward).parameters
         # the lean forward (rollart.rollout.lean) where the architecture allows it: same
         # logits, a fraction of the per-step overhead, a KV cache grown in place
         self.lean = LeanForward(self.model) if lean and unsupported(self.model) is None \
@@ -147,6 +152,36 @@ class TorchEngine(BatchingEngine):
         (that setting concerns only rows already generating when the weights change).
         """
         return serve_all(self, requests, handoffs)
+
+    @torch.inference_mode()
+    def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
+        """Re-score generated tokens under the weights held now (``rollart.env.rescore``):
+        per request one forward over its context (no KV cache kept, no sampling), the
+        log-prob of each ``positions`` token under temperature-scaled logits, as
+        ``sampling.pick`` takes a behaviour log-prob (temperature ≤ 0: under 1). Only
+        the logits of the scored span are made (``logits_to_keep``): a long context
+        does not cost a [length, vocab] tensor. Called on the engine thread between two
+        decode steps; a bad request raises ``ValueError`` before any compute."""
+        for req in requests:
+            self.check_score(req)
+        out = []
+        for req in requests:
+            t0 = time.perf_counter()
+            first, last = min(req.positions), max(req.positions)
+            ids = torch.tensor([req.token_ids[:last]], dtype=torch.long,
+                               device=self.model.device)
+            keep = last - first + 1  # logits at first-1 .. last-1 predict first .. last
+            kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+            logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits[0, -keep:]
+            scale = req.temperature if req.temperature > 0 else 1.0
+            logp = torch.log_softmax(logits.float() / scale, dim=-1)
+            rows = torch.tensor([p - first for p in req.positions], device=logp.device)
+            toks = torch.tensor([req.token_ids[p] for p in req.positions],
+                                device=logp.device)
+            out.append(ScoreResult(logp[rows, toks].tolist(), self.version))
+            self.scored_tokens += len(req.positions)
+            self.busy_seconds += time.perf_counter() - t0
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the current weights."""

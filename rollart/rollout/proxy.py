@@ -18,6 +18,9 @@ Routing, in order:
    fewest queued + in-flight tokens sent through this proxy (prompt tokens still to
    prefill + tokens to generate), ties round robin.
 
+``rescore`` sends a stale member's tokens to be re-scored (``rollart.env.rescore``) the
+same way, to the trajectory's worker (a PD task: its prefill pool).
+
 The proxy is a plain picklable object shipped into env-manager actors: its counters are
 local to each copy, so routing costs no extra Dask hop. Await ``generate`` on the event
 loop of the Dask worker (or asynchronous client) that holds the actor handles.
@@ -37,7 +40,7 @@ from typing import Any
 from rollart.policy.affinity import BANDWIDTH_TAGS, COMPUTE_TAGS, Affinity
 from rollart.runtime.near import near
 from rollart.policy.routing import Router, WorkerLostError  # noqa: F401 (re-exported)
-from rollart.types import GenRequest, GenResult
+from rollart.types import GenRequest, GenResult, ScoreRequest, ScoreResult
 from rollart.runtime.lost import is_lost
 
 
@@ -192,6 +195,27 @@ class LLMProxy:
             self._pd["requests"] += 1
             self._pd["kv_bytes"] += int(kv.get("nbytes", 0))
         return res
+
+    async def rescore(self, traj_id: str, req: ScoreRequest, pools=None,
+                      task: str | None = None, wait: float = 0.0) -> ScoreResult:
+        """Re-score a trajectory's tokens (``InferenceWorker.rescore``, waiting up to
+        ``wait`` s for ``req.min_version``) on the worker its generations go to (a PD
+        task: its prefill pool), re-sent elsewhere when that worker was lost."""
+        aff = self.router.disaggregated(task)
+        if aff is not None:
+            task, pools = None, (aff.prefill,)
+        cost = len(req.token_ids)
+        while True:
+            idx = self.router.route(traj_id, task, pools, cost)
+            try:
+                return await self._near_handle(idx).rescore(req, wait)
+            except Exception as e:  # its worker was lost: re-send to another one
+                if not is_lost(e):
+                    raise
+                self.router.lost(idx, traj_id)
+                self.rerouted += 1
+            finally:
+                self.router.done(idx, cost)
 
     def release(self, traj_id: str) -> None:
         """Forget ``traj_id`` (call when the trajectory is finished)."""

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Protocol
 
 from rollart.rollout.base import serve_all
 from rollart.rollout.staging import StagedUpdates, UpdateHook
-from rollart.types import GenRequest, GenResult
+from rollart.types import GenRequest, GenResult, ScoreRequest, ScoreResult
 
 Delivered = Iterable[tuple[object, GenResult]]  # (tag, result) of rows that finished
 
@@ -90,6 +90,8 @@ class BatchingEngine(ABC):
         self.suspends = 0  # weight swaps applied in the middle of a batch
         self.recompute_tokens = 0  # context tokens re-prefilled after those swaps (keep: 0)
         self.recompute_seconds = 0.0  # time re-prefilling them
+        self.scored_tokens = 0  # tokens re-scored (``score``: stale members' tokens)
+        self.abandoned_tokens = 0  # tokens of rows dropped mid-generation (never returned)
 
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: GenRequest) -> None:
@@ -108,6 +110,30 @@ class BatchingEngine(ABC):
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                              f"(size {self.vocab_size})")
+
+    def check_score(self, req: ScoreRequest) -> None:
+        """Raise ``ValueError`` if ``req`` (a re-scoring) cannot be served by this model."""
+        n = len(req.token_ids)
+        if not req.positions:
+            raise ValueError("ScoreRequest.positions is empty: name the tokens to score")
+        bad = [p for p in req.positions if not 1 <= int(p) < n]
+        if bad:
+            raise ValueError(f"ScoreRequest.positions {bad[:5]} are outside 1..{n - 1}: a "
+                             "token is scored given the tokens before it")
+        if max(req.positions) > self.max_positions:
+            raise ValueError(f"ScoreRequest needs {max(req.positions)} context tokens, more "
+                             f"than the model's {self.max_positions} positions")
+        bad = [t for t in req.token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"ScoreRequest token ids {bad[:5]} are outside the vocabulary "
+                             f"(size {self.vocab_size})")
+
+    def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
+        """Each request's tokens' log-probs under the weights held now (one forward over
+        the context, no sampling; ``rollart.env.rescore``). Not every engine can."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot re-score tokens: set Rollout.stale_members="
+            "'abort' (or use Policy.engine='torch')")
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Generate for every request (order preserved), ``max_batch`` rows at a time.
@@ -345,6 +371,8 @@ class BatchingEngine(ABC):
             "weight_update": self.weight_update,
             "suspends": self.suspends,
             "recompute_tokens": self.recompute_tokens,
+            "scored_tokens": self.scored_tokens,
+            "abandoned_tokens": self.abandoned_tokens,
             "stall_seconds": self.stall_seconds,
             "weights_mixed": self.mixed is not None,
         }

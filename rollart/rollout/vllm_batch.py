@@ -55,7 +55,7 @@ class _VBatch:
         if gone:
             self.engine.llm.abort_request(gone)
             for rid in gone:
-                del self.rows[rid]
+                self.engine.abandoned_tokens += len(self.rows.pop(rid).tokens)
             self.engine.aborts += len(gone)
 
     def join(self, items: list[tuple]) -> None:

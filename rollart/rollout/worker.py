@@ -6,12 +6,14 @@ The engine is a ``TorchEngine`` or a ``VLLMEngine`` (``engine="torch"|"vllm"``, 
 Consumes ``GenRequest``s (from ``LLMProxy`` inside env-manager actors) and weight
 versions, which it finds itself: its prefetch thread reads the store's ``latest()``
 every ``watch`` seconds (a few bytes) and at once when someone waits (``wait_version``),
-so nobody relays versions to it (``update_weights`` remains to ask for one at once). Produces ``GenResult``s stamped
-with this worker's address. Its methods are ``async`` and run on
-the Dask worker's event loop; the model runs on one engine thread the actor owns, which
-batches requests continuously (they join the running batch at decode-step boundaries and
-return as soon as they finish; an aborted request's row is dropped), so heartbeats and
-comms are never blocked.
+so nobody relays versions to it (``update_weights`` remains to ask for one at once).
+Produces ``GenResult``s stamped with this worker's address, and ``ScoreResult``s
+(``rescore``: a stale member's tokens re-scored under the weights held now, on the same
+engine thread, at its next admission). Its methods are ``async`` and run on the Dask
+worker's event loop; the model runs on one engine thread the actor owns, which batches
+requests continuously (they join the running batch at decode-step boundaries and return
+as soon as they finish; an aborted request's row is dropped), so heartbeats and comms
+are never blocked.
 
 Weight updates follow the asynchronous protocol: once the worker sees ``v`` (its watch
 of the store, or ``update_weights(v)``, which returns at once), the prefetch thread
@@ -48,7 +50,7 @@ import torch
 
 from rollart.rollout.base import make_engine
 from rollart.rollout.prefetch import WeightPrefetch
-from rollart.types import GenRequest, GenResult
+from rollart.types import GenRequest, GenResult, ScoreRequest, ScoreResult
 
 
 @dataclass
@@ -56,7 +58,8 @@ class _Pending:
     req: GenRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    kind: str = "generate"  # | "prefill" | "decode" (PD disaggregation, rollart.rollout.pd)
+    # | "prefill" | "decode" (PD disaggregation, rollart.rollout.pd) | "score" (rescore)
+    kind: str = "generate"
     handoff: object = None  # the KVHandoff a "decode" starts from
     aborted: bool = False
 
@@ -151,7 +154,7 @@ class InferenceWorker:
     async def _submit(self, req: GenRequest, kind: str = "generate", handoff=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        rid = req.request_id if kind != "prefill" else None
+        rid = req.request_id if kind in ("generate", "decode") else None
         with self._cond:
             if self._stop:
                 raise RuntimeError(f"InferenceWorker {self.address or self.pool} is closed")
@@ -183,6 +186,21 @@ class InferenceWorker:
                 self.abandoned += 1
                 _resolve(item.future, item.loop, _aborted())
         return True
+
+    async def rescore(self, req: ScoreRequest, wait: float = 0.0) -> ScoreResult:
+        """The log-probs of ``req``'s tokens under the weights this worker holds when
+        the engine thread reaches it (between two decode steps: one forward, no
+        sampling; ``rollart.env.rescore``), and that version. When ``req.min_version`` is
+        newer than the weights held, wait up to ``wait`` s for it first (the prefetch
+        looks at the store at once); the answer may still carry an older version."""
+        if req.min_version is not None and wait > 0 and self.engine.version < req.min_version:
+            try:
+                await self.wait_version(req.min_version, wait)
+            except TimeoutError:
+                pass  # the caller sees the version it got and decides
+        result = await self._submit(req, "score")
+        result.worker = self.address
+        return result
 
     # -- PD disaggregation (KV moves worker to worker; see rollart.rollout.kv) ----------
     async def prefill(self, req: GenRequest) -> dict:
@@ -302,8 +320,9 @@ class InferenceWorker:
 
     def _admit(self, free: int) -> list[tuple]:
         """Engine hook (engine thread, at a decode-step boundary): up to ``free`` queued
-        generate/decode requests join the running batch; queued PD prefills run now."""
-        prefills, taken = [], []
+        generate/decode requests join the running batch; queued PD prefills and
+        re-scorings run now."""
+        prefills, scores, taken = [], [], []
         with self._cond:
             if self._stop:
                 return []
@@ -314,6 +333,8 @@ class InferenceWorker:
                     continue
                 if item.kind == "prefill":
                     prefills.append(item)
+                elif item.kind == "score":
+                    scores.append(item)
                 elif len(taken) < free:
                     taken.append((item.req, item) if item.kind == "generate"
                                  else (item.req, item, item.handoff))
@@ -322,18 +343,21 @@ class InferenceWorker:
             self._pending = keep
             self._in_flight += len(taken)
         if prefills:
-            self._prefill(prefills)
+            self._each(prefills, functools.partial(self.engine.prefill, source=self.address))
+        if scores:
+            self._each(scores, self.engine.score)
         return taken
 
-    def _prefill(self, items: list[_Pending]) -> None:
-        """PD prefills (no decode here): one ``KVHandoff`` each; a bad one fails alone."""
+    def _each(self, items: list[_Pending], run) -> None:
+        """PD prefills (no decode here: one ``KVHandoff`` each) or re-scorings (one
+        ``ScoreResult`` each), ``run`` on them together; a bad one fails alone."""
         try:
-            outcomes = self.engine.prefill([it.req for it in items], source=self.address)
+            outcomes = run([it.req for it in items])
         except Exception:  # noqa: BLE001 - each request again, alone
             outcomes = []
             for it in items:
                 try:
-                    outcomes.append(self.engine.prefill([it.req], source=self.address)[0])
+                    outcomes.append(run([it.req])[0])
                 except Exception as one:  # noqa: BLE001 - goes back to that caller
                     outcomes.append(one)
         for item, outcome in zip(items, outcomes):

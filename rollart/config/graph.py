@@ -273,6 +273,11 @@ class Graph:
                f"Graph {self.name!r}: Rollout.stale_members='rescore' needs "
                f"Policy.engine='torch' (the vLLM engine cannot re-score tokens yet); set "
                f"Rollout.stale_members='abort' or Policy.engine='torch'")
+        # only async aborts members for staleness: areal keeps them, lockstep is on-policy
+        _check(self.rollout.stale_members != "rescore" or self.mode == "async",
+               f"Graph {self.name!r}: Rollout.stale_members='rescore' applies to "
+               f"mode='async' only (areal keeps its members, the lockstep modes abort none), "
+               f"got mode={self.mode!r}; set Rollout.stale_members='abort' or mode='async'")
         _numbers(self, "steps", "seed", "checkpoint_every", integer=True)
         _check(self.checkpoint_every >= 0, f"Graph.checkpoint_every must be ≥ 0 (0 = never), "
                f"got {self.checkpoint_every}")

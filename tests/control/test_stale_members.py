@@ -54,4 +54,7 @@ def test_stale_members_is_checked_where_it_is_set():
     graph = tiny_graph("t", stale_members="rescore")
     with pytest.raises(GraphError, match="stale_members='abort' or Policy.engine='torch'"):
         replace(graph, policy=Policy(engine="vllm"))
+    for mode in ("areal", "sync+", "sync", "one-off"):  # never silently without effect
+        with pytest.raises(GraphError, match="applies to mode='async' only"):
+            replace(graph, mode=mode)
     assert Rollout().stale_members == "abort"  # the default is decided by a measurement

@@ -38,6 +38,15 @@ groups each run actually held in flight or buffered, averaged over its time
 (``rollout/slots_held_s`` ÷ ``rollout/slots_open_s`` of its last row, in steps' worth),
 median over seeds.
 
+**Candidates for async's default** run beside it as labels (``VARIANTS``):
+``async@auto`` (``Rollout.max_in_flight="auto"``), ``async@rescore``
+(``Rollout.stale_members="rescore"``) and ``async@new`` (both). ``--ours LABEL`` makes
+one of them the headline: every paired ratio is then against it, the default async
+included (``speedup_vs_async_paired``), and the RESULT line says ``ours=LABEL``::
+
+    python benchmarks/pipeline.py --redundant '' --eval-seeds 128 \
+        --modes async,async@new,sync+,areal,areal@async --ours async@new
+
 The headline runs have no redundant members (every mode alike); the modes that can use
 redundancy (``REDUNDANT_MODES``: their groups run on their own; ``sync`` and ``one-off``
 move a batch turn by turn) also run with ``--redundancy`` extras per group, reported
@@ -79,6 +88,12 @@ from _results import Run, add_arguments, fill  # noqa: E402
 
 MODES = ("sync", "sync+", "one-off", "areal", "async")
 AT_ASYNC = "areal@async"  # areal with Rollout.max_in_flight at async's budget
+#: async with settings that are not (yet) its default: candidates for it, run beside the
+#: default (``--modes async,async@new,…``) and made the headline with ``--ours``
+VARIANTS = {"async@auto": {"max_in_flight": "auto"},
+            "async@rescore": {"stale_members": "rescore"},
+            "async@new": {"max_in_flight": "auto", "stale_members": "rescore"}}
+LABELS = MODES + (AT_ASYNC,) + tuple(VARIANTS)
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)
 BASELINES = {"syncplus": "sync+", "sync": "sync", "oneoff": "one-off", "areal": "areal"}
@@ -167,8 +182,9 @@ def async_budget(graph) -> float:
 
 
 def label_graph(base, tasks, model: str, label: str, seed: int, a):
-    """The graph of run ``label``: a mode, ``<mode>@r`` (with redundancy) or
-    ``areal@async`` (areal at async's in-flight budget)."""
+    """The graph of run ``label``: a mode, ``<mode>@r`` (with redundancy),
+    ``areal@async`` (areal at async's in-flight budget) or an async variant
+    (``VARIANTS``: its ``Rollout`` settings over the run's)."""
     mode, _, tag = label.partition("@")
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
                     checkpoint_every=a.every,
@@ -181,6 +197,8 @@ def label_graph(base, tasks, model: str, label: str, seed: int, a):
     if tag == "async":
         graph = replace(graph, rollout=replace(graph.rollout,
                                                max_in_flight=async_budget(graph)))
+    if label in VARIANTS:
+        graph = replace(graph, rollout=replace(graph.rollout, **VARIANTS[label]))
     return graph
 
 
@@ -282,8 +300,10 @@ def paired(theirs: dict, ours: dict) -> dict:
             "wins": sum(r > 1 for r in ratios), "pairs": len(ratios)}
 
 
-def summarise(runs: list[dict], seeds: list[int]) -> dict:
-    """The RESULT figures from every scored run (module doc)."""
+def summarise(runs: list[dict], seeds: list[int], ours: str = "async") -> dict:
+    """The RESULT figures from every scored run (module doc); the paired ratios are
+    the other runs' times ÷ ``ours``' (``--ours``: async's default, or a variant, which
+    is then also paired with the default as ``speedup_vs_async_paired``)."""
     by = {}
     for r in runs:
         by.setdefault(r["label"], {})[r["seed"]] = r
@@ -299,12 +319,13 @@ def summarise(runs: list[dict], seeds: list[int]) -> dict:
                 if s in by.get(num, {}) and s in by.get(den, {})]
 
     out, pairs = {}, {}
-    for key, label in PAIRED.items():
+    against = dict(PAIRED, **({"async": "async"} if ours != "async" else {}))
+    for key, label in against.items():
         p = pairs[key] = paired(per_seed(label, "time_to_target_s"),
-                                per_seed("async", "time_to_target_s"))
+                                per_seed(ours, "time_to_target_s"))
         out[f"speedup_vs_{key}_paired"] = p["median"]
         out[f"wins_vs_{key}"], out[f"pairs_vs_{key}"] = p["wins"], p["pairs"]
-    for label in ("async", "areal", AT_ASYNC):
+    for label in dict.fromkeys(("async", ours, "areal", AT_ASYNC)):
         out[f"inflight_{short(label)}"] = med(label, "inflight") if label in by else math.nan
     for short_name, mode in BASELINES.items():
         out[f"speedup_vs_{short_name}"] = _ratio(med(mode, "time_to_target_s"),
@@ -314,7 +335,7 @@ def summarise(runs: list[dict], seeds: list[int]) -> dict:
     out["heldout_syncplus"] = med("sync+", "heldout")
     out["seeds"] = len(seeds)
     out["target"] = math.nan  # set by main (kept here for the key order)
-    for key in PAIRED:  # the paired ratios' range
+    for key in against:  # the paired ratios' range
         out[f"speedup_vs_{key}_min"] = pairs[key]["min"]
         out[f"speedup_vs_{key}_max"] = pairs[key]["max"]
     per = ratios("async", "sync", "traj_per_s")
@@ -352,8 +373,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--eval-seeds", type=int, help="held-out seeds per task")
     p.add_argument("--seeds", type=int, help="seeds (1, 2, …); every mode runs each")
     p.add_argument("--modes", default=None,
-                   help=f"comma-separated, of {MODES + (AT_ASYNC,)} (default: all; "
+                   help=f"comma-separated, of {LABELS} (default: {MODES + (AT_ASYNC,)}; "
                         f"--quick: all but {AT_ASYNC})")
+    p.add_argument("--ours", default="async",
+                   help="the run whose paired ratios are the headline: async (its "
+                        f"default) or a variant among --modes, of {tuple(VARIANTS)}")
     p.add_argument("--redundant", default=None,
                    help="modes also run with redundancy (of REDUNDANT_MODES; '' = none)")
     p.add_argument("--max-in-flight", type=float, default=None,
@@ -381,11 +405,15 @@ def parse(argv) -> argparse.Namespace:
     fill(a, QUICK if a.quick else FULL)
     a.modes = tuple(m for m in a.modes.split(",") if m)
     a.redundant = tuple(m for m in a.redundant.split(",") if m)
-    bad = [m for m in a.modes if m not in MODES + (AT_ASYNC,)] + \
+    bad = [m for m in a.modes if m not in LABELS] + \
         [m for m in a.redundant if m not in REDUNDANT_MODES]
     if bad:
-        p.error(f"unknown mode(s) {bad}: --modes takes {MODES + (AT_ASYNC,)}, --redundant "
+        p.error(f"unknown mode(s) {bad}: --modes takes {LABELS}, --redundant "
                 f"{REDUNDANT_MODES}")
+    if a.ours != "async" and (a.ours not in VARIANTS or a.ours not in a.modes
+                              or "async" not in a.modes):
+        p.error(f"--ours {a.ours}: name an async variant of {tuple(VARIANTS)} that "
+                f"--modes runs beside async itself")
     return a
 
 
@@ -466,11 +494,12 @@ def main(argv=None) -> dict:
             run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
                      runs, failed)
             if i + 1 < len(seeds):  # figures so far, in case the run is cut short
-                part = summarise(runs, seeds[:i + 1])
+                part = summarise(runs, seeds[:i + 1], a.ours)
                 print("PARTIAL " + " ".join(f"{k}={fmt(v)}" for k, v in part.items()
                                             if k != "target"), flush=True)
-    out = summarise(runs, seeds)
-    out.update(inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
+    out = summarise(runs, seeds, a.ours)
+    out.update(ours=a.ours,
+               inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
                budget_areal_at_async=async_budget(label_graph(base, base.tasks, model, "async",
                                                               1, a)),
                order="completion" if a.take_window is None else f"start{a.take_window:g}",

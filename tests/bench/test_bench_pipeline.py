@@ -237,3 +237,27 @@ def test_pipeline_benchmark_tiny():
     assert 0 <= r["heldout_async"] <= 1 and r["seeds"] == 1
     assert math.isnan(r["speedup_vs_syncplus"])  # sync+ did not run
     assert "seed 1: order" in out.stdout
+
+
+def test_an_async_variant_can_be_the_headline_paired_with_the_default_too(monkeypatch):
+    """``--ours async@rescore``: the variant's times are the denominators, and the
+    default async is one more baseline (``speedup_vs_async_paired``)."""
+    bench = _bench(monkeypatch)
+    import rollart
+
+    runs = [{"label": m, "seed": s, "time_to_target_s": t, "traj_per_s": 1.0,
+             "heldout": 0.5, "inflight": 1.0}
+            for m, s, t in [("async", 1, 30.0), ("async", 2, 20.0),
+                            ("async@rescore", 1, 10.0), ("async@rescore", 2, 40.0),
+                            ("sync+", 1, 20.0), ("sync+", 2, 80.0)]]
+    out = bench.summarise(runs, [1, 2], ours="async@rescore")
+    assert (out["speedup_vs_async_paired"], out["wins_vs_async"]) == (1.75, 1)  # 3, 0.5
+    assert (out["speedup_vs_syncplus_paired"], out["wins_vs_syncplus"]) == (2.0, 2)
+    assert "speedup_vs_async_paired" not in bench.summarise(runs, [1, 2])
+    a = bench.parse(["--quick", "--no-record", "--modes", "async,async@rescore,sync+",
+                     "--ours", "async@rescore"])
+    base, _ = rollart.load_graph("multitask")
+    g = bench.label_graph(base, base.tasks, "m", "async@rescore", 1, a)
+    assert (g.mode, g.rollout.stale_members) == ("async", "rescore")
+    with pytest.raises(SystemExit):  # a headline that does not run beside the default
+        bench.parse(["--quick", "--modes", "async@rescore,sync+", "--ours", "async@rescore"])

@@ -351,6 +351,12 @@ class SampleBuffer:
         self.admission.open(slots, list(self.groups.complete), next_group(known))
         return await self.slot_stats()
 
+    async def resize_slots(self, capacity: int) -> dict:
+        """At most ``capacity`` groups hold a slot from now on (a shrink stops no group
+        that runs: ``Slots.resize``). Returns ``slot_stats()``."""
+        self.admission.resize(capacity)
+        return await self.slot_stats()
+
     async def acquire(self, holder: str, tasks=None, wait: float = ACQUIRE_WAIT):
         """The next group for env manager ``holder`` (running the task names ``tasks``,
         or any) once a slot is free; None after ``wait`` s without one (ask again); False

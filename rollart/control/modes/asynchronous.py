@@ -7,6 +7,10 @@ admission policy and keeps an ``EnvManager.take_work`` loop running on every liv
 manager while the trainer steps. ``async`` aborts members that can no longer meet the
 bound and the trainer drops complete groups that are too stale; ``areal`` checks the
 bound only when a group starts (``StartBound``) and then trains whatever arrives.
+With ``Rollout.max_in_flight="auto"`` the slots' limit is re-decided after every step
+(``adapt``: ``rollart.policy.inflight.InflightLimit`` on the step's measured pace) and
+sent to the buffer (``SampleBuffer.resize_slots``); every row reports the limit the
+step ran under (``rollout/inflight_limit``) and the groups it held.
 Built by ``rollart.control.modes.make_pipeline``.
 """
 
@@ -17,8 +21,9 @@ import time
 
 from rollart.control.fleet import ActorLost
 from rollart.control.modes.base import Pipeline
-from rollart.policy.admission import (Capacity, Slots, StartBound, slot_capacity,
-                                      take_window_groups)
+from rollart.policy.admission import (AUTO, Capacity, Slots, StartBound, slot_capacity,
+                                      take_window_for)
+from rollart.policy.inflight import InflightLimit, pace_of
 from rollart.policy.staleness import StalenessBound
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,10 @@ class AsyncPipeline(Pipeline):
         self._slotted = None  # the buffer handle that has this run's slots
         self._holders = 0
         self.yielded: dict[str, int] = {}  # workers that yield the CPU: their nice before
+        # Rollout.max_in_flight="auto": the limit, and the figures the last pace was from
+        self.inflight = InflightLimit.for_algo(graph.algo) \
+            if graph.rollout.max_in_flight == AUTO else None
+        self._paced: tuple | None = None  # (monotonic time, workers by address, buffer)
 
     def state(self) -> dict:
         """The buffer draws the groups: its sequence (ours until slots are opened)."""
@@ -78,10 +87,17 @@ class AsyncPipeline(Pipeline):
         if self._slotted is not None:
             self.fleet.ask_buffer("stop_task", task)
 
+    def limit(self) -> int:
+        """Groups in flight or buffered at once now: ``slot_capacity``
+        (``Rollout.max_in_flight`` steps' worth, else ``max(alpha, 1)``), or the
+        adapted limit with ``"auto"``."""
+        if self.inflight is not None:
+            return self.inflight.limit
+        return slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight)
+
     def admission(self):
-        """The buffer's admission policy: ``slot_capacity`` groups at once
-        (``Rollout.max_in_flight`` steps' worth, else ``max(alpha, 1)``)."""
-        return Capacity(slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight))
+        """The buffer's admission policy: ``limit()`` groups at once."""
+        return Capacity(self.limit())
 
     def keep_taking(self) -> None:
         """While the trainer steps: the buffer has its slots (once per buffer: a
@@ -94,8 +110,10 @@ class AsyncPipeline(Pipeline):
             admission = self.admission()
             slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
                           self.sequence, admission,
-                          take_window_groups(self.graph.algo, self.graph.rollout.take_window))
+                          take_window_for(self.graph.algo, self.graph.rollout))
             self.fleet.ask_buffer("open_slots", slots)
+            if self._slotted is None:  # the first pace runs from here
+                self._paced = (time.monotonic(), {}, {})
             self._slotted = self.actors.buffer
         live = {id(m) for m in self.actors.managers}
         for key, (mgr, holder, fut) in list(self.takers.items()):
@@ -157,6 +175,32 @@ class AsyncPipeline(Pipeline):
         metrics["rollout/version_wait_s"] = time.monotonic() - t0
         return metrics
 
+    def adapt(self, trainer: dict, sample) -> dict:
+        """After each step, from the loop's ``sample`` read after it (read before any
+        resize, so its slot figures are the step's): the limit the step ran under, the
+        groups holding slots and those still running. With ``"auto"``, the next step's
+        limit from the step's pace (``pace_of``), sent to the buffer if it changed."""
+        buf = sample.buffer
+        out = {"rollout/inflight_limit": buf.get("slots_capacity", self.limit()),
+               "rollout/groups_held": buf.get("slots_held", 0),
+               "rollout/groups_in_flight": buf.get("groups_live", 0)}
+        if self.inflight is None:
+            return out
+        now = time.monotonic()
+        workers = {st.get("address", addr): st for _, addr, st in sample.workers}
+        if self._paced is not None:
+            then, before, buf_before = self._paced
+            pace = pace_of(trainer, list(workers.values()), before, now - then, buf,
+                           buf_before, batch=self.graph.policy.max_batch,
+                           group_size=self.graph.algo.group_size)
+            old, new = self.inflight.limit, self.inflight.update(pace)
+            if new != old:
+                logger.info("in-flight limit %d -> %d groups: %s", old, new,
+                            self.inflight.why)
+                self.fleet.ask_buffer("resize_slots", new)
+        self._paced = (now, workers, buf)
+        return out
+
     def wait_briefly(self, asked: list, deadline: float) -> None:
         """Wait for the ``ask_versions`` futures until ``deadline`` (healing meanwhile);
         a worker that fails to load, or is slower, is left to the stall check
@@ -179,7 +223,7 @@ class AReaLPipeline(AsyncPipeline):
         algo = self.graph.algo
         limit = self.graph.rollout.max_in_flight  # the same budget as async's, if set
         return StartBound(algo.alpha, algo.groups_per_step,
-                          None if limit is None else slot_capacity(algo, limit))
+                          None if limit is None else self.limit())
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.keep_taking)

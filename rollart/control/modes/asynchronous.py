@@ -108,8 +108,7 @@ class AsyncPipeline(Pipeline):
             self.trainer_first()
         if self._slotted is not self.actors.buffer:
             admission = self.admission()
-            slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
-                          self.sequence, admission,
+            slots = Slots(self.limit(), self.sequence, admission,
                           take_window_for(self.graph.algo, self.graph.rollout))
             self.fleet.ask_buffer("open_slots", slots)
             if self._slotted is None:  # the first pace runs from here
@@ -219,11 +218,18 @@ class AReaLPipeline(AsyncPipeline):
     trainer takes the groups as they complete, so ``trainer/staleness_max`` can exceed
     ``alpha`` by the groups that ran long (reported, not hidden)."""
 
+    def limit(self) -> int:
+        """Groups held at once: async's budget when ``Rollout.max_in_flight`` is set,
+        else AReaL's start bound's window (``alpha + 1`` steps' worth)."""
+        if self.graph.rollout.max_in_flight is None:
+            return self.admission().capacity
+        return super().limit()
+
     def admission(self):
         algo = self.graph.algo
         limit = self.graph.rollout.max_in_flight  # the same budget as async's, if set
         return StartBound(algo.alpha, algo.groups_per_step,
-                          None if limit is None else self.limit())
+                          None if limit is None else super().limit())
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.keep_taking)

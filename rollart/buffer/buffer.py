@@ -437,6 +437,7 @@ class SampleBuffer:
             "stop": self.arrivals.stop(),  # a failure that stops the run (arrivals.STOPS_RUN)
             "taken_steps": self.taken.steps(),
             "waiters": self.handout.waiters,
+            "groups_stale": self.handout.stale_groups,  # dropped as too stale, complete or not
             "pending_rows": self.store.pending_rows,
             "parts_started": self.store.parts,
             "journal_entries": self.journal.next_entry,

@@ -31,8 +31,8 @@ class Pace:
     ``waited_s`` of ``step_s``: the trainer's wait for its batch in its step;
     ``rows``: live rows per engine, averaged over the step's wall time (idle time
     counts as 0 rows); ``batch``: the rows an engine batches (``Policy.max_batch``);
-    ``queued``: requests waiting per engine at the step's end; ``stale_groups``:
-    trajectories dropped or aborted as too stale in the step, in groups.
+    ``queued``: requests waiting per engine at the step's end; ``stale_groups``: the
+    groups' worth lost to staleness in the step (``pace_of``).
     """
 
     waited_s: float
@@ -163,18 +163,22 @@ def pace_of(trainer: dict, workers: list[dict], before: dict[str, dict], wall_s:
     """A step's ``Pace`` from the figures read after it: ``trainer`` (its metrics row:
     ``trainer/wait_s``, ``trainer/step_s``), the inference workers' ``stats`` now
     (``workers``) and after the step before (``before``, by ``address``), ``wall_s``
-    between those reads, the buffer's ``stats`` now and before (ledger counts
-    ``dropped``, ``aborted``). None when the trainer's figures are missing (a step
-    recorded from the buffer after its trainer was lost).
+    between those reads, the buffer's ``stats`` now and before. None when the
+    trainer's figures are missing (a step recorded from the buffer after its trainer
+    was lost).
 
     An engine's live rows per decode step are its tokens generated per decode step
     (one token a row a step); times its busy share of ``wall_s``, rows over the step.
+    The groups lost to staleness: the buffer's groups dropped as too stale
+    (``groups_stale``, complete or not) or the members aborted in flight for it
+    (ledger ``aborted``) in groups, whichever is more (the two often count one loss
+    from both ends; a late or failed member's ``dropped`` is not staleness).
 
     >>> w0 = {"address": "a", "tokens_generated": 0, "decode_steps": 0, "busy_seconds": 0.0}
     >>> w1 = {"address": "a", "tokens_generated": 800, "decode_steps": 100,
     ...       "busy_seconds": 1.0, "queued": 0}
     >>> p = pace_of({"trainer/wait_s": 1.0, "trainer/step_s": 2.0}, [w1], {"a": w0}, 2.0,
-    ...             {"dropped": 4, "aborted": 2}, {"dropped": 0, "aborted": 0},
+    ...             {"groups_stale": 1, "aborted": 6}, {"groups_stale": 0, "aborted": 0},
     ...             batch=64, group_size=4)
     >>> p.rows, p.stale_groups, p.starved, p.room
     (4.0, 1.5, True, True)
@@ -189,9 +193,12 @@ def pace_of(trainer: dict, workers: list[dict], before: dict[str, dict], wall_s:
         busy = w.get("busy_seconds", 0.0) - b.get("busy_seconds", 0.0)
         share = min(1.0, busy / wall_s) if wall_s > 0 else 1.0
         rows.append(tokens / steps * share if steps > 0 else 0.0)
-    lost = sum(buffer.get(k, 0) - buffer_before.get(k, 0) for k in ("dropped", "aborted"))
+    def grew(key: str) -> int:  # a re-created buffer counts from 0 again
+        return max(0, buffer.get(key, 0) - buffer_before.get(key, 0))
+
+    stale = max(grew("groups_stale"), grew("aborted") / max(int(group_size), 1))
     return Pace(waited_s=float(trainer["trainer/wait_s"]),
                 step_s=float(trainer["trainer/step_s"]),
                 rows=sum(rows) / len(rows) if rows else 0.0, batch=int(batch),
                 queued=sum(w.get("queued", 0) for w in workers) / max(len(workers), 1),
-                stale_groups=max(0, lost) / max(int(group_size), 1))
+                stale_groups=float(stale))

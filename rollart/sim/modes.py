@@ -75,7 +75,7 @@ def asynchronous(cl, areal: bool = False):
     fill()
     for _ in range(cl.cfg.steps):
         floor = None if areal else cl.bound.min_version(cl.version)
-        t0, lost = cl.env.now, cl.counts["dropped"] + cl.counts["aborted"]
+        t0, lost = cl.env.now, (cl.counts["dropped"], cl.counts["aborted"])
         batch = yield from cl.take_batch(algo.groups_per_step, floor,
                                          None if window is None else slots.take_limit)
         waited = cl.env.now - t0
@@ -93,11 +93,12 @@ def asynchronous(cl, areal: bool = False):
         fill()
 
 
-def _pace(cl, waited: float, step_s: float, lost_before: int) -> Pace:
+def _pace(cl, waited: float, step_s: float, lost_before: tuple) -> Pace:
     """A simulated step's ``Pace``: the engines' rows and queues at its end (the
-    runtime averages rows over the step; a simulated worker keeps no decode count)."""
+    runtime averages rows over the step; a simulated worker keeps no decode count);
+    members dropped as too stale or aborted, the more of the two, as ``pace_of``."""
     ws = cl.workers
-    lost = cl.counts["dropped"] + cl.counts["aborted"] - lost_before
+    lost = max(cl.counts["dropped"] - lost_before[0], cl.counts["aborted"] - lost_before[1])
     return Pace(waited_s=waited, step_s=step_s,
                 rows=sum(len(w.active) for w in ws) / max(len(ws), 1),
                 batch=min((w.max_batch for w in ws), default=1),

@@ -104,12 +104,19 @@ def test_pace_of_reads_rows_queue_and_staleness_from_two_reads_of_the_figures():
            {"address": "b", "tokens_generated": 0, "decode_steps": 0,
             "busy_seconds": 0.0, "queued": 0}]
     trainer = {"trainer/wait_s": 0.5, "trainer/step_s": 1.0}
-    p = pace_of(trainer, now, before, 4.0, {"dropped": 6, "aborted": 2},
-                {"dropped": 2, "aborted": 0}, batch=16, group_size=2)
+    p = pace_of(trainer, now, before, 4.0, {"groups_stale": 3, "aborted": 2, "dropped": 9},
+                {"groups_stale": 0, "aborted": 0, "dropped": 0}, batch=16, group_size=2)
     # a: 8 rows a decode step, busy half the 4 s: 4 rows; b idle: 0 -> 2 per engine
     assert p.rows == pytest.approx(2.0) and p.queued == 2.0 and p.stale_groups == 3.0
     assert p.starved and p.queueing and not p.room and p.stale
     assert pace_of({}, now, before, 4.0, {}, {}, batch=16, group_size=2) is None
+    # members aborted in flight count when the buffer dropped fewer groups; a late
+    # member's "dropped" is not staleness; a re-created buffer's counts start at 0
+    p = pace_of(trainer, now, before, 4.0, {"groups_stale": 1, "aborted": 6, "dropped": 9},
+                {"groups_stale": 5, "aborted": 0, "dropped": 0}, batch=16, group_size=2)
+    assert p.stale_groups == 3.0
+    p = pace_of(trainer, now, before, 4.0, {"dropped": 9}, {}, batch=16, group_size=2)
+    assert p.stale_groups == 0 and not p.stale
 
 
 def test_slots_resize_shrinks_without_stopping_a_group_and_grows_at_once():

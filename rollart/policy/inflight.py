@@ -31,7 +31,8 @@ class Pace:
     ``waited_s`` of ``step_s``: the trainer's wait for its batch in its step;
     ``rows``: live rows per engine, averaged over the step's wall time (idle time
     counts as 0 rows); ``batch``: the rows an engine batches (``Policy.max_batch``);
-    ``queued``: requests waiting per engine at the step's end; ``stale_groups``: the
+    ``queued``: requests waiting per engine at the step's end beyond the rows free in
+    its batch (those join at the next decode step: not a queue); ``stale_groups``: the
     groups' worth lost to staleness in the step (``pace_of``).
     """
 
@@ -74,7 +75,9 @@ class InflightLimit:
 
     1. **stale** (a group's worth dropped or aborted as too stale in the step): shrink
        by ``2 * unit`` at once, and grow no higher than ``unit`` below the limit that
-       went stale (``ceiling``) until ``PROBE_AFTER`` steps in a row lost nothing;
+       went stale (``ceiling``) until ``PROBE_AFTER`` steps in a row lost nothing (a
+       run of stale steps sets it once, at its first: the groups lost in the steps
+       after a shrink started under the limit before it);
     2. **starved with room** (the trainer waited ≥ ``Pace.STARVED`` of its step while
        the engines' batches were below ``Pace.FULL`` and nothing queued),
        ``GROW_AFTER`` steps in a row: grow by ``unit``, up to the ceiling;
@@ -97,9 +100,12 @@ class InflightLimit:
     (4, 'dropped or aborted 1.5 groups as too stale')
     >>> [lim.update(starved) for _ in range(12)]  # not 8 again before 10 clean steps
     [4, 6, 6, 6, 6, 6, 6, 6, 6, 8, 8, 8]
+    >>> stale = Pace(0.0, 2.0, 3.0, 64, stale_groups=2)
+    >>> [lim.update(stale) for _ in range(2)], lim.ceiling  # one episode, one ceiling
+    ([4, 4], 6)
     >>> full = Pace(waited_s=1.0, step_s=2.0, rows=60.0, batch=64)  # engines full
-    >>> lim.update(Pace(0.0, 2.0, 3.0, 64, stale_groups=2)), lim.update(full), lim.update(full)
-    (4, 4, 4)
+    >>> [lim.update(full) for _ in range(3)]
+    [4, 4, 4]
     """
 
     GROW_AFTER, EASE_AFTER, PROBE_AFTER = 2, 3, 10
@@ -111,6 +117,7 @@ class InflightLimit:
         self.limit = min(max(int(lo if start is None else start), self.lo), self.hi)
         self.ceiling = self.hi  # lowered after a limit went stale (rule 1)
         self.grow = self.ease = self.clean = 0
+        self.stale = False  # the last step lost groups to staleness
         self.why = "start"
 
     @classmethod
@@ -127,16 +134,24 @@ class InflightLimit:
         lo, hi = gps, (int(algo.alpha) + 1) * gps
         return cls(lo, hi, start=max(int(algo.alpha), 1) * gps, unit=math.ceil(gps / 2))
 
+    def resume(self, limit: int) -> None:
+        """Go on from ``limit`` (a checkpoint's; within the bounds), counts cleared."""
+        self.limit = min(max(int(limit), self.lo), self.hi)
+        self.grow = self.ease = self.clean = 0
+        self.stale = False
+
     def update(self, pace: Pace | None) -> int:
         """The limit for the next step after a step that measured ``pace`` (None:
         nothing measured, the limit stays); ``why`` says what moved it last."""
         if pace is None:
             return self.limit
         if pace.stale:
-            self.ceiling, self.clean = max(self.lo, self.limit - self.unit), 0
+            if not self.stale:
+                self.ceiling = max(self.lo, self.limit - self.unit)
+            self.stale, self.clean = True, 0
             return self._move(-2 * self.unit, f"dropped or aborted "
                               f"{pace.stale_groups:g} groups as too stale")
-        self.clean += 1
+        self.stale, self.clean = False, self.clean + 1
         if self.clean >= self.PROBE_AFTER:
             self.ceiling = self.hi
         self.grow = self.grow + 1 if pace.starved and pace.room else 0
@@ -169,6 +184,8 @@ def pace_of(trainer: dict, workers: list[dict], before: dict[str, dict], wall_s:
 
     An engine's live rows per decode step are its tokens generated per decode step
     (one token a row a step); times its busy share of ``wall_s``, rows over the step.
+    Its queue: requests waiting (``queued``) beyond the rows its batch has free
+    (``batch - in_flight``).
     The groups lost to staleness: the buffer's groups dropped as too stale
     (``groups_stale``, complete or not) or the members aborted in flight for it
     (ledger ``aborted``) in groups, whichever is more (the two often count one loss
@@ -176,12 +193,12 @@ def pace_of(trainer: dict, workers: list[dict], before: dict[str, dict], wall_s:
 
     >>> w0 = {"address": "a", "tokens_generated": 0, "decode_steps": 0, "busy_seconds": 0.0}
     >>> w1 = {"address": "a", "tokens_generated": 800, "decode_steps": 100,
-    ...       "busy_seconds": 1.0, "queued": 0}
+    ...       "busy_seconds": 1.0, "queued": 3, "in_flight": 2}
     >>> p = pace_of({"trainer/wait_s": 1.0, "trainer/step_s": 2.0}, [w1], {"a": w0}, 2.0,
     ...             {"groups_stale": 1, "aborted": 6}, {"groups_stale": 0, "aborted": 0},
     ...             batch=64, group_size=4)
-    >>> p.rows, p.stale_groups, p.starved, p.room
-    (4.0, 1.5, True, True)
+    >>> p.rows, p.queued, p.stale_groups, p.starved, p.room
+    (4.0, 0.0, 1.5, True, True)
     """
     if "trainer/wait_s" not in trainer or "trainer/step_s" not in trainer:
         return None
@@ -200,5 +217,6 @@ def pace_of(trainer: dict, workers: list[dict], before: dict[str, dict], wall_s:
     return Pace(waited_s=float(trainer["trainer/wait_s"]),
                 step_s=float(trainer["trainer/step_s"]),
                 rows=sum(rows) / len(rows) if rows else 0.0, batch=int(batch),
-                queued=sum(w.get("queued", 0) for w in workers) / max(len(workers), 1),
+                queued=sum(max(0, w.get("queued", 0) - max(0, batch - w.get("in_flight", 0)))
+                           for w in workers) / max(len(workers), 1),
                 stale_groups=float(stale))

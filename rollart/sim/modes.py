@@ -94,15 +94,17 @@ def asynchronous(cl, areal: bool = False):
 
 
 def _pace(cl, waited: float, step_s: float, lost_before: tuple) -> Pace:
-    """A simulated step's ``Pace``: the engines' rows and queues at its end (the
-    runtime averages rows over the step; a simulated worker keeps no decode count);
-    members dropped as too stale or aborted, the more of the two, as ``pace_of``."""
+    """A simulated step's ``Pace``: the engines' rows and queues (beyond their free
+    rows) at its end (the runtime averages rows over the step; a simulated worker keeps
+    no decode count); members dropped as too stale or aborted, the more of the two, as
+    ``pace_of`` counts them."""
     ws = cl.workers
     lost = max(cl.counts["dropped"] - lost_before[0], cl.counts["aborted"] - lost_before[1])
     return Pace(waited_s=waited, step_s=step_s,
                 rows=sum(len(w.active) for w in ws) / max(len(ws), 1),
                 batch=min((w.max_batch for w in ws), default=1),
-                queued=sum(len(w.pending) for w in ws) / max(len(ws), 1),
+                queued=sum(max(0, len(w.pending) - max(0, w.max_batch - len(w.active)))
+                           for w in ws) / max(len(ws), 1),
                 stale_groups=lost / max(cl.graph.algo.group_size, 1))
 
 

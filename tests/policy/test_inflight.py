@@ -100,9 +100,9 @@ def test_pace_of_reads_rows_queue_and_staleness_from_two_reads_of_the_figures():
     before = {"a": {"tokens_generated": 100, "decode_steps": 10, "busy_seconds": 1.0},
               "b": {"tokens_generated": 0, "decode_steps": 0, "busy_seconds": 0.0}}
     now = [{"address": "a", "tokens_generated": 500, "decode_steps": 60,
-            "busy_seconds": 3.0, "queued": 4},
+            "busy_seconds": 3.0, "queued": 7, "in_flight": 13},  # 4 beyond its 3 free
            {"address": "b", "tokens_generated": 0, "decode_steps": 0,
-            "busy_seconds": 0.0, "queued": 0}]
+            "busy_seconds": 0.0, "queued": 2, "in_flight": 0}]  # both join at once
     trainer = {"trainer/wait_s": 0.5, "trainer/step_s": 1.0}
     p = pace_of(trainer, now, before, 4.0, {"groups_stale": 3, "aborted": 2, "dropped": 9},
                 {"groups_stale": 0, "aborted": 0, "dropped": 0}, batch=16, group_size=2)
@@ -183,3 +183,21 @@ def test_the_simulator_adapts_with_the_same_rule():
     assert len(limits) == 12 and min(limits) >= 4 and max(limits) <= 8, limits
     assert limits[-1] == 8 and limits == sorted(limits), limits
     assert max(r.staleness) <= 1
+
+
+def test_a_resumed_limit_goes_on_from_the_checkpoints_within_the_bounds():
+    lim = _limit()
+    lim.resume(6)
+    assert lim.limit == 6 and _run(lim, [STARVED_ROOM] * 2)[-1] == 8
+    lim.resume(100)
+    assert lim.limit == 8  # a checkpoint of another graph's bounds is clamped
+
+
+def test_a_run_of_stale_steps_caps_growth_below_the_limit_that_went_stale_only():
+    """The groups lost in the steps right after a shrink started under the limit before
+    it: they do not lower the cap to the shrunk limit."""
+    lim = _limit(alpha=3)
+    _run(lim, [STARVED_ROOM] * 20)
+    assert _run(lim, [STALE] * 2) == [12, 8]
+    got = _run(lim, [STARVED_ROOM] * (InflightLimit.PROBE_AFTER - 1))
+    assert max(got) == 14 and got[-1] == 14, got  # not capped at 10 by the second

@@ -49,10 +49,20 @@ class AsyncPipeline(Pipeline):
         self._paced: tuple | None = None  # (monotonic time, workers by address, buffer)
 
     def state(self) -> dict:
-        """The buffer draws the groups: its sequence (ours until slots are opened)."""
+        """The buffer draws the groups: its sequence (ours until slots are opened);
+        with ``max_in_flight="auto"`` the limit reached too (a resumed run goes on
+        from it rather than from the start)."""
+        state = self.sequence.state()
         if self._slotted is not None:
-            return self.fleet.ask_buffer("slot_state") or self.sequence.state()
-        return self.sequence.state()
+            state = self.fleet.ask_buffer("slot_state") or state
+        if self.inflight is not None:
+            state = {**state, "inflight_limit": self.inflight.limit}
+        return state
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        if self.inflight is not None and state.get("inflight_limit"):
+            self.inflight.resume(int(state["inflight_limit"]))
 
     def trainer_first(self) -> None:
         """Rollout processes on the trainer's host yield the CPU to it

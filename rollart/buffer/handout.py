@@ -49,7 +49,7 @@ class Handout:
         self.admission, self._leave = admission, leave
         self._cond: asyncio.Condition | None = None
         self.waiters = 0  # trainers waiting in ``take`` now
-        self.stale_groups = 0  # groups dropped as too stale (``drop``), this buffer's life
+        self.stale_groups = 0  # groups dropped as too stale (``drop_stale``) in its life
 
     @property
     def condition(self) -> asyncio.Condition:

@@ -24,8 +24,8 @@ every call the driver makes on an actor goes through the run's ``Fleet``
 Backpressure (async) is the buffer's: ``max(alpha, 1) * groups_per_step`` slots
 (``rollart.policy.admission``; with ``Rollout.max_in_flight="auto"`` re-decided after
 each step by the pipeline's ``adapt``), so rollout leads the trainer by no more than the
-staleness bound; the lockstep modes launch their batches from here. The driver only moves small
-summaries; tokens, rewards and weights stay on the workers.
+staleness bound; the lockstep modes launch their batches from here. The driver only moves
+small summaries; tokens, rewards and weights stay on the workers.
 
 ``train`` = ``prepare`` (every check that needs no cluster: graph, overrides, resources,
 run directory; ``rollart.start_run`` calls it before its thread starts) + ``execute``

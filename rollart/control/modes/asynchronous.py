@@ -121,8 +121,9 @@ class AsyncPipeline(Pipeline):
             slots = Slots(self.limit(), self.sequence, admission,
                           take_window_for(self.graph.algo, self.graph.rollout))
             self.fleet.ask_buffer("open_slots", slots)
-            if self._slotted is None:  # the first pace runs from here
-                self._paced = (time.monotonic(), {}, {})
+            # no pace across a (re)opening: the first step's wait is the start-up's, a
+            # resumed or re-created buffer's counts are not the last step's
+            self._paced = None
             self._slotted = self.actors.buffer
         live = {id(m) for m in self.actors.managers}
         for key, (mgr, holder, fut) in list(self.takers.items()):

@@ -15,7 +15,9 @@ batch) and at most ``alpha + 1`` steps' worth (alpha still bounds staleness; the
 trainer's checks stay as they are). Why not a fixed larger number: see
 ``rollart.policy.admission.slot_capacity``; with ``"auto"`` the trainer takes groups in
 start order (``Rollout.take_window`` one step's worth unless set), so a larger limit
-does not favour short episodes.
+does not favour short episodes. ``areal`` with ``"auto"`` adapts its limit the same way
+under its own start bound (it drops nothing, so only the trainer's wait and the engines'
+queues move it).
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ class Pace:
     queued: float = 0.0
     stale_groups: float = 0.0
 
+    # The thresholds are first choices, not fitted to measurements: a trainer waiting
+    # a fifth of its step loses that share of its throughput to rollout (on the laptop
+    # toy a trainer whose rollout kept up waited 1-20 % of its ~0.3 s steps, so two
+    # such steps in a row are asked for); an engine batching 80 % of
+    # its rows gains little from more (decode time grows with the batch); one request
+    # waiting per engine beyond its free rows is a queue, not a request in passing.
     #: the trainer is starved when it waited at least this share of its step
     STARVED = 0.2
     #: an engine is full at this share of its batch

@@ -47,6 +47,7 @@ def asynchronous(cl, areal: bool = False):
 
     algo, limit = cl.graph.algo, cl.graph.rollout.max_in_flight
     window = take_window_for(algo, cl.graph.rollout)  # None: completion order
+    # "auto" adapts as the runtime does, unless SimConfig.slot_capacity fixes async's
     adapting = limit == AUTO and not (cl.cfg.slot_capacity and not areal)
     inflight = InflightLimit.for_algo(algo) if adapting else None
     if areal:  # Rollout.max_in_flight bounds it as it bounds async, when set

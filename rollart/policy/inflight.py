@@ -48,9 +48,9 @@ class Pace:
     # The thresholds are first choices, not fitted to measurements: a trainer waiting
     # a fifth of its step loses that share of its throughput to rollout (on the laptop
     # toy a trainer whose rollout kept up waited 1-20 % of its ~0.3 s steps, so two
-    # such steps in a row are asked for); an engine batching 80 % of
-    # its rows gains little from more (decode time grows with the batch); one request
-    # waiting per engine beyond its free rows is a queue, not a request in passing.
+    # such steps in a row are asked for); an engine batching 80 % of its rows gains
+    # little from more (decode time grows with the batch); one request waiting per
+    # engine beyond its free rows is a queue, not a request in passing.
     #: the trainer is starved when it waited at least this share of its step
     STARVED = 0.2
     #: an engine is full at this share of its batch

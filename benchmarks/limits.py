@@ -273,6 +273,21 @@ def role_threads(graph, model: str, run_dir: Path) -> tuple[int, int]:
     return specs["inference"].kwargs["threads"], specs["trainer"].kwargs["threads"]
 
 
+def in_flight(text: str) -> float | str:
+    """``--max-in-flight``: steps' worth of groups, or ``auto``."""
+    return text if text == "auto" else float(text)
+
+
+def used_in_flight(graph, rows: list[dict]) -> float:
+    """The in-flight limit the run's steps ran under, in steps' worth of groups: the
+    mean of the rows' ``rollout/inflight_limit`` (the buffer's; it moves with
+    ``max_in_flight="auto"``), else the configured one."""
+    got = [r["rollout/inflight_limit"] for r in rows if "rollout/inflight_limit" in r]
+    limit = sum(got) / len(got) if got else \
+        slot_capacity(graph.algo, graph.rollout.max_in_flight)
+    return limit / graph.algo.groups_per_step
+
+
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run (~2 minutes)")
@@ -285,10 +300,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--warm-cache", default=None,
                    help="a folder to keep the warmed-up model in (default: the pipeline "
                         "benchmark's; '' = a temporary folder)")
-    p.add_argument("--max-in-flight", type=float, default=None,
-                   help="Rollout.max_in_flight for the run, in steps' worth of groups "
-                        "(default: the graph's, one step's worth): a diagnostic of how "
-                        "much the trainer's pace holds rollout back")
+    p.add_argument("--max-in-flight", type=in_flight, default=None,
+                   help="Rollout.max_in_flight for the run, in steps' worth of groups, "
+                        "or 'auto' (adapted each step; default: the graph's, one step's "
+                        "worth): a diagnostic of how much the trainer's pace holds "
+                        "rollout back")
     add_arguments(p)
     a = p.parse_args(argv)
     if a.model and (a.quick or a.tiny):
@@ -365,8 +381,7 @@ def main(argv=None) -> dict:
            "window_s": fig["window_s"], "steps": graph.steps,
            "groups": graph.algo.groups_per_step, "threads_infer": t_infer,
            "threads_train": t_train, "cores": cores,
-           "inflight": slot_capacity(graph.algo, graph.rollout.max_in_flight)
-                       / graph.algo.groups_per_step,
+           "inflight": used_in_flight(graph, rows),
            "graph": graph.name, "model": a.model or "built-in"}
     details = {"forward": bare["kind"], "bare_batches": bare["batches"],
                "bare_train_s": bare_train_s, "cpu_s": shares["cpu_s"],

@@ -1,11 +1,12 @@
 """``Admission``: the ``SampleBuffer``'s slots, where env managers take groups when one frees.
 
 The async pipeline hands the buffer its ``Slots`` once (``open_slots``: capacity
-``max(alpha, 1) * groups_per_step`` and the run's ``GroupSequence``); each env manager then
-loops on ``acquire`` (``EnvManager.take_work``), which waits until a slot is free and
-returns the next group (``rollart.policy.admission.Work``). A slot frees when its group
-leaves the buffer: taken by the trainer, dropped as stale, or ended with nothing to
-train on. The driver never polls: it only reports an env manager it lost
+``max(alpha, 1) * groups_per_step`` and the run's ``GroupSequence``), and with
+``Rollout.max_in_flight="auto"`` a new capacity between steps (``resize_slots``); each
+env manager then loops on ``acquire`` (``EnvManager.take_work``), which waits until a
+slot is free and returns the next group (``rollart.policy.admission.Work``). A slot
+frees when its group leaves the buffer: taken by the trainer, dropped as stale, or
+ended with nothing to train on. The driver never polls: it only reports an env manager it lost
 (``holder_lost``: that manager's groups are handed out again for their missing
 members). A buffer re-created after its worker was lost gets the slots again from the
 pipeline (``open_slots``), counts its recovered complete groups as held and continues
@@ -77,6 +78,14 @@ class Admission:
             slots.sequence.advance_to(next_index)
             self._count()
             self._slots, self._opened = slots, self._counted
+            self._event().set()
+
+    def resize(self, capacity: int) -> None:
+        """The slots' limit changes (``Slots.resize``: running groups keep theirs);
+        waiting managers wake to take the room a larger limit gives. Before ``open``
+        nothing to do: the pipeline opens the slots under its current limit."""
+        if self._slots is not None:
+            self._slots.resize(capacity)
             self._event().set()
 
     def free(self, group_id: str) -> None:

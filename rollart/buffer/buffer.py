@@ -356,6 +356,12 @@ class SampleBuffer:
         self.admission.open(slots, list(self.groups.complete), next_group(known))
         return await self.slot_stats()
 
+    async def resize_slots(self, capacity: int) -> dict:
+        """At most ``capacity`` groups hold a slot from now on (a shrink stops no group
+        that runs: ``Slots.resize``). Returns ``slot_stats()``."""
+        self.admission.resize(capacity)
+        return await self.slot_stats()
+
     async def acquire(self, holder: str, tasks=None, wait: float = ACQUIRE_WAIT):
         """The next group for env manager ``holder`` (running the task names ``tasks``,
         or any) once a slot is free; None after ``wait`` s without one (ask again); False
@@ -436,6 +442,7 @@ class SampleBuffer:
             "stop": self.arrivals.stop(),  # a failure that stops the run (arrivals.STOPS_RUN)
             "taken_steps": self.taken.steps(),
             "waiters": self.handout.waiters,
+            "groups_stale": self.handout.stale_groups,  # dropped as too stale, complete or not
             "pending_rows": self.store.pending_rows,
             "parts_started": self.store.parts,
             "journal_entries": self.journal.next_entry,

@@ -49,6 +49,7 @@ class Handout:
         self.admission, self._leave = admission, leave
         self._cond: asyncio.Condition | None = None
         self.waiters = 0  # trainers waiting in ``take`` now
+        self.stale_groups = 0  # groups dropped as too stale (``drop_stale``) in its life
 
     @property
     def condition(self) -> asyncio.Condition:
@@ -71,10 +72,16 @@ class Handout:
             self.close(g)
             self._leave(g.arrow(), TrajState.DROPPED, durable=done)
 
+    def drop_stale(self, groups: list[tuple[Group, bool]]) -> None:
+        """``drop`` groups too stale for the trainer, counted (``stale_groups``: what
+        ``Rollout.max_in_flight="auto"`` shrinks on, ``rollart.policy.inflight``)."""
+        self.stale_groups += len(groups)
+        self.drop(groups)
+
     def abort_older_than(self, min_version: int) -> list[tuple[Group, bool]]:
         """Drop the groups, complete or not, older than ``min_version``; returns them."""
         stale = self.groups.older_than(min_version, open_too=True)
-        self.drop(stale)
+        self.drop_stale(stale)
         if stale:
             self.wake()  # the start-order window may have moved
         return stale
@@ -96,7 +103,7 @@ class Handout:
             while True:
                 floor = self.admission.stale_floor(min_version)  # areal: None
                 if floor is not None:
-                    self.drop(self.groups.older_than(floor))
+                    self.drop_stale(self.groups.older_than(floor))
                 if self.groups.ready(self.admission.take_limit()) >= n_groups:
                     batch = self._take(n_groups, step, min_version)
                     return batch, entry()

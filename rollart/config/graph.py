@@ -163,8 +163,11 @@ class Rollout:
     # async and areal: groups in flight or buffered at once, in trainer steps' worth of
     # groups (GRPO.groups_per_step each), apart from the staleness bound alpha; None:
     # max(alpha, 1) steps' worth in async (rollart.policy.admission.slot_capacity) and
-    # AReaL's own start bound alone in areal
-    max_in_flight: float | None = None
+    # AReaL's own start bound alone in areal; "auto": re-decided each trainer step from
+    # the trainer's wait, the engines' batches and queues and the groups lost to
+    # staleness, between one and alpha + 1 steps' worth (rollart.policy.inflight), with
+    # take_window one step's worth unless set
+    max_in_flight: float | str | None = None
     # async and areal: the trainer takes complete groups in the order they started, each
     # only once fewer than this many trainer steps' worth of groups (at least one step's)
     # started before it are still running or waiting, so a long episode is overtaken by
@@ -210,10 +213,15 @@ class Rollout:
                f"{self.trajectory_timeout!r}")
         _check(isinstance(self.redundancy, (int, float)) and 1 <= self.redundancy <= 8,
                f"Rollout.redundancy must be a factor in [1, 8], got {self.redundancy!r}")
-        _numbers(self, "max_in_flight", optional=True)
-        _check(self.max_in_flight is None or self.max_in_flight > 0,
-               f"Rollout.max_in_flight must be > 0 (trainer steps' worth of groups) or None "
-               f"(max(alpha, 1) steps' worth), got {self.max_in_flight!r}")
+        _check(not isinstance(self.max_in_flight, str) or self.max_in_flight == "auto",
+               f"Rollout.max_in_flight must be a number > 0 (trainer steps' worth of "
+               f"groups), \"auto\" (adapted each step) or None (max(alpha, 1) steps' "
+               f"worth), got {self.max_in_flight!r}")
+        if self.max_in_flight != "auto":
+            _numbers(self, "max_in_flight", optional=True)
+        _check(self.max_in_flight in (None, "auto") or self.max_in_flight > 0,
+               f"Rollout.max_in_flight must be > 0 (trainer steps' worth of groups), "
+               f"\"auto\" or None (max(alpha, 1) steps' worth), got {self.max_in_flight!r}")
         _numbers(self, "take_window", optional=True)
         _check(self.take_window is None or self.take_window >= 1,
                f"Rollout.take_window must be ≥ 1 (trainer steps' worth of groups: fewer "

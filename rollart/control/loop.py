@@ -22,9 +22,10 @@ How rollout and training interleave (async / one-off / sync) is ``rollart.contro
 every call the driver makes on an actor goes through the run's ``Fleet``
 (``rollart.control.fleet``), which knows what is lost and owns the supervisor.
 Backpressure (async) is the buffer's: ``max(alpha, 1) * groups_per_step`` slots
-(``rollart.policy.admission``), so rollout leads the trainer by no more than the staleness
-bound; the lockstep modes launch their batches from here. The driver only moves small
-summaries; tokens, rewards and weights stay on the workers.
+(``rollart.policy.admission``; with ``Rollout.max_in_flight="auto"`` re-decided after
+each step by the pipeline's ``adapt``), so rollout leads the trainer by no more than the
+staleness bound; the lockstep modes launch their batches from here. The driver only moves
+small summaries; tokens, rewards and weights stay on the workers.
 
 ``train`` = ``prepare`` (every check that needs no cluster: graph, overrides, resources,
 run directory; ``rollart.start_run`` calls it before its thread starts) + ``execute``
@@ -327,6 +328,7 @@ def _steps(client, pipeline, first: int, run_dir: Path, pools: list, t_start: fl
             sample = fleet.sample(latencies=True, timeout=None)
             pipeline.after_step(sample.buffer)  # name failing tasks, stop hopeless ones
             extra = reward_metrics(client, pools, sample.managers) if serverless else {}
+            extra.update(pipeline.adapt(trainer, sample))  # async: the in-flight limit
             extra.update({"recovery/actors_replaced": len(fleet.supervisor.events),
                           "recovery/groups_restarted": pipeline.restarted_groups,
                           "rollout/groups_refilled": pipeline.refilled_groups,

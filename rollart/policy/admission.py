@@ -11,8 +11,10 @@ is held from the moment an env manager takes a group until the group leaves the 
 whose env manager was lost keeps its slot and is handed out again for its missing
 members. The policies (plain objects, called by the buffer and by ``rollart.sim``):
 
-* ``Capacity`` (``async``): at most ``capacity`` groups (``(alpha + 1) *
-  groups_per_step``) are in flight or buffered at once.
+* ``Capacity`` (``async``): at most ``capacity`` groups (``slot_capacity``) are in
+  flight or buffered at once; with ``Rollout.max_in_flight="auto"`` the capacity is
+  re-decided each trainer step (``rollart.policy.inflight``) and applied by
+  ``Slots.resize``.
 * ``StartBound`` (``areal``, AReaL's rule): the staleness bound is checked only when a
   group starts: it may start only while the groups started (trained, in training,
   buffered, in flight) number fewer than ``(version + alpha + 1) * groups_per_step``,
@@ -145,6 +147,10 @@ class Capacity:
         slots opened; neither counts here: a group taken by the trainer frees its slot)."""
         return self.capacity - held
 
+    def resized(self, capacity: int) -> Capacity:
+        """The same admission under a new limit (``Slots.resize``)."""
+        return Capacity(int(capacity))
+
     def stale_floor(self, min_version: int) -> int | None:
         """Complete groups older than this are dropped when the trainer asks for a batch
         at ``min_version``: the trainer's bound, as it asks."""
@@ -172,6 +178,10 @@ class StartBound:
         from the slots' opening); no more than ``limit`` held at once when it is set."""
         room = (version + self.alpha + 1) * self.groups_per_step - started
         return room if self.limit is None else min(room, self.limit - held)
+
+    def resized(self, capacity: int) -> StartBound:
+        """The same bound with ``limit`` groups held at once (``Slots.resize``)."""
+        return StartBound(self.alpha, self.groups_per_step, int(capacity))
 
     def stale_floor(self, min_version: int) -> int | None:
         """None: nothing is dropped; the bound was checked when each group started."""
@@ -223,6 +233,26 @@ class Slots:
             return self.sequence.n_groups
         # the take_window-th oldest: no sort of every held group (thousands at scale)
         return heapq.nsmallest(self.take_window, map(group_number, self.held))[-1] + 1
+
+    def resize(self, capacity: int) -> None:
+        """The limit changes at a trainer step's boundary (``Rollout.max_in_flight=
+        "auto"``: ``rollart.policy.inflight``). Growing lets groups start at once;
+        shrinking stops none that runs: new groups wait until fewer than ``capacity``
+        hold a slot.
+
+        >>> from rollart.env.tasks import get_task
+        >>> slots = Slots(2, GroupSequence([get_task("gridnav")], None, 0, 2))
+        >>> _ = slots.take("m"), slots.take("m"); slots.resize(1)
+        >>> slots.take("m"), len(slots.held), slots.release("g000000"), slots.take("m")
+        (None, 2, True, None)
+        >>> slots.resize(3); slots.take("m").group_id
+        'g000002'
+        """
+        if capacity < 1:
+            raise ValueError(f"Slots.resize({capacity}): at least one group must be "
+                             "allowed to run")
+        self.capacity = int(capacity)
+        self.admission = self.admission.resized(self.capacity)
 
     def published(self, n_groups: int) -> None:
         """An update trained on ``n_groups`` groups was published."""
@@ -334,10 +364,31 @@ def take_window_groups(algo, take_window: float | None) -> int | None:
     return max(math.ceil(take_window * algo.groups_per_step), int(algo.groups_per_step))
 
 
-def slot_capacity(algo, max_in_flight: float | None = None) -> int:
+def take_window_for(algo, rollout) -> int | None:
+    """The take window of a run, in groups: ``Rollout.take_window``'s; when unset and
+    ``max_in_flight="auto"``, one step's worth (start order keeps long episodes from
+    starving as the limit grows); else None (completion order).
+
+    >>> from rollart.config.graph import GRPO, Rollout
+    >>> algo = GRPO(groups_per_step=4)
+    >>> take_window_for(algo, Rollout()), take_window_for(algo, Rollout(max_in_flight="auto"))
+    (None, 4)
+    """
+    window = rollout.take_window
+    if window is None and rollout.max_in_flight == AUTO:
+        window = 1.0
+    return take_window_groups(algo, window)
+
+
+#: ``Rollout.max_in_flight`` that adapts the limit each step (``rollart.policy.inflight``)
+AUTO = "auto"
+
+
+def slot_capacity(algo, max_in_flight: float | str | None = None) -> int:
     """Groups in flight or buffered at once in async mode: ``max_in_flight`` steps' worth
     (``Rollout.max_in_flight``, rounded up) when given, else ``max(alpha, 1)`` steps'
-    worth.
+    worth; with ``"auto"`` the limit it starts at (``InflightLimit.for_algo``: the
+    same ``max(alpha, 1)`` steps' worth, at least one step's and at most ``alpha + 1``).
 
     >>> from rollart.config.graph import GRPO
     >>> slot_capacity(GRPO(groups_per_step=4, alpha=1)), slot_capacity(GRPO(groups_per_step=4), 2.5)
@@ -351,6 +402,10 @@ def slot_capacity(algo, max_in_flight: float | None = None) -> int:
     episodes (the failing ones, run to the turn limit) lose the race, go stale and are
     dropped, and the trained sample is biased toward short episodes.
     """
+    if max_in_flight == AUTO:
+        from rollart.policy.inflight import InflightLimit
+
+        return InflightLimit.for_algo(algo).limit
     if max_in_flight is not None:
         return max(math.ceil(max_in_flight * algo.groups_per_step), 1)
     return max(algo.alpha, 1) * algo.groups_per_step

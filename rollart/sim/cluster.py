@@ -124,6 +124,7 @@ class Cluster:
         self.decisions: list = []
         self.step_times: list[float] = []
         self.syncs: list[dict] = []  # per published version: rollart.sim.fanout's figures
+        self.inflight_limits: list[int] = []  # max_in_flight="auto": each step's new limit
         self.trained = self.trained_tokens = 0
 
     # -- groups and members -------------------------------------------------------------

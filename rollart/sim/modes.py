@@ -6,7 +6,9 @@ defines them, each a simpy process over a ``rollart.sim.cluster.Cluster``.
             ``rollart.policy.admission.slot_capacity``) pace rollout: a group starts when one
             frees; ``Redundancy`` extras; the trainer takes any ``alpha``-fresh groups
             (``StalenessBound``); workers pull each version while generating; members
-            that can no longer meet the bound are aborted and replaced.
+            that can no longer meet the bound are aborted and replaced. With
+            ``Rollout.max_in_flight="auto"`` the runtime's ``InflightLimit`` resizes
+            the slots after each step from the simulated pace (``_pace``).
 ``areal``   As ``async`` under ``StartBound`` (the bound checked when a group starts);
             nothing aborted or dropped.
 ``one-off`` Batch k+1 rolls out turn by turn (a barrier per turn) while the trainer
@@ -27,8 +29,9 @@ Consumes the cluster's state and policy objects; produces trainer steps. Called 
 
 from __future__ import annotations
 
-from rollart.policy.admission import (GroupSequence, Slots, StartBound, Work,
-                                      take_window_groups)
+from rollart.policy.admission import (AUTO, GroupSequence, Slots, StartBound, Work,
+                                      take_window_for)
+from rollart.policy.inflight import InflightLimit, Pace
 from rollart.policy.redundancy import Redundancy
 from rollart.sim.members import Barrier
 
@@ -43,7 +46,10 @@ def asynchronous(cl, areal: bool = False):
     from rollart.policy.admission import slot_capacity
 
     algo, limit = cl.graph.algo, cl.graph.rollout.max_in_flight
-    window = take_window_groups(algo, cl.graph.rollout.take_window)  # None: completion order
+    window = take_window_for(algo, cl.graph.rollout)  # None: completion order
+    # "auto" adapts as the runtime does, unless SimConfig.slot_capacity fixes async's
+    adapting = limit == AUTO and not (cl.cfg.slot_capacity and not areal)
+    inflight = InflightLimit.for_algo(algo) if adapting else None
     if areal:  # Rollout.max_in_flight bounds it as it bounds async, when set
         admission = StartBound(algo.alpha, algo.groups_per_step,
                                None if limit is None else slot_capacity(algo, limit))
@@ -70,8 +76,10 @@ def asynchronous(cl, areal: bool = False):
     fill()
     for _ in range(cl.cfg.steps):
         floor = None if areal else cl.bound.min_version(cl.version)
+        t0, lost = cl.env.now, (cl.counts["dropped"], cl.counts["aborted"])
         batch = yield from cl.take_batch(algo.groups_per_step, floor,
                                          None if window is None else slots.take_limit)
+        waited = cl.env.now - t0
         training[0] = len(batch)
         fill()
         yield from cl.train(batch)
@@ -80,7 +88,25 @@ def asynchronous(cl, areal: bool = False):
         cl.publish()
         if not areal:
             cl.counts["aborted_now"] += cl.abort_stale()
+        if inflight is not None:  # the runtime's rule on the simulated pace
+            slots.resize(inflight.update(_pace(cl, waited, cl.env.now - t0, lost)))
+            cl.inflight_limits.append(slots.capacity)
         fill()
+
+
+def _pace(cl, waited: float, step_s: float, lost_before: tuple) -> Pace:
+    """A simulated step's ``Pace``: the engines' rows and queues (beyond their free
+    rows) at its end (the runtime averages rows over the step; a simulated worker keeps
+    no decode count); members dropped as too stale or aborted, the more of the two, as
+    ``pace_of`` counts them."""
+    ws = cl.workers
+    lost = max(cl.counts["dropped"] - lost_before[0], cl.counts["aborted"] - lost_before[1])
+    return Pace(waited_s=waited, step_s=step_s,
+                rows=sum(len(w.active) for w in ws) / max(len(ws), 1),
+                batch=min((w.max_batch for w in ws), default=1),
+                queued=sum(max(0, len(w.pending) - max(0, w.max_batch - len(w.active)))
+                           for w in ws) / max(len(ws), 1),
+                stale_groups=lost / max(cl.graph.algo.group_size, 1))
 
 
 def areal(cl):

@@ -113,6 +113,7 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
                "worker_busy": spread,
                "weight_bytes_per_version": len(cl.workers) * cl.costs.model.weight_bytes,
                "trained_groups": [list(b) for b in cl.trained_groups],
+               "inflight_limits": list(cl.inflight_limits),
                **weight_sync(cl)})
 
 

@@ -119,6 +119,7 @@ def test_the_trainer_waits_until_woken_and_stale_groups_are_dropped_on_the_way()
     table = asyncio.run(main())
     assert table.column("group_id").to_pylist() == ["new", "new"]
     assert p.states()["old-0"] == "dropped" and p.handout.waiters == 0
+    assert p.handout.stale_groups == 1  # what max_in_flight="auto" shrinks on
 
 
 def test_a_take_that_times_out_says_what_was_ready_and_the_counts():
@@ -140,6 +141,9 @@ def test_abort_drops_open_groups_too_and_close_loses_what_is_still_taken():
     take(p, 1, min_version=1, step=5)  # "a" is taken: an abort leaves it to its step
     stale = held(p, p.handout.abort_older_than, 2)  # it wakes the trainers: under the lock
     assert sorted(g.group_id for g, _ in stale) == ["b", "open"]
+    assert p.handout.stale_groups == 2
+    p.handout.drop([(p.complete("ended"), True)])  # a group ended otherwise: not stale
+    assert p.handout.stale_groups == 2
     assert p.states()["open-0"] == p.states()["b-0"] == "dropped" and p.groups.ended("open")
     p.handout.lose_taken()
     assert p.states()["a-0"] == "lost_in_step" and not p.taken.steps()

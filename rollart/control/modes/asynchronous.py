@@ -7,6 +7,10 @@ admission policy and keeps an ``EnvManager.take_work`` loop running on every liv
 manager while the trainer steps. ``async`` aborts members that can no longer meet the
 bound and the trainer drops complete groups that are too stale; ``areal`` checks the
 bound only when a group starts (``StartBound``) and then trains whatever arrives.
+With ``Rollout.max_in_flight="auto"`` the slots' limit is re-decided after every step
+(``adapt``: ``rollart.policy.inflight.InflightLimit`` on the step's measured pace) and
+sent to the buffer (``SampleBuffer.resize_slots``); every row reports the limit the
+step ran under (``rollout/inflight_limit``) and the groups it held.
 Built by ``rollart.control.modes.make_pipeline``.
 """
 
@@ -17,8 +21,9 @@ import time
 
 from rollart.control.fleet import ActorLost
 from rollart.control.modes.base import Pipeline
-from rollart.policy.admission import (Capacity, Slots, StartBound, slot_capacity,
-                                      take_window_groups)
+from rollart.policy.admission import (AUTO, Capacity, Slots, StartBound, slot_capacity,
+                                      take_window_for)
+from rollart.policy.inflight import InflightLimit, pace_of
 from rollart.policy.staleness import StalenessBound
 
 logger = logging.getLogger(__name__)
@@ -38,12 +43,26 @@ class AsyncPipeline(Pipeline):
         self._slotted = None  # the buffer handle that has this run's slots
         self._holders = 0
         self.yielded: dict[str, int] = {}  # workers that yield the CPU: their nice before
+        # Rollout.max_in_flight="auto": the limit, and the figures the last pace was from
+        self.inflight = InflightLimit.for_algo(graph.algo) \
+            if graph.rollout.max_in_flight == AUTO else None
+        self._paced: tuple | None = None  # (monotonic time, workers by address, buffer)
 
     def state(self) -> dict:
-        """The buffer draws the groups: its sequence (ours until slots are opened)."""
+        """The buffer draws the groups: its sequence (ours until slots are opened);
+        with ``max_in_flight="auto"`` the limit reached too (a resumed run goes on
+        from it rather than from the start)."""
+        state = self.sequence.state()
         if self._slotted is not None:
-            return self.fleet.ask_buffer("slot_state") or self.sequence.state()
-        return self.sequence.state()
+            state = self.fleet.ask_buffer("slot_state") or state
+        if self.inflight is not None:
+            state = {**state, "inflight_limit": self.inflight.limit}
+        return state
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        if self.inflight is not None and state.get("inflight_limit"):
+            self.inflight.resume(int(state["inflight_limit"]))
 
     def trainer_first(self) -> None:
         """Rollout processes on the trainer's host yield the CPU to it
@@ -78,10 +97,17 @@ class AsyncPipeline(Pipeline):
         if self._slotted is not None:
             self.fleet.ask_buffer("stop_task", task)
 
+    def limit(self) -> int:
+        """Groups in flight or buffered at once now: ``slot_capacity``
+        (``Rollout.max_in_flight`` steps' worth, else ``max(alpha, 1)``), or the
+        adapted limit with ``"auto"``."""
+        if self.inflight is not None:
+            return self.inflight.limit
+        return slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight)
+
     def admission(self):
-        """The buffer's admission policy: ``slot_capacity`` groups at once
-        (``Rollout.max_in_flight`` steps' worth, else ``max(alpha, 1)``)."""
-        return Capacity(slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight))
+        """The buffer's admission policy: ``limit()`` groups at once."""
+        return Capacity(self.limit())
 
     def keep_taking(self) -> None:
         """While the trainer steps: the buffer has its slots (once per buffer: a
@@ -92,10 +118,12 @@ class AsyncPipeline(Pipeline):
             self.trainer_first()
         if self._slotted is not self.actors.buffer:
             admission = self.admission()
-            slots = Slots(getattr(admission, "capacity", slot_capacity(self.graph.algo)),
-                          self.sequence, admission,
-                          take_window_groups(self.graph.algo, self.graph.rollout.take_window))
+            slots = Slots(self.limit(), self.sequence, admission,
+                          take_window_for(self.graph.algo, self.graph.rollout))
             self.fleet.ask_buffer("open_slots", slots)
+            # no pace across a (re)opening: the first step's wait is the start-up's, a
+            # resumed or re-created buffer's counts are not the last step's
+            self._paced = None
             self._slotted = self.actors.buffer
         live = {id(m) for m in self.actors.managers}
         for key, (mgr, holder, fut) in list(self.takers.items()):
@@ -157,6 +185,32 @@ class AsyncPipeline(Pipeline):
         metrics["rollout/version_wait_s"] = time.monotonic() - t0
         return metrics
 
+    def adapt(self, trainer: dict, sample) -> dict:
+        """After each step, from the loop's ``sample`` read after it (read before any
+        resize, so its slot figures are the step's): the limit the step ran under, the
+        groups holding slots and those still running. With ``"auto"``, the next step's
+        limit from the step's pace (``pace_of``), sent to the buffer if it changed."""
+        buf = sample.buffer
+        out = {"rollout/inflight_limit": buf.get("slots_capacity", self.limit()),
+               "rollout/groups_held": buf.get("slots_held", 0),
+               "rollout/groups_in_flight": buf.get("groups_live", 0)}
+        if self.inflight is None:
+            return out
+        now = time.monotonic()
+        workers = {st.get("address", addr): st for _, addr, st in sample.workers}
+        if self._paced is not None:
+            then, before, buf_before = self._paced
+            pace = pace_of(trainer, list(workers.values()), before, now - then, buf,
+                           buf_before, batch=self.graph.policy.max_batch,
+                           group_size=self.graph.algo.group_size)
+            old, new = self.inflight.limit, self.inflight.update(pace)
+            if new != old:
+                logger.info("in-flight limit %d -> %d groups: %s", old, new,
+                            self.inflight.why)
+                self.fleet.ask_buffer("resize_slots", new)
+        self._paced = (now, workers, buf)
+        return out
+
     def wait_briefly(self, asked: list, deadline: float) -> None:
         """Wait for the ``ask_versions`` futures until ``deadline`` (healing meanwhile);
         a worker that fails to load, or is slower, is left to the stall check
@@ -175,11 +229,18 @@ class AReaLPipeline(AsyncPipeline):
     trainer takes the groups as they complete, so ``trainer/staleness_max`` can exceed
     ``alpha`` by the groups that ran long (reported, not hidden)."""
 
+    def limit(self) -> int:
+        """Groups held at once: async's budget when ``Rollout.max_in_flight`` is set,
+        else AReaL's start bound's window (``alpha + 1`` steps' worth)."""
+        if self.graph.rollout.max_in_flight is None:
+            return self.admission().capacity
+        return super().limit()
+
     def admission(self):
         algo = self.graph.algo
         limit = self.graph.rollout.max_in_flight  # the same budget as async's, if set
         return StartBound(algo.alpha, algo.groups_per_step,
-                          None if limit is None else slot_capacity(algo, limit))
+                          None if limit is None else super().limit())
 
     def step(self, step: int) -> dict:
         metrics = self.train(step, while_waiting=self.keep_taking)

@@ -196,6 +196,12 @@ class Pipeline(abc.ABC):
                                  for t in self.failing.stopped)
                 + ". Fix the env or reward they point at, then run again")
 
+    def adapt(self, trainer: dict, sample) -> dict:
+        """After each step (``trainer``: its metrics; ``sample``: the fleet's figures
+        read after it): the mode's own figures for the row, and whatever it re-decides
+        for the next step (the asynchronous modes: the in-flight limit). None here."""
+        return {}
+
     def stop_task(self, task: str) -> None:
         """Draw no more groups of ``task`` (the asynchronous modes: in the buffer too)."""
         self.sequence.stop(task)

@@ -119,3 +119,67 @@ class Run:
             return None
         return record(self.script, self.started, self.load, {**(details or {}), **figures},
                       self.argv, self.commit)
+
+
+class Kept:
+    """A long benchmark's per-seed results kept under ``runs/bench-<script>/<name>/``
+    (``runs/`` is not tracked), so an invocation cut short (a crash, a machine needed
+    back, a session's end) goes on with ``--resume`` where it stopped: ``settings.json``
+    says what the kept results are of (a resume with other settings is refused),
+    ``before.json`` the figures measured once before any seed, ``s<seed>.json`` each
+    finished seed; a seed cut short mid-run starts again from its beginning.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> k = Kept("x", "n", {"steps": 2}, resume=False, root=d)
+    >>> k.before(lambda: {"t": 0.1}), k.seed(0, lambda folder: {"after": 0.5})
+    ({'t': 0.1}, {'after': 0.5})
+    >>> again = Kept("x", "n", {"steps": 2}, resume=True, root=d)
+    >>> again.seed(0, lambda folder: 1 / 0)  # read back, never run again
+    seed 0: read back from .../bench-x/n/s0.json
+    {'after': 0.5}
+    >>> Kept("x", "n", {"steps": 3}, resume=True, root=d)
+    Traceback (most recent call last):
+    ...
+    SystemExit: --resume: ... holds runs of {'steps': 2}, not {'steps': 3}
+    """
+
+    def __init__(self, script: str, name: str, settings: dict, resume: bool,
+                 root: Path = ROOT / "runs"):
+        import shutil
+
+        self.folder = Path(root) / f"bench-{script}" / name
+        marker = self.folder / "settings.json"
+        if resume and marker.is_file():
+            kept = json.loads(marker.read_text())
+            if kept != json.loads(json.dumps(settings)):
+                raise SystemExit(f"--resume: {self.folder} holds runs of {kept}, not "
+                                 f"{settings}")
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder.mkdir(parents=True)
+            marker.write_text(json.dumps(settings))
+
+    def before(self, measure) -> dict:
+        """``measure()``'s figures, measured once and kept."""
+        return self._once(self.folder / "before.json", measure)
+
+    def seed(self, seed: int, run) -> dict:
+        """Seed ``seed``'s result: read back if kept, else ``run(folder)`` (a fresh
+        folder for its files) and kept."""
+        import shutil
+
+        done = self.folder / f"s{seed}.json"
+        if done.is_file():
+            print(f"seed {seed}: read back from {done}", flush=True)
+            return json.loads(done.read_text())
+        shutil.rmtree(self.folder / f"s{seed}", ignore_errors=True)
+        return self._once(done, lambda: run(self.folder / f"s{seed}"))
+
+    @staticmethod
+    def _once(path: Path, make) -> dict:
+        if path.is_file():
+            return json.loads(path.read_text())
+        value = make()
+        path.write_text(json.dumps(value))  # Python's JSON: inf and nan come back
+        return value

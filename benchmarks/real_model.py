@@ -43,14 +43,13 @@ import math
 import statistics
 import subprocess
 import sys
-import shutil
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py
 
-from _results import Run, add_arguments  # noqa: E402
+from _results import Kept, Run, add_arguments  # noqa: E402
 
 GRAPHS = {"full": "graphs/real.py", "lora": "graphs/real.py:lora",
           "warm-lora": "graphs/real.py:warm_lora"}
@@ -175,36 +174,15 @@ def main(argv=None) -> None:
     if args.quick:
         graph, args.seeds, args.steps, args.eval_seeds = QUICK[args.method], 1, 2, 4
         args.method = "lora" if args.method == "full" else args.method  # smoke: LoRA
-    # the runs' directories are kept (runs/ is not tracked): a seed's run can be looked
-    # at, and an invocation cut short (a crash, a machine needed back) goes on where it
-    # stopped with --resume: the seeds done are read back, never run again
+    # each seed's run is kept (``_results.Kept``): one cut short goes on with --resume
     name = f"quick-{args.method}" if args.quick else args.method
-    keep = ROOT / "runs" / "bench-real_model" / name
-    settings = {"graph": graph, "steps": args.steps, "eval_seeds": args.eval_seeds}
-    if args.resume and (keep / "settings.json").is_file():
-        kept = json.loads((keep / "settings.json").read_text())
-        if kept != settings:
-            raise SystemExit(f"--resume: {keep} holds runs of {kept}, not {settings}")
-    else:
-        shutil.rmtree(keep, ignore_errors=True)
-        keep.mkdir(parents=True)
-        (keep / "settings.json").write_text(json.dumps(settings))
-    if (keep / "before.json").is_file():
-        base = json.loads((keep / "before.json").read_text())
-    else:
-        base = before(graph, args.eval_seeds)
-        (keep / "before.json").write_text(json.dumps(base))
+    kept = Kept("real_model", name, {"graph": graph, "steps": args.steps,
+                                     "eval_seeds": args.eval_seeds}, args.resume)
+    base = kept.before(lambda: before(graph, args.eval_seeds))
     runs = []
     for seed in range(args.seeds):
-        done = keep / f"s{seed}.json"
-        if done.is_file():
-            one = json.loads(done.read_text())
-            print(f"seed {seed}: read back from {done}", flush=True)
-        else:  # a seed cut short mid-run (no sN.json) runs again from its start
-            shutil.rmtree(keep / f"s{seed}", ignore_errors=True)
-            one = train_one(graph, seed, args.steps, args.eval_seeds, keep / f"s{seed}",
-                            extra)
-            done.write_text(json.dumps(one))
+        one = kept.seed(seed, lambda folder: train_one(graph, seed, args.steps,
+                                                       args.eval_seeds, folder, extra))
         one["gain"] = {t: one["after"][t] - base[t] for t in base}
         one["stderr"] = {t: stderr(base[t], one["after"][t], args.eval_seeds)
                          for t in base}

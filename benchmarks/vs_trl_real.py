@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # _results.py, _trl_*.py, vs_trl.py
 
-from _results import Run, add_arguments  # noqa: E402
+from _results import Kept, Run, add_arguments  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TASK = "guess_number"
@@ -224,6 +224,9 @@ def main(argv=None) -> None:
                    help="rollart's cluster as threads of this process (tests)")
     p.add_argument("--quick", action="store_true",
                    help="one seed, 2 steps of 2 groups of 4, 8 held-out seeds")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the seeds an earlier invocation of the same settings "
+                        "finished (runs/bench-vs_trl_real/METHOD; about an hour a seed)")
     add_arguments(p)
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # graphs/
@@ -234,11 +237,14 @@ def main(argv=None) -> None:
 
     quiet()
     model_dir = resolve_model(MODEL)
-    before = heldout(model_dir, s)
+    # each seed's result is kept (``_results.Kept``): one cut short goes on with --resume
+    kept = Kept("vs_trl_real", f"quick-{a.method}" if a.quick else a.method,
+                {**asdict(s), "target": a.target, "resources": a.resources}, a.resume)
+    before = kept.before(lambda: {"heldout": heldout(model_dir, s)})["heldout"]
     target = a.target if a.target is not None else round(before + GOAL_GAIN, 4)
     print(f"untrained held-out success {before:.3f} on {s.eval_seeds} seeds: target "
           f"{target:.3f}; {s}", flush=True)
-    runs = [one_seed(replace(s, seed=k), model_dir, before, target, a)
+    runs = [kept.seed(k, lambda _: one_seed(replace(s, seed=k), model_dir, before, target, a))
             for k in range(1 if a.quick else a.seeds)]
     med = lambda key, who: statistics.median(r[key][who] for r in runs)  # noqa: E731
     ups = [r["speedup"] for r in runs]

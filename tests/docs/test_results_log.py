@@ -122,3 +122,10 @@ def test_the_costs_and_real_model_tables_come_from_the_newest_records(tmp_path, 
                                 None, None)
     assert "longest recovery" in page and "`join_steps`=0.2" in page
     sys.modules.pop("gen_reference", None)
+
+
+def test_kept_seeds_resume_where_an_invocation_stopped(results):
+    """``Kept`` (a long benchmark's ``--resume``): its doctests, run as written."""
+    import doctest
+
+    assert doctest.testmod(results, optionflags=doctest.ELLIPSIS).failed == 0

@@ -302,8 +302,9 @@ def paired(theirs: dict, ours: dict) -> dict:
 
 def summarise(runs: list[dict], seeds: list[int], ours: str = "async") -> dict:
     """The RESULT figures from every scored run (module doc); the paired ratios are
-    the other runs' times ÷ ``ours``' (``--ours``: async's default, or a variant, which
-    is then also paired with the default as ``speedup_vs_async_paired``)."""
+    the other runs' times ÷ ``ours``' (``--ours``: async's default, or a variant): the
+    baselines', then those of async (when a variant is ``ours``) and of each variant
+    that ran (``speedup_vs_async_at_new_paired`` > 1: ``ours`` got there first)."""
     by = {}
     for r in runs:
         by.setdefault(r["label"], {})[r["seed"]] = r
@@ -319,7 +320,9 @@ def summarise(runs: list[dict], seeds: list[int], ours: str = "async") -> dict:
                 if s in by.get(num, {}) and s in by.get(den, {})]
 
     out, pairs = {}, {}
-    against = dict(PAIRED, **({"async": "async"} if ours != "async" else {}))
+    # the baselines, then the default and the variants that ran beside ``ours``
+    against = dict(PAIRED, **{short(v): v for v in ("async",) + tuple(VARIANTS)
+                              if v != ours and v in by})
     for key, label in against.items():
         p = pairs[key] = paired(per_seed(label, "time_to_target_s"),
                                 per_seed(ours, "time_to_target_s"))

@@ -301,11 +301,16 @@ def pipeline_figures(key: str) -> str:
                 " — [why](docs/benchmarks/pipeline.md)")
     paired = r["speedup_vs_syncplus_paired"]
     met = "met" if paired is None or paired >= SYNCPLUS_GOAL else "not met"  # None: ∞
-    return (f"time to a held-out target, median of the per-seed ratios (min–max): async "
+    ours = r.get("ours", "async")
+    name = "async" if ours == "async" else f"`{ours}` (a candidate for async's default)"
+    return (f"time to a held-out target, median of the per-seed ratios (min–max): {name} "
             f"{_pair(r, 'syncplus', 'sync+', True)} (the paper's goal ≥ {SYNCPLUS_GOAL}×: "
             f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget, "
-            f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}; "
-            f"groups in flight, mean: async {_x(r.get('inflight_async'))}, areal "
+            f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}"
+            + ("" if ours == "async" else f", {_pair(r, 'async', 'async (the default)')}")
+            + "; "
+            f"groups in flight, mean: {ours} "
+            f"{_x(r.get('inflight_' + ours.replace('@', '_at_')))}, areal "
             f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
 
 
@@ -325,20 +330,27 @@ def paired_table() -> str:
     load = r.get("load_before")
     if isinstance(load, (list, tuple)):
         load = " / ".join(f"{x:.2f}" for x in load)
+    ours = r.get("ours", "async")
     out = [f"From the record of {r['date']} (commit `{r['commit']}`, load before "
            f"{_cell(load)}): `python benchmarks/{r['command']}`, target "
            f"{_fmt(r.get('target'))}, generated at build time.", "",
-           "| async against | paired ratio, median (min–max) | async first on | "
+           f"| {ours} against | paired ratio, median (min–max) | {ours} first on | "
            "groups in flight, mean (steps' worth) |", "|---|---|---|---|"]
     inflight = {"areal": r.get("inflight_areal"),
-                "areal_at_async": r.get("inflight_areal_at_async")}
-    for key, name in PAIRED_NAMES.items():
+                "areal_at_async": r.get("inflight_areal_at_async"),
+                "async": r.get("inflight_async")}
+    # the baselines, then the default and async's variants that ran beside ``ours``
+    names = {**PAIRED_NAMES, "async": "async (the default)"}
+    for k in r:
+        if k.startswith("pairs_vs_async_at_"):  # async_at_new -> async@new
+            names[k[len("pairs_vs_"):]] = "async@" + k[len("pairs_vs_async_at_"):]
+    for key, name in names.items():
         if not r.get(f"pairs_vs_{key}"):
             continue
-        theirs = inflight.get(key)
+        theirs = inflight.get(key, r.get(f"inflight_{key}"))
         out.append(f"| {name} | {_ratio_range(r, key)} | {r[f'wins_vs_{key}']} of "
-                   f"{r[f'pairs_vs_{key}']} seeds | async "
-                   f"{_x(r.get('inflight_async'))}"
+                   f"{r[f'pairs_vs_{key}']} seeds | {ours} "
+                   f"{_x(r.get('inflight_' + ours.replace('@', '_at_')))}"
                    + ("" if theirs is None else f", {name.split(' ')[0]} {_x(theirs)}") + " |")
     runs = r.get("runs", [])
     labels = list(dict.fromkeys(x["label"] for x in runs))

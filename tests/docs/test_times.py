@@ -123,3 +123,20 @@ def test_the_row_and_the_page_show_the_newest_paired_record(monkeypatch):
         "areal 0.99 |" in page, page
     assert "one-off" not in page.split("Per seed")[0]  # no pair: no row
     assert "| 1 | ∞ · 30 · 0.5 | 20 · 32 · 0.6 |" in page, page
+
+
+def test_a_candidate_headline_is_named_and_paired_with_the_default(monkeypatch):
+    """A record made with ``--ours async@new``: the row names the candidate, never
+    passes it off as async's default, and shows it against the default too."""
+    rec = {**PAIRED, "date": "2026-01-03", "ours": "async@new", "inflight_async_at_new": 1.4,
+           "speedup_vs_async_paired": 1.3, "speedup_vs_async_min": 0.9,
+           "speedup_vs_async_max": 1.6, "wins_vs_async": 3, "pairs_vs_async": 5}
+    _planted(monkeypatch, OLD, PAIRED, rec)
+    row = gen.fill_figures(BLOCK)
+    assert "`async@new` (a candidate for async's default) **1.25× sync+**" in row, row
+    assert "1.30× async (the default) (0.90–1.60; first on 3 of 5 seeds)" in row, row
+    assert "async@new 1.40, areal 1.70" in row, row
+    page = gen.paired_table()
+    assert "| async@new against | paired ratio" in page, page
+    assert "| async (the default) | 1.30× (0.90–1.60) | 3 of 5 seeds | async@new 1.40, " \
+        "async 0.98 |" in page, page

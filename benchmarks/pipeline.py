@@ -378,6 +378,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, of {LABELS} (default: {MODES + (AT_ASYNC,)}; "
                         f"--quick: all but {AT_ASYNC})")
+    p.add_argument("--resources", default="laptop",
+                   help="the layout (resources/NAME.py): laptop (rollout, envs and "
+                        "rewards in one worker) or laptop_engine (the engine in a worker "
+                        "of its own)")
     p.add_argument("--ours", default="async",
                    help="the run whose paired ratios are the headline: async (its "
                         f"default) or a variant among --modes, of {tuple(VARIANTS)}")
@@ -491,7 +495,8 @@ def main(argv=None) -> dict:
     heldout_seeds = range(EVAL_SEED_BASE, EVAL_SEED_BASE + a.eval_seeds)
     runs, failed, t_all = [], [], time.time()
     with tempfile.TemporaryDirectory() as tmp, \
-            rollart.load_resources("laptop").make_cluster() as cluster, Client(cluster) as client:
+            rollart.load_resources(a.resources).make_cluster() as cluster, \
+            Client(cluster) as client:
         model, warm, target = warm_up(a, base.tasks, heldout_seeds, tmp)
         for i, seed in enumerate(seeds):
             run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
@@ -501,7 +506,7 @@ def main(argv=None) -> dict:
                 print("PARTIAL " + " ".join(f"{k}={fmt(v)}" for k, v in part.items()
                                             if k != "target"), flush=True)
     out = summarise(runs, seeds, a.ours)
-    out.update(ours=a.ours,
+    out.update(ours=a.ours, resources=a.resources,
                inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
                budget_areal_at_async=async_budget(label_graph(base, base.tasks, model, "async",
                                                               1, a)),

@@ -215,6 +215,7 @@ def test_pipeline_benchmark_tiny():
     r = dict(kv.split("=") for kv in line.split()[1:])
     assert r.pop("inflight") == "alpha" and r.pop("order") == "completion", line
     assert r.pop("weight_update") == "keep", line
+    assert (r.pop("ours"), r.pop("resources")) == ("async", "laptop"), line
     r = {k: float(v) for k, v in r.items()}
     assert list(r)[:len(HEADLINE)] == list(HEADLINE), line
     rest = [k for k in r if k not in HEADLINE and k not in INFLIGHT]
@@ -264,3 +265,26 @@ def test_an_async_variant_can_be_the_headline_paired_with_the_default_too(monkey
     assert (g.mode, g.rollout.stale_members) == ("async", "rescore")
     with pytest.raises(SystemExit):  # a headline that does not run beside the default
         bench.parse(["--quick", "--modes", "async@rescore,sync+", "--ours", "async@rescore"])
+
+
+def test_a_candidate_default_on_the_engine_apart_layout_tiny():
+    """``async@new`` (adaptive in flight, stale members re-scored) as the headline beside
+    the default async, on ``resources/laptop_engine.py`` (the engine in a worker process
+    of its own): both train, the candidate is paired with the default, and its mean in
+    flight stays within its bounds (one to ``alpha + 1`` steps' worth)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--steps", "3",
+         "--every", "1", "--groups", "2", "--eval-seeds", "4", "--seeds", "1",
+         "--modes", "async,async@new", "--ours", "async@new", "--redundant", "",
+         "--warmup-steps", "5", "--margin", "-1", "--warm-cache", "",
+         "--resources", "laptop_engine"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    r = dict(kv.split("=") for kv in line.split()[1:])
+    assert (r["ours"], r["resources"]) == ("async@new", "laptop_engine"), line
+    assert (r["pairs_vs_async"], r["wins_vs_async"]) in (("1", "0"), ("1", "1")), line
+    assert 0 < float(r["speedup_vs_async_paired"]) < math.inf, line
+    assert 0 < float(r["inflight_async_at_new"]) <= 2, line  # alpha 1: ≤ 2 steps' worth
+    assert 0 < float(r["ttt_async_at_new"]) < math.inf, line

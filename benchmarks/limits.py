@@ -130,6 +130,26 @@ def cpu_snapshot() -> dict:
     return {"process": cpu("/proc/self/stat"), "threads": threads}
 
 
+def start_request_logs(dask_worker) -> int:
+    """``Client.run``: start a request log on each ``InferenceWorker`` actor of this Dask
+    worker (``InferenceWorker.start_request_log``); how many."""
+    from rollart.rollout import InferenceWorker
+
+    workers = [a for a in dask_worker.state.actors.values() if isinstance(a, InferenceWorker)]
+    for w in workers:
+        w.start_request_log()
+    return len(workers)
+
+
+def take_request_logs(dask_worker) -> list[dict]:
+    """``Client.run``: the request logs of this Dask worker's ``InferenceWorker``s
+    (``take_request_log``; they stop)."""
+    from rollart.rollout import InferenceWorker
+
+    return [a.take_request_log() for a in dask_worker.state.actors.values()
+            if isinstance(a, InferenceWorker) and a.request_log is not None]
+
+
 def thread_group(name: str) -> str:
     return next((g for prefix, g in THREADS if name.startswith(prefix)), "other")
 
@@ -149,7 +169,8 @@ def cpu_delta(a: dict, b: dict, group=thread_group) -> dict[str, float]:
 class Probe:
     """Wraps ``rollart.control.loop.step_row`` for one run: at steps ``1`` and ``last``
     keeps the row, the actors' stats it was made from and a CPU snapshot of this
-    process, every worker and every nanny (two ``Client.run`` broadcasts each)."""
+    process, every worker and every nanny (two ``Client.run`` broadcasts each); the
+    inference workers' request logs run from the first to the last (``logs``)."""
 
     def __init__(self, client, last: int):
         self.client, self.last, self.marks = client, last, {}
@@ -168,6 +189,12 @@ class Probe:
                     "managers": list(sample.managers), "at": time.perf_counter(),
                     "driver": cpu_snapshot(), "cluster": self.client.run(cpu_snapshot),
                     "nannies": self.client.run(cpu_snapshot, nanny=True)}
+                if row["step"] == 1:
+                    self.client.run(start_request_logs)
+                else:
+                    self.marks[row["step"]]["logs"] = [
+                        log for logs in self.client.run(take_request_logs).values()
+                        for log in logs]
             return row
 
         loop.step_row = step_row
@@ -212,6 +239,7 @@ def window(graph, rows: list[dict], marks: dict) -> dict:
     wait_s = sum(r["trainer/wait_s"] for r in steps)
     trained = sum(r["trainer/tokens"] for r in steps)
     out = {"window_s": wall, "tokens": tokens, "busy_s": d("busy_seconds"),
+           "requests": d("requests"),
            "run_tok_s": tokens / wall, "run_tok_s_busy": tokens / max(d("busy_seconds"), 1e-9),
            "live_batch": tokens / max(d("decode_steps"), 1), "gen_len": tokens / requests,
            "context": d("prefix_prompt_tokens") / requests,
@@ -265,12 +293,42 @@ def trained_batches(run_dir: Path, steps: list[int]) -> list[list]:
     return [from_table(table.filter(pc.equal(table["trained_step"], s))) for s in steps]
 
 
-def role_threads(graph, model: str, run_dir: Path) -> tuple[int, int]:
-    """Torch threads the run gave its inference worker and its trainer."""
+def role_kwargs(graph, model: str, run_dir: Path) -> tuple[dict, dict]:
+    """The keyword arguments the run gave its inference worker and its trainer (torch
+    ``threads``; the worker's ``max_batch``, ``engine`` and ``engine_options``)."""
     from rollart.control.stages import role_specs
 
     specs = {s.role: s for s in role_specs(graph, model, run_dir)}
-    return specs["inference"].kwargs["threads"], specs["trainer"].kwargs["threads"]
+    return specs["inference"].kwargs, specs["trainer"].kwargs
+
+
+def replayed(model: str, marks: dict, last: int, infer: dict) -> dict:
+    """The window's request stream (the one inference worker's log) replayed into the
+    bare engine (``_replay.replay``) on the worker's threads and engine settings; its
+    figures, and the log's ``logged_requests`` / ``logged_tokens``. Raises unless it
+    served exactly the recorded requests and tokens."""
+    from _replay import replay
+
+    logs = marks[last]["logs"]
+    if len(logs) != 1:
+        raise RuntimeError(f"expected the request log of one inference worker, got "
+                           f"{len(logs)}: the run has one inference pool")
+    log = logs[0]
+    if log["dropped"]:
+        raise RuntimeError(f"the request log dropped {log['dropped']} requests: raise "
+                           "its limit (InferenceWorker.start_request_log)")
+    rep = replay(model, log, threads=infer["threads"], max_batch=infer["max_batch"],
+                 engine=infer.get("engine", "torch"),
+                 engine_options=infer.get("engine_options"))
+    rep["logged_requests"] = len(log["requests"])
+    rep["logged_tokens"] = rep["recorded_tokens"]
+    if (rep["requests"], rep["tokens"], rep["mismatched"]) != \
+            (rep["logged_requests"], rep["logged_tokens"], 0):
+        raise RuntimeError(f"the replay served {rep['requests']} requests and "
+                           f"{rep['tokens']} tokens ({rep['mismatched']} of another "
+                           f"length), the log {rep['logged_requests']} and "
+                           f"{rep['logged_tokens']}")
+    return rep
 
 
 def parse(argv) -> argparse.Namespace:
@@ -336,7 +394,9 @@ def main(argv=None) -> dict:
         cores = usable_cores()
         fig = window(graph, rows, marks)
         shares = breakdown(marks, 1, graph.steps, fig["render_cpu_s"], cores)
-        t_infer, t_train = role_threads(graph, model, run_dir)
+        infer, train = role_kwargs(graph, model, run_dir)
+        t_infer, t_train = infer["threads"], train["threads"]
+        rep = replayed(model, marks, graph.steps, infer)
         batches = trained_batches(run_dir, fig["train_steps"])
         bare = bare_generate(
             model, batch=max(1, round(fig["live_batch"])), new=max(1, round(fig["gen_len"])),
@@ -350,9 +410,24 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"the samples' trained tokens ({bare_tokens}) are not the "
                            f"metrics' ({fig['train_tokens']})")
     bare_train_tok_s = bare_tokens / sum(bare_train_s)
-    out = {"rollout_vs_bare": fig["run_tok_s"] / bare["tok_s"],
+    run_tok_s_cpu = fig["tokens"] / max(shares["cpu_s"].get("inference", 0.0), 1e-9)
+    # core-seconds the window's useful work takes at bare speed (module doc)
+    useful_gen = rep["logged_tokens"] / bare["tok_s"] * t_infer
+    useful_train = bare_tokens / bare_train_tok_s * t_train
+    capacity = fig["window_s"] * cores
+    out = {"rollout_vs_replay": fig["run_tok_s_busy"] / rep["tok_s"],
+           "useful_share": (useful_gen + useful_train) / capacity,
            "trainer_vs_bare": fig["run_train_tok_s"] / bare_train_tok_s,
+           "rollout_vs_bare": fig["run_tok_s"] / bare["tok_s"],
            "control_share": shares["control_share"],
+           "rollout_vs_replay_cpu": run_tok_s_cpu / rep["tok_s_cpu"],
+           "useful_gen_share": useful_gen / capacity,
+           "useful_train_share": useful_train / capacity,
+           "run_tok_s_cpu": run_tok_s_cpu, "replay_tok_s": rep["tok_s"],
+           "replay_tok_s_cpu": rep["tok_s_cpu"], "replay_requests": rep["requests"],
+           "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
+           "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
+           "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"],
            "rollout_vs_bare_busy": fig["run_tok_s_busy"] / bare["tok_s"],
            "run_tok_s": fig["run_tok_s"], "run_tok_s_busy": fig["run_tok_s_busy"],
            "bare_tok_s": bare["tok_s"], "run_train_tok_s": fig["run_train_tok_s"],
@@ -373,6 +448,7 @@ def main(argv=None) -> dict:
                "driver_cpu_s": shares["driver_cpu_s"],
                "warmup_steps": warm_steps, "seed": a.seed, "run_tokens": fig["tokens"],
                "engine_busy_s": fig["busy_s"], "env_s": fig["env_s"],
+               "replay": {k: v for k, v in rep.items() if not isinstance(v, list)},
                "total_s": round(time.time() - t_all)}
     for what, cpu in (("run", shares["cpu_s"]), ("driver", shares["driver_cpu_s"])):
         print(f"cpu seconds in the window, {what}: " + " ".join(

@@ -1,5 +1,6 @@
-"""Distance to the physical limit on this machine (issue 42 item 5): how close a real
-rollart run gets to bare PyTorch on the same cores, and where the rest of its time goes.
+"""Distance to the physical limit on this machine (issue 42 item 5, issue 51 item 3):
+how close a real rollart run gets to bare PyTorch on the same cores, to its own request
+stream replayed into the bare engine, and where the rest of its time goes.
 
 **The run.** The default graph (``graphs/multitask.py``, what ``python -m rollart train``
 runs; with ``--model``, ``graphs/real.py``: below), async mode, on ``resources/laptop.py`` with one inference pool (as
@@ -24,6 +25,43 @@ prompt tokens ÷ requests, of which the part the engine forwarded (prefill token
 requests) is prefilled on the clock and the rest sits in the KV cache beforehand (the
 engine's prefix cache). ``rollout_vs_bare`` = ``run_tok_s`` ÷ ``bare_tok_s``;
 ``rollout_vs_bare_busy`` = ``run_tok_s_busy`` ÷ ``bare_tok_s``.
+
+**Rollout against its own request stream (issue 51).** Over the window the inference
+worker keeps a request log (``InferenceWorker.start_request_log``, started by the probe
+at step 1 and read back at the last step through ``Client.run``): each request that
+arrived in the window and finished normally, with its arrival time, prompt ids, the part
+of the prompt its prefix cache held, the tokens it generated and its sampling settings.
+After the run that stream is replayed (``_replay.replay``) into the *bare engine*: a
+fresh ``TorchEngine`` with the worker's engine settings, driven by its own serve loop in
+this process on the worker's torch threads, without Dask, actors, the worker's queue
+and thread, env managers, rewards, the trainer, weight updates or an event loop. Each
+request joins no earlier than it arrived, forwards the prompt tokens the run forwarded
+(its cached prefix is primed first) and generates exactly the recorded tokens (stops
+that cannot fire, checked at the same cost); no re-prefills after weight swaps, no
+aborted work. ``replay_requests`` / ``replay_tokens`` must equal ``logged_requests`` /
+``logged_tokens`` (else the script fails). The engine, not a hand-written loop, so the
+replay does the run's work (arrivals, continuous batching, prefix reuse, each request's
+sampler and stop checks) and the ratio isolates what the framework costs it.
+
+Two clocks, both reported: the arrivals pace both sides, so wall-clock rates agree by
+construction. ``rollout_vs_replay`` = ``run_tok_s_busy`` ÷ ``replay_tok_s`` (tokens per
+second of the engine's serve loop, run ÷ replay): it counts against the run the
+engine's per-request work in the worker, weight swaps and re-prefills, and the time the
+engine thread waits for the GIL or a core while busy (the event loops', the control
+plane's, also the trainer's process). ``rollout_vs_replay_cpu`` = ``run_tok_s_cpu`` ÷
+``replay_tok_s_cpu`` (tokens per CPU second of the engine thread): the issue's "same CPU
+share", the engine given exactly the CPU it got; it leaves those waits out, so it is the
+kinder of the two. Either is lower, not higher, where the replay batches less than the
+run (a faster engine finishes rows sooner: ``replay_live_batch`` against ``live_batch``).
+
+**Useful work.** ``useful_share`` = (``logged_tokens`` ÷ ``bare_tok_s`` × the inference
+threads + the window's trained tokens ÷ ``bare_train_tok_s`` × the trainer's threads) ÷
+(``window_s`` × ``cores``): the core-seconds the window's generation and training would
+take at bare speed, over the machine's capacity (threads 1 each on ``laptop``). Useful
+generation is the logged requests' tokens, with the prefill the bare loop's shape
+counts; re-prefills after weight swaps, aborted requests and requests in flight at
+either end of the window are not counted (``useful_gen_share``, ``useful_train_share``:
+the two parts).
 
 **Trainer.** ``run_train_tok_s`` = trained tokens (``trainer/tokens``) of the window's
 steps ÷ their ``trainer/step_s`` less ``trainer/wait_s`` (the step as the trainer
@@ -52,7 +90,9 @@ window's wall time: ``inference_idle`` (the engine outside its serve loop),
 ``trainer_idle`` (not computing or publishing a step), ``trainer_wait`` (inside a step,
 waiting for its batch).
 
-Other RESULT keys: ``bare_tok_s``, ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
+Other RESULT keys: ``run_requests`` (the engine's admissions in the window),
+``replay_lag_s`` (mean wait past a request's arrival in the replay), ``bare_tok_s``,
+``bare_train_tok_s``, ``live_batch``, ``gen_len``,
 ``context``, ``prefill`` (the bare loop's shape), ``window_s``, ``steps``, ``groups``,
 ``threads_infer``, ``threads_train``, ``cores``, ``graph`` (the graph's name) and
 ``model`` (``built-in`` or what ``--model`` named). The record also keeps every snapshot
@@ -130,26 +170,6 @@ def cpu_snapshot() -> dict:
     return {"process": cpu("/proc/self/stat"), "threads": threads}
 
 
-def start_request_logs(dask_worker) -> int:
-    """``Client.run``: start a request log on each ``InferenceWorker`` actor of this Dask
-    worker (``InferenceWorker.start_request_log``); how many."""
-    from rollart.rollout import InferenceWorker
-
-    workers = [a for a in dask_worker.state.actors.values() if isinstance(a, InferenceWorker)]
-    for w in workers:
-        w.start_request_log()
-    return len(workers)
-
-
-def take_request_logs(dask_worker) -> list[dict]:
-    """``Client.run``: the request logs of this Dask worker's ``InferenceWorker``s
-    (``take_request_log``; they stop)."""
-    from rollart.rollout import InferenceWorker
-
-    return [a.take_request_log() for a in dask_worker.state.actors.values()
-            if isinstance(a, InferenceWorker) and a.request_log is not None]
-
-
 def thread_group(name: str) -> str:
     return next((g for prefix, g in THREADS if name.startswith(prefix)), "other")
 
@@ -178,6 +198,7 @@ class Probe:
     @contextlib.contextmanager
     def installed(self):
         from rollart.control import loop
+        from rollart.rollout.request_log import start_request_logs, take_request_logs
 
         real = loop.step_row
 
@@ -331,6 +352,28 @@ def replayed(model: str, marks: dict, last: int, infer: dict) -> dict:
     return rep
 
 
+def against_replay(fig: dict, cpu_s: dict, rep: dict, bare_tok_s: float,
+                   bare_train_s: float, threads: tuple[int, int], cores: int) -> dict:
+    """``rollout_vs_replay`` (per engine-busy second), ``rollout_vs_replay_cpu`` (per
+    engine-thread CPU second), ``useful_share`` and their parts (module doc), from the
+    window's figures, its CPU seconds, the replay's and the bare loops' (``bare_train_s``:
+    seconds the bare trainer took for the window's batches)."""
+    run_tok_s_cpu = fig["tokens"] / max(cpu_s.get("inference", 0.0), 1e-9)
+    # core-seconds the window's useful work takes at bare speed
+    gen = rep["logged_tokens"] / bare_tok_s * threads[0]
+    train = bare_train_s * threads[1]
+    capacity = fig["window_s"] * cores
+    return {"rollout_vs_replay": fig["run_tok_s_busy"] / rep["tok_s"],
+            "useful_share": (gen + train) / capacity,
+            "rollout_vs_replay_cpu": run_tok_s_cpu / rep["tok_s_cpu"],
+            "useful_gen_share": gen / capacity, "useful_train_share": train / capacity,
+            "run_tok_s_cpu": run_tok_s_cpu, "replay_tok_s": rep["tok_s"],
+            "replay_tok_s_cpu": rep["tok_s_cpu"], "replay_requests": rep["requests"],
+            "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
+            "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
+            "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"]}
+
+
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run (~2 minutes)")
@@ -410,24 +453,13 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"the samples' trained tokens ({bare_tokens}) are not the "
                            f"metrics' ({fig['train_tokens']})")
     bare_train_tok_s = bare_tokens / sum(bare_train_s)
-    run_tok_s_cpu = fig["tokens"] / max(shares["cpu_s"].get("inference", 0.0), 1e-9)
-    # core-seconds the window's useful work takes at bare speed (module doc)
-    useful_gen = rep["logged_tokens"] / bare["tok_s"] * t_infer
-    useful_train = bare_tokens / bare_train_tok_s * t_train
-    capacity = fig["window_s"] * cores
-    out = {"rollout_vs_replay": fig["run_tok_s_busy"] / rep["tok_s"],
-           "useful_share": (useful_gen + useful_train) / capacity,
+    vs = against_replay(fig, shares["cpu_s"], rep, bare["tok_s"], sum(bare_train_s),
+                        (t_infer, t_train), cores)
+    out = {"rollout_vs_replay": vs.pop("rollout_vs_replay"),
+           "useful_share": vs.pop("useful_share"),
            "trainer_vs_bare": fig["run_train_tok_s"] / bare_train_tok_s,
            "rollout_vs_bare": fig["run_tok_s"] / bare["tok_s"],
-           "control_share": shares["control_share"],
-           "rollout_vs_replay_cpu": run_tok_s_cpu / rep["tok_s_cpu"],
-           "useful_gen_share": useful_gen / capacity,
-           "useful_train_share": useful_train / capacity,
-           "run_tok_s_cpu": run_tok_s_cpu, "replay_tok_s": rep["tok_s"],
-           "replay_tok_s_cpu": rep["tok_s_cpu"], "replay_requests": rep["requests"],
-           "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
-           "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
-           "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"],
+           "control_share": shares["control_share"], **vs,
            "rollout_vs_bare_busy": fig["run_tok_s_busy"] / bare["tok_s"],
            "run_tok_s": fig["run_tok_s"], "run_tok_s_busy": fig["run_tok_s_busy"],
            "bare_tok_s": bare["tok_s"], "run_train_tok_s": fig["run_train_tok_s"],

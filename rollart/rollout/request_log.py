@@ -14,8 +14,10 @@ the prefix cache held when it joined the batch), ``keyed`` (it had a ``cache_key
 
 Only requests that arrived while the log was on and finished normally are kept (an
 aborted or failed request is left out; so are PD prefills and decodes); past ``limit``
-the oldest records go and ``dropped`` counts them. ``benchmarks/limits.py`` replays the
-log into a bare engine (``benchmarks/_replay.py``).
+the oldest records go and ``dropped`` counts them. ``start_request_logs`` and
+``take_request_logs`` do the same for every inference worker of a Dask worker, through
+``Client.run``: ``benchmarks/limits.py`` reads the log so and replays it into a bare
+engine (``benchmarks/_replay.py``).
 """
 
 from __future__ import annotations
@@ -62,3 +64,21 @@ class RequestLog:
         recs.sort(key=lambda r: r["arrival"])
         return {"requests": recs, "dropped": dropped,
                 "seconds": time.perf_counter() - self.t0}
+
+
+def start_request_logs(dask_worker, limit: int = 100_000) -> int:
+    """``Client.run``: start a request log on each inference worker actor of this Dask
+    worker (``InferenceWorker.start_request_log``); how many."""
+    workers = [a for a in dask_worker.state.actors.values()
+               if callable(getattr(a, "start_request_log", None))]
+    for w in workers:
+        w.start_request_log(limit)
+    return len(workers)
+
+
+def take_request_logs(dask_worker) -> list[dict]:
+    """``Client.run``: the request logs of this Dask worker's inference workers that keep
+    one (``InferenceWorker.take_request_log``; they stop)."""
+    return [a.take_request_log() for a in dask_worker.state.actors.values()
+            if callable(getattr(a, "take_request_log", None))
+            and getattr(a, "request_log", None) is not None]

@@ -64,6 +64,17 @@ def test_the_log_records_what_arrived_while_on_and_nothing_else(worker):
         assert by_prompt[tuple(p)]["cached"] == (len(p) - 2 if k is not None else 0), (p, k)
 
 
+def test_client_run_starts_and_takes_every_inference_workers_log(client, worker):
+    from rollart.rollout.request_log import start_request_logs, take_request_logs
+
+    assert list(client.run(take_request_logs).values()) == [[]]  # none on
+    assert list(client.run(start_request_logs).values()) == [1]
+    worker.generate(_turn([[5, 6, 7]], ["k"])[0]).result()
+    (logs,) = client.run(take_request_logs).values()
+    assert [r["prompt_ids"] for r in logs[0]["requests"]] == [[5, 6, 7]]
+    assert list(client.run(take_request_logs).values()) == [[]]  # taking stopped it
+
+
 def test_the_log_is_bounded_and_leaves_out_aborted_requests():
     log = RequestLog(limit=2)
     ok = GenResult([1, 2], [0.0, 0.0], [3, 3], "length")

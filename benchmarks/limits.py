@@ -91,7 +91,8 @@ window's wall time: ``inference_idle`` (the engine outside its serve loop),
 waiting for its batch).
 
 Other RESULT keys: ``run_requests`` (the engine's admissions in the window),
-``replay_lag_s`` (mean wait past a request's arrival in the replay), ``bare_tok_s``,
+``replay_lag_s`` (mean wait past a request's arrival in the replay), ``replay_prefill``
+(prompt tokens it forwarded per request; the run's: ``prefill``), ``bare_tok_s``,
 ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
 ``context``, ``prefill`` (the bare loop's shape), ``window_s``, ``steps``, ``groups``,
 ``threads_infer``, ``threads_train``, ``cores``, ``graph`` (the graph's name) and
@@ -371,7 +372,9 @@ def against_replay(fig: dict, cpu_s: dict, rep: dict, bare_tok_s: float,
             "replay_tok_s_cpu": rep["tok_s_cpu"], "replay_requests": rep["requests"],
             "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
             "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
-            "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"]}
+            "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"],
+            # prompt tokens forwarded per request (the run's: ``prefill``)
+            "replay_prefill": rep["prefill_tokens"] / max(rep["requests"], 1)}
 
 
 def parse(argv) -> argparse.Namespace:

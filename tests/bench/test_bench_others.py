@@ -134,7 +134,7 @@ def test_limits_tiny(inflight):
               "gen_len", "context", "prefill", "share_inference", "share_trainer",
               "control_share", "rollout_vs_replay", "rollout_vs_replay_cpu",
               "useful_share", "useful_gen_share", "useful_train_share", "replay_tok_s",
-              "replay_tok_s_cpu", "run_tok_s_cpu", "replay_live_batch"):
+              "replay_tok_s_cpu", "run_tok_s_cpu", "replay_live_batch", "replay_prefill"):
         assert 0 < r[k] < math.inf, (k, r)
     # the replay did the recorded work: every logged request, every token
     assert r["logged_requests"] > 0 and r["logged_tokens"] >= r["logged_requests"]

@@ -29,6 +29,9 @@ The same work, request by request:
 
 Not replayed: weight swaps and the re-prefills after them, aborted requests, requests
 that arrived before the log started or finished after it was read (the log has none).
+Memory: every primed prefix's KV is held from the start until its request finishes (a
+window's worth of cached prefixes; small for the built-in model, gigabytes for a long
+window on a real one).
 """
 
 from __future__ import annotations

@@ -91,6 +91,8 @@ window's wall time: ``inference_idle`` (the engine outside its serve loop),
 waiting for its batch).
 
 Other RESULT keys: ``run_requests`` (the engine's admissions in the window),
+``run_abandoned`` (requests their callers aborted in it: their tokens count in the run's
+rates, not in the replay's),
 ``replay_lag_s`` (mean wait past a request's arrival in the replay), ``replay_prefill``
 (prompt tokens it forwarded per request; the run's: ``prefill``), ``bare_tok_s``,
 ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
@@ -261,7 +263,7 @@ def window(graph, rows: list[dict], marks: dict) -> dict:
     wait_s = sum(r["trainer/wait_s"] for r in steps)
     trained = sum(r["trainer/tokens"] for r in steps)
     out = {"window_s": wall, "tokens": tokens, "busy_s": d("busy_seconds"),
-           "requests": d("requests"),
+           "requests": d("requests"), "abandoned": d("abandoned"),
            "run_tok_s": tokens / wall, "run_tok_s_busy": tokens / max(d("busy_seconds"), 1e-9),
            "live_batch": tokens / max(d("decode_steps"), 1), "gen_len": tokens / requests,
            "context": d("prefix_prompt_tokens") / requests,
@@ -373,6 +375,7 @@ def against_replay(fig: dict, cpu_s: dict, rep: dict, bare_tok_s: float,
             "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
             "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
             "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"],
+            "run_abandoned": fig["abandoned"],
             # prompt tokens forwarded per request (the run's: ``prefill``)
             "replay_prefill": rep["prefill_tokens"] / max(rep["requests"], 1)}
 

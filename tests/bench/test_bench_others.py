@@ -140,7 +140,7 @@ def test_limits_tiny(inflight):
     assert r["logged_requests"] > 0 and r["logged_tokens"] >= r["logged_requests"]
     assert r["replay_requests"] == r["logged_requests"], r
     assert r["replay_tokens"] == r["logged_tokens"], r
-    assert r["replay_lag_s"] >= 0
+    assert r["replay_lag_s"] >= 0 and r["run_abandoned"] >= 0
     # useful work: both parts at bare speed, over the window's capacity (< 1 + noise)
     assert r["useful_share"] < 1.5, r
     assert math.isclose(r["useful_share"], r["useful_gen_share"] + r["useful_train_share"],

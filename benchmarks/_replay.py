@@ -29,6 +29,8 @@ The same work, request by request:
 
 Not replayed: weight swaps and the re-prefills after them, aborted requests, requests
 that arrived before the log started or finished after it was read (the log has none).
+``replay_window`` runs ``replay`` twice on a window's log, paced by the recorded
+arrivals and free of them (everything there from the start, in arrival order).
 Memory: every primed prefix's KV is held from the start until its request finishes (a
 window's worth of cached prefixes; small for the built-in model, gigabytes for a long
 window on a real one).
@@ -87,10 +89,12 @@ def _engine(model_path: str, n: int, max_batch: int, kind: str, options: dict | 
 @torch.inference_mode()
 def replay(model_path: str, log: dict, *, threads: int, max_batch: int = 64,
            engine: str = "torch", engine_options: dict | None = None,
-           warmup: int = 8) -> dict:
+           warmup: int = 8, paced: bool = True) -> dict:
     """Serve ``log["requests"]`` (a ``RequestLog.take()``) on a fresh engine as they
-    arrived (module doc), on the engine ``engine`` with ``max_batch`` and
-    ``engine_options`` (the run's ``InferenceWorker`` keywords). Returns ``requests`` and ``tokens`` served, ``recorded_tokens``,
+    arrived (module doc; ``paced=False``: all of them there from the start, still in
+    arrival order, as fast as ``max_batch`` lets them in), on the engine ``engine``
+    with ``max_batch`` and ``engine_options`` (the run's ``InferenceWorker`` keywords).
+    Returns ``requests`` and ``tokens`` served, ``recorded_tokens``,
     ``mismatched`` (requests whose length differs from the record), the engine's
     ``busy_s`` (inside its serve loop), its thread's ``cpu_s``, ``wall_s``, ``tok_s``
     (tokens ÷ busy seconds), ``tok_s_cpu``, ``live_batch``, ``prefill_tokens`` (forwarded)
@@ -105,7 +109,7 @@ def replay(model_path: str, log: dict, *, threads: int, max_batch: int = 64,
                       for q in reqs[:warmup]])
     primed = prime(eng, records, reqs)
     before = (eng.busy_seconds, eng.tokens_generated, eng.decode_steps, eng.prefill_tokens)
-    results = _serve_paced(eng, reqs, [r["arrival"] for r in records])
+    results = _serve_paced(eng, reqs, [r["arrival"] if paced else 0.0 for r in records])
     busy, tokens, steps, prefill = (now - then for now, then in zip(
         (eng.busy_seconds, eng.tokens_generated, eng.decode_steps, eng.prefill_tokens),
         before))
@@ -122,6 +126,36 @@ def replay(model_path: str, log: dict, *, threads: int, max_batch: int = 64,
             "tok_s_cpu": served / max(results["cpu_s"], 1e-9),
             "live_batch": served / max(steps, 1), "prefill_tokens": prefill,
             "primed_tokens": primed, **results}
+
+
+def replay_window(model: str, logs: list[dict], infer: dict) -> dict:
+    """A window's request stream (``logs``: the one inference worker's log) replayed
+    (``replay``) on the worker's threads and engine settings (``infer``: its keyword
+    arguments), paced by the arrivals and then free of them (``free_tok_s``,
+    ``free_live_batch``, ...); the paced replay's figures, and the log's
+    ``logged_requests`` / ``logged_tokens``. Raises unless each replay served exactly
+    the recorded requests and tokens."""
+    if len(logs) != 1:
+        raise RuntimeError(f"expected the request log of one inference worker, got "
+                           f"{len(logs)}: the run has one inference pool")
+    log = logs[0]
+    if log["dropped"]:
+        raise RuntimeError(f"the request log dropped {log['dropped']} requests: raise "
+                           "its limit (InferenceWorker.start_request_log)")
+    reps = [replay(model, log, threads=infer["threads"], max_batch=infer["max_batch"],
+                   engine=infer.get("engine", "torch"),
+                   engine_options=infer.get("engine_options"), paced=paced)
+            for paced in (True, False)]
+    logged = (len(log["requests"]), reps[0]["recorded_tokens"], 0)
+    for rep in reps:
+        if (rep["requests"], rep["tokens"], rep["mismatched"]) != logged:
+            raise RuntimeError(f"a replay served {rep['requests']} requests and "
+                               f"{rep['tokens']} tokens ({rep['mismatched']} of another "
+                               f"length), the log {logged[0]} and {logged[1]}")
+    rep, free = reps
+    return {**rep, "logged_requests": logged[0], "logged_tokens": logged[1],
+            "free_requests": free["requests"], "free_tokens": free["tokens"],
+            "free_tok_s": free["tok_s"], "free_live_batch": free["live_batch"]}
 
 
 def _serve_paced(eng, reqs: list[GenRequest], arrivals: list[float]) -> dict:

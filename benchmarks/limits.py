@@ -51,8 +51,13 @@ engine thread waits for the GIL or a core while busy (the event loops', the cont
 plane's, also the trainer's process). ``rollout_vs_replay_cpu`` = ``run_tok_s_cpu`` ÷
 ``replay_tok_s_cpu`` (tokens per CPU second of the engine thread): the issue's "same CPU
 share", the engine given exactly the CPU it got; it leaves those waits out, so it is the
-kinder of the two. Either is lower, not higher, where the replay batches less than the
-run (a faster engine finishes rows sooner: ``replay_live_batch`` against ``live_batch``).
+kinder of the two. Both are kind to the run where the replay batches less than the run
+did (an engine alone finishes rows sooner, so fewer are live at once:
+``replay_live_batch`` against ``live_batch``). The same stream replayed *free* of its
+arrivals (all of it there from the start, in arrival order, ``max_batch`` at a time)
+bounds that from the other side: ``rollout_vs_replay_free`` = ``run_tok_s_busy`` ÷
+``replay_free_tok_s``, which also counts against the run the smaller batches its
+arrivals allowed (``replay_free_live_batch``).
 
 **Useful work.** ``useful_share`` = (``logged_tokens`` ÷ ``bare_tok_s`` × the inference
 threads + the window's trained tokens ÷ ``bare_train_tok_s`` × the trainer's threads) ÷
@@ -94,7 +99,8 @@ Other RESULT keys: ``run_requests`` (the engine's admissions in the window),
 ``run_abandoned`` (requests their callers aborted in it: their tokens count in the run's
 rates, not in the replay's),
 ``replay_lag_s`` (mean wait past a request's arrival in the replay), ``replay_prefill``
-(prompt tokens it forwarded per request; the run's: ``prefill``), ``bare_tok_s``,
+(prompt tokens it forwarded per request; the run's: ``prefill``), ``replay_free_tok_s``,
+``replay_free_requests``, ``replay_free_tokens``, ``bare_tok_s``,
 ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
 ``context``, ``prefill`` (the bare loop's shape), ``window_s``, ``steps``, ``groups``,
 ``threads_infer``, ``threads_train``, ``cores``, ``graph`` (the graph's name) and
@@ -326,35 +332,6 @@ def role_kwargs(graph, model: str, run_dir: Path) -> tuple[dict, dict]:
     return specs["inference"].kwargs, specs["trainer"].kwargs
 
 
-def replayed(model: str, marks: dict, last: int, infer: dict) -> dict:
-    """The window's request stream (the one inference worker's log) replayed into the
-    bare engine (``_replay.replay``) on the worker's threads and engine settings; its
-    figures, and the log's ``logged_requests`` / ``logged_tokens``. Raises unless it
-    served exactly the recorded requests and tokens."""
-    from _replay import replay
-
-    logs = marks[last]["logs"]
-    if len(logs) != 1:
-        raise RuntimeError(f"expected the request log of one inference worker, got "
-                           f"{len(logs)}: the run has one inference pool")
-    log = logs[0]
-    if log["dropped"]:
-        raise RuntimeError(f"the request log dropped {log['dropped']} requests: raise "
-                           "its limit (InferenceWorker.start_request_log)")
-    rep = replay(model, log, threads=infer["threads"], max_batch=infer["max_batch"],
-                 engine=infer.get("engine", "torch"),
-                 engine_options=infer.get("engine_options"))
-    rep["logged_requests"] = len(log["requests"])
-    rep["logged_tokens"] = rep["recorded_tokens"]
-    if (rep["requests"], rep["tokens"], rep["mismatched"]) != \
-            (rep["logged_requests"], rep["logged_tokens"], 0):
-        raise RuntimeError(f"the replay served {rep['requests']} requests and "
-                           f"{rep['tokens']} tokens ({rep['mismatched']} of another "
-                           f"length), the log {rep['logged_requests']} and "
-                           f"{rep['logged_tokens']}")
-    return rep
-
-
 def against_replay(fig: dict, cpu_s: dict, rep: dict, bare_tok_s: float,
                    bare_train_s: float, threads: tuple[int, int], cores: int) -> dict:
     """``rollout_vs_replay`` (per engine-busy second), ``rollout_vs_replay_cpu`` (per
@@ -369,12 +346,16 @@ def against_replay(fig: dict, cpu_s: dict, rep: dict, bare_tok_s: float,
     return {"rollout_vs_replay": fig["run_tok_s_busy"] / rep["tok_s"],
             "useful_share": (gen + train) / capacity,
             "rollout_vs_replay_cpu": run_tok_s_cpu / rep["tok_s_cpu"],
+            "rollout_vs_replay_free": fig["run_tok_s_busy"] / rep["free_tok_s"],
             "useful_gen_share": gen / capacity, "useful_train_share": train / capacity,
             "run_tok_s_cpu": run_tok_s_cpu, "replay_tok_s": rep["tok_s"],
             "replay_tok_s_cpu": rep["tok_s_cpu"], "replay_requests": rep["requests"],
             "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
             "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
-            "replay_lag_s": rep["lag_s"], "run_requests": fig["requests"],
+            "replay_lag_s": rep["lag_s"], "replay_free_tok_s": rep["free_tok_s"],
+            "replay_free_live_batch": rep["free_live_batch"],
+            "replay_free_requests": rep["free_requests"],
+            "replay_free_tokens": rep["free_tokens"], "run_requests": fig["requests"],
             "run_abandoned": fig["abandoned"],
             # prompt tokens forwarded per request (the run's: ``prefill``)
             "replay_prefill": rep["prefill_tokens"] / max(rep["requests"], 1)}
@@ -419,6 +400,7 @@ def main(argv=None) -> dict:
 
     import rollart
     from _bare_loops import bare_generate, bare_train
+    from _replay import replay_window
     from pipeline import cached_warm_model
     from rollart.policy.admission import slot_capacity
     from rollart.runtime.resources import usable_cores
@@ -445,7 +427,7 @@ def main(argv=None) -> dict:
         shares = breakdown(marks, 1, graph.steps, fig["render_cpu_s"], cores)
         infer, train = role_kwargs(graph, model, run_dir)
         t_infer, t_train = infer["threads"], train["threads"]
-        rep = replayed(model, marks, graph.steps, infer)
+        rep = replay_window(model, marks[graph.steps]["logs"], infer)
         batches = trained_batches(run_dir, fig["train_steps"])
         bare = bare_generate(
             model, batch=max(1, round(fig["live_batch"])), new=max(1, round(fig["gen_len"])),

@@ -134,12 +134,15 @@ def test_limits_tiny(inflight):
               "gen_len", "context", "prefill", "share_inference", "share_trainer",
               "control_share", "rollout_vs_replay", "rollout_vs_replay_cpu",
               "useful_share", "useful_gen_share", "useful_train_share", "replay_tok_s",
-              "replay_tok_s_cpu", "run_tok_s_cpu", "replay_live_batch", "replay_prefill"):
+              "replay_tok_s_cpu", "run_tok_s_cpu", "replay_live_batch", "replay_prefill",
+              "rollout_vs_replay_free", "replay_free_tok_s", "replay_free_live_batch"):
         assert 0 < r[k] < math.inf, (k, r)
     # the replay did the recorded work: every logged request, every token
     assert r["logged_requests"] > 0 and r["logged_tokens"] >= r["logged_requests"]
     assert r["replay_requests"] == r["logged_requests"], r
     assert r["replay_tokens"] == r["logged_tokens"], r
+    assert r["replay_free_requests"] == r["logged_requests"], r
+    assert r["replay_free_tokens"] == r["logged_tokens"], r
     assert r["replay_lag_s"] >= 0 and r["run_abandoned"] >= 0
     # useful work: both parts at bare speed, over the window's capacity (< 1 + noise)
     assert r["useful_share"] < 1.5, r
@@ -150,6 +153,7 @@ def test_limits_tiny(inflight):
                         rel_tol=0.01), r
     for ratio, num, den in (("rollout_vs_replay", "run_tok_s_busy", "replay_tok_s"),
                             ("rollout_vs_replay_cpu", "run_tok_s_cpu", "replay_tok_s_cpu"),
+                            ("rollout_vs_replay_free", "run_tok_s_busy", "replay_free_tok_s"),
                             ("rollout_vs_bare", "run_tok_s", "bare_tok_s"),
                             ("rollout_vs_bare_busy", "run_tok_s_busy", "bare_tok_s"),
                             ("trainer_vs_bare", "run_train_tok_s", "bare_train_tok_s")):

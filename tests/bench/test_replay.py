@@ -52,6 +52,19 @@ def test_the_replay_serves_exactly_the_recorded_work(replay_mod, model_dir):
     assert out["tok_s"] > 0 and out["tok_s_cpu"] > 0 and out["lag_s"] >= 0
 
 
+def test_replay_window_runs_paced_and_free_on_the_same_log(replay_mod, model_dir):
+    records = [_rec(0.02 * i, [3 + i, 4, 5, 6 + i], 3 + i % 2, seed=i) for i in range(6)]
+    infer = {"threads": 1, "max_batch": 4, "engine": "torch", "engine_options": {}}
+    out = replay_mod.replay_window(model_dir, [{"requests": records, "dropped": 0}], infer)
+    assert out["requests"] == out["free_requests"] == out["logged_requests"] == 6
+    assert out["tokens"] == out["free_tokens"] == out["logged_tokens"] == 21
+    assert out["wall_s"] >= 0.1 and out["free_tok_s"] > 0
+    with pytest.raises(RuntimeError, match="one inference worker"):
+        replay_mod.replay_window(model_dir, [], infer)
+    with pytest.raises(RuntimeError, match="dropped 2"):
+        replay_mod.replay_window(model_dir, [{"requests": records, "dropped": 2}], infer)
+
+
 def test_forced_requests_keep_the_checks_but_cannot_stop(replay_mod):
     rec = _rec(0.0, [1, 2], 5, stop_ids=(2, 9), stop_strings=("ab", "</s>"), seed=4)
     (req,) = replay_mod.forced_requests([rec])

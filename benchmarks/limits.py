@@ -1,5 +1,6 @@
-"""Distance to the physical limit on this machine (issue 42 item 5): how close a real
-rollart run gets to bare PyTorch on the same cores, and where the rest of its time goes.
+"""Distance to the physical limit on this machine (issue 42 item 5, issue 51 item 3):
+how close a real rollart run gets to bare PyTorch on the same cores, to its own request
+stream replayed into the bare engine, and where the rest of its time goes.
 
 **The run.** The default graph (``graphs/multitask.py``, what ``python -m rollart train``
 runs; with ``--model``, ``graphs/real.py``: below), async mode, on ``resources/laptop.py`` with one inference pool (as
@@ -24,6 +25,48 @@ prompt tokens ÷ requests, of which the part the engine forwarded (prefill token
 requests) is prefilled on the clock and the rest sits in the KV cache beforehand (the
 engine's prefix cache). ``rollout_vs_bare`` = ``run_tok_s`` ÷ ``bare_tok_s``;
 ``rollout_vs_bare_busy`` = ``run_tok_s_busy`` ÷ ``bare_tok_s``.
+
+**Rollout against its own request stream (issue 51).** Over the window the inference
+worker keeps a request log (``InferenceWorker.start_request_log``, started by the probe
+at step 1 and read back at the last step through ``Client.run``): each request that
+arrived in the window and finished normally, with its arrival time, prompt ids, the part
+of the prompt its prefix cache held, the tokens it generated and its sampling settings.
+After the run that stream is replayed (``_replay.replay``) into the *bare engine*: a
+fresh ``TorchEngine`` with the worker's engine settings, driven by its own serve loop in
+this process on the worker's torch threads, without Dask, actors, the worker's queue
+and thread, env managers, rewards, the trainer, weight updates or an event loop. Each
+request joins no earlier than it arrived, forwards the prompt tokens the run forwarded
+(its cached prefix is primed first) and generates exactly the recorded tokens (stops
+that cannot fire, checked at the same cost); no re-prefills after weight swaps, no
+aborted work. ``replay_requests`` / ``replay_tokens`` must equal ``logged_requests`` /
+``logged_tokens`` (else the script fails). The engine, not a hand-written loop, so the
+replay does the run's work (arrivals, continuous batching, prefix reuse, each request's
+sampler and stop checks) and the ratio isolates what the framework costs it.
+
+Two clocks, both reported: the arrivals pace both sides, so wall-clock rates agree by
+construction. ``rollout_vs_replay`` = ``run_tok_s_busy`` ÷ ``replay_tok_s`` (tokens per
+second of the engine's serve loop, run ÷ replay): it counts against the run the
+engine's per-request work in the worker, weight swaps and re-prefills, and the time the
+engine thread waits for the GIL or a core while busy (the event loops', the control
+plane's, also the trainer's process). ``rollout_vs_replay_cpu`` = ``run_tok_s_cpu`` ÷
+``replay_tok_s_cpu`` (tokens per CPU second of the engine thread): the issue's "same CPU
+share", the engine given exactly the CPU it got; it leaves those waits out, so it is the
+kinder of the two. Both are kind to the run where the replay batches less than the run
+did (an engine alone finishes rows sooner, so fewer are live at once:
+``replay_live_batch`` against ``live_batch``). The same stream replayed *free* of its
+arrivals (all of it there from the start, in arrival order, ``max_batch`` at a time)
+bounds that from the other side: ``rollout_vs_replay_free`` = ``run_tok_s_busy`` ÷
+``replay_free_tok_s``, which also counts against the run the smaller batches its
+arrivals allowed (``replay_free_live_batch``).
+
+**Useful work.** ``useful_share`` = (``logged_tokens`` ÷ ``bare_tok_s`` × the inference
+threads + the window's trained tokens ÷ ``bare_train_tok_s`` × the trainer's threads) ÷
+(``window_s`` × ``cores``): the core-seconds the window's generation and training would
+take at bare speed, over the machine's capacity (threads 1 each on ``laptop``). Useful
+generation is the logged requests' tokens, with the prefill the bare loop's shape
+counts; re-prefills after weight swaps, aborted requests and requests in flight at
+either end of the window are not counted (``useful_gen_share``, ``useful_train_share``:
+the two parts).
 
 **Trainer.** ``run_train_tok_s`` = trained tokens (``trainer/tokens``) of the window's
 steps ÷ their ``trainer/step_s`` less ``trainer/wait_s`` (the step as the trainer
@@ -52,7 +95,13 @@ window's wall time: ``inference_idle`` (the engine outside its serve loop),
 ``trainer_idle`` (not computing or publishing a step), ``trainer_wait`` (inside a step,
 waiting for its batch).
 
-Other RESULT keys: ``bare_tok_s``, ``bare_train_tok_s``, ``live_batch``, ``gen_len``,
+Other RESULT keys: ``run_requests`` (the engine's admissions in the window),
+``run_abandoned`` (requests their callers aborted in it: their tokens count in the run's
+rates, not in the replay's),
+``replay_lag_s`` (mean wait past a request's arrival in the replay), ``replay_prefill``
+(prompt tokens it forwarded per request; the run's: ``prefill``), ``replay_free_tok_s``,
+``replay_free_requests``, ``replay_free_tokens``, ``bare_tok_s``,
+``bare_train_tok_s``, ``live_batch``, ``gen_len``,
 ``context``, ``prefill`` (the bare loop's shape), ``window_s``, ``steps``, ``groups``,
 ``threads_infer``, ``threads_train``, ``cores``, ``graph`` (the graph's name) and
 ``model`` (``built-in`` or what ``--model`` named). The record also keeps every snapshot
@@ -149,7 +198,8 @@ def cpu_delta(a: dict, b: dict, group=thread_group) -> dict[str, float]:
 class Probe:
     """Wraps ``rollart.control.loop.step_row`` for one run: at steps ``1`` and ``last``
     keeps the row, the actors' stats it was made from and a CPU snapshot of this
-    process, every worker and every nanny (two ``Client.run`` broadcasts each)."""
+    process, every worker and every nanny (two ``Client.run`` broadcasts each); the
+    inference workers' request logs run from the first to the last (``logs``)."""
 
     def __init__(self, client, last: int):
         self.client, self.last, self.marks = client, last, {}
@@ -157,6 +207,7 @@ class Probe:
     @contextlib.contextmanager
     def installed(self):
         from rollart.control import loop
+        from rollart.rollout.request_log import start_request_logs, take_request_logs
 
         real = loop.step_row
 
@@ -168,6 +219,12 @@ class Probe:
                     "managers": list(sample.managers), "at": time.perf_counter(),
                     "driver": cpu_snapshot(), "cluster": self.client.run(cpu_snapshot),
                     "nannies": self.client.run(cpu_snapshot, nanny=True)}
+                if row["step"] == 1:
+                    self.client.run(start_request_logs)
+                else:
+                    self.marks[row["step"]]["logs"] = [
+                        log for logs in self.client.run(take_request_logs).values()
+                        for log in logs]
             return row
 
         loop.step_row = step_row
@@ -212,6 +269,7 @@ def window(graph, rows: list[dict], marks: dict) -> dict:
     wait_s = sum(r["trainer/wait_s"] for r in steps)
     trained = sum(r["trainer/tokens"] for r in steps)
     out = {"window_s": wall, "tokens": tokens, "busy_s": d("busy_seconds"),
+           "requests": d("requests"), "abandoned": d("abandoned"),
            "run_tok_s": tokens / wall, "run_tok_s_busy": tokens / max(d("busy_seconds"), 1e-9),
            "live_batch": tokens / max(d("decode_steps"), 1), "gen_len": tokens / requests,
            "context": d("prefix_prompt_tokens") / requests,
@@ -265,12 +323,42 @@ def trained_batches(run_dir: Path, steps: list[int]) -> list[list]:
     return [from_table(table.filter(pc.equal(table["trained_step"], s))) for s in steps]
 
 
-def role_threads(graph, model: str, run_dir: Path) -> tuple[int, int]:
-    """Torch threads the run gave its inference worker and its trainer."""
+def role_kwargs(graph, model: str, run_dir: Path) -> tuple[dict, dict]:
+    """The keyword arguments the run gave its inference worker and its trainer (torch
+    ``threads``; the worker's ``max_batch``, ``engine`` and ``engine_options``)."""
     from rollart.control.stages import role_specs
 
     specs = {s.role: s for s in role_specs(graph, model, run_dir)}
-    return specs["inference"].kwargs["threads"], specs["trainer"].kwargs["threads"]
+    return specs["inference"].kwargs, specs["trainer"].kwargs
+
+
+def against_replay(fig: dict, cpu_s: dict, rep: dict, bare_tok_s: float,
+                   bare_train_s: float, threads: tuple[int, int], cores: int) -> dict:
+    """``rollout_vs_replay`` (per engine-busy second), ``rollout_vs_replay_cpu`` (per
+    engine-thread CPU second), ``useful_share`` and their parts (module doc), from the
+    window's figures, its CPU seconds, the replay's and the bare loops' (``bare_train_s``:
+    seconds the bare trainer took for the window's batches)."""
+    run_tok_s_cpu = fig["tokens"] / max(cpu_s.get("inference", 0.0), 1e-9)
+    # core-seconds the window's useful work takes at bare speed
+    gen = rep["logged_tokens"] / bare_tok_s * threads[0]
+    train = bare_train_s * threads[1]
+    capacity = fig["window_s"] * cores
+    return {"rollout_vs_replay": fig["run_tok_s_busy"] / rep["tok_s"],
+            "useful_share": (gen + train) / capacity,
+            "rollout_vs_replay_cpu": run_tok_s_cpu / rep["tok_s_cpu"],
+            "rollout_vs_replay_free": fig["run_tok_s_busy"] / rep["free_tok_s"],
+            "useful_gen_share": gen / capacity, "useful_train_share": train / capacity,
+            "run_tok_s_cpu": run_tok_s_cpu, "replay_tok_s": rep["tok_s"],
+            "replay_tok_s_cpu": rep["tok_s_cpu"], "replay_requests": rep["requests"],
+            "replay_tokens": rep["tokens"], "logged_requests": rep["logged_requests"],
+            "logged_tokens": rep["logged_tokens"], "replay_live_batch": rep["live_batch"],
+            "replay_lag_s": rep["lag_s"], "replay_free_tok_s": rep["free_tok_s"],
+            "replay_free_live_batch": rep["free_live_batch"],
+            "replay_free_requests": rep["free_requests"],
+            "replay_free_tokens": rep["free_tokens"], "run_requests": fig["requests"],
+            "run_abandoned": fig["abandoned"],
+            # prompt tokens forwarded per request (the run's: ``prefill``)
+            "replay_prefill": rep["prefill_tokens"] / max(rep["requests"], 1)}
 
 
 def in_flight(text: str) -> float | str:
@@ -328,6 +416,7 @@ def main(argv=None) -> dict:
 
     import rollart
     from _bare_loops import bare_generate, bare_train
+    from _replay import replay_window
     from pipeline import cached_warm_model
     from rollart.policy.admission import slot_capacity
     from rollart.runtime.resources import usable_cores
@@ -352,7 +441,9 @@ def main(argv=None) -> dict:
         cores = usable_cores()
         fig = window(graph, rows, marks)
         shares = breakdown(marks, 1, graph.steps, fig["render_cpu_s"], cores)
-        t_infer, t_train = role_threads(graph, model, run_dir)
+        infer, train = role_kwargs(graph, model, run_dir)
+        t_infer, t_train = infer["threads"], train["threads"]
+        rep = replay_window(model, marks[graph.steps]["logs"], infer)
         batches = trained_batches(run_dir, fig["train_steps"])
         bare = bare_generate(
             model, batch=max(1, round(fig["live_batch"])), new=max(1, round(fig["gen_len"])),
@@ -366,9 +457,13 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"the samples' trained tokens ({bare_tokens}) are not the "
                            f"metrics' ({fig['train_tokens']})")
     bare_train_tok_s = bare_tokens / sum(bare_train_s)
-    out = {"rollout_vs_bare": fig["run_tok_s"] / bare["tok_s"],
+    vs = against_replay(fig, shares["cpu_s"], rep, bare["tok_s"], sum(bare_train_s),
+                        (t_infer, t_train), cores)
+    out = {"rollout_vs_replay": vs.pop("rollout_vs_replay"),
+           "useful_share": vs.pop("useful_share"),
            "trainer_vs_bare": fig["run_train_tok_s"] / bare_train_tok_s,
-           "control_share": shares["control_share"],
+           "rollout_vs_bare": fig["run_tok_s"] / bare["tok_s"],
+           "control_share": shares["control_share"], **vs,
            "rollout_vs_bare_busy": fig["run_tok_s_busy"] / bare["tok_s"],
            "run_tok_s": fig["run_tok_s"], "run_tok_s_busy": fig["run_tok_s_busy"],
            "bare_tok_s": bare["tok_s"], "run_train_tok_s": fig["run_train_tok_s"],
@@ -388,6 +483,7 @@ def main(argv=None) -> dict:
                "driver_cpu_s": shares["driver_cpu_s"],
                "warmup_steps": warm_steps, "seed": a.seed, "run_tokens": fig["tokens"],
                "engine_busy_s": fig["busy_s"], "env_s": fig["env_s"],
+               "replay": {k: v for k, v in rep.items() if not isinstance(v, list)},
                "total_s": round(time.time() - t_all)}
     for what, cpu in (("run", shares["cpu_s"]), ("driver", shares["driver_cpu_s"])):
         print(f"cpu seconds in the window, {what}: " + " ".join(

@@ -203,6 +203,17 @@ class PrefixCache:
         self._entries.move_to_end(key)
         return entry
 
+    def peek(self, req, version: int) -> int:
+        """Prompt tokens of ``req`` that ``lookup`` would find now, without touching the
+        cache (no LRU move, no eviction): a request log's figure."""
+        key = getattr(req, "cache_key", None)
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None or entry.version != version:
+            return 0
+        n = len(entry.tokens)
+        return n if n < len(req.prompt_ids) and tuple(req.prompt_ids[:n]) == entry.tokens \
+            else 0
+
     def count(self, reqs, hits) -> None:
         for req, hit in zip(reqs, hits):
             self.lookups += 1

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ import torch
 
 from rollart.rollout.base import make_engine
 from rollart.rollout.prefetch import WeightPrefetch
+from rollart.rollout.request_log import RequestLog
 from rollart.types import GenRequest, GenResult, ScoreRequest, ScoreResult
 
 
@@ -62,6 +64,8 @@ class _Pending:
     kind: str = "generate"
     handoff: object = None  # the KVHandoff a "decode" starts from
     aborted: bool = False
+    arrived: float = -1.0  # perf_counter() when queued (only while a request log is on)
+    cached: int = 0  # prompt tokens in the prefix cache at admission (request log)
 
 
 def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, value) -> None:
@@ -102,6 +106,9 @@ class InferenceWorker:
     stages versions on its own thread). The worker owns the request queue and the engine
     thread that serves it.
     """
+
+    #: a ``RequestLog`` while ``start_request_log`` has one on (None: off, no cost)
+    request_log: RequestLog | None = None
 
     def __init__(
         self,
@@ -159,6 +166,8 @@ class InferenceWorker:
             if self._stop:
                 raise RuntimeError(f"InferenceWorker {self.address or self.pool} is closed")
             item = _Pending(req, future, loop, kind, handoff)
+            if self.request_log is not None and kind == "generate":
+                item.arrived = time.perf_counter()
             self._pending.append(item)
             if rid is not None:
                 self._live[rid] = item
@@ -298,6 +307,27 @@ class InferenceWorker:
         await loop.run_in_executor(None, self._thread.join, 60)
         await loop.run_in_executor(None, self.prefetch.join, 60)
 
+    # -- request log (benchmarks/limits.py replays it; rollart.rollout.request_log) -----
+    def start_request_log(self, limit: int = 100_000) -> None:
+        """Record the generation requests that arrive from now on (a new, empty
+        ``RequestLog`` of at most ``limit`` records); read back by ``take_request_log``."""
+        self.request_log = RequestLog(limit)
+
+    def take_request_log(self, stop: bool = True) -> dict:
+        """The requests recorded since ``start_request_log`` (``RequestLog.take``), with
+        this worker's ``address`` and ``pool``; ``stop``: turn the log off."""
+        log = self.request_log
+        if log is None:
+            raise RuntimeError(f"InferenceWorker {self.address or self.pool} keeps no "
+                               "request log: call start_request_log first")
+        if stop:
+            self.request_log = None
+        return {"address": self.address, "pool": self.pool, **log.take()}
+
+    def _cached_tokens(self, req: GenRequest) -> int:
+        pc = getattr(self.engine, "prefix_cache", None)  # torch engine only
+        return pc.peek(req, self.engine.version) if pc is not None else 0
+
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         """Engine thread: continuous batching over whatever requests are queued."""
@@ -336,6 +366,8 @@ class InferenceWorker:
                 elif item.kind == "score":
                     scores.append(item)
                 elif len(taken) < free:
+                    if item.arrived >= 0:  # a request log is on: what the cache holds
+                        item.cached = self._cached_tokens(item.req)
                     taken.append((item.req, item) if item.kind == "generate"
                                  else (item.req, item, item.handoff))
                 else:
@@ -366,6 +398,9 @@ class InferenceWorker:
     def _deliver(self, item: _Pending, outcome) -> None:
         with self._cond:
             self._in_flight -= 1
+        log = self.request_log
+        if log is not None and item.arrived >= 0 and isinstance(outcome, GenResult):
+            log.record(item.req, item.arrived, item.cached, outcome)
         _resolve(item.future, item.loop, outcome)
 
     def _abandoned(self, item: _Pending) -> bool:

@@ -121,10 +121,11 @@ def test_trainer_gang_tiny():
 @pytest.mark.bench
 @pytest.mark.parametrize("inflight", [1, 2, "auto"])
 def test_limits_tiny(inflight):
-    """A run of the default graph and both bare loops: the ratios are those of the
-    figures it printed, and the shares split one capacity; the in-flight budget it
-    reports is the one the steps ran under (with "auto": one to alpha + 1 = 2 steps'
-    worth)."""
+    """A run of the default graph, both bare loops and the replay of its request stream:
+    the ratios are those of the figures it printed, the replay served exactly the
+    requests and tokens the run's log recorded, and the shares split one capacity; the
+    in-flight budget it reports is the one the steps ran under (with "auto": one to
+    alpha + 1 = 2 steps' worth)."""
     extra = ["--max-in-flight", str(inflight)] if inflight != 1 else []
     r = _bench("limits", "--tiny", *extra, timeout=300)
     assert r["steps"] == 3 and r["groups"] == 2 and r["cores"] >= 1
@@ -136,9 +137,29 @@ def test_limits_tiny(inflight):
     for k in ("run_tok_s", "run_tok_s_busy", "bare_tok_s", "run_train_tok_s",
               "run_train_tok_s_wait", "bare_train_tok_s", "window_s", "live_batch",
               "gen_len", "context", "prefill", "share_inference", "share_trainer",
-              "control_share"):
+              "control_share", "rollout_vs_replay", "rollout_vs_replay_cpu",
+              "useful_share", "useful_gen_share", "useful_train_share", "replay_tok_s",
+              "replay_tok_s_cpu", "run_tok_s_cpu", "replay_live_batch", "replay_prefill",
+              "rollout_vs_replay_free", "replay_free_tok_s", "replay_free_live_batch"):
         assert 0 < r[k] < math.inf, (k, r)
-    for ratio, num, den in (("rollout_vs_bare", "run_tok_s", "bare_tok_s"),
+    # the replay did the recorded work: every logged request, every token
+    assert r["logged_requests"] > 0 and r["logged_tokens"] >= r["logged_requests"]
+    assert r["replay_requests"] == r["logged_requests"], r
+    assert r["replay_tokens"] == r["logged_tokens"], r
+    assert r["replay_free_requests"] == r["logged_requests"], r
+    assert r["replay_free_tokens"] == r["logged_tokens"], r
+    assert r["replay_lag_s"] >= 0 and r["run_abandoned"] >= 0
+    # useful work: both parts at bare speed, over the window's capacity (< 1 + noise)
+    assert r["useful_share"] < 1.5, r
+    assert math.isclose(r["useful_share"], r["useful_gen_share"] + r["useful_train_share"],
+                        rel_tol=0.01), r
+    gen = r["logged_tokens"] / r["bare_tok_s"] * r["threads_infer"]
+    assert math.isclose(r["useful_gen_share"], gen / (r["window_s"] * r["cores"]),
+                        rel_tol=0.01), r
+    for ratio, num, den in (("rollout_vs_replay", "run_tok_s_busy", "replay_tok_s"),
+                            ("rollout_vs_replay_cpu", "run_tok_s_cpu", "replay_tok_s_cpu"),
+                            ("rollout_vs_replay_free", "run_tok_s_busy", "replay_free_tok_s"),
+                            ("rollout_vs_bare", "run_tok_s", "bare_tok_s"),
                             ("rollout_vs_bare_busy", "run_tok_s_busy", "bare_tok_s"),
                             ("trainer_vs_bare", "run_train_tok_s", "bare_train_tok_s")):
         assert math.isclose(r[ratio], r[num] / r[den], rel_tol=0.01), (ratio, r)

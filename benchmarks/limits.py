@@ -388,6 +388,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--warm-cache", default=None,
                    help="a folder to keep the warmed-up model in (default: the pipeline "
                         "benchmark's; '' = a temporary folder)")
+    p.add_argument("--resources", default="laptop",
+                   help="the layout (resources/NAME.py): laptop, or laptop_engine (the "
+                        "engine in a worker of its own)")
     p.add_argument("--max-in-flight", type=in_flight, default=None,
                    help="Rollout.max_in_flight for the run, in steps' worth of groups, "
                         "or 'auto' (adapted each step; default: the graph's, one step's "
@@ -435,7 +438,7 @@ def main(argv=None) -> dict:
             print(f"model {model} ({warm_steps} warm-up steps, "
                   f"{'reused' if reused else 'built'})", flush=True)
         run_dir = Path(tmp) / "run"
-        with rollart.load_resources("laptop").make_cluster() as cluster, \
+        with rollart.load_resources(a.resources).make_cluster() as cluster, \
                 Client(cluster) as client:
             graph, rows, marks = run_graph(client, a, model, run_dir)
         cores = usable_cores()
@@ -477,7 +480,7 @@ def main(argv=None) -> dict:
            "groups": graph.algo.groups_per_step, "threads_infer": t_infer,
            "threads_train": t_train, "cores": cores,
            "inflight": used_in_flight(graph, rows),
-           "graph": graph.name, "model": a.model or "built-in"}
+           "graph": graph.name, "model": a.model or "built-in", "resources": a.resources}
     details = {"forward": bare["kind"], "bare_batches": bare["batches"],
                "bare_train_s": bare_train_s, "cpu_s": shares["cpu_s"],
                "driver_cpu_s": shares["driver_cpu_s"],

@@ -125,10 +125,13 @@ def test_limits_tiny(inflight):
     the ratios are those of the figures it printed, the replay served exactly the
     requests and tokens the run's log recorded, and the shares split one capacity; the
     in-flight budget it reports is the one the steps ran under (with "auto": one to
-    alpha + 1 = 2 steps' worth)."""
+    alpha + 1 = 2 steps' worth; that run on ``resources/laptop_engine.py``, the engine in
+    a worker of its own, whose request log the probe reads there)."""
     extra = ["--max-in-flight", str(inflight)] if inflight != 1 else []
-    r = _bench("limits", "--tiny", *extra, timeout=300)
+    layout = "laptop_engine" if inflight == "auto" else "laptop"
+    r = _bench("limits", "--tiny", *extra, "--resources", layout, timeout=300)
     assert r["steps"] == 3 and r["groups"] == 2 and r["cores"] >= 1
+    assert r["resources"] == layout
     if inflight == "auto":
         assert 1 <= r["inflight"] <= 2, r
     else:

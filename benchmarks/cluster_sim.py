@@ -26,12 +26,28 @@ runs, deterministic: the simulator and its seed); a run other than ``--tiny`` ap
 its RESULT figures to ``benchmarks/results/cluster_sim.jsonl`` (``--no-record``: not);
 ``--save-measured PATH`` keeps its measurements and the real runs' metrics
 (cloudpickle) to look at the prediction again;
-``--heldout`` runs, alone, the held-out calibration (``rollart.sim.heldout``): the
-simulator fitted on probes of one configuration of the pipeline benchmark's workload
-(async, alpha 1) predicts configurations it never probed (another alpha, envs twice as
-slow, an env pool of half a step, another task mix, the other modes), each run for real
-over 3 seeds (``--quick``: smaller steps); ``calibration_error_heldout`` is the median
-of their relative errors, ``err_<setting>`` each one's;
+``--heldout`` runs, alone, the held-out calibration (``rollart.sim.heldout``,
+``benchmarks/_heldout.py``) ``--invocations N`` times (default 3; ``--quick`` 2 of
+smaller runs; ``--tiny`` 1), each an independent invocation: its own fit (the simulator
+fitted on probes of one configuration of the pipeline benchmark's workload, async,
+alpha 1), its own seeds, its own real runs. It predicts 11 configurations it never
+probed (another alpha, envs twice as slow, an env pool of half a step, another task mix,
+the other modes, and on the GPU side two inference workers, prefill and decode split
+over two workers, ``Policy.weight_update="keep"``), each also run for real over 3 seeds
+of 10 steps (about 23 min an invocation on 2 cores, estimated). The headline is each
+invocation's count of configurations within 0.15 relative error of the median real
+trajectories/s: ``heldout_within_015`` is the smallest count over the invocations,
+``heldout_worst`` the largest error of any configuration in any of them, beside
+``invocations`` and ``heldout_configs`` (per invocation); per invocation ``i``,
+``heldout_within_015_<i>``, ``heldout_worst_<i>`` and ``heldout_missed_<i>`` (the
+configurations beyond 0.15, or ``none``). ``calibration_error_heldout`` (the median of
+every held-out error, the figure of the one-invocation records before) and
+``calibration_error_fit`` follow; every configuration's real and simulated figures and
+error, per invocation, are in the record's details (``heldout_invocations``).
+``--frozen COMMIT`` refuses to start, with one line naming the files, when
+``rollart/sim`` differs from ``COMMIT`` (``git diff COMMIT -- rollart/sim``, or a file
+untracked there): the simulator must be the one frozen before the held-out runs; the
+record says ``frozen=<commit>``, or ``frozen=none`` without the flag;
 ``--tiny`` also shrinks steps 2–3 to a smoke test (the test suite runs it). The RESULT
 line's ratios are the mean over the experiment's points (models or splits).
 ``--diagnostics`` adds, after the paper's table, the headline affinity and PD configs

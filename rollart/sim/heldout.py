@@ -29,12 +29,15 @@ run uses):
 Rules for what the probes cannot show, fixed before any run: modes that stop rollout
 while the trainer steps (``sync``, ``sync+``) get the trainer as measured alone (nothing
 runs beside it there), the engine as the probe found it; the envs' costs are the
-workload's declared distributions (``rollart.sim.sandbox``), not fitted. Nothing is read
-from the runs being predicted: the CPU stretch ``calibrate.predict`` reads during a run
-is not used here.
+workload's declared distributions (``rollart.sim.sandbox``), not fitted; the GPU side's
+settings reuse the one worker's fitted engine for every worker and the fitted weight
+store's rate for PD's KV (``Setting``). Nothing is read from the runs being predicted:
+the CPU stretch ``calibrate.predict`` reads during a run is not used here.
 
 Consumes ``rollart.sim.calibrate`` and ``rollart.sim.measure``; called by
-``benchmarks/cluster_sim.py --heldout``.
+``benchmarks/_heldout.py`` (``benchmarks/cluster_sim.py --heldout``), once per
+invocation: invocation ``i`` (from 0) fits on seeds ``FIT_SEED + i * SEED_STRIDE`` and
+runs on ``seeds + i * SEED_STRIDE`` (``invocation_seeds``).
 """
 
 from __future__ import annotations

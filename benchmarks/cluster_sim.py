@@ -353,6 +353,9 @@ def main(argv=None) -> dict:
                          "(cloudpickle) to PATH, to look at the prediction again")
     add_arguments(ap)
     args = ap.parse_args(argv)
+    if (args.invocations is not None or args.frozen is not None) and not args.heldout:
+        ap.error("--invocations and --frozen belong to the held-out calibration: add "
+                 "--heldout, or drop them")
     run = Run("cluster_sim", args, argv)  # not recorded: --tiny, --no-record
     t0 = time.time()
     out = Path(args.out)

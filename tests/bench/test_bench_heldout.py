@@ -144,3 +144,6 @@ def test_the_result_line_names_the_frozen_commit_or_none(bench, monkeypatch, cap
     with pytest.raises(SystemExit, match="rollart/sim/cluster.py"):
         cluster_sim.main(["--heldout", "--frozen", commit])
     assert len(sizes) == 2  # refused before anything ran
+    with pytest.raises(SystemExit):
+        cluster_sim.main(["--scale-only", "--tiny", "--invocations", "2"])
+    assert "add --heldout" in capsys.readouterr().err

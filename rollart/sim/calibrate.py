@@ -56,8 +56,10 @@ OVERLAPPING_MODES = ("async", "one-off", "areal")  # trainer steps while rollout
 def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
                       steps: int, mode: str, seed: int = 0, turn_s: float = 0.0,
                       env=None):
-    """``resources/laptop.py`` as a ``SimConfig``: one inference worker (the graph's
-    inference tags on the CPU engine, batching ``Policy.max_batch``), one env manager
+    """``resources/laptop.py`` as a ``SimConfig``: one inference worker per inference
+    tag the runtime places one on (``rollart.policy.affinity.inference_tags``: the
+    graph's pools and its tasks' affinities, a PD split's two among them), each the CPU
+    engine batching ``Policy.max_batch``, one env manager
     with ``Rollout.env_concurrency`` slots, one reward slot on the rollout worker, the
     trainer on a process of its own; costs from ``measure_engine`` with each mode's
     in-situ figures (``fits["lockstep"]`` for modes that stop rollout while training,
@@ -69,11 +71,12 @@ def laptop_sim_config(graph, fits: dict, control: ControlPlane, shapes: dict,
     ``env``: the envs' cost (default: the straggler profile, ``laptop_env``; the
     pipeline benchmark's sandboxes: a fresh ``rollart.sim.sandbox.SandboxPoolCost``)."""
     fit = fits[_fit_key(mode)]
+    from rollart.policy.affinity import inference_tags
     from rollart.sim.config import ClusterSpec, EnvPool, GPUPool, RewardPool, SimConfig
     from rollart.types import CPU_ENV
 
     pools = tuple(GPUPool(tag, "cpu", 1, max_batch=graph.policy.max_batch)
-                  for tag in graph.rollout.inference_pools)
+                  for tag in inference_tags(graph))
     cluster = ClusterSpec(pools, (EnvPool(CPU_ENV, graph.rollout.env_concurrency),),
                           RewardPool("dedicated", workers=1), trainer_gpus=1,
                           trainer_gpu="cpu")

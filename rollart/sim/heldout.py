@@ -6,12 +6,16 @@ simulator is fitted once, on probes of one configuration of the pipeline benchma
 workload (``benchmarks/pipeline.py``: the default multitask graph on
 ``resources/laptop.py``, envs that cost what sandboxes cost, ``rollart.chaos.workload``,
 no redundant members), and then predicts, without refitting, configurations it never
-probed: another alpha, envs twice as slow, an env pool of half a step's trajectories,
-another task mix, and the other modes (``HELDOUT``). Each is run for real on the same
-cluster and seeds; the figure compared is the benchmark's, trained trajectories per
-second, median over the seeds. ``calibration_error_heldout`` is the median over the
-held-out configurations of the relative error; each configuration's error is reported
-beside it, and the fitted configuration's own (in-sample) error.
+probed (``HELDOUT``): another alpha, envs twice as slow, an env pool of half a step's
+trajectories, another task mix, the other modes, and three that change the GPU side:
+two inference workers instead of one, prefill and decode split over two workers (PD),
+and the weight path's ``Policy.weight_update="keep"`` (see ``Setting`` for how the
+simulator models each). Each is run for real on the same cluster and seeds; the figure
+compared is the benchmark's, trained trajectories per second, median over the seeds.
+``heldout_calibration`` is one invocation: its own fit, its own real runs, each
+configuration's relative error (``errors``); ``summarise`` turns several invocations'
+errors into the reported figures: per invocation the count within ``WITHIN`` and the
+worst, and over them the smallest count and the worst of all.
 
 What the fit takes from its probes (all of the ``FIT`` configuration, on seeds no real
 run uses):
@@ -25,16 +29,20 @@ run uses):
 Rules for what the probes cannot show, fixed before any run: modes that stop rollout
 while the trainer steps (``sync``, ``sync+``) get the trainer as measured alone (nothing
 runs beside it there), the engine as the probe found it; the envs' costs are the
-workload's declared distributions (``rollart.sim.sandbox``), not fitted. Nothing is read
-from the runs being predicted: the CPU stretch ``calibrate.predict`` reads during a run
-is not used here.
+workload's declared distributions (``rollart.sim.sandbox``), not fitted; the GPU side's
+settings reuse the one worker's fitted engine for every worker and the fitted weight
+store's rate for PD's KV (``Setting``). Nothing is read from the runs being predicted:
+the CPU stretch ``calibrate.predict`` reads during a run is not used here.
 
 Consumes ``rollart.sim.calibrate`` and ``rollart.sim.measure``; called by
-``benchmarks/cluster_sim.py --heldout``.
+``benchmarks/_heldout.py`` (``benchmarks/cluster_sim.py --heldout``), once per
+invocation: invocation ``i`` (from 0) fits on seeds ``FIT_SEED + i * SEED_STRIDE`` and
+runs on ``seeds + i * SEED_STRIDE`` (``invocation_seeds``).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import tempfile
@@ -42,8 +50,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["FIT", "HELDOUT", "Setting", "errors", "heldout_calibration", "setting_graph",
-           "setting_sim"]
+__all__ = ["FIT", "FIT_SEED", "HELDOUT", "SEED_STRIDE", "WITHIN", "Setting", "errors",
+           "heldout_calibration", "invocation_seeds", "setting_graph", "setting_sim",
+           "summarise"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,21 @@ class Setting:
     """One configuration of the pipeline workload: ``FIT`` with one thing changed.
     ``env_scale`` multiplies ``Workload.scale`` (every env duration); ``env_slots`` is
     the env pool (``Rollout.env_concurrency``) in steps' worth of trajectories (``None``:
-    the graph's); ``tasks``: a subset of the graph's tasks by name (``None``: all)."""
+    the graph's); ``tasks``: a subset of the graph's tasks by name (``None``: all).
+
+    The GPU side (the laptop's "GPUs" are inference tags on its CPU worker):
+    ``inference_pools`` (``Rollout.inference_pools``; ``None``: the fit's one H800
+    worker): ``("H800", "H20")`` is two inference workers, one per tag, in the rollout
+    process; the simulator gives each the fitted CPU engine (one ``GPUPool`` per tag,
+    ``calibrate.laptop_sim_config``), each paused by the env managers' turns (one GIL),
+    but not by each other: two engines' Python sharing that GIL is not modelled.
+    ``pd``: every task prefills on the H800 worker and decodes on the H20 one
+    (``task_affinity(prefill=H800, decode=H20)``); the simulator routes each turn's
+    prefill and decode to the two workers and charges the KV's move at the fitted
+    weight store's latency and rate plus one actor call (``rollart.sim.cluster``).
+    ``weight_update`` (``Policy.weight_update``; ``None``: the graph's ``recompute``):
+    ``"keep"``: in-flight rows go on over their KV at a weight swap; the simulator's
+    workers then load without re-prefilling (``SimWorker.keep_kv``)."""
 
     name: str
     mode: str = "async"
@@ -59,6 +82,9 @@ class Setting:
     env_scale: float = 1.0
     env_slots: float | None = None
     tasks: tuple[str, ...] | None = None
+    inference_pools: tuple[str, ...] | None = None
+    pd: bool = False
+    weight_update: str | None = None
 
 
 FIT = Setting("fit")
@@ -66,7 +92,23 @@ HELDOUT = (Setting("alpha2", alpha=2), Setting("env_x2", env_scale=2.0),
            Setting("slots_half_step", env_slots=0.5),
            Setting("gridnav_boxpush", tasks=("gridnav", "boxpush")),
            Setting("sync", mode="sync"), Setting("sync+", mode="sync+"),
-           Setting("one-off", mode="one-off"), Setting("areal", mode="areal"))
+           Setting("one-off", mode="one-off"), Setting("areal", mode="areal"),
+           Setting("workers_x2", inference_pools=("H800", "H20")),
+           Setting("pd", pd=True), Setting("weights_keep", weight_update="keep"))
+WITHIN = 0.15  # a held-out configuration's relative error counts as within at most this
+SEED_STRIDE = 100  # invocation i (from 0): real seeds + i * SEED_STRIDE, fit seeds FIT_SEED + that
+FIT_SEED = 100_000
+
+
+def invocation_seeds(i: int, seeds) -> tuple[tuple[int, ...], int]:
+    """Invocation ``i``'s (from 0) real-run seeds and its fit's first probe seed: every
+    invocation its own, none shared with another invocation's runs or with a fit's
+    probes (``seeds`` in ``[0, SEED_STRIDE)``)."""
+    if i < 0 or any(not 0 <= s < SEED_STRIDE for s in seeds):
+        raise ValueError(f"held-out seeds must be in [0, {SEED_STRIDE}) and the invocation "
+                         f"≥ 0, so no invocation reuses another's seeds; got seeds "
+                         f"{list(seeds)}, invocation {i}")
+    return tuple(s + i * SEED_STRIDE for s in seeds), FIT_SEED + i * SEED_STRIDE
 
 
 def base_graph():
@@ -81,6 +123,8 @@ def setting_graph(base, s: Setting, model: str, steps: int, groups: int, seed: i
     """``base`` as ``benchmarks/pipeline.py`` runs it (``groups`` groups a step, no
     redundant members, envs of ``rollart.chaos.workload`` seeded ``seed``), with ``s``."""
     from rollart.chaos.workload import Workload, with_workload
+    from rollart.policy.affinity import task_affinity
+    from rollart.types import H20, H800
 
     names = {t.name for t in base.tasks}
     if s.tasks is not None and not set(s.tasks) <= names:
@@ -89,13 +133,18 @@ def setting_graph(base, s: Setting, model: str, steps: int, groups: int, seed: i
     work = Workload(scale=Workload().scale * s.env_scale, seed=seed)
     tasks = tuple(with_workload(t, work) for t in base.tasks
                   if s.tasks is None or t.name in s.tasks)
+    if s.pd:
+        tasks = tuple(task_affinity(prefill=H800, decode=H20)(t) for t in tasks)
     members = groups * base.algo.group_size
     slots = base.rollout.env_concurrency if s.env_slots is None else \
         max(1, round(s.env_slots * members))
-    return replace(base, tasks=tasks, mode=s.mode, steps=steps, seed=seed,
-                   policy=replace(base.policy, model=model),
+    pools = s.inference_pools or base.rollout.inference_pools
+    policy = replace(base.policy, model=model,
+                     weight_update=s.weight_update or base.policy.weight_update)
+    return replace(base, tasks=tasks, mode=s.mode, steps=steps, seed=seed, policy=policy,
                    algo=replace(base.algo, groups_per_step=groups, alpha=s.alpha),
-                   rollout=replace(base.rollout, redundancy=1.0, env_concurrency=slots))
+                   rollout=replace(base.rollout, redundancy=1.0, env_concurrency=slots,
+                                   inference_pools=pools))
 
 
 def setting_sim(graph, fitted: dict, steps: int):
@@ -185,13 +234,14 @@ def errors(real: dict, sim: dict) -> dict:
 
 
 def heldout_calibration(model: str, steps: int = 10, groups: int = 12, seeds=(1, 2, 3),
-                        settings=HELDOUT, log=print) -> dict:
-    """Fit on ``FIT``'s probes, run ``FIT`` and ``settings`` for real, predict them.
+                        settings=HELDOUT, fit_seed: int = FIT_SEED, log=print) -> dict:
+    """One invocation: fit on ``FIT``'s probes (seeds ``fit_seed``…), run ``FIT`` and
+    ``settings`` for real on ``seeds``, predict them, on a cluster of its own.
 
     Returns ``real`` and ``sim`` (``{name: {seed: trajectories/s}}``), ``errors`` (per
-    setting), ``calibration_error_heldout`` (the median of ``settings``' errors),
-    ``calibration_error_heldout_max``, ``calibration_error_fit`` (``FIT``'s own) and
-    ``wall_s``."""
+    setting, ``FIT`` included), ``calibration_error_heldout`` (the median of
+    ``settings``' errors), ``calibration_error_heldout_max``, ``calibration_error_fit``
+    (``FIT``'s own), ``seeds``, ``fit_seed`` and ``wall_s``."""
     from distributed import Client
 
     import rollart
@@ -200,7 +250,7 @@ def heldout_calibration(model: str, steps: int = 10, groups: int = 12, seeds=(1,
     base = base_graph()
     with tempfile.TemporaryDirectory() as tmp, \
             rollart.load_resources("laptop").make_cluster() as cluster, Client(cluster) as client:
-        fitted = fit(client, base, model, groups, Path(tmp), log=log)
+        fitted = fit(client, base, model, groups, Path(tmp), seed=fit_seed, log=log)
         real = real_runs(client, base, model, (FIT, *settings), steps, groups, seeds,
                          Path(tmp), log=log)
     sim = predictions(base, model, fitted, (FIT, *settings), steps, groups, seeds)
@@ -213,4 +263,45 @@ def heldout_calibration(model: str, steps: int = 10, groups: int = 12, seeds=(1,
     return {"real": real, "sim": sim, "errors": errs,
             "calibration_error_heldout": statistics.median(held),
             "calibration_error_heldout_max": max(held),
-            "calibration_error_fit": errs[FIT.name], "wall_s": time.time() - t0}
+            "calibration_error_fit": errs[FIT.name], "seeds": list(seeds),
+            "fit_seed": fit_seed, "wall_s": time.time() - t0}
+
+
+def summarise(invocations: list[dict], names, within: float = WITHIN) -> dict:
+    """The reported figures of several invocations' ``errors`` (``{setting: relative
+    error}`` each, ``FIT``'s in-sample one among them) over the held-out ``names``:
+
+    ``heldout_within_015``: the smallest count, over invocations, of configurations
+    within ``within``; ``heldout_worst``: the largest error of any configuration in any
+    invocation; ``invocations``; ``heldout_configs`` (per invocation); then per
+    invocation ``i`` (from 1) ``heldout_within_015_<i>``, ``heldout_worst_<i>`` and
+    ``heldout_missed_<i>`` (the names beyond ``within``, comma-separated, or ``none``);
+    last ``calibration_error_heldout`` (the median of every held-out error of every
+    invocation: the figure of the records before, one invocation's median, when there
+    is one) and ``calibration_error_fit`` (the fit's largest in-sample error). An error
+    that is not a number (a run that could not be compared) counts as a miss."""
+    names = list(names)
+    if not invocations or not names:
+        raise ValueError("summarise needs at least one invocation and one configuration")
+    per = []
+    for errs in invocations:
+        missing = [n for n in names if n not in errs]
+        if missing:
+            raise ValueError(f"an invocation has no error for {missing}")
+        held = {n: errs[n] for n in names}
+        missed = [n for n, e in held.items() if not e <= within]  # nan: a miss
+        worst = max(held.values(), key=lambda e: math.inf if e != e else e)
+        per.append((len(names) - len(missed), worst, missed))
+    out = {"heldout_within_015": min(c for c, _, _ in per),
+           "heldout_worst": max((w for _, w, _ in per),
+                                key=lambda e: math.inf if e != e else e),
+           "invocations": len(per), "heldout_configs": len(names)}
+    for i, (count, worst, missed) in enumerate(per, 1):
+        out[f"heldout_within_015_{i}"] = count
+        out[f"heldout_worst_{i}"] = worst
+        out[f"heldout_missed_{i}"] = ",".join(missed) or "none"
+    out["calibration_error_heldout"] = statistics.median(
+        e for errs in invocations for n, e in errs.items() if n in names)
+    fits = [errs[FIT.name] for errs in invocations if FIT.name in errs]
+    out["calibration_error_fit"] = max(fits) if fits else math.nan
+    return out

@@ -314,11 +314,91 @@ def pipeline_figures(key: str) -> str:
             f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
 
 
+def _newest_with(script: str, key: str, **where) -> dict | None:
+    """The newest record of ``script`` that has ``key`` (and ``where``'s values)."""
+    return next((r for r in _records(script) if r.get(key) is not None
+                 and all(r.get(k, v) == v for k, v in where.items())), None)
+
+
+def _made(r: dict) -> str:
+    """Which record a README row is from: its date (commit ids stay off the README; the
+    results log has them)."""
+    return f"the record of {str(r['date'])[:10]}"
+
+
+def fanout_figures() -> str:
+    """README's fan-out row: with the relay against without it, from the newest
+    ``weight_sync.py`` record that timed both (``fanout_speedup_8``)."""
+    r = _newest_with("weight_sync", "fanout_speedup_8")
+    if r is None:
+        return "the relay against no relay: **not measured yet**"
+    win = "a win" if r["fanout_speedup_8"] > 1 else "a loss: the relay is slower here"
+    return (f"8 readers of a {_fmt(r.get('fanout_mib'))} MiB version: the trainer's side "
+            f"served `origin_bytes_ratio_8` = {_fmt(r.get('origin_bytes_ratio_8'))} of 8 copies "
+            f"(1/8 by the relay's rule, not a measurement) in `fanout_s_8` = "
+            f"{_x(r.get('fanout_s_8'))} s; without the relay, every reader from the trainer, "
+            f"{_x(r.get('fanout_s_8_norelay'))} s: `fanout_speedup_8` = "
+            f"**{_x(r['fanout_speedup_8'])}** (goal > 1: {win}; eight processes share two "
+            f"cores) — {_made(r)}")
+
+
+def limits_figures() -> str:
+    """README's limits row, from the newest full ``limits.py`` record on the built-in
+    model with the replay figures; "not measured yet" (and the older figures) without."""
+    r = _newest_with("limits", "rollout_vs_replay", model="built-in")
+    if r is None:
+        old = _newest_with("limits", "trainer_vs_bare", model="built-in")
+        before = "" if old is None else (
+            f" (the newest record before them: `trainer_vs_bare` "
+            f"{_x(old['trainer_vs_bare'])}, `rollout_vs_bare` {_x(old.get('rollout_vs_bare'))})")
+        return ("the run's own requests replayed into the bare engine and the machine's "
+                "useful share: **not measured yet**" + before +
+                " — [why](docs/benchmarks/limits.md)")
+    return (f"against bare PyTorch on the same cores: `trainer_vs_bare` "
+            f"**{_x(r['trainer_vs_bare'])}** (goal ≥ 0.85); rollout against the run's own "
+            f"request stream replayed into the bare engine, per busy second "
+            f"`rollout_vs_replay` **{_x(r['rollout_vs_replay'])}** (goal ≥ 0.85; per CPU "
+            f"second {_x(r.get('rollout_vs_replay_cpu'))}, against the stream replayed all "
+            f"at once {_x(r.get('rollout_vs_replay_free'))}); the machine's useful work "
+            f"`useful_share` **{_x(r.get('useful_share'))}** (goal ≥ 0.7); the engine idle "
+            f"{_x(r.get('inference_idle'))} of the window; layout "
+            f"`{r.get('resources', 'laptop')}` — {_made(r)}, [why](docs/benchmarks/limits.md)")
+
+
+def sim_figures() -> str:
+    """README's simulator row, from the newest ``cluster_sim.py --heldout`` record with
+    the per-invocation counts; "not measured yet" (and the older median) without."""
+    r = _newest_with("cluster_sim", "heldout_within_015")
+    if r is None:
+        old = _newest_with("cluster_sim", "calibration_error_heldout")
+        before = "" if old is None else (
+            f" (the newest record before them, one invocation: median error "
+            f"{_x(old['calibration_error_heldout'])}, worst "
+            f"{_x(old.get('calibration_error_heldout_max'))})")
+        return ("held-out configurations within 0.15, per invocation: **not measured "
+                "yet**" + before + " — [table](docs/benchmarks/cluster-sim.md)")
+    n = int(r.get("invocations") or 0)
+    each = ", ".join(_fmt(r.get(f"heldout_within_015_{i}")) for i in range(n))
+    return (f"the simulator fitted on one configuration predicts "
+            f"{_fmt(r.get('heldout_configs'))} it never probed, in {n} invocations each with "
+            f"its own fit: within 0.15 {each} (the fewest **{_fmt(r['heldout_within_015'])}**; "
+            f"goal ≥ 6 of 8 in every invocation), worst error "
+            f"**{_x(r.get('heldout_worst'))}**; simulator frozen at "
+            f"`{r.get('frozen', 'none')}` — {_made(r)}, [table](docs/benchmarks/cluster-sim.md)")
+
+
+ROWS = {"fanout": fanout_figures, "limits": limits_figures, "sim": sim_figures}
+
+
 def fill_figures(text: str) -> str:
     """``text`` with every ``<!-- figures: KEY -->…<!-- /figures -->`` written from the
-    records (``pipeline_figures``)."""
-    return FIGURES.sub(lambda m: f"<!-- figures: {m.group(1)} -->"
-                       f"{pipeline_figures(m.group(1))}<!-- /figures -->", text)
+    records (``pipeline_figures``, ``ROWS``)."""
+    def one(m) -> str:
+        key = m.group(1)
+        body = ROWS[key]() if key in ROWS else pipeline_figures(key)
+        return f"<!-- figures: {key} -->{body}<!-- /figures -->"
+
+    return FIGURES.sub(one, text)
 
 
 def paired_table() -> str:

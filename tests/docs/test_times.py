@@ -140,3 +140,42 @@ def test_a_candidate_headline_is_named_and_paired_with_the_default(monkeypatch):
     assert "| async@new against | paired ratio" in page, page
     assert "| async (the default) | 1.30× (0.90–1.60) | 3 of 5 seeds | async@new 1.40, " \
         "async 0.98 |" in page, page
+
+
+def test_the_fanout_limits_and_simulator_rows_come_from_their_records(monkeypatch):
+    """README's other generated rows: "not measured yet" (with the older figures) until
+    a record has the new figures, then the newest such record's, a loss said as one."""
+    old = {"limits": [{"date": "2026-01-01", "commit": "a", "model": "built-in",
+                       "trainer_vs_bare": 0.87, "rollout_vs_bare": 0.18}],
+           "cluster_sim": [{"date": "2026-01-01", "calibration_error_heldout": 0.12,
+                            "calibration_error_heldout_max": 0.25}],
+           "weight_sync": []}
+    monkeypatch.setattr(gen.figures, "_records", lambda script: old.get(script, []))
+    assert "**not measured yet** (the newest record before them: `trainer_vs_bare` 0.87" \
+        in gen.figures.limits_figures()
+    assert "median error 0.12, worst 0.25" in gen.figures.sim_figures()
+    assert "not measured yet" in gen.figures.fanout_figures()
+    new = {"limits": [{"date": "2026-01-03", "commit": "b", "model": "smollm2",
+                       "rollout_vs_replay": 0.1, "trainer_vs_bare": 0.5},  # not the toy
+                      {"date": "2026-01-02", "commit": "c", "model": "built-in",
+                       "rollout_vs_replay": 0.9, "rollout_vs_replay_cpu": 0.95,
+                       "rollout_vs_replay_free": 0.4, "useful_share": 0.6,
+                       "trainer_vs_bare": 0.91, "inference_idle": 0.3}] + old["limits"],
+           "cluster_sim": [{"date": "2026-01-02", "commit": "d", "invocations": 3,
+                            "heldout_configs": 11, "heldout_within_015": 5,
+                            "heldout_within_015_0": 7, "heldout_within_015_1": 5,
+                            "heldout_within_015_2": 6, "heldout_worst": 0.31,
+                            "frozen": "abc"}],
+           "weight_sync": [{"date": "2026-01-02", "commit": "e", "fanout_mib": 128.0,
+                            "origin_bytes_ratio_8": 0.125, "fanout_s_8": 1.6,
+                            "fanout_s_8_norelay": 1.4, "fanout_speedup_8": 0.86}]}
+    monkeypatch.setattr(gen.figures, "_records", lambda script: new.get(script, []))
+    limits = gen.figures.limits_figures()
+    assert "`rollout_vs_replay` **0.90**" in limits and "record of 2026-01-02" in limits
+    assert "`useful_share` **0.60** (goal ≥ 0.7)" in limits and "0.95" in limits
+    sim = gen.figures.sim_figures()
+    assert "predicts 11 it never probed" in sim, sim
+    assert "within 0.15 7, 5, 6 (the fewest **5**; goal ≥ 6 of 8" in sim, sim
+    assert "frozen at `abc`" in sim and "worst error **0.31**" in sim, sim
+    fan = gen.figures.fanout_figures()
+    assert "`fanout_speedup_8` = **0.86** (goal > 1: a loss" in fan, fan

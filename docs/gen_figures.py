@@ -279,6 +279,13 @@ def _pair(r: dict, key: str, name: str, bold: bool = False) -> str:
             f"of {r.get(f'pairs_vs_{key}')} seeds)")
 
 
+def _variants(r: dict) -> list[tuple[str, str]]:
+    """The async variants a pipeline record paired (key, label): ``async_at_new`` ->
+    ``async@new``."""
+    return [(k[len("pairs_vs_"):], "async@" + k[len("pairs_vs_async_at_"):])
+            for k in r if k.startswith("pairs_vs_async_at_") and r[k]]
+
+
 def pipeline_figures(key: str) -> str:
     """README's pipeline row: ``pipeline_command`` (the command cell) or ``pipeline``
     (the figure cell), from ``_paired_record``; "not measured yet" without one."""
@@ -308,6 +315,10 @@ def pipeline_figures(key: str) -> str:
             f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget, "
             f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}"
             + ("" if ours == "async" else f", {_pair(r, 'async', 'async (the default)')}")
+            + "".join(f"; a candidate for the default, `{name}`: its time ÷ the default's "
+                      f"{_ratio_range(r, key)}, the default first on {r.get(f'wins_vs_{key}')}"
+                      f" of {r.get(f'pairs_vs_{key}')} seeds"
+                      for key, name in _variants(r) if ours == "async")
             + "; "
             f"groups in flight, mean: {ours} "
             f"{_x(r.get('inflight_' + ours.replace('@', '_at_')))}, areal "
@@ -345,7 +356,7 @@ def fanout_figures() -> str:
 def limits_figures() -> str:
     """README's limits row, from the newest full ``limits.py`` record on the built-in
     model with the replay figures; "not measured yet" (and the older figures) without."""
-    r = _newest_with("limits", "rollout_vs_replay", model="built-in")
+    r = _newest_with("limits", "rollout_vs_replay", model="built-in", resources="laptop")
     if r is None:
         old = _newest_with("limits", "trainer_vs_bare", model="built-in")
         before = "" if old is None else (
@@ -421,9 +432,7 @@ def paired_table() -> str:
                 "async": r.get("inflight_async")}
     # the baselines, then the default and async's variants that ran beside ``ours``
     names = {**PAIRED_NAMES, "async": "async (the default)"}
-    for k in r:
-        if k.startswith("pairs_vs_async_at_"):  # async_at_new -> async@new
-            names[k[len("pairs_vs_"):]] = "async@" + k[len("pairs_vs_async_at_"):]
+    names.update(_variants(r))
     for key, name in names.items():
         if not r.get(f"pairs_vs_{key}"):
             continue

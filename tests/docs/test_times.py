@@ -179,3 +179,16 @@ def test_the_fanout_limits_and_simulator_rows_come_from_their_records(monkeypatc
     assert "frozen at `abc`" in sim and "worst error **0.31**" in sim, sim
     fan = gen.figures.fanout_figures()
     assert "`fanout_speedup_8` = **0.86** (goal > 1: a loss" in fan, fan
+
+
+def test_a_candidate_run_beside_the_default_is_shown_against_it(monkeypatch):
+    """The default as the headline and ``async@new`` beside it: the row gives the
+    candidate's time ÷ the default's and the seeds the default was first on."""
+    rec = {**PAIRED, "date": "2026-01-04", "speedup_vs_async_at_new_paired": 0.89,
+           "speedup_vs_async_at_new_min": 0.7, "speedup_vs_async_at_new_max": 1.09,
+           "wins_vs_async_at_new": 1, "pairs_vs_async_at_new": 5}
+    _planted(monkeypatch, PAIRED, rec)
+    row = gen.fill_figures(BLOCK)
+    assert "async **1.25× sync+**" in row, row
+    assert ("a candidate for the default, `async@new`: its time ÷ the default's 0.89× "
+            "(0.70–1.09), the default first on 1 of 5 seeds") in row, row

@@ -148,26 +148,23 @@ class LLMProxy:
         if aff is not None:
             res = await self._generate_pd(traj_id, req, aff)
         else:
-            while True:
+            new = 0  # prompt tokens the worker routed to lacks in its cache (each try)
+
+            def cost() -> int:
+                nonlocal new
                 new = self.router.new_tokens(traj_id, len(req.prompt_ids))
-                cost = new + req.max_new_tokens
-                idx = self.router.route(traj_id, task, pools, cost)
+                return new + req.max_new_tokens
+
+            async def send(idx: int, worker) -> GenResult:
                 self.router.count_reuse(traj_id, idx, len(req.prompt_ids), new)
-                worker = self._near_handle(idx)
                 try:
-                    res = await worker.generate(req)
-                    break
+                    return await worker.generate(req)
                 except asyncio.CancelledError:  # our trajectory was cancelled: free its row
                     if req.request_id is not None:
                         _fire_and_forget(worker.abort(req.request_id))
                     raise
-                except Exception as e:  # its worker was lost: re-send to another one
-                    if not is_lost(e):
-                        raise
-                    self.router.lost(idx, traj_id)
-                    self.rerouted += 1
-                finally:
-                    self.router.done(idx, cost)
+
+            res = await self._on_live_worker(traj_id, task, pools, cost, send)
             self.router.served(traj_id, len(req.prompt_ids) + max(len(res.token_ids) - 1, 0))
         self.router.observe(task, len(req.prompt_ids), len(res.token_ids))
         return res
@@ -204,18 +201,25 @@ class LLMProxy:
         aff = self.router.disaggregated(task)
         if aff is not None:
             task, pools = None, (aff.prefill,)
-        cost = len(req.token_ids)
+        return await self._on_live_worker(traj_id, task, pools, lambda: len(req.token_ids),
+                                          lambda idx, worker: worker.rescore(req, wait))
+
+    async def _on_live_worker(self, traj_id: str, task, pools, cost, send):
+        """``send(idx, worker)`` to the worker routed to for ``traj_id``, its ``cost()``
+        tokens counted on it meanwhile; re-sent to another worker while the one it went
+        to was lost (``is_lost``). Any other error, or a cancellation, goes to the caller."""
         while True:
-            idx = self.router.route(traj_id, task, pools, cost)
+            tokens = cost()
+            idx = self.router.route(traj_id, task, pools, tokens)
             try:
-                return await self._near_handle(idx).rescore(req, wait)
+                return await send(idx, self._near_handle(idx))
             except Exception as e:  # its worker was lost: re-send to another one
                 if not is_lost(e):
                     raise
                 self.router.lost(idx, traj_id)
                 self.rerouted += 1
             finally:
-                self.router.done(idx, cost)
+                self.router.done(idx, tokens)
 
     def release(self, traj_id: str) -> None:
         """Forget ``traj_id`` (call when the trajectory is finished)."""

@@ -227,8 +227,8 @@ class Rollout:
                f"Rollout.take_window must be ≥ 1 (trainer steps' worth of groups: fewer "
                f"could never fill a batch) or None (completion order), got "
                f"{self.take_window!r}")
-        _check(stale_members_problem(self.stale_members) is None,
-               stale_members_problem(self.stale_members))
+        problem = stale_members_problem(self.stale_members)
+        _check(problem is None, problem)
         _numbers(self, "backup_after", optional=True)
         _check(self.backup_after is None or 0 < self.backup_after <= 1,
                f"Rollout.backup_after must be a fraction in (0, 1] of the group (extra "

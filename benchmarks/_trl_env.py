@@ -246,18 +246,28 @@ def env_class(task: Task | str, faults: Faults | None = None) -> type[GameEnv]:
 
 
 # -- training with TRL (the bench extra) ----------------------------------------------
-def trl_config(s: dict, task, out_dir: str):
-    """GRPOConfig matching rollart's GRPO settings (and TRL's CPU requirements)."""
+def trl_config(s: dict, task, out_dir: str, micro_batch: int | None = None):
+    """GRPOConfig matching rollart's GRPO settings (and TRL's CPU requirements).
+
+    ``micro_batch``: completions per forward (``per_device_train_batch_size``), with
+    ``gradient_accumulation_steps`` making up the step's batch: TRL then generates the
+    whole batch once a step (``steps_per_generation`` follows the accumulation) and
+    takes one optimizer step on it, in micro-batches, as its docs advise when a batch
+    does not fit in memory; None: the whole batch in one forward."""
     from trl import GRPOConfig
 
     batch = s["group_size"] * s["groups_per_step"]
+    micro = batch if micro_batch is None else int(micro_batch)
+    if batch % micro:
+        raise ValueError(f"trl_config: micro_batch={micro} must divide the batch ({batch})")
     return GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
         learning_rate=s["lr"], lr_scheduler_type="constant", adam_beta2=0.99, weight_decay=0.0,
         max_grad_norm=s["max_grad_norm"], beta=0.0, epsilon=s["clip_eps"], loss_type="dapo",
         scale_rewards="group", num_iterations=1,
-        num_generations=s["group_size"], per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1, max_steps=s["steps"], shuffle_dataset=False,
+        num_generations=s["group_size"], per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro, max_steps=s["steps"],
+        shuffle_dataset=False,
         temperature=1.0, top_p=1.0, top_k=0,
         generation_kwargs={"max_new_tokens": task.max_new_tokens},
         max_tool_calling_iterations=task.max_turns, max_completion_length=256,

@@ -22,7 +22,9 @@ an unknown template), so, as TRL's docs ask for such a model, this module sets b
 The env (``_trl_env.GameEnv``) wraps the rollart env and owns the reward
 (``get_reward``: the task's own reward function on the episode). ``run_trl`` trains
 with TRL (imported there only) with LoRA through TRL's ``peft_config`` (the same rank,
-alpha and target layers as rollart's ``LoRA``) or every weight.
+alpha and target layers as rollart's ``LoRA``) or every weight, one group per forward
+and the step's groups accumulated into one optimizer step (``trl_config``'s
+``micro_batch``).
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ def run_trl(model_dir: str, s: dict, task, seeds: list[int], out_dir: str,
     """Train with TRL's ``GRPOTrainer`` on ``task`` with ``vs_trl_real.Settings`` ``s`` (a
     dict), one group per seed in ``seeds`` (the order rollart draws them), LoRA through
     TRL's ``peft_config`` when ``s["lora_rank"]``: ``_trl_env.train_with_trl``."""
-    config = trl_config(s, task, out_dir)
+    # one group per forward, the step's groups accumulated: the same 32 completions an
+    # optimizer step, generated once a step. The whole batch in one forward (as the
+    # toy's side runs) took TRL's process past 20 GB on this 24 GB machine and the
+    # kernel killed it (the real model's 49,152-token vocabulary, fp32 logits of every
+    # completion at once)
+    config = trl_config(s, task, out_dir, micro_batch=s["group_size"])
     config.scale_rewards = s["scale_rewards"]  # rollart's GRPO.scale_rewards
     config.max_completion_length = s["max_completion_length"]
     peft = None

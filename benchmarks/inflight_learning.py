@@ -14,8 +14,11 @@ run from that warm-up model, so a seed's settings share their warm-up policy.
 
 The settings (``--settings``): ``Rollout.max_in_flight`` one step's worth (the default),
 two steps' worth in completion order, two and three steps' worth in start order
-(``take_window`` one step's worth), on each of ``--seeds`` seeds (the order of the
-settings shuffled per seed). The warm-up policy and each trained policy are evaluated on
+(``take_window`` one step's worth); and the candidate default's parts:
+``auto`` (``max_in_flight="auto"``, start order), ``rescore``
+(``Rollout.stale_members="rescore"``) and ``new`` (both: ``pipeline.py``'s
+``async@new``); on each of ``--seeds`` seeds (the order of the settings shuffled per
+seed). The warm-up policy and each trained policy are evaluated on
 the same held-out seeds (paired per seed). Ends with
 
     RESULT gain_<setting>=… <task>_<setting>=… worst_<setting>=… seeds=… steps=…
@@ -44,8 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py, pipelin
 
 from _results import Run, add_arguments  # noqa: E402
 
-SETTINGS = {"one": (None, None), "two": (2.0, None), "two_start": (2.0, 1.0),
-            "three_start": (3.0, 1.0)}
+#: setting -> (Rollout.max_in_flight, Rollout.take_window, Rollout.stale_members)
+SETTINGS = {"one": (None, None, "abort"), "two": (2.0, None, "abort"),
+            "two_start": (2.0, 1.0, "abort"), "three_start": (3.0, 1.0, "abort"),
+            "auto": ("auto", None, "abort"), "rescore": (None, None, "rescore"),
+            "new": ("auto", None, "rescore")}
 #: per graph: the graph, its resources, the settings run by default, and the
 #: full and --quick sizes (seeds, steps, held-out seeds per task)
 GRAPHS = {
@@ -92,12 +98,12 @@ def parse(argv):
 def run_one(base, model: str, warm: dict, setting: str, seed: int, a, tmp: Path) -> dict:
     """One RL run of ``setting`` on ``seed`` from the warm-up ``model``: its held-out gain
     per task over the warm-up policy's ``warm`` (the same held-out seeds)."""
-    in_flight, window = SETTINGS[setting]
+    in_flight, window, members = SETTINGS[setting]
     graph = replace(base, steps=a.steps, seed=seed,
                     policy=replace(base.policy, model=model, warmup_steps=0,
                                    warmup_bare_tool_steps=0),
                     rollout=replace(base.rollout, max_in_flight=in_flight,
-                                    take_window=window))
+                                    take_window=window, stale_members=members))
     t0 = time.time()
     result = _train(graph, a, tmp / f"{setting}-{seed}", a.eval_seeds)
     trained = result.evaluation["trained"]

@@ -161,11 +161,20 @@ class Capacity:
 class StartBound:
     """AReaL's admission: a group starts only if it can be trained within ``alpha``
     versions of the version it starts on (groups started ≤ ``(version + alpha + 1) *
-    groups_per_step``); once started it is never dropped for staleness."""
+    groups_per_step``); once started it is never dropped for staleness (``areal``).
+
+    With ``drop_stale`` (``async`` under ``Rollout.max_in_flight="auto"``) the same
+    start bound decides when a group may start, and the trainer still drops complete
+    groups older than its bound (``stale_floor``): a limit grown past one step's worth
+    then starts no group that would be too stale by the time its turn to be taken
+    comes (a fixed ``Capacity`` above ``alpha`` steps' worth does: the groups left over
+    from one take wait for the take after next, two versions on), so what it drops is
+    only what ran long or started on a worker still loading an update."""
 
     alpha: int
     groups_per_step: int
     limit: int | None = None  # at most this many held at once too (Rollout.max_in_flight)
+    drop_stale: bool = False  # async's rule after the start: drop what went too stale
 
     @property
     def capacity(self) -> int:
@@ -181,11 +190,12 @@ class StartBound:
 
     def resized(self, capacity: int) -> StartBound:
         """The same bound with ``limit`` groups held at once (``Slots.resize``)."""
-        return StartBound(self.alpha, self.groups_per_step, int(capacity))
+        return StartBound(self.alpha, self.groups_per_step, int(capacity), self.drop_stale)
 
     def stale_floor(self, min_version: int) -> int | None:
-        """None: nothing is dropped; the bound was checked when each group started."""
-        return None
+        """None: nothing is dropped, the bound was checked when each group started;
+        with ``drop_stale``, the trainer's bound as it asks (as ``Capacity``)."""
+        return min_version if self.drop_stale else None
 
 
 class Slots:

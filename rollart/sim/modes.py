@@ -54,6 +54,10 @@ def asynchronous(cl, areal: bool = False):
         admission = StartBound(algo.alpha, algo.groups_per_step,
                                None if limit is None else slot_capacity(algo, limit))
         slots = Slots(admission.capacity, _sequence(cl), admission, window)
+    elif inflight is not None:  # "auto": the runtime's start bound under the limit
+        admission = StartBound(algo.alpha, algo.groups_per_step, inflight.limit,
+                               drop_stale=True)
+        slots = Slots(inflight.limit, _sequence(cl), admission, window)
     else:
         slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo, limit), _sequence(cl),
                       take_window=window)

@@ -312,10 +312,11 @@ def test_inflight_learning_tiny():
 def test_inflight_learning_chat_tiny():
     """benchmarks/inflight_learning.py --graph chat --quick: the chat graph's own warm-up
     on the seed (a one-step run whose warm-up model is kept), then two settings' RL runs
-    from it, calc included, evaluated against it on the same seeds."""
+    from it (today's default and the candidate ``new``: "auto" in flight, stale members
+    re-scored), calc included, evaluated against it on the same seeds."""
     r = _bench("inflight_learning", "--graph", "chat", "--quick", "--settings",
-               "one,three_start", timeout=900)
-    for s in ("one", "three_start"):
+               "one,new", timeout=900)
+    for s in ("one", "new"):
         for t in ("gridnav", "guess", "boxpush", "calc"):
             assert -1 <= r[f"{t}_{s}"] <= 1, (t, s, r)
         assert r[f"worst_{s}"] <= r[f"gain_{s}"] + 1e-9, r

@@ -201,3 +201,44 @@ def test_a_run_of_stale_steps_caps_growth_below_the_limit_that_went_stale_only()
     assert _run(lim, [STALE] * 2) == [12, 8]
     got = _run(lim, [STARVED_ROOM] * (InflightLimit.PROBE_AFTER - 1))
     assert max(got) == 14 and got[-1] == 14, got  # not capped at 10 by the second
+
+
+def _staleness_of_takes(admission, capacity: int, gps: int = 2, steps: int = 8):
+    """Rollout that completes at once, a trainer that takes ``gps`` groups a step in
+    start order: each taken group's versions behind the trainer (the take frees slots
+    before the step's update is published, as the buffer's take does), and the groups
+    held after each fill."""
+    slots = Slots(capacity, GroupSequence([get_task("gridnav")], None, 0, 2), admission)
+    started, ages, held, training = {}, [], [], 0
+
+    def fill():
+        while (w := slots.take("m", training=training)) is not None:
+            started[w.group_id] = slots.version
+        held.append(len(slots.held))
+
+    fill()
+    for _ in range(steps):
+        batch = sorted(slots.held, key=lambda g: int(g[1:]))[:gps]
+        ages += [slots.version - started[g] for g in batch]
+        for g in batch:
+            slots.release(g)
+        training = len(batch)
+        fill()  # groups start while the step trains, on the version before its update
+        slots.published(training)
+        training = 0
+        fill()
+    return ages, held
+
+
+def test_auto_admits_by_the_start_bound_so_a_grown_limit_goes_stale_no_more():
+    """alpha 1, one and a half steps' worth: a fixed count of slots leaves a group from
+    each take for the take after next, two versions on (async would drop it); the
+    start bound ``async`` uses under ``"auto"`` holds as much and trains none older
+    than alpha."""
+    ages, held = _staleness_of_takes(Capacity(3), 3)
+    assert max(ages) == 2 and max(held) == 3, (ages, held)
+    bound = StartBound(alpha=1, groups_per_step=2, limit=3, drop_stale=True)
+    ages, held = _staleness_of_takes(bound, 3)
+    assert max(ages) <= 1 and max(held) == 3, (ages, held)
+    assert bound.stale_floor(4) == 4 and bound.resized(5).drop_stale  # async still drops
+    assert StartBound(alpha=1, groups_per_step=2).stale_floor(4) is None  # areal never

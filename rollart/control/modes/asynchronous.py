@@ -106,7 +106,13 @@ class AsyncPipeline(Pipeline):
         return slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight)
 
     def admission(self):
-        """The buffer's admission policy: ``limit()`` groups at once."""
+        """The buffer's admission policy: ``limit()`` groups at once; with ``"auto"``
+        also AReaL's start bound (``StartBound(drop_stale=True)``), so a limit grown
+        past ``alpha`` steps' worth starts no group that is stale before its take."""
+        if self.inflight is not None:
+            algo = self.graph.algo
+            return StartBound(algo.alpha, algo.groups_per_step, self.limit(),
+                              drop_stale=True)
         return Capacity(self.limit())
 
     def keep_taking(self) -> None:

@@ -398,7 +398,30 @@ def sim_figures() -> str:
             f"`{r.get('frozen', 'none')}` — {_made(r)}, [table](docs/benchmarks/cluster-sim.md)")
 
 
-ROWS = {"fanout": fanout_figures, "limits": limits_figures, "sim": sim_figures}
+def trl_real_figures() -> str:
+    """README's real-model row beside TRL, from the newest full ``vs_trl_real.py``
+    record (a ``--quick`` smoke record is skipped)."""
+    r = next((r for r in _records("vs_trl_real") if r.get("speedup") is not None
+              and "--quick" not in str(r.get("command", ""))), None)
+    if r is None:
+        return ("SmolLM2-135M-Instruct, rollart against TRL's `GRPOTrainer` to the same "
+                "held-out target: **not measured yet** — [why](docs/benchmarks/vs-trl-real.md)")
+    n = int(r.get("seeds") or 0)
+    spread = "" if n < 2 else f" ({r.get('speedup_each')})"
+    return (f"SmolLM2-135M-Instruct learning `{r.get('task')}` ({r.get('method')}, "
+            f"{_fmt(r.get('steps'))} steps each), time to held-out "
+            f"{_x(r.get('target'))} (untrained {_x(r.get('before'))}): TRL's ÷ rollart's "
+            f"**{_x(r['speedup'], '∞')}×**{spread}, rollart first on {r.get('rollart_wins')} "
+            f"of {n} seed{'s' if n != 1 else ''}; held-out at equal wall time rollart "
+            f"{_x(r.get('heldout_equal_rollart'))}, TRL {_x(r.get('heldout_equal_trl'))}; "
+            f"after the last step rollart {_x(r.get('heldout_final_rollart'))}, TRL "
+            f"{_x(r.get('heldout_final_trl'))}"
+            + (" (one seed: not yet a median)" if n == 1 else "")
+            + f" — {_made(r)}, [why](docs/benchmarks/vs-trl-real.md)")
+
+
+ROWS = {"fanout": fanout_figures, "limits": limits_figures, "sim": sim_figures,
+        "trl_real": trl_real_figures}
 
 
 def fill_figures(text: str) -> str:

@@ -192,3 +192,27 @@ def test_a_candidate_run_beside_the_default_is_shown_against_it(monkeypatch):
     assert "async **1.25× sync+**" in row, row
     assert ("a candidate for the default, `async@new`: its time ÷ the default's 0.89× "
             "(0.70–1.09), the default first on 1 of 5 seeds") in row, row
+
+
+def test_the_trl_row_is_the_newest_full_vs_trl_real_record(monkeypatch):
+    """README's TRL row: "not measured yet" with only a smoke record; then the newest
+    full record's ratio, win count and held-out figures, a single seed said as one."""
+    quick = {"date": "2026-01-01", "command": "vs_trl_real.py --quick", "speedup": None}
+    monkeypatch.setattr(gen.figures, "_records", lambda script: [quick])
+    assert "**not measured yet**" in gen.figures.trl_real_figures()
+    smoke = {**quick, "speedup": 2.0}
+    one = {"date": "2026-01-02", "command": "vs_trl_real.py --seeds 1 --resume",
+           "speedup": 4.4, "speedup_each": "4.4", "rollart_wins": 1, "seeds": 1,
+           "steps": 40, "method": "lora", "task": "guess_number", "target": 0.3375,
+           "before": 0.1875, "heldout_equal_rollart": 0.72, "heldout_equal_trl": 0.32,
+           "heldout_final_rollart": 0.72, "heldout_final_trl": 0.76}
+    monkeypatch.setattr(gen.figures, "_records", lambda script: [smoke, one])
+    row = gen.figures.trl_real_figures()  # the newest is a smoke run: skipped
+    assert "TRL's ÷ rollart's **4.40×**, rollart first on 1 of 1 seed;" in row, row
+    assert "(one seed: not yet a median)" in row and "record of 2026-01-02" in row, row
+    three = {**one, "seeds": 3, "speedup": 0.8, "speedup_each": "4.4/0.8/0.5",
+             "rollart_wins": 1}
+    monkeypatch.setattr(gen.figures, "_records", lambda script: [three, one])
+    row = gen.figures.trl_real_figures()
+    assert "**0.80×** (4.4/0.8/0.5), rollart first on 1 of 3 seeds" in row, row
+    assert "not yet a median" not in row

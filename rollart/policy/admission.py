@@ -198,6 +198,13 @@ class StartBound:
         return min_version if self.drop_stale else None
 
 
+def auto_admission(algo, limit: int) -> StartBound:
+    """``async``'s admission under ``Rollout.max_in_flight="auto"``: ``limit`` groups at
+    once within AReaL's start bound, stale groups still dropped (``StartBound``'s
+    ``drop_stale``); the runtime's pipeline and the simulator both build it here."""
+    return StartBound(algo.alpha, algo.groups_per_step, int(limit), drop_stale=True)
+
+
 class Slots:
     """Hands out groups under ``admission`` (default ``Capacity(capacity)``); who holds
     which, what to re-run, and the trainer's progress the admission counts."""

@@ -13,13 +13,9 @@ sends a changed limit to the buffer: ``SampleBuffer.resize_slots``) and the simu
 The bounds: at least one trainer step's worth of groups (fewer could never fill a
 batch) and at most ``alpha + 1`` steps' worth (alpha still bounds staleness; the
 trainer's checks stay as they are). Under ``"auto"`` ``async`` also admits groups by
-AReaL's start bound (``rollart.policy.admission.StartBound`` with ``drop_stale``): past
-``alpha`` steps' worth, a fixed count of slots starts groups that can only be taken
-two versions on (the ones left over from a take wait for the take after next): the
-limit grew, lost groups to staleness, shrank to one step's worth under a lowered
-ceiling, and averaged 1.16 steps' worth over ``pipeline.py``'s runs (the mechanism
-inferred from the rule, not traced). Counted against the updates published, no group
-starts that is too stale by its turn. Why not a fixed larger number: see
+AReaL's start bound (``rollart.policy.admission.auto_admission``; why: ``StartBound``):
+under a plain count of slots the limit grew, lost groups to staleness, shrank, and
+averaged 1.16 steps' worth over ``pipeline.py``'s runs. Why not a fixed larger number: see
 ``rollart.policy.admission.slot_capacity``; with ``"auto"`` the trainer takes groups in
 start order (``Rollout.take_window`` one step's worth unless set), so a larger limit
 does not favour short episodes. ``areal`` with ``"auto"`` adapts its limit the same way

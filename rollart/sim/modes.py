@@ -30,7 +30,7 @@ Consumes the cluster's state and policy objects; produces trainer steps. Called 
 from __future__ import annotations
 
 from rollart.policy.admission import (AUTO, GroupSequence, Slots, StartBound, Work,
-                                      take_window_for)
+                                      auto_admission, take_window_for)
 from rollart.policy.inflight import InflightLimit, Pace
 from rollart.policy.redundancy import Redundancy
 from rollart.sim.members import Barrier
@@ -55,9 +55,8 @@ def asynchronous(cl, areal: bool = False):
                                None if limit is None else slot_capacity(algo, limit))
         slots = Slots(admission.capacity, _sequence(cl), admission, window)
     elif inflight is not None:  # "auto": the runtime's start bound under the limit
-        admission = StartBound(algo.alpha, algo.groups_per_step, inflight.limit,
-                               drop_stale=True)
-        slots = Slots(inflight.limit, _sequence(cl), admission, window)
+        slots = Slots(inflight.limit, _sequence(cl), auto_admission(algo, inflight.limit),
+                      window)
     else:
         slots = Slots(cl.cfg.slot_capacity or slot_capacity(algo, limit), _sequence(cl),
                       take_window=window)

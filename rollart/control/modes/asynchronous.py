@@ -21,8 +21,8 @@ import time
 
 from rollart.control.fleet import ActorLost
 from rollart.control.modes.base import Pipeline
-from rollart.policy.admission import (AUTO, Capacity, Slots, StartBound, slot_capacity,
-                                      take_window_for)
+from rollart.policy.admission import (AUTO, Capacity, Slots, StartBound, auto_admission,
+                                      slot_capacity, take_window_for)
 from rollart.policy.inflight import InflightLimit, pace_of
 from rollart.policy.staleness import StalenessBound
 
@@ -110,9 +110,7 @@ class AsyncPipeline(Pipeline):
         also AReaL's start bound (``StartBound(drop_stale=True)``), so a limit grown
         past ``alpha`` steps' worth starts no group that is stale before its take."""
         if self.inflight is not None:
-            algo = self.graph.algo
-            return StartBound(algo.alpha, algo.groups_per_step, self.limit(),
-                              drop_stale=True)
+            return auto_admission(self.graph.algo, self.limit())
         return Capacity(self.limit())
 
     def keep_taking(self) -> None:

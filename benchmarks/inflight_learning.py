@@ -12,12 +12,13 @@ tool-calling calc in ChatML) as its CI learning test does (100 async steps on
 on that seed (a run of one step, kept in ``RUN/warmup_model``), then every setting's RL
 run from that warm-up model, so a seed's settings share their warm-up policy.
 
-The settings (``--settings``): ``Rollout.max_in_flight`` one step's worth (the default),
-two steps' worth in completion order, two and three steps' worth in start order
-(``take_window`` one step's worth); and the candidate default's parts:
-``auto`` (``max_in_flight="auto"``, start order), ``rescore``
-(``Rollout.stale_members="rescore"``) and ``new`` (both: ``pipeline.py``'s
-``async@new``); on each of ``--seeds`` seeds (the order of the settings shuffled per
+The settings (``--settings``): ``Rollout.max_in_flight`` one step's worth with stale
+members aborted (``one``: async's default before ``new``), two steps' worth in completion
+order, two and three steps' worth in start order (``take_window`` one step's worth); the
+parts of async's default: ``auto`` (``max_in_flight="auto"``, start order), ``rescore``
+(``Rollout.stale_members="rescore"``); and ``new``, both: async's default (the graph's
+``Rollout`` left unset, ``Graph.max_in_flight`` and ``Graph.stale_members``), as
+``pipeline.py``'s ``async`` runs it; on each of ``--seeds`` seeds (the order of the settings shuffled per
 seed). The warm-up policy and each trained policy are evaluated on
 the same held-out seeds (paired per seed). Ends with
 
@@ -48,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py, pipelin
 from _results import Run, add_arguments  # noqa: E402
 
 #: setting -> (Rollout.max_in_flight, Rollout.take_window, Rollout.stale_members)
-SETTINGS = {"one": (None, None, "abort"), "two": (2.0, None, "abort"),
+SETTINGS = {"one": (1.0, None, "abort"), "two": (2.0, None, "abort"),
             "two_start": (2.0, 1.0, "abort"), "three_start": (3.0, 1.0, "abort"),
-            "auto": ("auto", None, "abort"), "rescore": (None, None, "rescore"),
-            "new": ("auto", None, "rescore")}
+            "auto": ("auto", None, "abort"), "rescore": (1.0, None, "rescore"),
+            "new": (None, None, None)}
 #: per graph: the graph, its resources, the settings run by default, and the
 #: full and --quick sizes (seeds, steps, held-out seeds per task)
 GRAPHS = {

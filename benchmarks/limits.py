@@ -372,7 +372,7 @@ def used_in_flight(graph, rows: list[dict]) -> float:
     ``max_in_flight="auto"``), else the configured one."""
     got = [r["rollout/inflight_limit"] for r in rows if "rollout/inflight_limit" in r]
     limit = sum(got) / len(got) if got else \
-        slot_capacity(graph.algo, graph.rollout.max_in_flight)
+        slot_capacity(graph.algo, graph.max_in_flight)
     return limit / graph.algo.groups_per_step
 
 

@@ -38,14 +38,17 @@ groups each run actually held in flight or buffered, averaged over its time
 (``rollout/slots_held_s`` ÷ ``rollout/slots_open_s`` of its last row, in steps' worth),
 median over seeds.
 
-**Candidates for async's default** run beside it as labels (``VARIANTS``):
-``async@auto`` (``Rollout.max_in_flight="auto"``), ``async@rescore``
-(``Rollout.stale_members="rescore"``) and ``async@new`` (both). ``--ours LABEL`` makes
-one of them the headline: every paired ratio is then against it, the default async
-included (``speedup_vs_async_paired``), and the RESULT line says ``ours=LABEL``::
+**Other settings of async** run beside its default as labels (``VARIANTS``). The default
+(``Rollout.max_in_flight`` and ``stale_members`` unset: ``Graph.max_in_flight`` "auto",
+``Graph.stale_members`` "rescore") is ``async``; ``async@one`` is the earlier default
+(one step's worth of groups, stale members aborted), ``async@auto`` the adaptive limit
+with stale members aborted, ``async@rescore`` one step's worth with them re-scored.
+``--ours LABEL`` makes one of them the headline: every paired ratio is then against it,
+the default async included (``speedup_vs_async_paired``), and the RESULT line says
+``ours=LABEL``::
 
     python benchmarks/pipeline.py --redundant '' --eval-seeds 128 \
-        --modes async,async@new,sync+,areal,areal@async --ours async@new
+        --modes async,async@one,sync+,areal,areal@async
 
 The headline runs have no redundant members (every mode alike); the modes that can use
 redundancy (``REDUNDANT_MODES``: their groups run on their own; ``sync`` and ``one-off``
@@ -88,11 +91,12 @@ from _results import Run, add_arguments, fill  # noqa: E402
 
 MODES = ("sync", "sync+", "one-off", "areal", "async")
 AT_ASYNC = "areal@async"  # areal with Rollout.max_in_flight at async's budget
-#: async with settings that are not (yet) its default: candidates for it, run beside the
-#: default (``--modes async,async@new,…``) and made the headline with ``--ours``
-VARIANTS = {"async@auto": {"max_in_flight": "auto"},
-            "async@rescore": {"stale_members": "rescore"},
-            "async@new": {"max_in_flight": "auto", "stale_members": "rescore"}}
+#: async with settings other than its default, run beside it (``--modes async,async@one,…``)
+#: and made the headline with ``--ours``: the earlier default (``one``) and each half of
+#: the present one (an adaptive limit: ``auto``; stale members re-scored: ``rescore``)
+VARIANTS = {"async@one": {"max_in_flight": 1.0, "stale_members": "abort"},
+            "async@auto": {"max_in_flight": "auto", "stale_members": "abort"},
+            "async@rescore": {"max_in_flight": 1.0, "stale_members": "rescore"}}
 LABELS = MODES + (AT_ASYNC,) + tuple(VARIANTS)
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)
@@ -172,13 +176,17 @@ def in_flight(row: dict, groups: int) -> float:
     return row.get("rollout/slots_held_s", 0) / open_s / groups if open_s else math.nan
 
 
-def async_budget(graph) -> float:
-    """Async's in-flight budget for ``graph`` in steps' worth of groups (its slots,
-    ``rollart.policy.admission.slot_capacity``): ``areal@async``'s ``max_in_flight``."""
-    from rollart.policy.admission import slot_capacity
+def async_budget(graph) -> float | str:
+    """Async's in-flight budget for ``graph`` (``areal@async``'s ``max_in_flight``):
+    ``"auto"`` when async adapts it (its default: areal's limit then adapts by the same
+    rule under its own start bound), else its slots in steps' worth of groups
+    (``rollart.policy.admission.slot_capacity``)."""
+    from rollart.policy.admission import AUTO, slot_capacity
 
     g = replace(graph, mode="async")
-    return slot_capacity(g.algo, g.rollout.max_in_flight) / g.algo.groups_per_step
+    if g.max_in_flight == AUTO:
+        return AUTO
+    return slot_capacity(g.algo, g.max_in_flight) / g.algo.groups_per_step
 
 
 def label_graph(base, tasks, model: str, label: str, seed: int, a):
@@ -304,7 +312,7 @@ def summarise(runs: list[dict], seeds: list[int], ours: str = "async") -> dict:
     """The RESULT figures from every scored run (module doc); the paired ratios are
     the other runs' times ÷ ``ours``' (``--ours``: async's default, or a variant): the
     baselines', then those of async (when a variant is ``ours``) and of each variant
-    that ran (``speedup_vs_async_at_new_paired`` > 1: ``ours`` got there first)."""
+    that ran (``speedup_vs_async_at_one_paired`` > 1: ``ours`` got there first)."""
     by = {}
     for r in runs:
         by.setdefault(r["label"], {})[r["seed"]] = r
@@ -507,7 +515,7 @@ def main(argv=None) -> dict:
                                             if k != "target"), flush=True)
     out = summarise(runs, seeds, a.ours)
     out.update(ours=a.ours, resources=a.resources,
-               inflight=a.max_in_flight if a.max_in_flight is not None else "alpha",
+               inflight=a.max_in_flight if a.max_in_flight is not None else "mode",
                budget_areal_at_async=async_budget(label_graph(base, base.tasks, model, "async",
                                                               1, a)),
                order="completion" if a.take_window is None else f"start{a.take_window:g}",

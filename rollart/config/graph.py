@@ -161,12 +161,12 @@ class Rollout:
     # (TasksStoppedError); 0: never
     failing_task_steps: int = 3
     # async and areal: groups in flight or buffered at once, in trainer steps' worth of
-    # groups (GRPO.groups_per_step each), apart from the staleness bound alpha; None:
-    # max(alpha, 1) steps' worth in async (rollart.policy.admission.slot_capacity) and
-    # AReaL's own start bound alone in areal; "auto": re-decided each trainer step from
-    # the trainer's wait, the engines' batches and queues and the groups lost to
-    # staleness, between one and alpha + 1 steps' worth (rollart.policy.inflight), with
-    # take_window one step's worth unless set
+    # groups (GRPO.groups_per_step each), apart from the staleness bound alpha; "auto":
+    # re-decided each trainer step from the trainer's wait, the engines' batches and
+    # queues and the groups lost to staleness, between one and alpha + 1 steps' worth
+    # (rollart.policy.inflight), with take_window one step's worth unless set; None:
+    # the mode's own (Graph.max_in_flight): "auto" in async, AReaL's start bound alone
+    # in areal; a number fixes it (the earlier async default was max(alpha, 1))
     max_in_flight: float | str | None = None
     # async and areal: the trainer takes complete groups in the order they started, each
     # only once fewer than this many trainer steps' worth of groups (at least one step's)
@@ -178,8 +178,9 @@ class Rollout:
     # async: a running member whose oldest token fell below the staleness bound is
     # "abort"ed and run again from the start, or "rescore"d: its old tokens re-scored
     # under the new weights at its next turn boundary, and it goes on
-    # (rollart.env.rescore; torch engine only)
-    stale_members: str = "abort"
+    # (rollart.env.rescore; torch engine only); None: the graph's own
+    # (Graph.stale_members): "rescore" in async on the torch engine, else "abort"
+    stale_members: str | None = None
 
     def __post_init__(self):
         _check(isinstance(self.inference_pools, tuple) and len(self.inference_pools) > 0,
@@ -227,7 +228,8 @@ class Rollout:
                f"Rollout.take_window must be ≥ 1 (trainer steps' worth of groups: fewer "
                f"could never fill a batch) or None (completion order), got "
                f"{self.take_window!r}")
-        problem = stale_members_problem(self.stale_members)
+        problem = None if self.stale_members is None else \
+            stale_members_problem(self.stale_members)
         _check(problem is None, problem)
         _numbers(self, "backup_after", optional=True)
         _check(self.backup_after is None or 0 < self.backup_after <= 1,
@@ -297,6 +299,37 @@ class Graph:
             algo = replace(self.algo, alpha=alpha)
             object.__setattr__(algo, "alpha_given", False)
             object.__setattr__(self, "algo", algo)
+
+    @property
+    def max_in_flight(self) -> float | str | None:
+        """``Rollout.max_in_flight`` in effect under this graph's mode: a set one is
+        kept; unset, ``"auto"`` in async (the limit adapted each step, under AReaL's
+        start bound: ``rollart.policy.admission.auto_admission``) and None elsewhere
+        (areal: its start bound alone).
+
+        >>> Graph("g").max_in_flight, Graph("g", mode="areal").max_in_flight
+        ('auto', None)
+        >>> Graph("g", rollout=Rollout(max_in_flight=1)).max_in_flight
+        1
+        """
+        limit = self.rollout.max_in_flight
+        return "auto" if limit is None and self.mode == "async" else limit
+
+    @property
+    def stale_members(self) -> str:
+        """``Rollout.stale_members`` in effect: a set one is kept; unset, ``"rescore"``
+        in async on the torch engine (a member that crossed the bound keeps its tokens,
+        re-scored: ``rollart.env.rescore``) and ``"abort"`` otherwise (areal keeps its
+        members, the lockstep modes abort none, the vLLM engine cannot re-score).
+
+        >>> Graph("g").stale_members, Graph("g", mode="sync+").stale_members
+        ('rescore', 'abort')
+        """
+        chosen = self.rollout.stale_members
+        if chosen is not None:
+            return chosen
+        return "rescore" if self.mode == "async" and self.policy.engine == "torch" \
+            else "abort"
 
     @property
     def task_names(self) -> list[str]:

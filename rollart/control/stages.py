@@ -129,7 +129,7 @@ def role_specs(graph, model_path: str, run_dir, store_url: str | None = None
                    env_step_timeout=r.env_step_timeout, reward_timeout=r.reward_timeout,
                    local_reward=r.local_reward, trajectory_timeout=r.trajectory_timeout,
                    max_concurrency=r.env_concurrency, inference_pools=r.inference_pools,
-                   seed=graph.seed, stale_members=r.stale_members,
+                   seed=graph.seed, stale_members=graph.stale_members,
                    **p.conversation_options())
     specs += [RoleSpec("env", EnvManager, (LIVE_PROXY, LIVE_BUFFER, model_path), manager,
                        tag, each=True) for tag in env_pools(graph)]

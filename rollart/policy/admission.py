@@ -381,20 +381,22 @@ def take_window_groups(algo, take_window: float | None) -> int | None:
     return max(math.ceil(take_window * algo.groups_per_step), int(algo.groups_per_step))
 
 
-def take_window_for(algo, rollout) -> int | None:
+def take_window_for(graph) -> int | None:
     """The take window of a run, in groups: ``Rollout.take_window``'s; when unset and
-    ``max_in_flight="auto"``, one step's worth (start order keeps long episodes from
-    starving as the limit grows); else None (completion order).
+    the graph's ``max_in_flight`` is ``"auto"`` (async's default), one step's worth
+    (start order keeps long episodes from starving as the limit grows); else None
+    (completion order).
 
-    >>> from rollart.config.graph import GRPO, Rollout
+    >>> from rollart.config.graph import GRPO, Graph, Rollout
     >>> algo = GRPO(groups_per_step=4)
-    >>> take_window_for(algo, Rollout()), take_window_for(algo, Rollout(max_in_flight="auto"))
+    >>> fixed = Graph("g", algo=algo, rollout=Rollout(max_in_flight=1))
+    >>> take_window_for(fixed), take_window_for(Graph("g", algo=algo))
     (None, 4)
     """
-    window = rollout.take_window
-    if window is None and rollout.max_in_flight == AUTO:
+    window = graph.rollout.take_window
+    if window is None and graph.max_in_flight == AUTO:
         window = 1.0
-    return take_window_groups(algo, window)
+    return take_window_groups(graph.algo, window)
 
 
 #: ``Rollout.max_in_flight`` that adapts the limit each step (``rollart.policy.inflight``)

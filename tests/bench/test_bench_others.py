@@ -380,7 +380,9 @@ def test_elastic_quick():
 def test_the_full_strength_bare_train_step_makes_the_textbook_update(monkeypatch, tiny_model):
     """limits.py's bare trainer shares a group's prompt and keeps only the loss's logits,
     as rollart's trainer does: its update is the textbook loop's (whole sequences, every
-    logit) within AdamW's rounding (near-zero gradients flip sign: none by lr/20)."""
+    logit) within float rounding. Plain SGD, so the update is the gradient itself: under
+    AdamW's first step (g / (|g| + eps)) a gradient near eps turns a rounding difference
+    of 1e-9 into a visible step, and the comparison then depended on the CPU's kernels."""
     import copy
 
     from rollart import GRPO
@@ -397,10 +399,9 @@ def test_the_full_strength_bare_train_step_makes_the_textbook_update(monkeypatch
     out = []
     for step in (bare._train_step, bare._full_step):
         m, ref = copy.deepcopy(m0).train(), copy.deepcopy(m0).eval()
-        opt = torch.optim.AdamW(m.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
-                                betas=(0.9, 0.99))
+        opt = torch.optim.SGD(m.parameters(), lr=algo.lr)
         step(m, ref, opt, batch, algo, 1.0)
         out.append(m.state_dict())
     diff = max(float((out[0][k] - out[1][k]).abs().max()) for k in out[0])
     moved = max(float((out[1][k] - v).abs().max()) for k, v in m0.state_dict().items())
-    assert diff < algo.lr / 20 and moved > algo.lr / 2, (diff, moved)
+    assert moved > 0 and diff < 1e-3 * moved, (diff, moved)

@@ -189,8 +189,13 @@ def test_areal_at_async_gets_asyncs_budget_and_the_rest_their_own(monkeypatch):
     graphs = {label: bench.label_graph(base, base.tasks, "m", label, 1, a)
               for label in ("areal", "areal@async", "async", "async@r")}
     assert graphs["areal@async"].mode == "areal"
-    assert graphs["areal@async"].rollout.max_in_flight == bench.async_budget(graphs["async"]) == 1
+    # async's default adapts its limit, so areal@async adapts by the same rule
+    assert graphs["areal@async"].rollout.max_in_flight == \
+        bench.async_budget(graphs["async"]) == "auto"
     assert graphs["areal"].rollout.max_in_flight is None  # its own start bound
+    one = bench.label_graph(base, base.tasks, "m", "async@one", 1, a)
+    assert (one.max_in_flight, one.stale_members) == (1.0, "abort")  # the earlier default
+    assert bench.async_budget(one) == 1
     assert graphs["async@r"].rollout.redundancy == a.redundancy
     assert graphs["areal@async"].rollout.redundancy == 1.0
     wide = bench.parse(["--quick", "--max-in-flight", "2"])
@@ -267,15 +272,16 @@ def test_an_async_variant_can_be_the_headline_paired_with_the_default_too(monkey
         bench.parse(["--quick", "--modes", "async@rescore,sync+", "--ours", "async@rescore"])
 
 
-def test_a_candidate_default_on_the_engine_apart_layout_tiny():
-    """``async@new`` (adaptive in flight, stale members re-scored) as the headline beside
-    the default async, on ``resources/laptop_engine.py`` (the engine in a worker process
-    of its own): both train, the candidate is paired with the default, and its mean in
-    flight stays within its bounds (one to ``alpha + 1`` steps' worth)."""
+def test_the_default_beside_the_earlier_one_on_the_engine_apart_layout_tiny():
+    """Async's default (adaptive in flight, stale members re-scored) as the headline
+    beside ``async@one`` (the earlier default: one step's worth, stale members aborted),
+    on ``resources/laptop_engine.py`` (the engine in a worker process of its own): both
+    train, they are paired, and the default's mean in flight stays within its bounds
+    (one to ``alpha + 1`` steps' worth)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--steps", "3",
          "--every", "1", "--groups", "2", "--eval-seeds", "4", "--seeds", "1",
-         "--modes", "async,async@new", "--ours", "async@new", "--redundant", "",
+         "--modes", "async,async@one", "--redundant", "",
          "--warmup-steps", "5", "--margin", "-1", "--warm-cache", "",
          "--resources", "laptop_engine"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -283,8 +289,9 @@ def test_a_candidate_default_on_the_engine_apart_layout_tiny():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     r = dict(kv.split("=") for kv in line.split()[1:])
-    assert (r["ours"], r["resources"]) == ("async@new", "laptop_engine"), line
-    assert (r["pairs_vs_async"], r["wins_vs_async"]) in (("1", "0"), ("1", "1")), line
-    assert 0 < float(r["speedup_vs_async_paired"]) < math.inf, line
-    assert 0 < float(r["inflight_async_at_new"]) <= 2, line  # alpha 1: ≤ 2 steps' worth
-    assert 0 < float(r["ttt_async_at_new"]) < math.inf, line
+    assert (r["ours"], r["resources"]) == ("async", "laptop_engine"), line
+    assert (r["pairs_vs_async_at_one"], r["wins_vs_async_at_one"]) in (("1", "0"), ("1", "1")), \
+        line
+    assert 0 < float(r["speedup_vs_async_at_one_paired"]) < math.inf, line
+    assert 0 < float(r["inflight_async"]) <= 2, line  # alpha 1: ≤ 2 steps' worth
+    assert 0 < float(r["ttt_async"]) < math.inf, line

@@ -516,11 +516,14 @@ def test_an_async_run_with_a_take_window_trains_groups_in_start_order(
 
 def test_every_group_dropped_as_stale_is_a_stall(local_cluster, tiny_model, tmp_path):
     """The workers read another weight store (stuck on v0): every group is too old for
-    the trainer from step 3 on and is dropped, so no step completes."""
+    the trainer from step 3 on and is dropped, so no step completes. Async at a fixed
+    limit with stale members aborted (under its default, re-scoring waits on the stuck
+    workers and the stall names them: ``StallError`` "has held weight version 0")."""
     from rollart.control.supervisor import StallError
     from rollart.rollout import InferenceWorker
 
-    graph = tiny_graph("bp-drop", steps=4, stall_timeout=6.0)
+    graph = tiny_graph("bp-drop", steps=4, stall_timeout=6.0, max_in_flight=1.0,
+                       stale_members="abort")
     actors, pipe = _start(local_cluster, graph, tiny_model, tmp_path / "run")
     elsewhere = str(tmp_path / "another-store")
     own = list(actors.workers)

@@ -57,4 +57,8 @@ def test_stale_members_is_checked_where_it_is_set():
     for mode in ("areal", "sync+", "sync", "one-off"):  # never silently without effect
         with pytest.raises(GraphError, match="applies to mode='async' only"):
             replace(graph, mode=mode)
-    assert Rollout().stale_members == "abort"  # the default is decided by a measurement
+    # unset, the graph decides: "rescore" in async on the torch engine (decided by
+    # measurement: benchmarks/inflight_learning.py and pipeline.py), else "abort"
+    assert Rollout().stale_members is None
+    assert tiny_graph("t").stale_members == "rescore"
+    assert replace(tiny_graph("t"), mode="areal").stale_members == "abort"

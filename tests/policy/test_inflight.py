@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from rollart import GRPO, Rollout
+from rollart import GRPO, Graph, Policy, Rollout
 from rollart.config.graph import GraphError
 from rollart.env.tasks import get_task
 from rollart.policy.admission import (Capacity, GroupSequence, Slots, StartBound,
@@ -147,14 +147,40 @@ def test_auto_is_the_only_word_max_in_flight_takes():
     for bad in ("Auto", "adaptive", "2"):
         with pytest.raises(GraphError, match=r"max_in_flight.*\"auto\""):
             Rollout(max_in_flight=bad)
-    assert Rollout().max_in_flight is None  # the default stays fixed
+    assert Rollout().max_in_flight is None  # unset: the mode decides (Graph.max_in_flight)
+
+
+def test_the_mode_decides_an_unset_limit_and_stale_members():
+    """Unset, async adapts its limit and re-scores stale members (its default); areal
+    keeps AReaL's start bound alone and its members; the lockstep modes abort none; the
+    vLLM engine cannot re-score, so async there aborts. A set value is kept in every
+    mode, and an impossible one is refused."""
+    assert (Graph("g").max_in_flight, Graph("g").stale_members) == ("auto", "rescore")
+    for mode in ("areal", "sync+", "sync", "one-off"):
+        g = Graph("g", mode=mode)
+        assert (g.max_in_flight, g.stale_members) == (None, "abort"), mode
+    vllm = Graph("g", policy=Policy(engine="vllm"))
+    assert (vllm.max_in_flight, vllm.stale_members) == ("auto", "abort")
+    fixed = Graph("g", rollout=Rollout(max_in_flight=1.0, stale_members="abort"))
+    assert (fixed.max_in_flight, fixed.stale_members) == (1.0, "abort")
+    assert Graph("g", mode="areal", rollout=Rollout(max_in_flight="auto")).max_in_flight \
+        == "auto"
+    # a graph's mode changed afterwards (as --mode does) takes the new mode's own
+    assert replace(Graph("g"), mode="areal").stale_members == "abort"
+    with pytest.raises(GraphError, match="mode='async' only"):
+        Graph("g", mode="areal", rollout=Rollout(stale_members="rescore"))
+    with pytest.raises(GraphError, match="stale_members must be one of"):
+        Rollout(stale_members="keep")
 
 
 def test_auto_takes_in_start_order_unless_a_window_is_set():
     algo = GRPO(groups_per_step=4, alpha=2)
-    assert take_window_for(algo, Rollout(max_in_flight="auto")) == 4
-    assert take_window_for(algo, Rollout(max_in_flight="auto", take_window=2)) == 8
-    assert take_window_for(algo, Rollout(max_in_flight=2)) is None
+    graph = lambda **kw: Graph("g", algo=algo, rollout=Rollout(**kw))  # noqa: E731
+    assert take_window_for(graph(max_in_flight="auto")) == 4
+    assert take_window_for(graph()) == 4  # unset in async: "auto"
+    assert take_window_for(graph(max_in_flight="auto", take_window=2)) == 8
+    assert take_window_for(graph(max_in_flight=2)) is None
+    assert take_window_for(replace(graph(), mode="areal")) is None
     assert slot_capacity(algo, "auto") == 8  # starts at max(alpha, 1) steps' worth
 
 

@@ -157,11 +157,14 @@ def test_with_trainer_steps_as_long_as_rollout_async_beats_sync():
 
 def test_aborts_keep_async_within_alpha_while_areal_trains_older_data():
     """Long-tailed trajectories and a fast trainer: async aborts the members the bound
-    rules out (none trained older than alpha); areal checks only at the start."""
+    rules out (none trained older than alpha); areal checks only at the start. Async
+    at a fixed limit of alpha steps' worth (its default adapts the limit under the start
+    bound, which starts fewer groups that could go stale)."""
     long_tail = EnvCost("tail", reset=Latency("fixed", 1.0),
                         step=Latency("pareto", 1.0, shape=1.1, cap=400.0))
     costs = _costs(long_tail, train_s=1.0)
-    g = replace(_graph(steps=8), algo=GRPO(group_size=4, groups_per_step=4, alpha=2))
+    g = replace(_graph(steps=8, max_in_flight=2),
+                algo=GRPO(group_size=4, groups_per_step=4, alpha=2))
     asy, areal = (_run(g, mode=m, costs=costs, seed=1) for m in ("async", "areal"))
     assert asy.aborts["aborted"] > 0 and max(asy.staleness) <= 2, asy.staleness
     assert areal.aborts["aborted"] == 0 and max(areal.staleness) > 2, areal.staleness

@@ -45,7 +45,7 @@ class AsyncPipeline(Pipeline):
         self.yielded: dict[str, int] = {}  # workers that yield the CPU: their nice before
         # Rollout.max_in_flight="auto": the limit, and the figures the last pace was from
         self.inflight = InflightLimit.for_algo(graph.algo) \
-            if graph.rollout.max_in_flight == AUTO else None
+            if graph.max_in_flight == AUTO else None
         self._paced: tuple | None = None  # (monotonic time, workers by address, buffer)
 
     def state(self) -> dict:
@@ -103,7 +103,7 @@ class AsyncPipeline(Pipeline):
         adapted limit with ``"auto"``."""
         if self.inflight is not None:
             return self.inflight.limit
-        return slot_capacity(self.graph.algo, self.graph.rollout.max_in_flight)
+        return slot_capacity(self.graph.algo, self.graph.max_in_flight)
 
     def admission(self):
         """The buffer's admission policy: ``limit()`` groups at once; with ``"auto"``
@@ -123,7 +123,7 @@ class AsyncPipeline(Pipeline):
         if self._slotted is not self.actors.buffer:
             admission = self.admission()
             slots = Slots(self.limit(), self.sequence, admission,
-                          take_window_for(self.graph.algo, self.graph.rollout))
+                          take_window_for(self.graph))
             self.fleet.ask_buffer("open_slots", slots)
             # no pace across a (re)opening: the first step's wait is the start-up's, a
             # resumed or re-created buffer's counts are not the last step's
@@ -236,13 +236,13 @@ class AReaLPipeline(AsyncPipeline):
     def limit(self) -> int:
         """Groups held at once: async's budget when ``Rollout.max_in_flight`` is set,
         else AReaL's start bound's window (``alpha + 1`` steps' worth)."""
-        if self.graph.rollout.max_in_flight is None:
+        if self.graph.max_in_flight is None:
             return self.admission().capacity
         return super().limit()
 
     def admission(self):
         algo = self.graph.algo
-        limit = self.graph.rollout.max_in_flight  # the same budget as async's, if set
+        limit = self.graph.max_in_flight  # the same budget as async's, if set
         return StartBound(algo.alpha, algo.groups_per_step,
                           None if limit is None else super().limit())
 

@@ -13,6 +13,7 @@ import importlib.util
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from rollart.policy.admission import in_flight_for, stale_members_for
 from rollart.policy.affinity import inference_tags
 from rollart.policy.affinity import needs as affinity_needs
 from rollart.env.rescore import stale_members_problem
@@ -312,8 +313,7 @@ class Graph:
         >>> Graph("g", rollout=Rollout(max_in_flight=1)).max_in_flight
         1
         """
-        limit = self.rollout.max_in_flight
-        return "auto" if limit is None and self.mode == "async" else limit
+        return in_flight_for(self.rollout, self.mode)
 
     @property
     def stale_members(self) -> str:
@@ -325,11 +325,7 @@ class Graph:
         >>> Graph("g").stale_members, Graph("g", mode="sync+").stale_members
         ('rescore', 'abort')
         """
-        chosen = self.rollout.stale_members
-        if chosen is not None:
-            return chosen
-        return "rescore" if self.mode == "async" and self.policy.engine == "torch" \
-            else "abort"
+        return stale_members_for(self.rollout, self.mode, self.policy.engine)
 
     @property
     def task_names(self) -> list[str]:

@@ -381,11 +381,12 @@ def take_window_groups(algo, take_window: float | None) -> int | None:
     return max(math.ceil(take_window * algo.groups_per_step), int(algo.groups_per_step))
 
 
-def take_window_for(graph) -> int | None:
+def take_window_for(graph, mode: str | None = None) -> int | None:
     """The take window of a run, in groups: ``Rollout.take_window``'s; when unset and
     the graph's ``max_in_flight`` is ``"auto"`` (async's default), one step's worth
     (start order keeps long episodes from starving as the limit grows); else None
-    (completion order).
+    (completion order). ``mode``: the mode it runs under when not the graph's own (the
+    simulator's ``SimConfig.mode``).
 
     >>> from rollart.config.graph import GRPO, Graph, Rollout
     >>> algo = GRPO(groups_per_step=4)
@@ -394,13 +395,34 @@ def take_window_for(graph) -> int | None:
     (None, 4)
     """
     window = graph.rollout.take_window
-    if window is None and graph.max_in_flight == AUTO:
+    if window is None and in_flight_for(graph.rollout, mode or graph.mode) == AUTO:
         window = 1.0
     return take_window_groups(graph.algo, window)
 
 
 #: ``Rollout.max_in_flight`` that adapts the limit each step (``rollart.policy.inflight``)
 AUTO = "auto"
+
+
+def in_flight_for(rollout, mode: str) -> float | str | None:
+    """``rollout.max_in_flight`` under ``mode`` (``Graph.max_in_flight``): a set one is
+    kept; unset, ``"auto"`` in async and None (the mode's own bound) elsewhere.
+
+    >>> from rollart.config.graph import Rollout
+    >>> in_flight_for(Rollout(), "async"), in_flight_for(Rollout(), "areal")
+    ('auto', None)
+    """
+    limit = rollout.max_in_flight
+    return AUTO if limit is None and mode == "async" else limit
+
+
+def stale_members_for(rollout, mode: str, engine: str) -> str:
+    """``rollout.stale_members`` under ``mode`` on ``engine`` (``Graph.stale_members``):
+    a set one is kept; unset, ``"rescore"`` in async on the torch engine (the one that
+    can re-score: ``rollart.env.rescore``), else ``"abort"``."""
+    if rollout.stale_members is not None:
+        return rollout.stale_members
+    return "rescore" if mode == "async" and engine == "torch" else "abort"
 
 
 def slot_capacity(algo, max_in_flight: float | str | None = None) -> int:

@@ -31,7 +31,13 @@ What is simulated (and what is aggregated to stay fast at thousands of GPUs):
   while generating (``WeightSync``; from one store node or as the trainer gang's buckets
   relayed among the workers, ``rollart.sim.fanout``), stall for the load and re-prefill
   their in-flight contexts (with ``Policy.weight_update="keep"``: the load alone);
-  members the bound rules out are aborted and replaced.
+  members the bound rules out are aborted and replaced, or, under
+  ``Graph.stale_members == "rescore"`` (async's default on the torch engine), re-scored
+  at their next turn boundary and before delivery as ``rollart.env.rescore`` does: one
+  forward over their whole context on their worker (a prefill of every token, nothing
+  cached), their tokens then that worker's version; one the worker's version still
+  leaves out of the bound is aborted (the runtime first waits up to ``WAIT_S`` for the
+  worker to load; the simulator does not wait).
 * **Control plane**: Dask messages counted per turn and per step, their cost
   (``ControlPlane``) summed into scheduler, driver and env-manager loop load, and each
   round trip charged as latency on the path that waits for it (a turn's generation
@@ -52,7 +58,8 @@ from collections import Counter, OrderedDict
 
 import simpy
 
-from rollart.policy.admission import group_number, take_order
+from rollart.policy.admission import (group_number, in_flight_for, stale_members_for,
+                                      take_order)
 from rollart.policy.affinity import env_tag, task_routes
 from rollart.policy.redundancy import Redundancy, min_members
 from rollart.policy.routing import Router
@@ -108,6 +115,13 @@ class Cluster:
         self.trainer = Meter(1, dt)
         algo, ro = self.graph.algo, self.graph.rollout
         self.bound = StalenessBound(algo.alpha)
+        # the graph's mode-dependent settings as the simulated mode (SimConfig.mode may
+        # differ from the graph's) takes them: Rollout.max_in_flight, and stale_members
+        # ("rescore": a member the bound rules out is re-scored at its next turn
+        # boundary instead of aborted)
+        self.mode = cfg.run_mode
+        self.max_in_flight = in_flight_for(ro, self.mode)
+        self.rescore = stale_members_for(ro, self.mode, self.graph.policy.engine) == "rescore"
         self.weights_rule = WeightRule()
         self.redundancy = Redundancy(ro.redundancy, ro.backup_after)
         self.inference_pools = tuple(p for p in ro.inference_pools if p in self.pool_of) \
@@ -176,6 +190,8 @@ class Cluster:
             for turn in range(turns):
                 if grp.barrier is not None:
                     yield grp.barrier.wait()
+                if turn and self.rescore:
+                    yield from self.refresh(m, mgr.router, grp.task.name, context)
                 if turn_s > 0:
                     yield from mgr.turn(env, turn_s)
                 out = self.sample_out(shape, mean_out)
@@ -196,6 +212,8 @@ class Cluster:
                 if self.reward_msgs():
                     yield env.timeout(cp.task_s)
                 yield self.reward.call()
+                if self.rescore:  # before delivery: no token below the bound
+                    yield from self.refresh(m, mgr.router, grp.task.name, context)
             yield env.timeout(cp.actor_call_s)  # buffer.put / record_failed
             state = FAILED if m.failed else DELIVERED
         except simpy.Interrupt as stop:
@@ -215,6 +233,31 @@ class Cluster:
                 ec.release()
             mgr.router.release(m.id)
         self.settle(m, state)
+
+    def refresh(self, m: Member, router: Router, task: str, context: int):
+        """``EnvManager._refresh`` under ``"rescore"``: a member whose oldest token the
+        bound rules out is re-scored on its worker (one forward over its ``context``
+        tokens, no sampling; its tokens then the version that forward ran under); one
+        still out of the bound after that is aborted (``simpy.Interrupt(ABORTED)``, as
+        the driver's abort would end it)."""
+        if m.oldest is None or not self.bound.abort(m.oldest, self.version):
+            return
+        env, call_s = self.env, self.costs.control.generate_s
+        idx = router.route(m.id, task, self.inference_pools, tokens=context)
+        if call_s > 0:
+            yield env.timeout(call_s)
+        req = self._send(m, idx, Req(env, context, 0, context, 0, "prefill"), task, "score")
+        try:
+            yield req.event
+        finally:
+            router.done(idx, context)
+        m.req = None
+        if self.bound.abort(req.version, self.version):
+            self.counts["rescore_failed"] += 1
+            raise simpy.Interrupt(ABORTED)
+        m.oldest = req.version
+        self.counts["rescored"] += 1
+        self.counts["rescored_tokens"] += context
 
     def sample_out(self, shape, mean: float | None = None) -> int:
         mean = shape.response_tokens if mean is None else mean
@@ -275,7 +318,7 @@ class Cluster:
         w = self.workers[idx]
         m.req, m.worker = req, w
         self.msgs["generate"] += 1
-        self.counts["turn_requests"] += phase != "decode"
+        self.counts["turn_requests"] += phase in ("gen", "prefill")  # not a re-scoring
         if self.cfg.record:
             self.decisions.append((task, w.tag, phase))
         w.submit(req)
@@ -363,8 +406,13 @@ class Cluster:
             yield self.changed
 
     def abort_stale(self) -> int:
-        """``EnvManager.abort_older_than(bound.min_version(version))`` on every manager."""
+        """``EnvManager.abort_older_than(bound.min_version(version))`` on every manager;
+        under ``"rescore"`` it aborts none (the members re-score at their next turn
+        boundary: ``refresh``)."""
         n = 0
+        if self.rescore:
+            self.msgs["driver"] += sum(len(v) for v in self.managers.values())
+            return 0
         for grp in list(self.groups.values()):
             for m in list(grp.members.values()):
                 if self.bound.abort(m.oldest, self.version) and m.proc.is_alive and \

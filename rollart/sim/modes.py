@@ -45,8 +45,8 @@ def asynchronous(cl, areal: bool = False):
     """``async`` / ``areal``: slots pace rollout while the trainer steps."""
     from rollart.policy.admission import slot_capacity
 
-    algo, limit = cl.graph.algo, cl.graph.max_in_flight
-    window = take_window_for(cl.graph)  # None: completion order
+    algo, limit = cl.graph.algo, cl.max_in_flight
+    window = take_window_for(cl.graph, cl.mode)  # None: completion order
     # "auto" adapts as the runtime does, unless SimConfig.slot_capacity fixes async's
     adapting = limit == AUTO and not (cl.cfg.slot_capacity and not areal)
     inflight = InflightLimit.for_algo(algo) if adapting else None

@@ -85,7 +85,8 @@ def result(cl, mode: str, wall_s: float) -> SimResult:
     timeline["trainer"] = cl.trainer.timeline(horizon)
     c = cl.counts
     aborts = {k: c[k] for k in ("aborted", "cancelled", "failed", "replaced", "backups",
-                                "dropped", "groups_failed", "launched", "delivered")}
+                                "dropped", "groups_failed", "launched", "delivered",
+                                "rescored", "rescored_tokens", "rescore_failed")}
     reuse = [mgr.router.stats()["expected_reuse"] for v in cl.managers.values()
              for mgr in v]
     spread = {}

@@ -163,11 +163,34 @@ def test_aborts_keep_async_within_alpha_while_areal_trains_older_data():
     long_tail = EnvCost("tail", reset=Latency("fixed", 1.0),
                         step=Latency("pareto", 1.0, shape=1.1, cap=400.0))
     costs = _costs(long_tail, train_s=1.0)
-    g = replace(_graph(steps=8, max_in_flight=2),
+    g = replace(_graph(steps=8, max_in_flight=2, stale_members="abort"),
                 algo=GRPO(group_size=4, groups_per_step=4, alpha=2))
     asy, areal = (_run(g, mode=m, costs=costs, seed=1) for m in ("async", "areal"))
     assert asy.aborts["aborted"] > 0 and max(asy.staleness) <= 2, asy.staleness
     assert areal.aborts["aborted"] == 0 and max(areal.staleness) > 2, areal.staleness
+
+
+def test_rescored_members_keep_their_turns_and_async_within_alpha():
+    """The same long-tailed run with stale members re-scored (async's default on the
+    torch engine, rollart.env.rescore): members the bound rules out are re-scored at a
+    turn boundary (one forward over their context on their worker) instead of aborted,
+    so far fewer are aborted and none trained is older than alpha; the forwards cost
+    prefill on the workers."""
+    long_tail = EnvCost("tail", reset=Latency("fixed", 1.0),
+                        step=Latency("pareto", 1.0, shape=1.1, cap=400.0))
+    costs = _costs(long_tail, train_s=1.0)
+    runs = {}
+    for members in ("abort", "rescore"):
+        g = replace(_graph(steps=8, max_in_flight=2, stale_members=members),
+                    algo=GRPO(group_size=4, groups_per_step=4, alpha=2))
+        runs[members] = _run(g, mode="async", costs=costs, seed=1)
+    abort, rescore = runs["abort"], runs["rescore"]
+    assert rescore.aborts["rescored"] > 0 and rescore.aborts["rescored_tokens"] > 0
+    assert abort.aborts["rescored"] == 0
+    assert rescore.aborts["aborted"] < abort.aborts["aborted"], (rescore.aborts,
+                                                                 abort.aborts)
+    assert rescore.trained == abort.trained and max(rescore.staleness) <= 2, \
+        rescore.staleness
 
 
 def test_a_take_window_trains_groups_in_start_order_in_the_simulator_too():

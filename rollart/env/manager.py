@@ -122,6 +122,7 @@ class EnvManager:
         self._puts = Coalescer(lambda items: self.buffer.put_many(items), linger=put_linger)
         self._groups: dict[str, _GroupRun] = {}
         self._cleanups: set[asyncio.Task] = set()  # see _unstarted
+        self._registering = 0  # _launch calls waiting for the ledger (see cancel_all)
         self._taking: asyncio.Task | None = None  # the take_work loop
         self._buffer_changed: asyncio.Event | None = None  # set by set_buffer
         self._closing = False
@@ -332,12 +333,33 @@ class EnvManager:
         by an actor is pickled float by float (1000 pickles per call, every second)."""
         return np.asarray(self.runner.env_latency[-last:], dtype=np.float64)
 
-    async def cancel_all(self) -> int:
-        """Cancel every running trajectory (end of run); returns how many."""
+    async def cancel_all(self, settle_s: float = 30.0) -> int:
+        """Cancel every running trajectory (end of run); returns how many. Returns once
+        everything of them has reached the buffer (within ``settle_s``): the settling of
+        members cancelled before they started (``_unstarted``), the deliveries still
+        lingering in the put coalescer, the launches still registering (``_launch``
+        settles those as cancelled once closing). The driver then counts whatever the
+        buffer still has in flight as lost with its worker (``orphan_all_in_flight``);
+        anything of a live manager arriving after that was miscounted as lost."""
         jobs = [j for g in self._groups.values() for j in g.jobs.values()]
         for j in jobs:
             j.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settle_s
+        while loop.time() < deadline:
+            if self._cleanups:
+                await asyncio.wait(list(self._cleanups), timeout=deadline - loop.time())
+            elif len(self._puts) or self._registering:
+                await self._puts.flush()
+                await asyncio.sleep(0.01)
+            else:
+                break
+        else:
+            logger.warning("closing: %d members still settling, %d deliveries and %d "
+                           "launches still pending after %.0f s", len(self._cleanups),
+                           len(self._puts), self._registering, settle_s)
+        await self._puts.flush()
         return len(jobs)
 
     async def drain(self, timeout: float) -> dict:
@@ -379,11 +401,19 @@ class EnvManager:
         # while the ledger registers them they are neither jobs nor deliveries: count
         # them as pending, or another member ending meanwhile would end the group early
         grp.putting += 1
+        self._registering += 1
         try:
             await self.buffer.launched(ids)
+            self.counts["launched"] += n
+            if self._closing:  # closed while they registered: they never start
+                self.counts["cancelled"] += n
+                await self.buffer.settle(ids, TrajState.CANCELLED.value)
         finally:
             grp.putting -= 1
-        self.counts["launched"] += n
+            self._registering -= 1
+        if self._closing:
+            self._maybe_done(grp)
+            return
         self._groups[grp.group_id] = grp
         for traj_id in ids:
             grp.logs[traj_id] = TokenLog()

@@ -76,6 +76,32 @@ class Coalescer:
         """Items handed in and not yet sent."""
         return len(self._pending)
 
+    async def flush(self) -> None:
+        """Send every item handed in now, without its linger, and return once no call is
+        out (an owner closing: what was handed in reaches ``send`` before it goes).
+
+        >>> async def main():
+        ...     sent = []
+        ...     async def send(items):
+        ...         sent.extend(items)
+        ...         return items
+        ...     c = Coalescer(send, linger=60.0)
+        ...     waiting = asyncio.ensure_future(c(1, urgent=False))
+        ...     await asyncio.sleep(0)
+        ...     waiting.cancel()  # its caller went away: the item is still sent
+        ...     await c.flush()
+        ...     return sent, len(c)
+        >>> asyncio.run(main())
+        ([1], 0)
+        """
+        while self._pending or (self._sending is not None and not self._sending.done()):
+            if self._pending:
+                self._urgent = True
+                self._kick()
+            sending = self._sending
+            if sending is not None:
+                await asyncio.gather(sending, return_exceptions=True)
+
     def _time_up(self) -> None:
         self._timer = None
         self._urgent = True

@@ -41,9 +41,14 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
 
     from rollart.app.api import start_run
     from rollart.app.cli import main
+    from rollart.chaos.faults import Faults, Latency, with_faults
     from rollart.testing import check_run_record, tiny_graph
 
-    graph = tiny_graph("t-scale", steps=12, groups=2, size=2)
+    # env steps of 50 ms: a step lasts long enough that the run is still going when the
+    # new worker has joined (about 2 s after the request); with instant envs a fast
+    # default ran most of its steps before that, and the new manager had nothing to take
+    slow = with_faults("gridnav", Faults(step=Latency("fixed", 0.05)))
+    graph = tiny_graph("t-scale", (slow,), steps=16, groups=2, size=2)
     with _cluster() as cluster, Client(cluster) as client:
         run = start_run(client, graph, run_dir=tmp_path / "run")
         _wait(run, 2)
@@ -52,11 +57,18 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
         # from another shell: the request travels as a Dask event to the run's driver
         assert main(["scale", str(tmp_path / "run"), "infer-h20=2", "--scheduler",
                      cluster.scheduler_address]) == 0
-        _wait(run, 8)  # asked during step 3: applied before step 4, joins during it
-        grown = _managers(client)
-        new = set(grown) - before
+        # applied before the next step; the new manager joins and is given groups
+        deadline = time.monotonic() + 120
+        while True:
+            grown = _managers(client)
+            new = set(grown) - before
+            if (len(new) == 1 and grown[next(iter(new))] > 0) or run.done() or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert len(new) == 1, (before, grown)
         assert grown[new.pop()] > 0, grown  # the new manager was given groups
+        assert not run.done(), "the run ended before the new manager took a group"
         run.scale("env", 1)
         run.scale("CPU_ENV", 1)  # by tag: already 1, nothing to do
         run.scale("infer-h20", 1)
@@ -66,7 +78,7 @@ def test_an_env_and_an_inference_pool_grow_and_shrink_mid_run_losing_nothing(tmp
 
         marks = fetch_state(client)["run"]["scales"]  # the dashboard's marks
         assert sorted(n for n in cluster.worker_spec if n.startswith("env-")) == ["env-0"]
-    assert [r["step"] for r in result.metrics] == list(range(1, 13))
+    assert [r["step"] for r in result.metrics] == list(range(1, 17))
     check_run_record(result)
     assert result.final_counts["orphaned"] == 0, result.final_counts  # drained, not lost
     events = [e for e in json.loads((tmp_path / "run" / "recovery.json").read_text())

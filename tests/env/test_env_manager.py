@@ -293,6 +293,56 @@ def test_members_cancelled_before_they_start_are_settled_and_the_group_ends(roll
     assert mgr_counts["cancelled"] == 2
 
 
+class SlowToSettle(SampleBuffer):
+    """The real buffer, but registering and settling each take ``delay`` seconds."""
+
+    def __init__(self, *args, delay: float = 0.3, **kw):
+        super().__init__(*args, **kw)
+        self.delay = delay
+
+    async def launched(self, traj_ids):
+        import asyncio
+
+        await asyncio.sleep(self.delay)
+        return await super().launched(traj_ids)
+
+    async def settle(self, traj_ids, state):
+        import asyncio
+
+        await asyncio.sleep(self.delay)
+        return await super().settle(traj_ids, state)
+
+
+def test_closing_returns_once_every_member_reached_the_buffer(rollout, tiny_model):
+    """``close()`` at the run's end: members cancelled before they started settle in a
+    task of their own, and a launch may still be registering; close returns only once
+    all of it reached the buffer, so nothing is left in flight for the driver to count
+    as lost with its worker (it was, now and then, when the buffer was slow)."""
+    import asyncio
+
+    from rollart.env.manager import _GroupRun
+
+    _, _, _, workers = rollout
+
+    async def main():
+        buf = SlowToSettle(None)
+        mgr = EnvManager(LLMProxy(workers), buf, tiny_model)
+        started = _GroupRun(_task("closing-started"), 62, "closing-started", 2)
+        await mgr._launch(started, 2)  # registered; their tasks not yet started
+        late = _GroupRun(_task("closing-late"), 63, "closing-late", 2)
+        registering = asyncio.ensure_future(mgr._launch(late, 2))
+        await asyncio.sleep(0.05)  # the ledger is registering them when close comes
+        await mgr.close()
+        counts = await buf.counts()
+        await registering
+        return counts, late, mgr.counts
+
+    counts, late, mgr_counts = asyncio.run(main())
+    assert counts["launched"] == 4 and counts["in_flight"] == 0, counts
+    assert counts["cancelled"] == 4 and mgr_counts["cancelled"] == 4, (counts, mgr_counts)
+    assert not late.jobs and late.done.is_set()  # never started, and the group ended
+
+
 class SlowToRegister(SampleBuffer):
     """The real buffer, but registering launches after the first takes a second."""
 

@@ -286,6 +286,10 @@ def _variants(r: dict) -> list[tuple[str, str]]:
             for k in r if k.startswith("pairs_vs_async_at_") and r[k]]
 
 
+#: what became of ``async@new`` (the adaptive limit with stale members re-scored)
+SWITCHED = " (async's default since 2026-12-07)"
+
+
 def pipeline_figures(key: str) -> str:
     """README's pipeline row: ``pipeline_command`` (the command cell) or ``pipeline``
     (the figure cell), from ``_paired_record``; "not measured yet" without one."""
@@ -309,15 +313,22 @@ def pipeline_figures(key: str) -> str:
     paired = r["speedup_vs_syncplus_paired"]
     met = "met" if paired is None or paired >= SYNCPLUS_GOAL else "not met"  # None: ∞
     ours = r.get("ours", "async")
+    # a record made before async's default became the adaptive limit with re-scoring
+    # (pipeline.py then wrote inflight="alpha"): its "async" is the earlier default
+    before = r.get("inflight") == "alpha"
     name = "async" if ours == "async" else f"`{ours}` (a candidate for async's default)"
+    if ours == "async" and before:
+        name = ("async (its default then: one step's worth in flight, stale members "
+                "aborted)")
     return (f"time to a held-out target, median of the per-seed ratios (min–max): {name} "
             f"{_pair(r, 'syncplus', 'sync+', True)} (the paper's goal ≥ {SYNCPLUS_GOAL}×: "
             f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget, "
             f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}"
             + ("" if ours == "async" else f", {_pair(r, 'async', 'async (the default)')}")
-            + "".join(f"; a candidate for the default, `{name}`: its time ÷ the default's "
-                      f"{_ratio_range(r, key)}, the default first on {r.get(f'wins_vs_{key}')}"
-                      f" of {r.get(f'pairs_vs_{key}')} seeds"
+            + "".join(f"; {'a candidate for the default' if before else 'beside it'}, "
+                      f"`{name}`{SWITCHED if before and name == 'async@new' else ''}: its "
+                      f"time ÷ the default's {_ratio_range(r, key)}, the default first on "
+                      f"{r.get(f'wins_vs_{key}')} of {r.get(f'pairs_vs_{key}')} seeds"
                       for key, name in _variants(r) if ours == "async")
             + "; "
             f"groups in flight, mean: {ours} "

@@ -182,16 +182,33 @@ def test_the_fanout_limits_and_simulator_rows_come_from_their_records(monkeypatc
 
 
 def test_a_candidate_run_beside_the_default_is_shown_against_it(monkeypatch):
-    """The default as the headline and ``async@new`` beside it: the row gives the
-    candidate's time ÷ the default's and the seeds the default was first on."""
+    """The default as the headline and ``async@new`` beside it (a record made before the
+    switch, ``inflight="alpha"``): the row names the default of then, and gives the
+    candidate's time ÷ the default's, the seeds the default was first on, and that the
+    candidate is the default now."""
     rec = {**PAIRED, "date": "2026-01-04", "speedup_vs_async_at_new_paired": 0.89,
            "speedup_vs_async_at_new_min": 0.7, "speedup_vs_async_at_new_max": 1.09,
-           "wins_vs_async_at_new": 1, "pairs_vs_async_at_new": 5}
+           "wins_vs_async_at_new": 1, "pairs_vs_async_at_new": 5, "inflight": "alpha"}
     _planted(monkeypatch, PAIRED, rec)
     row = gen.fill_figures(BLOCK)
-    assert "async **1.25× sync+**" in row, row
-    assert ("a candidate for the default, `async@new`: its time ÷ the default's 0.89× "
-            "(0.70–1.09), the default first on 1 of 5 seeds") in row, row
+    assert ("async (its default then: one step's worth in flight, stale members aborted) "
+            "**1.25× sync+**") in row, row
+    assert ("a candidate for the default, `async@new` (async's default since 2026-12-07): "
+            "its time ÷ the default's 0.89× (0.70–1.09), the default first on 1 of 5 "
+            "seeds") in row, row
+
+
+def test_the_earlier_default_beside_the_present_one_is_shown_as_such(monkeypatch):
+    """A record made after the switch (``inflight="mode"``) with ``async@one`` beside the
+    default: plain "async", the earlier setting "beside it"."""
+    rec = {**PAIRED, "date": "2026-01-05", "speedup_vs_async_at_one_paired": 1.2,
+           "speedup_vs_async_at_one_min": 0.9, "speedup_vs_async_at_one_max": 1.5,
+           "wins_vs_async_at_one": 4, "pairs_vs_async_at_one": 5, "inflight": "mode"}
+    _planted(monkeypatch, PAIRED, rec)
+    row = gen.fill_figures(BLOCK)
+    assert "async **1.25× sync+**" in row and "its default then" not in row, row
+    assert ("beside it, `async@one`: its time ÷ the default's 1.20× (0.90–1.50), the "
+            "default first on 4 of 5 seeds") in row, row
 
 
 def test_the_trl_row_is_the_newest_full_vs_trl_real_record(monkeypatch):

@@ -322,8 +322,10 @@ def pipeline_figures(key: str) -> str:
                 "aborted)")
     return (f"time to a held-out target, median of the per-seed ratios (min–max): {name} "
             f"{_pair(r, 'syncplus', 'sync+', True)} (the paper's goal ≥ {SYNCPLUS_GOAL}×: "
-            f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget, "
-            f"{_pair(r, 'areal_at_async', 'areal')} at async's, {_pair(r, 'sync', 'sync')}"
+            f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget"
+            + (f", {_pair(r, 'areal_at_async', 'areal')} at async's"
+               if r.get("pairs_vs_areal_at_async") else " (areal at async's: not run)")
+            + (f", {_pair(r, 'sync', 'sync')}" if r.get("pairs_vs_sync") else "")
             + ("" if ours == "async" else f", {_pair(r, 'async', 'async (the default)')}")
             + "".join(f"; {'a candidate for the default' if before else 'beside it'}, "
                       f"`{name}`{SWITCHED if before and name == 'async@new' else ''}: its "

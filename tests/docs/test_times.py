@@ -233,3 +233,16 @@ def test_the_trl_row_is_the_newest_full_vs_trl_real_record(monkeypatch):
     row = gen.figures.trl_real_figures()
     assert "**0.80×** (4.4/0.8/0.5), rollart first on 1 of 3 seeds" in row, row
     assert "not yet a median" not in row
+
+
+def test_a_record_without_areal_at_asyncs_budget_or_sync_says_so(monkeypatch):
+    """A run of sync+, areal and async only: the row gives the pairs that ran and says
+    the equal-budget one did not, instead of printing empty ratios."""
+    rec = {**PAIRED, "date": "2026-01-06", "pairs_vs_areal_at_async": 0,
+           "speedup_vs_areal_at_async_paired": None, "pairs_vs_sync": 0,
+           "speedup_vs_sync_paired": None, "inflight": "mode"}
+    _planted(monkeypatch, PAIRED, rec)
+    row = gen.fill_figures(BLOCK)
+    assert "**0.60× areal** (0.40–0.90; first on 0 of 5 seeds) at areal's own budget " \
+        "(areal at async's: not run); groups in flight" in row, row
+    assert " sync (" not in row and "of 0 seeds" not in row, row

@@ -406,8 +406,7 @@ class EnvManager:
             await self.buffer.launched(ids)
             self.counts["launched"] += n
             if self._closing:  # closed while they registered: they never start
-                self.counts["cancelled"] += n
-                await self.buffer.settle(ids, TrajState.CANCELLED.value)
+                await self._settle(ids, TrajState.CANCELLED.value)
         finally:
             grp.putting -= 1
             self._registering -= 1
@@ -482,7 +481,7 @@ class EnvManager:
             await self._cancelled(grp, traj_id, sum(log.loss_mask))
             return
         if grp.filled:  # a redundant member that finished late
-            await self._settle(traj_id, TrajState.CANCELLED.value, sum(traj.loss_mask))
+            await self._settle([traj_id], TrajState.CANCELLED.value, sum(traj.loss_mask))
         elif traj.state == TrajState.FAILED.value and grp.barrier is None and \
                 grp.replaced < grp.size:
             # failed (env raised, hung, returned garbage): record it, start a new member
@@ -532,18 +531,19 @@ class EnvManager:
 
     async def _cancelled(self, grp: _GroupRun, traj_id: str, tokens: int = 0) -> None:
         reason = grp.reasons.pop(traj_id, TrajState.CANCELLED.value)
-        await self._settle(traj_id, reason, tokens)
+        await self._settle([traj_id], reason, tokens)
         if reason == TrajState.ABORTED.value and not grp.filled:
             await self._launch(grp, 1)  # replace it: the group still needs a member
         else:  # filled, or shut down before it filled
             self._maybe_done(grp)
 
-    async def _settle(self, traj_id: str, state: str, tokens: int = 0) -> None:
-        """``traj_id`` ends here, cancelled or aborted, its ``tokens`` generated wasted."""
+    async def _settle(self, traj_ids: list[str], state: str, tokens: int = 0) -> None:
+        """``traj_ids`` end here, cancelled or aborted (one buffer call), their
+        ``tokens`` generated wasted."""
         key = "aborted" if state == TrajState.ABORTED.value else "cancelled"
-        self.counts[key] += 1
+        self.counts[key] += len(traj_ids)
         self.counts["wasted_tokens"] += tokens
-        await self.buffer.settle([traj_id], state)
+        await self.buffer.settle(traj_ids, state)
 
 
 def _max_positions(model_path: str) -> int:

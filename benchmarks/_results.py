@@ -127,38 +127,83 @@ class Kept:
     back, a session's end) goes on with ``--resume`` where it stopped: ``settings.json``
     says what the kept results are of (a resume with other settings is refused),
     ``before.json`` the figures measured once before any seed, ``s<seed>.json`` each
-    finished seed; a seed cut short mid-run starts again from its beginning.
+    finished seed, ``s<seed>.made.json`` the commit and date it was measured at; a seed
+    cut short mid-run starts again from its beginning.
+
+    ``runs/`` goes with its machine. So a script puts ``kept.record()`` in its record, and
+    ``--resume`` with no kept folder reads the newest record of the same name and
+    settings back from ``benchmarks/results/<script>.jsonl``: a series of seeds can span
+    invocations on different machines, each seed paired within its own invocation, each
+    carrying its own commit and date.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())
-    >>> k = Kept("x", "n", {"steps": 2}, resume=False, root=d)
+    >>> k = Kept("x", "n", {"steps": 2}, resume=False, root=d, results=d)
     >>> k.before(lambda: {"t": 0.1}), k.seed(0, lambda folder: {"after": 0.5})
     ({'t': 0.1}, {'after': 0.5})
-    >>> again = Kept("x", "n", {"steps": 2}, resume=True, root=d)
+    >>> again = Kept("x", "n", {"steps": 2}, resume=True, root=d, results=d)
     >>> again.seed(0, lambda folder: 1 / 0)  # read back, never run again
     seed 0: read back from .../bench-x/n/s0.json
     {'after': 0.5}
-    >>> Kept("x", "n", {"steps": 3}, resume=True, root=d)
+    >>> Kept("x", "n", {"steps": 3}, resume=True, root=d, results=d)
     Traceback (most recent call last):
     ...
     SystemExit: --resume: ... holds runs of {'steps': 2}, not {'steps': 3}
+
+    The machine gone (no ``runs/``), its record read back:
+
+    >>> _ = (d / "x.jsonl").write_text(json.dumps({"date": "D", **k.record()}) + "\\n")
+    >>> import shutil; shutil.rmtree(d / "bench-x")
+    >>> elsewhere = Kept("x", "n", {"steps": 2}, resume=True, root=d, results=d)
+    --resume: seeds 0 read back from x.jsonl (the record of D)
+    >>> elsewhere.before(lambda: 1 / 0), elsewhere.seed(0, lambda folder: 1 / 0)
+    seed 0: read back from .../bench-x/n/s0.json
+    ({'t': 0.1}, {'after': 0.5})
+    >>> elsewhere.record()["kept"]["made"]["0"] == k.record()["kept"]["made"]["0"]
+    True
+    >>> shutil.rmtree(d / "bench-x")  # a record of other settings is not read back
+    >>> Kept("x", "n", {"steps": 3}, resume=True, root=d, results=d).record()["kept"]["seeds"]
+    {}
     """
 
     def __init__(self, script: str, name: str, settings: dict, resume: bool,
-                 root: Path = ROOT / "runs"):
+                 root: Path = ROOT / "runs", results: Path = RESULTS):
         import shutil
 
+        self.name, self.settings = name, json.loads(json.dumps(settings))
         self.folder = Path(root) / f"bench-{script}" / name
         marker = self.folder / "settings.json"
         if resume and marker.is_file():
             kept = json.loads(marker.read_text())
-            if kept != json.loads(json.dumps(settings)):
+            if kept != self.settings:
                 raise SystemExit(f"--resume: {self.folder} holds runs of {kept}, not "
                                  f"{settings}")
         else:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir(parents=True)
-            marker.write_text(json.dumps(settings))
+            marker.write_text(json.dumps(self.settings))
+            if resume:
+                self._from_record(Path(results) / f"{script}.jsonl")
+
+    def _from_record(self, log: Path) -> None:
+        """Write the newest record's kept results of this name and settings back into
+        the (new) folder."""
+        lines = log.read_text().splitlines() if log.is_file() else []
+        for line in reversed(lines):
+            rec = json.loads(line)
+            kept = rec.get("kept") or {}
+            if kept.get("name") != self.name or kept.get("settings") != self.settings:
+                continue
+            if kept.get("before") is not None:
+                (self.folder / "before.json").write_text(json.dumps(kept["before"]))
+            for seed, value in kept.get("seeds", {}).items():
+                (self.folder / f"s{seed}.json").write_text(json.dumps(value))
+                made = kept.get("made", {}).get(seed)
+                if made:
+                    (self.folder / f"s{seed}.made.json").write_text(json.dumps(made))
+            print(f"--resume: seeds {','.join(kept.get('seeds', {})) or 'none'} read back "
+                  f"from {log.name} (the record of {rec.get('date')})", flush=True)
+            return
 
     def before(self, measure) -> dict:
         """``measure()``'s figures, measured once and kept."""
@@ -166,7 +211,8 @@ class Kept:
 
     def seed(self, seed: int, run) -> dict:
         """Seed ``seed``'s result: read back if kept, else ``run(folder)`` (a fresh
-        folder for its files) and kept."""
+        folder for its files) and kept, with the commit and date it started at."""
+        import datetime
         import shutil
 
         done = self.folder / f"s{seed}.json"
@@ -174,7 +220,24 @@ class Kept:
             print(f"seed {seed}: read back from {done}", flush=True)
             return json.loads(done.read_text())
         shutil.rmtree(self.folder / f"s{seed}", ignore_errors=True)
-        return self._once(done, lambda: run(self.folder / f"s{seed}"))
+        made = {"commit": commit(), "date": datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec="seconds")}
+        value = self._once(done, lambda: run(self.folder / f"s{seed}"))
+        (self.folder / f"s{seed}.made.json").write_text(json.dumps(made))
+        return value
+
+    def record(self) -> dict:
+        """``{"kept": ...}``, for the invocation's record: the name, settings, figures
+        before any seed and each finished seed with the commit and date it was made at,
+        which a ``--resume`` elsewhere reads back."""
+        read = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
+        seeds = sorted((int(p.stem[1:]), p) for p in self.folder.glob("s*.json")
+                       if p.stem[1:].isdigit())
+        return {"kept": {
+            "name": self.name, "settings": self.settings,
+            "before": read(self.folder / "before.json"),
+            "seeds": {str(k): read(p) for k, p in seeds},
+            "made": {str(k): read(self.folder / f"s{k}.made.json") for k, _ in seeds}}}
 
     @staticmethod
     def _once(path: Path, make) -> dict:

@@ -160,7 +160,8 @@ def main(argv=None) -> None:
                         "warm_smoke's), 4 held-out seeds (a smoke run: records nothing)")
     p.add_argument("--resume", action="store_true",
                    help="go on from the seeds an earlier invocation of the same settings "
-                        "finished (runs/bench-real_model/METHOD)")
+                        "finished (runs/bench-real_model/METHOD); without that folder, from "
+                        "the newest record of the same settings)")
     p.add_argument("--plot", action="store_true",
                    help=f"draw the newest records' curves into {CURVE.relative_to(ROOT)} "
                         "and exit")
@@ -207,7 +208,7 @@ def main(argv=None) -> None:
         figures.update({f"gain_rl_{t}": statistics.median(r["after"][t] - r["warm"][t]
                                                            for r in runs) for t in base})
         figures["warmup_s"] = statistics.median(r["timings"]["warmup_s"] for r in runs)
-    run.result(figures, {"before": base, "runs": runs, "graph": graph})
+    run.result(figures, {"before": base, "runs": runs, "graph": graph, **kept.record()})
 
 
 if __name__ == "__main__":

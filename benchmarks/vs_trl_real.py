@@ -226,7 +226,8 @@ def main(argv=None) -> None:
                    help="one seed, 2 steps of 2 groups of 4, 8 held-out seeds")
     p.add_argument("--resume", action="store_true",
                    help="go on from the seeds an earlier invocation of the same settings "
-                        "finished (runs/bench-vs_trl_real/METHOD; about an hour a seed)")
+                        "finished (runs/bench-vs_trl_real/METHOD; about 1.5 h a seed); "
+                        "without that folder, from the newest record of the same settings")
     add_arguments(p)
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # graphs/
@@ -238,8 +239,14 @@ def main(argv=None) -> None:
     quiet()
     model_dir = resolve_model(MODEL)
     # each seed's result is kept (``_results.Kept``): one cut short goes on with --resume
+    # rollart's side as its default resolves (a series of seeds is of one default: a
+    # resume after the default changed is refused, not mixed)
+    g = rollart_graph(s, model_dir)
+    side = {"mode": g.mode, "max_in_flight": g.max_in_flight,
+            "stale_members": g.stale_members}
     kept = Kept("vs_trl_real", f"quick-{a.method}" if a.quick else a.method,
-                {**asdict(s), "target": a.target, "resources": a.resources}, a.resume)
+                {**asdict(s), "target": a.target, "resources": a.resources,
+                 "rollart": side}, a.resume)
     before = kept.before(lambda: {"heldout": heldout(model_dir, s)})["heldout"]
     target = a.target if a.target is not None else round(before + GOAL_GAIN, 4)
     print(f"untrained held-out success {before:.3f} on {s.eval_seeds} seeds: target "
@@ -260,7 +267,8 @@ def main(argv=None) -> None:
         "before": before, "target": target, "seeds": len(runs), "steps": s.steps,
         "method": a.method, "task": TASK,
     }
-    run.result(figures, {"settings": asdict(s), "runs": runs})
+    run.result(figures, {"settings": asdict(s), "rollart": side, "runs": runs,
+                         **kept.record()})
 
 
 if __name__ == "__main__":

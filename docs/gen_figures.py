@@ -288,6 +288,7 @@ def _variants(r: dict) -> list[tuple[str, str]]:
 
 #: what became of ``async@new`` (the adaptive limit with stale members re-scored)
 SWITCHED = " (async's default since 2026-12-07)"
+THROUGHPUT_GOAL = 2.65  # issue 51: async's trajectories/s ÷ sync's (the paper's lower bound)
 
 
 def pipeline_figures(key: str) -> str:
@@ -325,7 +326,7 @@ def pipeline_figures(key: str) -> str:
             f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget"
             + (f", {_pair(r, 'areal_at_async', 'areal')} at async's"
                if r.get("pairs_vs_areal_at_async") else " (areal at async's: not run)")
-            + (f", {_pair(r, 'sync', 'sync')}" if r.get("pairs_vs_sync") else "")
+            + _against_sync(r)
             + ("" if ours == "async" else f", {_pair(r, 'async', 'async (the default)')}")
             + "".join(f"; {'a candidate for the default' if before else 'beside it'}, "
                       f"`{name}`{SWITCHED if before and name == 'async@new' else ''}: its "
@@ -336,6 +337,23 @@ def pipeline_figures(key: str) -> str:
             f"groups in flight, mean: {ours} "
             f"{_x(r.get('inflight_' + ours.replace('@', '_at_')))}, areal "
             f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
+
+
+def _against_sync(r: dict) -> str:
+    """Async against sync, time to target and trajectories/s: from ``r`` when it ran
+    sync, else from the newest record at the same default that did (named by its date);
+    "" when none did."""
+    same = r if r.get("pairs_vs_sync") else next(
+        (o for o in _records("pipeline") if o.get("pairs_vs_sync")
+         and o.get("inflight") == r.get("inflight")
+         and o.get("ours", "async") == r.get("ours", "async")), None)
+    if same is None:
+        return ""
+    tps = same.get("throughput_vs_sync")
+    where = "" if same is r else f" ({_made(same)})"
+    return (f", {_pair(same, 'sync', 'sync')}{where} and "
+            f"{_x(tps)}× sync's trajectories/s (goal ≥ {THROUGHPUT_GOAL}×: "
+            f"{'met' if tps is not None and tps >= THROUGHPUT_GOAL else 'not met'})")
 
 
 def _newest_with(script: str, key: str, **where) -> dict | None:

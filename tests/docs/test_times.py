@@ -246,3 +246,15 @@ def test_a_record_without_areal_at_asyncs_budget_or_sync_says_so(monkeypatch):
     assert "**0.60× areal** (0.40–0.90; first on 0 of 5 seeds) at areal's own budget " \
         "(areal at async's: not run); groups in flight" in row, row
     assert " sync (" not in row and "of 0 seeds" not in row, row
+    # a newer run of sync, areal and async at the same default fills in sync's pair
+    with_sync = {"date": "2026-01-07", "pairs_vs_sync": 5, "wins_vs_sync": 5,
+                 "speedup_vs_sync_paired": 3.9, "speedup_vs_sync_min": 1.9,
+                 "speedup_vs_sync_max": None, "throughput_vs_sync": 2.71,
+                 "inflight": "mode", "pairs_vs_areal": 5}
+    _planted(monkeypatch, with_sync, rec)
+    row = gen.fill_figures(BLOCK)
+    assert "(areal at async's: not run), 3.90× sync (1.90–∞; first on 5 of 5 seeds) " \
+        "(the record of 2026-01-07) and 2.71× sync's trajectories/s (goal ≥ 2.65×: met)" \
+        in row, row
+    _planted(monkeypatch, {**with_sync, "inflight": "alpha"}, rec)  # another default
+    assert " sync (" not in gen.fill_figures(BLOCK)

@@ -44,7 +44,9 @@ median over seeds.
 (one step's worth of groups, stale members aborted), ``async@auto`` the adaptive limit
 with stale members aborted, ``async@rescore`` one step's worth with them re-scored,
 ``async@completion`` the default taking complete groups in the order they complete
-(``Rollout.take_window=math.inf``, as areal does) instead of the order they started.
+(``Rollout.take_window=math.inf``, as areal does) instead of the order they started,
+``async@window15`` the default taking any complete group among the oldest one and a half
+steps' worth (``Rollout.take_window=1.5``).
 ``--ours LABEL`` makes one of them the headline: every paired ratio is then against it,
 the default async included (``speedup_vs_async_paired``), and the RESULT line says
 ``ours=LABEL``::
@@ -100,7 +102,9 @@ VARIANTS = {"async@one": {"max_in_flight": 1.0, "stale_members": "abort"},
             "async@auto": {"max_in_flight": "auto", "stale_members": "abort"},
             "async@rescore": {"max_in_flight": 1.0, "stale_members": "rescore"},
             # the default taking complete groups as they complete, as areal does
-            "async@completion": {"take_window": math.inf}}
+            "async@completion": {"take_window": math.inf},
+            # the default taking any of the oldest one and a half steps' worth
+            "async@window15": {"take_window": 1.5}}
 LABELS = MODES + (AT_ASYNC,) + tuple(VARIANTS)
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)

@@ -42,7 +42,11 @@ median over seeds.
 (``Rollout.max_in_flight`` and ``stale_members`` unset: ``Graph.max_in_flight`` "auto",
 ``Graph.stale_members`` "rescore") is ``async``; ``async@one`` is the earlier default
 (one step's worth of groups, stale members aborted), ``async@auto`` the adaptive limit
-with stale members aborted, ``async@rescore`` one step's worth with them re-scored.
+with stale members aborted, ``async@rescore`` one step's worth with them re-scored,
+``async@completion`` the default taking complete groups in the order they complete
+(``Rollout.take_window=math.inf``, as areal does) instead of the order they started,
+``async@window15`` the default taking any complete group among the oldest one and a half
+steps' worth (``Rollout.take_window=1.5``).
 ``--ours LABEL`` makes one of them the headline: every paired ratio is then against it,
 the default async included (``speedup_vs_async_paired``), and the RESULT line says
 ``ours=LABEL``::
@@ -96,7 +100,11 @@ AT_ASYNC = "areal@async"  # areal with Rollout.max_in_flight at async's budget
 #: the present one (an adaptive limit: ``auto``; stale members re-scored: ``rescore``)
 VARIANTS = {"async@one": {"max_in_flight": 1.0, "stale_members": "abort"},
             "async@auto": {"max_in_flight": "auto", "stale_members": "abort"},
-            "async@rescore": {"max_in_flight": 1.0, "stale_members": "rescore"}}
+            "async@rescore": {"max_in_flight": 1.0, "stale_members": "rescore"},
+            # the default taking complete groups as they complete, as areal does
+            "async@completion": {"take_window": math.inf},
+            # the default taking any of the oldest one and a half steps' worth
+            "async@window15": {"take_window": 1.5}}
 LABELS = MODES + (AT_ASYNC,) + tuple(VARIANTS)
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)
@@ -237,6 +245,13 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
             # weight swaps that met rows generating, and the tokens re-prefilled after them
             "suspends": last.get("rollout/suspends", 0),
             "recompute_tokens": last.get("rollout/recompute_tokens", 0),
+            # where the time went: the trainer waiting for a batch, the take waiting for
+            # a version; and the work thrown away or re-scored
+            "trainer_wait_s": sum(r.get("trainer/wait_s", 0) or 0 for r in rows),
+            "version_wait_s": sum(r.get("rollout/version_wait_s", 0) or 0 for r in rows),
+            "dropped": last.get("traj/dropped", 0), "aborted": last.get("traj/aborted", 0),
+            "wasted_share": last.get("rollout/wasted_share", 0),
+            "rescored_tokens": last.get("rollout/rescored_tokens", 0),
             "run_dir": str(run_dir)}
 
 
@@ -401,7 +416,8 @@ def parse(argv) -> argparse.Namespace:
                         "bound)")
     p.add_argument("--take-window", type=float, default=None,
                    help="Rollout.take_window for async and areal: take groups in start "
-                        "order within this many steps' worth (default: completion order)")
+                        "order within this many steps' worth (default: each mode's own: "
+                        "async's one step's worth under \"auto\", areal completion order)")
     p.add_argument("--weight-update", choices=("recompute", "keep"), default="recompute",
                    help="Policy.weight_update: a weight swap re-prefills the rows being "
                         "generated, or they keep their KV")
@@ -518,14 +534,17 @@ def main(argv=None) -> dict:
                inflight=a.max_in_flight if a.max_in_flight is not None else "mode",
                budget_areal_at_async=async_budget(label_graph(base, base.tasks, model, "async",
                                                               1, a)),
-               order="completion" if a.take_window is None else f"start{a.take_window:g}",
+               # None: each mode's own (async under "auto": start order, one step's
+               # worth; areal: completion order)
+               order="mode" if a.take_window is None else f"start{a.take_window:g}",
                weight_update=a.weight_update,
                target=target, failed_runs=len(failed),
                heldout_warm=warm, margin=a.margin,
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,
                total_s=round(time.time() - t_all))
     keys = ("label", "seed", "time_to_target_s", "heldout", "traj_per_s", "wall_s",
-            "ckpt_s", "inflight", "suspends", "recompute_tokens")
+            "ckpt_s", "inflight", "suspends", "recompute_tokens", "trainer_wait_s",
+            "version_wait_s", "dropped", "aborted", "wasted_share", "rescored_tokens")
     run.result(out, {"runs": [{k: r.get(k) for k in keys} for r in runs]}, fmt=fmt)
     return out
 

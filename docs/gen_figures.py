@@ -439,8 +439,11 @@ def trl_real_figures() -> str:
                 "held-out target: **not measured yet** — [why](docs/benchmarks/vs-trl-real.md)")
     n = int(r.get("seeds") or 0)
     spread = "" if n < 2 else f" ({r.get('speedup_each')})"
+    side = r.get("rollart")  # rollart's default as it resolved (records since 2026-12-07)
+    side = (f"; rollart {side['mode']}, in flight `{side['max_in_flight']}`, stale members "
+            f"`{side['stale_members']}`" if side else "")
     return (f"SmolLM2-135M-Instruct learning `{r.get('task')}` ({r.get('method')}, "
-            f"{_fmt(r.get('steps'))} steps each), time to held-out "
+            f"{_fmt(r.get('steps'))} steps each{side}), time to held-out "
             f"{_x(r.get('target'))} (untrained {_x(r.get('before'))}): TRL's ÷ rollart's "
             f"**{_x(r['speedup'], '∞')}×**{spread}, rollart first on {r.get('rollart_wins')} "
             f"of {n} seed{'s' if n != 1 else ''}; held-out at equal wall time rollart "

@@ -173,8 +173,9 @@ class Rollout:
     # only once fewer than this many trainer steps' worth of groups (at least one step's)
     # started before it are still running or waiting, so a long episode is overtaken by
     # at most that many and the batch is not biased toward short ones
-    # (rollart.policy.admission.Slots.take_limit); None: the first groups to complete are
-    # taken first
+    # (rollart.policy.admission.Slots.take_limit); math.inf: the first groups to complete
+    # are taken first (completion order); None: the mode's own (one step's worth under
+    # max_in_flight "auto", else completion order)
     take_window: float | None = None
     # async: a running member whose oldest token fell below the staleness bound is
     # "abort"ed and run again from the start, or "rescore"d: its old tokens re-scored
@@ -227,7 +228,8 @@ class Rollout:
         _numbers(self, "take_window", optional=True)
         _check(self.take_window is None or self.take_window >= 1,
                f"Rollout.take_window must be ≥ 1 (trainer steps' worth of groups: fewer "
-               f"could never fill a batch) or None (completion order), got "
+               f"could never fill a batch), math.inf (completion order) or None (the "
+               f"mode's own), got "
                f"{self.take_window!r}")
         problem = None if self.stale_members is None else \
             stale_members_problem(self.stale_members)

@@ -375,24 +375,31 @@ def take_order(group_ids, limit: int | None = None) -> list[str]:
 
 
 def take_window_groups(algo, take_window: float | None) -> int | None:
-    """``Rollout.take_window`` (steps' worth of groups) in groups, rounded up; None: none."""
-    if take_window is None:
+    """``Rollout.take_window`` (steps' worth of groups) in groups, rounded up; None (and
+    ``math.inf``): none, completion order.
+
+    >>> from rollart.config.graph import GRPO
+    >>> take_window_groups(GRPO(groups_per_step=4), 1.5), take_window_groups(GRPO(), math.inf)
+    (6, None)
+    """
+    if take_window is None or math.isinf(take_window):
         return None
     return max(math.ceil(take_window * algo.groups_per_step), int(algo.groups_per_step))
 
 
 def take_window_for(graph, mode: str | None = None) -> int | None:
-    """The take window of a run, in groups: ``Rollout.take_window``'s; when unset and
-    the graph's ``max_in_flight`` is ``"auto"`` (async's default), one step's worth
-    (start order keeps long episodes from starving as the limit grows); else None
-    (completion order). ``mode``: the mode it runs under when not the graph's own (the
-    simulator's ``SimConfig.mode``).
+    """The take window of a run, in groups: ``Rollout.take_window``'s (``math.inf``:
+    None, completion order); when unset and the graph's ``max_in_flight`` is ``"auto"``
+    (async's default), one step's worth (start order keeps long episodes from starving
+    as the limit grows); else None (completion order). ``mode``: the mode it runs under
+    when not the graph's own (the simulator's ``SimConfig.mode``).
 
     >>> from rollart.config.graph import GRPO, Graph, Rollout
     >>> algo = GRPO(groups_per_step=4)
     >>> fixed = Graph("g", algo=algo, rollout=Rollout(max_in_flight=1))
     >>> take_window_for(fixed), take_window_for(Graph("g", algo=algo))
     (None, 4)
+    >>> take_window_for(Graph("g", algo=algo, rollout=Rollout(take_window=math.inf)))
     """
     window = graph.rollout.take_window
     if window is None and in_flight_for(graph.rollout, mode or graph.mode) == AUTO:

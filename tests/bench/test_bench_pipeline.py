@@ -269,6 +269,13 @@ def test_an_async_variant_can_be_the_headline_paired_with_the_default_too(monkey
     base, _ = rollart.load_graph("multitask")
     g = bench.label_graph(base, base.tasks, "m", "async@rescore", 1, a)
     assert (g.mode, g.rollout.stale_members) == ("async", "rescore")
+    from rollart.policy.admission import take_window_for
+
+    # the default takes in start order; async@completion as the groups complete
+    assert take_window_for(bench.label_graph(base, base.tasks, "m", "async", 1, a)) == \
+        a.groups
+    g = bench.label_graph(base, base.tasks, "m", "async@completion", 1, a)
+    assert take_window_for(g) is None and g.max_in_flight == "auto"
     with pytest.raises(SystemExit):  # a headline that does not run beside the default
         bench.parse(["--quick", "--modes", "async@rescore,sync+", "--ours", "async@rescore"])
 

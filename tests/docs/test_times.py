@@ -232,7 +232,12 @@ def test_the_trl_row_is_the_newest_full_vs_trl_real_record(monkeypatch):
     monkeypatch.setattr(gen.figures, "_records", lambda script: [three, one])
     row = gen.figures.trl_real_figures()
     assert "**0.80×** (4.4/0.8/0.5), rollart first on 1 of 3 seeds" in row, row
-    assert "not yet a median" not in row
+    assert "not yet a median" not in row and "in flight" not in row  # says no default
+    side = {"mode": "async", "max_in_flight": "auto", "stale_members": "rescore"}
+    monkeypatch.setattr(gen.figures, "_records", lambda script: [{**three, "rollart": side}])
+    row = gen.figures.trl_real_figures()  # a newer record names rollart's default
+    assert "(lora, 40 steps each; rollart async, in flight `auto`, stale members " \
+        "`rescore`)" in row, row
 
 
 def test_a_record_without_areal_at_asyncs_budget_or_sync_says_so(monkeypatch):

@@ -324,6 +324,7 @@ def pipeline_figures(key: str) -> str:
     return (f"time to a held-out target, median of the per-seed ratios (min–max): {name} "
             f"{_pair(r, 'syncplus', 'sync+', True)} (the paper's goal ≥ {SYNCPLUS_GOAL}×: "
             f"{met}), {_pair(r, 'areal', 'areal', True)} at areal's own budget"
+            + _later_areal(r)
             + (f", {_pair(r, 'areal_at_async', 'areal')} at async's"
                if r.get("pairs_vs_areal_at_async") else " (areal at async's: not run)")
             + _against_sync(r)
@@ -337,6 +338,20 @@ def pipeline_figures(key: str) -> str:
             f"groups in flight, mean: {ours} "
             f"{_x(r.get('inflight_' + ours.replace('@', '_at_')))}, areal "
             f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
+
+
+def _later_areal(r: dict) -> str:
+    """Async against areal in the records newer than ``r`` at the same default (runs
+    without sync+, so not the row's record): each said, so the row's pair is never
+    the pick of several."""
+    later = [o for o in _records("pipeline") if str(o["date"]) > str(r["date"])
+             and o.get("pairs_vs_areal") and o.get("inflight") == r.get("inflight")
+             and o.get("ours", "async") == r.get("ours", "async")]
+    if not later:
+        return ""
+    each = ", ".join(f"{_x(o.get('speedup_vs_areal_paired'), '∞')}× ({o.get('wins_vs_areal')} "
+                     f"of {o.get('pairs_vs_areal')})" for o in reversed(later))
+    return f" (later runs at the same default: {each})"
 
 
 def _against_sync(r: dict) -> str:

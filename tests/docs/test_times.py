@@ -255,10 +255,12 @@ def test_a_record_without_areal_at_asyncs_budget_or_sync_says_so(monkeypatch):
     with_sync = {"date": "2026-01-07", "pairs_vs_sync": 5, "wins_vs_sync": 5,
                  "speedup_vs_sync_paired": 3.9, "speedup_vs_sync_min": 1.9,
                  "speedup_vs_sync_max": None, "throughput_vs_sync": 2.71,
-                 "inflight": "mode", "pairs_vs_areal": 5}
+                 "inflight": "mode", "pairs_vs_areal": 5, "wins_vs_areal": 1,
+                 "speedup_vs_areal_paired": 0.69}
     _planted(monkeypatch, with_sync, rec)
     row = gen.fill_figures(BLOCK)
-    assert "(areal at async's: not run), 3.90× sync (1.90–∞; first on 5 of 5 seeds) " \
+    assert "at areal's own budget (later runs at the same default: 0.69× (1 of 5)) " \
+        "(areal at async's: not run), 3.90× sync (1.90–∞; first on 5 of 5 seeds) " \
         "(the record of 2026-01-07) and 2.71× sync's trajectories/s (goal ≥ 2.65×: met)" \
         in row, row
     _planted(monkeypatch, {**with_sync, "inflight": "alpha"}, rec)  # another default

@@ -219,7 +219,7 @@ def test_pipeline_benchmark_tiny():
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     r = dict(kv.split("=") for kv in line.split()[1:])
     # every mode at its own in-flight setting; areal@async adapts as async's default does
-    assert r.pop("inflight") == "mode" and r.pop("order") == "completion", line
+    assert r.pop("inflight") == "mode" and r.pop("order") == "mode", line
     assert r.pop("budget_areal_at_async") == "auto", line
     assert r.pop("weight_update") == "keep", line
     assert (r.pop("ours"), r.pop("resources")) == ("async", "laptop"), line

@@ -235,7 +235,10 @@ def test_pipeline_benchmark_tiny():
         assert r[f"pairs_vs_{key}"] == 1 and r[f"wins_vs_{key}"] in (0, 1), line
         assert r[f"speedup_vs_{key}_min"] == r[f"speedup_vs_{key}_max"] \
             == r[f"speedup_vs_{key}_paired"], line  # one seed: one ratio
-        assert r[f"wins_vs_{key}"] == (r[f"speedup_vs_{key}_paired"] > 1), line
+        # a win is a ratio above 1; the RESULT line prints 4 digits, so a win by less
+        # than that reads as 1 (seen once: a tiny run's 1.0000x against areal)
+        ratio = r[f"speedup_vs_{key}_paired"]
+        assert ratio == 1 or r[f"wins_vs_{key}"] == (ratio > 1), line
     # the budgets: async and areal@async adapt between one step's worth (2 groups) and
     # alpha + 1 steps' worth, areal holds at most its start bound's two steps' worth
     assert r["inflight_async"] <= 2 and r["inflight_areal_at_async"] <= 2, line

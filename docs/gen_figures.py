@@ -340,13 +340,18 @@ def pipeline_figures(key: str) -> str:
             f"{_x(r.get('inflight_areal'))} steps' worth — [why](docs/benchmarks/pipeline.md)")
 
 
+def _same_default(o: dict, r: dict) -> bool:
+    """Two pipeline records of the same async default and headline label."""
+    return (o.get("inflight") == r.get("inflight")
+            and o.get("ours", "async") == r.get("ours", "async"))
+
+
 def _later_areal(r: dict) -> str:
     """Async against areal in the records newer than ``r`` at the same default (runs
     without sync+, so not the row's record): each said, so the row's pair is never
     the pick of several."""
     later = [o for o in _records("pipeline") if str(o["date"]) > str(r["date"])
-             and o.get("pairs_vs_areal") and o.get("inflight") == r.get("inflight")
-             and o.get("ours", "async") == r.get("ours", "async")]
+             and o.get("pairs_vs_areal") and _same_default(o, r)]
     if not later:
         return ""
     each = ", ".join(f"{_x(o.get('speedup_vs_areal_paired'), '∞')}× ({o.get('wins_vs_areal')} "
@@ -359,9 +364,8 @@ def _against_sync(r: dict) -> str:
     sync, else from the newest record at the same default that did (named by its date);
     "" when none did."""
     same = r if r.get("pairs_vs_sync") else next(
-        (o for o in _records("pipeline") if o.get("pairs_vs_sync")
-         and o.get("inflight") == r.get("inflight")
-         and o.get("ours", "async") == r.get("ours", "async")), None)
+        (o for o in _records("pipeline") if o.get("pairs_vs_sync") and _same_default(o, r)),
+        None)
     if same is None:
         return ""
     tps = same.get("throughput_vs_sync")

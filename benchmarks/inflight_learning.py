@@ -18,7 +18,10 @@ order, two and three steps' worth in start order (``take_window`` one step's wor
 parts of async's default: ``auto`` (``max_in_flight="auto"``, start order), ``rescore``
 (``Rollout.stale_members="rescore"``); and ``new``, both: async's default (the graph's
 ``Rollout`` left unset, ``Graph.max_in_flight`` and ``Graph.stale_members``), as
-``pipeline.py``'s ``async`` runs it; on each of ``--seeds`` seeds (the order of the settings shuffled per
+``pipeline.py``'s ``async`` runs it; ``keep`` and ``completion_keep``, the default keeping
+a complete group that went too stale waiting for its take, its old tokens re-scored by
+the trainer (``GRPO.stale_groups="rescore"``), the second taking in completion order
+(``pipeline.py``'s ``async@keep`` and ``async@completion_keep``); on each of ``--seeds`` seeds (the order of the settings shuffled per
 seed). The warm-up policy and each trained policy are evaluated on
 the same held-out seeds (paired per seed). Ends with
 
@@ -36,6 +39,7 @@ each task's median gain, ``worst_*`` the median of each run's smallest task gain
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -48,11 +52,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py, pipelin
 
 from _results import Run, add_arguments  # noqa: E402
 
-#: setting -> (Rollout.max_in_flight, Rollout.take_window, Rollout.stale_members)
-SETTINGS = {"one": (1.0, None, "abort"), "two": (2.0, None, "abort"),
-            "two_start": (2.0, 1.0, "abort"), "three_start": (3.0, 1.0, "abort"),
-            "auto": ("auto", None, "abort"), "rescore": (1.0, None, "rescore"),
-            "new": (None, None, None)}
+#: setting -> (Rollout.max_in_flight, Rollout.take_window, Rollout.stale_members,
+#: GRPO.stale_groups)
+SETTINGS = {"one": (1.0, None, "abort", "drop"), "two": (2.0, None, "abort", "drop"),
+            "two_start": (2.0, 1.0, "abort", "drop"),
+            "three_start": (3.0, 1.0, "abort", "drop"),
+            "auto": ("auto", None, "abort", "drop"),
+            "rescore": (1.0, None, "rescore", "drop"),
+            "new": (None, None, None, "drop"),
+            # the default keeping stale complete groups, re-scored by the trainer
+            # (GRPO.stale_groups), alone and taking in completion order
+            "keep": (None, None, None, "rescore"),
+            "completion_keep": (None, math.inf, None, "rescore")}
 #: per graph: the graph, its resources, the settings run by default, and the
 #: full and --quick sizes (seeds, steps, held-out seeds per task)
 GRAPHS = {
@@ -99,10 +110,11 @@ def parse(argv):
 def run_one(base, model: str, warm: dict, setting: str, seed: int, a, tmp: Path) -> dict:
     """One RL run of ``setting`` on ``seed`` from the warm-up ``model``: its held-out gain
     per task over the warm-up policy's ``warm`` (the same held-out seeds)."""
-    in_flight, window, members = SETTINGS[setting]
+    in_flight, window, members, groups = SETTINGS[setting]
     graph = replace(base, steps=a.steps, seed=seed,
                     policy=replace(base.policy, model=model, warmup_steps=0,
                                    warmup_bare_tool_steps=0),
+                    algo=replace(base.algo, stale_groups=groups),
                     rollout=replace(base.rollout, max_in_flight=in_flight,
                                     take_window=window, stale_members=members))
     t0 = time.time()

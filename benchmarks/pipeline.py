@@ -46,7 +46,10 @@ with stale members aborted, ``async@rescore`` one step's worth with them re-scor
 ``async@completion`` the default taking complete groups in the order they complete
 (``Rollout.take_window=math.inf``, as areal does) instead of the order they started,
 ``async@window15`` the default taking any complete group among the oldest one and a half
-steps' worth (``Rollout.take_window=1.5``).
+steps' worth (``Rollout.take_window=1.5``), ``async@keep`` the default keeping a complete
+group that went too stale waiting for its take, its old tokens re-scored by the trainer
+(``GRPO.stale_groups="rescore"``), instead of dropping it, ``async@completion_keep``
+both: completion order, no group dropped as too stale.
 ``--ours LABEL`` makes one of them the headline: every paired ratio is then against it,
 the default async included (``speedup_vs_async_paired``), and the RESULT line says
 ``ours=LABEL``::
@@ -104,7 +107,13 @@ VARIANTS = {"async@one": {"max_in_flight": 1.0, "stale_members": "abort"},
             # the default taking complete groups as they complete, as areal does
             "async@completion": {"take_window": math.inf},
             # the default taking any of the oldest one and a half steps' worth
-            "async@window15": {"take_window": 1.5}}
+            "async@window15": {"take_window": 1.5},
+            # the default keeping a complete group that went too stale waiting for its
+            # take, its old tokens re-scored by the trainer (GRPO.stale_groups), not
+            # dropped and run again; alone, and taking in completion order
+            "async@keep": {"algo": {"stale_groups": "rescore"}},
+            "async@completion_keep": {"take_window": math.inf,
+                                      "algo": {"stale_groups": "rescore"}}}
 LABELS = MODES + (AT_ASYNC,) + tuple(VARIANTS)
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)
@@ -200,7 +209,8 @@ def async_budget(graph) -> float | str:
 def label_graph(base, tasks, model: str, label: str, seed: int, a):
     """The graph of run ``label``: a mode, ``<mode>@r`` (with redundancy),
     ``areal@async`` (areal at async's in-flight budget) or an async variant
-    (``VARIANTS``: its ``Rollout`` settings over the run's)."""
+    (``VARIANTS``: its ``Rollout`` settings, and ``GRPO``'s under ``"algo"``, over the
+    run's)."""
     mode, _, tag = label.partition("@")
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
                     checkpoint_every=a.every,
@@ -214,7 +224,11 @@ def label_graph(base, tasks, model: str, label: str, seed: int, a):
         graph = replace(graph, rollout=replace(graph.rollout,
                                                max_in_flight=async_budget(graph)))
     if label in VARIANTS:
-        graph = replace(graph, rollout=replace(graph.rollout, **VARIANTS[label]))
+        variant = dict(VARIANTS[label])
+        algo = variant.pop("algo", None)  # GRPO fields; the rest are Rollout's
+        graph = replace(graph, rollout=replace(graph.rollout, **variant))
+        if algo:
+            graph = replace(graph, algo=replace(graph.algo, alpha=None, **algo))
     return graph
 
 
@@ -252,6 +266,9 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
             "dropped": last.get("traj/dropped", 0), "aborted": last.get("traj/aborted", 0),
             "wasted_share": last.get("rollout/wasted_share", 0),
             "rescored_tokens": last.get("rollout/rescored_tokens", 0),
+            # tokens of complete groups kept past the bound, re-scored by the trainer
+            "trainer_rescored_tokens": sum(r.get("trainer/rescored_tokens", 0) or 0
+                                           for r in rows),
             "run_dir": str(run_dir)}
 
 
@@ -544,7 +561,8 @@ def main(argv=None) -> dict:
                total_s=round(time.time() - t_all))
     keys = ("label", "seed", "time_to_target_s", "heldout", "traj_per_s", "wall_s",
             "ckpt_s", "inflight", "suspends", "recompute_tokens", "trainer_wait_s",
-            "version_wait_s", "dropped", "aborted", "wasted_share", "rescored_tokens")
+            "version_wait_s", "dropped", "aborted", "wasted_share", "rescored_tokens",
+            "trainer_rescored_tokens")
     run.result(out, {"runs": [{k: r.get(k) for k in keys} for r in runs]}, fmt=fmt)
     return out
 

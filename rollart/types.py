@@ -36,6 +36,9 @@ EVAL_SEED_BASE = 2_000_000
 #: off-policy corrections of the policy loss (see ``rollart.trainer.losses``: why the default)
 OFF_POLICY = ("decoupled", "tis", "ppo")
 DEFAULT_OFF_POLICY = "ppo"
+#: what becomes of a complete group that went too stale waiting for its take (async):
+#: dropped, or kept with its old tokens re-scored by the trainer (``GRPO.stale_groups``)
+STALE_GROUPS = ("drop", "rescore")
 #: how GRPO scales a group's centred rewards (``rollart.trainer.advantages``)
 SCALE_REWARDS = ("group", "batch", "none")
 

@@ -20,7 +20,7 @@ from rollart.env.rescore import stale_members_problem
 from rollart.env.tasks import get_task
 from rollart.runtime.resources import find_file, load_module
 from rollart.types import (CPU_ENV, DEFAULT_OFF_POLICY, INFERENCE_TAGS, OFF_POLICY, REWARD,
-                           SCALE_REWARDS, TRAIN)
+                           SCALE_REWARDS, STALE_GROUPS, TRAIN)
 from rollart.config.checks import GraphError  # noqa: F401 (re-exported: graph errors' home)
 from rollart.config.checks import check as _check
 from rollart.config.checks import check_numbers as _numbers
@@ -69,6 +69,11 @@ class GRPO:
     # group whose rewards differ only by a small penalty weighs as much as one with a
     # success (rollart.trainer.advantages)
     scale_rewards: str = "group"
+    # async: a complete group that fell below the staleness bound while it waited for its
+    # take is "drop"ped (and run again), or "rescore"d: kept, and the trainer re-scores
+    # its tokens older than the bound under the weights it trains (their behaviour
+    # log-probs become its own: rollart.trainer.losses.rescore_stale)
+    stale_groups: str = "drop"
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_step", "min_group_size"):
@@ -100,6 +105,10 @@ class GRPO:
         _check(self.off_policy in OFF_POLICY, f"GRPO.off_policy must be one of "
                f"{OFF_POLICY}, got {self.off_policy!r}")
         _check(self.is_cap >= 1, f"GRPO.is_cap must be ≥ 1, got {self.is_cap!r}")
+        _check(self.stale_groups in STALE_GROUPS, f"GRPO.stale_groups must be one of "
+               f"{STALE_GROUPS}, got {self.stale_groups!r}: 'drop' runs a complete group "
+               f"that went too stale again, 'rescore' keeps it and the trainer re-scores "
+               f"its old tokens (e.g. --set algo.stale_groups=rescore)")
 
     @property
     def batch_size(self) -> int:
@@ -291,6 +300,11 @@ class Graph:
                f"Graph {self.name!r}: Rollout.stale_members='rescore' applies to "
                f"mode='async' only (areal keeps its members, the lockstep modes abort none), "
                f"got mode={self.mode!r}; set Rollout.stale_members='abort' or mode='async'")
+        # only async drops complete groups for staleness: areal keeps them
+        _check(self.algo.stale_groups != "rescore" or self.mode == "async",
+               f"Graph {self.name!r}: GRPO.stale_groups='rescore' applies to mode='async' "
+               f"only (areal keeps its groups, the lockstep modes drop none), got "
+               f"mode={self.mode!r}; set GRPO.stale_groups='drop' or mode='async'")
         _numbers(self, "steps", "seed", "checkpoint_every", integer=True)
         _check(self.checkpoint_every >= 0, f"Graph.checkpoint_every must be ≥ 0 (0 = never), "
                f"got {self.checkpoint_every}")

@@ -137,9 +137,12 @@ class GroupSequence:
 
 @dataclass(frozen=True)
 class Capacity:
-    """The async mode's admission: at most ``capacity`` groups hold a slot at once."""
+    """The async mode's admission: at most ``capacity`` groups hold a slot at once;
+    ``drop_stale`` False (``GRPO.stale_groups="rescore"``): a complete group is never
+    dropped for staleness, the trainer re-scores its old tokens instead."""
 
     capacity: int
+    drop_stale: bool = True
 
     def room(self, held: int, started: int, version: int) -> int:
         """Groups that may start now, with ``held`` slots held (``started``: those plus
@@ -149,12 +152,12 @@ class Capacity:
 
     def resized(self, capacity: int) -> Capacity:
         """The same admission under a new limit (``Slots.resize``)."""
-        return Capacity(int(capacity))
+        return Capacity(int(capacity), self.drop_stale)
 
     def stale_floor(self, min_version: int) -> int | None:
         """Complete groups older than this are dropped when the trainer asks for a batch
-        at ``min_version``: the trainer's bound, as it asks."""
-        return min_version
+        at ``min_version``: the trainer's bound, as it asks (None: none dropped)."""
+        return min_version if self.drop_stale else None
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,10 @@ class StartBound:
 def auto_admission(algo, limit: int) -> StartBound:
     """``async``'s admission under ``Rollout.max_in_flight="auto"``: ``limit`` groups at
     once within AReaL's start bound, stale groups still dropped (``StartBound``'s
-    ``drop_stale``); the runtime's pipeline and the simulator both build it here."""
-    return StartBound(algo.alpha, algo.groups_per_step, int(limit), drop_stale=True)
+    ``drop_stale``, unless ``GRPO.stale_groups="rescore"`` keeps them for the trainer to
+    re-score); the runtime's pipeline and the simulator both build it here."""
+    return StartBound(algo.alpha, algo.groups_per_step, int(limit),
+                      drop_stale=algo.stale_groups == "drop")
 
 
 class Slots:

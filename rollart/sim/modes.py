@@ -78,7 +78,10 @@ def asynchronous(cl, areal: bool = False):
     cl.on_release = released
     fill()
     for _ in range(cl.cfg.steps):
-        floor = None if areal else cl.bound.min_version(cl.version)
+        # areal drops nothing; nor does async keeping stale groups (GRPO.stale_groups:
+        # the trainer re-scores them in the forward it runs anyway, at no simulated cost)
+        keep = areal or algo.stale_groups == "rescore"
+        floor = None if keep else cl.bound.min_version(cl.version)
         t0, lost = cl.env.now, (cl.counts["dropped"], cl.counts["aborted"])
         batch = yield from cl.take_batch(algo.groups_per_step, floor,
                                          None if window is None else slots.take_limit)

@@ -34,6 +34,11 @@ data that feedback drove gridnav without KL (``benchmarks/vs_trl.py``'s setting,
 steps, three seeds) to collapse in two seeds of three; ``"ppo"`` learned as well as
 on-policy training there. On fresh data (``sync``, ``alpha = 0``) μ = π and all three
 give the same gradient.
+
+A NaN behaviour log-prob marks a token re-scored by the trainer (``GRPO.stale_groups=
+"rescore"``: a complete group that went too stale waiting for its take; the ``Trainer``
+marks its tokens older than the bound): its μ is π_prox, the log-prob under the weights
+being trained, as a rollout worker's re-scoring at that version would have given.
 """
 
 from __future__ import annotations
@@ -162,6 +167,8 @@ def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps: float = 0.2,
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
     prox = logp.detach() if prox_logp is None else prox_logp
+    rescored = torch.isnan(behaviour_logp)  # re-scored here: μ = π_prox (module docstring)
+    behaviour_logp = torch.where(rescored, prox, behaviour_logp)
     behaviour_gap = (prox - behaviour_logp).clamp(-20, 20)  # log(π_prox / μ)
     if off_policy == "ppo":
         weight, log_ratio = torch.ones_like(logp), (logp - behaviour_logp).clamp(-20, 20)

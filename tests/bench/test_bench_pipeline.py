@@ -279,6 +279,13 @@ def test_an_async_variant_can_be_the_headline_paired_with_the_default_too(monkey
         a.groups
     g = bench.label_graph(base, base.tasks, "m", "async@completion", 1, a)
     assert take_window_for(g) is None and g.max_in_flight == "auto"
+    # the variants that keep stale groups set the GRPO field, the rest of the default kept
+    g = bench.label_graph(base, base.tasks, "m", "async@completion_keep", 1, a)
+    assert (take_window_for(g), g.algo.stale_groups, g.max_in_flight) == (None, "rescore",
+                                                                          "auto")
+    g = bench.label_graph(base, base.tasks, "m", "async@keep", 1, a)
+    assert (take_window_for(g), g.algo.stale_groups) == (a.groups, "rescore")
+    assert g.algo.group_size == base.algo.group_size
     with pytest.raises(SystemExit):  # a headline that does not run beside the default
         bench.parse(["--quick", "--modes", "async@rescore,sync+", "--ours", "async@rescore"])
 

@@ -14,9 +14,11 @@ import uuid
 
 import pytest
 
-from rollart import GRPO, Rollout
+from rollart import GRPO, Graph, Rollout
 from rollart.buffer import SampleBuffer
-from rollart.policy.admission import Capacity, GroupSequence, Slots, StartBound
+from rollart.config.graph import GraphError
+from rollart.policy.admission import (Capacity, GroupSequence, Slots, StartBound,
+                                      auto_admission)
 from rollart.env.tasks import get_task
 from rollart.testing import tiny_graph, trajectory
 from rollart.types import Trajectory
@@ -407,6 +409,34 @@ def test_the_buffer_counts_a_taken_batch_until_published_and_drops_nothing_in_ar
         await buf.close()
 
     asyncio.run(scenario())
+
+
+def test_async_keeps_a_stale_complete_group_for_the_trainer_to_rescore(tmp_path):
+    """``GRPO.stale_groups="rescore"``: async's admission (fixed or adaptive) drops no
+    complete group as too stale: the trainer takes it and re-scores its old tokens. Under
+    the default "drop" the same group is dropped at the take."""
+    assert auto_admission(GRPO(groups_per_step=2), 4).drop_stale
+    kept = auto_admission(GRPO(groups_per_step=2, stale_groups="rescore"), 4)
+    assert not kept.drop_stale and kept.stale_floor(7) is None
+    assert not kept.resized(6).drop_stale and not Capacity(4, False).resized(6).drop_stale
+    with pytest.raises(GraphError, match="stale_groups must be one of"):
+        GRPO(stale_groups="keep")
+    with pytest.raises(GraphError, match="applies to mode='async' only"):
+        Graph("g", mode="areal", algo=GRPO(stale_groups="rescore"))
+
+    async def scenario(drop: bool) -> tuple[int, int]:
+        buf = SampleBuffer(str(tmp_path / f"run-{drop}"))
+        await buf.open_slots(Slots(2, _seq(), Capacity(2, drop)))
+        old, new = await buf.acquire("m"), await buf.acquire("m")
+        await _run_group(buf, old, version=0)
+        await _run_group(buf, new, version=5)
+        table = await buf.get_table(1, min_version=5, trained_step=1)
+        dropped = (await buf.counts())["dropped"]
+        await buf.close()
+        return sorted(set(table.column("group_id").to_pylist())), dropped
+
+    assert asyncio.run(scenario(True)) == (["g000001"], 2)  # the old group dropped
+    assert asyncio.run(scenario(False)) == (["g000000"], 0)  # kept: taken first
 
 
 def test_a_lost_manager_frees_nothing_and_its_group_is_handed_out_again(tmp_path):

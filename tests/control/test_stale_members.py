@@ -62,3 +62,31 @@ def test_stale_members_is_checked_where_it_is_set():
     assert Rollout().stale_members is None
     assert tiny_graph("t").stale_members == "rescore"
     assert replace(tiny_graph("t"), mode="areal").stale_members == "abort"
+
+
+def test_an_async_run_keeping_stale_groups_trains_them_rescored(local_cluster, tmp_path):
+    """``GRPO.stale_groups="rescore"``: a complete group that went too stale waiting for
+    its take is trained, not dropped, and the trainer re-scores exactly its tokens older
+    than the bound (counted per step; the written rows show which they were)."""
+    task = with_faults(get_task("gridnav"), Faults(step=0.2))
+    graph = tiny_graph("q-keep", (task,), mode="async", steps=4, groups=3,
+                       max_in_flight=3, stale_members="abort")
+    graph = replace(graph, algo=replace(graph.algo, stale_groups="rescore"))
+    result = train(graph, client=local_cluster, run_dir=tmp_path / "keep",
+                   progress=False, eval_seeds=0)
+    assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
+    check_run_record(result)
+    samples = read_samples(result.run_dir)
+    trained = samples.filter(pc.equal(samples["state"], "trained"))
+    assert trained.num_rows == 4 * 3 * 2
+    assert all(r["trainer/loss"] == r["trainer/loss"] for r in result.metrics)  # no NaN
+    # the trainer at step s holds version s - 1: its bound is s - 2
+    stale = {}
+    for versions, mask, step in zip(trained["versions"].to_pylist(),
+                                    trained["loss_mask"].to_pylist(),
+                                    trained["trained_step"].to_pylist()):
+        stale[step] = stale.get(step, 0) + sum(m and v < step - 2
+                                               for v, m in zip(versions, mask))
+    by_step = {r["step"]: r["trainer/rescored_tokens"] for r in result.metrics}
+    assert by_step == {s: stale.get(s, 0) for s in by_step}
+    assert sum(by_step.values()) > 0  # three steps' worth started at v0: some waited

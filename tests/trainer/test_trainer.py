@@ -89,6 +89,31 @@ def test_default_correction_stops_pushing_a_stale_token_that_already_rose():
     assert grads[None] == 0 and grads["decoupled"] == pytest.approx(-2.0)
 
 
+def test_a_token_the_trainer_rescored_is_pushed_as_if_on_policy():
+    """``GRPO.stale_groups="rescore"``: a token of a group kept past the bound has its
+    behaviour log-prob marked NaN (``rescore_stale``) and ``grpo_loss`` takes the
+    weights being trained as its μ, as a rollout worker re-scoring it at that version
+    would: the push its true, older μ would have clipped away comes back, and the
+    unmarked token next to it keeps its own μ."""
+    from rollart.trainer.trainer import rescore_stale
+
+    t = trajectory("t", "g", [1], [5, 6, 7], mask=[1, 1, 0], logprobs=[-1.0, -1.0, 0.0],
+                   versions=[0, 3, -1])
+    assert rescore_stale([t], min_version=2) == 1 and math.isnan(t.logprobs[0])
+    assert t.logprobs[1:] == [-1.0, 0.0]
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
+    grads = {}
+    for name, behaviour in (("old", [[-1.0, -1.0]]), ("rescored", [t.logprobs[:2]])):
+        logp = torch.zeros(1, 2, requires_grad=True)  # π/μ = e for the old μ: clipped
+        loss, stats = grpo_loss(logp, torch.tensor(behaviour), adv, mask)
+        loss.backward()
+        grads[name] = logp.grad[0].tolist()
+        assert not math.isnan(loss.item())
+    assert grads["old"] == [0.0, 0.0]
+    assert grads["rescored"][0] == pytest.approx(-0.5) and grads["rescored"][1] == 0.0
+    assert rescore_stale([t], min_version=0) == 0  # nothing older than the bound
+
+
 @pytest.mark.parametrize("mode", ["decoupled", "tis"])
 def test_stale_tokens_keep_a_truncated_importance_weighted_gradient(mode):
     # behaviour policy gave the token prob e^-1, the current policy gives it e^0:

@@ -111,7 +111,7 @@ class AsyncPipeline(Pipeline):
         past ``alpha`` steps' worth starts no group that is stale before its take."""
         if self.inflight is not None:
             return auto_admission(self.graph.algo, self.limit())
-        return Capacity(self.limit())
+        return Capacity(self.limit(), self.graph.algo.stale_groups == "drop")
 
     def keep_taking(self) -> None:
         """While the trainer steps: the buffer has its slots (once per buffer: a

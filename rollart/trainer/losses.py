@@ -35,10 +35,12 @@ steps, three seeds) to collapse in two seeds of three; ``"ppo"`` learned as well
 on-policy training there. On fresh data (``sync``, ``alpha = 0``) μ = π and all three
 give the same gradient.
 
-A NaN behaviour log-prob marks a token re-scored by the trainer (``GRPO.stale_groups=
-"rescore"``: a complete group that went too stale waiting for its take; the ``Trainer``
-marks its tokens older than the bound): its μ is π_prox, the log-prob under the weights
-being trained, as a rollout worker's re-scoring at that version would have given.
+A behaviour log-prob of ``RESCORE`` (+inf, which no policy gives) marks a token
+re-scored by the trainer (``GRPO.stale_groups="rescore"``: a complete group that went
+too stale waiting for its take; ``rollart.trainer.trainer.rescore_stale`` marks its
+tokens older than the bound): its μ is π_prox, the log-prob under the weights being
+trained, as a rollout worker's re-scoring at that version would have given. (A NaN from
+an engine is left as it is: it makes the loss NaN, it is never read as re-scored.)
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ import inspect
 import torch
 
 from rollart.types import DEFAULT_OFF_POLICY, OFF_POLICY
+
+#: the behaviour log-prob of a token the trainer re-scores (module docstring)
+RESCORE = float("inf")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -167,7 +172,7 @@ def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps: float = 0.2,
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
     prox = logp.detach() if prox_logp is None else prox_logp
-    rescored = torch.isnan(behaviour_logp)  # re-scored here: μ = π_prox (module docstring)
+    rescored = torch.isposinf(behaviour_logp)  # RESCORE: μ = π_prox (module docstring)
     behaviour_logp = torch.where(rescored, prox, behaviour_logp)
     behaviour_gap = (prox - behaviour_logp).clamp(-20, 20)  # log(π_prox / μ)
     if off_policy == "ppo":

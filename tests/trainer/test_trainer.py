@@ -91,7 +91,7 @@ def test_default_correction_stops_pushing_a_stale_token_that_already_rose():
 
 def test_a_token_the_trainer_rescored_is_pushed_as_if_on_policy():
     """``GRPO.stale_groups="rescore"``: a token of a group kept past the bound has its
-    behaviour log-prob marked NaN (``rescore_stale``) and ``grpo_loss`` takes the
+    behaviour log-prob marked ``RESCORE`` (``rescore_stale``) and ``grpo_loss`` takes the
     weights being trained as its μ, as a rollout worker re-scoring it at that version
     would: the push its true, older μ would have clipped away comes back, and the
     unmarked token next to it keeps its own μ."""
@@ -99,7 +99,7 @@ def test_a_token_the_trainer_rescored_is_pushed_as_if_on_policy():
 
     t = trajectory("t", "g", [1], [5, 6, 7], mask=[1, 1, 0], logprobs=[-1.0, -1.0, 0.0],
                    versions=[0, 3, -1])
-    assert rescore_stale([t], min_version=2) == 1 and math.isnan(t.logprobs[0])
+    assert rescore_stale([t], min_version=2) == 1 and t.logprobs[0] == math.inf
     assert t.logprobs[1:] == [-1.0, 0.0]
     adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
     grads = {}
@@ -112,6 +112,9 @@ def test_a_token_the_trainer_rescored_is_pushed_as_if_on_policy():
     assert grads["old"] == [0.0, 0.0]
     assert grads["rescored"][0] == pytest.approx(-0.5) and grads["rescored"][1] == 0.0
     assert rescore_stale([t], min_version=0) == 0  # nothing older than the bound
+    # a NaN from an engine is not read as re-scored: the loss shows it
+    loss, _ = grpo_loss(torch.zeros(1, 1), torch.tensor([[math.nan]]), adv, torch.ones(1, 1))
+    assert math.isnan(loss.item())
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "tis"])

@@ -72,7 +72,7 @@ class GRPO:
     # async: a complete group that fell below the staleness bound while it waited for its
     # take is "drop"ped (and run again), or "rescore"d: kept, and the trainer re-scores
     # its tokens older than the bound under the weights it trains (their behaviour
-    # log-probs become its own: rollart.trainer.trainer.rescore_stale)
+    # log-probs become its own: rollart.trainer.losses.rescore_stale)
     stale_groups: str = "drop"
 
     def __post_init__(self):

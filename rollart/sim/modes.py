@@ -77,10 +77,10 @@ def asynchronous(cl, areal: bool = False):
 
     cl.on_release = released
     fill()
+    # areal drops nothing; nor does async keeping stale groups (GRPO.stale_groups: the
+    # trainer re-scores them in the forward it runs anyway, at no simulated cost)
+    keep = areal or algo.stale_groups == "rescore"
     for _ in range(cl.cfg.steps):
-        # areal drops nothing; nor does async keeping stale groups (GRPO.stale_groups:
-        # the trainer re-scores them in the forward it runs anyway, at no simulated cost)
-        keep = areal or algo.stale_groups == "rescore"
         floor = None if keep else cl.bound.min_version(cl.version)
         t0, lost = cl.env.now, (cl.counts["dropped"], cl.counts["aborted"])
         batch = yield from cl.take_batch(algo.groups_per_step, floor,

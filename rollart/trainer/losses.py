@@ -37,7 +37,7 @@ give the same gradient.
 
 A behaviour log-prob of ``RESCORE`` (+inf, which no policy gives) marks a token
 re-scored by the trainer (``GRPO.stale_groups="rescore"``: a complete group that went
-too stale waiting for its take; ``rollart.trainer.trainer.rescore_stale`` marks its
+too stale waiting for its take; ``rescore_stale`` marks its
 tokens older than the bound): its μ is π_prox, the log-prob under the weights being
 trained, as a rollout worker's re-scoring at that version would have given. (A NaN from
 an engine is left as it is: it makes the loss NaN, it is never read as re-scored.)
@@ -50,10 +50,31 @@ import inspect
 
 import torch
 
+from rollart.env.rescore import stale_positions
 from rollart.types import DEFAULT_OFF_POLICY, OFF_POLICY
 
 #: the behaviour log-prob of a token the trainer re-scores (module docstring)
 RESCORE = float("inf")
+
+
+def rescore_stale(batch, min_version: int) -> int:
+    """Mark the generated tokens of ``batch`` (``Trajectory`` rows) older than
+    ``min_version`` to be re-scored by the trainer (``GRPO.stale_groups="rescore"``):
+    their behaviour log-probs become ``RESCORE``, which ``grpo_loss`` reads as the
+    log-prob under the weights being trained. Returns how many were marked.
+
+    >>> from rollart.types import Trajectory
+    >>> t = Trajectory("t", "task", "g", 0, [1], [5, 6, 7], [1, 0, 1], [-0.1, 0.0, -0.3],
+    ...                [2, -1, 4])
+    >>> rescore_stale([t], min_version=3), t.logprobs
+    (1, [inf, 0.0, -0.3])
+    """
+    n = 0
+    for t in batch:
+        for i in stale_positions(t, min_version):  # the rows' own loss_mask and versions
+            t.logprobs[i] = RESCORE
+            n += 1
+    return n
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

@@ -26,10 +26,10 @@ from rollart.buffer.schema import batch_digest, batch_metrics, from_table  # noq
 from rollart.model import load_tokenizer
 from rollart.runtime.devices import worker_device
 from rollart.runtime.resources import set_worker_threads, usable_cores
-from rollart.policy.staleness import StalenessBound, within
+from rollart.policy.staleness import StalenessBound
 from rollart.trainer.advantages import compute_advantages
 from rollart.trainer.backend import TorchBackend
-from rollart.trainer.losses import (RESCORE, grpo_loss, shared_prompt_logprobs,
+from rollart.trainer.losses import (grpo_loss, rescore_stale, shared_prompt_logprobs,
                                      shares_prompts, target_logprobs)
 from rollart.trainer.state import TrainerState
 from rollart.trainer.warmup import run_warmup
@@ -456,27 +456,6 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             parts.append([i])
     return parts
-
-
-def rescore_stale(batch, min_version: int) -> int:
-    """Mark the generated tokens of ``batch`` older than ``min_version`` to be re-scored
-    by the trainer (``GRPO.stale_groups="rescore"``): their behaviour log-probs become
-    ``RESCORE`` (+inf), which ``grpo_loss`` reads as the log-prob under the weights being
-    trained. Returns how many were marked.
-
-    >>> from rollart.types import Trajectory
-    >>> t = Trajectory("t", "task", "g", 0, [1], [5, 6, 7], [1, 0, 1], [-0.1, 0.0, -0.3],
-    ...                [2, -1, 4])
-    >>> rescore_stale([t], min_version=3), t.logprobs
-    (1, [inf, 0.0, -0.3])
-    """
-    n = 0
-    for t in batch:
-        for i, (m, v) in enumerate(zip(t.loss_mask, t.versions)):
-            if m and not within(v, min_version):
-                t.logprobs[i] = RESCORE
-                n += 1
-    return n
 
 
 def collate_shared(batch, pad_id: int):

@@ -95,7 +95,7 @@ def test_a_token_the_trainer_rescored_is_pushed_as_if_on_policy():
     weights being trained as its μ, as a rollout worker re-scoring it at that version
     would: the push its true, older μ would have clipped away comes back, and the
     unmarked token next to it keeps its own μ."""
-    from rollart.trainer.trainer import rescore_stale
+    from rollart.trainer.losses import rescore_stale
 
     t = trajectory("t", "g", [1], [5, 6, 7], mask=[1, 1, 0], logprobs=[-1.0, -1.0, 0.0],
                    versions=[0, 3, -1])

@@ -215,7 +215,8 @@ def label_graph(base, tasks, model: str, label: str, seed: int, a):
     graph = replace(base, tasks=tasks, mode=mode, steps=a.steps, seed=seed,
                     checkpoint_every=a.every,
                     policy=replace(base.policy, model=model, weight_update=a.weight_update),
-                    algo=replace(base.algo, groups_per_step=a.groups, alpha=None),
+                    algo=replace(base.algo, groups_per_step=a.groups, alpha=None,
+                                 lr=base.algo.lr if a.lr is None else a.lr),
                     rollout=replace(base.rollout,
                                     redundancy=a.redundancy if tag == "r" else 1.0,
                                     max_in_flight=a.max_in_flight,
@@ -269,7 +270,22 @@ def run_one(client, base, tasks, model: str, label: str, seed: int, a, out: Path
             # tokens of complete groups kept past the bound, re-scored by the trainer
             "trainer_rescored_tokens": sum(r.get("trainer/rescored_tokens", 0) or 0
                                            for r in rows),
-            "run_dir": str(run_dir)}
+            "run_dir": str(run_dir), "rows": rows}
+
+
+def keep_rows(folder: str | None, run: dict) -> None:
+    """With ``--keep-rows``: the run's metrics rows, clock and whole held-out curve as
+    ``folder/<label>-seed<N>.json``, to compare modes step by step."""
+    rows = run.pop("rows")
+    if not folder:
+        return
+    import json
+
+    path = Path(folder).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    keep = {k: v for k, v in run.items() if k not in ("snapshots", "run_dir")}
+    (path / f"{short(run['label'])}-seed{run['seed']}.json").write_text(
+        json.dumps(dict(keep, rows=rows), default=str))
 
 
 def _sum_stats(per_worker: dict) -> dict:
@@ -282,9 +298,10 @@ def _sum_stats(per_worker: dict) -> dict:
     return out
 
 
-def score(run: dict, tasks, seeds, target: float) -> dict:
-    """Evaluate the run's checkpoints in step order until one reaches ``target``, and
-    its last one; time to target (inf if none did) and the last held-out success."""
+def score(run: dict, tasks, seeds, target: float, whole: bool = False) -> dict:
+    """Evaluate the run's checkpoints in step order until one reaches ``target`` (every
+    one with ``whole``), and its last one; time to target (inf if none did) and the
+    last held-out success."""
     from rollart.observe.evaluate import evaluate
 
     def heldout(path):
@@ -294,8 +311,9 @@ def score(run: dict, tasks, seeds, target: float) -> dict:
     run["time_to_target_s"], run["curve"] = math.inf, {}
     for step, path in run["snapshots"]:
         run["curve"][step] = heldout(path)
-        if run["curve"][step] >= target:
+        if run["curve"][step] >= target and math.isinf(run["time_to_target_s"]):
             run["time_to_target_s"] = run["clock"][step]
+        if not math.isinf(run["time_to_target_s"]) and not whole:
             break
     last_step, last_path = run["snapshots"][-1]
     if last_step not in run["curve"]:
@@ -448,6 +466,13 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--warm-cache", default=WARM_CACHE,
                    help="a folder to keep the warmed-up model in and reuse it from "
                    "('' = build it afresh in a temporary folder)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="GRPO.lr for every mode alike (default: the graph's; a diagnostic "
+                   "setting, printed as lr= in the RESULT line)")
+    p.add_argument("--keep-rows", default=None, metavar="DIR",
+                   help="write each run's metrics rows and its held-out success at every "
+                   "checkpoint to DIR/<label>-seed<N>.json (evaluates every checkpoint, "
+                   "not only until the target)")
     add_arguments(p)
     a = p.parse_args(argv)
     fill(a, QUICK if a.quick else FULL)
@@ -505,7 +530,8 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
             print(f"  {label:9s} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
             failed.append(f"{label}/{seed}")
             continue
-        runs.append(score(run, base.tasks, heldout_seeds, target))
+        runs.append(score(run, base.tasks, heldout_seeds, target, whole=bool(a.keep_rows)))
+        keep_rows(a.keep_rows, run)
         print(f"  {label:9s} time_to_target_s={fmt(run['time_to_target_s'])} "
               f"traj_per_s={fmt(run['traj_per_s'])} heldout={fmt(run['heldout'])} "
               f"wall_s={fmt(run['wall_s'])} ckpt_s={fmt(run['ckpt_s'])} "
@@ -555,6 +581,7 @@ def main(argv=None) -> dict:
                # worth; areal: completion order)
                order="mode" if a.take_window is None else f"start{a.take_window:g}",
                weight_update=a.weight_update,
+               lr=a.lr if a.lr is not None else base.algo.lr,
                target=target, failed_runs=len(failed),
                heldout_warm=warm, margin=a.margin,
                steps=a.steps, groups=a.groups, eval_seeds=a.eval_seeds,

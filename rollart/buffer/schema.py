@@ -39,6 +39,7 @@ trained_step    int32            yes       trainer step that took it (taken, tra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import fields as dc_fields
 
@@ -180,9 +181,27 @@ def trainable_groups(trajs) -> int:
     return sum(len(r) > 1 for r in rewards.values())
 
 
+def sampled_entropy(trajs) -> float | None:
+    """The mean −log μ of the generated tokens of ``trajs`` (their ``loss_mask`` ones,
+    μ the behaviour log-prob each was sampled with): a sample estimate of the sampling
+    policy's entropy per token, at its temperature. Falling towards 0, a task's members
+    all do the same thing and its groups stop having unequal rewards. Tokens without a
+    finite log-prob (the trainer's ``RESCORE`` marks) are left out; None when no token
+    is left.
+
+    >>> T = lambda lp: Trajectory("", "t", "g", 0, [1], [5, 6, 7], [1, 1, 0], lp, [0, 0, 0])
+    >>> sampled_entropy([T([-0.5, -1.5, -9.0]), T([float("inf"), -2.0, 0.0])])
+    1.3333333333333333
+    """
+    nll = [-lp for t in trajs for m, lp in zip(t.loss_mask, t.logprobs)
+           if m and math.isfinite(lp)]
+    return sum(nll) / len(nll) if nll else None
+
+
 def batch_metrics(batch, trainer_version: int) -> dict:
-    """Per-task reward, success, trajectories (``trainer/rows/<task>``) and
-    trainable groups (``trainer/trainable_groups/<task>``), staleness and sizes of a
+    """Per-task reward, success, trajectories (``trainer/rows/<task>``), trainable
+    groups (``trainer/trainable_groups/<task>``) and the sampled tokens' entropy
+    estimate (``entropy/<task>``, ``sampled_entropy``), staleness and sizes of a
     trained batch (a list of ``Trajectory``; ``trainer_version``: the version its update
     was computed on); a task with nothing in the batch gets its keys from
     ``rollart.observe.figures.step_row``. The trainer reports them per step; the pipeline
@@ -199,6 +218,8 @@ def batch_metrics(batch, trainer_version: int) -> dict:
         out[f"success/{task}"] = sum(t.outcome == "success" for t in ts) / len(ts)
         out[f"trainer/rows/{task}"] = len(ts)
         out[f"trainer/trainable_groups/{task}"] = trainable_groups(ts)
+        out[f"entropy/{task}"] = sampled_entropy(ts)
+    out["trainer/entropy"] = sampled_entropy(batch)
     stale = [trainer_version - t.version for t in batch]
     out["trainer/staleness_mean"] = sum(stale) / len(stale)
     out["trainer/staleness_max"] = max(stale)

@@ -18,7 +18,9 @@ Every task of the graph (``tasks``) has its keys in every row (``task_keys``):
 * this step's batch: ``reward/<task>`` and ``success/<task>``, the mean over the task's
   trajectories in it, or ``None`` (JSON ``null``; trackers skip it) when it had none;
   ``trainer/rows/<task>``, how many (0 then), and ``trainer/trainable_groups/<task>``,
-  its groups with unequal rewards (``rollart.buffer.schema.trainable_groups``);
+  its groups with unequal rewards (``rollart.buffer.schema.trainable_groups``), and
+  ``entropy/<task>``, the mean −log μ of its generated tokens
+  (``rollart.buffer.schema.sampled_entropy``), ``None`` when it had none;
 * cumulative, from the buffer's arrivals (``rollart.buffer.arrivals.TASK_COUNTS``),
   like ``traj/<state>``: ``task/received/<task>`` trajectories that reached the buffer,
   ``task/failed/<task>`` failed ones, ``task/truncated/<task>`` truncated ones (context
@@ -81,7 +83,7 @@ def task_keys(trainer: dict, tasks, per_task: dict) -> dict:
     out = {}
     for task in sorted(set(tasks) | set(per_task)):
         for key, none in (("reward", None), ("success", None), ("trainer/rows", 0),
-                          ("trainer/trainable_groups", 0)):
+                          ("trainer/trainable_groups", 0), ("entropy", None)):
             out[f"{key}/{task}"] = trainer.get(f"{key}/{task}", none)
         c = per_task.get(task, {})
         for k in ("received", "failed", "truncated", "invalid_tool_calls"):

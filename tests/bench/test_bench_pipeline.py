@@ -127,6 +127,37 @@ def test_in_flight_is_the_time_mean_of_the_groups_held_in_steps_worth(monkeypatc
     assert math.isnan(bench.in_flight({"rollout/slots_open_s": 0}, groups=6))  # lockstep
 
 
+def test_kept_rows_have_the_whole_curve_and_the_first_crossing_is_the_time(
+        monkeypatch, tmp_path):
+    """``--keep-rows``: every checkpoint is evaluated, not only until the target; the
+    time to target is still the first crossing's clock; the file holds the rows."""
+    import json
+
+    import rollart.observe.evaluate as ev
+
+    bench = _bench(monkeypatch)
+    success = {"s3": 0.2, "s6": 0.5, "s9": 0.3, "s12": 0.6}
+    monkeypatch.setattr(ev, "evaluate", lambda path, tasks, seeds: {"t": success[path]})
+    rows = [{"step": s, "time": 2.0 * s} for s in range(1, 13)]
+
+    def run():
+        return {"label": "async@keep", "seed": 2, "clock": bench.clock(rows),
+                "snapshots": [(s, f"s{s}") for s in (3, 6, 9, 12)],
+                "run_dir": str(tmp_path / "gone"), "rows": rows}
+
+    part = bench.score(run(), ("t",), range(4), target=0.4)
+    assert part["curve"] == {3: 0.2, 6: 0.5, 12: 0.6} and part["time_to_target_s"] == 12.0
+    whole = bench.score(run(), ("t",), range(4), target=0.4, whole=True)
+    assert whole["curve"] == {3: 0.2, 6: 0.5, 9: 0.3, 12: 0.6}
+    assert whole["time_to_target_s"] == 12.0 and whole["heldout"] == 0.6
+    bench.keep_rows(str(tmp_path / "kept"), whole)
+    kept = json.loads((tmp_path / "kept" / "async_at_keep-seed2.json").read_text())
+    assert kept["rows"] == rows and kept["curve"] == {"3": 0.2, "6": 0.5, "9": 0.3, "12": 0.6}
+    assert "rows" not in whole  # not carried into the records
+    never = bench.score(run(), ("t",), range(4), target=0.9, whole=True)
+    assert math.isinf(never["time_to_target_s"]) and len(never["curve"]) == 4
+
+
 def test_paired_ratios_wins_and_spread_on_planted_times(monkeypatch):
     bench = _bench(monkeypatch)
     inf = math.inf
@@ -201,6 +232,10 @@ def test_areal_at_async_gets_asyncs_budget_and_the_rest_their_own(monkeypatch):
     wide = bench.parse(["--quick", "--max-in-flight", "2"])
     assert bench.label_graph(base, base.tasks, "m", "areal@async", 1, wide) \
         .rollout.max_in_flight == 2
+    assert {g.algo.lr for g in graphs.values()} == {base.algo.lr}  # the graph's
+    slow = bench.parse(["--quick", "--lr", "2.5e-4"])  # every mode alike
+    assert {bench.label_graph(base, base.tasks, "m", label, 1, slow).algo.lr
+            for label in ("areal", "async", "async@keep", "sync+")} == {2.5e-4}
 
 
 @pytest.mark.bench

@@ -67,10 +67,15 @@ none, to fit its time). Ends with
            speedup_vs_areal_paired=… wins_vs_areal=… … inflight_async=… inflight_areal=…
            speedup_vs_syncplus=… speedup_vs_sync=… … seeds=… target=… …
 
-kept from before the paired figures (old records render with them): ``speedup_vs_X`` =
-X's median time to target ÷ async's (a ratio of medians); ``throughput_vs_sync`` =
-async's median trained trajectories/s ÷ sync's; ``heldout_*`` = the median held-out
-success of each mode's last checkpoint. A script, not a test.
+Each run in the record also carries ``steps``: where its time and learning went, step
+by step (``benchmarks/_pipeline_steps.run_figures``: seconds a step and the trainer's
+wait, the engine's busy share, steps to the target, early staleness, clip share and KL,
+trainable groups and entropy per task). ``--keep-rows DIR`` keeps the rows themselves.
+
+The other figures are kept from before the paired figures (old records render with
+them): ``speedup_vs_X`` = X's median time to target ÷ async's (a ratio of medians);
+``throughput_vs_sync`` = async's median trained trajectories/s ÷ sync's; ``heldout_*``
+= the median held-out success of each mode's last checkpoint. A script, not a test.
 
     python benchmarks/pipeline.py --quick
     python benchmarks/pipeline.py --redundant '' --eval-seeds 128   # the headline
@@ -94,6 +99,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _results.py
 
+from _pipeline_steps import run_figures  # noqa: E402
 from _results import Run, add_arguments, fill  # noqa: E402
 
 MODES = ("sync", "sync+", "one-off", "areal", "async")
@@ -531,6 +537,8 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
             failed.append(f"{label}/{seed}")
             continue
         runs.append(score(run, base.tasks, heldout_seeds, target, whole=bool(a.keep_rows)))
+        # where the run's time and learning went, step by step (benchmarks/_pipeline_steps)
+        run["steps"] = run_figures(run, target)
         keep_rows(a.keep_rows, run)
         print(f"  {label:9s} time_to_target_s={fmt(run['time_to_target_s'])} "
               f"traj_per_s={fmt(run['traj_per_s'])} heldout={fmt(run['heldout'])} "
@@ -589,7 +597,7 @@ def main(argv=None) -> dict:
     keys = ("label", "seed", "time_to_target_s", "heldout", "traj_per_s", "wall_s",
             "ckpt_s", "inflight", "suspends", "recompute_tokens", "trainer_wait_s",
             "version_wait_s", "dropped", "aborted", "wasted_share", "rescored_tokens",
-            "trainer_rescored_tokens")
+            "trainer_rescored_tokens", "steps")
     run.result(out, {"runs": [{k: r.get(k) for k in keys} for r in runs]}, fmt=fmt)
     return out
 

@@ -147,6 +147,10 @@ def test_kept_rows_have_the_whole_curve_and_the_first_crossing_is_the_time(
 
     part = bench.score(run(), ("t",), range(4), target=0.4)
     assert part["curve"] == {3: 0.2, 6: 0.5, 12: 0.6} and part["time_to_target_s"] == 12.0
+    # the record's step figures, from a run scored only until its target and its last
+    figs = bench.run_figures(part, 0.4)
+    assert (figs["steps_to_target"], figs["time_to_target_s"], figs["final"]) == (6, 12.0, 0.6)
+    assert figs["s_step"] == 2.0
     whole = bench.score(run(), ("t",), range(4), target=0.4, whole=True)
     assert whole["curve"] == {3: 0.2, 6: 0.5, 9: 0.3, 12: 0.6}
     assert whole["time_to_target_s"] == 12.0 and whole["heldout"] == 0.6

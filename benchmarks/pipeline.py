@@ -49,7 +49,9 @@ with stale members aborted, ``async@rescore`` one step's worth with them re-scor
 steps' worth (``Rollout.take_window=1.5``), ``async@keep`` the default keeping a complete
 group that went too stale waiting for its take, its old tokens re-scored by the trainer
 (``GRPO.stale_groups="rescore"``), instead of dropping it, ``async@completion_keep``
-both: completion order, no group dropped as too stale.
+both: completion order, no group dropped as too stale; ``async@completion_clip`` the
+same with the kept group trained as it is (``GRPO.stale_groups="clip"``: its true
+behaviour log-probs under the PPO clip, as areal trains it) instead of re-scored.
 ``--ours LABEL`` makes one of them the headline: every paired ratio is then against it,
 the default async included (``speedup_vs_async_paired``), and the RESULT line says
 ``ours=LABEL``::
@@ -119,7 +121,11 @@ VARIANTS = {"async@one": {"max_in_flight": 1.0, "stale_members": "abort"},
             # dropped and run again; alone, and taking in completion order
             "async@keep": {"algo": {"stale_groups": "rescore"}},
             "async@completion_keep": {"take_window": math.inf,
-                                      "algo": {"stale_groups": "rescore"}}}
+                                      "algo": {"stale_groups": "rescore"}},
+            # completion order, the kept group trained as it is (its true behaviour
+            # log-probs under the PPO clip, as areal trains it), not re-scored
+            "async@completion_clip": {"take_window": math.inf,
+                                      "algo": {"stale_groups": "clip"}}}
 LABELS = MODES + (AT_ASYNC,) + tuple(VARIANTS)
 REDUNDANT_MODES = ("sync+", "areal", "async")  # the modes whose groups run on their own
 TARGET_MARGIN = 0.10  # target = warm-up held-out success + this (fixed before any run)

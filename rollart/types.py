@@ -37,8 +37,9 @@ EVAL_SEED_BASE = 2_000_000
 OFF_POLICY = ("decoupled", "tis", "ppo")
 DEFAULT_OFF_POLICY = "ppo"
 #: what becomes of a complete group that went too stale waiting for its take (async):
-#: dropped, or kept with its old tokens re-scored by the trainer (``GRPO.stale_groups``)
-STALE_GROUPS = ("drop", "rescore")
+#: dropped, kept with its old tokens re-scored by the trainer, or kept with their
+#: behaviour log-probs under the PPO clip, as areal trains them (``GRPO.stale_groups``)
+STALE_GROUPS = ("drop", "rescore", "clip")
 #: how GRPO scales a group's centred rewards (``rollart.trainer.advantages``)
 SCALE_REWARDS = ("group", "batch", "none")
 

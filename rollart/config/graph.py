@@ -72,7 +72,9 @@ class GRPO:
     # async: a complete group that fell below the staleness bound while it waited for its
     # take is "drop"ped (and run again), or "rescore"d: kept, and the trainer re-scores
     # its tokens older than the bound under the weights it trains (their behaviour
-    # log-probs become its own: rollart.trainer.losses.rescore_stale)
+    # log-probs become its own: rollart.trainer.losses.rescore_stale), or kept and
+    # trained as it is ("clip": its behaviour log-probs under the loss's clip, as areal
+    # trains a group however stale; trainer/staleness_max may then exceed alpha)
     stale_groups: str = "drop"
 
     def __post_init__(self):
@@ -108,7 +110,8 @@ class GRPO:
         _check(self.stale_groups in STALE_GROUPS, f"GRPO.stale_groups must be one of "
                f"{STALE_GROUPS}, got {self.stale_groups!r}: 'drop' runs a complete group "
                f"that went too stale again, 'rescore' keeps it and the trainer re-scores "
-               f"its old tokens (e.g. --set algo.stale_groups=rescore)")
+               f"its old tokens, 'clip' keeps it and trains them as they are (e.g. --set "
+               f"algo.stale_groups=rescore)")
 
     @property
     def batch_size(self) -> int:
@@ -301,8 +304,9 @@ class Graph:
                f"mode='async' only (areal keeps its members, the lockstep modes abort none), "
                f"got mode={self.mode!r}; set Rollout.stale_members='abort' or mode='async'")
         # only async drops complete groups for staleness: areal keeps them
-        _check(self.algo.stale_groups != "rescore" or self.mode == "async",
-               f"Graph {self.name!r}: GRPO.stale_groups='rescore' applies to mode='async' "
+        _check(self.algo.stale_groups == "drop" or self.mode == "async",
+               f"Graph {self.name!r}: GRPO.stale_groups={self.algo.stale_groups!r} applies "
+               f"to mode='async' "
                f"only (areal keeps its groups, the lockstep modes drop none), got "
                f"mode={self.mode!r}; set GRPO.stale_groups='drop' or mode='async'")
         _numbers(self, "steps", "seed", "checkpoint_every", integer=True)

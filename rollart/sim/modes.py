@@ -78,8 +78,9 @@ def asynchronous(cl, areal: bool = False):
     cl.on_release = released
     fill()
     # areal drops nothing; nor does async keeping stale groups (GRPO.stale_groups: the
-    # trainer re-scores them in the forward it runs anyway, at no simulated cost)
-    keep = areal or algo.stale_groups == "rescore"
+    # trainer re-scores them in the forward it runs anyway, or trains them as they are;
+    # at no simulated cost either way)
+    keep = areal or algo.stale_groups != "drop"
     for _ in range(cl.cfg.steps):
         floor = None if keep else cl.bound.min_version(cl.version)
         t0, lost = cl.env.now, (cl.counts["dropped"], cl.counts["aborted"])

@@ -419,10 +419,14 @@ def test_async_keeps_a_stale_complete_group_for_the_trainer_to_rescore(tmp_path)
     kept = auto_admission(GRPO(groups_per_step=2, stale_groups="rescore"), 4)
     assert not kept.drop_stale and kept.stale_floor(7) is None
     assert not kept.resized(6).drop_stale and not Capacity(4, False).resized(6).drop_stale
+    # "clip" keeps it too; the trainer then trains its tokens as they are
+    clip = auto_admission(GRPO(groups_per_step=2, stale_groups="clip"), 4)
+    assert not clip.drop_stale and clip.stale_floor(7) is None
     with pytest.raises(GraphError, match="stale_groups must be one of"):
         GRPO(stale_groups="keep")
-    with pytest.raises(GraphError, match="applies to mode='async' only"):
-        Graph("g", mode="areal", algo=GRPO(stale_groups="rescore"))
+    for kept in ("rescore", "clip"):
+        with pytest.raises(GraphError, match="applies to mode='async' only"):
+            Graph("g", mode="areal", algo=GRPO(stale_groups=kept))
 
     async def scenario(drop: bool) -> tuple[int, int]:
         buf = SampleBuffer(str(tmp_path / f"run-{drop}"))

@@ -64,14 +64,17 @@ def test_stale_members_is_checked_where_it_is_set():
     assert replace(tiny_graph("t"), mode="areal").stale_members == "abort"
 
 
-def test_an_async_run_keeping_stale_groups_trains_them_rescored(local_cluster, tmp_path):
+@pytest.mark.parametrize("kept", ["rescore", "clip"])
+def test_an_async_run_keeping_stale_groups_trains_them(local_cluster, tmp_path, kept):
     """``GRPO.stale_groups="rescore"``: a complete group that went too stale waiting for
     its take is trained, not dropped, and the trainer re-scores exactly its tokens older
-    than the bound (counted per step; the written rows show which they were)."""
+    than the bound (counted per step; the written rows show which they were).
+    ``"clip"``: the same groups are trained, their tokens as they are (none re-scored),
+    so the batch's staleness exceeds the bound, as areal's may."""
     task = with_faults(get_task("gridnav"), Faults(step=0.2))
     graph = tiny_graph("q-keep", (task,), mode="async", steps=4, groups=3,
                        max_in_flight=3, stale_members="abort")
-    graph = replace(graph, algo=replace(graph.algo, stale_groups="rescore"))
+    graph = replace(graph, algo=replace(graph.algo, stale_groups=kept))
     result = train(graph, client=local_cluster, run_dir=tmp_path / "keep",
                    progress=False, eval_seeds=0)
     assert [r["step"] for r in result.metrics] == [1, 2, 3, 4]
@@ -88,5 +91,9 @@ def test_an_async_run_keeping_stale_groups_trains_them_rescored(local_cluster, t
         stale[step] = stale.get(step, 0) + sum(m and v < step - 2
                                                for v, m in zip(versions, mask))
     by_step = {r["step"]: r["trainer/rescored_tokens"] for r in result.metrics}
-    assert by_step == {s: stale.get(s, 0) for s in by_step}
-    assert sum(by_step.values()) > 0  # three steps' worth started at v0: some waited
+    assert sum(stale.values()) > 0  # three steps' worth started at v0: some waited
+    if kept == "rescore":
+        assert by_step == {s: stale.get(s, 0) for s in by_step}
+    else:
+        assert set(by_step.values()) == {0}
+        assert max(r["trainer/staleness_max"] for r in result.metrics) > 1  # alpha 1

@@ -200,7 +200,9 @@ def test_an_adapting_env_pool_grows_under_load_within_its_bounds(tmp_path):
     res = load_resources()
     pools = tuple(replace(p, adapt=(1, 2)) if p.name == "env" else p for p in res.pools)
     res = replace(res, pools=pools, processes=False, dashboard_address=":0")
-    slow = with_faults("gridnav", Faults(step=Latency("fixed", seconds=0.2)))
+    # env steps slow enough that the envs, not generation or the trainer, bound rollout
+    # on a loaded 2-core runner too (at 0.2 s, CI once measured no pressure and no growth)
+    slow = with_faults("gridnav", Faults(step=Latency("fixed", seconds=0.5)))
     graph = tiny_graph("t-adapt", [slow], steps=8, groups=8, size=4)
     with res.make_cluster() as cluster, Client(cluster) as client:
         result = start_run(client, graph, run_dir=tmp_path / "run").wait(timeout=600)

@@ -132,10 +132,7 @@ def main(argv=None) -> dict:
 def save(folder: Path, a, early, medians: dict, argv) -> Path:
     """Append the figures (the medians and each seed's) to
     ``benchmarks/results/pipeline_steps.jsonl`` (``_results.record``)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _results import record
+    from _results import record  # beside this file: on sys.path as the script's folder
 
     newest = max(p.stat().st_mtime for p in folder.glob("*-seed*.json"))
     date = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc)

@@ -21,8 +21,10 @@ parts of async's default: ``auto`` (``max_in_flight="auto"``, start order), ``re
 ``pipeline.py``'s ``async`` runs it; ``keep`` and ``completion_keep``, the default keeping
 a complete group that went too stale waiting for its take, its old tokens re-scored by
 the trainer (``GRPO.stale_groups="rescore"``), the second taking in completion order
-(``pipeline.py``'s ``async@keep`` and ``async@completion_keep``); on each of ``--seeds`` seeds (the order of the settings shuffled per
-seed). The warm-up policy and each trained policy are evaluated on
+(``pipeline.py``'s ``async@keep`` and ``async@completion_keep``); ``completion_clip``,
+completion order with the kept group trained as it is, its true behaviour log-probs under
+the PPO clip (``GRPO.stale_groups="clip"``, ``pipeline.py``'s ``async@completion_clip``);
+on each of ``--seeds`` seeds (the order of the settings shuffled per seed). The warm-up policy and each trained policy are evaluated on
 the same held-out seeds (paired per seed). Ends with
 
     RESULT gain_<setting>=… <task>_<setting>=… worst_<setting>=… seeds=… steps=…
@@ -63,7 +65,10 @@ SETTINGS = {"one": (1.0, None, "abort", "drop"), "two": (2.0, None, "abort", "dr
             # the default keeping stale complete groups, re-scored by the trainer
             # (GRPO.stale_groups), alone and taking in completion order
             "keep": (None, None, None, "rescore"),
-            "completion_keep": (None, math.inf, None, "rescore")}
+            "completion_keep": (None, math.inf, None, "rescore"),
+            # completion order, the kept group trained as it is (its true behaviour
+            # log-probs under the PPO clip: GRPO.stale_groups="clip"), not re-scored
+            "completion_clip": (None, math.inf, None, "clip")}
 #: per graph: the graph, its resources, the settings run by default, and the
 #: full and --quick sizes (seeds, steps, held-out seeds per task)
 GRAPHS = {

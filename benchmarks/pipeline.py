@@ -310,14 +310,15 @@ def _sum_stats(per_worker: dict) -> dict:
     return out
 
 
-def score(run: dict, tasks, seeds, target: float, whole: bool = False) -> dict:
+def score(run: dict, tasks, seeds, target: float, whole: bool = False, **opts) -> dict:
     """Evaluate the run's checkpoints in step order until one reaches ``target`` (every
     one with ``whole``), and its last one; time to target (inf if none did) and the
-    last held-out success."""
+    last held-out success (the mean over ``tasks``; ``opts``: ``evaluate``'s
+    conversation options, a real model's chat template)."""
     from rollart.observe.evaluate import evaluate
 
     def heldout(path):
-        success = evaluate(path, tasks, seeds)
+        success = evaluate(path, tasks, seeds, **opts)
         return sum(success.values()) / len(success)
 
     run["time_to_target_s"], run["curve"] = math.inf, {}
@@ -517,6 +518,19 @@ def warm_up(a, tasks, seeds, tmp: str) -> tuple[str, float, float]:
     return model, warm, target
 
 
+def same_priorities(client, label: str, seed: int) -> None:
+    """Every run starts from the cluster's own priorities (an asynchronous run nices its
+    rollout workers and gives it back at its end: ``rollart.runtime.priority``); raise
+    naming the workers that were left otherwise."""
+    from rollart.runtime.priority import thread_nices
+
+    mine = [os.getpriority(os.PRIO_PROCESS, 0)]  # the workers' own, inherited
+    nices = {w: sorted(set(n)) for w, n in client.run(thread_nices).items()}
+    if any(n != mine for n in nices.values()):
+        raise RuntimeError(f"before {label}/{seed}: worker priorities are not the "
+                           f"cluster's start (nice {mine[0]}): {nices}")
+
+
 def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
              runs: list, failed: list) -> None:
     """Every run of one seed, in an order shuffled by ``random.Random(seed)``."""
@@ -525,17 +539,9 @@ def run_seed(client, base, model, labels, seed, a, tmp, heldout_seeds, target,
     order = random.Random(seed).sample(labels, len(labels))
     print(f"seed {seed}: order {' '.join(order)}", flush=True)
     tasks = tuple(with_workload(t, Workload(seed=seed)) for t in base.tasks)
-    from rollart.runtime.priority import thread_nices
-
     for label in order:
         t0 = time.time()
-        # every run starts from the cluster's own priorities (an asynchronous run nices
-        # its rollout workers and gives it back at its end: rollart.runtime.priority)
-        mine = [os.getpriority(os.PRIO_PROCESS, 0)]  # the workers' own, inherited
-        nices = {w: sorted(set(n)) for w, n in client.run(thread_nices).items()}
-        if any(n != mine for n in nices.values()):
-            raise RuntimeError(f"before {label}/{seed}: worker priorities are not the "
-                               f"cluster's start (nice {mine[0]}): {nices}")
+        same_priorities(client, label, seed)
         try:
             run = run_one(client, base, tasks, model, label, seed, a, Path(tmp))
         except Exception as e:  # noqa: BLE001 - reported, counted, the rest go on

@@ -124,3 +124,31 @@ def test_the_trl_side_by_side_smoke_run():
     for who in ("trl", "rollart"):
         assert 0 <= float(f[f"heldout_final_{who}"]) <= 1
     assert float(f["target"]) == pytest.approx(float(f["before"]) + 0.15, abs=1e-3)
+
+
+def test_the_real_model_pipeline_smoke_run():
+    """``benchmarks/pipeline_real.py --quick``: sync+, areal and async each train two tiny
+    LoRA steps of the real graph from the untrained model on one cluster, each checkpoint
+    scored on the same held-out seeds against a target fixed before the runs, ending in
+    the paired RESULT line (recording nothing)."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/pipeline_real.py", "--quick"],
+                          cwd=root, capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "ROLLART_NO_RECORD": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    ran = [line.split()[0] for line in done.stdout.splitlines()
+           if "time_to_target_s=" in line]
+    assert sorted(ran) == ["areal", "async", "sync+"]
+    result = done.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT ")
+    f = dict(kv.split("=", 1) for kv in result.split()[1:])
+    assert f["seeds"] == "1" and f["steps"] == "2" and f["model"] == "smollm2-135m-instruct"
+    assert f["pairs_vs_syncplus"] == "1" and f["pairs_vs_areal"] == "1"
+    assert float(f["target"]) == pytest.approx(float(f["before"]) + 0.10, abs=1e-3)
+    for label in ("syncplus", "areal", "async"):
+        assert 0 <= float(f[f"heldout_{label}"]) <= 1
+        assert float(f[f"tps_{label}"]) > 0

@@ -329,6 +329,30 @@ def test_an_async_variant_can_be_the_headline_paired_with_the_default_too(monkey
         bench.parse(["--quick", "--modes", "async@rescore,sync+", "--ours", "async@rescore"])
 
 
+def test_the_real_pipeline_builds_pipelines_labels_on_the_real_graph(monkeypatch, tmp_path):
+    """``benchmarks/pipeline_real.py``: the labels are ``pipeline.label_graph``'s over
+    ``graphs/real.py:lora`` (found from any folder), at the graph's own groups, LoRA and
+    weight update, scored with its chat template; a label it cannot run is refused."""
+    bench = _bench(monkeypatch)
+    real = importlib.import_module("pipeline_real")
+    monkeypatch.chdir(tmp_path)
+    a = real.parse(["--modes", "sync+,areal,async,async@completion_clip"])
+    base, opts = real.graph_and_tasks(a.graph, a)
+    assert [t.name for t in base.tasks] == ["guess_number", "calculator"]
+    assert opts["conversation"] == "chat" and opts["max_context"] == base.policy.max_context
+    for label, mode in (("sync+", "sync+"), ("areal", "areal"), ("async", "async"),
+                        ("async@completion_clip", "async")):
+        g = bench.label_graph(base, base.tasks, "/m", label, 3, a)
+        assert (g.mode, g.seed, g.steps, g.checkpoint_every) == (mode, 3, 20, 4)
+        assert g.policy.model == "/m" and g.policy.lora == base.policy.lora is not None
+        assert (g.algo.groups_per_step, g.algo.lr) == (base.algo.groups_per_step,
+                                                        base.algo.lr)
+    assert g.algo.stale_groups == "clip"
+    for bad in (["--modes", "async,async@r"], ["--modes", "sync+", "--ours", "async@one"]):
+        with pytest.raises(SystemExit):
+            real.parse(bad)
+
+
 def test_the_default_beside_the_earlier_one_on_the_engine_apart_layout_tiny():
     """Async's default (adaptive in flight, stale members re-scored) as the headline
     beside ``async@one`` (the earlier default: one step's worth, stale members aborted),

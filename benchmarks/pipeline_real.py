@@ -20,8 +20,8 @@ the tasks, on ``--eval-seeds`` held-out seeds each) + ``--margin`` (0.10, as
 ``pipeline.py``'s), computed before any run and printed. A run's time to target is the
 clock at its first checkpoint at or above it (``inf``: never); the headline is paired per
 seed (``pipeline.paired``: the median ratio, the win count and the spread). Per seed the
-order of the runs is shuffled by ``random.Random(seed)`` and printed; every run of a seed
-shares one cluster.
+order of the runs is shuffled by ``random.Random(seed)`` and printed; every run starts a
+cluster of its own (off the clock), so none inherits another's worker memory.
 
 About 50 minutes a seed on two cores (three labels of 20 LoRA steps at about 35 s a
 step, and their held-out evaluations at about a minute a checkpoint, in step order until
@@ -132,8 +132,8 @@ def heldout(model_dir: str, base, seeds, opts) -> dict[str, float]:
 
 
 def one_seed(base, model_dir, seed: int, a, target: float, seeds, opts) -> list[dict]:
-    """Every label's run of ``seed`` on one cluster, in a seeded shuffled order, each
-    scored against ``target``."""
+    """Every label's run of ``seed``, each on a fresh cluster, in a seeded shuffled
+    order, each scored against ``target``."""
     from distributed import Client
 
     import rollart
@@ -141,22 +141,25 @@ def one_seed(base, model_dir, seed: int, a, target: float, seeds, opts) -> list[
     order = random.Random(seed).sample(a.modes, len(a.modes))
     print(f"seed {seed}: order {' '.join(order)}", flush=True)
     runs = []
-    with tempfile.TemporaryDirectory() as tmp, \
-            rollart.load_resources(a.resources).make_cluster() as cluster, \
-            Client(cluster) as client:
-        for label in order:
-            t0 = time.time()
-            same_priorities(client, label, seed)
-            run = run_one(client, base, base.tasks, model_dir, label, seed, a, Path(tmp))
-            score(run, base.tasks, seeds, target, **opts)
-            run["steps"] = run_figures(run, target)
-            run.pop("rows")
-            print(f"  {label:9s} time_to_target_s={fmt(run['time_to_target_s'])} "
-                  f"traj_per_s={fmt(run['traj_per_s'])} wall_s={fmt(run['wall_s'])} "
-                  f"inflight={fmt(run['inflight'])} s_step={fmt(run['steps']['s_step'])} "
-                  "curve=" + ",".join(f"{s}:{v:.2f}" for s, v in run["curve"].items())
-                  + f" ({time.time() - t0:.0f}s)", flush=True)
-            runs.append({k: run.get(k) for k in KEYS})
+    for label in order:
+        t0 = time.time()
+        # a cluster of its own a run: none inherits another's worker memory (the rollout
+        # worker of one cluster that ran sync+ then async grew to 13 GB and was killed)
+        with tempfile.TemporaryDirectory() as tmp:
+            with rollart.load_resources(a.resources).make_cluster() as cluster, \
+                    Client(cluster) as client:
+                same_priorities(client, label, seed)
+                run = run_one(client, base, base.tasks, model_dir, label, seed, a,
+                              Path(tmp))
+            score(run, base.tasks, seeds, target, **opts)  # the cluster gone, off the clock
+        run["steps"] = run_figures(run, target)
+        run.pop("rows")
+        print(f"  {label:9s} time_to_target_s={fmt(run['time_to_target_s'])} "
+              f"traj_per_s={fmt(run['traj_per_s'])} wall_s={fmt(run['wall_s'])} "
+              f"inflight={fmt(run['inflight'])} s_step={fmt(run['steps']['s_step'])} "
+              "curve=" + ",".join(f"{s}:{v:.2f}" for s, v in run["curve"].items())
+              + f" ({time.time() - t0:.0f}s)", flush=True)
+        runs.append({k: run.get(k) for k in KEYS})
     return runs
 
 

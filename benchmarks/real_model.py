@@ -17,6 +17,10 @@ that file before any run):
    task within 60 minutes on two cores), with each gain's standard error
    ``sqrt(a(1-a)/N + b(1-b)/N)`` in the record.
 
+``--engine vllm`` runs the same on the vLLM engine (``Policy.engine``; the script run by
+the vLLM venv's python, its seeds kept apart as ``METHOD-vllm``); held-out evaluation is
+the torch engine's for both.
+
 Run it alone on an idle machine; each run takes about ``K`` minutes on two cores::
 
     flock /tmp/rollart-bench.lock python benchmarks/real_model.py --method lora
@@ -30,7 +34,7 @@ commit, load average before, command, every run's figures and per-step rewards).
 
 RESULT keys: ``gain_min``, ``gain_<task>`` (median over seeds), ``heldout_before_<task>``,
 ``heldout_after_<task>`` (median over seeds), ``seeds``, ``wall_s`` (median wall time of
-a run: start-up, RL steps, evaluation), ``rl_step_s`` (median), ``method``; with a
+a run: start-up, RL steps, evaluation), ``rl_step_s`` (median), ``method``, ``engine``; with a
 warm-up also ``heldout_warm_<task>`` (median after the warm-up, before RL) and
 ``gain_rl_<task>`` (median over seeds of after − warm: RL's own share of the gain).
 """
@@ -114,7 +118,8 @@ def plot(out: Path = CURVE, records: Path = RECORDS) -> Path:
     for line in open(records):
         rec = json.loads(line)
         if "--quick" not in rec.get("command", "") and rec.get("runs"):
-            newest[rec["method"]] = rec
+            engine = rec.get("engine", "torch")
+            newest[rec["method"] + ("" if engine == "torch" else f" ({engine})")] = rec
     if not newest:
         raise SystemExit("no full record in benchmarks/results/real_model.jsonl to plot")
     tasks = sorted(next(iter(newest.values()))["before"])
@@ -152,6 +157,10 @@ def plot(out: Path = CURVE, records: Path = RECORDS) -> Path:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", choices=sorted(GRAPHS), default="lora")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                   help="the rollout engine (Policy.engine); vllm: run this script with the "
+                        "vLLM venv's python (.ci/run builds it), PYTHONPATH=. (held-out "
+                        "evaluation stays on the torch engine, the same for both)")
     p.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1")
     p.add_argument("--steps", type=int, default=40, help="RL steps per run")
     p.add_argument("--eval-seeds", type=int, default=128, help="held-out seeds per task")
@@ -172,13 +181,24 @@ def main(argv=None) -> None:
         return
     run = Run("real_model", args, argv)
     graph, extra = GRAPHS[args.method], []
+    if args.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(f"--engine vllm: vllm does not import in {sys.executable} "
+                             f"({e}); run this script with the vLLM venv's python "
+                             "(~/.cache/rollart/vllm-venv/bin/python, built by .ci/run) and "
+                             "PYTHONPATH=.") from None
+        extra = ["--set", "policy.engine=vllm"]
     if args.quick:
         graph, args.seeds, args.steps, args.eval_seeds = QUICK[args.method], 1, 2, 4
         args.method = "lora" if args.method == "full" else args.method  # smoke: LoRA
     # each seed's run is kept (``_results.Kept``): one cut short goes on with --resume
     name = f"quick-{args.method}" if args.quick else args.method
-    kept = Kept("real_model", name, {"graph": graph, "steps": args.steps,
-                                     "eval_seeds": args.eval_seeds}, args.resume)
+    settings = {"graph": graph, "steps": args.steps, "eval_seeds": args.eval_seeds}
+    if args.engine != "torch":  # the torch engine's settings as they always were
+        name, settings["engine"] = f"{name}-{args.engine}", args.engine
+    kept = Kept("real_model", name, settings, args.resume)
     base = kept.before(lambda: before(graph, args.eval_seeds))
     runs = []
     for seed in range(args.seeds):
@@ -201,7 +221,7 @@ def main(argv=None) -> None:
                "seeds": args.seeds, "steps": args.steps, "eval_seeds": args.eval_seeds,
                "wall_s": statistics.median(r["wall_s"] for r in runs),
                "rl_step_s": statistics.median(r["rl_step_s"] for r in runs),
-               "method": args.method}
+               "method": args.method, "engine": args.engine}
     if all("warm" in r for r in runs):  # the warm-up's own row, and RL's share
         figures.update({f"heldout_warm_{t}": statistics.median(r["warm"][t] for r in runs)
                         for t in base})

@@ -371,6 +371,30 @@ def test_the_real_graph_trains_with_the_vllm_engine(tmp_path):
     assert all(any(r["loss_mask"]) for r in trained)
 
 
+def test_the_real_model_benchmark_runs_on_the_vllm_engine():
+    """``benchmarks/real_model.py --quick --engine vllm`` (this venv's python, as its full
+    run is invoked): two tiny LoRA steps of the real graph served by vLLM through
+    ``rollart train --set policy.engine=vllm``, both held-out evaluations, its RESULT
+    line naming the engine (recording nothing)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "benchmarks/real_model.py", "--quick", "--engine",
+                           "vllm"], cwd=root, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "ROLLART_NO_RECORD": "1",
+                               "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = done.stdout.strip().splitlines()[-1]
+    assert result.startswith("RESULT ")
+    f = dict(kv.split("=", 1) for kv in result.split()[1:])
+    assert (f["engine"], f["method"], f["seeds"]) == ("vllm", "lora", "1")
+    for task in ("guess_number", "calculator"):
+        assert 0 <= float(f[f"heldout_after_{task}"]) <= 1
+
+
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
     """A chat folder not built by rollart: the BPE tokenizer and ChatML template with

@@ -177,11 +177,17 @@ class PrefixCache:
     An entry is used when its tokens are a strict prefix of the new prompt and it was
     computed under the engine's current weights. ``hit_tokens`` / ``prompt_tokens`` is
     the reuse rate.
+
+    Entries of older weights can never be used again, so the first store under new
+    weights drops them all: the cache holds one version's live trajectories, not up to
+    ``max_entries`` finished ones of every version (on a real model, tens of MB of KV
+    each: a rollout worker of SmolLM2-135M-Instruct grew by ~150 MB a step before).
     """
 
     def __init__(self, max_entries: int = 512):
         self.max_entries = int(max_entries)
         self._entries: OrderedDict[str, _Prefix] = OrderedDict()
+        self._version: int | None = None  # the weights of the newest store
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.hits = 0
@@ -228,6 +234,10 @@ class PrefixCache:
         made it for the cache alone, as ``rows_kv`` does)."""
         if key is None or self.max_entries <= 0 or kv.shape[3] != len(tokens):
             return
+        if version != self._version:  # new weights: no older entry can be used again
+            self._entries = OrderedDict((k, e) for k, e in self._entries.items()
+                                        if e.version == version)
+            self._version = int(version)
         self._entries[key] = _Prefix(tuple(tokens), kv if owned else kv.clone(),
                                      int(version))
         self._entries.move_to_end(key)

@@ -204,6 +204,21 @@ def test_prefix_cache_is_bounded_and_checks_tokens():
     assert pc.lookup(GenRequest([1, 2, 3, 4], cache_key="c"), 1) is None  # other weights
 
 
+def test_prefix_cache_drops_older_weights_entries_at_the_first_store_under_new_ones():
+    """Finished trajectories' KV of an old version is never looked up again (their keys
+    are gone); it must not stay until ``max_entries`` of them pile up."""
+    pc = PrefixCache(max_entries=512)
+    kv = torch.zeros(1, 2, 1, 3, 4)
+    for key in "abc":
+        pc.store(key, [1, 2, 3], kv, version=0)
+    assert len(pc) == 3
+    pc.store("d", [1, 2, 3], kv, version=1)
+    assert len(pc) == 1  # a, b and c were of version 0
+    assert pc.lookup(GenRequest([1, 2, 3, 4], cache_key="d"), 1) is not None
+    pc.store("e", [1, 2, 3], kv, version=1)
+    assert len(pc) == 2  # the same weights: kept
+
+
 def test_dask_sizeof_counts_tensor_and_handoff_bytes():
     t = torch.zeros(1024, 1024)
     assert sizeof(t) >= 4 * 2**20

@@ -210,8 +210,6 @@ def main(argv=None) -> dict:
     for seed in range(1, a.seeds + 1):
         runs += kept.seed(seed, lambda _: one_seed(base, model_dir, seed, a, target, seeds,
                                                    opts))
-        for r in runs:  # JSON read back: the curve's steps as numbers again
-            r["curve"] = {int(k): v for k, v in r["curve"].items()}
     out = summarise(runs, list(range(1, a.seeds + 1)), a.ours)
     out = ran_only(out, a.modes)
     by: dict[str, list[float]] = {}
